@@ -1,0 +1,102 @@
+"""Which database, and whether its schema matches this code.
+
+The DSN comes from `--dsn`, then ROLLBOOK_DSN, then the embedded default. An external database
+is never migrated behind its owner's back: a server refuses to start on a schema that is behind
+or ahead and names the command to run. The embedded default upgrades itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+
+from adapters import embedded
+from engine.errors import SchemaMismatch
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def resolve_dsn(dsn: str | None = None) -> tuple[str, bool]:
+    """Return (libpq-style DSN, whether it is the embedded default)."""
+    chosen = dsn or os.environ.get("ROLLBOOK_DSN")
+    if chosen:
+        return chosen, False
+    return embedded.start(), True
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """psycopg 3 under SQLAlchemy, whatever spelling of postgres:// the user gave."""
+    url = make_url(dsn)
+    return url.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def libpq_dsn(dsn: str) -> str:
+    url = make_url(dsn)
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _alembic_config(dsn: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(dsn).replace("%", "%%"))
+    return cfg
+
+
+def code_revision() -> str:
+    head = ScriptDirectory.from_config(_alembic_config("postgresql://x/y")).get_current_head()
+    assert head is not None
+    return head
+
+
+def database_revision(dsn: str) -> str | None:
+    engine = create_engine(sqlalchemy_url(dsn))
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"version_table_schema": "rollbook"})
+            return ctx.get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def upgrade(dsn: str) -> str:
+    command.upgrade(_alembic_config(dsn), "head")
+    return code_revision()
+
+
+def check_schema(dsn: str) -> None:
+    """Refuse to run against a schema this code does not match."""
+    have, want = database_revision(dsn), code_revision()
+    if have == want:
+        return
+    scripts = ScriptDirectory.from_config(_alembic_config(dsn))
+    known = {rev.revision for rev in scripts.walk_revisions()}
+    if have is not None and have not in known:
+        raise SchemaMismatch(
+            f"the database schema is at revision {have}, ahead of this code ({want}); "
+            "upgrade rollbook on this machine, or point it at another database",
+            database=have,
+            code=want,
+        )
+    raise SchemaMismatch(
+        f"the database schema is at revision {have or 'none'}, behind this code ({want}); "
+        f"run `rollbook db upgrade --dsn ...` (or set ROLLBOOK_DSN) first",
+        database=have,
+        code=want,
+    )
+
+
+def prepare_database(dsn: str | None = None) -> str:
+    """Resolve the DSN and make sure its schema is usable; return the DSN."""
+    chosen, is_embedded = resolve_dsn(dsn)
+    if is_embedded:
+        upgrade(chosen)
+    else:
+        check_schema(chosen)
+    return chosen

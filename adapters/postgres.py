@@ -1,0 +1,325 @@
+"""The event log on PostgreSQL (SQLAlchemy 2 async on psycopg 3).
+
+Gap-free positions: every append transaction starts by locking the one row of `log_head`
+(SELECT ... FOR UPDATE) and takes its positions from it. PostgreSQL makes a transaction visible
+before it releases its row locks, so the next writer cannot commit a higher position until the
+lower one is visible: readers that select `position > P` in order never see a later position
+before an earlier one. The same lock serializes fencing with appends (both are appends).
+
+That lock would cap throughput at one commit (one fsync) per append, so appends are grouped:
+concurrent `append` calls in a process queue up and one transaction writes them all, each
+request still atomic and checked on its own (engine.log.plan_batch). A caller's append returns
+only after the transaction holding it has committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from adapters.database import libpq_dsn, sqlalchemy_url
+from engine.attempts import RolloutState
+from engine.errors import RollbookError
+from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
+from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
+from engine.projections import TABLES, Change, changes_for
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "rollbook_events"
+MAX_GROUP_EVENTS = 2000
+_COLUMNS = "position, stream, stream_version, kind, data, schema_version, rollout_id, attempt, writer, hash, recorded_at"
+
+
+def _row_to_event(row: Any) -> RecordedEvent:
+    return RecordedEvent(
+        position=row.position,
+        stream=row.stream,
+        stream_version=row.stream_version,
+        kind=row.kind,
+        data=row.data,
+        rollout_id=row.rollout_id,
+        attempt=row.attempt,
+        schema_version=row.schema_version,
+        writer=row.writer,
+        hash=bytes(row.hash),
+        recorded_at=row.recorded_at,
+    )
+
+
+def merge_changes(changes: Iterable[Change]) -> list[Change]:
+    """Sequential upserts of one row equal one upsert of their merged columns, later ones winning."""
+    merged: dict[tuple[str, tuple[Any, ...]], Change] = {}
+    for ch in changes:
+        key = (ch.table, tuple(ch.key[c] for c in TABLES[ch.table]))
+        prior = merged.get(key)
+        merged[key] = ch if prior is None else Change(ch.table, ch.key, {**prior.values, **ch.values})
+    return list(merged.values())
+
+
+async def apply_changes(conn: AsyncConnection, changes: Iterable[Change]) -> None:
+    groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    for ch in merge_changes(changes):
+        cols = tuple(sorted(ch.values))
+        row = {**ch.key, **{c: Jsonb(v) if isinstance(v, dict | list) else v for c, v in ch.values.items()}}
+        groups.setdefault((ch.table, cols), []).append(row)
+    for (table, cols), rows in groups.items():
+        keys = TABLES[table]
+        allcols = keys + cols
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols) or f"{keys[0]} = EXCLUDED.{keys[0]}"
+        sql = (
+            f"INSERT INTO rollbook.{table} ({', '.join(allcols)}) VALUES ({', '.join(':' + c for c in allcols)}) "
+            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
+        )
+        await conn.execute(text(sql), rows)
+
+
+class _Pending:
+    __slots__ = ("request", "future")
+
+    def __init__(self, request: AppendRequest, future: asyncio.Future[list[RecordedEvent]]) -> None:
+        self.request = request
+        self.future = future
+
+
+class PostgresEventStore:
+    def __init__(self, engine: AsyncEngine, dsn: str, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> None:
+        self.engine = engine
+        self.dsn = dsn
+        self.writer = writer
+        self.payload_limit = payload_limit
+        self._queue: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._notify_pending = False
+
+    @classmethod
+    def connect(cls, dsn: str, writer: str, pool_size: int = 5, **kw: Any) -> PostgresEventStore:
+        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=False)
+        return cls(engine, dsn, writer, **kw)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._worker = None
+        await self.engine.dispose()
+
+    # ---- appending ------------------------------------------------------------------------
+
+    async def append(self, request: AppendRequest) -> list[RecordedEvent]:
+        if not request.events:
+            return []
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request, loop.create_future())
+        self._queue.append(pending)
+        self._wakeup.set()
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._run_worker())
+        return await pending.future
+
+    async def _run_worker(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                group, size = [], 0
+                while self._queue and (not group or size + len(self._queue[0].request.events) <= MAX_GROUP_EVENTS):
+                    item = self._queue.pop(0)
+                    group.append(item)
+                    size += len(item.request.events)
+                try:
+                    outcomes = await self._commit_group([p.request for p in group])
+                except Exception as exc:  # the whole transaction failed: every caller in it hears why
+                    for p in group:
+                        if not p.future.done():
+                            p.future.set_exception(exc)
+                    continue
+                for p, outcome in zip(group, outcomes, strict=True):
+                    if p.future.done():
+                        continue
+                    if isinstance(outcome, RollbookError):
+                        p.future.set_exception(outcome)
+                    else:
+                        p.future.set_result([pe.event for pe in outcome])
+                self._schedule_notify()
+
+    async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[PlannedEvent] | RollbookError]:
+        streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
+        rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
+        async with self.engine.begin() as conn:
+            position = (await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))).scalar_one()
+            state = LogState(position=position)
+            for row in await conn.execute(
+                text("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(:s)"), {"s": streams}
+            ):
+                state.streams[row.stream] = StreamHead(row.version, bytes(row.hash))
+            if rollouts:
+                for row in await conn.execute(
+                    text("SELECT rollout_id, retired_through FROM rollbook.rollout_state WHERE rollout_id = ANY(:r)"),
+                    {"r": rollouts},
+                ):
+                    state.rollouts[row.rollout_id] = RolloutState({}, row.retired_through if row.retired_through is not None else -1)
+                for row in await conn.execute(
+                    text("SELECT rollout_id, attempt, status FROM rollbook.attempt_state WHERE rollout_id = ANY(:r)"),
+                    {"r": rollouts},
+                ):
+                    state.rollouts.setdefault(row.rollout_id, RolloutState({})).attempts[row.attempt] = row.status
+            outcomes = plan_batch(requests, state, self.writer, self.payload_limit)
+            planned = [pe for o in outcomes if not isinstance(o, RollbookError) for pe in o]
+            if planned:
+                await self._write(conn, planned, state)
+        return outcomes
+
+    async def _write(self, conn: AsyncConnection, planned: list[PlannedEvent], state: LogState) -> None:
+        evs = [pe.event for pe in planned]
+        await conn.execute(
+            text(
+                "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
+                "rollout_id, attempt, writer, hash) "
+                "SELECT p, s, v, k, d::jsonb, sv, r, a, :w, h FROM unnest("
+                "CAST(:p AS bigint[]), CAST(:s AS text[]), CAST(:v AS int[]), CAST(:k AS text[]), CAST(:d AS text[]), "
+                "CAST(:sv AS smallint[]), CAST(:r AS text[]), CAST(:a AS int[]), CAST(:h AS bytea[])) AS t(p, s, v, k, d, sv, r, a, h)"
+            ),
+            {
+                "p": [e.position for e in evs],
+                "s": [e.stream for e in evs],
+                "v": [e.stream_version for e in evs],
+                "k": [e.kind for e in evs],
+                "d": [pe.payload for pe in planned],
+                "sv": [e.schema_version for e in evs],
+                "r": [e.rollout_id for e in evs],
+                "a": [e.attempt for e in evs],
+                "h": [e.hash for e in evs],
+                "w": self.writer,
+            },
+        )
+        heads = {e.stream: state.streams[e.stream] for e in evs}
+        await conn.execute(
+            text(
+                "INSERT INTO rollbook.stream_heads (stream, version, hash) "
+                "SELECT * FROM unnest(CAST(:s AS text[]), CAST(:v AS int[]), CAST(:h AS bytea[])) "
+                "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash"
+            ),
+            {"s": list(heads), "v": [h.version for h in heads.values()], "h": [h.hash for h in heads.values()]},
+        )
+        await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
+        await conn.execute(text("UPDATE rollbook.log_head SET position = :p WHERE id = 1"), {"p": state.position})
+
+    def _schedule_notify(self) -> None:
+        # NOTIFY serializes commits cluster-wide, so it stays off the append transaction and
+        # is coalesced: at most one in flight per process. Readers treat it as a hint only.
+        if self._notify_pending:
+            return
+        self._notify_pending = True
+
+        async def notify() -> None:
+            try:
+                async with self.engine.connect() as conn:
+                    await conn.execute(text(f"NOTIFY {CHANNEL}"))
+                    await conn.commit()
+            except Exception:  # a lost hint only delays readers until their poll
+                log.debug("notify failed", exc_info=True)
+            finally:
+                self._notify_pending = False
+
+        asyncio.get_running_loop().create_task(notify())
+
+    # ---- reading --------------------------------------------------------------------------
+
+    async def head(self) -> int:
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))).scalar_one())
+
+    async def read_stream(self, stream: str, after_version: int = 0, to_version: int | None = None) -> list[RecordedEvent]:
+        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE stream = :s AND stream_version > :v"
+        params: dict[str, Any] = {"s": stream, "v": after_version}
+        if to_version is not None:
+            sql += " AND stream_version <= :t"
+            params["t"] = to_version
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text(sql + " ORDER BY stream_version"), params)
+            return [_row_to_event(r) for r in rows]
+
+    async def read_all(self, after: int = 0, limit: int = 1000, to: int | None = None) -> list[RecordedEvent]:
+        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE position > :a"
+        params: dict[str, Any] = {"a": after, "l": limit}
+        if to is not None:
+            sql += " AND position <= :t"
+            params["t"] = to
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text(sql + " ORDER BY position LIMIT :l"), params)
+            return [_row_to_event(r) for r in rows]
+
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]:
+        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE rollout_id = :r"
+        params: dict[str, Any] = {"r": rollout_id}
+        if attempt is not None:
+            sql += " AND attempt = :n"
+            params["n"] = attempt
+        if to is not None:
+            sql += " AND position <= :t"
+            params["t"] = to
+        async with self.engine.connect() as conn:
+            return [_row_to_event(r) for r in await conn.execute(text(sql + " ORDER BY position"), params)]
+
+    async def iterate(self, after: int = 0, to: int | None = None, page: int = 1000) -> AsyncIterator[RecordedEvent]:
+        while True:
+            batch = await self.read_all(after, page, to)
+            for e in batch:
+                yield e
+            if len(batch) < page:
+                return
+            after = batch[-1].position
+
+    async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
+        """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
+        conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True)
+        try:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            while True:
+                batch = await self.read_all(after, 1000)
+                for e in batch:
+                    yield e
+                    after = e.position
+                if len(batch) == 1000:
+                    continue
+                async for _ in conn.notifies(timeout=poll_seconds, stop_after=1):
+                    pass
+        finally:
+            await conn.close()
+
+    # ---- projections ----------------------------------------------------------------------
+
+    async def rebuild_projections(self, page: int = 2000) -> int:
+        """Empty every projection table and derive it again from the log alone."""
+        count = 0
+        async with self.engine.begin() as conn:
+            await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))
+            await conn.execute(text("TRUNCATE " + ", ".join(f"rollbook.{t}" for t in TABLES)))
+            after = 0
+            while True:
+                rows = (
+                    await conn.execute(
+                        text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE position > :a ORDER BY position LIMIT :l"),
+                        {"a": after, "l": page},
+                    )
+                ).all()
+                if not rows:
+                    break
+                evs = [_row_to_event(r) for r in rows]
+                # merge_changes may reorder rows of different keys, never two changes of one key
+                await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
+                count += len(evs)
+                after = evs[-1].position
+        return count

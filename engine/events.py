@@ -1,0 +1,90 @@
+"""What the log holds: events as small frozen values with the identity of what they happened to."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from engine.errors import InvalidPayload, PayloadTooLarge
+
+# Documented in the README: one event's data, as canonical JSON, may not exceed this.
+DEFAULT_PAYLOAD_LIMIT = 1024 * 1024
+SCHEMA_VERSION = 1
+GENESIS_HASH = b"\x00" * 32
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event a writer wants to append. `attempt` is None only for events outside any rollout."""
+
+    stream: str
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+    rollout_id: str | None = None
+    attempt: int | None = None
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class RecordedEvent:
+    position: int
+    stream: str
+    stream_version: int
+    kind: str
+    data: dict[str, Any]
+    rollout_id: str | None
+    attempt: int | None
+    schema_version: int
+    writer: str
+    hash: bytes
+    recorded_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    """Events appended atomically. `expected_version` is the stream version the writer has seen
+    (0 = the stream must be new); None appends at whatever the head is."""
+
+    events: tuple[NewEvent, ...]
+    expected_versions: dict[str, int | None] = field(default_factory=dict)
+
+
+def canonical_json(value: Any) -> str:
+    """One spelling per value, so hashes agree between writer and any later reader."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
+    """Validate that data is plain JSON a JSONB column can hold, within the size limit."""
+    if not isinstance(data, dict):
+        raise InvalidPayload(f"event data must be a JSON object, got {type(data).__name__}")
+    try:
+        text = canonical_json(data)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"event data is not plain JSON: {exc}") from exc
+    if "\\u0000" in text:
+        raise InvalidPayload("event data contains a NUL character, which PostgreSQL JSONB cannot store")
+    size = len(text.encode())
+    if size > limit:
+        raise PayloadTooLarge(
+            f"event data is {size} bytes, over the {limit}-byte limit; store large blobs in a token or blob "
+            "store and put a reference in the event",
+            size=size,
+            limit=limit,
+        )
+    return text
+
+
+def chain_hash(previous: bytes, stream: str, version: int, event: NewEvent, payload: str) -> bytes:
+    """Each event's hash covers its stream predecessor, so a stream head vouches for the whole stream."""
+    h = hashlib.sha256(previous)
+    h.update(
+        canonical_json(
+            [stream, version, event.kind, event.rollout_id, event.attempt, event.schema_version]
+        ).encode()
+    )
+    h.update(payload.encode())
+    return h.digest()

@@ -1,0 +1,61 @@
+"""Execution identity and the names of streams.
+
+A rollout is one task execution; each try of it is an attempt (0, 1, ...). Every event that
+belongs to a rollout carries both, and the stream names below are the one place they are spelt.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.errors import InvalidIdentifier, RolloutIdRequired
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_ID_LENGTH = 128
+
+
+def validate_id(value: object, what: str) -> str:
+    """Checkpoint ids, rollout ids and call ids share one alphabet: safe in paths, logs and SQL."""
+    if not isinstance(value, str) or not value:
+        if what == "rollout id":
+            raise RolloutIdRequired("a rollout id is required")
+        raise InvalidIdentifier(f"{what} is required")
+    if len(value) > MAX_ID_LENGTH or not _ID.fullmatch(value):
+        raise InvalidIdentifier(
+            f"{what} {value[:40]!r} must match [A-Za-z0-9][A-Za-z0-9._-]* and be at most {MAX_ID_LENGTH} characters"
+        )
+    return value
+
+
+def validate_attempt(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidIdentifier(f"attempt must be an integer >= 0, got {value!r}")
+    return value
+
+
+def rollout_stream(rollout_id: str) -> str:
+    return f"rollout:{rollout_id}"
+
+
+def episode_stream(rollout_id: str, attempt: int) -> str:
+    return f"episode:{rollout_id}:{attempt}"
+
+
+def agent_stream(rollout_id: str, attempt: int) -> str:
+    return f"agent:{rollout_id}:{attempt}"
+
+
+def session_stream(rollout_id: str, attempt: int) -> str:
+    return f"session:{rollout_id}:{attempt}"
+
+
+def call_stream(call_id: str) -> str:
+    return f"call:{call_id}"
+
+
+def checkpoint_stream(checkpoint_id: str) -> str:
+    return f"checkpoint:{checkpoint_id}"
+
+
+def participant_stream(kind: str, instance: str) -> str:
+    return f"participant:{kind}:{instance}"

@@ -1,0 +1,112 @@
+"""Projections: tables derived from the log, and the one function that derives them.
+
+Storage applies `changes_for(event)` in the append transaction (so the tables are never behind
+the log) and again, from an empty table, when it rebuilds one: a rebuild from the log alone must
+equal the live table. Each change is an upsert of the named columns; events carry the absolute
+values they set, so no change needs to read the row it updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine import attempts as A
+from engine.events import RecordedEvent
+
+
+@dataclass(frozen=True)
+class Change:
+    table: str
+    key: dict[str, Any]
+    values: dict[str, Any]
+
+
+# table -> key columns; every other column is nullable so a partial upsert can insert the row.
+TABLES: dict[str, tuple[str, ...]] = {
+    "attempt_state": ("rollout_id", "attempt"),
+    "rollout_state": ("rollout_id",),
+    "episode_state": ("rollout_id", "attempt"),
+    "session_state": ("rollout_id", "attempt"),
+    "model_call_state": ("call_id",),
+    "checkpoint_state": ("checkpoint_id",),
+}
+
+
+def _attempt_key(e: RecordedEvent) -> dict[str, Any]:
+    return {"rollout_id": e.rollout_id, "attempt": e.attempt}
+
+
+def changes_for(e: RecordedEvent) -> list[Change]:
+    k = e.kind
+    d = e.data
+    if k == A.ATTEMPT_STARTED:
+        return [
+            Change(
+                "attempt_state",
+                _attempt_key(e),
+                {
+                    "status": "live",
+                    "parent_attempt": d.get("parent_attempt"),
+                    "restored_from": d.get("restored_from"),
+                    "origin_position": d.get("origin_position"),
+                    "started_position": e.position,
+                },
+            ),
+            Change("rollout_state", {"rollout_id": e.rollout_id}, {"latest_attempt": e.attempt}),
+        ]
+    if k == A.ATTEMPT_FENCED:
+        return [Change("attempt_state", _attempt_key(e), {"status": "fenced", "ended_position": e.position})]
+    if k == A.ATTEMPT_FINISHED:
+        return [
+            Change(
+                "attempt_state",
+                _attempt_key(e),
+                {"status": "finished", "ended_position": e.position, "reward": d.get("reward")},
+            )
+        ]
+    if k == A.ROLLOUT_RETIRED:
+        return [Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": d["through"]})]
+    if k == A.ROLLOUT_FORGOTTEN:
+        return [Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": -1})]
+    if k.startswith("episode_"):
+        values: dict[str, Any] = {"status": d.get("status", k.removeprefix("episode_")), "updated_position": e.position}
+        for col in ("env", "task_id", "step", "reward"):
+            if col in d:
+                values[col] = d[col]
+        if k == "episode_started":
+            values["started_position"] = e.position
+        return [Change("episode_state", _attempt_key(e), values)]
+    if k.startswith("session_") or k == "mutation_applied":
+        values = {"updated_position": e.position, "stream_version": e.stream_version}
+        if k == "session_opened":
+            values.update(status="open", env=d.get("env"), revision=0)
+        elif k == "mutation_applied":
+            values["revision"] = d["revision"]
+        else:
+            values["status"] = k.removeprefix("session_")
+        return [Change("session_state", _attempt_key(e), values)]
+    if k.startswith("call_"):
+        values = {"status": k.removeprefix("call_"), "updated_position": e.position}
+        if k == "call_accepted":
+            values.update(
+                rollout_id=e.rollout_id,
+                attempt=e.attempt,
+                parent_call_id=d.get("parent_call_id"),
+                policy_version=d.get("policy_version"),
+                accepted_position=e.position,
+            )
+        for col in ("receipt", "tokens", "disposition"):
+            if col in d:
+                values[col] = d[col]
+        return [Change("model_call_state", {"call_id": d["call_id"]}, values)]
+    if k.startswith("checkpoint_"):
+        values = {"phase": k.removeprefix("checkpoint_"), "updated_position": e.position}
+        if k == "checkpoint_started":
+            values["started_position"] = e.position
+        if k == "checkpoint_committed":
+            values.update(position=d["position"], scope_size=len(d["scope"]), digest=d["digest"])
+        if k == "checkpoint_published":
+            values["published_position"] = e.position
+        return [Change("checkpoint_state", {"checkpoint_id": d["checkpoint_id"]}, values)]
+    return []

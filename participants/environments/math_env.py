@@ -1,0 +1,55 @@
+"""Single-turn arithmetic: "What is 37 * 12 + 5?", graded on the last number in the answer."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+from typing import ClassVar
+
+from .base import JSON, StatelessEnvironment, Task
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def evaluate(expression: str) -> int:
+    """Integer arithmetic with + - * only; never eval(), the text may come from a model."""
+
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError(f"unsupported expression: {expression!r}")
+
+    return walk(ast.parse(expression, mode="eval"))
+
+
+def last_number(text: str | None) -> float | None:
+    found = _NUMBER.findall(text or "")
+    return float(found[-1]) if found else None
+
+
+def make_task(seed: int) -> Task:
+    rng = random.Random(f"math:{seed}")
+    terms = [str(rng.randint(2, 99)) for _ in range(rng.choice([2, 3, 3]))]
+    expression = terms[0]
+    for term in terms[1:]:
+        expression += f" {rng.choice(['+', '-', '*'])} {term}"
+    prompt = f"What is {expression}? End your reply with the number."
+    return Task(env="math", task_id="", prompt=prompt,
+                params={"seed": seed, "expression": expression, "answer": evaluate(expression)})
+
+
+class MathEnvironment(StatelessEnvironment):
+    name: ClassVar[str] = "math"
+
+    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+        got = last_number(final_answer)
+        return 1.0 if got is not None and got == float(task.params["answer"]) else 0.0

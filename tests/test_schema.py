@@ -1,0 +1,29 @@
+"""A server pointed at a database whose schema does not match the code refuses and names the fix."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from adapters import database
+from engine.errors import SchemaMismatch
+
+
+def test_matching_schema_is_accepted(dsn: str) -> None:
+    database.check_schema(dsn)
+
+
+def test_schema_behind_refuses_and_names_the_upgrade_command(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM rollbook.alembic_version")
+    with pytest.raises(SchemaMismatch) as err:
+        database.check_schema(dsn)
+    assert "behind" in err.value.detail and "rollbook db upgrade" in err.value.detail
+
+
+def test_schema_ahead_refuses(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE rollbook.alembic_version SET version_num = '9999_future'")
+    with pytest.raises(SchemaMismatch) as err:
+        database.check_schema(dsn)
+    assert "ahead" in err.value.detail
