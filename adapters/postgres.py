@@ -323,3 +323,59 @@ class PostgresEventStore:
                 count += len(evs)
                 after = evs[-1].position
         return count
+
+    # ---- what a cut needs -------------------------------------------------------------------
+
+    async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[tuple[str, int], dict[str, Any]]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT * FROM rollbook.attempt_state WHERE rollout_id = ANY(:r)"), {"r": list(rollout_ids)}
+            )
+            return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
+
+    async def live_attempts(self) -> dict[tuple[str, int], dict[str, Any]]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text("SELECT * FROM rollbook.attempt_state WHERE status IN ('live', 'finished')"))
+            return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
+
+    async def latest_boundaries(
+        self, keys: Sequence[tuple[str, int]], position: int, kinds: Sequence[str]
+    ) -> dict[tuple[str, int], int]:
+        if not keys:
+            return {}
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT k.r, k.a, (SELECT max(e.position) FROM rollbook.events e WHERE e.rollout_id = k.r "
+                    "AND e.attempt = k.a AND e.position <= :p AND e.kind = ANY(:kinds)) AS b "
+                    "FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[])) AS k(r, a)"
+                ),
+                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "kinds": list(kinds)},
+            )
+            return {(r.r, r.a): r.b for r in rows if r.b is not None}
+
+    async def stream_heads_at(self, cuts: dict[tuple[str, int], int]) -> dict[tuple[str, int], list[tuple[str, int, bytes]]]:
+        """Each attempt's streams at their last version at or below its boundary; reads no event data."""
+        if not cuts:
+            return {}
+        out: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {k: [] for k in cuts}
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT DISTINCT ON (e.rollout_id, e.attempt, e.stream) e.rollout_id, e.attempt, e.stream, "
+                    "e.stream_version, e.hash FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) "
+                    "AS k(r, a, b) JOIN rollbook.events e ON e.rollout_id = k.r AND e.attempt = k.a AND e.position <= k.b "
+                    "ORDER BY e.rollout_id, e.attempt, e.stream, e.stream_version DESC"
+                ),
+                {"rs": [r for r, _ in cuts], "as_": [a for _, a in cuts], "bs": list(cuts.values())},
+            )
+            for r in rows:
+                out[(r.rollout_id, r.attempt)].append((r.stream, r.stream_version, bytes(r.hash)))
+        return out
+
+    async def retired_through(self, rollout_id: str) -> int:
+        async with self.engine.connect() as conn:
+            mark = (
+                await conn.execute(text("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r"), {"r": rollout_id})
+            ).scalar()
+            return -1 if mark is None else int(mark)

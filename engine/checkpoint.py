@@ -1,0 +1,263 @@
+"""The cut and the restore: a checkpoint is a log position plus, per episode, its resume boundary.
+
+Commit fixes P at the head of the log and, for each rollout attempt in scope, the latest boundary
+at or below P. It copies no session state: the digest combines the hash-chain heads of the
+attempt's streams at its boundary, which the log already holds, so its cost grows with the number
+of streams in scope, never with their size. Restore re-reads each attempt up to its boundary,
+re-derives the chain heads (so a missing or altered event changes the digest) and checks lineage,
+before one atomic append fences every old attempt and starts every new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine import attempts as A
+from engine.errors import InvalidCheckpointState, RestartInScope, UnknownCheckpoint
+from engine.events import (
+    GENESIS_HASH,
+    AppendRequest,
+    NewEvent,
+    RecordedEvent,
+    canonical_json,
+    chain_hash,
+    encode_payload,
+)
+from engine.identity import checkpoint_stream, rollout_stream
+from engine.log import EventStore
+
+# Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
+BOUNDARY_KINDS = ("attempt_started", "episode_step", "agent_boundary")
+
+Key = tuple[str, int]  # (rollout_id, attempt)
+
+
+class CutStore(EventStore, Protocol):
+    async def latest_boundaries(self, keys: Sequence[Key], position: int, kinds: Sequence[str]) -> dict[Key, int]: ...
+
+    async def stream_heads_at(self, cuts: dict[Key, int]) -> dict[Key, list[tuple[str, int, bytes]]]: ...
+
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
+
+    async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[Key, dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class ScopeEntry:
+    rollout_id: str
+    attempt: int
+    boundary: int  # log position of the boundary this attempt resumes from
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "attempt": self.attempt, "boundary": self.boundary}
+
+
+@dataclass(frozen=True)
+class Cut:
+    checkpoint_id: str
+    position: int
+    scope: tuple[ScopeEntry, ...]
+    fresh: tuple[Key, ...]  # executions that restart from their input (restart-only or not continued)
+    completed: tuple[Key, ...]
+    digest: str
+    refs: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "position": self.position,
+            "scope": [s.to_json() for s in self.scope],
+            "fresh_dispatch": [list(k) for k in self.fresh],
+            "completed": [list(k) for k in self.completed],
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], refs: dict[str, Any] | None = None) -> Cut:
+        return cls(
+            d["checkpoint_id"],
+            d["position"],
+            tuple(ScopeEntry(s["rollout_id"], s["attempt"], s["boundary"]) for s in d["scope"]),
+            tuple((r, a) for r, a in d.get("fresh_dispatch", [])),
+            tuple((r, a) for r, a in d.get("completed", [])),
+            d["digest"],
+            refs or {},
+        )
+
+
+def cut_digest(heads: dict[Key, list[tuple[str, int, bytes]]], scope: Iterable[ScopeEntry]) -> str:
+    h = hashlib.sha256()
+    for s in sorted(scope, key=lambda s: (s.rollout_id, s.attempt)):
+        streams = sorted(heads.get((s.rollout_id, s.attempt), []))
+        h.update(canonical_json([s.rollout_id, s.attempt, s.boundary, [[n, v, x.hex()] for n, v, x in streams]]).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Exactly one disposition per execution, or the checkpoint is refused."""
+
+    completed: tuple[Key, ...]
+    continued: tuple[Key, ...]
+    fresh_dispatch: tuple[Key, ...]
+
+
+def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key], restarts: Iterable[Key]) -> Classification:
+    """`live` are the executions known at the cut; `finished` completed at or before it."""
+    live_set, finished_set, scope_set, restart_set = set(live), set(finished), set(scope), set(restarts)
+    bad = sorted(scope_set & restart_set)
+    if bad:
+        raise RestartInScope(
+            f"{len(bad)} restart-only execution(s) named in the scope, e.g. {bad[0][0]} attempt {bad[0][1]}",
+            executions=[list(k) for k in bad[:10]],
+        )
+    both = sorted(scope_set & finished_set)
+    if both:
+        raise InvalidCheckpointState(
+            f"{len(both)} execution(s) are both completed and in scope, e.g. {both[0][0]} attempt {both[0][1]}"
+        )
+    unknown = sorted(scope_set - live_set)
+    if unknown:
+        raise InvalidCheckpointState(f"scope names unknown or inactive execution {unknown[0][0]} attempt {unknown[0][1]}")
+    continued = scope_set
+    fresh = (live_set - finished_set - continued) | (restart_set - finished_set)
+    return Classification(tuple(sorted(finished_set & (live_set | finished_set))), tuple(sorted(continued)), tuple(sorted(fresh)))
+
+
+async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], restarts: Sequence[Key]) -> Cut:
+    """Fix P at the head of the log and each scoped attempt's resume boundary at or below it."""
+    position = await store.head()
+    rows = await store.attempt_rows(sorted({r for r, _ in [*scope, *restarts]} | set()))
+    all_rows = rows
+    live = [k for k, row in all_rows.items() if row["status"] in ("live", "finished") and (row["started_position"] or 0) <= position]
+    finished = [k for k, row in all_rows.items() if row["status"] == "finished" and (row["ended_position"] or 0) <= position]
+    cls = classify(live, finished, scope, restarts)
+    boundaries = await store.latest_boundaries(list(cls.continued), position, BOUNDARY_KINDS)
+    missing = [k for k in cls.continued if k not in boundaries]
+    if missing:
+        raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")
+    entries = tuple(ScopeEntry(r, a, boundaries[(r, a)]) for r, a in cls.continued)
+    heads = await store.stream_heads_at({(s.rollout_id, s.attempt): s.boundary for s in entries})
+    return Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, cut_digest(heads, entries))
+
+
+def committed_event(cut: Cut) -> NewEvent:
+    return NewEvent(checkpoint_stream(cut.checkpoint_id), "checkpoint_committed", cut.to_json())
+
+
+async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
+    """The committed cut of a checkpoint and its current phase."""
+    events = await store.read_stream(checkpoint_stream(checkpoint_id))
+    if not events:
+        raise UnknownCheckpoint(f"no checkpoint {checkpoint_id}", checkpoint_id=checkpoint_id)
+    committed = [e for e in events if e.kind == "checkpoint_committed"]
+    phase = events[-1].kind.removeprefix("checkpoint_")
+    if not committed:
+        raise InvalidCheckpointState(f"checkpoint {checkpoint_id} was never committed (phase {phase})")
+    refs = {k: v for e in events if e.kind == "checkpoint_published" for k, v in e.data.items() if k.endswith("_ref")}
+    return Cut.from_json(committed[-1].data, refs), phase
+
+
+def _rechain(events: Sequence[RecordedEvent]) -> list[tuple[str, int, bytes]]:
+    """Recompute each stream's chain head from its events; a gap or an edit shows as a mismatch."""
+    heads: dict[str, tuple[int, bytes]] = {}
+    for e in events:
+        version, prev = heads.get(e.stream, (0, GENESIS_HASH))
+        if e.stream_version != version + 1:
+            raise InvalidCheckpointState(f"stream {e.stream} is missing version {version + 1}")
+        new = NewEvent(e.stream, e.kind, e.data, e.rollout_id, e.attempt, e.schema_version)
+        digest = chain_hash(prev, e.stream, e.stream_version, new, encode_payload(e.data, limit=1 << 62))
+        if digest != e.hash:
+            raise InvalidCheckpointState(f"event {e.stream}@{e.stream_version} does not match its recorded hash")
+        heads[e.stream] = (e.stream_version, digest)
+    return [(s, v, h) for s, (v, h) in heads.items()]
+
+
+@dataclass(frozen=True)
+class RestoreItem:
+    entry: ScopeEntry
+    history: tuple[RecordedEvent, ...]  # the attempt's own events up to its boundary
+
+
+async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
+    """Check the whole cut before anything is installed anywhere."""
+    items, heads = [], {}
+    for s in cut.scope:
+        history = await store.read_rollout(s.rollout_id, s.attempt, to=s.boundary)
+        heads[(s.rollout_id, s.attempt)] = _rechain(history)
+        if not any(e.position == s.boundary for e in history):
+            raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
+        _check_lineage(s, history, cut.position, await store.read_rollout(s.rollout_id, s.attempt, to=cut.position))
+        items.append(RestoreItem(s, tuple(history)))
+    if cut_digest(heads, cut.scope) != cut.digest:
+        raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
+    return items
+
+
+def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: int, upto_cut: Sequence[RecordedEvent]) -> None:
+    """The boundary's model calls must be durable by P, and the resources revisions it saw must be the
+    revisions the sessions had at the boundary: otherwise components would resume from different moments."""
+    boundary = next(e for e in history if e.position == s.boundary)
+    completed = {e.data["call_id"] for e in upto_cut if e.kind == "call_completed"}
+    for call_id in boundary.data.get("calls", []):
+        if call_id not in completed:
+            raise InvalidCheckpointState(f"{s.rollout_id}: boundary depends on model call {call_id}, not completed by the cut")
+    revisions: dict[str, int] = {}
+    for e in history:
+        if e.kind == "mutation_applied":
+            revisions[e.stream] = e.data["revision"]
+    for stream, revision in boundary.data.get("revisions", {}).items():
+        if revisions.get(stream, 0) != revision:
+            raise InvalidCheckpointState(
+                f"{s.rollout_id}: boundary saw {stream} at revision {revision}, the log has {revisions.get(stream, 0)}"
+            )
+
+
+def install_request(cut: Cut, latest: dict[str, int]) -> AppendRequest:
+    """One atomic request: fence each rollout's live attempt and start the next one.
+
+    `latest` maps rollout id -> its latest attempt now (a second restore from the same checkpoint
+    fences the replacement, not the original)."""
+    events: list[NewEvent] = []
+    for s in cut.scope:
+        n = latest.get(s.rollout_id, s.attempt)
+        events += _fence_and_start(s.rollout_id, n, cut.checkpoint_id, origin={"attempt": s.attempt, "position": s.boundary})
+    for r, a in cut.fresh:
+        events += _fence_and_start(r, latest.get(r, a), cut.checkpoint_id, origin=None)
+    events.append(NewEvent(f"restore:{cut.checkpoint_id}", "restore_installed", {"checkpoint_id": cut.checkpoint_id,
+                                                                                 "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh)}))
+    return AppendRequest(tuple(events))
+
+
+def _fence_and_start(rollout_id: str, live: int, checkpoint_id: str, origin: dict[str, int] | None) -> list[NewEvent]:
+    stream = rollout_stream(rollout_id)
+    return [
+        NewEvent(stream, A.ATTEMPT_FENCED, {"reason": "restore", "checkpoint_id": checkpoint_id}, rollout_id, live),
+        NewEvent(
+            stream,
+            A.ATTEMPT_STARTED,
+            {
+                "parent_attempt": live,
+                "restored_from": checkpoint_id,
+                "origin_attempt": origin["attempt"] if origin else None,
+                "origin_position": origin["position"] if origin else None,
+                "disposition": "continue" if origin else "fresh_dispatch",
+            },
+            rollout_id,
+            live + 1,
+        ),
+    ]
+
+
+async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
+    """An attempt's history as its participants replay it: its origin's events up to the origin
+    boundary (recursively), then its own. A fresh dispatch has no origin and starts from input."""
+    own = await store.read_rollout(rollout_id, attempt, to)
+    start = next((e for e in own if e.kind == A.ATTEMPT_STARTED), None)
+    if start is None or start.data.get("origin_attempt") is None:
+        return own
+    inherited = await effective_history(store, rollout_id, start.data["origin_attempt"], start.data["origin_position"])
+    return inherited + own

@@ -1,0 +1,429 @@
+"""The control plane every server mounts: status, prepare, renew, commit, restore, resume, retire, forget.
+
+One module for all four server kinds. The rules of phases live in engine.phases; this module
+authenticates, validates bodies (unknown fields refused), keeps the lease, makes repeats
+idempotent and records every phase transition in the log. What a prepare or restore *means*
+for a given server is its `Participant` subclass's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any, ClassVar, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.database import code_revision
+from adapters.postgres import PostgresEventStore
+from engine import attempts as A
+from engine.checkpoint import Cut, load_cut
+from engine.errors import (
+    CheckpointConflict,
+    DeadlineExceeded,
+    InvalidPhase,
+    RollbookError,
+    StaleAttempt,
+    StaleCheckpoint,
+)
+from engine.events import AppendRequest, NewEvent
+from engine.identity import rollout_stream, validate_attempt, validate_id
+from engine.phases import Lease, ParticipantPhases
+from participants.http_errors import error_response, errors_as_json
+
+PREFIX = "/rollbook/v1"
+CONTROL = f"{PREFIX}/control"
+OPENAPI_PATH = f"{PREFIX}/openapi.json"
+CHECKPOINT_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+MAX_BLOCKERS = 20
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ControlRequest(Body):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
+    deadline: float = Field(description="absolute deadline, seconds since the Unix epoch")
+
+
+class Execution(Body):
+    rollout_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
+    attempt: int = Field(ge=0)
+
+
+class CommitRequest(ControlRequest):
+    scope: list[Execution] = Field(default_factory=list)
+
+
+class Retirement(Body):
+    rollout_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
+    through: int = Field(ge=0)
+
+
+class RetireRequest(ControlRequest):
+    rollouts: list[Retirement]
+
+
+class ForgetRequest(ControlRequest):
+    rollout_ids: list[str]
+
+
+class Status(BaseModel):
+    kind: str
+    instance: str
+    checkpoint_mode: Literal["native", "restart_only"]
+    schema_version: str
+    concurrency: str
+    checkpoint_id: str | None
+    phase: str
+    lease_deadline: float | None
+    served_sessions: bool
+
+
+class PrepareReply(BaseModel):
+    checkpoint_id: str
+    phase: str
+    ready: bool
+    blockers: list[str]
+    blocker_count: int
+    counts: dict[str, int]
+    restarts: list[Execution]
+
+
+class OperationReply(BaseModel):
+    checkpoint_id: str
+    phase: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    detail: str
+
+
+class ErrorReply(BaseModel):
+    error: ErrorBody
+
+
+class PrepareReport(BaseModel):
+    """What a participant says after parking its work."""
+
+    ready: bool
+    blockers: list[str] = Field(default_factory=list)
+    counts: dict[str, int] = Field(default_factory=dict)
+    restarts: list[Execution] = Field(default_factory=list)
+
+
+class Participant:
+    """A server's part in a checkpoint. Subclasses override the hooks; defaults do nothing."""
+
+    kind: ClassVar[str] = "participant"
+    checkpoint_mode: ClassVar[Literal["native", "restart_only"]] = "native"
+    concurrency: ClassVar[str] = "sessions serialized per rollout attempt; control operations serialized"
+
+    def __init__(self, store: PostgresEventStore, instance: str) -> None:
+        self.store = store
+        self.instance = instance
+        self.served_sessions = False
+        self.admission_open = True
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        return PrepareReport(ready=True)
+
+    async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
+        return {}
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        """Validate and stage the state of every execution in the cut; install nothing live."""
+        return {}
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        self.admission_open = True
+        return {}
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        return None
+
+    async def forget(self, rollout_id: str) -> None:
+        return None
+
+    def routes(self) -> list[web.RouteDef]:
+        return []
+
+    async def check_attempt(self, rollout_id: str, attempt: int) -> None:
+        """Fencing lives in the database, so every server refuses the same attempts at once."""
+        rows = await self.store.attempt_rows([rollout_id])
+        row = rows.get((rollout_id, attempt))
+        mark = await self.store.retired_through(rollout_id)
+        if row is None or row["status"] not in A.LIVE_STATUSES or attempt <= mark:
+            why = "unknown" if row is None else ("retired" if attempt <= mark else row["status"])
+            raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is {why}", rollout_id=rollout_id, attempt=attempt)
+
+
+def identity(request: web.Request) -> tuple[str, int]:
+    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
+    rid = request.match_info.get("rollout_id")
+    raw = request.match_info.get("attempt")
+    rollout_id = validate_id(rid, "rollout id")
+    try:
+        attempt = validate_attempt(int(raw)) if raw is not None else None
+    except ValueError:
+        attempt = None
+    if attempt is None:
+        validate_attempt(raw)
+    return rollout_id, attempt  # type: ignore[return-value]
+
+
+def data_path(suffix: str) -> str:
+    return "/rollouts/{rollout_id}/attempts/{attempt}" + suffix
+
+
+class ControlPlane:
+    def __init__(self, participant: Participant, token: str, grace: float = 2.0) -> None:
+        self.p = participant
+        self.token = token
+        self.grace = grace
+        self.phases = ParticipantPhases(participant.kind, participant.instance)
+        self.lease: Lease | None = None
+        self.finished: set[str] = set()  # checkpoint ids resumed or aborted here
+        self.replies: dict[tuple[str, str], dict[str, Any]] = {}
+        self.lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def authorize(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise web.HTTPUnauthorized(
+                text=json.dumps({"error": {"code": "unauthorized", "detail": "a valid bearer token is required"}}),
+                content_type="application/json",
+            )
+
+    async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
+        event = self.phases.fire(trigger, checkpoint_id, **data)
+        await self.p.store.append(AppendRequest((event,)))
+
+    def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
+        self.replies[(op, checkpoint_id)] = body
+        return web.json_response(body)
+
+    def _guard(self, op: str, req: ControlRequest, *, needs_active: bool = True) -> web.Response | None:
+        """Repeats get the same reply; another checkpoint is a conflict; a finished one is stale."""
+        cached = self.replies.get((op, req.checkpoint_id))
+        if cached is not None:
+            return web.json_response(cached)
+        if req.checkpoint_id in self.finished:
+            raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
+        active = self.phases.checkpoint_id
+        if active is not None and active != req.checkpoint_id:
+            raise CheckpointConflict(f"checkpoint {active} is active ({self.phases.phase}); {req.checkpoint_id} must wait")
+        if needs_active and active is None:
+            raise InvalidPhase(f"cannot {op} checkpoint {req.checkpoint_id} while idle", phase="idle", operation=op)
+        if req.deadline < time.time():
+            raise DeadlineExceeded(f"the deadline of {op} for {req.checkpoint_id} has passed")
+        return None
+
+    async def _body(self, request: web.Request, model: type[Body]) -> Any:
+        self.authorize(request)
+        return model.model_validate(await request.json())
+
+    # ---- operations -----------------------------------------------------------------------
+
+    async def status(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        return web.json_response(
+            Status(
+                kind=self.p.kind,
+                instance=self.p.instance,
+                checkpoint_mode=self.p.checkpoint_mode,
+                schema_version=code_revision(),
+                concurrency=self.p.concurrency,
+                checkpoint_id=self.phases.checkpoint_id,
+                phase=self.phases.phase,
+                lease_deadline=self.lease.deadline if self.lease else None,
+                served_sessions=self.p.served_sessions,
+            ).model_dump()
+        )
+
+    async def prepare(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ControlRequest)
+        async with self.lock:
+            if (early := self._guard("prepare", req, needs_active=False)) is not None:
+                return early
+            await self._record("prepare", req.checkpoint_id, deadline=req.deadline)
+            self.lease = Lease(req.deadline, self.grace)
+        try:
+            report = await asyncio.wait_for(self.p.prepare(req.checkpoint_id, req.deadline), max(0.0, req.deadline - time.time()))
+        except (TimeoutError, RollbookError) as exc:
+            async with self.lock:
+                await self._abort(req.checkpoint_id, reason=f"prepare failed: {exc!r}")
+            raise DeadlineExceeded(f"prepare of {req.checkpoint_id} did not finish by its deadline") from exc
+        async with self.lock:
+            if self.phases.checkpoint_id != req.checkpoint_id:  # the lease ran out while we waited
+                return self._reply("prepare", req.checkpoint_id, self._prepare_body(req.checkpoint_id, report, "idle"))
+            if report.ready:
+                await self._record("prepared", req.checkpoint_id, counts=report.counts, restarts=len(report.restarts))
+            body = self._prepare_body(req.checkpoint_id, report, self.phases.phase)
+            return self._reply("prepare", req.checkpoint_id, body) if report.ready else web.json_response(body)
+
+    @staticmethod
+    def _prepare_body(checkpoint_id: str, report: PrepareReport, phase: str) -> dict[str, Any]:
+        return PrepareReply(
+            checkpoint_id=checkpoint_id,
+            phase=phase,
+            ready=report.ready,
+            blockers=report.blockers[:MAX_BLOCKERS],
+            blocker_count=len(report.blockers),
+            counts=report.counts,
+            restarts=report.restarts,
+        ).model_dump()
+
+    async def renew(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ControlRequest)
+        async with self.lock:
+            if req.checkpoint_id in self.finished:
+                raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
+            if self.phases.checkpoint_id != req.checkpoint_id:
+                raise CheckpointConflict(f"checkpoint {req.checkpoint_id} is not the active one")
+            self.lease = Lease(req.deadline, self.grace)
+            return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                                    detail={"lease_deadline": req.deadline}).model_dump())
+
+    async def commit(self, request: web.Request) -> web.Response:
+        req = await self._body(request, CommitRequest)
+        async with self.lock:
+            if (early := self._guard("commit", req)) is not None:
+                return early
+            if not self.phases.can("commit"):
+                raise InvalidPhase(f"cannot commit while {self.phases.phase}", phase=self.phases.phase, operation="commit")
+            detail = await self.p.commit(req.checkpoint_id, req.scope)
+            await self._record("commit", req.checkpoint_id, scope=len(req.scope))
+            body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
+            return self._reply("commit", req.checkpoint_id, body)
+
+    async def restore(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ControlRequest)
+        async with self.lock:
+            if (early := self._guard("restore", req, needs_active=False)) is not None:
+                return early
+            if self.p.served_sessions:
+                raise InvalidPhase("restore refused: this process has already served sessions; start a fresh one",
+                                   phase=self.phases.phase, operation="restore")
+            if not self.phases.can("restore"):
+                raise InvalidPhase(f"cannot restore while {self.phases.phase}", phase=self.phases.phase, operation="restore")
+            cut, _phase = await load_cut(self.p.store, req.checkpoint_id)
+            detail = await self.p.restore(cut)  # validates and stages; raises before any phase change
+            await self._record("restore", req.checkpoint_id)
+            self.lease = Lease(req.deadline, self.grace)
+            body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
+            return self._reply("restore", req.checkpoint_id, body)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ControlRequest)
+        async with self.lock:
+            cached = self.replies.get(("resume", req.checkpoint_id))
+            if cached is not None:
+                return web.json_response(cached)
+            if self.phases.checkpoint_id != req.checkpoint_id:
+                if req.checkpoint_id in self.finished:
+                    raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already ended here")
+                if self.phases.checkpoint_id is None:
+                    raise InvalidPhase(f"cannot resume {req.checkpoint_id} while idle", phase="idle", operation="resume")
+                raise CheckpointConflict(f"checkpoint {self.phases.checkpoint_id} is active, not {req.checkpoint_id}")
+            restored = self.phases.phase == "restored"
+            detail = await self.p.resume(req.checkpoint_id, restored)
+            await self._record("resume", req.checkpoint_id)
+            self.finished.add(req.checkpoint_id)
+            self.lease = None
+            body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
+            return self._reply("resume", req.checkpoint_id, body)
+
+    async def retire(self, request: web.Request) -> web.Response:
+        req = await self._body(request, RetireRequest)
+        for r in req.rollouts:
+            await self.p.store.append(
+                AppendRequest((NewEvent(rollout_stream(r.rollout_id), A.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through),))
+            )
+            await self.p.retire(r.rollout_id, r.through)
+        return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                                detail={"retired": len(req.rollouts)}).model_dump())
+
+    async def forget(self, request: web.Request) -> web.Response:
+        req = await self._body(request, ForgetRequest)
+        for rid in req.rollout_ids:
+            validate_id(rid, "rollout id")
+            mark = await self.p.store.retired_through(rid)
+            if mark >= 0:
+                await self.p.store.append(
+                    AppendRequest((NewEvent(rollout_stream(rid), A.ROLLOUT_FORGOTTEN, {}, rid, mark),))
+                )
+            await self.p.forget(rid)
+        return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                                detail={"forgotten": len(req.rollout_ids)}).model_dump())
+
+    async def _abort(self, checkpoint_id: str, reason: str) -> None:
+        if self.phases.can("abort"):
+            await self._record("abort", checkpoint_id, reason=reason)
+        await self.p.resume(checkpoint_id, restored=False)
+        self.finished.add(checkpoint_id)
+        self.lease = None
+
+    async def watch_lease(self) -> None:
+        """An expired lease resumes the participant by itself, recorded as an abort."""
+        while True:
+            await asyncio.sleep(0.2)
+            if self.lease is None or not self.lease.expired(time.time()):
+                continue
+            async with self.lock:
+                ck = self.phases.checkpoint_id
+                if ck is not None and self.lease is not None and self.lease.expired(time.time()):
+                    if self.phases.phase == "restored":
+                        continue  # a restored process waits for its resume: it has nothing to go back to
+                    await self._abort(ck, reason="lease expired")
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get(f"{CONTROL}/status", self.status),
+            web.post(f"{CONTROL}/prepare", self.prepare),
+            web.post(f"{CONTROL}/renew", self.renew),
+            web.post(f"{CONTROL}/commit", self.commit),
+            web.post(f"{CONTROL}/restore", self.restore),
+            web.post(f"{CONTROL}/resume", self.resume),
+            web.post(f"{CONTROL}/retire", self.retire),
+            web.post(f"{CONTROL}/forget", self.forget),
+        ]
+
+
+def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.Application:
+    """An aiohttp app with the control plane, the OpenAPI document and the participant's own routes."""
+    from participants.openapi import document
+
+    plane = ControlPlane(participant, token, grace)
+    app = web.Application(middlewares=[errors_as_json], client_max_size=8 * 1024 * 1024)
+    app["control_plane"] = plane
+    app.add_routes(plane.routes())
+    app.add_routes(participant.routes())
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document())
+
+    app.router.add_get(OPENAPI_PATH, openapi)
+
+    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(plane.watch_lease())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+__all__ = ["Participant", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
+           "Execution", "CONTROL", "OPENAPI_PATH"]

@@ -1,0 +1,60 @@
+"""Every error the servers return: one JSON shape, one HTTP status per code, mapped here only."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from engine.errors import RollbookError
+
+STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "invalid_identifier": 400,
+    "invalid_payload": 400,
+    "payload_too_large": 413,
+    "rollout_id_required": 400,
+    "unauthorized": 401,
+    "unknown_checkpoint": 404,
+    "not_found": 404,
+    "deadline_exceeded": 408,
+    "stale_checkpoint": 409,
+    "checkpoint_conflict": 409,
+    "invalid_phase": 409,
+    "stale_attempt": 409,
+    "unknown_attempt": 409,
+    "restart_in_scope": 409,
+    "admission_closed": 409,
+    "activation_out_of_order": 409,
+    "version_conflict": 409,
+    "invalid_checkpoint_state": 422,
+    "tool_error": 422,
+    "schema_mismatch": 500,
+    "replay_divergence": 500,
+    "participant_unavailable": 503,
+}
+
+
+def error_response(code: str, detail: str, **context: object) -> web.Response:
+    body: dict[str, object] = {"code": code, "detail": detail}
+    if context:
+        body["context"] = context
+    return web.json_response({"error": body}, status=STATUS.get(code, 500))
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    try:
+        return await handler(request)
+    except RollbookError as exc:
+        return error_response(exc.code, exc.detail, **exc.context)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        return error_response("invalid_request", f"the request body is not valid: {problems}")
+    except json.JSONDecodeError as exc:
+        return error_response("invalid_request", f"the request body is not JSON: {exc}")
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return error_response("not_found" if exc.status == 404 else "invalid_request", exc.reason)
+        raise
