@@ -44,6 +44,8 @@ class CutStore(EventStore, Protocol):
 
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[Key, dict[str, Any]]: ...
 
+    async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
+
 
 @dataclass(frozen=True)
 class ScopeEntry:
@@ -131,7 +133,7 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], re
     """Fix P at the head of the log and each scoped attempt's resume boundary at or below it."""
     position = await store.head()
     rows = await store.attempt_rows(sorted({r for r, _ in [*scope, *restarts]} | set()))
-    all_rows = rows
+    all_rows = {**await store.live_attempts(), **rows}  # every live execution gets a disposition, named or not
     live = [k for k, row in all_rows.items() if row["status"] in ("live", "finished") and (row["started_position"] or 0) <= position]
     finished = [k for k, row in all_rows.items() if row["status"] == "finished" and (row["ended_position"] or 0) <= position]
     cls = classify(live, finished, scope, restarts)
@@ -161,9 +163,25 @@ async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
     return Cut.from_json(committed[-1].data, refs), phase
 
 
-def _rechain(events: Sequence[RecordedEvent]) -> list[tuple[str, int, bytes]]:
+async def _predecessors(store: CutStore, events: Sequence[RecordedEvent]) -> dict[str, tuple[int, bytes]]:
+    """Where an attempt's part of a stream starts after other attempts' events (the rollout stream),
+    its chain continues from the recorded hash of the event just before."""
+    first: dict[str, int] = {}
+    for e in events:
+        first.setdefault(e.stream, e.stream_version)
+    out: dict[str, tuple[int, bytes]] = {}
+    for stream, version in first.items():
+        if version > 1:
+            prev = [e for e in await store.read_stream(stream, version - 2) if e.stream_version == version - 1]
+            if not prev:
+                raise InvalidCheckpointState(f"stream {stream} is missing version {version - 1}")
+            out[stream] = (version - 1, prev[0].hash)
+    return out
+
+
+def _rechain(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]] | None = None) -> list[tuple[str, int, bytes]]:
     """Recompute each stream's chain head from its events; a gap or an edit shows as a mismatch."""
-    heads: dict[str, tuple[int, bytes]] = {}
+    heads: dict[str, tuple[int, bytes]] = dict(start or {})
     for e in events:
         version, prev = heads.get(e.stream, (0, GENESIS_HASH))
         if e.stream_version != version + 1:
@@ -187,7 +205,7 @@ async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
     items, heads = [], {}
     for s in cut.scope:
         history = await store.read_rollout(s.rollout_id, s.attempt, to=s.boundary)
-        heads[(s.rollout_id, s.attempt)] = _rechain(history)
+        heads[(s.rollout_id, s.attempt)] = _rechain(history, await _predecessors(store, history))
         if not any(e.position == s.boundary for e in history):
             raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
         _check_lineage(s, history, cut.position, await store.read_rollout(s.rollout_id, s.attempt, to=cut.position))

@@ -216,11 +216,11 @@ class ControlPlane:
 
     def _guard(self, op: str, req: ControlRequest, *, needs_active: bool = True) -> web.Response | None:
         """Repeats get the same reply; another checkpoint is a conflict; a finished one is stale."""
+        if req.checkpoint_id in self.finished:
+            raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
         cached = self.replies.get((op, req.checkpoint_id))
         if cached is not None:
             return web.json_response(cached)
-        if req.checkpoint_id in self.finished:
-            raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
         active = self.phases.checkpoint_id
         if active is not None and active != req.checkpoint_id:
             raise CheckpointConflict(f"checkpoint {active} is active ({self.phases.phase}); {req.checkpoint_id} must wait")
@@ -407,7 +407,6 @@ def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.A
 
     plane = ControlPlane(participant, token, grace)
     app = web.Application(middlewares=[errors_as_json], client_max_size=8 * 1024 * 1024)
-    app["control_plane"] = plane
     app.add_routes(plane.routes())
     app.add_routes(participant.routes())
 

@@ -1,0 +1,191 @@
+"""The coordinator: one checkpoint across every participant, in the order the protocol needs.
+
+Prepare goes environment, model, agent, resources (environments park episodes first; the model
+closes and cuts generations so agents reach a boundary; resources last because the others call
+them) and stops at the first participant that is not ready. Commit and restore fan out to all at
+once; restore installs nothing unless every participant staged its part. Resume goes in reverse
+and carries on past failures. Retire and forget go callers first. The HTTP client that talks to
+participants is in adapters.participant_client; this module sees only the protocol below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.checkpoint import (
+    Cut,
+    CutStore,
+    Key,
+    committed_event,
+    install_request,
+    load_cut,
+    make_cut,
+    validate_cut,
+)
+from engine.errors import InvalidCheckpointState, RollbookError
+from engine.events import AppendRequest
+from engine.phases import CheckpointPhases, checkpoint_started
+
+PREPARE_ORDER = ("environment", "model", "agent", "resources")
+RETIRE_ORDER = ("environment", "agent", "model", "resources")
+
+
+class ParticipantClient(Protocol):
+    name: str
+    kind: str
+
+    async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class TokenSnapshots(Protocol):
+    async def validate(self, ref: dict[str, Any], checkpoint_id: str) -> None: ...
+
+
+@dataclass
+class StepTiming:
+    ms: dict[str, float] = field(default_factory=dict)
+
+    def record(self, name: str, started: float) -> None:
+        self.ms[name] = round((time.perf_counter() - started) * 1000, 2)
+
+
+def _ordered(participants: Sequence[ParticipantClient], order: Sequence[str]) -> list[ParticipantClient]:
+    rank = {k: i for i, k in enumerate(order)}
+    return sorted(participants, key=lambda p: rank.get(p.kind, len(order)))
+
+
+class Coordinator:
+    def __init__(self, store: CutStore, participants: Sequence[ParticipantClient]) -> None:
+        self.store = store
+        self.participants = list(participants)
+        self.timing = StepTiming()
+        self.restarts: dict[str, list[Key]] = {}
+
+    def _body(self, checkpoint_id: str, deadline: float, **extra: Any) -> dict[str, Any]:
+        return {"checkpoint_id": checkpoint_id, "deadline": deadline, **extra}
+
+    async def _phase(self, checkpoint_id: str) -> CheckpointPhases:
+        events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
+        phase = events[-1].kind.removeprefix("checkpoint_") if events else "started"
+        return CheckpointPhases(checkpoint_id, phase)
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
+        """Prepare every participant in order; on the first failure resume those already prepared."""
+        started = time.perf_counter()
+        await self.store.append(AppendRequest((checkpoint_started(checkpoint_id, deadline=deadline),)))
+        prepared: list[ParticipantClient] = []
+        reports: dict[str, Any] = {}
+        restarts: set[Key] = set()
+        for p in _ordered(self.participants, PREPARE_ORDER):
+            try:
+                reply = await p.call("prepare", self._body(checkpoint_id, deadline))
+            except RollbookError as exc:
+                reply = {"ready": False, "error": exc.to_json()["error"]}
+            except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
+                reply = {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
+            reports[p.name] = reply
+            if not reply.get("ready"):
+                await self._abort(checkpoint_id, [*prepared, p], f"{p.name} not ready")
+                self.timing.record("prepare", started)
+                return {"checkpoint_id": checkpoint_id, "ready": False, "failed": p.name, "reports": reports}
+            prepared.append(p)
+            restarts |= {(r["rollout_id"], r["attempt"]) for r in reply.get("restarts", [])}
+        phases = await self._phase(checkpoint_id)
+        await self.store.append(AppendRequest((phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)]),)))
+        self.restarts[checkpoint_id] = sorted(restarts)
+        self.timing.record("prepare", started)
+        return {"checkpoint_id": checkpoint_id, "ready": True, "reports": reports, "restarts": [list(k) for k in sorted(restarts)]}
+
+    async def _abort(self, checkpoint_id: str, touched: Sequence[ParticipantClient], reason: str) -> None:
+        phases = await self._phase(checkpoint_id)
+        if phases.can("aborted"):
+            await self.store.append(AppendRequest((phases.fire("aborted", reason=reason),)))
+        await self._resume(checkpoint_id, touched)
+
+    async def _restarts_of(self, checkpoint_id: str) -> list[Key]:
+        if checkpoint_id in self.restarts:
+            return self.restarts[checkpoint_id]
+        events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
+        return [tuple(k) for e in events if e.kind == "checkpoint_prepared" for k in e.data.get("restarts", [])]  # type: ignore[misc]
+
+    async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None) -> Cut:
+        """Fix the cut (engine.checkpoint.make_cut), record it, then tell every participant at once."""
+        started = time.perf_counter()
+        phases = await self._phase(checkpoint_id)
+        restarts = await self._restarts_of(checkpoint_id)
+        if scope is None:
+            live = await self.store.live_attempts()  # type: ignore[attr-defined]
+            scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
+        cut = await make_cut(self.store, checkpoint_id, scope, restarts)
+        phases._move("committed")  # validate the transition before writing anything
+        await self.store.append(AppendRequest((committed_event(cut),)))
+        body = self._body(checkpoint_id, deadline, scope=[{"rollout_id": s.rollout_id, "attempt": s.attempt} for s in cut.scope])
+        await asyncio.gather(*(p.call("commit", body) for p in self.participants))
+        self.timing.record("commit", started)
+        return cut
+
+    async def publish(self, checkpoint_id: str, framework_ref: dict[str, Any], token_ref: dict[str, Any],
+                      tokens: TokenSnapshots) -> dict[str, Any]:
+        """Publish only when both references validate under this checkpoint id."""
+        phases = await self._phase(checkpoint_id)
+        if framework_ref.get("checkpoint_id") != checkpoint_id:
+            raise InvalidCheckpointState(
+                f"the framework state reference names checkpoint {framework_ref.get('checkpoint_id')!r}, not {checkpoint_id}"
+            )
+        await tokens.validate(token_ref, checkpoint_id)
+        event = phases.fire("published", framework_ref=framework_ref, token_snapshot_ref=token_ref)
+        await self.store.append(AppendRequest((event,)))
+        return {"checkpoint_id": checkpoint_id, "phase": "published"}
+
+    async def resume(self, checkpoint_id: str) -> dict[str, Any]:
+        started = time.perf_counter()
+        failures = await self._resume(checkpoint_id, self.participants)
+        self.timing.record("resume", started)
+        return {"checkpoint_id": checkpoint_id, "failures": failures}
+
+    async def _resume(self, checkpoint_id: str, participants: Sequence[ParticipantClient]) -> dict[str, str]:
+        failures: dict[str, str] = {}
+        for p in reversed(_ordered(participants, PREPARE_ORDER)):
+            try:
+                await p.call("resume", self._body(checkpoint_id, time.time() + 30))
+            except (RollbookError, OSError) as exc:  # keep going: every other participant must reopen
+                failures[p.name] = str(exc)
+        return failures
+
+    async def restore(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
+        """Validate the whole cut, let every participant stage its part, then install all at once."""
+        started = time.perf_counter()
+        cut, phase = await load_cut(self.store, checkpoint_id)
+        if phase not in ("committed", "published"):
+            raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is {phase}; only a committed one can be restored")
+        await validate_cut(self.store, cut)
+        body = self._body(checkpoint_id, deadline)
+        results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
+        failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}
+        if failed:
+            name, exc = next(iter(failed.items()))
+            if isinstance(exc, RollbookError):
+                raise exc
+            raise InvalidCheckpointState(f"participant {name} could not restore: {exc}")
+        rows = await self.store.attempt_rows(sorted({s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh}))
+        latest: dict[str, int] = {}
+        for r, a in rows:
+            latest[r] = max(latest.get(r, -1), a)
+        await self.store.append(install_request(cut, latest))
+        self.timing.record("restore", started)
+        return {"checkpoint_id": checkpoint_id, "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh),
+                "completed": len(cut.completed)}
+
+    async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:
+        body = self._body(checkpoint_id, time.time() + 30, rollouts=[{"rollout_id": r, "through": t} for r, t in rollouts])
+        for p in _ordered(self.participants, RETIRE_ORDER):
+            await p.call("retire", body)
+
+    async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:
+        body = self._body(checkpoint_id, time.time() + 30, rollout_ids=list(rollout_ids))
+        for p in _ordered(self.participants, RETIRE_ORDER):
+            await p.call("forget", body)

@@ -1,0 +1,254 @@
+"""The control plane over real HTTP against a real PostgreSQL, and the coordinator driving it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from engine.coordinator import Coordinator
+from engine.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
+from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
+from participants.http_errors import STATUS
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Recorder(Participant):
+    """A participant whose hooks only record that they ran, in one list shared by all of them."""
+
+    def __init__(self, store: PostgresEventStore, kind: str, calls: list[str], ready: bool = True, delay: float = 0.0) -> None:
+        super().__init__(store, f"{kind}-0")
+        self.kind = kind  # type: ignore[misc]
+        self.calls = calls
+        self.ready = ready
+        self.delay = delay
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.calls.append(f"prepare:{self.kind}")
+        self.admission_open = False
+        await asyncio.sleep(self.delay)
+        return PrepareReport(ready=self.ready, blockers=[] if self.ready else ["x"] * 30)
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        self.calls.append(f"resume:{self.kind}")
+        self.admission_open = True
+        return {}
+
+
+async def serve(store: PostgresEventStore, kind: str, calls: list[str], **kw: Any) -> tuple[TestServer, Recorder]:
+    participant = Recorder(store, kind, calls, **kw)
+    server = TestServer(build_app(participant, TOKEN, grace=0.1), host="127.0.0.1")
+    await server.start_server()
+    return server, participant
+
+
+def body(ck: str = "ck-1", deadline: float | None = None, **extra: Any) -> dict[str, Any]:
+    return {"checkpoint_id": ck, "deadline": deadline or time.time() + 30, **extra}
+
+
+@pytest.fixture
+async def one(store: PostgresEventStore):
+    calls: list[str] = []
+    server, participant = await serve(store, "model", calls)
+    async with aiohttp.ClientSession(base_url=str(server.make_url(""))) as http:
+        yield http, participant, calls
+    await server.close()
+
+
+async def post(http: aiohttp.ClientSession, op: str, payload: dict[str, Any], auth: bool = True) -> tuple[int, dict[str, Any]]:
+    async with http.post(f"{CONTROL}/{op}", json=payload, headers=AUTH if auth else {}) as resp:
+        return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+async def test_calls_without_the_bearer_token_are_refused(one, headers) -> None:
+    http, participant, calls = one
+    async with http.get(f"{CONTROL}/status", headers=headers) as resp:
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+    async with http.post(f"{CONTROL}/prepare", json=body(), headers=headers) as resp:
+        assert resp.status == 401
+    assert calls == [] and participant.admission_open
+
+
+@pytest.mark.parametrize(
+    "payload, what",
+    [
+        ({**body(), "surprise": 1}, "an unknown field"),
+        (body(ck="bad id!"), "a checkpoint id outside [A-Za-z0-9._-]"),
+        (body(ck="x" * 129), "a checkpoint id over 128 characters"),
+        ({"checkpoint_id": "ck-1"}, "no deadline"),
+    ],
+)
+async def test_malformed_control_bodies_are_400_and_change_nothing(one, payload, what) -> None:
+    http, participant, calls = one
+    status, reply = await post(http, "prepare", payload)
+    assert status == 400, what
+    assert reply["error"]["code"] == "invalid_request"
+    assert calls == [] and participant.admission_open
+
+
+async def test_prepare_commit_resume_with_idempotent_repeats_conflicts_and_stale_ids(one, store) -> None:
+    http, _, calls = one
+    first = await post(http, "prepare", body())
+    assert first[0] == 200 and first[1]["ready"] and first[1]["phase"] == "prepared"
+    assert await post(http, "prepare", body()) == first  # a repeat gets the same reply
+    assert calls == ["prepare:model"]  # ...and does not prepare twice
+    status, reply = await post(http, "prepare", body(ck="ck-2"))
+    assert (status, reply["error"]["code"]) == (409, "checkpoint_conflict")
+    commit = await post(http, "commit", body(scope=[]))
+    assert commit[0] == 200 and commit[1]["phase"] == "committed"
+    assert await post(http, "commit", body(scope=[])) == commit
+    resume = await post(http, "resume", body())
+    assert resume[0] == 200 and resume[1]["phase"] == "idle"
+    assert await post(http, "resume", body()) == resume
+    status, reply = await post(http, "prepare", body())
+    assert (status, reply["error"]["code"]) == (409, "stale_checkpoint")
+    kinds = [e.kind for e in await store.read_stream("participant:model:model-0")]
+    assert kinds == ["participant_prepare", "participant_prepared", "participant_commit", "participant_resume"]
+
+
+@pytest.mark.parametrize("op", ["commit", "resume"])
+async def test_illegal_transitions_are_409_invalid_phase(one, op) -> None:
+    http, _, _ = one
+    status, reply = await post(http, op, body(scope=[]) if op == "commit" else body())
+    assert (status, reply["error"]["code"]) == (409, "invalid_phase")
+
+
+async def test_commit_before_prepared_is_invalid_phase(store) -> None:
+    calls: list[str] = []
+    server, _ = await serve(store, "agent", calls, delay=1.0)
+    async with aiohttp.ClientSession(base_url=str(server.make_url(""))) as http:
+        preparing = asyncio.create_task(post(http, "prepare", body()))
+        await asyncio.sleep(0.3)
+        status, reply = await post(http, "commit", body(scope=[]))
+        assert (status, reply["error"]["code"]) == (409, "invalid_phase")
+        assert (await preparing)[0] == 200
+    await server.close()
+
+
+async def test_a_passed_deadline_is_408(one) -> None:
+    http, _, calls = one
+    status, reply = await post(http, "prepare", body(deadline=time.time() - 1))
+    assert (status, reply["error"]["code"]) == (408, "deadline_exceeded")
+    assert calls == []
+
+
+async def test_an_expired_lease_resumes_by_itself_recorded_as_an_abort(one, store) -> None:
+    http, participant, calls = one
+    await post(http, "prepare", body(deadline=time.time() + 0.3))
+    assert not participant.admission_open
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if participant.admission_open:
+            break
+    assert participant.admission_open and calls == ["prepare:model", "resume:model"]
+    async with http.get(f"{CONTROL}/status", headers=AUTH) as resp:
+        assert (await resp.json())["phase"] == "idle"
+    kinds = [e.kind for e in await store.read_stream("participant:model:model-0")]
+    assert kinds[-1] == "participant_abort"
+
+
+async def test_status_reports_capabilities(one) -> None:
+    http, _, _ = one
+    async with http.get(f"{CONTROL}/status", headers=AUTH) as resp:
+        status = await resp.json()
+    assert status["kind"] == "model" and status["phase"] == "idle" and status["checkpoint_mode"] == "native"
+    assert status["schema_version"] == "0001" and status["concurrency"]
+
+
+async def test_openapi_document_lists_every_route_and_error_status(one) -> None:
+    http, _, _ = one
+    async with http.get(OPENAPI_PATH) as resp:
+        doc = await resp.json()
+    from openapi_spec_validator import validate
+
+    validate(doc)
+    app = build_app(Participant(None, "x"), TOKEN)  # type: ignore[arg-type]
+    routes = {
+        (r.method.lower(), r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource.canonical.startswith(CONTROL) and r.method != "HEAD"  # aiohttp adds HEAD to each GET
+    }
+    documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    statuses = {s for ops in doc["paths"].values() for op in ops.values() for s in op["responses"]}
+    for code in ["unauthorized", "invalid_request", "checkpoint_conflict", "stale_checkpoint", "invalid_phase",
+                 "deadline_exceeded", "invalid_checkpoint_state", "restart_in_scope", "unknown_checkpoint"]:
+        assert str(STATUS[code]) in statuses, code
+
+
+async def _cluster(store, calls, not_ready: str | None = None):
+    servers, clients = [], []
+    session = aiohttp.ClientSession()
+    for kind in ["resources", "agent", "model", "environment"]:  # deliberately not in protocol order
+        server, _ = await serve(store, kind, calls, ready=kind != not_ready)
+        servers.append(server)
+        clients.append(HttpParticipant(kind, kind, str(server.make_url("")), TOKEN, session))
+    return servers, clients, session
+
+
+async def test_coordinator_prepares_in_protocol_order_and_resumes_in_reverse(store) -> None:
+    calls: list[str] = []
+    servers, clients, session = await _cluster(store, calls)
+    coordinator = Coordinator(store, clients)
+    result = await coordinator.prepare("ck-o", time.time() + 30)
+    assert result["ready"]
+    await coordinator.commit("ck-o", time.time() + 30, scope=[])
+    await coordinator.resume("ck-o")
+    assert calls == [
+        "prepare:environment", "prepare:model", "prepare:agent", "prepare:resources",
+        "resume:resources", "resume:agent", "resume:model", "resume:environment",
+    ]
+    phases = [e.kind for e in await store.read_stream("checkpoint:ck-o")]
+    assert phases == ["checkpoint_started", "checkpoint_prepared", "checkpoint_committed"]
+    await session.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_prepare_stops_at_the_first_participant_not_ready_and_leaves_all_resumable(store) -> None:
+    calls: list[str] = []
+    servers, clients, session = await _cluster(store, calls, not_ready="model")
+    result = await Coordinator(store, clients).prepare("ck-n", time.time() + 30)
+    assert not result["ready"] and result["failed"] == "model"
+    assert result["reports"]["model"]["blocker_count"] == 30 and len(result["reports"]["model"]["blockers"]) == 20
+    assert calls == ["prepare:environment", "prepare:model", "resume:model", "resume:environment"]
+    assert (await store.read_stream("checkpoint:ck-n"))[-1].kind == "checkpoint_aborted"
+    await session.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_a_missing_participant_fails_prepare_and_the_others_resume(store) -> None:
+    calls: list[str] = []
+    servers, clients, session = await _cluster(store, calls)
+    await servers[1].close()  # the agent is gone
+    result = await Coordinator(store, clients).prepare("ck-m", time.time() + 30)
+    assert not result["ready"] and result["failed"] == "agent"
+    assert result["reports"]["agent"]["error"]["code"] == "participant_unavailable"
+    assert calls == ["prepare:environment", "prepare:model", "resume:model", "resume:environment"]
+    await session.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_client_maps_error_codes_back_to_engine_exceptions(one) -> None:
+    http, _, _ = one
+    async with aiohttp.ClientSession() as session:
+        client = HttpParticipant("m", "model", str(http._base_url), TOKEN, session)
+        await client.call("prepare", body())
+        with pytest.raises(CheckpointConflict):
+            await client.call("prepare", body(ck="other"))
+        await client.call("resume", body())
+        with pytest.raises(StaleCheckpoint):
+            await client.call("commit", body(scope=[]))
+        with pytest.raises(InvalidPhase):
+            await client.call("resume", body(ck="never"))
