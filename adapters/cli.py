@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable
 
 from adapters import database, embedded
 from engine.errors import RollbookError
@@ -50,13 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="leave the database for SQL afterwards")
     demo.set_defaults(func=_demo)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    from adapters import checkpoint_cli
+
+    checkpoint_cli.add_parser(sub)
     return parser
-
-
-# Other modules add their subcommands here, so this file stays the table of contents.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,76 @@
+"""`rollbook checkpoint ...`: drive a checkpoint by hand against running servers, printing JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import aiohttp
+
+from adapters import database
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from engine.coordinator import Coordinator
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="prepare, commit, publish, resume, restore, retire, forget or status by hand")
+    p.add_argument("action", choices=["prepare", "commit", "publish", "resume", "restore", "retire", "forget", "status"])
+    p.add_argument("checkpoint_id", nargs="?", default=None)
+    p.add_argument("--participant", action="append", default=[], metavar="KIND=URL",
+                   help="a participant's base URL, e.g. model=http://127.0.0.1:8101 (repeat for each)")
+    p.add_argument("--token", default=os.environ.get("ROLLBOOK_TOKEN", ""), help="bearer token (default ROLLBOOK_TOKEN)")
+    p.add_argument("--dsn")
+    p.add_argument("--deadline-seconds", type=float, default=30.0)
+    p.add_argument("--scope", help="JSON list of [rollout_id, attempt] to continue (commit; default: every live attempt)")
+    p.add_argument("--rollouts", help="JSON list of [rollout_id, through] (retire) or of rollout ids (forget)")
+    p.add_argument("--framework-ref", help="JSON object naming the framework state for this checkpoint (publish)")
+    p.add_argument("--token-ref", help="JSON object: the token-store snapshot reference (publish)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    print(json.dumps(asyncio.run(_run(args)), default=str))
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    dsn = database.prepare_database(args.dsn)
+    store = PostgresEventStore.connect(dsn, writer="coordinator-cli")
+    deadline = time.time() + args.deadline_seconds
+    async with aiohttp.ClientSession() as session:
+        clients = []
+        for spec in args.participant:
+            kind, _, url = spec.partition("=")
+            clients.append(HttpParticipant(kind, kind, url, args.token, session))
+        coordinator = Coordinator(store, clients)
+        ck = args.checkpoint_id
+        try:
+            if args.action == "status":
+                return {c.name: await c.call("status", {}) for c in clients}
+            if args.action == "prepare":
+                return await coordinator.prepare(ck, deadline)
+            if args.action == "commit":
+                scope = [tuple(x) for x in json.loads(args.scope)] if args.scope else None
+                return (await coordinator.commit(ck, deadline, scope)).to_json()  # type: ignore[arg-type]
+            if args.action == "publish":
+                from adapters.token_store import PostgresTokenStore
+
+                tokens = PostgresTokenStore(store.engine)
+                return await coordinator.publish(ck, json.loads(args.framework_ref or "{}"), json.loads(args.token_ref or "{}"), tokens)
+            if args.action == "resume":
+                return await coordinator.resume(ck)
+            if args.action == "restore":
+                return await coordinator.restore(ck, deadline)
+            if args.action == "retire":
+                await coordinator.retire(ck, [tuple(x) for x in json.loads(args.rollouts or "[]")])  # type: ignore[misc]
+                return {"checkpoint_id": ck, "retired": json.loads(args.rollouts or "[]")}
+            await coordinator.forget(ck, json.loads(args.rollouts or "[]"))
+            return {"checkpoint_id": ck, "forgotten": json.loads(args.rollouts or "[]")}
+        finally:
+            await store.close()
