@@ -183,14 +183,14 @@ class PostgresEventStore:
 
     async def _write(self, conn: AsyncConnection, planned: list[PlannedEvent], state: LogState) -> None:
         evs = [pe.event for pe in planned]
-        await conn.execute(
-            text(
-                "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
-                "rollout_id, attempt, writer, hash) "
-                "SELECT p, s, v, k, d::jsonb, sv, r, a, :w, h FROM unnest("
-                "CAST(:p AS bigint[]), CAST(:s AS text[]), CAST(:v AS int[]), CAST(:k AS text[]), CAST(:d AS text[]), "
-                "CAST(:sv AS smallint[]), CAST(:r AS text[]), CAST(:a AS int[]), CAST(:h AS bytea[])) AS t(p, s, v, k, d, sv, r, a, h)"
-            ),
+        # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which
+        # measured as half the cost of a 2,000-event insert (benchmarks/README.md).
+        await conn.exec_driver_sql(
+            "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
+            "rollout_id, attempt, writer, hash) "
+            "SELECT p, s, v, k, d::jsonb, sv, r, a, %(w)s, h FROM unnest("
+            "%(p)b::bigint[], %(s)b::text[], %(v)b::int[], %(k)b::text[], %(d)b::text[], "
+            "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)",
             {
                 "p": [e.position for e in evs],
                 "s": [e.stream for e in evs],

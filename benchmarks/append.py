@@ -132,6 +132,7 @@ def machine_info(admin_dsn: str) -> dict[str, Any]:
         "nproc": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],  # the machine may be shared: noise shows here
     }
     with contextlib.suppress(Exception), open("/proc/cpuinfo") as f:
         info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
     finally:
         server.close()
+    machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
     copy = [{"writers": w, "rows_per_s": round(_median(copy_raw[w]), 1), "runs": [round(x, 1) for x in copy_raw[w]]}
             for w in WRITERS]
