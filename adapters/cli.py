@@ -32,6 +32,52 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(args))
 
 
+async def _with_store(dsn: str | None, work):  # type: ignore[no-untyped-def]
+    from adapters.postgres import PostgresEventStore
+
+    store = PostgresEventStore.connect(database.prepare_database(dsn), writer="cli")
+    try:
+        return await work(store)
+    finally:
+        await store.close()
+
+
+def _history(args: argparse.Namespace) -> int:
+    from participants.replay import history
+
+    h = asyncio.run(_with_store(args.dsn, lambda s: history(s, args.rollout_id)))
+    if args.json:
+        print(json.dumps(h, default=str))
+        return 0
+    cols = ["attempt", "status", "parent_attempt", "restored_from", "origin_position", "started_position",
+            "ended_position", "events", "model_calls", "mutations", "reward"]
+    table = [[str(a[c]) if a[c] is not None else "-" for c in cols] for a in h["attempts"]]
+    widths = [max(len(c), *(len(r[i]) for r in table)) for i, c in enumerate(cols)] if table else [len(c) for c in cols]
+    print(f"rollout {h['rollout_id']}")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    print(f"\ntimeline ({len(h['timeline'])} events)")
+    for t in h["timeline"]:
+        print(f"  {t['position']:>8}  attempt {t['attempt']}  {t['kind']:<22} {t['stream']}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from participants.replay import replay
+
+    steps, state = asyncio.run(_with_store(args.dsn, lambda s: replay(s, args.rollout_id, args.attempt, args.to)))
+    if args.json:
+        print(json.dumps({"steps": [s.__dict__ for s in steps], "revision": state.revision, "reward": state.reward,
+                          "env_state": state.env_state}, default=str))
+        return 0
+    for s in steps:
+        print(f"{s.position:>8}  a{s.attempt}  {s.kind:<20} {s.change}")
+    print(f"\nreplayed {len(steps)} events: revision {state.revision}, turn {state.turn}, reward {state.reward}; "
+          "no divergence from the recorded state")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="Checkpoint and continue multi-turn rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     demo.add_argument("--keep", action="store_true", help="leave the database for SQL afterwards")
     demo.set_defaults(func=_demo)
+
+    hist = sub.add_parser("history", help="the timeline of every attempt of a rollout")
+    hist.add_argument("rollout_id")
+    hist.add_argument("--dsn")
+    hist.add_argument("--json", action="store_true")
+    hist.set_defaults(func=_history)
+
+    rep = sub.add_parser("replay", help="rebuild an attempt's state from the log alone, step by step")
+    rep.add_argument("rollout_id")
+    rep.add_argument("--attempt", type=int, required=True)
+    rep.add_argument("--to", type=int, help="stop at this log position")
+    rep.add_argument("--dsn")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=_replay)
 
     from adapters import checkpoint_cli
 

@@ -80,7 +80,7 @@ def changes_for(e: RecordedEvent) -> list[Change]:
     if k.startswith("session_") or k == "mutation_applied":
         values = {"updated_position": e.position, "stream_version": e.stream_version}
         if k == "session_opened":
-            values.update(status="open", env=d.get("env"), revision=0)
+            values.update(status="open", env=d.get("env"), revision=d.get("revision", 0))
         elif k == "mutation_applied":
             values["revision"] = d["revision"]
         else:

@@ -1,0 +1,156 @@
+"""History and replay of a rollout, from the log alone, with no server running.
+
+`history` lists every attempt of a rollout and its timeline. `replay` rebuilds one attempt's
+state step by step (its origin's events up to the boundary it was restored from, then its own),
+prints each step's change of state, and checks the rebuilt state against what the servers
+recorded: revisions, restored sessions, agent boundaries, rewards and the session projection. A
+disagreement is a `replay_divergence`, reported as an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.postgres import PostgresEventStore
+from engine.checkpoint import effective_history
+from engine.errors import ReplayDivergence, UnknownAttempt
+from engine.events import RecordedEvent, canonical_json
+from engine.identity import session_stream
+from participants.environments import get_environment
+from participants.environments.base import Task
+
+
+@dataclass
+class ReplayState:
+    task: Task | None = None
+    env_state: Any = None
+    revision: int = 0
+    turn: int = 0
+    messages: int = 0
+    calls: list[str] = field(default_factory=list)
+    step: str | None = None
+    reward: float | None = None
+    final_answer: str | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    position: int
+    attempt: int
+    kind: str
+    change: str
+
+
+def diff(before: Any, after: Any, path: str = "", limit: int = 6) -> list[str]:
+    """The paths where two JSON values differ, shallowest first, at most `limit` of them."""
+    if canonical_json(before) == canonical_json(after):
+        return []
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: list[str] = []
+        for key in sorted(set(before) | set(after)):
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in before:
+                out.append(f"+{sub}")
+            elif key not in after:
+                out.append(f"-{sub}")
+            else:
+                out += diff(before[key], after[key], sub, limit)
+            if len(out) >= limit:
+                return out[:limit] + ["..."]
+        return out
+    return [f"{path or '.'}: {_short(before)} -> {_short(after)}"]
+
+
+def _short(v: Any) -> str:
+    text = canonical_json(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _divergence(e: RecordedEvent, what: str) -> ReplayDivergence:
+    return ReplayDivergence(f"at position {e.position} ({e.kind}, attempt {e.attempt}): {what}", position=e.position)
+
+
+def apply(state: ReplayState, e: RecordedEvent) -> str:
+    """Advance the replayed state by one event; return what changed. Raises on divergence."""
+    d = e.data
+    if e.kind == "session_opened":
+        task = Task.from_json(d["task"])
+        if d.get("restored_from"):
+            if d.get("revision", 0) != state.revision:
+                raise _divergence(e, f"restored session claims revision {d.get('revision')}, replay has {state.revision}")
+            return f"session restored from {d['restored_from']} at revision {state.revision}"
+        state.task, state.env_state, state.revision = task, get_environment(task.env).initial_state(task), 0
+        return f"session opened: {task.env} task {task.task_id}"
+    if e.kind == "mutation_applied":
+        if d["revision"] != state.revision + 1:
+            raise _divergence(e, f"revision {d['revision']} follows {state.revision}")
+        assert state.task is not None
+        env = get_environment(state.task.env)
+        if env.state_mode != "exported":
+            state.revision += 1
+            return f"r{d['revision']} {d.get('tool')}: live effect, not replayable ({env.state_mode})"
+        before, state.env_state = state.env_state, env.apply(state.env_state, d["effect"])
+        state.revision += 1
+        return f"r{d['revision']} {d.get('tool')}({_short(d.get('arguments'))}): " + "; ".join(diff(before, state.env_state))
+    if e.kind == "agent_boundary":
+        seen = d.get("revisions", {}).get(session_stream(e.rollout_id or "", e.attempt or 0))
+        if seen is not None and seen != state.revision:
+            raise _divergence(e, f"agent boundary saw revision {seen}, replay has {state.revision}")
+        state.turn, state.messages = d.get("turn", state.turn), len(d.get("messages", []))
+        return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
+    if e.kind in ("call_completed", "call_cut"):
+        state.calls.append(d["call_id"])
+        return f"model call {d['call_id']} {e.kind.removeprefix('call_')} ({d.get('disposition', '')})"
+    if e.kind == "session_verified":
+        if state.task is not None and "final_answer" in d and get_environment(state.task.env).verification == "replay":
+            env = get_environment(state.task.env)
+            again = float(env.verify(state.task, state.env_state, d["final_answer"]))
+            if abs(again - float(d["reward"])) > 1e-9:
+                raise _divergence(e, f"verify on the replayed state gives {again}, the log recorded {d['reward']}")
+        state.reward, state.final_answer = d.get("reward"), d.get("final_answer")
+        return f"verified: reward {d.get('reward')}"
+    if e.kind.startswith("episode_"):
+        state.step = d.get("step", e.kind.removeprefix("episode_"))
+        return f"episode {state.step}"
+    if e.kind == "attempt_finished":
+        state.reward = d.get("reward")
+        return f"attempt finished, reward {d.get('reward')}"
+    return e.kind.replace("_", " ")
+
+
+async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
+    rows = await store.attempt_rows([rollout_id])
+    if (rollout_id, attempt) not in rows:
+        raise UnknownAttempt(f"rollout {rollout_id} has no attempt {attempt}", rollout_id=rollout_id, attempt=attempt)
+    state, steps = ReplayState(), []
+    for e in await effective_history(store, rollout_id, attempt, to):
+        steps.append(Step(e.position, e.attempt or 0, e.kind, apply(state, e)))
+    if to is None:
+        async with store.engine.connect() as conn:
+            from sqlalchemy import text
+
+            recorded = (await conn.execute(
+                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
+                {"r": rollout_id, "a": attempt})).scalar()
+        if recorded is not None and recorded != state.revision:
+            raise ReplayDivergence(f"the session projection records revision {recorded}, the replay reaches {state.revision}")
+    return steps, state
+
+
+async def history(store: PostgresEventStore, rollout_id: str) -> dict[str, Any]:
+    rows = await store.attempt_rows([rollout_id])
+    events = await store.read_rollout(rollout_id)
+    attempts = []
+    for (_, n), row in sorted(rows.items()):
+        own = [e for e in events if e.attempt == n]
+        attempts.append({
+            "attempt": n, "status": row["status"], "parent_attempt": row["parent_attempt"],
+            "restored_from": row["restored_from"], "origin_position": row["origin_position"],
+            "started_position": row["started_position"], "ended_position": row["ended_position"], "reward": row["reward"],
+            "events": len(own),
+            "model_calls": sum(e.kind == "call_completed" for e in own),
+            "mutations": sum(e.kind == "mutation_applied" for e in own),
+        })
+    timeline = [{"position": e.position, "attempt": e.attempt, "kind": e.kind, "stream": e.stream} for e in events]
+    return {"rollout_id": rollout_id, "attempts": attempts, "timeline": timeline}
