@@ -227,6 +227,8 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
     for e in history:
         if e.kind == "mutation_applied":
             revisions[e.stream] = e.data["revision"]
+        elif e.kind == "session_opened":  # a restored session opens at the revision it carried over
+            revisions[e.stream] = e.data.get("revision", 0)
     for stream, revision in boundary.data.get("revisions", {}).items():
         if revisions.get(stream, 0) != revision:
             raise InvalidCheckpointState(

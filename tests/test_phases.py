@@ -154,7 +154,11 @@ def test_checkpoint_walks_to_published_and_each_move_is_an_event() -> None:
 def test_checkpoint_aborts_from_any_phase_before_published(phase: str) -> None:
     c = CheckpointPhases(CK, phase)
     event = c.fire("aborted", reason="deadline")
-    assert (event.kind, event.data, c.phase) == ("checkpoint_aborted", {"checkpoint_id": CK, "reason": "deadline"}, "aborted")
+    assert (event.kind, event.data, c.phase) == (
+        "checkpoint_aborted",
+        {"checkpoint_id": CK, "reason": "deadline"},
+        "aborted",
+    )
 
 
 def test_published_checkpoint_cannot_abort() -> None:

@@ -1,0 +1,471 @@
+"""The resources server: per-session environment state, every change an event as it happens.
+
+A session is keyed by (rollout_id, attempt) and holds its environment, task, JSON state and
+revision. Mutations of one session are serialized by its lock; each one that has an effect is one
+`mutation_applied` event on the session's stream, appended before the new state is installed and
+before the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every
+scoped session from the log alone (initial state, then each effect in order), validates the whole
+set, stages it, and installs it under the rollout's new attempt only at resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict
+
+from adapters.postgres import PostgresEventStore
+from engine.checkpoint import Cut, effective_history, validate_cut
+from engine.errors import (
+    AdmissionClosed,
+    InvalidCheckpointState,
+    RestartInScope,
+    RollbookError,
+    RolloutIdRequired,
+)
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import session_stream
+from participants.control_plane import (
+    Body,
+    Execution,
+    Participant,
+    PrepareReport,
+    build_app,
+    data_path,
+    identity,
+)
+from participants.environments import Environment, Task, ToolError, get_environment
+from participants.environments.base import JSON
+
+Key = tuple[str, int]  # (rollout_id, attempt)
+
+
+class ToolCallRefused(RollbookError):
+    """An environment refused a call (bad arguments, unknown tool, a finished game): nothing changed."""
+
+    code = "tool_error"
+
+
+class InvalidRequest(RollbookError):
+    code = "invalid_request"
+
+
+class SessionNotFound(RollbookError):
+    code = "not_found"
+
+
+def refused(exc: ToolError) -> ToolCallRefused:
+    return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
+
+
+class TaskBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    env: str
+    task_id: str
+    prompt: str
+    params: dict[str, Any] = {}
+
+
+class OpenRequest(Body):
+    env: str
+    task: TaskBody
+
+
+class ToolRequest(Body):
+    arguments: dict[str, Any] = {}
+
+
+class VerifyRequest(Body):
+    final_answer: str | None = None
+
+
+@dataclass
+class Session:
+    rollout_id: str
+    attempt: int
+    env: Environment
+    task: Task
+    state: JSON
+    revision: int = 0
+    stream_version: int = 0  # the writer's view of its stream: appends expect exactly this version
+    live: Any = None  # restart-only environments: the live process handle
+    opened: bool = False  # session_opened is durable
+    verify_status: str | None = None
+    verifying: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    verify_idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stream(self) -> str:
+        return session_stream(self.rollout_id, self.attempt)
+
+    def event(self, kind: str, data: dict[str, Any]) -> NewEvent:
+        return NewEvent(self.stream, kind, data, self.rollout_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A session rebuilt from the log at restore, waiting for its new attempt at resume."""
+
+    rollout_id: str
+    origin_attempt: int
+    env_name: str
+    task: Task
+    state: JSON
+    revision: int
+
+
+def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent]) -> Staged | None:
+    """A session's state at a boundary from the log alone; None when no session was open there.
+
+    `history` is the attempt's effective history (its origins' events first), so a session restored
+    earlier continues from its origin's replay. Raises InvalidCheckpointState on anything that does
+    not add up, RestartInScope for a live session whose state cannot be rebuilt at all."""
+    env: Environment | None = None
+    task: Task | None = None
+    state: JSON = None
+    revision = 0
+    where = f"{rollout_id} attempt {attempt}"
+    for e in history:
+        if not e.stream.startswith("session:"):
+            continue
+        try:
+            if e.kind == "session_opened":
+                if e.data.get("restored_from") is not None:
+                    # A restored session continues its origin's replay; it must agree with it.
+                    if env is None or task is None or e.data.get("revision") != revision or e.data.get("env") != env.name:
+                        raise InvalidCheckpointState(
+                            f"{where}: {e.stream} says it was restored at revision {e.data.get('revision')}, "
+                            f"the replay of its origin is at {revision if env else 'no session'}")
+                    continue
+                env = get_environment(e.data["env"])
+                task = Task.from_json(e.data["task"])
+                state, revision = env.initial_state(task), 0
+            elif e.kind == "mutation_applied":
+                if env is None:
+                    raise InvalidCheckpointState(f"{where}: {e.stream} has a mutation before any session_opened")
+                if e.data.get("revision") != revision + 1:
+                    raise InvalidCheckpointState(
+                        f"{where}: {e.stream} jumps from revision {revision} to {e.data.get('revision')}")
+                if env.state_mode == "restart_only":
+                    continue  # its effects are records, not state; refused below
+                state, revision = env.apply(state, e.data["effect"]), revision + 1
+            elif e.kind == "session_closed":
+                env, task, state, revision = None, None, None, 0
+        except RollbookError:
+            raise
+        except Exception as exc:  # whatever a reducer raises, this log does not replay
+            raise InvalidCheckpointState(f"{where}: {e.stream}@{e.stream_version} does not replay: {exc}") from exc
+    if env is None or task is None:
+        return None
+    if env.state_mode == "restart_only":
+        raise RestartInScope(f"{where} holds a live {env.name} session, which cannot be rebuilt",
+                             executions=[[rollout_id, attempt]])
+    at = next((e for e in history if e.position == boundary), None)
+    seen = (at.data.get("revisions") or {}) if at is not None else {}
+    for stream, rev in seen.items():
+        if stream.startswith(f"session:{rollout_id}:") and rev != revision:
+            raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {rev}, the replay reaches {revision}")
+    return Staged(rollout_id, attempt, env.name, task, state, revision)
+
+
+class ResourcesParticipant(Participant):
+    kind: ClassVar[str] = "resources"
+    concurrency: ClassVar[str] = "mutations serialized per (rollout_id, attempt) session; control operations serialized"
+
+    def __init__(self, store: PostgresEventStore, instance: str = "resources-0") -> None:
+        super().__init__(store, instance)
+        self.sessions: dict[Key, Session] = {}
+        self.staged: dict[Key, Staged] = {}
+        self.staged_from: str | None = None
+
+    # ---- data plane -------------------------------------------------------------------------
+
+    async def _enter(self, request: web.Request) -> Key:
+        key = identity(request)
+        await self.check_attempt(*key)
+        self.served_sessions = True
+        return key
+
+    def _session(self, key: Key) -> Session:
+        s = self.sessions.get(key)
+        if s is None or not s.opened:
+            raise SessionNotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
+        return s
+
+    async def _append(self, s: Session, kind: str, data: dict[str, Any]) -> RecordedEvent:
+        # Expecting the stream version we last wrote makes a second writer of this session a conflict.
+        (recorded,) = await self.store.append(AppendRequest((s.event(kind, data),), {s.stream: s.stream_version}))
+        s.stream_version = recorded.stream_version
+        return recorded
+
+    def _refuse_when_closed(self, what: str) -> None:
+        if not self.admission_open:
+            raise AdmissionClosed(f"{what} refused: a checkpoint is in progress; retry after it resumes")
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        key = await self._enter(request)
+        body = OpenRequest.model_validate(await request.json())
+        if body.task.env != body.env:
+            raise InvalidRequest(f"the task is for environment {body.task.env!r}, not {body.env!r}")
+        try:
+            env = get_environment(body.env)
+        except ToolError as exc:
+            raise InvalidRequest(exc.message) from exc
+        task = Task.from_json(body.task.model_dump())
+        existing = self.sessions.get(key)
+        if existing is not None:
+            if existing.env.name != env.name or existing.task != task:
+                raise ToolCallRefused(f"rollout {key[0]} attempt {key[1]} already has a different session",
+                                      tool_error="session_exists")
+            async with existing.lock:  # a repeated open is answered once the first is durable
+                return web.json_response(self._describe(self._session(key)))
+        self._refuse_when_closed("opening a session")
+        try:
+            state = env.initial_state(task)
+        except ToolError as exc:
+            raise refused(exc) from exc
+        s = Session(key[0], key[1], env, task, state)
+        async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
+            self.sessions[key] = s
+            try:
+                if env.state_mode == "restart_only":
+                    # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
+                    s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
+                await self._append(s, "session_opened", {"env": env.name, "task": task.to_json()})
+            except BaseException:
+                self.sessions.pop(key, None)
+                await self._close_live(s)
+                raise
+            s.opened = True
+        return web.json_response(self._describe(s))
+
+    @staticmethod
+    def _describe(s: Session) -> dict[str, Any]:
+        return {"state_mode": s.env.state_mode, "verification": s.env.verification, "revision": s.revision,
+                "tools": s.env.tools()}
+
+    async def call_tool(self, request: web.Request) -> web.Response:
+        key = await self._enter(request)
+        name = request.match_info["name"]
+        body = ToolRequest.model_validate(await request.json())
+        s = self._session(key)
+        # Taken right before the lock: work admitted here and queued on the lock is in flight,
+        # and prepare, queued behind it, waits for it.
+        admitted = self.admission_open
+        async with s.lock:
+            if self.sessions.get(key) is not s:
+                raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
+            if s.env.state_mode == "restart_only":
+                if not admitted:
+                    raise AdmissionClosed("tool calls on a live shell are refused while a checkpoint is in progress")
+                try:
+                    # The shell runs the command in a subprocess with a blocking read; keep it off the loop.
+                    outcome = await asyncio.to_thread(s.env.call_live, s.live, name, body.arguments)  # type: ignore[attr-defined]
+                except ToolError as exc:
+                    raise refused(exc) from exc
+                new_state = s.state
+            else:
+                try:
+                    outcome = s.env.call_tool(s.state, name, body.arguments)
+                    if outcome.effect is None:  # read-only: allowed even while admission is closed
+                        return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
+                    if not admitted:
+                        raise AdmissionClosed(f"tool {name} changes the session and a checkpoint is in progress")
+                    new_state = s.env.apply(s.state, outcome.effect)
+                except ToolError as exc:
+                    raise refused(exc) from exc
+            if outcome.effect is None:
+                return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
+            revision = s.revision + 1
+            # The event first: a crash after it replays this change, a crash before it never happened.
+            await self._append(s, "mutation_applied",
+                               {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect})
+            s.state, s.revision = new_state, revision
+            return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
+
+    async def verify(self, request: web.Request) -> web.Response:
+        key = await self._enter(request)
+        body = VerifyRequest.model_validate(await request.json())
+        s = self._session(key)
+        self._refuse_when_closed("verify")
+        s.verifying += 1
+        s.verify_idle.clear()
+        try:
+            state, revision = s.state, s.revision  # states are replaced, never edited: a consistent snapshot
+            error: str | None = None
+            try:
+                # A verifier may be slow (a judge, a subprocess); a thread keeps the loop serving.
+                reward = float(await asyncio.to_thread(s.env.verify, s.task, state, body.final_answer))
+                status = "passed" if reward > 0 else "failed"
+            except Exception as exc:  # any verifier failure is recorded, then reported
+                reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
+            async with s.lock:
+                if self.sessions.get(key) is not s:
+                    raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
+                data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
+                                        "final_answer": body.final_answer}
+                if error is not None:
+                    data["error"] = error
+                await self._append(s, "session_verified", data)
+                s.verify_status = status
+                if status == "passed":
+                    # A successful terminal session is retired; a failed one keeps its state to inspect or retry.
+                    await self._retire_session(s, {"status": status, "reason": "verified"})
+        finally:
+            s.verifying -= 1
+            if s.verifying == 0:
+                s.verify_idle.set()
+        if error is not None:
+            raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
+        return web.json_response({"reward": reward, "status": status, "revision": revision})
+
+    async def close(self, request: web.Request) -> web.Response:
+        key = await self._enter(request)
+        s = self.sessions.get(key)
+        if s is None:
+            # Closing twice, or after a passed verify retired the session, is fine if the log agrees.
+            last = await self.store.read_stream(session_stream(*key))
+            if last and last[-1].kind == "session_closed":
+                return web.json_response({})
+            raise SessionNotFound(f"no session for rollout {key[0]} attempt {key[1]}")
+        self._refuse_when_closed("closing a session")
+        async with s.lock:
+            if self.sessions.get(key) is s:
+                await self._retire_session(s, {"status": s.verify_status or "unverified", "reason": "closed"})
+        return web.json_response({})
+
+    async def _retire_session(self, s: Session, data: dict[str, Any]) -> None:
+        """Under the session's lock: record the close, then free the session."""
+        await self._append(s, "session_closed", {**data, "revision": s.revision})
+        self.sessions.pop((s.rollout_id, s.attempt), None)
+        await self._close_live(s)
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        s = self._session(await self._enter(request))
+        return web.json_response({"state": s.state, "revision": s.revision})
+
+    @staticmethod
+    async def _close_live(s: Session) -> None:
+        if s.live is not None:
+            handle, s.live = s.live, None
+            await asyncio.to_thread(s.env.close_live, handle)  # type: ignore[attr-defined]
+
+    async def no_identity(self, request: web.Request) -> web.Response:
+        raise RolloutIdRequired("data routes live under /rollouts/{rollout_id}/attempts/{attempt}/")
+
+    def routes(self) -> list[web.RouteDef]:
+        routes = [
+            web.post(data_path("/session"), self.open_session),
+            web.post(data_path("/tools/{name}"), self.call_tool),
+            web.post(data_path("/verify"), self.verify),
+            web.post(data_path("/close"), self.close),
+            web.get(data_path("/state"), self.get_state),
+        ]
+        bare = [web.post(p, self.no_identity) for p in ("/session", "/tools/{name}", "/verify", "/close")]
+        return routes + bare + [web.get("/state", self.no_identity)]
+
+    # ---- control plane hooks ----------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        sessions = list(self.sessions.values())
+        for s in sessions:
+            if s.env.state_mode != "restart_only":  # restarts never block: they start over anyway
+                async with s.lock:
+                    pass
+        # `wait` verification must finish before a checkpoint; `replay` may simply run again after a crash.
+        waiting = [s for s in sessions if s.env.verification == "wait" and s.verifying]
+        if waiting:
+            budget = max(0.0, (deadline - time.time()) * 0.8)
+            waits = [asyncio.ensure_future(s.verify_idle.wait()) for s in waiting]
+            await asyncio.wait(waits, timeout=budget)
+            for w in waits:
+                w.cancel()
+        sessions = list(self.sessions.values())
+        blockers = [f"{s.rollout_id}:{s.attempt} verify in progress" for s in sessions
+                    if s.env.verification == "wait" and s.verifying]
+        counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0}
+        for s in sessions:
+            counts[s.env.state_mode] += 1
+        restarts = [Execution(rollout_id=s.rollout_id, attempt=s.attempt) for s in sessions
+                    if s.env.state_mode == "restart_only"]
+        return PrepareReport(ready=not blockers, blockers=blockers, counts=counts, restarts=restarts)
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        """Rebuild every scoped session and validate the whole set before staging any of it."""
+        await validate_cut(self.store, cut)  # chain hashes, digest, lineage: the log is the one we cut
+        staged: dict[Key, Staged] = {}
+        for entry in cut.scope:
+            history = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
+            one = rebuild(entry.rollout_id, entry.attempt, entry.boundary, history)
+            if one is not None:
+                staged[(entry.rollout_id, entry.attempt)] = one
+        self.staged, self.staged_from = staged, cut.checkpoint_id
+        self.admission_open = False  # a restored process stays paused until resume installs the sessions
+        return {"staged": len(staged), "scope": len(cut.scope)}
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        if restored and self.staged_from == checkpoint_id:
+            installed = await self._install(checkpoint_id)
+            self.admission_open = True
+            return {"installed": installed}
+        self.admission_open = True
+        return {}
+
+    async def _install(self, checkpoint_id: str) -> int:
+        """Each staged session under its rollout's new attempt, all in one atomic append."""
+        rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
+        targets: dict[Key, int] = {}
+        for rid, old in self.staged:
+            live = [a for (r, a), row in rows.items()
+                    if r == rid and a > old and row["status"] == "live" and row["restored_from"] == checkpoint_id]
+            if not live:
+                raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is not installed: rollout {rid} has no live "
+                                             f"attempt restored from it", rollout_id=rid)
+            targets[(rid, old)] = max(live)
+        fresh: list[tuple[int, Session]] = []
+        for (rid, old), st in self.staged.items():
+            env = get_environment(st.env_name)
+            fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
+        events = tuple(
+            s.event("session_opened", {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
+                                       "revision": s.revision, "origin_attempt": old})
+            for old, s in fresh
+        )
+        # Expecting version 0: the new attempt's stream must be empty, or someone opened it already.
+        recorded = await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
+        for (_, s), e in zip(fresh, recorded, strict=True):
+            s.stream_version = e.stream_version
+            # Sessions of older attempts of the same rollout are fenced: nothing may use them again.
+            for key in [k for k in self.sessions if k[0] == s.rollout_id and k[1] < s.attempt]:
+                await self._close_live(self.sessions.pop(key))
+            self.sessions[(s.rollout_id, s.attempt)] = s
+        self.staged, self.staged_from = {}, None
+        return len(fresh)
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        for key in [k for k in self.sessions if k[0] == rollout_id and k[1] <= through]:
+            s = self.sessions[key]
+            async with s.lock:  # let an accepted mutation finish (its append now fails: the attempt is retired)
+                self.sessions.pop(key, None)
+                await self._close_live(s)
+        self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
+
+
+PARTICIPANT: web.AppKey[ResourcesParticipant] = web.AppKey("resources_participant", ResourcesParticipant)
+
+
+def build_resources_app(store: PostgresEventStore, token: str, instance: str = "resources-0") -> web.Application:
+    """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection."""
+    participant = ResourcesParticipant(store, instance)
+    app = build_app(participant, token)
+    app[PARTICIPANT] = participant
+    return app
+
+
+__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild", "ToolCallRefused", "SessionNotFound"]

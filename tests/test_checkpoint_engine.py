@@ -1,0 +1,421 @@
+"""The cut and the restore, on a real PostgreSQL log.
+
+The world: rollouts r0, r1, r2 are live and checkpointed (the scope); r3 is live and named nowhere;
+r4 finished before the cut; r5 is live but its environment is restart-only. Each episode has two
+boundaries (an environment step, then an agent boundary that depends on a model call and saw its
+session at revision 2) and events after its last boundary.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import psycopg
+import pytest
+
+from adapters.database import libpq_dsn
+from adapters.postgres import PostgresEventStore
+from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
+from engine.checkpoint import (
+    Cut,
+    classify,
+    committed_event,
+    effective_history,
+    install_request,
+    load_cut,
+    make_cut,
+    validate_cut,
+)
+from engine.errors import InvalidCheckpointState, RestartInScope, StaleAttempt
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream, session_stream
+from engine.log import append_one
+
+SCOPE = [("r0", 0), ("r1", 0), ("r2", 0)]
+RESTARTS = [("r5", 0)]
+
+Positions = dict[str, int]
+
+
+def E(stream: str, kind: str, r: str | None = None, a: int | None = None, **data: Any) -> NewEvent:
+    return NewEvent(stream, kind, data, r, a)
+
+
+async def episode(
+    store: PostgresEventStore, r: str, *, complete_call: bool = True, seen_revision: int = 2
+) -> Positions:
+    """One attempt-0 episode, appended atomically; returns the position of each named event."""
+    ses, call = session_stream(r, 0), f"{r}-c1"
+    named = [
+        ("start", E(rollout_stream(r), ATTEMPT_STARTED, r, 0, parent_attempt=None)),
+        ("opened", E(episode_stream(r, 0), "episode_started", r, 0, env="math", task_id=f"t-{r}")),
+        ("session", E(ses, "session_opened", r, 0, env="math")),
+        ("rev1", E(ses, "mutation_applied", r, 0, revision=1, effect={"x": 1})),
+        ("step", E(episode_stream(r, 0), "episode_step", r, 0, step="seed")),
+        ("accepted", E(call_stream(call), "call_accepted", r, 0, call_id=call)),
+        ("completed", E(call_stream(call), "call_completed", r, 0, call_id=call, tokens=12)),
+        ("rev2", E(ses, "mutation_applied", r, 0, revision=2, effect={"x": 2})),
+        (
+            "boundary",
+            E(agent_stream(r, 0), "agent_boundary", r, 0, calls=[call], revisions={ses: seen_revision}),
+        ),
+        # after the last boundary: work the checkpoint does not keep
+        ("rev3", E(ses, "mutation_applied", r, 0, revision=3, effect={"x": 3})),
+        ("late_call", E(call_stream(f"{r}-c2"), "call_accepted", r, 0, call_id=f"{r}-c2")),
+    ]
+    if not complete_call:
+        named = [(n, e) for n, e in named if n != "completed"]
+    recorded = await store.append(AppendRequest(tuple(e for _, e in named)))
+    return {n: rec.position for (n, _), rec in zip(named, recorded, strict=True)}
+
+
+@pytest.fixture
+async def world(store: PostgresEventStore) -> dict[str, Positions]:
+    w = {r: await episode(store, r) for r in ("r0", "r1", "r2", "r3", "r4", "r5")}
+    await append_one(store, E(rollout_stream("r4"), ATTEMPT_FINISHED, "r4", 0, reward=1.0))
+    return w
+
+
+async def tamper(dsn: str, sql: str, position: int) -> None:
+    """Change the log behind the store's back, as a faulty disk or a careless operator would."""
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        cur = await conn.execute(sql, {"p": position})
+        assert cur.rowcount == 1
+
+
+async def latest_attempts(store: PostgresEventStore, rollouts: list[str]) -> dict[str, int]:
+    latest: dict[str, int] = {}
+    for r, a in await store.attempt_rows(rollouts):
+        latest[r] = max(latest.get(r, -1), a)
+    return latest
+
+
+async def restore(store: PostgresEventStore, cut: Cut) -> list[RecordedEvent]:
+    """Restore as the engine defines it: validate everything, then one atomic install."""
+    await validate_cut(store, cut)
+    rollouts = sorted({s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh})
+    return await store.append(install_request(cut, await latest_attempts(store, rollouts)))
+
+
+async def statuses(store: PostgresEventStore) -> dict[tuple[str, int], str]:
+    rows = await store.attempt_rows([f"r{i}" for i in range(6)])
+    return {k: row["status"] for k, row in rows.items()}
+
+
+# ---- the cut -------------------------------------------------------------------------------
+
+
+async def test_cut_takes_p_at_the_head_and_each_scoped_attempts_latest_boundary(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    head = await store.head()
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    assert cut.position == head
+    # not "step" (an earlier boundary), not "rev3"/"late_call" (later events that are no boundary)
+    assert {(s.rollout_id, s.attempt): s.boundary for s in cut.scope} == {
+        (r, 0): world[r]["boundary"] for r in ("r0", "r1", "r2")
+    }
+    assert all(world[r]["boundary"] < world[r]["late_call"] <= head for r in ("r0", "r1", "r2"))
+
+
+async def test_boundary_appended_after_commit_belongs_to_the_next_cut_only(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    first = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    later = await append_one(store, E(episode_stream("r0", 0), "episode_step", "r0", 0, step="verify"))
+    second = await make_cut(store, "ck2", SCOPE, RESTARTS)
+    boundary = {c.checkpoint_id: {s.rollout_id: s.boundary for s in c.scope}["r0"] for c in (first, second)}
+    assert boundary == {"ck1": world["r0"]["boundary"], "ck2": later.position}
+    assert first.position < later.position == second.position
+    await validate_cut(store, first)  # the old cut still stands on its own boundary
+
+
+async def test_cut_of_an_attempt_with_no_boundary_in_the_log_is_refused(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    # Bad input: the attempt's start (its first boundary) was deleted, so it has nowhere to resume from.
+    start = await append_one(store, E(rollout_stream("rx"), ATTEMPT_STARTED, "rx", 0))
+    await append_one(store, E(session_stream("rx", 0), "session_opened", "rx", 0, env="math"))
+    await tamper(dsn, "DELETE FROM rollbook.events WHERE position = %(p)s", start.position)
+    with pytest.raises(InvalidCheckpointState, match="no boundary"):
+        await make_cut(store, "ck1", [("rx", 0)], [])
+
+
+async def test_cut_digest_is_the_same_for_the_same_log(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    first = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    second = await make_cut(store, "ck2", SCOPE, RESTARTS)
+    items = await validate_cut(store, first)
+    assert first.digest == second.digest
+    assert [(i.entry.rollout_id, i.history[-1].position) for i in items] == [
+        (r, world[r]["boundary"]) for r in ("r0", "r1", "r2")
+    ]
+
+
+async def test_cut_digest_ignores_work_after_the_boundary_and_moves_with_a_new_boundary(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    base = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await append_one(store, E(session_stream("r1", 0), "mutation_applied", "r1", 0, revision=4, effect={}))
+    unmoved = await make_cut(store, "ck2", SCOPE, RESTARTS)
+    await append_one(store, E(agent_stream("r1", 0), "agent_boundary", "r1", 0, calls=[], revisions={}))
+    moved = await make_cut(store, "ck3", SCOPE, RESTARTS)
+    assert unmoved.digest == base.digest
+    assert moved.digest != base.digest
+
+
+async def test_committed_cut_reads_back_from_the_log(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await append_one(store, committed_event(cut))
+    loaded, phase = await load_cut(store, "ck1")
+    assert (loaded, phase) == (cut, "committed")
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+
+async def test_validate_refuses_an_altered_event_in_scope_and_names_it(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    # r1's first mutation (session stream version 2) gets a different effect after the commit.
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await tamper(
+        dsn,
+        """UPDATE rollbook.events SET data = data || '{"effect": {"x": 7}}' WHERE position = %(p)s""",
+        world["r1"]["rev1"],
+    )
+    with pytest.raises(InvalidCheckpointState, match="session:r1:0@2 does not match") as err:
+        await validate_cut(store, cut)
+    assert err.value.code == "invalid_checkpoint_state"
+
+
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "rev1",  # mid-stream: the session stream has a gap
+        "rev2",  # the last session event before the boundary: only the chain head shows it
+        "start",  # the attempt's first event, alone on its stream below the boundary
+        "boundary",  # the boundary itself
+    ],
+)
+async def test_validate_refuses_a_deleted_event_in_scope(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions], victim: str
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await tamper(dsn, "DELETE FROM rollbook.events WHERE position = %(p)s", world["r2"][victim])
+    with pytest.raises(InvalidCheckpointState) as err:
+        await validate_cut(store, cut)
+    assert err.value.code == "invalid_checkpoint_state"
+
+
+async def test_validate_refuses_a_boundary_whose_model_call_completes_only_after_the_cut(
+    store: PostgresEventStore,
+) -> None:
+    w = await episode(store, "r0", complete_call=False)
+    cut = await make_cut(store, "ck1", [("r0", 0)], [])
+    await append_one(store, E(call_stream("r0-c1"), "call_completed", "r0", 0, call_id="r0-c1"))
+    with pytest.raises(InvalidCheckpointState, match="r0-c1") as err:
+        await validate_cut(store, cut)
+    assert err.value.code == "invalid_checkpoint_state"
+    assert cut.position < await store.head() and w["boundary"] <= cut.position
+
+
+async def test_validate_refuses_a_boundary_whose_resources_revision_disagrees_with_the_log(
+    store: PostgresEventStore,
+) -> None:
+    await episode(store, "r0", seen_revision=3)  # the session was at revision 2 at the boundary
+    cut = await make_cut(store, "ck1", [("r0", 0)], [])
+    with pytest.raises(InvalidCheckpointState, match="revision") as err:
+        await validate_cut(store, cut)
+    assert err.value.code == "invalid_checkpoint_state"
+
+
+async def test_validate_refuses_a_cut_whose_digest_was_forged(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    forged = Cut.from_json({**cut.to_json(), "digest": "0" * 64})
+    with pytest.raises(InvalidCheckpointState, match="digest"):
+        await validate_cut(store, forged)
+
+
+# ---- restore -------------------------------------------------------------------------------
+
+
+async def test_restore_with_one_corrupt_rollout_appends_nothing_anywhere(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    # r2 is validated last: r0 and r1 were fine, and still nothing of them may be installed.
+    await tamper(
+        dsn,
+        """UPDATE rollbook.events SET data = '{"revision": 2}' WHERE position = %(p)s""",
+        world["r2"]["rev2"],
+    )
+    head, before = await store.head(), await statuses(store)
+    with pytest.raises(InvalidCheckpointState):
+        await restore(store, cut)
+    assert await store.head() == head
+    assert await statuses(store) == before
+    assert all(a == 0 for _, a in before)
+
+
+async def test_install_fences_attempt_zero_and_starts_attempt_one_of_every_continued_and_fresh_rollout_at_once(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    head = await store.head()
+    installed = await restore(store, cut)
+    assert [e.position for e in installed] == list(range(head + 1, head + 1 + len(installed)))
+    assert await statuses(store) == {
+        **{(r, 0): "fenced" for r in ("r0", "r1", "r2", "r3", "r5")},
+        **{(r, 1): "live" for r in ("r0", "r1", "r2", "r3", "r5")},
+        ("r4", 0): "finished",
+    }
+    starts = {e.rollout_id: e.data for e in installed if e.kind == ATTEMPT_STARTED}
+    assert {r: (d["disposition"], d["origin_position"]) for r, d in starts.items()} == {
+        "r0": ("continue", world["r0"]["boundary"]),
+        "r1": ("continue", world["r1"]["boundary"]),
+        "r2": ("continue", world["r2"]["boundary"]),
+        "r3": ("fresh_dispatch", None),
+        "r5": ("fresh_dispatch", None),
+    }
+
+
+async def test_install_is_all_or_nothing_when_one_fence_is_refused(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await validate_cut(store, cut)
+    latest = await latest_attempts(store, ["r0", "r1", "r2", "r3", "r5"])
+    # Between validation and install, r1's attempt 0 is fenced by someone else (a racing restore).
+    await append_one(store, E(rollout_stream("r1"), ATTEMPT_FENCED, "r1", 0, reason="operator"))
+    head, before = await store.head(), await statuses(store)
+    with pytest.raises(StaleAttempt):
+        await store.append(install_request(cut, latest))
+    assert (await store.head(), await statuses(store)) == (head, before)
+
+
+async def test_restored_away_attempt_refuses_appends_and_keeps_its_events_after_the_cut(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await restore(store, cut)
+    with pytest.raises(StaleAttempt) as err:
+        await append_one(store, E(session_stream("r0", 0), "mutation_applied", "r0", 0, revision=4))
+    assert err.value.code == "stale_attempt"
+    kept = [e.position for e in await store.read_rollout("r0", 0) if e.position > world["r0"]["boundary"]]
+    assert kept[:2] == [world["r0"]["rev3"], world["r0"]["late_call"]]
+
+
+async def test_second_restore_fences_the_replacement_and_replays_the_origin_up_to_its_boundary(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    await restore(store, cut)
+    await append_one(
+        store, E(session_stream("r0", 1), "mutation_applied", "r0", 1, revision=3, effect={"lost": True})
+    )
+    await restore(store, cut)
+    history = await effective_history(store, "r0", 2)
+    origin = await store.read_rollout("r0", 0, to=world["r0"]["boundary"])
+    own = await store.read_rollout("r0", 2)
+    assert history == origin + own
+    assert [e.kind for e in own] == [ATTEMPT_STARTED]
+    assert {k: v for k, v in (await statuses(store)).items() if k[0] == "r0"} == {
+        ("r0", 0): "fenced",
+        ("r0", 1): "fenced",
+        ("r0", 2): "live",
+    }
+    with pytest.raises(StaleAttempt):
+        await append_one(store, E(session_stream("r0", 1), "mutation_applied", "r0", 1, revision=4))
+
+
+async def test_checkpoint_of_a_restored_attempt_validates(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    # Attempt 1's first event sits on the rollout stream after attempt 0's: its chain continues
+    # attempt 0's, and validation must not mistake that for a missing event.
+    await restore(store, await make_cut(store, "ck1", SCOPE, RESTARTS))
+    await append_one(store, E(episode_stream("r0", 1), "episode_step", "r0", 1, step="agent"))
+    cut = await make_cut(store, "ck2", [("r0", 1)], [])
+    items = await validate_cut(store, cut)
+    assert [e.kind for e in items[0].history] == [ATTEMPT_STARTED, "episode_step"]
+
+
+async def test_altered_start_of_a_restored_attempt_is_refused(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    installed = await restore(store, await make_cut(store, "ck1", SCOPE, RESTARTS))
+    start = next(e for e in installed if e.kind == ATTEMPT_STARTED and e.rollout_id == "r0")
+    cut = await make_cut(store, "ck2", [("r0", 1)], [])
+    await tamper(
+        dsn,
+        """UPDATE rollbook.events SET data = data || '{"origin_position": 1}' WHERE position = %(p)s""",
+        start.position,
+    )
+    with pytest.raises(InvalidCheckpointState):
+        await validate_cut(store, cut)
+
+
+# ---- dispositions --------------------------------------------------------------------------
+
+
+async def test_completed_execution_in_scope_is_refused(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    # r4 finished before the cut: continuing it too would give it two dispositions.
+    with pytest.raises(InvalidCheckpointState, match="completed") as err:
+        await make_cut(store, "ck1", [*SCOPE, ("r4", 0)], RESTARTS)
+    assert err.value.code == "invalid_checkpoint_state"
+
+
+async def test_restart_only_execution_in_scope_is_refused(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    with pytest.raises(RestartInScope) as err:
+        await make_cut(store, "ck1", [*SCOPE, ("r5", 0)], RESTARTS)
+    assert err.value.code == "restart_in_scope"
+
+
+async def test_fenced_attempt_in_scope_is_refused(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    await append_one(store, E(rollout_stream("r0"), ATTEMPT_FENCED, "r0", 0, reason="operator"))
+    with pytest.raises(InvalidCheckpointState, match="r0"):
+        await make_cut(store, "ck1", SCOPE, RESTARTS)
+
+
+async def test_live_execution_outside_the_scope_is_dispatched_fresh(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    # r3 is live and named neither in the scope nor as restart-only; r4 finished.
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    assert (set(cut.fresh), set(cut.completed)) == ({("r3", 0), ("r5", 0)}, {("r4", 0)})
+
+
+def test_completed_and_continued_together_is_refused_by_classify() -> None:
+    with pytest.raises(InvalidCheckpointState):
+        classify(live=[("a", 0)], finished=[("a", 0)], scope=[("a", 0)], restarts=[])
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_every_execution_gets_exactly_one_disposition(seed: int) -> None:
+    rng = random.Random(seed)
+    executions = [(f"r{i}", rng.randrange(3)) for i in range(rng.randrange(1, 40))]
+    role = {k: rng.choice(["finished", "scope", "restart", "live"]) for k in executions}
+    got = classify(
+        live=executions,
+        finished=[k for k in executions if role[k] == "finished"],
+        scope=[k for k in executions if role[k] == "scope"],
+        restarts=[k for k in executions if role[k] == "restart"],
+    )
+    sets = [set(got.completed), set(got.continued), set(got.fresh_dispatch)]
+    assert sum(len(s) for s in sets) == len(set().union(*sets)) == len(executions)
+    assert set().union(*sets) == set(executions)
+    assert sets[0] == {k for k in executions if role[k] == "finished"}
+    assert sets[1] == {k for k in executions if role[k] == "scope"}

@@ -1,0 +1,443 @@
+"""The resources server over real HTTP against a real PostgreSQL: sessions, events, admission, restore."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import psycopg
+import pytest
+from aiohttp.test_utils import TestServer
+
+from adapters.database import libpq_dsn
+from adapters.postgres import PostgresEventStore
+from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
+from engine.checkpoint import Cut, committed_event, install_request, make_cut
+from engine.events import AppendRequest, NewEvent, canonical_json
+from engine.identity import agent_stream, rollout_stream, session_stream
+from engine.phases import checkpoint_started
+from participants.control_plane import CONTROL
+from participants.environments import get_environment
+from participants.environments.tasks import make_task
+from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
+
+TOKEN = "res-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+Served = tuple[aiohttp.ClientSession, ResourcesParticipant]
+
+
+@asynccontextmanager
+async def serving(dsn: str, writer: str) -> AsyncIterator[Served]:
+    """One resources server process: its own store (connections) and its own memory."""
+    store = PostgresEventStore.connect(dsn, writer=writer)
+    app = build_resources_app(store, TOKEN)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    http = aiohttp.ClientSession(base_url=str(server.make_url("")))
+    try:
+        yield http, app[PARTICIPANT]
+    finally:
+        await http.close()
+        await server.close()
+        await store.close()
+
+
+@pytest.fixture
+async def served(dsn: str) -> AsyncIterator[Served]:
+    async with serving(dsn, "resources-a") as s:
+        yield s
+
+
+def prefix(rid: str, attempt: int) -> str:
+    return f"/rollouts/{rid}/attempts/{attempt}"
+
+
+async def call(http: aiohttp.ClientSession, method: str, path: str, body: Any = None,
+               headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with http.request(method, path, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def control(http: aiohttp.ClientSession, op: str, ck: str = "ck1", **extra: Any) -> tuple[int, Any]:
+    return await call(http, "POST", f"{CONTROL}/{op}", {"checkpoint_id": ck, "deadline": time.time() + 30, **extra}, AUTH)
+
+
+async def start(store: PostgresEventStore, rid: str, attempt: int = 0) -> None:
+    await store.append(AppendRequest((NewEvent(rollout_stream(rid), ATTEMPT_STARTED, {"parent_attempt": None}, rid, attempt),)))
+
+
+async def open_session(http: aiohttp.ClientSession, rid: str, env: str, seed: int, attempt: int = 0) -> dict[str, Any]:
+    task = make_task(env, seed)
+    status, reply = await call(http, "POST", f"{prefix(rid, attempt)}/session", {"env": env, "task": task.to_json()})
+    assert status == 200, reply
+    return reply
+
+
+async def tool(http: aiohttp.ClientSession, rid: str, name: str, arguments: dict[str, Any] | None = None,
+               attempt: int = 0) -> tuple[int, Any]:
+    return await call(http, "POST", f"{prefix(rid, attempt)}/tools/{name}", {"arguments": arguments or {}})
+
+
+async def state(http: aiohttp.ClientSession, rid: str, attempt: int = 0) -> tuple[int, Any]:
+    return await call(http, "GET", f"{prefix(rid, attempt)}/state")
+
+
+async def kinds(store: PostgresEventStore, stream: str) -> list[str]:
+    return [e.kind for e in await store.read_stream(stream)]
+
+
+def email_seed() -> int:
+    """A workplace task whose goal is one sent email, so a test can pass it in one call."""
+    return next(s for s in range(100) if make_task("workplace", s).params["kind"] in ("email_manager", "email_contact"))
+
+
+async def test_open_tool_verify_close_record_one_event_per_change(served: Served, store: PostgresEventStore) -> None:
+    http, _ = served
+    await start(store, "w1")
+    seed = email_seed()
+    opened = await open_session(http, "w1", "workplace", seed)
+    assert (opened["state_mode"], opened["verification"], opened["revision"]) == ("exported", "replay", 0)
+    assert "send_email" in [t["function"]["name"] for t in opened["tools"]]
+    stream = session_stream("w1", 0)
+
+    status, read = await tool(http, "w1", "read_inbox")
+    assert status == 200 and read["revision"] == 0 and read["output"]["messages"]
+    assert await kinds(store, stream) == ["session_opened"]  # a read appends nothing
+
+    args = {"deal_id": "D-101", "notes": "renewal risk", "seats": 12}
+    status, upd = await tool(http, "w1", "update_deal", args)
+    assert status == 200 and upd["revision"] == 1
+    # Verify before the goal is met: it fails, and the failed session keeps its state.
+    status, failed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {"final_answer": "done"})
+    assert status == 200 and failed["reward"] == 0.0 and failed["status"] == "failed"
+    assert (await state(http, "w1"))[0] == 200
+
+    goal = make_task("workplace", seed).params["goal"]
+    status, sent = await tool(http, "w1", "send_email", {"to": goal["to"], "subject": goal["subject"], "body": "hi"})
+    assert status == 200 and sent["revision"] == 2 and sent["output"]["id"] == "s01"
+    status, st = await state(http, "w1")
+    events = await store.read_stream(stream)
+    effects = [e.data["effect"] for e in events if e.kind == "mutation_applied"]
+    env = get_environment("workplace")
+    assert st["revision"] == 2
+    assert canonical_json(st["state"]) == canonical_json(env.rebuild(make_task("workplace", seed), effects))
+    mutation = events[1].data
+    assert (mutation["revision"], mutation["tool"], mutation["arguments"]) == (1, "update_deal", args)
+
+    status, passed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {"final_answer": "sent"})
+    assert status == 200 and passed == {"reward": 1.0, "status": "passed", "revision": 2}
+    # A passed verify retires the session; an explicit close afterwards is a harmless repeat.
+    assert (await state(http, "w1"))[0] == 404
+    assert await call(http, "POST", f"{prefix('w1', 0)}/close") == (200, {})
+    assert await kinds(store, stream) == ["session_opened", "mutation_applied", "session_verified", "mutation_applied",
+                                          "session_verified", "session_closed"]
+    verified = [e.data for e in await store.read_stream(stream) if e.kind == "session_verified"]
+    assert [(v["status"], v["revision"]) for v in verified] == [("failed", 1), ("passed", 2)]
+
+
+@pytest.mark.parametrize(
+    "name, arguments, code, what",
+    [
+        ("send_email", {"to": "a@b.example", "subject": 7, "body": "x"}, "bad_arguments", "a number for a string"),
+        ("send_email", {"to": "a@b.example", "subject": "s"}, "bad_arguments", "a missing required argument"),
+        ("send_email", {"to": "nobody", "subject": "s", "body": "x"}, "bad_arguments", "a recipient without @"),
+        ("update_deal", {"deal_id": "D-101", "colour": "red"}, "bad_arguments", "an unknown argument"),
+        ("update_deal", {"deal_id": "D-999", "stage": "won"}, "not_found", "a deal that does not exist"),
+        ("fly", {}, "unknown_tool", "a tool the environment does not have"),
+    ],
+)
+async def test_refused_tool_calls_are_422_tool_error_and_change_nothing(
+    served: Served, store: PostgresEventStore, name: str, arguments: dict[str, Any], code: str, what: str
+) -> None:
+    http, _ = served
+    await start(store, "w2")
+    await open_session(http, "w2", "workplace", 3)
+    await tool(http, "w2", "update_deal", {"deal_id": "D-102", "seats": 9})
+    before = await state(http, "w2")
+    head = await store.head()
+    status, reply = await tool(http, "w2", name, arguments)
+    assert status == 422, what
+    assert reply["error"]["code"] == "tool_error" and reply["error"]["context"] == {"tool_error": code}, what
+    assert await store.head() == head, what
+    assert await state(http, "w2") == before, what
+    status, after = await tool(http, "w2", "update_deal", {"deal_id": "D-102", "seats": 10})
+    assert status == 200 and after["revision"] == 2  # the refused call took no revision
+
+
+async def test_a_mutation_whose_event_cannot_land_leaves_the_session_unchanged(
+    served: Served, store: PostgresEventStore
+) -> None:
+    http, participant = served
+    await start(store, "w7")
+    await open_session(http, "w7", "workplace", 4)
+    before = await state(http, "w7")
+    lock = participant.sessions[("w7", 0)].lock
+    await lock.acquire()  # the call is admitted and waits its turn while another writer gets in first
+    calling = asyncio.ensure_future(tool(http, "w7", "update_deal", {"deal_id": "D-101", "seats": 77}))
+    await asyncio.sleep(0.2)
+    await store.append(AppendRequest((NewEvent(session_stream("w7", 0), "session_note", {}, "w7", 0),)))
+    lock.release()
+    status, reply = await calling
+    assert (status, reply["error"]["code"]) == (409, "version_conflict")
+    assert await state(http, "w7") == before  # no event, so no new state and no revision
+    assert "mutation_applied" not in await kinds(store, session_stream("w7", 0))
+
+
+async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_reads(
+    served: Served, store: PostgresEventStore
+) -> None:
+    http, participant = served
+    await start(store, "w3")
+    await start(store, "w4")
+    await open_session(http, "w3", "workplace", 5)
+    lock = participant.sessions[("w3", 0)].lock
+    await lock.acquire()  # a mutation in flight: prepare must not report ready before it finishes
+    preparing = asyncio.ensure_future(control(http, "prepare"))
+    await asyncio.sleep(0.3)
+    assert not preparing.done()
+    lock.release()
+    status, report = await preparing
+    assert status == 200 and report["ready"] and report["phase"] == "prepared"
+    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0}
+
+    head = await store.head()
+    status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
+    assert (status, reply["error"]["code"]) == (409, "admission_closed")
+    task = make_task("math", 1).to_json()
+    status, reply = await call(http, "POST", f"{prefix('w4', 0)}/session", {"env": "math", "task": task})
+    assert (status, reply["error"]["code"]) == (409, "admission_closed")
+    assert (await tool(http, "w3", "get_deal", {"deal_id": "D-101"}))[0] == 200
+    assert (await state(http, "w3"))[0] == 200
+    assert await store.head() == head
+
+    assert (await control(http, "resume"))[0] == 200
+    status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
+    assert status == 200 and reply["revision"] == 1
+
+
+async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served, store: PostgresEventStore) -> None:
+    http, _ = served
+    for rid in ("sb", "bj", "m"):
+        await start(store, rid)
+    opened = await open_session(http, "sb", "sandbox", 1)
+    assert (opened["state_mode"], opened["verification"]) == ("restart_only", "wait")
+    await open_session(http, "bj", "blackjack", 2)
+    await open_session(http, "m", "math", 3)
+    try:
+        status, ran = await tool(http, "sb", "run", {"command": "X=41; echo $((X + 1))"})
+        assert status == 200 and ran["output"] == {"output": "42\n", "exit_code": 0} and ran["revision"] == 1
+        status, report = await control(http, "prepare")
+        assert status == 200 and report["ready"]
+        assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]
+        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1}
+        # The live shell's command is still on the log, even though it can never be replayed.
+        mutation = (await store.read_stream(session_stream("sb", 0)))[1]
+        assert mutation.kind == "mutation_applied" and mutation.data["effect"]["command"].startswith("X=41")
+        await control(http, "resume")
+    finally:
+        await call(http, "POST", f"{prefix('sb', 0)}/close")
+    assert await kinds(store, session_stream("sb", 0)) == ["session_opened", "mutation_applied", "session_closed"]
+
+
+async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_at_the_deadline(
+    served: Served, store: PostgresEventStore
+) -> None:
+    http, participant = served
+    await start(store, "sbv")
+    await open_session(http, "sbv", "sandbox", 6)  # sandbox verification is `wait`
+    verify_path = f"{prefix('sbv', 0)}/verify"
+    lock = participant.sessions[("sbv", 0)].lock
+    try:
+        await lock.acquire()  # holds the verify before it records its result
+        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "no idea"}))
+        await asyncio.sleep(0.2)
+        status, report = await call(http, "POST", f"{CONTROL}/prepare",
+                                    {"checkpoint_id": "ck1", "deadline": time.time() + 1.0}, AUTH)
+        assert status == 200 and not report["ready"] and report["blockers"] == ["sbv:0 verify in progress"]
+        lock.release()
+        assert (await verifying)[1]["status"] == "failed"  # a failed verify keeps the session
+        assert (await control(http, "resume"))[0] == 200
+
+        await lock.acquire()
+        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "still no idea"}))
+        await asyncio.sleep(0.2)
+        preparing = asyncio.ensure_future(control(http, "prepare", "ck2"))
+        await asyncio.sleep(0.3)
+        assert not preparing.done()
+        lock.release()
+        status, report = await preparing
+        assert status == 200 and report["ready"] and report["blockers"] == []
+        assert (await verifying)[0] == 200
+        await control(http, "resume", "ck2")
+    finally:
+        if lock.locked():
+            lock.release()
+        await call(http, "POST", f"{prefix('sbv', 0)}/close")
+
+
+async def test_retire_drops_sessions_and_stops_live_shells(served: Served, store: PostgresEventStore) -> None:
+    http, participant = served
+    for rid in ("rs", "rm"):
+        await start(store, rid)
+    await open_session(http, "rs", "sandbox", 7)
+    await open_session(http, "rm", "math", 8)
+    shell = participant.sessions[("rs", 0)].live.process
+    status, _ = await call(http, "POST", f"{CONTROL}/retire", {"checkpoint_id": "r1", "deadline": time.time() + 30,
+                                                               "rollouts": [{"rollout_id": "rs", "through": 0}]}, AUTH)
+    assert status == 200
+    assert set(participant.sessions) == {("rm", 0)}
+    assert shell.poll() is not None  # the live shell is stopped, not leaked
+    status, reply = await call(http, "POST", f"{prefix('rs', 0)}/tools/run", {"arguments": {"command": "true"}})
+    assert (status, reply["error"]["code"]) == (409, "stale_attempt")
+
+
+async def checkpoint(store: PostgresEventStore, ck: str, revisions: dict[str, int], attempt: int = 0) -> Cut:
+    """An agent boundary per rollout (with the session revision it saw), then a committed cut."""
+    for rid, rev in revisions.items():
+        await store.append(AppendRequest((NewEvent(agent_stream(rid, attempt), "agent_boundary",
+                                                   {"revisions": {session_stream(rid, attempt): rev}}, rid, attempt),)))
+    await store.append(AppendRequest((checkpoint_started(ck),)))
+    cut = await make_cut(store, ck, scope=[(rid, attempt) for rid in revisions], restarts=[])
+    await store.append(AppendRequest((committed_event(cut),)))
+    return cut
+
+
+async def test_restore_in_a_fresh_process_rebuilds_sessions_exactly_and_continues_revisions(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    seed = next(s for s in range(100) if not get_environment("blackjack").initial_state(make_task("blackjack", s))["done"])
+    async with serving(dsn, "resources-a") as (http, _):
+        await start(store, "rw")
+        await start(store, "rb")
+        await open_session(http, "rw", "workplace", 11)
+        await open_session(http, "rb", "blackjack", seed)
+        await tool(http, "rw", "update_deal", {"deal_id": "D-103", "stage": "won", "amount": 1234.5})
+        await tool(http, "rw", "send_email", {"to": "x@y.example", "subject": "hi", "body": "", "cc": ""})
+        await tool(http, "rw", "create_event", {"title": "T", "day": "2026-12-03", "attendees": ["a@b.example"]})
+        await tool(http, "rb", "look")
+        before = {rid: (await state(http, rid))[1] for rid in ("rw", "rb")}
+        assert (before["rw"]["revision"], before["rb"]["revision"]) == (3, 0)
+        cut = await checkpoint(store, "ck1", {"rw": 3, "rb": 0})
+        # Work after the boundary is lost with the crash: restore goes back to the boundary.
+        await tool(http, "rw", "send_email", {"to": "late@y.example", "subject": "lost", "body": "x"})
+        await tool(http, "rb", "hit")
+    # crash: that process and its memory are gone
+
+    async with serving(dsn, "resources-b") as (http, participant):
+        status, reply = await control(http, "restore")
+        assert status == 200 and reply["phase"] == "restored" and reply["detail"] == {"staged": 2, "scope": 2}
+        await store.append(install_request(cut, latest={"rw": 0, "rb": 0}))
+        status, reply = await control(http, "resume")
+        assert status == 200 and reply["detail"] == {"installed": 2}
+        for rid in ("rw", "rb"):
+            status, after = await state(http, rid, attempt=1)
+            assert status == 200
+            assert canonical_json(after) == canonical_json(before[rid]), rid
+            opened = (await store.read_stream(session_stream(rid, 1)))[0]
+            assert opened.kind == "session_opened"
+            assert {k: opened.data[k] for k in ("restored_from", "revision", "origin_attempt")} == {
+                "restored_from": "ck1", "revision": before[rid]["revision"], "origin_attempt": 0}
+        status, reply = await tool(http, "rw", "update_deal", {"deal_id": "D-104", "seats": 8}, attempt=1)
+        assert status == 200 and reply["revision"] == 4
+        # The restored deck deals the card the uninterrupted game would have dealt.
+        expected = get_environment("blackjack").call_tool(before["rb"]["state"], "hit", {})
+        status, reply = await tool(http, "rb", "hit", attempt=1)
+        assert status == 200 and reply["output"] == expected.output and reply["revision"] == 1
+        status, reply = await tool(http, "rw", "get_deal", {"deal_id": "D-103"}, attempt=0)
+        assert (status, reply["error"]["code"]) == (409, "stale_attempt")
+        assert participant.sessions.keys() == {("rw", 1), ("rb", 1)}
+        assert (await store.read_stream(session_stream("rw", 1)))[-1].data["revision"] == 4
+        again = {rid: (await state(http, rid, attempt=1))[1] for rid in ("rw", "rb")}
+        cut2 = await checkpoint(store, "ck2", {"rw": 4, "rb": 1}, attempt=1)
+
+    # A second crash: attempt 1 replays through its origin (attempt 0 up to ck1's boundary), then its own events.
+    async with serving(dsn, "resources-c") as (http, _):
+        assert (await control(http, "restore", "ck2"))[0] == 200
+        await store.append(install_request(cut2, latest={"rw": 1, "rb": 1}))
+        assert (await control(http, "resume", "ck2"))[0] == 200
+        for rid in ("rw", "rb"):
+            assert canonical_json((await state(http, rid, attempt=2))[1]) == canonical_json(again[rid]), rid
+
+
+async def corrupt_by_deleting(dsn: str, store: PostgresEventStore, rid: str) -> None:
+    victim = next(e for e in await store.read_stream(session_stream(rid, 0)) if e.kind == "mutation_applied")
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute("DELETE FROM rollbook.events WHERE position = %s", (victim.position,))
+
+
+@pytest.mark.parametrize("how", ["deleted_row", "unreplayable_effect", "revision_gap"])
+async def test_restore_with_one_corrupt_session_stages_nothing(dsn: str, store: PostgresEventStore, how: str) -> None:
+    async with serving(dsn, "resources-a") as (http, _):
+        for rid in ("r1-good", "r2-bad"):
+            await start(store, rid)
+            await open_session(http, rid, "workplace", 21)
+            await tool(http, rid, "update_deal", {"deal_id": "D-101", "seats": 2})
+        revision = 1
+        if how != "deleted_row":
+            # Appended through the log itself, so every hash checks out: only the replay can tell.
+            if how == "unreplayable_effect":
+                revision, effect = 2, {"op": "update", "table": "deals", "row": "D-101", "values": {"seats": "many"}}
+            else:
+                revision, effect = 3, {"op": "update", "table": "deals", "row": "D-101", "values": {"seats": 4}}
+            await store.append(AppendRequest((NewEvent(session_stream("r2-bad", 0), "mutation_applied", {
+                "revision": revision, "tool": "update_deal", "arguments": {}, "effect": effect}, "r2-bad", 0),)))
+        await checkpoint(store, "ck1", {"r1-good": 1, "r2-bad": revision})
+    if how == "deleted_row":
+        await corrupt_by_deleting(dsn, store, "r2-bad")
+
+    async with serving(dsn, "resources-b") as (http, participant):
+        status, reply = await control(http, "restore")
+        assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state"), how
+        # r1-good comes first in the scope and rebuilds fine, yet it is not staged either.
+        assert participant.staged == {} and participant.sessions == {}, how
+        status, st = await call(http, "GET", f"{CONTROL}/status", headers=AUTH)
+        assert st["phase"] == "idle"
+
+
+async def test_restore_refuses_a_restart_only_session_in_scope(dsn: str, store: PostgresEventStore) -> None:
+    async with serving(dsn, "resources-a") as (http, _):
+        await start(store, "sb")
+        await open_session(http, "sb", "sandbox", 4)
+        try:
+            await tool(http, "sb", "run", {"command": "cd /tmp"})
+            await checkpoint(store, "ck1", {"sb": 1})
+        finally:
+            await call(http, "POST", f"{prefix('sb', 0)}/close")
+    async with serving(dsn, "resources-b") as (http, participant):
+        status, reply = await control(http, "restore")
+        assert (status, reply["error"]["code"]) == (409, "restart_in_scope")
+        assert participant.staged == {}
+
+
+async def test_restore_is_refused_in_a_process_that_has_served_sessions(served: Served, store: PostgresEventStore) -> None:
+    http, participant = served
+    await start(store, "w5")
+    await open_session(http, "w5", "workplace", 2)
+    await checkpoint(store, "ck1", {"w5": 0})
+    status, reply = await control(http, "restore")
+    assert (status, reply["error"]["code"]) == (409, "invalid_phase")
+    assert participant.staged == {}
+
+
+async def test_a_fenced_attempt_gets_409_stale_attempt(served: Served, store: PostgresEventStore) -> None:
+    http, _ = served
+    await start(store, "w6")
+    await open_session(http, "w6", "workplace", 2)
+    await store.append(AppendRequest((NewEvent(rollout_stream("w6"), ATTEMPT_FENCED, {"reason": "test"}, "w6", 0),)))
+    head = await store.head()
+    for status, reply in [await tool(http, "w6", "update_deal", {"deal_id": "D-101", "seats": 1}), await state(http, "w6")]:
+        assert (status, reply["error"]["code"]) == (409, "stale_attempt")
+    assert await store.head() == head
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/session"), ("POST", "/tools/look"), ("POST", "/verify"),
+                                          ("POST", "/close"), ("GET", "/state")])
+async def test_data_routes_without_the_identity_prefix_are_400(served: Served, method: str, path: str) -> None:
+    http, participant = served
+    status, reply = await call(http, method, path, {} if method == "POST" else None)
+    assert (status, reply["error"]["code"]) == (400, "rollout_id_required")
+    assert not participant.served_sessions
