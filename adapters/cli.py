@@ -78,6 +78,19 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from adapters import config, serve
+
+    serve.serve(args.kind, config.load(args.config))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from adapters import config, run
+
+    return run.main(config.load(args.config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="Checkpoint and continue multi-turn rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--dsn")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_replay)
+
+    srv = sub.add_parser("serve", help="start one server: environment, model, agent or resources")
+    srv.add_argument("kind", choices=["environment", "model", "agent", "resources"])
+    srv.add_argument("--config", required=True, help="the TOML config file (see adapters/config.py)")
+    srv.set_defaults(func=_serve)
+
+    runp = sub.add_parser("run", help="run a rollout collection from a JSONL of tasks, with checkpoints")
+    runp.add_argument("--config", required=True, help="the TOML config file, with a [run] section")
+    runp.set_defaults(func=_run)
 
     from adapters import checkpoint_cli
 

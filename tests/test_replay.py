@@ -14,31 +14,38 @@ ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
 
 @pytest.fixture
 def demo_db(dsn: str) -> str:
-    subprocess.run([*ROLLBOOK, "demo", "--dsn", dsn, "--rollouts", "8", "--json"], check=True, capture_output=True, timeout=240)
+    subprocess.run([*ROLLBOOK, "demo", "--dsn", dsn, "--rollouts", "12", "--json"], check=True, capture_output=True, timeout=240)
     return dsn
 
 
-def _continued(dsn: str) -> str:
+# The first mutation in a continued rollout's replayed history: attempt 0's up to the boundary, then attempt 1's.
+FIRST_MUTATION = """
+SELECT a.rollout_id, min(h.position) FROM rollbook.attempts a JOIN rollbook.episode_history h ON h.rollout_id = a.rollout_id
+AND h.kind = 'mutation_applied' AND (h.attempt = 1 OR (h.attempt = 0 AND h.position <= a.origin_position))
+WHERE a.attempt = 1 AND a.origin_position IS NOT NULL AND a.rollout_id LIKE '%%-c-%%'
+GROUP BY a.rollout_id ORDER BY a.rollout_id LIMIT 1
+"""
+
+
+def _continued(dsn: str) -> tuple[str, int]:
     with psycopg.connect(dsn) as conn:
-        return conn.execute(
-            "SELECT a.rollout_id FROM rollbook.attempts a JOIN rollbook.episode_history h ON h.rollout_id = a.rollout_id "
-            "AND h.attempt = 0 AND h.kind = 'mutation_applied' WHERE a.attempt = 1 AND a.origin_position IS NOT NULL "
-            "AND h.position <= a.origin_position ORDER BY a.rollout_id LIMIT 1"
-        ).fetchone()[0]
+        row = conn.execute(FIRST_MUTATION).fetchone()
+    assert row is not None, "the demo continued no rollout that mutates its environment"
+    return row[0], row[1]
 
 
 def test_history_shows_every_attempt_with_its_origin(demo_db: str) -> None:
-    rid = _continued(demo_db)
+    rid, _ = _continued(demo_db)
     out = subprocess.run([*ROLLBOOK, "history", rid, "--dsn", demo_db, "--json"], check=True, capture_output=True, text=True)
     h = json.loads(out.stdout)
     assert [(a["attempt"], a["status"]) for a in h["attempts"]] == [(0, "fenced"), (1, "finished")]
-    assert h["attempts"][1]["parent_attempt"] == 0 and h["attempts"][1]["restored_from"].endswith("-ck")
+    assert h["attempts"][1]["parent_attempt"] == 0 and h["attempts"][1]["restored_from"].endswith("-ck1")
     positions = [t["position"] for t in h["timeline"]]
     assert positions == sorted(positions)
 
 
 def test_replay_rebuilds_the_continued_attempt_from_its_origin(demo_db: str) -> None:
-    rid = _continued(demo_db)
+    rid, _ = _continued(demo_db)
     out = subprocess.run([*ROLLBOOK, "replay", rid, "--attempt", "1", "--dsn", demo_db, "--json"],
                          check=True, capture_output=True, text=True)
     r = json.loads(out.stdout)
@@ -51,13 +58,10 @@ def test_replay_rebuilds_the_continued_attempt_from_its_origin(demo_db: str) -> 
 
 
 def test_replay_reports_a_divergence_as_an_error(demo_db: str) -> None:
-    rid = _continued(demo_db)
+    rid, position = _continued(demo_db)
     with psycopg.connect(demo_db, autocommit=True) as conn:
         # The bad input: a mutation whose recorded revision skips one, as a lost event would leave it.
-        conn.execute(
-            "UPDATE rollbook.events SET data = jsonb_set(data, '{revision}', '7') WHERE position = "
-            "(SELECT min(position) FROM rollbook.events WHERE rollout_id = %s AND kind = 'mutation_applied')", (rid,)
-        )
+        conn.execute("UPDATE rollbook.events SET data = jsonb_set(data, '{revision}', '7') WHERE position = %s", (position,))
     out = subprocess.run([*ROLLBOOK, "replay", rid, "--attempt", "1", "--dsn", demo_db], capture_output=True, text=True)
     assert out.returncode == 2
     err = json.loads(out.stderr.strip().splitlines()[-1])["error"]

@@ -1,0 +1,118 @@
+"""A rollout collection as a training framework drives it: dispatch, checkpoint, restore, finish.
+
+Dispatch is one `POST /episodes` per rollout to the environment server, which answers when the
+episode is done. The same request is the way back after a crash: for a rollout whose attempt was
+continued it joins the running episode, for a fresh dispatch it starts from input, and for a
+finished one it returns the recorded result, never a second run. So after any restore the
+framework just dispatches every unfinished rollout again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from sqlalchemy import text
+
+from adapters.config import KINDS, Config
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
+from engine.coordinator import Coordinator
+from participants.environments.base import Task
+
+
+@dataclass
+class Collection:
+    config: Config
+    store: PostgresEventStore
+    run_id: str
+    tasks: list[Task]
+    seed: int = 0
+    max_steps: int = 12
+    concurrency: int = 64
+    on_finish: Callable[[str], None] = lambda rid: None
+    finished: set[str] = field(default_factory=set)
+
+    def rollout_id(self, i: int) -> str:
+        return f"{self.run_id}-{i:04d}"
+
+    def coordinator(self, session: aiohttp.ClientSession) -> Coordinator:
+        clients = [HttpParticipant(k, k, self.config.url(k), self.config.token, session) for k in KINDS]
+        return Coordinator(self.store, clients)
+
+    async def unfinished(self) -> list[int]:
+        async with self.store.engine.connect() as conn:
+            done = {r for (r,) in await conn.execute(
+                text("SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE :p"),
+                {"p": f"{self.run_id}-%"})}
+        self.finished |= done
+        return [i for i in range(len(self.tasks)) if self.rollout_id(i) not in done]
+
+    async def dispatch(self, session: aiohttp.ClientSession) -> dict[str, Any]:
+        """Run every unfinished rollout to its end; a rollout cut off by a crash just returns None."""
+        gate = asyncio.Semaphore(self.concurrency)
+        url = self.config.url("environment") + "/episodes"
+
+        async def one(i: int) -> dict[str, Any] | None:
+            rid = self.rollout_id(i)
+            body = {"rollout_id": rid, "task": self.tasks[i].to_json(), "seed": self.seed * 100_000 + i,
+                    "max_steps": self.max_steps}
+            async with gate:
+                try:
+                    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                        if resp.status != 200:
+                            return None
+                        result = dict(await resp.json())
+                except (aiohttp.ClientError, OSError):
+                    return None  # the server died under us; the log knows where this rollout stands
+            if rid not in self.finished:
+                self.finished.add(rid)
+                self.on_finish(rid)
+            return result
+
+        results = await asyncio.gather(*(one(i) for i in await self.unfinished()))
+        return {r["rollout_id"]: r for r in results if r}
+
+    async def checkpoint(self, session: aiohttp.ClientSession, checkpoint_id: str, deadline_s: float = 30.0,
+                         resume: bool = True) -> dict[str, Any]:
+        """Prepare, commit, publish (framework state + token snapshot under the same id), then resume."""
+        coordinator = self.coordinator(session)
+        deadline = time.time() + deadline_s
+        prepared = await coordinator.prepare(checkpoint_id, deadline)
+        if not prepared["ready"]:
+            return {"checkpoint_id": checkpoint_id, "published": False, "prepare": prepared}
+        # The framework names what it continues: its own live rollouts, less those reported restart-only.
+        restarts = {tuple(k) for k in prepared["restarts"]}
+        rows = await self.store.attempt_rows([self.rollout_id(i) for i in range(len(self.tasks))])
+        scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
+        cut = await coordinator.commit(checkpoint_id, deadline, scope)
+        tokens = PostgresTokenStore(self.store.engine)
+        async with self.store.engine.connect() as conn:
+            blobs = [b for (b,) in await conn.execute(text(
+                "SELECT receipt->>'blob_id' FROM rollbook.model_calls WHERE receipt IS NOT NULL AND updated_position <= :p "
+                "AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%"})]
+        token_ref = await tokens.snapshot(checkpoint_id, blobs)
+        framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
+                         "finished": len(self.finished)}
+        await coordinator.publish(checkpoint_id, framework_ref, token_ref, tokens)
+        if resume:
+            await coordinator.resume(checkpoint_id)
+        return {"checkpoint_id": checkpoint_id, "published": True, "position": cut.position, "continued": len(cut.scope),
+                "fresh_dispatch": len(cut.fresh), "completed": len(cut.completed), "timings_ms": dict(coordinator.timing.ms)}
+
+    async def restore(self, session: aiohttp.ClientSession, checkpoint_id: str, deadline_s: float = 60.0) -> dict[str, Any]:
+        coordinator = self.coordinator(session)
+        result = await coordinator.restore(checkpoint_id, time.time() + deadline_s)
+        await coordinator.resume(checkpoint_id)
+        return {**result, "timings_ms": dict(coordinator.timing.ms)}
+
+    async def latest_published(self) -> str | None:
+        async with self.store.engine.connect() as conn:
+            return (await conn.execute(text(
+                "SELECT checkpoint_id FROM rollbook.checkpoints WHERE phase = 'published' AND checkpoint_id LIKE :p "
+                "ORDER BY log_position DESC LIMIT 1"), {"p": f"{self.run_id}-ck%"})).scalar()

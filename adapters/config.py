@@ -1,0 +1,103 @@
+"""The one config file of rollbook (TOML): the database, the token, the four servers and a run.
+
+    dsn = "postgresql://user:pw@host/db"    # optional: else ROLLBOOK_DSN, else the embedded server
+    token = "change-me"                       # bearer token of every control plane
+
+    [servers.model]                           # host defaults to 127.0.0.1
+    port = 8101
+    backend = "scripted"                      # or "openai_compatible" with url, model, api_key
+    token_latency_s = 0.0
+    token_store = "postgres"                  # or "filesystem" with token_store_root
+
+    [servers.resources]
+    port = 8102
+    [servers.agent]
+    port = 8103
+    [servers.environment]
+    port = 8104
+
+    [run]
+    run_id = "eval-1"
+    tasks = "tasks.jsonl"                     # one task per line: {"env", "task_id", "prompt", "params"}
+    checkpoint_every_s = 60
+    concurrency = 16
+    max_steps = 12
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Kind = Literal["environment", "model", "agent", "resources"]
+KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(ge=0, le=65535)
+    # model server only
+    backend: Literal["scripted", "openai_compatible"] = "scripted"
+    url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    latency_s: float = 0.0
+    token_latency_s: float = 0.0
+    token_store: Literal["postgres", "filesystem"] = "postgres"
+    token_store_root: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class RunConfig(Strict):
+    run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    tasks: str
+    checkpoint_every_s: float = 60.0
+    concurrency: int = 16
+    max_steps: int = 12
+    seed: int = 0
+
+
+class Config(Strict):
+    dsn: str | None = None
+    token: str
+    servers: dict[Kind, ServerConfig]
+    run: RunConfig | None = None
+
+    def url(self, kind: Kind) -> str:
+        return self.servers[kind].base_url
+
+
+def load(path: str | Path) -> Config:
+    with open(path, "rb") as f:
+        return Config.model_validate(tomllib.load(f))
+
+
+def write(config: Config, path: str | Path) -> None:
+    """Write a config back as TOML (the demo writes one for the servers it starts)."""
+    lines = []
+    if config.dsn:
+        lines.append(f"dsn = {_q(config.dsn)}")
+    lines.append(f"token = {_q(config.token)}")
+    for kind, s in config.servers.items():
+        lines.append(f"\n[servers.{kind}]")
+        for key, value in s.model_dump(exclude_defaults=True).items():
+            lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
+    if config.run:
+        lines.append("\n[run]")
+        for key, value in config.run.model_dump().items():
+            lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,109 @@
+"""A small JSON client for server-to-server data calls (environment -> agent -> model, resources).
+
+A participant's error reply `{"error": {"code", "detail"}}` comes back as the engine exception
+of the same code, so a caller handles a remote `admission_closed` or `stale_attempt` exactly as
+it would a local one; the code -> class map is built from the RollbookError tree itself, so a
+new error class is understood here without being listed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from engine.errors import RollbookError
+
+
+class RemoteError(RollbookError):
+    """An error code no engine class carries (e.g. `tool_error`); the code is kept as sent."""
+
+    def __init__(self, code: str, detail: str, status: int = 500, **context: Any) -> None:
+        super().__init__(detail, **context)
+        self.code = code
+        self.status = status
+
+
+class ParticipantUnavailable(RollbookError):
+    """The other server did not answer at all (refused, reset, gone)."""
+
+    code = "participant_unavailable"
+
+
+def error_classes() -> dict[str, type[RollbookError]]:
+    """Every RollbookError subclass by its code; the most general class wins a shared code."""
+    out: dict[str, type[RollbookError]] = {}
+    stack: list[type[RollbookError]] = [RollbookError]
+    while stack:
+        cls = stack.pop(0)  # breadth first: a parent is seen before any subclass reusing its code
+        if cls is not RemoteError:
+            out.setdefault(cls.code, cls)
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+def error_from_reply(status: int, body: Any) -> RollbookError:
+    """The exception a JSON error reply stands for."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return RemoteError(f"http_{status}", f"HTTP {status}: {str(body)[:200]}", status)
+    code = str(err.get("code") or f"http_{status}")
+    detail = str(err.get("detail") or code)
+    context = err.get("context") if isinstance(err.get("context"), dict) else {}
+    cls = error_classes().get(code)
+    if cls is None or cls is RollbookError:
+        return RemoteError(code, detail, status, **context)
+    return cls(detail, **context)
+
+
+class JsonClient:
+    """POST/GET JSON with an optional bearer token; errors raise, successes return the body."""
+
+    def __init__(self, token: str | None = None, timeout: float | None = None) -> None:
+        self.token = token
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers.update(extra or {})
+        return headers
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Created lazily inside the running loop: aiohttp sessions are bound to the loop that made them.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def request(self, method: str, url: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+        try:
+            async with self.session.request(method, url, json=body, headers=self._headers(headers)) as resp:
+                raw = await resp.text()
+                try:
+                    data = json.loads(raw) if raw else None
+                except json.JSONDecodeError:
+                    data = raw  # a proxy's or a crashed handler's plain-text page
+                if resp.status >= 400:
+                    raise error_from_reply(resp.status, data)
+                return data
+        except aiohttp.ClientConnectionError as exc:
+            raise ParticipantUnavailable(f"{method} {url} got no answer: {exc}") from exc
+
+    async def post(self, url: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
+        return await self.request("POST", url, {} if body is None else body, headers)
+
+    async def get(self, url: str, headers: Mapping[str, str] | None = None) -> Any:
+        return await self.request("GET", url, None, headers)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def data_url(base: str, rollout_id: str, attempt: int, suffix: str) -> str:
+    """The identity-prefixed data route of another server."""
+    return f"{base.rstrip('/')}/rollouts/{rollout_id}/attempts/{attempt}{suffix}"

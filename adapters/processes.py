@@ -1,0 +1,88 @@
+"""The four servers as real processes, each in its own process group, so a crash is a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters.config import KINDS, Config
+
+CONTROL_STATUS = "/rollbook/v1/control/status"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcesses:
+    config: Config
+    config_path: Path
+    log_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    generation: int = 0
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start fresh processes of all four kinds and wait until each control plane answers."""
+        self.generation += 1
+        for kind in KINDS:
+            log = open(self.log_dir / f"{kind}-{self.generation}.log", "wb")  # noqa: SIM115  (the child owns it)
+            self.procs[kind] = subprocess.Popen(
+                [sys.executable, "-m", "adapters.cli", "serve", kind, "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        deadline = time.time() + timeout
+        for kind in KINDS:
+            while not self._answers(kind):
+                if self.procs[kind].poll() is not None:
+                    tail = (self.log_dir / f"{kind}-{self.generation}.log").read_text()[-2000:]
+                    raise RuntimeError(f"the {kind} server exited with {self.procs[kind].returncode}:\n{tail}")
+                if time.time() > deadline:
+                    raise RuntimeError(f"the {kind} server did not answer within {timeout} s")
+                time.sleep(0.1)
+
+    def _answers(self, kind: str) -> bool:
+        req = urllib.request.Request(self.config.url(kind) + CONTROL_STATUS,  # type: ignore[arg-type]
+                                     headers={"Authorization": f"Bearer {self.config.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=1) as resp:
+                return bool(json.loads(resp.read())["kind"] == kind)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def kill(self, kinds: tuple[str, ...] = KINDS) -> None:
+        """SIGKILL each server's whole process group: no handler runs, nothing is flushed."""
+        for kind in kinds:
+            proc = self.procs.get(kind)
+            if proc is None:
+                continue
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

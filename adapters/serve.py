@@ -1,0 +1,55 @@
+"""`rollbook serve KIND --config FILE`: one server process on the shared database."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from aiohttp import web
+
+from adapters import database
+from adapters.config import Config, Kind
+from adapters.postgres import PostgresEventStore
+
+
+def build(kind: Kind, config: Config, dsn: str) -> web.Application:
+    instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    store = PostgresEventStore.connect(dsn, writer=instance)
+    if kind == "model":
+        from adapters.generation import OpenAICompatibleBackend, ScriptedBackend
+        from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
+        from participants.model_server import build_model_app
+
+        s = config.servers["model"]
+        backend = (
+            OpenAICompatibleBackend(s.url or "", api_key=s.api_key, model=s.model or "default")
+            if s.backend == "openai_compatible"
+            else ScriptedBackend(latency_s=s.latency_s, token_latency_s=s.token_latency_s)
+        )
+        tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
+        app = build_model_app(store, backend, tokens, config.token, instance=instance)
+    elif kind == "resources":
+        from participants.resources_server import build_resources_app
+
+        app = build_resources_app(store, config.token, instance=instance)
+    elif kind == "agent":
+        from participants.agent_server import build_agent_app
+
+        app = build_agent_app(store, config.token, instance=instance)
+    else:
+        from participants.environment_server import build_environment_app
+
+        app = build_environment_app(store, config.token, config.url("agent"), config.url("model"), config.url("resources"),
+                                    instance=instance)
+
+    async def close_store(app: web.Application) -> None:
+        await store.close()
+
+    app.on_cleanup.append(close_store)
+    return app
+
+
+def serve(kind: Kind, config: Config) -> None:
+    dsn = database.prepare_database(config.dsn)
+    s = config.servers[kind]
+    web.run_app(build(kind, config, dsn), host=s.host, port=s.port, print=None, access_log=None)

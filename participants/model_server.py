@@ -1,0 +1,539 @@
+"""The policy model server: an OpenAI-compatible front to a generation backend, with custody.
+
+Every call leaves events on its stream (engine.identity.call_stream): `call_accepted`, then one
+of `call_completed` (token receipt + reply), `call_cut` (receipt of the durable prefix),
+`call_failed`; a call refused because admission is closed leaves `call_excluded`. A call of a
+fenced attempt leaves nothing: check_attempt and the append itself refuse it.
+
+Checkpoint behaviour:
+- prepare closes admission, lets non-streaming calls finish and cuts streaming calls at a token
+  boundary (prefix stored, `call_cut` recorded, the client's stream ends with a rollbook cut
+  event). A reply that becomes ready while admission is closed is HELD: the HTTP response waits
+  for resume, so no agent can move past the boundary the checkpoint is recording.
+- restore stages the calls of the rollouts in the cut (as of the cut's position); a call that
+  names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
+  attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.generation import GenerationBackend, GenerationFailed, message_from_tokens
+from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import scripted_tokens
+from engine.checkpoint import Cut
+from engine.errors import (
+    AdmissionClosed,
+    InvalidIdentifier,
+    InvalidPhase,
+    RollbookError,
+    RolloutIdRequired,
+    StaleAttempt,
+)
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import call_stream, validate_id
+from engine.tokens import Receipt, TokenSink, TokenSource
+from participants.control_plane import Participant, PrepareReport, build_app, data_path, identity
+
+CALL_ID_HEADER = "X-Rollbook-Call-Id"
+PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
+REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
+COMPLETIONS = "/v1/chat/completions"
+# prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
+PREPARE_MARGIN_S = 0.05
+CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
+
+
+class TokenStore(TokenSink, TokenSource, Protocol):
+    """What the model server needs of adapters.token_store: put a call's tokens, get a prefix back."""
+
+
+class ChatRequest(BaseModel):
+    """The OpenAI body; fields we do not read (temperature, max_tokens...) pass through to the backend."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class _Record:
+    """A call as the log tells it: its last custody event and the acceptance before it."""
+
+    call_id: str
+    rollout_id: str | None
+    attempt: int | None
+    status: str  # accepted | completed | cut | failed | excluded
+    data: dict[str, Any]
+    accepted: dict[str, Any] = field(default_factory=dict)
+
+
+def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
+    out: dict[str, _Record] = {}
+    for e in events:
+        if e.kind not in CUSTODY:
+            continue
+        cid = e.data["call_id"]
+        prior = out.get(cid)
+        accepted = e.data if e.kind == "call_accepted" else (prior.accepted if prior else {})
+        out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
+    return out
+
+
+@dataclass(eq=False)
+class _Call:
+    """A call this process is serving. Mutable on purpose: it is live state, never logged as such."""
+
+    call_id: str
+    rollout_id: str
+    attempt: int
+    stream: bool
+    request: dict[str, Any] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
+    state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
+    tokens: list[str] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: RollbookError | None = None
+    delivered: bool = False
+    cut_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def stored(cls, record: _Record, stream: bool) -> _Call:
+        call = cls(record.call_id, record.rollout_id or "", record.attempt or 0, stream, state="completed", result=record.data)
+        call.done.set()
+        return call
+
+
+class ModelParticipant(Participant):
+    kind = "model"
+    concurrency = "calls run concurrently; one call id is accepted once; control operations serialized"
+
+    def __init__(self, store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
+        self._open = asyncio.Event()
+        super().__init__(store, instance)  # sets admission_open = True through the property below
+        self.backend = backend
+        self.token_store = token_store
+        self.calls: dict[str, _Call] = {}  # in flight here, not yet finished
+        self.consumers: Counter[_Call] = Counter()  # calls a handler is waiting to deliver
+        self.staged: dict[str, _Record] = {}
+        self.staged_rollouts: set[str] = set()
+        self.replacements: dict[tuple[str, int], str] = {}  # (replaced call, attempt) -> the call that replaced it
+        self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
+
+    @property
+    def admission_open(self) -> bool:  # type: ignore[override]
+        return self._open.is_set()
+
+    @admission_open.setter
+    def admission_open(self, value: bool) -> None:
+        # An event, not a flag: held replies wait on it and go out the moment resume sets it.
+        if value:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    # ---- control plane hooks ---------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        inflight = [c for c in self.calls.values() if not c.done.is_set()]
+        for c in inflight:
+            if c.stream:
+                c.cut_requested.set()
+        budget = deadline - time.time() - PREPARE_MARGIN_S
+        if inflight and budget > 0:
+            waiters = [asyncio.ensure_future(c.done.wait()) for c in inflight]
+            await asyncio.wait(waiters, timeout=budget)
+            for w in waiters:
+                w.cancel()
+        blockers = [c.call_id for c in inflight if not c.done.is_set()]
+        counts = {
+            "accepted": len(inflight),
+            "completed": sum(c.state == "completed" for c in inflight),
+            "cut": sum(c.state == "cut" for c in inflight),
+            "held": self.held(),
+        }
+        return PrepareReport(ready=not blockers, blockers=blockers, counts=counts)
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        held = self.held()
+        self.admission_open = True
+        return {"released": held}
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        staged: dict[str, _Record] = {}
+        for entry in cut.scope:
+            # As of the cut: a call completed after P is not part of this checkpoint's history.
+            staged.update(_records(await self.store.read_rollout(entry.rollout_id, to=cut.position)))
+        for record in staged.values():
+            if record.status == "cut":  # the prefix must be there and intact before anything resumes from it
+                await self.token_store.get(Receipt.from_json(record.data["receipt"]).blob_id)
+        self.staged = staged
+        self.staged_rollouts = {s.rollout_id for s in cut.scope}
+        self.admission_open = False  # paused until resume
+        return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        for c in list(self.calls.values()):
+            if c.rollout_id == rollout_id and c.attempt <= through and c.task is not None:
+                c.task.cancel()  # its appends would be refused anyway; stop spending the accelerator on it
+
+    def held(self) -> int:
+        return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(data_path(COMPLETIONS), self.chat_completions), web.post(COMPLETIONS, self._no_identity)]
+
+    # ---- the data route ---------------------------------------------------------------------
+
+    async def _no_identity(self, request: web.Request) -> web.Response:
+        raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        rollout_id, attempt = identity(request)
+        await self.check_attempt(rollout_id, attempt)
+        self.served_sessions = True
+        body = ChatRequest.model_validate(await request.json())
+        call_id = validate_id(request.headers.get(CALL_ID_HEADER), f"call id ({CALL_ID_HEADER})")
+        parent = _optional_id(request, PARENT_HEADER)
+        replaces = _optional_id(request, REPLACES_HEADER)
+        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body.model_dump(), body.stream)
+        model = body.model or str(getattr(self.backend, "model", "rollbook"))
+        self.consumers[call] += 1
+        try:
+            if body.stream:
+                return await self._stream_reply(request, call, model)
+            return await self._json_reply(call, model, _prompt_tokens(body.messages))
+        finally:
+            self.consumers[call] -= 1
+            if self.consumers[call] <= 0:
+                del self.consumers[call]
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, key: str) -> AsyncIterator[None]:
+        """One decision at a time per call id; the lock is dropped once nobody holds or awaits it."""
+        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._locks[key]
+
+    async def _admit(
+        self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
+        payload: dict[str, Any], stream: bool,
+    ) -> _Call:
+        """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
+        async with self._locked(call_id):
+            live = self.calls.get(call_id)
+            if live is not None:
+                _check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
+                return live
+            record = _records(await self.store.read_stream(call_stream(call_id))).get(call_id)
+            if record is not None:
+                _check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
+                if record.status == "completed":
+                    return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
+            return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record)
+
+    async def _accept(
+        self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
+        payload: dict[str, Any], stream: bool, own: _Record | None,
+    ) -> _Call:
+        stream_name = call_stream(call_id)
+        if not self.admission_open:
+            excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
+            await self._append(NewEvent(stream_name, "call_excluded", excluded, rollout_id, attempt))
+            raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
+        # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
+        call = _Call(call_id, rollout_id, attempt, stream, request=payload)
+        self.calls[call_id] = call
+        reserved: tuple[str, int] | None = None
+        try:
+            accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent,
+                                        "policy_version": self.backend.policy_version, "stream": stream}
+            source: _Record | None = own if own is not None and own.status == "cut" else None
+            if replaces is not None:
+                reserved = await self._reserve_replacement(replaces, call_id, rollout_id, attempt)
+                accepted["replaces"] = call.extra["replaces"] = replaces
+                old = await self._replaced(replaces, rollout_id, attempt)
+                if old is not None and old.status == "completed":
+                    return await self._link(call, accepted, old)
+                if old is not None and old.status == "cut" and source is None:  # its own later cut is longer
+                    source = old
+            if source is not None:
+                receipt = Receipt.from_json(source.data["receipt"])
+                call.prefix = await self.token_store.get(receipt.blob_id)
+                accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
+                call.extra["prefix_tokens"] = len(call.prefix)
+            await self._append(NewEvent(stream_name, "call_accepted", accepted, rollout_id, attempt))
+        except BaseException as exc:
+            if reserved is not None and self.replacements.get(reserved) == call_id:
+                del self.replacements[reserved]
+            await self._finish(call, "stale" if isinstance(exc, StaleAttempt) else "failed",
+                               error=exc if isinstance(exc, RollbookError) else None)
+            raise
+        call.state = "generating"
+        call.task = asyncio.get_running_loop().create_task(self._run(call))
+        return call
+
+    async def _reserve_replacement(self, replaces: str, call_id: str, rollout_id: str, attempt: int) -> tuple[str, int]:
+        """One call per attempt may replace a given call: a restored agent continues once."""
+        key = (replaces, attempt)
+        if self.replacements.get(key, call_id) == call_id:
+            for e in await self.store.read_rollout(rollout_id, attempt):
+                if e.kind == "call_accepted" and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
+                    self.replacements.setdefault(key, e.data["call_id"])
+        holder = self.replacements.setdefault(key, call_id)  # no await between this check and the claim
+        if holder != call_id:
+            raise InvalidPhase(f"call {replaces} was already linked to call {holder} of attempt {attempt}",
+                               replaces=replaces, linked_to=holder)
+        return key
+
+    async def _replaced(self, old_id: str, rollout_id: str, attempt: int) -> _Record | None:
+        if rollout_id in self.staged_rollouts:
+            old = self.staged.get(old_id)  # restored: only what the checkpoint holds
+        else:
+            old = _records(await self.store.read_stream(call_stream(old_id))).get(old_id)
+        if old is not None and (old.rollout_id != rollout_id or (old.attempt or 0) > attempt):
+            raise InvalidIdentifier(
+                f"call {old_id} belongs to rollout {old.rollout_id} attempt {old.attempt}; "
+                f"it cannot be replaced from rollout {rollout_id} attempt {attempt}"
+            )
+        return old
+
+    async def _link(self, call: _Call, accepted: dict[str, Any], old: _Record) -> _Call:
+        """Deliver the replaced call's stored reply under the new id; both custody events in one append."""
+        accepted["policy_version"] = old.accepted.get("policy_version", accepted["policy_version"])  # who served it
+        completed = {"call_id": call.call_id, "receipt": old.data["receipt"], "reply": old.data["reply"],
+                     "disposition": "linked", "replaces": old.call_id, "tokens": old.data["receipt"]["tokens"],
+                     "policy_version": accepted["policy_version"]}
+        stream = call_stream(call.call_id)
+        await self.store.append(AppendRequest((
+            NewEvent(stream, "call_accepted", accepted, call.rollout_id, call.attempt),
+            NewEvent(stream, "call_completed", completed, call.rollout_id, call.attempt),
+        )))
+        await self._finish(call, "completed", result=completed)
+        return call
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def _run(self, call: _Call) -> None:
+        try:
+            if await self._pump(call):
+                await self._record_outcome(call, "call_cut", {"tokens": len(call.tokens)})
+            else:
+                message = message_from_tokens(call.tokens)
+                await self._record_outcome(call, "call_completed", {
+                    "reply": message, "disposition": "generated", "tokens": len(call.tokens), **call.extra})
+        except StaleAttempt as exc:  # fenced while generating: nothing of it may land, and nothing did
+            await self._finish(call, "stale", error=exc)
+        except asyncio.CancelledError:
+            await self._finish(call, "stale", error=StaleAttempt(
+                f"call {call.call_id} was stopped: attempt {call.attempt} of {call.rollout_id} was retired or the server stopped"))
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, RollbookError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
+            failed = {"call_id": call.call_id, "error": {"code": error.code, "detail": error.detail}, "tokens": len(call.tokens)}
+            try:
+                await self._append(NewEvent(call_stream(call.call_id), "call_failed", failed, call.rollout_id, call.attempt))
+            except StaleAttempt as stale:
+                error = stale
+            finally:
+                await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
+
+    async def _pump(self, call: _Call) -> bool:
+        """Move tokens from the backend into the call until it ends (False) or a cut lands (True).
+
+        A cut never splits a token: the pending step is cancelled, so the prefix is exactly the
+        tokens already received."""
+        call.tokens = list(call.prefix)
+        gen = self.backend.generate(call.request, list(call.prefix))
+        cut_wait = asyncio.ensure_future(call.cut_requested.wait())
+        step: asyncio.Future[str] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(gen))
+                await asyncio.wait({step, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    return True
+                try:
+                    token = step.result()
+                except StopAsyncIteration:
+                    return False
+                call.tokens.append(token)
+                async with call.changed:
+                    call.changed.notify_all()
+        finally:
+            cut_wait.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                await asyncio.wait({step})  # the generator must settle before it can be closed
+            await gen.aclose()
+
+    async def _record_outcome(self, call: _Call, kind: str, data: dict[str, Any]) -> None:
+        receipt = await self.token_store.put(call.tokens)
+        full = {"call_id": call.call_id, "receipt": receipt.to_json(), "policy_version": self.backend.policy_version, **data}
+        await self._append(NewEvent(call_stream(call.call_id), kind, full, call.rollout_id, call.attempt))
+        await self._finish(call, kind.removeprefix("call_"), result=full)
+
+    async def _finish(self, call: _Call, state: str, result: dict[str, Any] | None = None,
+                      error: RollbookError | None = None) -> None:
+        if state == "failed" and error is None:
+            error = GenerationFailed(f"call {call.call_id} failed before it could be generated")
+        call.state, call.result, call.error = state, result, error
+        call.done.set()
+        if self.calls.get(call.call_id) is call:
+            del self.calls[call.call_id]  # from now on a repeat reads the log
+        async with call.changed:
+            call.changed.notify_all()
+
+    async def _append(self, event: NewEvent) -> None:
+        await self.store.append(AppendRequest((event,)))
+
+    # ---- replies ------------------------------------------------------------------------------
+
+    async def _json_reply(self, call: _Call, model: str, prompt_tokens: int) -> web.Response:
+        await call.done.wait()
+        if call.error is not None:
+            raise call.error
+        if call.state != "completed" or call.result is None:
+            raise AdmissionClosed(f"call {call.call_id} ended as {call.state} for a checkpoint; repeat it after resume")
+        await self._open.wait()  # held while a checkpoint is being taken
+        call.delivered = True
+        return web.json_response(completion_body(call.call_id, model, call.result, prompt_tokens))
+
+    async def _stream_reply(self, request: web.Request, call: _Call, model: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await self._stream_events(resp, call, model)
+        except ConnectionResetError:
+            pass  # the client left; the call goes on and its outcome is in the log for a repeat
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, call: _Call, model: str) -> None:
+        created, sent = int(time.time()), 0
+        while True:
+            async with call.changed:
+                await call.changed.wait_for(lambda n=sent: len(call.tokens) > n or call.done.is_set())
+            batch = call.tokens[sent:]
+            for i, tok in enumerate(batch, start=sent):
+                chunk = _chunk(call.call_id, model, created, {}, None)
+                chunk["rollbook"] = {"token": tok, "index": i}
+                await resp.write(_sse(chunk))
+            sent += len(batch)
+            if call.done.is_set() and sent >= len(call.tokens):
+                break
+        if call.error is not None:
+            await resp.write(_sse(call.error.to_json()))
+        elif call.state == "cut" and call.result is not None:
+            await resp.write(_sse({"rollbook": {"cut": True, "call_id": call.call_id, "tokens": call.result["tokens"],
+                                                "receipt": call.result["receipt"]}}))
+        elif call.result is not None:
+            await self._open.wait()  # held: the client has the tokens but not the end of the reply
+            call.delivered = True
+            message = call.result["reply"]
+            delta = {**message, "tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]} \
+                if message.get("tool_calls") else dict(message)
+            final = _chunk(call.call_id, model, created, delta, _finish_reason(message))
+            final["rollbook"] = _rollbook_info(call.call_id, call.result)
+            await resp.write(_sse(final))
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+
+def _optional_id(request: web.Request, header: str) -> str | None:
+    value = request.headers.get(header)
+    return validate_id(value, f"{header} header") if value else None
+
+
+def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | None, rollout_id: str, attempt: int) -> None:
+    if (have_rollout, have_attempt) != (rollout_id, attempt):
+        raise InvalidIdentifier(
+            f"call id {call_id} belongs to rollout {have_rollout} attempt {have_attempt}, "
+            f"not rollout {rollout_id} attempt {attempt}; name the new call anew and replace the old one",
+        )
+
+
+def _prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """A count of token-like pieces; the scripted tokenizer is the only one this server knows."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        total += len(scripted_tokens(content if isinstance(content, str) else json.dumps(content)))
+    return total
+
+
+def _finish_reason(message: dict[str, Any]) -> str:
+    return "tool_calls" if message.get("tool_calls") else "stop"
+
+
+def _rollbook_info(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {"call_id": call_id, "disposition": result.get("disposition"), "receipt": result.get("receipt"),
+            "policy_version": result.get("policy_version")}
+
+
+def _chunk(call_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def _sse(value: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(value)}\n\n".encode()
+
+
+def completion_body(call_id: str, model: str, result: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI chat.completion object for a completed call, with our custody facts beside it."""
+    message = result["reply"]
+    completion = int(result.get("tokens") or result["receipt"]["tokens"])
+    return {
+        "id": f"chatcmpl-{call_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(message)}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion},
+        "rollbook": _rollbook_info(call_id, result),
+    }
+
+
+PARTICIPANT = web.AppKey("participant", ModelParticipant)
+
+
+def build_model_app(
+    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
+) -> web.Application:
+    participant = ModelParticipant(store, backend, token_store, instance)
+    app = build_app(participant, token)
+    app[PARTICIPANT] = participant
+
+    async def stop_generations(app: web.Application) -> None:
+        tasks = [c.task for c in list(participant.calls.values()) if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    app.on_shutdown.append(stop_generations)
+    return app

@@ -1,0 +1,91 @@
+"""`rollbook run`: checkpoints on SIGUSR1, checkpoint-and-stop on SIGTERM, and a restart that restores
+the latest published checkpoint into fresh server processes and finishes every rollout once."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+from adapters import config as cfg
+from adapters.processes import ServerProcesses, free_port
+from participants.environments.tasks import make_tasks
+
+
+class Run:
+    """`rollbook run` in a subprocess whose JSON lines we read as they come."""
+
+    def __init__(self, config_path: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "adapters.cli", "run", "--config", str(config_path)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:
+                self.lines.put({"event": "text", "line": line})
+
+    def wait_for(self, event: str, count: int = 1, timeout: float = 90) -> list[dict]:
+        seen, end = [], time.time() + timeout
+        while len([e for e in seen if e.get("event") == event]) < count:
+            try:
+                seen.append(self.lines.get(timeout=max(0.1, end - time.time())))
+            except queue.Empty:
+                raise AssertionError(f"no {event} within {timeout} s; saw {seen[-5:]}") from None
+        return seen
+
+
+def test_run_checkpoints_on_signals_and_resumes_from_the_latest_published_checkpoint(dsn: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix="rbrun-"))
+    tasks = make_tasks(8, seed=3, envs=["workplace", "blackjack", "math"])
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
+    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers,
+                        run=cfg.RunConfig(run_id="r1", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=8))
+    cfg.write(config, work / "rollbook.toml")
+    assert cfg.load(work / "rollbook.toml") == config  # the documented format round-trips
+    procs = ServerProcesses(config, work / "rollbook.toml", work)
+    procs.start()
+    try:
+        first = Run(work / "rollbook.toml")
+        first.wait_for("finished")
+        first.proc.send_signal(signal.SIGUSR1)
+        ck = [e for e in first.wait_for("checkpoint") if e.get("event") == "checkpoint"][0]
+        assert ck["published"] and ck["checkpoint_id"] == "r1-ck1"
+        first.proc.send_signal(signal.SIGTERM)
+        stopped = [e for e in first.wait_for("stopped") if e.get("event") == "stopped"][0]
+        assert first.proc.wait(timeout=30) == 0
+        latest = stopped["checkpoint_id"]
+        assert latest == "r1-ck2"
+        procs.kill()  # the servers die with the run's sessions in them
+        procs.start()
+        second = Run(work / "rollbook.toml")
+        events = second.wait_for("done", timeout=120)
+        assert second.proc.wait(timeout=30) == 0
+    finally:
+        procs.stop()
+    restore = next(e for e in events if e.get("event") == "restore")
+    assert restore["checkpoint_id"] == latest
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == 8
+    with psycopg.connect(dsn) as conn:
+        per_rollout = conn.execute(
+            "SELECT rollout_id, count(*) FILTER (WHERE status = 'finished'), bool_and(status <> 'finished' OR reward IS NOT NULL) "
+            "FROM rollbook.attempts GROUP BY rollout_id").fetchall()
+        phases = dict(conn.execute("SELECT checkpoint_id, phase FROM rollbook.checkpoints").fetchall())
+    assert len(per_rollout) == 8 and all(n == 1 and ok for _, n, ok in per_rollout)
+    assert phases == {"r1-ck1": "published", "r1-ck2": "published"}
+    assert os.path.exists(work / "tasks.jsonl")

@@ -1,0 +1,110 @@
+"""Token store conformance: one suite, run on the PostgreSQL store and on the filesystem store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from adapters.token_store import FilesystemTokenStore, PostgresTokenStore, decode_tokens, encode_tokens
+from engine.errors import InvalidCheckpointState
+from engine.tokens import Receipt
+
+TOKENS = ["{", '"content": "', "Hé", " 🦀", "", "\\n", "-1", "}"]
+
+
+@pytest.fixture(params=["postgres", "filesystem"])
+async def tokens(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "postgres":
+        dsn = request.getfixturevalue("dsn")
+        s = PostgresTokenStore(dsn)
+    else:
+        s = FilesystemTokenStore(tmp_path / "tokens")
+    yield s
+    await s.close()
+
+
+async def tamper(store, blob_id: str) -> None:
+    """Change one token of a stored blob behind the store's back (digest column left as it was)."""
+    if isinstance(store, PostgresTokenStore):
+        async with store.engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE rollbook.token_blobs SET token_ids[1] = token_ids[1] + 1 WHERE blob_id = :b"), {"b": blob_id}
+            )
+    else:
+        path = store.root / "blobs" / f"{blob_id}.json"
+        row = json.loads(path.read_text())
+        row["token_ids"][0] += 1
+        path.write_text(json.dumps(row))
+
+
+async def delete(store, blob_id: str) -> None:
+    if isinstance(store, PostgresTokenStore):
+        async with store.engine.begin() as conn:
+            await conn.execute(text("DELETE FROM rollbook.token_blobs WHERE blob_id = :b"), {"b": blob_id})
+    else:
+        (store.root / "blobs" / f"{blob_id}.json").unlink()
+
+
+def test_encoding_round_trips_and_keeps_empty_tokens_apart() -> None:
+    assert encode_tokens(["ab", "c"]) == [97, 98, -1, 99, -1]
+    assert decode_tokens(encode_tokens(TOKENS)) == TOKENS
+    assert encode_tokens([]) != encode_tokens([""])
+
+
+async def test_put_then_get_returns_the_same_tokens_with_a_receipt(tokens) -> None:
+    receipt = await tokens.put(TOKENS)
+    assert isinstance(receipt, Receipt) and receipt.tokens == len(TOKENS)
+    assert await tokens.get(receipt.blob_id) == TOKENS
+    assert await tokens.put(TOKENS) == receipt  # content-addressed: a retried put is the same blob
+    empty = await tokens.put([])
+    assert await tokens.get(empty.blob_id) == [] and empty.blob_id != receipt.blob_id
+
+
+async def test_get_refuses_a_tampered_or_missing_blob(tokens) -> None:
+    receipt = await tokens.put(TOKENS)
+    await tamper(tokens, receipt.blob_id)
+    with pytest.raises(InvalidCheckpointState, match="digest"):
+        await tokens.get(receipt.blob_id)
+    with pytest.raises(InvalidCheckpointState, match="missing"):
+        await tokens.get("sha256-" + "0" * 64)
+
+
+async def test_snapshot_validates_under_its_own_checkpoint(tokens) -> None:
+    a, b = await tokens.put(["a"]), await tokens.put(["b", "c"])
+    ref = await tokens.snapshot("ck-1", [a.blob_id, b.blob_id, a.blob_id])
+    assert set(ref) == {"checkpoint_id", "snapshot_id", "digest"} and ref["checkpoint_id"] == "ck-1"
+    await tokens.validate(ref, "ck-1")
+    assert await tokens.snapshot("ck-1", [b.blob_id, a.blob_id]) == ref  # order and repeats do not matter
+
+
+async def test_validate_refuses_a_snapshot_of_another_checkpoint(tokens) -> None:
+    a = await tokens.put(["a"])
+    ref = await tokens.snapshot("ck-1", [a.blob_id])
+    other = await tokens.snapshot("ck-2", [a.blob_id])
+    with pytest.raises(InvalidCheckpointState, match="ck-1"):
+        await tokens.validate(ref, "ck-2")
+    # A forged ref that names ck-2 but points at ck-1's snapshot row is refused by the row itself.
+    with pytest.raises(InvalidCheckpointState, match="belongs to checkpoint ck-1"):
+        await tokens.validate({**other, "snapshot_id": ref["snapshot_id"]}, "ck-2")
+
+
+async def test_validate_refuses_a_tampered_blob_a_missing_blob_and_a_wrong_digest(tokens) -> None:
+    a, b = await tokens.put(["a", "b"]), await tokens.put(["c"])
+    ref = await tokens.snapshot("ck-1", [a.blob_id, b.blob_id])
+    with pytest.raises(InvalidCheckpointState, match="digest"):
+        await tokens.validate({**ref, "digest": "0" * 64}, "ck-1")
+    await tamper(tokens, a.blob_id)
+    with pytest.raises(InvalidCheckpointState, match=a.blob_id):
+        await tokens.validate(ref, "ck-1")
+    only_b = await tokens.snapshot("ck-2", [b.blob_id])
+    await delete(tokens, b.blob_id)
+    with pytest.raises(InvalidCheckpointState, match="missing"):
+        await tokens.validate(only_b, "ck-2")
+
+
+async def test_snapshot_refuses_a_missing_blob(tokens) -> None:
+    with pytest.raises(InvalidCheckpointState, match="missing"):
+        await tokens.snapshot("ck-1", ["sha256-" + "1" * 64])
