@@ -41,7 +41,8 @@ class Strict(BaseModel):
 
 
 class ServerConfig(Strict):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # how the others reach this server
+    bind: str | None = None  # the address it listens on, when not `host` (e.g. 0.0.0.0 in a container)
     port: int = Field(ge=0, le=65535)
     # model server only
     backend: Literal["scripted", "openai_compatible"] = "scripted"

@@ -52,4 +52,4 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
 def serve(kind: Kind, config: Config) -> None:
     dsn = database.prepare_database(config.dsn)
     s = config.servers[kind]
-    web.run_app(build(kind, config, dsn), host=s.host, port=s.port, print=None, access_log=None)
+    web.run_app(build(kind, config, dsn), host=s.bind or s.host, port=s.port, print=None, access_log=None)
