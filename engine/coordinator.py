@@ -110,7 +110,7 @@ class Coordinator:
         if checkpoint_id in self.restarts:
             return self.restarts[checkpoint_id]
         events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
-        return [tuple(k) for e in events if e.kind == "checkpoint_prepared" for k in e.data.get("restarts", [])]  # type: ignore[misc]
+        return [(k[0], k[1]) for e in events if e.kind == "checkpoint_prepared" for k in e.data.get("restarts", [])]
 
     async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None) -> Cut:
         """Fix the cut (engine.checkpoint.make_cut), record it, then tell every participant at once."""
@@ -118,7 +118,7 @@ class Coordinator:
         phases = await self._phase(checkpoint_id)
         restarts = await self._restarts_of(checkpoint_id)
         if scope is None:
-            live = await self.store.live_attempts()  # type: ignore[attr-defined]
+            live = await self.store.live_attempts()
             scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
         cut = await make_cut(self.store, checkpoint_id, scope, restarts)
         phases._move("committed")  # validate the transition before writing anything

@@ -124,6 +124,6 @@ class EventStore(Protocol):
 
 
 async def append_one(store: EventStore, event: NewEvent, expected_version: int | None = None) -> RecordedEvent:
-    expected = {event.stream: expected_version} if expected_version is not None else {}
+    expected: dict[str, int | None] = {event.stream: expected_version} if expected_version is not None else {}
     (recorded,) = await store.append(AppendRequest((event,), expected))
     return recorded

@@ -41,6 +41,7 @@ class _Phases:
     """A transitions Machine whose illegal triggers are loud and whose moves are events."""
 
     state: str
+    trigger: Any  # added by the transitions Machine to its model
 
     def __init__(self, phases: list[str], transitions: list[dict[str, Any]], initial: str) -> None:
         self._machine = Machine(
