@@ -53,9 +53,12 @@ def error_from_reply(status: int, body: Any) -> RollbookError:
     detail = str(err.get("detail") or code)
     context = err.get("context") if isinstance(err.get("context"), dict) else {}
     cls = error_classes().get(code)
-    if cls is None or cls is RollbookError:
-        return RemoteError(code, detail, status, **context)
-    return cls(detail, **context)
+    if cls is not None and cls is not RollbookError:
+        try:
+            return cls(detail, **context)
+        except TypeError:  # a subclass with its own constructor: keep the code, lose nothing else
+            pass
+    return RemoteError(code, detail, status, **context)
 
 
 class JsonClient:

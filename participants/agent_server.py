@@ -1,0 +1,429 @@
+"""The agent server: a Simple Agent turn loop per (rollout, attempt), parked at its boundaries.
+
+A session alternates model calls and tool rounds. Before each model call and after each completed
+turn it appends an `agent_boundary` event holding everything needed to go on from there (the
+conversation, usage, the call it is about to make, the resources revision it saw), so a restore
+reads the session back from the log instead of from this process. A session is `idle` (restored,
+waiting for its activation), `running`, or `at_boundary` (parked, or waiting on the model, which
+counts as a boundary: the model server cuts or drains its calls during prepare). Activations are
+idempotent by index: the completed index gets its stored reply again (read from the log), any
+index but completed + 1 is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.http_client import JsonClient, data_url
+from adapters.postgres import PostgresEventStore
+from engine.checkpoint import Cut, effective_history
+from engine.errors import (
+    ActivationOutOfOrder,
+    AdmissionClosed,
+    InvalidIdentifier,
+    RestartInScope,
+    RollbookError,
+)
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import agent_stream, session_stream
+from participants.control_plane import (
+    Body,
+    Execution,
+    Participant,
+    PrepareReport,
+    build_app,
+    data_path,
+    identity,
+)
+from participants.environments import get_environment
+
+Key = tuple[str, int]  # (rollout_id, attempt)
+ACTIVATION_HEADER = "X-Rollbook-Activation"
+BOUNDARY = "agent_boundary"
+ACTIVATION_COMPLETED = "agent_activation_completed"
+RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
+PARTICIPANT: web.AppKey[AgentParticipant] = web.AppKey("agent_participant")
+
+
+class TaskBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    env: str
+    task_id: str
+    prompt: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunRequest(Body):
+    task: TaskBody
+    max_steps: int = Field(default=16, ge=1, le=1000)
+    model_url: str
+    resources_url: str
+    seed: int = 0
+    model: str = "policy"
+    system_prompt: str | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, description="the session's tools; default: the environment's")
+
+
+@dataclass
+class Session:
+    """One activation's turn loop. `turn` is the next turn to run."""
+
+    rollout_id: str
+    attempt: int
+    index: int
+    request: RunRequest
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    turn: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)  # calls completed under this attempt (lineage checks its own log)
+    last_call_id: str | None = None
+    replaces: str | None = None  # the origin's pending call, continued by this attempt's first model call
+    revisions: dict[str, int] = field(default_factory=dict)  # session stream -> revision, once changed in this attempt
+    revision_seen: int = 0
+    done: bool = False  # a tool said the episode is over: the next reply is the final answer
+    finished: bool = False
+    final_answer: str | None = None
+    state: str = "running"
+
+    @property
+    def key(self) -> Key:
+        return (self.rollout_id, self.attempt)
+
+    def boundary_data(self, state: str, turn: int, pending: str | None) -> dict[str, Any]:
+        return {
+            "turn": turn, "messages": self.messages, "usage": self.usage, "cookies": {}, "last_call_id": self.last_call_id,
+            "pending_call_id": pending, "replaces_call_id": self.replaces if pending else None, "calls": self.calls,
+            "revisions": self.revisions, "revision_seen": self.revision_seen, "state": state, "activation": self.index,
+            "done": self.done, "finished": self.finished, "final_answer": self.final_answer,
+        }
+
+    def reply(self) -> dict[str, Any]:
+        return {"final_answer": self.final_answer, "messages": self.messages, "usage": self.usage, "turns": self.turn}
+
+
+def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
+    messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + [
+        {"role": "user", "content": req.task.prompt}]
+    tools = req.tools if req.tools is not None else get_environment(req.task.env).tools()
+    return Session(key[0], key[1], index, req, messages, tools)
+
+
+def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
+    """A session of a new attempt that goes on from its origin's boundary: nothing before it is redone."""
+    s = fresh_session(key, index, req)
+    s.messages = [dict(m) for m in boundary["messages"]]
+    s.usage = dict(boundary.get("usage") or {})
+    s.last_call_id = boundary.get("last_call_id")
+    s.revision_seen = int(boundary.get("revision_seen") or 0)
+    s.done = bool(boundary.get("done"))
+    if boundary["state"] == "before_model":
+        s.turn = int(boundary["turn"])
+        s.replaces = boundary.get("pending_call_id")
+    else:  # after_turn: the turn and all its tool calls are in the messages
+        s.turn = int(boundary["turn"]) + 1
+        s.finished = bool(boundary.get("finished"))
+        s.final_answer = boundary.get("final_answer")
+    return s
+
+
+def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
+    """The last agent boundary of an activation that had not completed by the end of `history`."""
+    completed = {e.data["index"] for e in history if e.kind == ACTIVATION_COMPLETED}
+    last = next((e for e in reversed(history) if e.kind == BOUNDARY), None)
+    if last is None or last.data.get("activation", 0) in completed:
+        return None
+    return last
+
+
+def activation_index(request: web.Request) -> int:
+    raw = request.headers.get(ACTIVATION_HEADER)
+    try:
+        index = int(raw) if raw is not None else -1
+    except ValueError:
+        index = -1
+    if index < 0:
+        raise InvalidIdentifier(f"header {ACTIVATION_HEADER} must be an integer >= 0, got {raw!r}")
+    return index
+
+
+class AgentParticipant(Participant):
+    kind: ClassVar[str] = "agent"
+    concurrency: ClassVar[str] = "one activation at a time per (rollout_id, attempt); control operations serialized"
+    # An agent that cannot go on from a boundary sets this False: it is then honestly restart-only.
+    supports_continuation: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.checkpoint_mode = "native" if cls.supports_continuation else "restart_only"
+
+    def __init__(self, store: PostgresEventStore, instance: str = "agent-0", token: str | None = None) -> None:
+        super().__init__(store, instance)
+        self.client = JsonClient(token)
+        self.sessions: dict[Key, Session] = {}
+        self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
+        self.locks: dict[Key, asyncio.Lock] = {}
+        self.staged: dict[str, tuple[int, dict[str, Any]]] = {}  # rollout -> (origin attempt, boundary data)
+        self.staged_from: str | None = None
+        self.restored: dict[Key, dict[str, Any]] = {}  # new attempt -> the boundary it continues from
+        self._open = asyncio.Event()
+        self._open.set()
+
+    # ---- data plane ---------------------------------------------------------------------------
+
+    async def run(self, request: web.Request) -> web.Response:
+        key = identity(request)
+        await self.check_attempt(*key)
+        self.served_sessions = True
+        index = activation_index(request)
+        req = RunRequest.model_validate(await request.json())
+        async with self.locks.setdefault(key, asyncio.Lock()):
+            current = self.running.get(key)
+            if current is not None and current[0] == index:
+                task = current[1]  # a repeat of the running activation waits for the same result
+            else:
+                history = await effective_history(self.store, *key)
+                completed = {e.data["index"]: e.data["reply"] for e in history if e.kind == ACTIVATION_COMPLETED}
+                last = max(completed, default=-1)
+                if index == last and last >= 0:
+                    return web.json_response(completed[index])
+                if current is not None or index != last + 1:
+                    raise ActivationOutOfOrder(
+                        f"activation {index} of {key[0]} attempt {key[1]}: completed is {last}"
+                        + (f", {current[0]} is running" if current else f", so only {last + 1} may start"),
+                        rollout_id=key[0], attempt=key[1], completed=last)
+                if not self.admission_open:
+                    raise AdmissionClosed("a checkpoint is in progress; new activations wait for resume")
+                session = self._session_for(key, index, req, history)
+                task = asyncio.get_running_loop().create_task(self._drive(session))
+                self.sessions[key] = session
+                self.running[key] = (index, task)
+                task.add_done_callback(lambda _t, k=key: self._finished(k))
+        return web.json_response(await asyncio.shield(task))
+
+    def _finished(self, key: Key) -> None:
+        self.running.pop(key, None)
+        self.sessions.pop(key, None)
+
+    def _session_for(self, key: Key, index: int, req: RunRequest, history: list[RecordedEvent]) -> Session:
+        boundary = self.restored.pop(key, None)
+        if boundary is None and self.supports_continuation:
+            # The log says the same as restore staged: an inherited boundary of this very activation.
+            last = pending_boundary(history)
+            if last is not None and last.attempt != key[1]:
+                boundary = last.data
+        if boundary is not None and self.supports_continuation and boundary.get("activation", 0) == index:
+            return continued_session(key, index, req, boundary)
+        return fresh_session(key, index, req)
+
+    async def _drive(self, s: Session) -> dict[str, Any]:
+        while not s.finished and s.turn < s.request.max_steps:
+            t = s.turn
+            call_id = f"{s.rollout_id}.{s.attempt}.t{t}"
+            await self._boundary(s, "before_model", t, call_id)
+            reply, usage = await self._model(s, call_id)
+            await self._park(s)  # the reply is in hand; a checkpoint keeps it at the before_model boundary
+            s.state = "running"
+            s.replaces = None
+            s.calls.append(call_id)
+            s.last_call_id = call_id
+            for k, v in usage.items():
+                if isinstance(v, int):
+                    s.usage[k] = s.usage.get(k, 0) + v
+            s.messages.append(reply)
+            tool_calls = reply.get("tool_calls") or []
+            if not tool_calls or s.done:
+                s.finished, s.final_answer = True, reply.get("content")
+            else:
+                for tc in tool_calls:
+                    content, done = await self._tool(s, tc)
+                    s.messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": content})
+                    s.done = s.done or done
+            s.turn = t + 1
+            await self._boundary(s, "after_turn", t, None)
+        body = s.reply()
+        await self._append(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body})
+        return body
+
+    async def _append(self, s: Session, kind: str, data: dict[str, Any]) -> None:
+        await self.store.append(AppendRequest((NewEvent(agent_stream(*s.key), kind, data, *s.key),)))
+
+    async def _boundary(self, s: Session, state: str, turn: int, pending: str | None) -> None:
+        await self._append(s, BOUNDARY, s.boundary_data(state, turn, pending))
+        await self._park(s)
+
+    async def _park(self, s: Session) -> None:
+        """While a checkpoint is in progress a session waits here, at the boundary it just recorded."""
+        if self._open.is_set():
+            return
+        s.state = "at_boundary"
+        await self._open.wait()
+        s.state = "running"
+
+    async def _wait_closed(self, tries: int) -> None:
+        # Another server refused new work for a checkpoint: the refused call changed nothing, so ask
+        # again later (backing off: each refusal of a model call is a `call_excluded` event).
+        if self._open.is_set():
+            await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
+        else:
+            await self._open.wait()
+
+    async def _model(self, s: Session, call_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        headers = {"X-Rollbook-Call-Id": call_id}
+        if s.last_call_id:
+            headers["X-Rollbook-Parent-Call-Id"] = s.last_call_id
+        if s.replaces:
+            headers["X-Rollbook-Replaces-Call-Id"] = s.replaces
+        body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed, "stream": False}
+        url = data_url(s.request.model_url, *s.key, "/v1/chat/completions")
+        s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
+        try:
+            for tries in itertools.count():
+                try:
+                    out = await self.client.post(url, body, headers)
+                    break
+                except AdmissionClosed:
+                    await self._wait_closed(tries)
+        finally:
+            s.state = "running"
+        message = dict(out["choices"][0]["message"])
+        return message, dict(out.get("usage") or {})
+
+    async def _tool(self, s: Session, tc: dict[str, Any]) -> tuple[str, bool]:
+        fn = tc.get("function") or {}
+        name = str(fn.get("name") or "")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError as exc:
+            args = exc
+        if not isinstance(args, dict):
+            return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
+        url = data_url(s.request.resources_url, *s.key, f"/tools/{name}")
+        for tries in itertools.count():
+            try:
+                out = await self.client.post(url, {"arguments": args})
+                break
+            except AdmissionClosed:
+                await self._wait_closed(tries)
+            except RollbookError as exc:
+                if exc.code != "tool_error":
+                    raise
+                # A refused call changed nothing; the model sees the refusal like any tool output.
+                return json.dumps({"error": exc.context.get("tool_error", "tool_error"), "message": exc.detail},
+                                  sort_keys=True), False
+        revision = int(out.get("revision", s.revision_seen))
+        if revision != s.revision_seen:
+            # Only revisions this attempt changed: lineage compares them with this attempt's own mutations.
+            s.revisions[session_stream(*s.key)] = revision
+            s.revision_seen = revision
+        return json.dumps(out.get("output"), sort_keys=True), bool(out.get("done"))
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        rows = [{"rollout_id": s.rollout_id, "attempt": s.attempt, "activation": s.index, "state": s.state, "turn": s.turn}
+                for s in self.sessions.values()]
+        rows += [{"rollout_id": r, "attempt": a, "activation": b.get("activation", 0), "state": "idle", "turn": b["turn"]}
+                 for (r, a), b in self.restored.items()]
+        return web.json_response({"sessions": rows})
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(data_path("/run"), self.run), web.get("/sessions", self.list_sessions),
+                web.post("/run", self._no_identity)]
+
+    async def _no_identity(self, request: web.Request) -> web.Response:
+        identity(request)  # raises rollout_id_required
+        raise AssertionError("unreachable")
+
+    # ---- control plane hooks --------------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        self._open.clear()
+        # Leave time to answer before the control plane's own deadline fires.
+        stop = deadline - min(0.25, max(0.0, deadline - time.time()) * 0.1)
+        while True:
+            blockers = [s for s in self.sessions.values() if s.state == "running" and self.supports_continuation]
+            if not blockers or time.time() >= stop:
+                break
+            await asyncio.sleep(0.005)
+        total = len(self.sessions) + len(self.restored)
+        restarts = [] if self.supports_continuation else [
+            Execution(rollout_id=r, attempt=a) for r, a in [*self.sessions, *self.restored]]
+        return PrepareReport(
+            ready=not blockers,
+            blockers=[f"{s.rollout_id}:{s.attempt} turn {s.turn} is in a tool round" for s in blockers],
+            counts={"sessions": total, "parked": total - len(blockers)},
+            restarts=restarts,
+        )
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        """Read each scoped execution's last boundary from the log and stage it; nothing runs yet."""
+        staged: dict[str, tuple[int, dict[str, Any]]] = {}
+        for entry in cut.scope:
+            history = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
+            last = pending_boundary(history)
+            if last is None:
+                continue  # the agent had not started, or its activation completed: nothing to continue here
+            if not self.supports_continuation:
+                raise RestartInScope(f"{entry.rollout_id} attempt {entry.attempt} is mid-activation on a restart-only agent",
+                                     executions=[[entry.rollout_id, entry.attempt]])
+            staged[entry.rollout_id] = (entry.attempt, last.data)
+        self.staged, self.staged_from = staged, cut.checkpoint_id
+        return {"staged": len(staged)}
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        attached = 0
+        if restored and self.staged_from == checkpoint_id and self.staged:
+            rows = await self.store.attempt_rows(sorted(self.staged))
+            for rid, (origin, data) in self.staged.items():
+                live = [a for (r, a), row in rows.items()
+                        if r == rid and a > origin and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
+                if live:  # otherwise /run still finds the boundary in the log once the attempt is installed
+                    self.restored[(rid, max(live))] = data
+                    attached += 1
+            self.staged, self.staged_from = {}, None
+        self.admission_open = True
+        self._open.set()
+        return {"attached": attached}
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        for key in [k for k in self.running if k[0] == rollout_id and k[1] <= through]:
+            self.running[key][1].cancel()
+        self.restored = {k: v for k, v in self.restored.items() if not (k[0] == rollout_id and k[1] <= through)}
+
+    async def forget(self, rollout_id: str) -> None:
+        self.locks = {k: v for k, v in self.locks.items() if k[0] != rollout_id or k in self.running}
+
+    async def stop(self) -> None:
+        for _, task in list(self.running.values()):
+            task.cancel()
+        await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
+
+
+def build_agent_app(store: PostgresEventStore, token: str, instance: str = "agent-0",
+                    participant_cls: type[AgentParticipant] = AgentParticipant) -> web.Application:
+    participant = participant_cls(store, instance, token)
+    app = build_app(participant, token)
+    app[PARTICIPANT] = participant
+
+    async def stop(_app: web.Application) -> None:
+        # On shutdown, not cleanup: the server waits for open handlers, and ours wait on these tasks.
+        await participant.stop()
+
+    async def cleanup(_app: web.Application) -> None:
+        await participant.client.close()
+
+    app.on_shutdown.append(stop)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+__all__ = ["AgentParticipant", "PARTICIPANT", "RunRequest", "Session", "build_agent_app", "ACTIVATION_HEADER", "BOUNDARY",
+           "ACTIVATION_COMPLETED"]

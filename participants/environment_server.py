@@ -1,0 +1,356 @@
+"""The environment server: drives each episode as steps (seed, agent, verify, close), one event each.
+
+An episode's steps run in order and each is recorded as an `episode_step` event when it is done,
+so the log alone says where an episode stands: a restored episode continues from its next step
+under its new attempt, and nothing recorded before its boundary is done twice. During prepare an
+episode parks between steps; one inside its agent step counts as parked (the agent parks it at its
+own boundary). An episode that finishes while a checkpoint is being prepared has its
+`attempt_finished` in the log and is never continued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.http_client import JsonClient, data_url
+from adapters.postgres import PostgresEventStore
+from engine import attempts as A
+from engine.checkpoint import Cut, effective_history
+from engine.errors import AdmissionClosed, StaleAttempt
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import episode_stream, rollout_stream, validate_id
+from participants.control_plane import Body, Participant, PrepareReport, build_app
+from participants.environments import Task
+
+STEPS = ("seed", "agent", "verify", "close")
+ACTIVATION_HEADER = "X-Rollbook-Activation"
+RETRY_SECONDS = 0.05
+
+
+class TaskBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    env: str
+    task_id: str
+    prompt: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class EpisodeRequest(Body):
+    rollout_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
+    task: TaskBody
+    seed: int = 0
+    max_steps: int = Field(default=16, ge=1, le=1000)
+
+
+@dataclass
+class Episode:
+    rollout_id: str
+    attempt: int
+    task: Task
+    seed: int
+    max_steps: int
+    done: list[dict[str, Any]] = field(default_factory=list)  # the data of each recorded step, in order
+    status: str = "running"  # running | parked | finished | failed
+    step: str | None = None  # the step in progress
+    error: str | None = None
+
+    def recorded(self, step: str) -> dict[str, Any] | None:
+        return next((d for d in self.done if d["step"] == step), None)
+
+    @property
+    def reward(self) -> float | None:
+        verified = self.recorded("verify")
+        return None if verified is None else verified.get("reward")
+
+    def result(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "attempt": self.attempt, "reward": self.reward,
+                "steps": [d["step"] for d in self.done]}
+
+    def status_json(self) -> dict[str, Any]:
+        return {"status": self.status, "attempt": self.attempt, "reward": self.reward, "step": self.step,
+                "steps": [d["step"] for d in self.done], "error": self.error}
+
+
+def episode_from_history(rollout_id: str, attempt: int, inputs: list[RecordedEvent],
+                         upto: list[RecordedEvent]) -> Episode | None:
+    """An episode as the log has it: its input from `inputs`, its recorded steps from `upto`.
+
+    The input never changes, so it may come from past the boundary (attempt_started is a boundary
+    and episode_started lands right after it); the steps come only from up to the boundary."""
+    started = next((e for e in inputs if e.kind == "episode_started"), None)
+    if started is None:
+        return None
+    d = started.data
+    ep = Episode(rollout_id, attempt, Task.from_json(d["task"]), int(d.get("seed", 0)), int(d.get("max_steps", 16)))
+    ep.done = [dict(e.data) for e in upto if e.kind == "episode_step"]
+    return ep
+
+
+class EnvironmentParticipant(Participant):
+    kind: ClassVar[str] = "environment"
+    concurrency: ClassVar[str] = "steps serialized per episode; control operations serialized"
+
+    def __init__(self, store: PostgresEventStore, instance: str, token: str | None, agent_url: str, model_url: str,
+                 resources_url: str) -> None:
+        super().__init__(store, instance)
+        self.client = JsonClient(token)
+        self.agent_url, self.model_url, self.resources_url = agent_url, model_url, resources_url
+        self.episodes: dict[str, Episode] = {}
+        self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.staged: dict[str, Episode] = {}
+        self.staged_from: str | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+
+    # ---- data plane ---------------------------------------------------------------------------
+
+    async def start_episode(self, request: web.Request) -> web.Response:
+        req = EpisodeRequest.model_validate(await request.json())
+        rid = validate_id(req.rollout_id, "rollout id")
+        async with self.locks.setdefault(rid, asyncio.Lock()):
+            task = self.tasks.get(rid)
+            if task is None or task.done():
+                done = await self._from_log(rid)
+                if done is not None:
+                    return web.json_response(done)  # already finished: its result, never a second run
+                if not self.admission_open:
+                    raise AdmissionClosed("a checkpoint is in progress; new episodes wait for resume")
+                ep = await self._open_episode(rid, Task.from_json(req.task.model_dump()), req.seed, req.max_steps)
+                task = self._launch(ep)
+        return web.json_response(await asyncio.shield(task))
+
+    async def _from_log(self, rid: str) -> dict[str, Any] | None:
+        rows = await self.store.attempt_rows([rid])
+        if not rows:
+            return None
+        attempt = max(a for _, a in rows)
+        if rows[(rid, attempt)]["status"] != "finished":
+            return None
+        history = await effective_history(self.store, rid, attempt)
+        ep = episode_from_history(rid, attempt, history, history)
+        steps = [d["step"] for d in ep.done] if ep else []
+        return {"rollout_id": rid, "attempt": attempt, "reward": rows[(rid, attempt)]["reward"], "steps": steps}
+
+    async def _open_episode(self, rid: str, task: Task, seed: int, max_steps: int) -> Episode:
+        """Start attempt 0, or pick up the rollout's live attempt where its log leaves it."""
+        rows = await self.store.attempt_rows([rid])
+        started = NewEvent(episode_stream(rid, 0), "episode_started", {
+            "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps,
+            "status": "running"}, rid, 0)
+        if not rows:
+            # One request: the attempt never exists without its episode's input.
+            await self.store.append(AppendRequest((
+                NewEvent(rollout_stream(rid), A.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0), started)))
+            return Episode(rid, 0, task, seed, max_steps)
+        attempt = max(a for _, a in rows)
+        if rows[(rid, attempt)]["status"] != "live":
+            raise StaleAttempt(f"rollout {rid} attempt {attempt} is {rows[(rid, attempt)]['status']}",
+                               rollout_id=rid, attempt=attempt)
+        history = await effective_history(self.store, rid, attempt)
+        ep = episode_from_history(rid, attempt, history, history)
+        if ep is None:  # a fresh dispatch: the attempt exists, its episode starts from input
+            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, attempt), started.kind, started.data,
+                                                            rid, attempt),)))
+            ep = Episode(rid, attempt, task, seed, max_steps)
+        return ep
+
+    def _launch(self, ep: Episode) -> asyncio.Task[dict[str, Any]]:
+        self.episodes[ep.rollout_id] = ep
+        task = asyncio.get_running_loop().create_task(self._drive(ep))
+        self.tasks[ep.rollout_id] = task
+        # A resumed episode has no caller waiting on it: its failure is kept on the episode, not lost as a warning.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _drive(self, ep: Episode) -> dict[str, Any]:
+        try:
+            for step in STEPS:
+                if ep.recorded(step) is not None:
+                    continue
+                await self._park(ep)
+                ep.step = step
+                data = {"step": step, **await getattr(self, f"_{step}")(ep)}
+                data["status"] = "finished" if step == "close" else "running"
+                events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), "episode_step", data, ep.rollout_id, ep.attempt)]
+                if step == "close":
+                    # Atomic with the close step: the result is accepted exactly when the episode is done.
+                    events.append(NewEvent(rollout_stream(ep.rollout_id), A.ATTEMPT_FINISHED, {"reward": ep.reward},
+                                           ep.rollout_id, ep.attempt))
+                await self.store.append(AppendRequest(tuple(events)))
+                ep.done.append(data)
+                ep.step = None
+            ep.status = "finished"
+            return ep.result()
+        except asyncio.CancelledError:
+            ep.status = "failed"
+            ep.error = "cancelled"
+            raise
+        except Exception as exc:
+            ep.status, ep.error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+
+    async def _park(self, ep: Episode) -> None:
+        if self._open.is_set():
+            return
+        ep.status = "parked"
+        await self._open.wait()
+        ep.status = "running"
+
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        while True:
+            try:
+                return await self.client.post(url, body, headers)
+            except AdmissionClosed:
+                # The other server is in a checkpoint; the refused request changed nothing there.
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _seed(self, ep: Episode) -> dict[str, Any]:
+        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),
+                               {"env": ep.task.env, "task": ep.task.to_json()})
+        return {"state_mode": out.get("state_mode"), "verification": out.get("verification"),
+                "revision": out.get("revision", 0), "tools": out.get("tools")}
+
+    async def _agent(self, ep: Episode) -> dict[str, Any]:
+        # The next activation index: earlier attempts' completed activations are in the effective history.
+        index = sum(1 for d in ep.done if d["step"] == "agent")
+        seeded = ep.recorded("seed") or {}
+        body = {"task": ep.task.to_json(), "max_steps": ep.max_steps, "model_url": self.model_url,
+                "resources_url": self.resources_url, "seed": ep.seed, "tools": seeded.get("tools")}
+        out = await self._post(data_url(self.agent_url, ep.rollout_id, ep.attempt, "/run"), body,
+                               {ACTIVATION_HEADER: str(index)})
+        return {"activation": index, "final_answer": out.get("final_answer"), "turns": out.get("turns"),
+                "usage": out.get("usage")}
+
+    async def _verify(self, ep: Episode) -> dict[str, Any]:
+        answer = (ep.recorded("agent") or {}).get("final_answer")
+        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {"final_answer": answer})
+        return {"reward": float(out["reward"])}
+
+    async def _close(self, ep: Episode) -> dict[str, Any]:
+        await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
+        return {"reward": ep.reward}
+
+    async def episode_status(self, request: web.Request) -> web.Response:
+        rid = validate_id(request.match_info["rollout_id"], "rollout id")
+        ep = self.episodes.get(rid)
+        if ep is not None:
+            return web.json_response(ep.status_json())
+        rows = await self.store.attempt_rows([rid])
+        if not rows:
+            raise web.HTTPNotFound(reason=f"no episode for rollout {rid}")
+        attempt = max(a for _, a in rows)
+        row = rows[(rid, attempt)]
+        status = {"finished": "finished", "live": "not_running"}.get(row["status"], row["status"])
+        return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status)]
+
+    # ---- control plane hooks --------------------------------------------------------------------
+
+    def _live(self) -> list[Episode]:
+        return [ep for rid, ep in self.episodes.items() if ep.status not in ("finished", "failed")
+                and rid in self.tasks and not self.tasks[rid].done()]
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        self._open.clear()
+        stop = deadline - min(0.25, max(0.0, deadline - time.time()) * 0.1)
+        while True:
+            # Inside the agent step counts as parked: the agent parks it at its own boundary.
+            blockers = [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"]
+            if not blockers or time.time() >= stop:
+                break
+            await asyncio.sleep(0.005)
+        live = self._live()
+        return PrepareReport(
+            ready=not blockers,
+            blockers=[f"{ep.rollout_id}:{ep.attempt} in step {ep.step}" for ep in blockers],
+            counts={"episodes": len(live), "parked": len(live) - len(blockers),
+                    "in_agent": sum(1 for ep in live if ep.step == "agent")},
+        )
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        """Stage every scoped episode at its boundary; it runs again only at resume."""
+        staged: dict[str, Episode] = {}
+        for entry in cut.scope:
+            upto = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
+            inputs = await effective_history(self.store, entry.rollout_id, entry.attempt)
+            ep = episode_from_history(entry.rollout_id, entry.attempt, inputs, upto)
+            if ep is not None and ep.recorded("close") is None:
+                staged[entry.rollout_id] = ep
+        self.staged, self.staged_from = staged, cut.checkpoint_id
+        return {"staged": len(staged)}
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        continued = 0
+        if restored and self.staged_from == checkpoint_id and self.staged:
+            rows = await self.store.attempt_rows(sorted(self.staged))
+            for rid, ep in self.staged.items():
+                live = [a for (r, a), row in rows.items()
+                        if r == rid and a > ep.attempt and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
+                if not live:
+                    continue
+                origin, ep.attempt = ep.attempt, max(live)
+                nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
+                await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_continued", {
+                    "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,
+                    "restored_from": checkpoint_id, "status": "running"}, rid, ep.attempt),)))
+                self._launch(ep)
+                continued += 1
+            self.staged, self.staged_from = {}, None
+        self.admission_open = True
+        self._open.set()
+        return {"continued": continued}
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        ep, task = self.episodes.get(rollout_id), self.tasks.get(rollout_id)
+        if ep is not None and ep.attempt <= through and task is not None and not task.done():
+            task.cancel()
+        staged = self.staged.get(rollout_id)
+        if staged is not None and staged.attempt <= through:
+            del self.staged[rollout_id]
+
+    async def forget(self, rollout_id: str) -> None:
+        task = self.tasks.get(rollout_id)
+        if task is None or task.done():
+            self.episodes.pop(rollout_id, None)
+            self.tasks.pop(rollout_id, None)
+            self.locks.pop(rollout_id, None)
+
+    async def stop(self) -> None:
+        running = [t for t in self.tasks.values() if not t.done()]
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+PARTICIPANT: web.AppKey[EnvironmentParticipant] = web.AppKey("environment_participant")
+
+
+def build_environment_app(store: PostgresEventStore, token: str, agent_url: str, model_url: str, resources_url: str,
+                          instance: str = "environment-0") -> web.Application:
+    participant = EnvironmentParticipant(store, instance, token, agent_url, model_url, resources_url)
+    app = build_app(participant, token)
+    app[PARTICIPANT] = participant
+
+    async def stop(_app: web.Application) -> None:
+        # On shutdown, not cleanup: the server waits for open handlers, and ours wait on these tasks.
+        await participant.stop()
+
+    async def cleanup(_app: web.Application) -> None:
+        await participant.client.close()
+
+    app.on_shutdown.append(stop)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+__all__ = ["EnvironmentParticipant", "EpisodeRequest", "PARTICIPANT", "STEPS", "build_environment_app"]

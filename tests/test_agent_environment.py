@@ -1,0 +1,376 @@
+"""The agent and environment servers with the model and resources servers, all four real.
+
+Every server is a real aiohttp server on 127.0.0.1 over the real PostgreSQL of the `dsn`
+fixture; the only stand-in is the model itself (the scripted backend). Checkpoints go through the
+coordinator and the participants' own control planes, and a restore goes into fresh servers on
+the same database, as after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from adapters.generation import ScriptedBackend
+from adapters.http_client import JsonClient, data_url
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
+from engine.coordinator import Coordinator
+from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
+from engine.events import RecordedEvent
+from participants.agent_server import ACTIVATION_HEADER, AgentParticipant, build_agent_app
+from participants.control_plane import CONTROL
+from participants.environment_server import build_environment_app
+from participants.environments.base import Task
+from participants.environments.tasks import make_task
+from participants.model_server import build_model_app
+from participants.resources_server import build_resources_app
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "agent-env-secret"
+SEED = 7
+WORKPLACE = make_task("workplace", 3)  # 4 turns with the scripted policy: 2 look-ups, an email, the answer
+BLACKJACK = make_task("blackjack", 2)  # 6 turns, 4 of them hits or stands that change the table
+
+
+@dataclass
+class Stack:
+    """The four servers of one process generation, sharing one database."""
+
+    servers: dict[str, TestServer]
+    stores: list[PostgresEventStore]
+    tokens: PostgresTokenStore
+    backend: ScriptedBackend
+    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
+    session: aiohttp.ClientSession | None = None
+
+    def url(self, kind: str) -> str:
+        return str(self.servers[kind].make_url("")).rstrip("/")
+
+    def coordinator(self, store: PostgresEventStore) -> Coordinator:
+        assert self.session is not None
+        return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
+
+    async def episode(self, task: Task, rollout_id: str, seed: int = SEED) -> dict[str, Any]:
+        return await self.client.post(f"{self.url('environment')}/episodes",
+                                      {"rollout_id": rollout_id, "task": task.to_json(), "seed": seed})
+
+    async def wait_finished(self, rollout_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        stop = time.monotonic() + timeout
+        while time.monotonic() < stop:
+            status = await self.client.get(f"{self.url('environment')}/episodes/{rollout_id}")
+            if status["status"] in ("finished", "failed"):
+                return status
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"episode {rollout_id} did not finish: {status}")
+
+    async def close(self) -> None:
+        # Callers first, as a crash would take them: nothing they hold may land afterwards.
+        for kind in ("environment", "agent", "model", "resources"):
+            await self.servers[kind].close()
+        for s in self.stores:
+            await s.close()
+        await self.tokens.close()
+        await self.client.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+async def start_stack(dsn: str, tag: str, latency: float = 0.0,
+                      agent_cls: type[AgentParticipant] = AgentParticipant) -> Stack:
+    stores: list[PostgresEventStore] = []
+
+    def store(kind: str) -> PostgresEventStore:
+        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
+        return stores[-1]
+
+    backend = ScriptedBackend(latency_s=latency)
+    tokens = PostgresTokenStore(dsn)
+    servers: dict[str, TestServer] = {}
+
+    async def serve(kind: str, app: Any) -> str:
+        srv = TestServer(app, host="127.0.0.1")
+        await srv.start_server(shutdown_timeout=1.0)
+        servers[kind] = srv
+        return str(srv.make_url("")).rstrip("/")
+
+    model = await serve("model", build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}"))
+    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
+    agent = await serve("agent", build_agent_app(store("agent"), TOKEN, f"agent-{tag}", agent_cls))
+    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
+                                                     f"environment-{tag}"))
+    return Stack(servers, stores, tokens, backend, session=aiohttp.ClientSession())
+
+
+@contextlib.asynccontextmanager
+async def stack(dsn: str, tag: str, latency: float = 0.0) -> AsyncIterator[Stack]:
+    s = await start_stack(dsn, tag, latency)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+# ---- reading the log --------------------------------------------------------------------------
+
+
+def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
+    return [e for e in events if e.kind == kind and (attempt is None or e.attempt == attempt)]
+
+
+def final_reply(events: list[RecordedEvent], attempt: int) -> dict[str, Any]:
+    (done,) = of(events, "agent_activation_completed", attempt)
+    return done.data["reply"]
+
+
+def mutations(events: list[RecordedEvent]) -> list[tuple[str, Any, Any]]:
+    return [(e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
+
+
+def turn_of(call_id: str) -> int:
+    return int(call_id.rsplit(".t", 1)[1])
+
+
+async def uninterrupted(dsn: str, store: PostgresEventStore, task: Task, rollout_id: str) -> tuple[float, dict[str, Any], list]:
+    async with stack(dsn, f"ref-{rollout_id}") as s:
+        result = await s.episode(task, rollout_id)
+    events = await store.read_rollout(rollout_id)
+    return result["reward"], final_reply(events, 0), mutations(events)
+
+
+async def wait_for(store: PostgresEventStore, rollout_id: str, kind: str, count: int, **match: Any) -> None:
+    stop = time.monotonic() + 20
+    while time.monotonic() < stop:
+        hits = [e for e in await store.read_rollout(rollout_id) if e.kind == kind
+                and all(e.data.get(k) == v for k, v in match.items())]
+        if len(hits) >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{rollout_id}: fewer than {count} {kind} events")
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+
+async def test_episodes_run_end_to_end_with_boundaries_around_every_turn(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "e2e") as s:
+        results = await asyncio.gather(s.episode(WORKPLACE, "wp-1"), s.episode(BLACKJACK, "bj-1"))
+    for (rid, task), result in zip([("wp-1", WORKPLACE), ("bj-1", BLACKJACK)], results, strict=True):
+        events = await store.read_rollout(rid)
+        assert result == {"rollout_id": rid, "attempt": 0, "reward": result["reward"],
+                          "steps": ["seed", "agent", "verify", "close"]}
+        (finished,) = of(events, "attempt_finished")
+        assert finished.data["reward"] == result["reward"] == of(events, "session_verified")[0].data["reward"]
+        assert [e.data["step"] for e in of(events, "episode_step")] == ["seed", "agent", "verify", "close"]
+        assert of(events, "episode_started")[0].data["task"] == task.to_json()
+        # A boundary before each model call and after each turn, in that order, turn by turn.
+        boundaries = of(events, "agent_boundary")
+        calls = of(events, "call_accepted")
+        turns = len(calls)
+        assert turns >= 3
+        assert [(b.data["state"], b.data["turn"]) for b in boundaries] == [
+            (state, t) for t in range(turns) for state in ("before_model", "after_turn")]
+        for t, call in enumerate(calls):
+            before, after = boundaries[2 * t], boundaries[2 * t + 1]
+            assert call.data["call_id"] == before.data["pending_call_id"] == f"{rid}.0.t{t}"
+            assert call.data["parent_call_id"] == (f"{rid}.0.t{t - 1}" if t else None)
+            assert before.position < call.position < after.position
+            assert after.data["calls"] == [f"{rid}.0.t{i}" for i in range(t + 1)]
+        # Every tool round lies inside its turn: its mutations sit between the turn's call and its after_turn.
+        for m in of(events, "mutation_applied"):
+            t = max(i for i, c in enumerate(calls) if c.position < m.position)
+            assert m.position < boundaries[2 * t + 1].position
+            assert boundaries[2 * t + 1].data["revisions"] == {f"session:{rid}:0": m.data["revision"]}
+        reply = final_reply(events, 0)
+        assert reply["turns"] == turns and reply["final_answer"] == reply["messages"][-1]["content"]
+        assert of(events, "episode_step")[1].data["final_answer"] == reply["final_answer"]
+    assert results[0]["reward"] == 1.0  # the scripted policy gets this workplace task right
+
+
+async def test_activations_replay_the_completed_index_and_refuse_any_other(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "act") as s:
+        await s.episode(WORKPLACE, "act-1")
+        before = await store.read_rollout("act-1")
+        url = data_url(s.url("agent"), "act-1", 0, "/run")
+        body = {"task": WORKPLACE.to_json(), "max_steps": 16, "model_url": s.url("model"),
+                "resources_url": s.url("resources"), "seed": SEED}
+        replay = await s.client.post(url, body, {ACTIVATION_HEADER: "0"})
+        assert replay == final_reply(before, 0)
+        with pytest.raises(ActivationOutOfOrder):
+            await s.client.post(url, body, {ACTIVATION_HEADER: "2"})
+        with pytest.raises(InvalidIdentifier):
+            await s.client.post(url, body)  # no index at all
+        generations = s.backend.generations
+    assert await store.read_rollout("act-1") == before  # a replay and two refusals wrote nothing
+    assert generations == len(of(before, "call_accepted"))
+
+
+async def test_prepare_parks_a_running_episode_and_resume_finishes_it(dsn: str, store: PostgresEventStore) -> None:
+    """Each of the two parks on its own, the other servers open: the agent at its boundary, the
+    environment between steps; resume lets the episode finish as if it had never stopped."""
+    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "park-ref")
+    async with stack(dsn, "park", latency=0.15) as s:
+        agent, env = (HttpParticipant(k, k, s.url(k), TOKEN, s.session) for k in ("agent", "environment"))  # type: ignore[arg-type]
+        running = asyncio.create_task(s.episode(BLACKJACK, "park-1"))
+        await wait_for(store, "park-1", "agent_boundary", 2, state="after_turn")
+
+        def progress(events: list[RecordedEvent]) -> list[Any]:
+            # The model call a parked session waits on may still be accepted and completed (the model
+            # is open here); nothing past that boundary may happen.
+            calls = {e.data["call_id"] for e in of(events, "call_accepted")} | {of(events, "agent_boundary")[-1].data["pending_call_id"]}
+            return [calls, *(len(of(events, k)) for k in ("agent_boundary", "mutation_applied", "episode_step"))]
+
+        report = await agent.call("prepare", {"checkpoint_id": "park-a", "deadline": time.time() + 10})
+        assert report["ready"] and report["counts"] == {"sessions": 1, "parked": 1}, report
+        held = progress(await store.read_rollout("park-1"))
+        await asyncio.sleep(0.5)  # three model latencies: an unparked session would have moved on
+        assert progress(await store.read_rollout("park-1")) == held
+        assert [x["state"] for x in (await s.client.get(f"{s.url('agent')}/sessions"))["sessions"]] == ["at_boundary"]
+        last = of(await store.read_rollout("park-1"), "agent_boundary")[-1]
+        await agent.call("resume", {"checkpoint_id": "park-a", "deadline": time.time() + 10})
+
+        report = await env.call("prepare", {"checkpoint_id": "park-b", "deadline": time.time() + 10})
+        assert report["ready"] and report["counts"] == {"episodes": 1, "parked": 1, "in_agent": 1}, report
+        await wait_for(store, "park-1", "episode_step", 1, step="agent")  # the agent step still finishes
+        await asyncio.sleep(0.3)
+        assert [e.data["step"] for e in of(await store.read_rollout("park-1"), "episode_step")] == ["seed", "agent"]
+        assert (await s.client.get(f"{s.url('environment')}/episodes/park-1"))["status"] == "parked"
+        assert not running.done()
+        await env.call("resume", {"checkpoint_id": "park-b", "deadline": time.time() + 10})
+        result = await asyncio.wait_for(running, 20)
+    events = await store.read_rollout("park-1")
+    assert result["reward"] == reward
+    assert final_reply(events, 0) == reply and mutations(events) == muts
+    assert last.position < of(events, "agent_boundary")[-1].position
+
+
+async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating_work(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "ck-ref")
+    rid = "ck-1"
+    old = await start_stack(dsn, "old", latency=0.15)
+    try:
+        running = asyncio.create_task(old.episode(BLACKJACK, rid))
+        await wait_for(store, rid, "agent_boundary", 2, state="after_turn")
+        await wait_for(store, rid, "mutation_applied", 1)
+        coordinator = old.coordinator(store)
+        assert (await coordinator.prepare("ck", time.time() + 10))["ready"]
+        cut = await coordinator.commit("ck", time.time() + 10)
+    finally:
+        await old.close()  # the crash: every process of this generation is gone
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert [(e.rollout_id, e.attempt) for e in cut.scope] == [(rid, 0)]
+    boundary = cut.scope[0].boundary
+    async with stack(dsn, "new", latency=0.05) as s:
+        coordinator = s.coordinator(store)
+        restored = await coordinator.restore("ck", time.time() + 10)
+        assert restored["continued"] == 1
+        await coordinator.resume("ck")
+        status = await s.wait_finished(rid)
+    assert status["status"] == "finished" and status["attempt"] == 1
+    events = await store.read_rollout(rid)
+    # The same trajectory and reward as if nothing had happened.
+    assert status["reward"] == reward == of(events, "attempt_finished", 1)[0].data["reward"]
+    assert final_reply(events, 1) == reply
+    # Nothing before the boundary ran again: no model call generated anew for a turn already completed
+    # by the cut, and the mutations of attempt 0 up to its boundary plus attempt 1's are exactly one run's.
+    done_before = {turn_of(e.data["call_id"]) for e in of(events, "call_completed", 0) if e.position <= cut.position}
+    regenerated = {turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1) if e.data["disposition"] == "generated"}
+    assert done_before and not done_before & regenerated
+    kept = [e for e in events if e.attempt == 0 and e.position <= boundary]
+    assert not [e for e in of(events, "mutation_applied", 0) if boundary < e.position <= cut.position]
+    assert mutations(kept) + mutations([e for e in events if e.attempt == 1]) == muts
+    assert mutations(kept), "the cut should land after the first mutation"
+    # The continued attempt went on from its boundary: its steps, its first model call and its agent.
+    steps = [e.data["step"] for e in of(events, "episode_step", 1)]
+    assert steps == ["agent", "verify", "close"]
+    first_new = of(events, "agent_boundary", 1)[0]
+    origin = next(e for e in events if e.position == boundary)
+    if origin.kind == "agent_boundary" and origin.data["state"] == "before_model":
+        assert first_new.data["replaces_call_id"] == origin.data["pending_call_id"]
+        assert of(events, "call_completed", 1)[0].data["disposition"] == "linked"
+    assert first_new.data["messages"][: len(origin.data.get("messages", []))] == origin.data.get("messages", [])
+
+
+class RestartOnlyAgent(AgentParticipant):
+    supports_continuation = False
+
+
+async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str, store: PostgresEventStore) -> None:
+    reward, reply, _ = await uninterrupted(dsn, store, WORKPLACE, "ro-ref")
+    old = await start_stack(dsn, "ro-old", latency=0.15, agent_cls=RestartOnlyAgent)
+    try:
+        running = asyncio.create_task(old.episode(WORKPLACE, "ro-1"))
+        await wait_for(store, "ro-1", "agent_boundary", 1, state="after_turn")
+        status = await old.client.get(f"{old.url('agent')}{CONTROL}/status")
+        assert status["checkpoint_mode"] == "restart_only"
+        coordinator = old.coordinator(store)
+        prepared = await coordinator.prepare("ro-ck", time.time() + 10)
+        assert prepared["ready"] and prepared["restarts"] == [["ro-1", 0]]
+        with pytest.raises(RestartInScope):
+            await coordinator.commit("ro-ck", time.time() + 10, scope=[("ro-1", 0)])
+        cut = await coordinator.commit("ro-ck", time.time() + 10)
+        assert cut.scope == () and cut.fresh == (("ro-1", 0),)
+    finally:
+        await old.close()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    async with stack(dsn, "ro-new") as s:
+        coordinator = s.coordinator(store)
+        assert (await coordinator.restore("ro-ck", time.time() + 10))["fresh_dispatch"] == 1
+        await coordinator.resume("ro-ck")
+        assert (await s.client.get(f"{s.url('environment')}/episodes/ro-1"))["status"] == "not_running"
+        result = await s.episode(WORKPLACE, "ro-1")  # the framework dispatches it again, from its input
+    events = await store.read_rollout("ro-1")
+    assert result["attempt"] == 1 and result["reward"] == reward
+    assert final_reply(events, 1) == reply
+    first = of(events, "agent_boundary", 1)[0]
+    assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None
+    assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"]
+
+
+async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(dsn: str, store: PostgresEventStore) -> None:
+    """Attempt 1 inherits attempt 0's history; its own boundaries must still pass the cut's lineage checks."""
+    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "twice-ref")
+    rid = "twice-1"
+    generation = await start_stack(dsn, "g0", latency=0.15)
+    running: asyncio.Task[Any] | None = asyncio.create_task(generation.episode(BLACKJACK, rid))
+    try:
+        for ck, attempt in (("twice-a", 0), ("twice-b", 1)):
+            # Mid-episode both times: attempt 1 has redone nothing and made at least one new mutation.
+            await wait_for(store, rid, "agent_boundary", 2 if attempt == 0 else 4, state="after_turn")
+            coordinator = generation.coordinator(store)
+            assert (await coordinator.prepare(ck, time.time() + 10))["ready"]
+            cut = await coordinator.commit(ck, time.time() + 10)
+            assert [(e.rollout_id, e.attempt) for e in cut.scope] == [(rid, attempt)]
+            await generation.close()
+            if running is not None:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                running = None
+            generation = await start_stack(dsn, f"g{attempt + 1}", latency=0.15)
+            coordinator = generation.coordinator(store)
+            assert (await coordinator.restore(ck, time.time() + 10))["continued"] == 1
+            await coordinator.resume(ck)
+        status = await generation.wait_finished(rid)
+    finally:
+        await generation.close()
+    events = await store.read_rollout(rid)
+    assert status["attempt"] == 2 and status["reward"] == reward
+    assert final_reply(events, 2) == reply
+    history = [e for e in events if e.kind == "mutation_applied"]
+    origins = {e.attempt: e.data for e in of(events, "attempt_started")}
+    kept = [e for e in history if e.attempt == 2 or e.position <= origins[e.attempt + 1]["origin_position"]]
+    assert mutations(kept) == muts
