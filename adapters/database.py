@@ -100,3 +100,23 @@ def prepare_database(dsn: str | None = None) -> str:
     else:
         check_schema(chosen)
     return chosen
+
+
+def scratch_database(dsn: str, name: str) -> str:
+    """A new, migrated database beside the one `dsn` names, on the same server; returns its DSN."""
+    import psycopg
+
+    url = make_url(dsn)
+    with psycopg.connect(libpq_dsn(url.set(database="postgres").render_as_string(hide_password=False)), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    scratch = url.set(database=name).render_as_string(hide_password=False)
+    upgrade(scratch)
+    return scratch
+
+
+def drop_database(dsn: str) -> None:
+    import psycopg
+
+    url = make_url(dsn)
+    with psycopg.connect(libpq_dsn(url.set(database="postgres").render_as_string(hide_password=False)), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')

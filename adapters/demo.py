@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import statistics
 import sys
@@ -60,6 +61,11 @@ class Progress:
 async def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     dsn = database.prepare_database(args.dsn)
+    # Without --keep (and without a DSN of the user's), the demo's rows go to a scratch database
+    # that is dropped at the end; with --keep they stay in the default one for SQL, history and replay.
+    scratch = args.dsn is None and not os.environ.get("ROLLBOOK_DSN") and not args.keep
+    if scratch:
+        dsn = database.scratch_database(dsn, f"rollbook_demo_{os.getpid()}")
     work = Path(tempfile.mkdtemp(prefix="rollbook-demo-"))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, token=secrets.token_hex(16), servers=servers)
@@ -80,7 +86,9 @@ async def run_demo(args: argparse.Namespace) -> int:
     finally:
         procs.stop()
         await store.close()
-    summary["dsn"] = database.libpq_dsn(dsn)
+        if scratch:
+            database.drop_database(dsn)
+    summary["dsn"] = database.libpq_dsn(dsn) if not scratch else None
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     if not args.json:
         print(file=sys.stderr)
@@ -97,9 +105,12 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
     collection = Collection(config, store, run, tasks, seed=seed, on_finish=progress.tick)
     progress.phase("checkpointed run")
     dispatch = asyncio.create_task(collection.dispatch(session))
-    # Take the checkpoint while rollouts are mid-turn: after a quarter of them has finished.
-    while len(collection.finished) < max(1, len(tasks) // 4) and not dispatch.done():
-        await asyncio.sleep(0.02)
+    # Take the checkpoint while rollouts are mid-turn: once a quarter has finished and the others
+    # have changed their environments often enough that continuing (not restarting) matters.
+    while not dispatch.done():
+        if len(collection.finished) >= max(1, len(tasks) // 4) and await _mutations(store, run) >= len(tasks) // 4:
+            break
+        await asyncio.sleep(0.05)
     completed_before = len(collection.finished)
     ck = f"{run}-ck1"
     result = await collection.checkpoint(session, ck, resume=False)
@@ -117,6 +128,13 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
             "restarted": result.get("fresh_dispatch", 0), "timings_ms": timings}
 
 
+async def _mutations(store: PostgresEventStore, run: str) -> int:
+    async with store.engine.connect() as conn:
+        return int((await conn.execute(text(
+            "SELECT count(*) FROM rollbook.events WHERE kind = 'mutation_applied' AND rollout_id LIKE :p"),
+            {"p": f"{run}-%"})).scalar_one())
+
+
 async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any], n: int) -> dict[str, Any]:
     async with store.engine.connect() as conn:
         async def scalar(sql: str, **p: Any) -> Any:
@@ -131,11 +149,15 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
         c, u = await rewards(f"{run}-c"), await rewards(f"{run}-u")
         repeated_calls = await scalar(REPEATED_CALLS, p=f"{run}-c-%")
         repeated_mutations = await scalar(REPEATED_MUTATIONS, p=f"{run}-c-%")
+        completed_before = await scalar(
+            "SELECT count(*) FROM rollbook.attempts a JOIN rollbook.checkpoints c ON c.checkpoint_id = :ck "
+            "WHERE a.rollout_id LIKE :p AND a.status = 'finished' AND a.ended_position <= c.log_position",
+            ck=crashed["checkpoint_id"], p=f"{run}-c-%")
         twice = await scalar("SELECT count(*) FROM (SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' "
                              "AND rollout_id LIKE :p GROUP BY rollout_id HAVING count(*) > 1) t", p=f"{run}-%")
     return {
         "rollouts": n,
-        "completed_before_checkpoint": crashed["completed_before"],
+        "completed_before_checkpoint": completed_before,
         "continued": crashed["continued"],
         "restarted": crashed["restarted"],
         "mean_reward_checkpointed": round(statistics.fmean(c), 4) if c else None,
@@ -185,5 +207,6 @@ def _table(s: dict[str, Any]) -> str:
     w0 = max(len(str(r[0])) for r in rows)
     w1 = max(len(str(r[1])) for r in rows)
     lines = [f"{str(a):<{w0}}  {str(b):>{w1}}  {c}" for a, b, c in rows]
-    lines.append(f"database: {s['dsn']}  (run {s['run_id']}, {s['wall_s']} s)")
+    where = s["dsn"] or "a scratch database, dropped (use --keep to query it afterwards)"
+    lines.append(f"database: {where}  (run {s['run_id']}, {s['wall_s']} s)")
     return "\n".join(lines)

@@ -328,9 +328,10 @@ class ResourcesParticipant(Participant):
         key = await self._enter(request)
         s = self.sessions.get(key)
         if s is None:
-            # Closing twice, or after a passed verify retired the session, is fine if the log agrees.
-            last = await self.store.read_stream(session_stream(*key))
-            if last and last[-1].kind == "session_closed":
+            # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
+            # the session's own stream or, for a restored attempt, its origin's up to the boundary.
+            history = [e for e in await effective_history(self.store, *key) if e.stream.startswith("session:")]
+            if history and history[-1].kind == "session_closed":
                 return web.json_response({})
             raise SessionNotFound(f"no session for rollout {key[0]} attempt {key[1]}")
         self._refuse_when_closed("closing a session")

@@ -441,3 +441,28 @@ async def test_data_routes_without_the_identity_prefix_are_400(served: Served, m
     status, reply = await call(http, method, path, {} if method == "POST" else None)
     assert (status, reply["error"]["code"]) == (400, "rollout_id_required")
     assert not participant.served_sessions
+
+
+async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_cut_succeeds(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    # Found by the demo: an episode checkpointed between its verify step (which retired the session
+    # after a passing verify) and its close step could never finish after a restore.
+    seed = email_seed()
+    task = make_task("workplace", seed)
+    async with serving(dsn, "resources-a") as (http, _):
+        await start(store, "rv")
+        await open_session(http, "rv", "workplace", seed)
+        goal = task.params["goal"]
+        status, _ = await tool(http, "rv", "send_email", {"to": goal["to"], "subject": goal["subject"], "body": "hi"})
+        assert status == 200
+        status, reply = await call(http, "POST", f"{prefix('rv', 0)}/verify", {"final_answer": "done"})
+        assert status == 200 and reply["reward"] > 0
+        assert (await kinds(store, session_stream("rv", 0)))[-1] == "session_closed"  # a passing verify retires it
+        cut = await checkpoint(store, "ckv", {"rv": 1})
+    async with serving(dsn, "resources-b") as (http, _):
+        assert (await control(http, "restore", "ckv"))[0] == 200
+        await store.append(install_request(cut, latest={"rv": 0}))
+        assert (await control(http, "resume", "ckv"))[0] == 200
+        status, reply = await call(http, "POST", f"{prefix('rv', 1)}/close", {})
+        assert (status, reply) == (200, {})
