@@ -1,0 +1,391 @@
+"""One conformance check that every bundled environment and every agent kind must pass.
+
+For each (environment, agent) the same fixed task runs once uninterrupted through the four real
+servers, then once per agent boundary of that run: a checkpoint lands exactly at that boundary,
+every server is closed without a handover (the crash), four fresh servers on the same database
+restore and resume, and the episode is driven to its end. A continued episode must end exactly as
+the uninterrupted one (trajectory, tool outputs, final environment state, reward) without any model
+turn generated twice or any mutation revision applied twice; a restart-only one must be classified
+fresh_dispatch and finish from its input. A negative control breaks one environment's restore path
+and shows that the same check fails.
+
+Pinning a checkpoint to a boundary: at a before_model boundary the backend holds the model call it
+just accepted until the model server closes admission (so the call is in flight at prepare and its
+reply is held, never delivered before the cut); at an after_turn boundary the agent under test,
+subclassed only for this, waits right after recording that boundary until prepare has closed it.
+Neither changes what the servers do: each only removes the race of who gets there first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestServer
+from sqlalchemy import text
+
+from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
+from adapters.generation import ScriptedBackend
+from adapters.http_client import JsonClient
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
+from engine.checkpoint import Cut, effective_history
+from engine.coordinator import Coordinator
+from engine.events import RecordedEvent
+from participants import agent_server, model_server
+from participants.agent_server import AgentParticipant, build_agent_app
+from participants.environment_server import build_environment_app
+from participants.environments import ENVIRONMENTS, Environment, Task
+from participants.environments.blackjack import BlackjackEnvironment, export_rng
+from participants.environments.tasks import make_task
+from participants.model_server import build_model_app
+from participants.resources_server import build_resources_app
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKEN = "conformance-secret"
+SEED = 7  # the scripted policy's seed: the same replies every run
+LATENCY = 0.005  # per model call, so calls are genuinely in flight
+# Fixed tasks with few turns (scripted policy, SEED): workplace 3 turns, blackjack 4 (look, hit, stand,
+# answer: two mutations, the second drawn from the RNG the first left), math and string_match 1, sandbox 2.
+TASK_SEEDS = {"workplace": 0, "blackjack": 6, "math": 0, "string_match": 0, "sandbox": 0}
+GENUINE: dict[str, type[Environment]] = dict(ENVIRONMENTS)  # the reducers the final state is computed with
+
+
+class RestartOnlyAgent(AgentParticipant):
+    supports_continuation = False
+
+
+AGENTS: dict[str, type[AgentParticipant]] = {"simple": AgentParticipant, "restart_only": RestartOnlyAgent}
+
+
+# ---- pinning the checkpoint to a boundary ---------------------------------------------------------
+
+
+@dataclass
+class Pin:
+    """Where the checkpoint of one boundary run must land: the k-th agent boundary of attempt 0."""
+
+    rollout_id: str
+    index: int  # k: the boundary's index among attempt 0's agent boundaries
+    state: str  # before_model | after_turn
+    turn: int
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class HoldingBackend(ScriptedBackend):
+    """Holds the generation of one turn until the model server has closed admission for prepare."""
+
+    def __init__(self, pin: Pin | None) -> None:
+        super().__init__(latency_s=LATENCY)
+        self.pin = pin
+        self.participant: model_server.ModelParticipant | None = None
+
+    async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
+        # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
+        pin, n = self.pin, self.generations
+        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
+            pin.reached.set()
+            while self.participant.admission_open:
+                await asyncio.sleep(0.002)
+        async for token in super().generate(request, prefix_tokens):
+            yield token
+
+
+def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
+    class Pinned(agent_cls):  # type: ignore[valid-type, misc]
+        pin: ClassVar[Pin | None] = None
+
+        async def _append(self, s: agent_server.Session, kind: str, data: dict[str, Any]) -> None:
+            await super()._append(s, kind, data)
+            pin = self.pin
+            if (pin is not None and kind == agent_server.BOUNDARY and s.key == (pin.rollout_id, 0)
+                    and pin.state == "after_turn" and (data["state"], data["turn"]) == (pin.state, pin.turn)):
+                pin.reached.set()
+                while self._open.is_set():  # until prepare closes this agent; then it parks right here
+                    await asyncio.sleep(0.002)
+
+    Pinned.__name__ = f"Pinned{agent_cls.__name__}"
+    return Pinned
+
+
+# ---- the four servers -------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    servers: dict[str, TestServer]
+    stores: list[PostgresEventStore]
+    tokens: PostgresTokenStore
+    session: aiohttp.ClientSession
+    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
+
+    def url(self, kind: str) -> str:
+        return str(self.servers[kind].make_url("")).rstrip("/")
+
+    def coordinator(self, store: PostgresEventStore) -> Coordinator:
+        return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
+
+    async def episode(self, task: Task, rollout_id: str) -> dict[str, Any]:
+        return await self.client.post(f"{self.url('environment')}/episodes",
+                                      {"rollout_id": rollout_id, "task": task.to_json(), "seed": SEED})
+
+    async def close(self) -> None:
+        # Callers first, as a crash takes them: nothing they hold may land afterwards.
+        for kind in ("environment", "agent", "model", "resources"):
+            await self.servers[kind].close()
+        for s in self.stores:
+            await s.close()
+        await self.tokens.close()
+        await self.client.close()
+        await self.session.close()
+
+
+async def start_stack(dsn: str, tag: str, agent_cls: type[AgentParticipant], pin: Pin | None = None) -> Stack:
+    stores: list[PostgresEventStore] = []
+
+    def store(kind: str) -> PostgresEventStore:
+        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
+        return stores[-1]
+
+    servers: dict[str, TestServer] = {}
+
+    async def serve(kind: str, app: Any) -> str:
+        srv = TestServer(app, host="127.0.0.1")
+        await srv.start_server(shutdown_timeout=1.0)
+        servers[kind] = srv
+        return str(srv.make_url("")).rstrip("/")
+
+    backend = HoldingBackend(pin)
+    tokens = PostgresTokenStore(dsn)
+    model_app = build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}")
+    backend.participant = model_app[model_server.PARTICIPANT]
+    model = await serve("model", model_app)
+    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
+    agent_app = build_agent_app(store("agent"), TOKEN, f"agent-{tag}", pinned(agent_cls) if pin else agent_cls)
+    if pin is not None:
+        agent_app[agent_server.PARTICIPANT].pin = pin  # type: ignore[attr-defined]
+    agent = await serve("agent", agent_app)
+    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
+                                                     f"environment-{tag}"))
+    return Stack(servers, stores, tokens, aiohttp.ClientSession())
+
+
+# ---- reading the log --------------------------------------------------------------------------
+
+
+def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
+    return [e for e in events if e.kind == kind and (attempt is None or e.attempt == attempt)]
+
+
+def turn_of(call_id: str) -> int:
+    return int(call_id.rsplit(".t", 1)[1])
+
+
+def mutations(events: list[RecordedEvent]) -> list[tuple[int, str, Any, Any]]:
+    return [(e.data["revision"], e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
+
+
+def final_state(history: list[RecordedEvent]) -> Any:
+    """The session's state at the end, from its events alone, with the genuine reducers."""
+    env: Environment | None = None
+    state: Any = None
+    records: list[Any] = []
+    for e in history:
+        if e.kind == "session_opened" and e.data.get("restored_from") is None:
+            env = GENUINE[e.data["env"]]()
+            state, records = env.initial_state(Task.from_json(e.data["task"])), []
+        elif e.kind == "mutation_applied":
+            assert env is not None, "a mutation before any session"
+            if env.state_mode == "restart_only":
+                records.append(e.data["effect"])  # a live shell: the effects are records, not state
+            else:
+                state = env.apply(state, e.data["effect"])
+    return {"state": state, "records": records}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an episode ended with, as the log says."""
+
+    reward: float
+    messages: list[dict[str, Any]]
+    tool_outputs: list[Any]
+    final_answer: str | None
+    state: Any
+    mutations: list[tuple[int, str, Any, Any]]  # the effective ones, in order
+
+
+async def outcome(store: PostgresEventStore, rid: str, attempt: int) -> Outcome:
+    history = await effective_history(store, rid, attempt)
+    (finished,) = of(history, "attempt_finished", attempt)
+    (done,) = of(history, "agent_activation_completed")  # exactly one activation completed in the episode
+    reply = done.data["reply"]
+    return Outcome(float(finished.data["reward"]), reply["messages"],
+                   [m["content"] for m in reply["messages"] if m.get("role") == "tool"], reply["final_answer"],
+                   final_state(history), mutations(history))
+
+
+async def repeated(store: PostgresEventStore, rid: str) -> tuple[int, int]:
+    async with store.engine.connect() as conn:
+        calls = (await conn.execute(text(REPEATED_CALLS), {"p": rid})).scalar()
+        muts = (await conn.execute(text(REPEATED_MUTATIONS), {"p": rid})).scalar()
+    return int(calls), int(muts)
+
+
+# ---- the conformance check --------------------------------------------------------------------
+
+
+async def checkpoint_at(dsn: str, store: PostgresEventStore, task: Task, rid: str, pin: Pin,
+                        agent_cls: type[AgentParticipant]) -> tuple[Cut, dict[str, Any]]:
+    """Run to the pinned boundary, checkpoint there, crash, restore into fresh servers, finish."""
+    old = await start_stack(dsn, f"{rid}-old", agent_cls, pin)
+    running = asyncio.create_task(old.episode(task, rid))
+    try:
+        await asyncio.wait_for(pin.reached.wait(), 20)
+        coordinator = old.coordinator(store)
+        prepared = await coordinator.prepare(f"ck-{rid}", time.time() + 10)
+        assert prepared["ready"], prepared
+        cut = await coordinator.commit(f"ck-{rid}", time.time() + 10)  # scope: live attempts less prepare's restarts
+    finally:
+        await old.close()  # the crash: every server of this generation is gone, nothing handed over
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    new = await start_stack(dsn, f"{rid}-new", agent_cls)
+    try:
+        coordinator = new.coordinator(store)
+        await coordinator.restore(f"ck-{rid}", time.time() + 10)
+        await coordinator.resume(f"ck-{rid}")
+        # Joins the continued episode, or dispatches a restart-only one again from its input.
+        result = await asyncio.wait_for(new.episode(task, rid), 30)
+    finally:
+        await new.close()
+    return cut, result
+
+
+async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
+                            agent_cls: type[AgentParticipant], tag: str) -> dict[str, Any]:
+    task = make_task(env_name, TASK_SEEDS[env_name])
+    continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
+
+    ref_id = f"{tag}-ref"
+    ref_stack = await start_stack(dsn, ref_id, agent_cls)
+    try:
+        ref_result = await asyncio.wait_for(ref_stack.episode(task, ref_id), 30)
+    finally:
+        await ref_stack.close()
+    assert ref_result["attempt"] == 0
+    ref = await outcome(store, ref_id, 0)
+    assert ref.reward == ref_result["reward"]
+    ref_events = await store.read_rollout(ref_id)
+    boundaries = [(b.data["state"], b.data["turn"]) for b in of(ref_events, "agent_boundary")]
+    turns = len(of(ref_events, "call_accepted"))
+    assert boundaries == [(s, t) for t in range(turns) for s in ("before_model", "after_turn")]
+
+    covered: list[tuple[str, int]] = []
+    for k, (state, turn) in enumerate(boundaries):
+        rid = f"{tag}-k{k}"
+        where = f"{env_name}/{agent_cls.__name__} boundary {k} ({state} turn {turn})"
+        cut, result = await checkpoint_at(dsn, store, task, rid, Pin(rid, k, state, turn), agent_cls)
+        events = await store.read_rollout(rid)
+
+        # The checkpoint landed exactly at boundary k of attempt 0: nothing of attempt 0 went past it.
+        mine = of(events, "agent_boundary", 0)
+        assert len(mine) == k + 1, f"{where}: attempt 0 recorded {len(mine)} boundaries"
+        at = mine[k]
+        assert (at.data["state"], at.data["turn"]) == (state, turn) and at.position <= cut.position, where
+        assert not [e for e in events if e.attempt == 0 and e.position > at.position
+                    and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed")], where
+        covered.append((state, turn))
+
+        (started,) = of(events, "attempt_started", 1)
+        assert result["attempt"] == 1, f"{where}: {result}"
+        got = await outcome(store, rid, 1)
+        assert got.reward == result["reward"], where
+        if continues:
+            assert [(s.rollout_id, s.attempt, s.boundary) for s in cut.scope] == [(rid, 0, at.position)], where
+            assert cut.fresh == (), where
+            assert started.data["disposition"] == "continue" and started.data["origin_position"] == at.position, where
+            reopened = of(events, "session_opened", 1)
+            assert [e.data["restored_from"] for e in reopened] == [f"ck-{rid}"], f"{where}: {reopened}"
+            # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
+            generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
+                         if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
+            assert sorted(generated) == list(range(turns)), f"{where}: generated turns {generated}"
+            if state == "before_model":  # the call in flight at the cut is delivered again, not regenerated
+                first = of(events, "call_completed", 1)[0]
+                assert first.data["disposition"] == "linked" and first.data["replaces"] == f"{rid}.0.t{turn}", where
+            # No revision applied twice: attempt 0's up to its boundary, then attempt 1's, each once.
+            revisions = [m[0] for m in got.mutations]
+            assert revisions == list(range(1, len(revisions) + 1)), f"{where}: revisions {revisions}"
+            assert await repeated(store, rid) == (0, 0), where
+        else:
+            assert cut.scope == () and (rid, 0) in cut.fresh, f"{where}: {cut}"
+            assert started.data["disposition"] == "fresh_dispatch" and started.data["origin_position"] is None, where
+            opened = of(events, "session_opened", 1)
+            assert len(opened) == 1 and opened[0].data.get("restored_from") is None, f"{where}: {opened}"
+            assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"], where
+            first = of(events, "agent_boundary", 1)[0]
+            assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None, where
+            assert sorted(turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1)
+                          if e.data["disposition"] == "generated") == list(range(turns)), where
+        # Either way the episode ends as if nothing had happened.
+        assert got.messages == ref.messages, f"{where}: the trajectory differs"
+        assert got.tool_outputs == ref.tool_outputs, f"{where}: the tool outputs differ"
+        assert got.final_answer == ref.final_answer, where
+        assert got.state == ref.state, f"{where}: the final environment state differs"
+        assert [m[1:] for m in got.mutations] == [m[1:] for m in ref.mutations], f"{where}: the mutations differ"
+        assert got.reward == ref.reward, f"{where}: reward {got.reward} != {ref.reward}"
+    assert covered == boundaries  # every boundary was the cut's boundary once
+    return {"boundaries": len(boundaries), "reward": ref.reward, "continues": continues}
+
+
+@pytest.mark.parametrize("agent", sorted(AGENTS))
+@pytest.mark.parametrize("env_name", sorted(ENVIRONMENTS))
+async def test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end(
+    dsn: str, store: PostgresEventStore, env_name: str, agent: str
+) -> None:
+    summary = await assert_conformant(dsn, store, env_name, AGENTS[agent], f"{env_name}-{agent}".replace("_", "-"))
+    assert summary["boundaries"] >= 2
+
+
+# ---- negative control -------------------------------------------------------------------------
+
+
+class ForgetfulBlackjack(BlackjackEnvironment):
+    """Right live, wrong on restore: replaying an effect drops the deck's RNG state and re-seeds it
+    from the task seed, as a rebuild that forgot the RNG would; the live path keeps it."""
+
+    def __init__(self) -> None:
+        self._from_call = False
+
+    def call_tool(self, state: Any, name: str, arguments: dict) -> Any:
+        out = super().call_tool(state, name, arguments)
+        self._from_call = out.effect is not None
+        return out
+
+    def apply(self, state: Any, effect: Any) -> Any:
+        new = super().apply(state, effect)
+        if not self._from_call:
+            new["rng"] = export_rng(np.random.default_rng(new["seed"]))
+        self._from_call = False
+        return new
+
+
+async def test_the_check_catches_an_environment_that_restores_wrongly(
+    dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # get_environment looks the class up here, for the resources server's sessions and its restore alike.
+    monkeypatch.setitem(ENVIRONMENTS, "blackjack", ForgetfulBlackjack)
+    with pytest.raises(AssertionError, match="blackjack/AgentParticipant boundary"):
+        await assert_conformant(dsn, store, "blackjack", AgentParticipant, "broken")
+    # The uninterrupted run itself was fine: only a restore goes wrong.
+    ref = await outcome(store, "broken-ref", 0)
+    assert ref.state == (await outcome(store, "broken-k0", 1)).state
