@@ -52,9 +52,14 @@ class AppendRequest:
     expected_versions: dict[str, int | None] = field(default_factory=dict)
 
 
+# One encoder, built once: json.dumps with options builds a new one per call, a measurable share
+# of a large append (benchmarks/README.md).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(value: Any) -> str:
     """One spelling per value, so hashes agree between writer and any later reader."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _CANONICAL.encode(value)
 
 
 def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
