@@ -35,6 +35,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, session_stream
 from participants.control_plane import (
+    PARTICIPANT,
     Body,
     Execution,
     Participant,
@@ -50,7 +51,6 @@ ACTIVATION_HEADER = "X-Rollbook-Activation"
 BOUNDARY = "agent_boundary"
 ACTIVATION_COMPLETED = "agent_activation_completed"
 RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
-PARTICIPANT: web.AppKey[AgentParticipant] = web.AppKey("agent_participant")
 
 
 class TaskBody(BaseModel):
@@ -401,6 +401,9 @@ class AgentParticipant(Participant):
     async def forget(self, rollout_id: str) -> None:
         self.locks = {k: v for k, v in self.locks.items() if k[0] != rollout_id or k in self.running}
 
+    async def close(self) -> None:
+        await self.client.close()
+
     async def stop(self) -> None:
         for _, task in list(self.running.values()):
             task.cancel()
@@ -410,19 +413,7 @@ class AgentParticipant(Participant):
 def build_agent_app(store: PostgresEventStore, token: str, instance: str = "agent-0",
                     participant_cls: type[AgentParticipant] = AgentParticipant) -> web.Application:
     participant = participant_cls(store, instance, token)
-    app = build_app(participant, token)
-    app[PARTICIPANT] = participant
-
-    async def stop(_app: web.Application) -> None:
-        # On shutdown, not cleanup: the server waits for open handlers, and ours wait on these tasks.
-        await participant.stop()
-
-    async def cleanup(_app: web.Application) -> None:
-        await participant.client.close()
-
-    app.on_shutdown.append(stop)
-    app.on_cleanup.append(cleanup)
-    return app
+    return build_app(participant, token)
 
 
 __all__ = ["AgentParticipant", "PARTICIPANT", "RunRequest", "Session", "build_agent_app", "ACTIVATION_HEADER", "BOUNDARY",

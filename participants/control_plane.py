@@ -149,6 +149,14 @@ class Participant:
     async def retire(self, rollout_id: str, through: int) -> None:
         return None
 
+    async def stop(self) -> None:
+        """At shutdown: cancel work in flight (the server waits for open handlers, which wait on it)."""
+        return None
+
+    async def close(self) -> None:
+        """At cleanup: release clients and connections the participant opened."""
+        return None
+
     async def forget(self, rollout_id: str) -> None:
         return None
 
@@ -401,12 +409,16 @@ class ControlPlane:
         ]
 
 
+PARTICIPANT: web.AppKey[Participant] = web.AppKey("participant", Participant)
+
+
 def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.Application:
     """An aiohttp app with the control plane, the OpenAPI document and the participant's own routes."""
     from participants.openapi import document
 
     plane = ControlPlane(participant, token, grace)
     app = web.Application(middlewares=[errors_as_json], client_max_size=8 * 1024 * 1024)
+    app[PARTICIPANT] = participant
     app.add_routes(plane.routes())
     app.add_routes(participant.routes())
 
@@ -420,9 +432,17 @@ def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.A
         yield
         task.cancel()
 
+    async def stop(app: web.Application) -> None:
+        await participant.stop()
+
+    async def close(app: web.Application) -> None:
+        await participant.close()
+
     app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(stop)
+    app.on_cleanup.append(close)
     return app
 
 
-__all__ = ["Participant", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
+__all__ = ["PARTICIPANT", "Participant", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
            "Execution", "CONTROL", "OPENAPI_PATH"]

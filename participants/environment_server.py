@@ -25,7 +25,7 @@ from engine.checkpoint import Cut, effective_history
 from engine.errors import AdmissionClosed, StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
-from participants.control_plane import Body, Participant, PrepareReport, build_app
+from participants.control_plane import PARTICIPANT, Body, Participant, PrepareReport, build_app
 from participants.environments import Task
 
 STEPS = ("seed", "agent", "verify", "close")
@@ -325,6 +325,9 @@ class EnvironmentParticipant(Participant):
             self.tasks.pop(rollout_id, None)
             self.locks.pop(rollout_id, None)
 
+    async def close(self) -> None:
+        await self.client.close()
+
     async def stop(self) -> None:
         running = [t for t in self.tasks.values() if not t.done()]
         for t in running:
@@ -332,25 +335,12 @@ class EnvironmentParticipant(Participant):
         await asyncio.gather(*running, return_exceptions=True)
 
 
-PARTICIPANT: web.AppKey[EnvironmentParticipant] = web.AppKey("environment_participant")
 
 
 def build_environment_app(store: PostgresEventStore, token: str, agent_url: str, model_url: str, resources_url: str,
                           instance: str = "environment-0") -> web.Application:
     participant = EnvironmentParticipant(store, instance, token, agent_url, model_url, resources_url)
-    app = build_app(participant, token)
-    app[PARTICIPANT] = participant
-
-    async def stop(_app: web.Application) -> None:
-        # On shutdown, not cleanup: the server waits for open handlers, and ours wait on these tasks.
-        await participant.stop()
-
-    async def cleanup(_app: web.Application) -> None:
-        await participant.client.close()
-
-    app.on_shutdown.append(stop)
-    app.on_cleanup.append(cleanup)
-    return app
+    return build_app(participant, token)
 
 
 __all__ = ["EnvironmentParticipant", "EpisodeRequest", "PARTICIPANT", "STEPS", "build_environment_app"]

@@ -44,7 +44,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import call_stream, validate_id
 from engine.tokens import Receipt, TokenSink, TokenSource
-from participants.control_plane import Participant, PrepareReport, build_app, data_path, identity
+from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
 
 CALL_ID_HEADER = "X-Rollbook-Call-Id"
 PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
@@ -190,6 +190,12 @@ class ModelParticipant(Participant):
         self.staged_rollouts = {s.rollout_id for s in cut.scope}
         self.admission_open = False  # paused until resume
         return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
+
+    async def stop(self) -> None:
+        tasks = [c.task for c in list(self.calls.values()) if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def retire(self, rollout_id: str, through: int) -> None:
         for c in list(self.calls.values()):
@@ -519,21 +525,13 @@ def completion_body(call_id: str, model: str, result: dict[str, Any], prompt_tok
     }
 
 
-PARTICIPANT = web.AppKey("participant", ModelParticipant)
 
 
 def build_model_app(
     store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
-    app = build_app(participant, token)
-    app[PARTICIPANT] = participant
+    return build_app(participant, token)
 
-    async def stop_generations(app: web.Application) -> None:
-        tasks = [c.task for c in list(participant.calls.values()) if c.task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
-    app.on_shutdown.append(stop_generations)
-    return app
+__all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app", "completion_body"]

@@ -30,6 +30,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import session_stream
 from participants.control_plane import (
+    PARTICIPANT,
     Body,
     Execution,
     Participant,
@@ -324,7 +325,7 @@ class ResourcesParticipant(Participant):
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
         return web.json_response({"reward": reward, "status": status, "revision": revision})
 
-    async def close(self, request: web.Request) -> web.Response:
+    async def close_session(self, request: web.Request) -> web.Response:
         key = await self._enter(request)
         s = self.sessions.get(key)
         if s is None:
@@ -364,7 +365,7 @@ class ResourcesParticipant(Participant):
             web.post(data_path("/session"), self.open_session),
             web.post(data_path("/tools/{name}"), self.call_tool),
             web.post(data_path("/verify"), self.verify),
-            web.post(data_path("/close"), self.close),
+            web.post(data_path("/close"), self.close_session),
             web.get(data_path("/state"), self.get_state),
         ]
         bare = [web.post(p, self.no_identity) for p in ("/session", "/tools/{name}", "/verify", "/close")]
@@ -458,15 +459,12 @@ class ResourcesParticipant(Participant):
         self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
 
 
-PARTICIPANT: web.AppKey[ResourcesParticipant] = web.AppKey("resources_participant", ResourcesParticipant)
 
 
 def build_resources_app(store: PostgresEventStore, token: str, instance: str = "resources-0") -> web.Application:
     """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection."""
     participant = ResourcesParticipant(store, instance)
-    app = build_app(participant, token)
-    app[PARTICIPANT] = participant
-    return app
+    return build_app(participant, token)
 
 
 __all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild", "ToolCallRefused", "SessionNotFound"]
