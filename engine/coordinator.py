@@ -26,7 +26,7 @@ from engine.checkpoint import (
     make_cut,
     validate_cut,
 )
-from engine.errors import InvalidCheckpointState, RollbookError
+from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
 from engine.events import AppendRequest
 from engine.phases import CheckpointPhases, checkpoint_started
 
@@ -76,7 +76,12 @@ class Coordinator:
     async def prepare(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
         """Prepare every participant in order; on the first failure resume those already prepared."""
         started = time.perf_counter()
-        await self.store.append(AppendRequest((checkpoint_started(checkpoint_id, deadline=deadline),)))
+        started_event = checkpoint_started(checkpoint_id, deadline=deadline)
+        try:  # expecting an empty stream: a checkpoint id is used once
+            await self.store.append(AppendRequest((started_event,), {started_event.stream: 0}))
+        except VersionConflict as exc:
+            phase = (await self._phase(checkpoint_id)).phase
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
