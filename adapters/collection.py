@@ -88,9 +88,10 @@ class Collection:
             return {"checkpoint_id": checkpoint_id, "published": False, "prepare": prepared}
         # The framework names what it continues: its own live rollouts, less those reported restart-only.
         restarts = {tuple(k) for k in prepared["restarts"]}
-        rows = await self.store.attempt_rows([self.rollout_id(i) for i in range(len(self.tasks))])
+        ours = [self.rollout_id(i) for i in range(len(self.tasks))]
+        rows = await self.store.attempt_rows(ours)
         scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
-        cut = await coordinator.commit(checkpoint_id, deadline, scope)
+        cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=ours)
         tokens = PostgresTokenStore(self.store.engine)
         async with self.store.engine.connect() as conn:
             blobs = [b for (b,) in await conn.execute(text(

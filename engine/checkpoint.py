@@ -129,11 +129,18 @@ def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key],
     return Classification(tuple(sorted(finished_set & (live_set | finished_set))), tuple(sorted(continued)), tuple(sorted(fresh)))
 
 
-async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], restarts: Sequence[Key]) -> Cut:
-    """Fix P at the head of the log and each scoped attempt's resume boundary at or below it."""
+async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], restarts: Sequence[Key],
+                   rollouts: Sequence[str] | None = None) -> Cut:
+    """Fix P at the head of the log and each scoped attempt's resume boundary at or below it.
+
+    Every execution of `rollouts` (default: every live one in the database) gets a disposition,
+    named in the scope or not; a framework sharing the database with others names its own."""
     position = await store.head()
-    rows = await store.attempt_rows(sorted({r for r, _ in [*scope, *restarts]} | set()))
-    all_rows = {**await store.live_attempts(), **rows}  # every live execution gets a disposition, named or not
+    if rollouts is not None:  # participants report restart-only executions of every framework they serve
+        restarts = [k for k in restarts if k[0] in set(rollouts)]
+    named = sorted({r for r, _ in [*scope, *restarts]} | set(rollouts or ()))
+    rows = await store.attempt_rows(named)
+    all_rows = rows if rollouts is not None else {**await store.live_attempts(), **rows}
     live = [k for k, row in all_rows.items() if row["status"] in ("live", "finished") and (row["started_position"] or 0) <= position]
     finished = [k for k, row in all_rows.items() if row["status"] == "finished" and (row["ended_position"] or 0) <= position]
     cls = classify(live, finished, scope, restarts)

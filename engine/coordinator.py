@@ -117,7 +117,8 @@ class Coordinator:
         events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
         return [(k[0], k[1]) for e in events if e.kind == "checkpoint_prepared" for k in e.data.get("restarts", [])]
 
-    async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None) -> Cut:
+    async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None,
+                     rollouts: Sequence[str] | None = None) -> Cut:
         """Fix the cut (engine.checkpoint.make_cut), record it, then tell every participant at once."""
         started = time.perf_counter()
         phases = await self._phase(checkpoint_id)
@@ -125,7 +126,7 @@ class Coordinator:
         if scope is None:
             live = await self.store.live_attempts()
             scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
-        cut = await make_cut(self.store, checkpoint_id, scope, restarts)
+        cut = await make_cut(self.store, checkpoint_id, scope, restarts, rollouts)
         phases._move("committed")  # validate the transition before writing anything
         await self.store.append(AppendRequest((committed_event(cut),)))
         body = self._body(checkpoint_id, deadline, scope=[{"rollout_id": s.rollout_id, "attempt": s.attempt} for s in cut.scope])

@@ -419,3 +419,12 @@ def test_every_execution_gets_exactly_one_disposition(seed: int) -> None:
     assert set().union(*sets) == set(executions)
     assert sets[0] == {k for k in executions if role[k] == "finished"}
     assert sets[1] == {k for k in executions if role[k] == "scope"}
+
+
+async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_executions_alone(
+    store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    # Two collections share the database: this one owns r0-r2, r5 (restart-only); r3 and r4 are another's.
+    cut = await make_cut(store, "ck1", SCOPE, [*RESTARTS, ("r3", 0)], rollouts=["r0", "r1", "r2", "r5"])
+    assert {s.rollout_id for s in cut.scope} == {"r0", "r1", "r2"}
+    assert (set(cut.fresh), set(cut.completed)) == ({("r5", 0)}, set())
