@@ -66,6 +66,7 @@ class Cut:
     completed: tuple[Key, ...]
     digest: str
     refs: dict[str, Any] = field(default_factory=dict)
+    rollouts: tuple[str, ...] | None = None  # the rollouts the framework named; None: every one in the database
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +76,7 @@ class Cut:
             "fresh_dispatch": [list(k) for k in self.fresh],
             "completed": [list(k) for k in self.completed],
             "digest": self.digest,
+            "rollouts": list(self.rollouts) if self.rollouts is not None else None,
         }
 
     @classmethod
@@ -87,6 +89,7 @@ class Cut:
             tuple((r, a) for r, a in d.get("completed", [])),
             d["digest"],
             refs or {},
+            tuple(d["rollouts"]) if d.get("rollouts") is not None else None,
         )
 
 
@@ -150,7 +153,8 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], re
         raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")
     entries = tuple(ScopeEntry(r, a, boundaries[(r, a)]) for r, a in cls.continued)
     heads = await store.stream_heads_at({(s.rollout_id, s.attempt): s.boundary for s in entries})
-    return Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, cut_digest(heads, entries))
+    return Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, cut_digest(heads, entries),
+               rollouts=tuple(rollouts) if rollouts is not None else None)
 
 
 def committed_event(cut: Cut) -> NewEvent:
@@ -243,16 +247,27 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
             )
 
 
-def install_request(cut: Cut, latest: dict[str, int]) -> AppendRequest:
+def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
+    """Attempts (live or finished) the cut never saw: started after P in one of its rollouts. In the
+    restored world they were never dispatched, so restore fences them and starts each afresh."""
+    known = {s.rollout_id for s in cut.scope} | {r for r, _ in (*cut.fresh, *cut.completed)}
+    return sorted(
+        k for k, row in attempts.items()
+        if row["status"] in ("live", "finished") and (row["started_position"] or 0) > cut.position
+        and k[0] not in known and (cut.rollouts is None or k[0] in cut.rollouts)
+    )
+
+
+def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = ()) -> AppendRequest:
     """One atomic request: fence each rollout's live attempt and start the next one.
 
     `latest` maps rollout id -> its latest attempt now (a second restore from the same checkpoint
-    fences the replacement, not the original)."""
+    fences the replacement, not the original); `late` are attempts started after the cut."""
     events: list[NewEvent] = []
     for s in cut.scope:
         n = latest.get(s.rollout_id, s.attempt)
         events += _fence_and_start(s.rollout_id, n, cut.checkpoint_id, origin={"attempt": s.attempt, "position": s.boundary})
-    for r, a in cut.fresh:
+    for r, a in [*cut.fresh, *late]:
         events += _fence_and_start(r, latest.get(r, a), cut.checkpoint_id, origin=None)
     events.append(NewEvent(f"restore:{cut.checkpoint_id}", "restore_installed", {"checkpoint_id": cut.checkpoint_id,
                                                                                  "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh)}))

@@ -24,6 +24,7 @@ from engine.checkpoint import (
     install_request,
     load_cut,
     make_cut,
+    started_after,
     validate_cut,
 )
 from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
@@ -177,13 +178,14 @@ class Coordinator:
             if isinstance(exc, RollbookError):
                 raise exc
             raise InvalidCheckpointState(f"participant {name} could not restore: {exc}")
-        rows = await self.store.attempt_rows(sorted({s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh}))
+        late = started_after(cut, await self.store.live_attempts())
+        rows = await self.store.attempt_rows(sorted({s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *late]}))
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)
-        await self.store.append(install_request(cut, latest))
+        await self.store.append(install_request(cut, latest, late))
         self.timing.record("restore", started)
-        return {"checkpoint_id": checkpoint_id, "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh),
+        return {"checkpoint_id": checkpoint_id, "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh) + len(late),
                 "completed": len(cut.completed)}
 
     async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:

@@ -87,11 +87,11 @@ def changes_for(e: RecordedEvent) -> list[Change]:
             values["status"] = k.removeprefix("session_")
         return [Change("session_state", _attempt_key(e), values)]
     if k.startswith("call_"):
-        values = {"status": k.removeprefix("call_"), "updated_position": e.position}
+        # Every custody event names the rollout: a call refused before it was accepted has a row too.
+        values = {"status": k.removeprefix("call_"), "updated_position": e.position,
+                  "rollout_id": e.rollout_id, "attempt": e.attempt}
         if k == "call_accepted":
             values.update(
-                rollout_id=e.rollout_id,
-                attempt=e.attempt,
                 parent_call_id=d.get("parent_call_id"),
                 policy_version=d.get("policy_version"),
                 accepted_position=e.position,

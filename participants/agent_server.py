@@ -86,7 +86,9 @@ class Session:
     usage: dict[str, int] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)  # calls completed under this attempt (lineage checks its own log)
     last_call_id: str | None = None
-    replaces: str | None = None  # the origin's pending call, continued by this attempt's first model call
+    # The origin's pending call, continued by this attempt's first model call, then the calls that one
+    # was itself continuing (newest first): a pending call a crash left unanswered points further back.
+    replaces: str | None = None
     revisions: dict[str, int] = field(default_factory=dict)  # session stream -> revision, once changed in this attempt
     revision_seen: int = 0
     done: bool = False  # a tool said the episode is over: the next reply is the final answer
@@ -127,7 +129,8 @@ def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str,
     s.done = bool(boundary.get("done"))
     if boundary["state"] == "before_model":
         s.turn = int(boundary["turn"])
-        s.replaces = boundary.get("pending_call_id")
+        chain = [boundary.get("pending_call_id"), *(boundary.get("replaces_call_id") or "").split(",")]
+        s.replaces = ",".join(dict.fromkeys(c for c in chain if c)) or None
     else:  # after_turn: the turn and all its tool calls are in the messages
         s.turn = int(boundary["turn"]) + 1
         s.finished = bool(boundary.get("finished"))

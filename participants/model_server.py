@@ -220,7 +220,9 @@ class ModelParticipant(Participant):
         body = ChatRequest.model_validate(await request.json())
         call_id = validate_id(request.headers.get(CALL_ID_HEADER), f"call id ({CALL_ID_HEADER})")
         parent = _optional_id(request, PARENT_HEADER)
-        replaces = _optional_id(request, REPLACES_HEADER)
+        # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
+        replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
+            raw := request.headers.get(REPLACES_HEADER)) else None
         call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body.model_dump(), body.stream)
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
         self.consumers[call] += 1
@@ -281,9 +283,15 @@ class ModelParticipant(Participant):
                                         "policy_version": self.backend.policy_version, "stream": stream}
             source: _Record | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
-                reserved = await self._reserve_replacement(replaces, call_id, rollout_id, attempt)
-                accepted["replaces"] = call.extra["replaces"] = replaces
-                old = await self._replaced(replaces, rollout_id, attempt)
+                chain = replaces.split(",")
+                reserved = await self._reserve_replacement(chain[0], call_id, rollout_id, attempt)
+                accepted["replaces"] = call.extra["replaces"] = chain[0]
+                # The newest call of the chain that left something durable: a reply or a cut prefix.
+                old = None
+                for candidate in chain:
+                    old = await self._replaced(candidate, rollout_id, attempt)
+                    if old is not None and old.status in ("completed", "cut"):
+                        break
                 if old is not None and old.status == "completed":
                     return await self._link(call, accepted, old)
                 if old is not None and old.status == "cut" and source is None:  # its own later cut is longer

@@ -26,6 +26,7 @@ async def _populate(store: PostgresEventStore) -> None:
                     E(session_stream(r, 0), "mutation_applied", r, 0, revision=1, effect={"x": None, "y": ""}),
                     E(call_stream(f"c{i}"), "call_accepted", r, 0, call_id=f"c{i}", parent_call_id=None),
                     E(call_stream(f"c{i}"), "call_completed", r, 0, call_id=f"c{i}", receipt={"blob": "b", "n": 3}),
+                    E(call_stream(f"x{i}"), "call_excluded", r, 0, call_id=f"x{i}", reason="admission_closed"),
                     E(episode_stream(r, 0), "episode_step", r, 0, step="agent"),
                 )
             )
@@ -77,3 +78,6 @@ async def test_public_views_answer_sql(store: PostgresEventStore, dsn: str) -> N
     assert attempts[("ro1", 1)] == "live" and attempts[("ro2", 0)] == "retired"
     assert ck[0][:4] == ("ck1", "published", 5, 1) and ck[0][4] is not None
     assert calls[0] == ("c0", "completed", {"blob": "b", "n": 3})
+    with psycopg.connect(dsn) as conn:
+        excluded = conn.execute("SELECT rollout_id, attempt, status FROM rollbook.model_calls WHERE call_id = 'x1'").fetchone()
+    assert excluded == ("ro1", 0, "excluded")  # a call refused before acceptance still names its rollout
