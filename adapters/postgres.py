@@ -183,14 +183,20 @@ class PostgresEventStore:
 
     async def _write(self, conn: AsyncConnection, planned: list[PlannedEvent], state: LogState) -> None:
         evs = [pe.event for pe in planned]
-        # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which
-        # measured as half the cost of a 2,000-event insert (benchmarks/README.md).
+        heads = {e.stream: state.streams[e.stream] for e in evs}
+        # One statement for the events, the stream heads and the log head: each round trip is
+        # held under the append lock. Arrays go in binary: as text, psycopg escapes every quote
+        # of every JSON payload, which measured as half the cost of a 2,000-event insert.
         await conn.exec_driver_sql(
-            "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
+            "WITH ev AS (INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
             "rollout_id, attempt, writer, hash) "
             "SELECT p, s, v, k, d::jsonb, sv, r, a, %(w)s, h FROM unnest("
             "%(p)b::bigint[], %(s)b::text[], %(v)b::int[], %(k)b::text[], %(d)b::text[], "
-            "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)",
+            "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)), "
+            "sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
+            "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
+            "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash) "
+            "UPDATE rollbook.log_head SET position = %(head)s WHERE id = 1",
             {
                 "p": [e.position for e in evs],
                 "s": [e.stream for e in evs],
@@ -202,19 +208,13 @@ class PostgresEventStore:
                 "a": [e.attempt for e in evs],
                 "h": [e.hash for e in evs],
                 "w": self.writer,
+                "hs": list(heads),
+                "hv": [h.version for h in heads.values()],
+                "hh": [h.hash for h in heads.values()],
+                "head": state.position,
             },
         )
-        heads = {e.stream: state.streams[e.stream] for e in evs}
-        await conn.execute(
-            text(
-                "INSERT INTO rollbook.stream_heads (stream, version, hash) "
-                "SELECT * FROM unnest(CAST(:s AS text[]), CAST(:v AS int[]), CAST(:h AS bytea[])) "
-                "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash"
-            ),
-            {"s": list(heads), "v": [h.version for h in heads.values()], "h": [h.hash for h in heads.values()]},
-        )
         await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
-        await conn.execute(text("UPDATE rollbook.log_head SET position = :p WHERE id = 1"), {"p": state.position})
 
     def _schedule_notify(self) -> None:
         # NOTIFY serializes commits cluster-wide, so it stays off the append transaction and
