@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from adapters.http_client import JsonClient, data_url
 from adapters.postgres import PostgresEventStore
@@ -40,6 +40,7 @@ from participants.control_plane import (
     Execution,
     Participant,
     PrepareReport,
+    TaskBody,
     build_app,
     data_path,
     identity,
@@ -51,14 +52,6 @@ ACTIVATION_HEADER = "X-Rollbook-Activation"
 BOUNDARY = "agent_boundary"
 ACTIVATION_COMPLETED = "agent_activation_completed"
 RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
-
-
-class TaskBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    env: str
-    task_id: str
-    prompt: str
-    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class RunRequest(Body):

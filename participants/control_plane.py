@@ -45,6 +45,15 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TaskBody(Body):
+    """A task on the wire (participants.environments.Task as JSON), shared by the data planes."""
+
+    env: str
+    task_id: str
+    prompt: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
 class ControlRequest(Body):
     checkpoint_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
     deadline: float = Field(description="absolute deadline, seconds since the Unix epoch")
@@ -444,5 +453,5 @@ def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.A
     return app
 
 
-__all__ = ["PARTICIPANT", "Participant", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
+__all__ = ["PARTICIPANT", "Participant", "TaskBody", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
            "Execution", "CONTROL", "OPENAPI_PATH"]

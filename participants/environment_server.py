@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from adapters.http_client import JsonClient, data_url
 from adapters.postgres import PostgresEventStore
@@ -25,20 +25,12 @@ from engine.checkpoint import Cut, effective_history
 from engine.errors import AdmissionClosed, StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
-from participants.control_plane import PARTICIPANT, Body, Participant, PrepareReport, build_app
+from participants.agent_server import ACTIVATION_HEADER
+from participants.control_plane import PARTICIPANT, Body, Participant, PrepareReport, TaskBody, build_app
 from participants.environments import Task
 
 STEPS = ("seed", "agent", "verify", "close")
-ACTIVATION_HEADER = "X-Rollbook-Activation"
 RETRY_SECONDS = 0.05
-
-
-class TaskBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    env: str
-    task_id: str
-    prompt: str
-    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class EpisodeRequest(Body):
