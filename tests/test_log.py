@@ -188,3 +188,14 @@ async def test_hash_chain_links_each_event_to_its_predecessor(any_store: Postgre
         new = NewEvent(e.stream, e.kind, e.data, e.rollout_id, e.attempt, e.schema_version)
         assert e.hash == chain_hash(prev, e.stream, e.stream_version, new, encode_payload(e.data))
         prev = e.hash
+
+
+async def test_large_floats_hash_the_way_postgres_hands_them_back(any_store: PostgresEventStore) -> None:
+    # The bad input: floats JSONB returns as integers (1e+16 comes back as 10000000000000000).
+    from engine.events import GENESIS_HASH, chain_hash, encode_payload
+
+    recorded = await append_one(any_store, ev("big", amount=1e16, nested=[{"x": -1.5e20}], small=1e-05, one=1.0))
+    (read,) = await any_store.read_stream("big")
+    assert read.data == {"amount": 10**16, "nested": [{"x": -150000000000000000000}], "small": 1e-05, "one": 1.0}
+    new = NewEvent(read.stream, read.kind, read.data, read.rollout_id, read.attempt, read.schema_version)
+    assert read.hash == recorded.hash == chain_hash(GENESIS_HASH, read.stream, 1, new, encode_payload(read.data))
