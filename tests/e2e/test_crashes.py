@@ -61,7 +61,8 @@ async def restored_attempts(c: Cluster, prefix: str, checkpoint_id: str) -> list
 # ---- 1. during a model call ----------------------------------------------------------------------
 
 async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_factory, rng) -> None:
-    c = await cluster_factory(token_latency_s=0.01)
+    # Slow tokens: a call lasts hundreds of ms, so the kill that follows its detection lands inside it.
+    c = await cluster_factory(token_latency_s=0.025)
     coll, run = await launch(c, rng, "call")
     await c.wait_count("call", "mutation_applied", rng.randint(1, 3))  # sessions have state to restore
     ck = await published(c, coll, "call-ck1")
@@ -69,7 +70,7 @@ async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_
     # The rollouts run on past the cut; the crash comes while a later call is being generated.
     await c.wait_count("call", "call_completed", rng.randint(0, 1), after=ck["position"])
     await c.call_in_flight("call", after=ck["position"])
-    await asyncio.sleep(rng.uniform(0, 0.03))
+    await asyncio.sleep(rng.uniform(0, 0.02))
     await c.crash(run)
     cut_off = await c.rows("SELECT call_id FROM rollbook.model_calls WHERE rollout_id LIKE 'call-%' "
                            "AND status = 'accepted' AND accepted_position > :a", a=ck["position"])
