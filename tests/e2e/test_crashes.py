@@ -52,6 +52,13 @@ async def published_paused(c: Cluster, coll: Collection, checkpoint_id: str) -> 
     return result
 
 
+def past_cut(rng, lo: int, hi: int, checkpoint: dict) -> int:
+    """How many boundaries to wait for after a cut: a random number, but never more than the rollouts
+    still running can write. Each continued rollout writes at least one (the turn it was parked in);
+    asking for more could wait for rollouts that have all finished."""
+    return min(rng.randint(lo, hi), checkpoint["continued"])
+
+
 async def restored_attempts(c: Cluster, prefix: str, checkpoint_id: str) -> list:
     return await c.rows("SELECT rollout_id, attempt, status, origin_position FROM rollbook.attempts "
                         "WHERE rollout_id LIKE :p AND restored_from_checkpoint = :c ORDER BY rollout_id, attempt",
@@ -145,7 +152,7 @@ async def test_kill_during_prepare_restores_the_previous_published_checkpoint(cl
     coll, run = await launch(c, rng, "prep")
     await c.wait_count("prep", "agent_boundary", rng.randint(4, 12))
     ck1 = await published(c, coll, "prep-ck1")
-    await c.wait_count("prep", "agent_boundary", rng.randint(2, 8), after=ck1["position"])
+    await c.wait_count("prep", "agent_boundary", past_cut(rng, 2, 8, ck1), after=ck1["position"])
     await c.call_in_flight("prep", after=ck1["position"])  # so the model has a call to drain in prepare
     # Prepare runs participant by participant; the crash lands at the k-th: just before it is
     # told, or while it prepares. Those after it are never told.
@@ -186,7 +193,7 @@ async def test_kill_during_commit_restores_the_committed_checkpoint(cluster_fact
     coll, run = await launch(c, rng, "commit")
     await c.wait_count("commit", "agent_boundary", rng.randint(4, 12))
     ck1 = await published(c, coll, "commit-ck1")
-    await c.wait_count("commit", "agent_boundary", rng.randint(2, 8), after=ck1["position"])
+    await c.wait_count("commit", "agent_boundary", past_cut(rng, 2, 8, ck1), after=ck1["position"])
     acknowledged = rng.sample(KINDS, rng.randint(0, len(KINDS) - 1))
     print(f"participants that acknowledge the commit before the crash: {acknowledged}")
     coord, gates = c.gated("commit", held=[k for k in KINDS if k not in acknowledged])
@@ -217,7 +224,7 @@ async def test_kill_during_restore_then_restore_again_installs_once(cluster_fact
     coll, run = await launch(c, rng, "rest")
     await c.wait_count("rest", "mutation_applied", rng.randint(2, 5))
     ck = await published(c, coll, "rest-ck1")
-    await c.wait_count("rest", "agent_boundary", rng.randint(1, 4), after=ck["position"])
+    await c.wait_count("rest", "agent_boundary", past_cut(rng, 1, 4, ck), after=ck["position"])
     await c.crash(run)
 
     # (a) Crash while the fresh processes stage the cut: one of them has not been told yet.
@@ -269,7 +276,7 @@ async def test_crash_again_before_the_replacements_finish(cluster_factory, rng) 
     coll, run = await launch(c, rng, "twice", n=10)
     await c.wait_count("twice", "mutation_applied", rng.randint(1, 4))
     ck1 = await published(c, coll, "twice-ck1")
-    await c.wait_count("twice", "agent_boundary", rng.randint(1, 4), after=ck1["position"])
+    await c.wait_count("twice", "agent_boundary", past_cut(rng, 1, 4, ck1), after=ck1["position"])
     await c.crash(run)
 
     # Crash 2: the attempts restored from ck1 are still running; restore the same checkpoint again.
