@@ -15,14 +15,16 @@ only after the transaction holding it has committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import psycopg
+from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import libpq_dsn, sqlalchemy_url
 from engine.attempts import RolloutState
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "rollbook_events"
 MAX_GROUP_EVENTS = 2000
+# Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
+# appends is one statement), few enough that the server has rows to write while the next are planned.
+INSERT_CHUNK_EVENTS = 100
 _COLUMNS = "position, stream, stream_version, kind, data, schema_version, rollout_id, attempt, writer, hash, recorded_at"
 
 
@@ -64,21 +69,22 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
     return list(merged.values())
 
 
-async def apply_changes(conn: AsyncConnection, changes: Iterable[Change]) -> None:
+async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Change]) -> None:
     groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for ch in merge_changes(changes):
         cols = tuple(sorted(ch.values))
         row = {**ch.key, **{c: Jsonb(v) if isinstance(v, dict | list) else v for c, v in ch.values.items()}}
         groups.setdefault((ch.table, cols), []).append(row)
-    for (table, cols), rows in groups.items():
-        keys = TABLES[table]
-        allcols = keys + cols
-        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols) or f"{keys[0]} = EXCLUDED.{keys[0]}"
-        sql = (
-            f"INSERT INTO rollbook.{table} ({', '.join(allcols)}) VALUES ({', '.join(':' + c for c in allcols)}) "
-            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
-        )
-        await conn.execute(text(sql), rows)
+    async with conn.cursor() as cur:
+        for (table, cols), rows in groups.items():
+            keys = TABLES[table]
+            allcols = keys + cols
+            updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols) or f"{keys[0]} = EXCLUDED.{keys[0]}"
+            sql = (
+                f"INSERT INTO rollbook.{table} ({', '.join(allcols)}) VALUES ({', '.join(f'%({c})s' for c in allcols)}) "
+                f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
+            )
+            await cur.executemany(sql, rows)
 
 
 class _Pending:
@@ -157,46 +163,65 @@ class PostgresEventStore:
     async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[PlannedEvent] | RollbookError]:
         streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
         rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
-        async with self.engine.begin() as conn:
-            position = (await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))).scalar_one()
-            state = LogState(position=position)
-            for row in await conn.execute(
-                text("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(:s)"), {"s": streams}
-            ):
-                state.streams[row.stream] = StreamHead(row.version, bytes(row.hash))
+        # Pipeline mode: the server writes one request's rows while Python plans the next (on two
+        # cores that overlap is most of a large group's cost; benchmarks/README.md). The reads
+        # below fetch, so they still wait for the lock before the heads are read.
+        async with self._driver_connection() as conn, conn.pipeline(), conn.transaction():
+            lock = await conn.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            heads = await conn.execute("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(%s)", (streams,))
             if rollouts:
-                for row in await conn.execute(
-                    text("SELECT rollout_id, retired_through FROM rollbook.rollout_state WHERE rollout_id = ANY(:r)"),
-                    {"r": rollouts},
-                ):
-                    state.rollouts[row.rollout_id] = RolloutState({}, row.retired_through if row.retired_through is not None else -1)
-                for row in await conn.execute(
-                    text("SELECT rollout_id, attempt, status FROM rollbook.attempt_state WHERE rollout_id = ANY(:r)"),
-                    {"r": rollouts},
-                ):
-                    state.rollouts.setdefault(row.rollout_id, RolloutState({})).attempts[row.attempt] = row.status
-            outcomes = plan_batch(requests, state, self.writer, self.payload_limit)
-            planned = [pe for o in outcomes if not isinstance(o, RollbookError) for pe in o]
-            if planned:
-                await self._write(conn, planned, state)
+                retired = await conn.execute(
+                    "SELECT rollout_id, retired_through FROM rollbook.rollout_state WHERE rollout_id = ANY(%s)", (rollouts,)
+                )
+                attempts = await conn.execute(
+                    "SELECT rollout_id, attempt, status FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)", (rollouts,)
+                )
+            (position,) = await lock.fetchone() or (None,)
+            state = LogState(position=position)
+            for stream, version, digest in await heads.fetchall():
+                state.streams[stream] = StreamHead(version, bytes(digest))
+            if rollouts:
+                for rollout_id, mark in await retired.fetchall():
+                    state.rollouts[rollout_id] = RolloutState({}, mark if mark is not None else -1)
+                for rollout_id, attempt, status in await attempts.fetchall():
+                    state.rollouts.setdefault(rollout_id, RolloutState({})).attempts[attempt] = status
+            outcomes: list[list[PlannedEvent] | RollbookError] = []
+            unsent: list[PlannedEvent] = []
+            written: list[RecordedEvent] = []
+            for outcome in plan_batch(requests, state, self.writer, self.payload_limit):
+                outcomes.append(outcome)
+                if isinstance(outcome, list):
+                    unsent.extend(outcome)
+                if len(unsent) >= INSERT_CHUNK_EVENTS:
+                    await self._insert_events(conn, unsent)
+                    written.extend(pe.event for pe in unsent)
+                    unsent = []
+            if unsent:
+                await self._insert_events(conn, unsent)
+                written.extend(pe.event for pe in unsent)
+            if written:
+                await self._advance_heads(conn, written, state)
+                await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
         return outcomes
 
-    async def _write(self, conn: AsyncConnection, planned: list[PlannedEvent], state: LogState) -> None:
+    @contextlib.asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The psycopg connection under a pooled SQLAlchemy one: the append path needs pipeline
+        mode, which SQLAlchemy does not offer. The pool still owns the connection's life."""
+        async with self.engine.connect() as pooled:
+            raw = await pooled.get_raw_connection()
+            yield raw.driver_connection
+
+    async def _insert_events(self, conn: psycopg.AsyncConnection[Any], planned: list[PlannedEvent]) -> None:
         evs = [pe.event for pe in planned]
-        heads = {e.stream: state.streams[e.stream] for e in evs}
-        # One statement for the events, the stream heads and the log head: each round trip is
-        # held under the append lock. Arrays go in binary: as text, psycopg escapes every quote
-        # of every JSON payload, which measured as half the cost of a 2,000-event insert.
-        await conn.exec_driver_sql(
-            "WITH ev AS (INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
+        # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which
+        # measured as half the cost of a 2,000-event insert.
+        await conn.execute(
+            "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
             "rollout_id, attempt, writer, hash) "
             "SELECT p, s, v, k, d::jsonb, sv, r, a, %(w)s, h FROM unnest("
             "%(p)b::bigint[], %(s)b::text[], %(v)b::int[], %(k)b::text[], %(d)b::text[], "
-            "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)), "
-            "sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
-            "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
-            "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash) "
-            "UPDATE rollbook.log_head SET position = %(head)s WHERE id = 1",
+            "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)",
             {
                 "p": [e.position for e in evs],
                 "s": [e.stream for e in evs],
@@ -208,13 +233,24 @@ class PostgresEventStore:
                 "a": [e.attempt for e in evs],
                 "h": [e.hash for e in evs],
                 "w": self.writer,
+            },
+        )
+
+    @staticmethod
+    async def _advance_heads(conn: psycopg.AsyncConnection[Any], written: list[RecordedEvent], state: LogState) -> None:
+        heads = {e.stream: state.streams[e.stream] for e in written}
+        await conn.execute(
+            "WITH sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
+            "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
+            "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash) "
+            "UPDATE rollbook.log_head SET position = %(head)s WHERE id = 1",
+            {
                 "hs": list(heads),
                 "hv": [h.version for h in heads.values()],
                 "hh": [h.hash for h in heads.values()],
                 "head": state.position,
             },
         )
-        await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
 
     def _schedule_notify(self) -> None:
         # NOTIFY serializes commits cluster-wide, so it stays off the append transaction and
@@ -304,24 +340,22 @@ class PostgresEventStore:
     async def rebuild_projections(self, page: int = 2000) -> int:
         """Empty every projection table and derive it again from the log alone."""
         count = 0
-        async with self.engine.begin() as conn:
-            await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))
-            await conn.execute(text("TRUNCATE " + ", ".join(f"rollbook.{t}" for t in TABLES)))
+        async with self._driver_connection() as conn, conn.transaction():
+            await conn.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            await conn.execute("TRUNCATE " + ", ".join(f"rollbook.{t}" for t in TABLES))
             after = 0
-            while True:
-                rows = (
-                    await conn.execute(
-                        text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE position > :a ORDER BY position LIMIT :l"),
-                        {"a": after, "l": page},
+            async with conn.cursor(row_factory=namedtuple_row) as cur:
+                while True:
+                    await cur.execute(
+                        f"SELECT {_COLUMNS} FROM rollbook.events WHERE position > %s ORDER BY position LIMIT %s", (after, page)
                     )
-                ).all()
-                if not rows:
-                    break
-                evs = [_row_to_event(r) for r in rows]
-                # merge_changes may reorder rows of different keys, never two changes of one key
-                await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
-                count += len(evs)
-                after = evs[-1].position
+                    evs = [_row_to_event(r) for r in await cur.fetchall()]
+                    if not evs:
+                        break
+                    # merge_changes may reorder rows of different keys, never two changes of one key
+                    await apply_changes(conn, (ch for e in evs for ch in changes_for(e)))
+                    count += len(evs)
+                    after = evs[-1].position
         return count
 
     # ---- what a cut needs -------------------------------------------------------------------

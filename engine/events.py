@@ -74,7 +74,7 @@ def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
         text = canonical_json(_as_postgres_reads(data))
     if "\\u0000" in text:
         raise InvalidPayload("event data contains a NUL character, which PostgreSQL JSONB cannot store")
-    size = len(text.encode())
+    size = len(text) if text.isascii() else len(text.encode())
     if size > limit:
         raise PayloadTooLarge(
             f"event data is {size} bytes, over the {limit}-byte limit; store large blobs in a token or blob "

@@ -7,7 +7,7 @@ may land, and with which version, position and hash, lives here and runs without
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +28,9 @@ from engine.events import (
 class StreamHead:
     version: int
     hash: bytes
+
+
+NEW_STREAM = StreamHead(0, GENESIS_HASH)
 
 
 @dataclass
@@ -52,7 +55,7 @@ def plan_request(request: AppendRequest, state: LogState, writer: str, limit: in
     streams: dict[str, StreamHead] = {}
     rollouts: dict[str, RolloutState | None] = {}
     for stream, expected in request.expected_versions.items():
-        current = state.streams.get(stream, StreamHead(0, GENESIS_HASH)).version
+        current = state.streams.get(stream, NEW_STREAM).version
         if expected is not None and expected != current:
             raise VersionConflict(
                 f"stream {stream} is at version {current}, the writer expected {expected}",
@@ -68,7 +71,7 @@ def plan_request(request: AppendRequest, state: LogState, writer: str, limit: in
             key = event.rollout_id or ""
             before = rollouts[key] if key in rollouts else state.rollouts.get(key)
             rollouts[key] = admit(event, before)
-        head = streams.get(event.stream) or state.streams.get(event.stream, StreamHead(0, GENESIS_HASH))
+        head = streams.get(event.stream) or state.streams.get(event.stream, NEW_STREAM)
         version = head.version + 1
         digest = chain_hash(head.hash, event.stream, version, event, payload)
         streams[event.stream] = StreamHead(version, digest)
@@ -98,15 +101,14 @@ def plan_request(request: AppendRequest, state: LogState, writer: str, limit: in
 
 def plan_batch(
     requests: Sequence[AppendRequest], state: LogState, writer: str, limit: int = DEFAULT_PAYLOAD_LIMIT
-) -> list[list[PlannedEvent] | RollbookError]:
-    """Plan several independent requests in order; one refused request does not sink the others."""
-    outcomes: list[list[PlannedEvent] | RollbookError] = []
+) -> Iterator[list[PlannedEvent] | RollbookError]:
+    """Plan several independent requests in order; one refused request does not sink the others.
+    Lazy, so storage can send one request's rows to the server while it plans the next."""
     for request in requests:
         try:
-            outcomes.append(plan_request(request, state, writer, limit))
+            yield plan_request(request, state, writer, limit)
         except RollbookError as exc:
-            outcomes.append(exc)
-    return outcomes
+            yield exc
 
 
 class EventStore(Protocol):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import INSERT_CHUNK_EVENTS, PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_FORGOTTEN, ROLLOUT_RETIRED
 from engine.errors import InvalidPayload, PayloadTooLarge, StaleAttempt, UnknownAttempt, VersionConflict
 from engine.events import AppendRequest, NewEvent
@@ -199,3 +199,21 @@ async def test_large_floats_hash_the_way_postgres_hands_them_back(any_store: Pos
     assert read.data == {"amount": 10**16, "nested": [{"x": -150000000000000000000}], "small": 1e-05, "one": 1.0}
     new = NewEvent(read.stream, read.kind, read.data, read.rollout_id, read.attempt, read.schema_version)
     assert read.hash == recorded.hash == chain_hash(GENESIS_HASH, read.stream, 1, new, encode_payload(read.data))
+
+
+async def test_a_refusal_after_rows_already_sent_in_the_group_loses_nothing(any_store: PostgresEventStore) -> None:
+    # The store sends a group's rows to the server while it plans the rest (pipeline mode), so the
+    # first request below is on the wire before the second is refused (bad input: a NaN in its
+    # second event). The refused request writes nothing; its neighbours land gap-free.
+    big = AppendRequest(tuple(ev("big", n=i) for i in range(INSERT_CHUNK_EVENTS + 5)))
+    half_bad = AppendRequest((ev("mixed", n=1), NewEvent("mixed", "refused", {"n": float("nan")})))
+    after = AppendRequest(tuple(ev("after", n=i) for i in range(3)))
+    results = await asyncio.gather(
+        any_store.append(big), any_store.append(half_bad), any_store.append(after), return_exceptions=True
+    )
+    assert isinstance(results[1], InvalidPayload)
+    assert [e.position for e in results[0]] == list(range(1, INSERT_CHUNK_EVENTS + 6))
+    assert [e.position for e in results[2]] == [INSERT_CHUNK_EVENTS + 6, INSERT_CHUNK_EVENTS + 7, INSERT_CHUNK_EVENTS + 8]
+    assert await any_store.read_stream("mixed") == []
+    assert [e.position for e in await any_store.read_all(limit=1000)] == list(range(1, INSERT_CHUNK_EVENTS + 9))
+    assert [e.stream_version for e in await any_store.read_stream("after")] == [1, 2, 3]
