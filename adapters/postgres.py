@@ -9,7 +9,8 @@ before an earlier one. The same lock serializes fencing with appends (both are a
 That lock would cap throughput at one commit (one fsync) per append, so appends are grouped:
 concurrent `append` calls in a process queue up and one transaction writes them all, each
 request still atomic and checked on its own (engine.log.plan_batch). A caller's append returns
-only after the transaction holding it has committed.
+only after the transaction holding it has committed. Within the transaction the rows go to the
+server in pipeline mode, a chunk at a time, so PostgreSQL writes while Python plans the rest.
 """
 
 from __future__ import annotations
