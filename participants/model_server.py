@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -27,11 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.generation import GenerationBackend, GenerationFailed, message_from_tokens
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import scripted_tokens
 from engine.checkpoint import Cut
 from engine.errors import (
     AdmissionClosed,
@@ -45,6 +42,14 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import call_stream, validate_id
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
+from participants.openai_wire import (
+    ChatRequest,
+    completion_body,
+    count_prompt_tokens,
+    final_chunk,
+    sse,
+    token_chunk,
+)
 
 CALL_ID_HEADER = "X-Rollbook-Call-Id"
 PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
@@ -57,17 +62,6 @@ CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_e
 
 class TokenStore(TokenSink, TokenSource, Protocol):
     """What the model server needs of adapters.token_store: put a call's tokens, get a prefix back."""
-
-
-class ChatRequest(BaseModel):
-    """The OpenAI body; fields we do not read (temperature, max_tokens...) pass through to the backend."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    stream: bool = False
-    seed: int | None = None
 
 
 @dataclass
@@ -229,7 +223,7 @@ class ModelParticipant(Participant):
         try:
             if body.stream:
                 return await self._stream_reply(request, call, model)
-            return await self._json_reply(call, model, _prompt_tokens(body.messages))
+            return await self._json_reply(call, model, count_prompt_tokens(body.messages))
         finally:
             self.consumers[call] -= 1
             if self.consumers[call] <= 0:
@@ -454,26 +448,19 @@ class ModelParticipant(Participant):
                 await call.changed.wait_for(lambda n=sent: len(call.tokens) > n or call.done.is_set())
             batch = call.tokens[sent:]
             for i, tok in enumerate(batch, start=sent):
-                chunk = _chunk(call.call_id, model, created, {}, None)
-                chunk["rollbook"] = {"token": tok, "index": i}
-                await resp.write(_sse(chunk))
+                await resp.write(sse(token_chunk(call.call_id, model, created, tok, i)))
             sent += len(batch)
             if call.done.is_set() and sent >= len(call.tokens):
                 break
         if call.error is not None:
-            await resp.write(_sse(call.error.to_json()))
+            await resp.write(sse(call.error.to_json()))
         elif call.state == "cut" and call.result is not None:
-            await resp.write(_sse({"rollbook": {"cut": True, "call_id": call.call_id, "tokens": call.result["tokens"],
+            await resp.write(sse({"rollbook": {"cut": True, "call_id": call.call_id, "tokens": call.result["tokens"],
                                                 "receipt": call.result["receipt"]}}))
         elif call.result is not None:
             await self._open.wait()  # held: the client has the tokens but not the end of the reply
             call.delivered = True
-            message = call.result["reply"]
-            delta = {**message, "tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]} \
-                if message.get("tool_calls") else dict(message)
-            final = _chunk(call.call_id, model, created, delta, _finish_reason(message))
-            final["rollbook"] = _rollbook_info(call.call_id, call.result)
-            await resp.write(_sse(final))
+            await resp.write(sse(final_chunk(call.call_id, model, created, call.result)))
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
@@ -491,50 +478,6 @@ def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | Non
         )
 
 
-def _prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """A count of token-like pieces; the scripted tokenizer is the only one this server knows."""
-    total = 0
-    for m in messages:
-        content = m.get("content")
-        total += len(scripted_tokens(content if isinstance(content, str) else json.dumps(content)))
-    return total
-
-
-def _finish_reason(message: dict[str, Any]) -> str:
-    return "tool_calls" if message.get("tool_calls") else "stop"
-
-
-def _rollbook_info(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
-    return {"call_id": call_id, "disposition": result.get("disposition"), "receipt": result.get("receipt"),
-            "policy_version": result.get("policy_version")}
-
-
-def _chunk(call_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
-
-def _sse(value: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(value)}\n\n".encode()
-
-
-def completion_body(call_id: str, model: str, result: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
-    """The OpenAI chat.completion object for a completed call, with our custody facts beside it."""
-    message = result["reply"]
-    completion = int(result.get("tokens") or result["receipt"]["tokens"])
-    return {
-        "id": f"chatcmpl-{call_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(message)}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion},
-        "rollbook": _rollbook_info(call_id, result),
-    }
-
-
-
-
 def build_model_app(
     store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
 ) -> web.Application:
@@ -542,4 +485,4 @@ def build_model_app(
     return build_app(participant, token)
 
 
-__all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app", "completion_body"]
+__all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app"]
