@@ -177,8 +177,10 @@ class PostgresEventStore:
                 attempts = await conn.execute(
                     "SELECT rollout_id, attempt, status FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)", (rollouts,)
                 )
-            (position,) = await lock.fetchone() or (None,)
-            state = LogState(position=position)
+            head = await lock.fetchone()
+            if head is None:
+                raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
+            state = LogState(position=head[0])
             for stream, version, digest in await heads.fetchall():
                 state.streams[stream] = StreamHead(version, bytes(digest))
             if rollouts:
@@ -188,18 +190,16 @@ class PostgresEventStore:
                     state.rollouts.setdefault(rollout_id, RolloutState({})).attempts[attempt] = status
             outcomes: list[list[PlannedEvent] | RollbookError] = []
             unsent: list[PlannedEvent] = []
-            written: list[RecordedEvent] = []
             for outcome in plan_batch(requests, state, self.writer, self.payload_limit):
                 outcomes.append(outcome)
                 if isinstance(outcome, list):
                     unsent.extend(outcome)
                 if len(unsent) >= INSERT_CHUNK_EVENTS:
                     await self._insert_events(conn, unsent)
-                    written.extend(pe.event for pe in unsent)
                     unsent = []
             if unsent:
                 await self._insert_events(conn, unsent)
-                written.extend(pe.event for pe in unsent)
+            written = [pe.event for o in outcomes if isinstance(o, list) for pe in o]
             if written:
                 await self._advance_heads(conn, written, state)
                 await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
