@@ -37,6 +37,9 @@ from engine.projections import TABLES, Change, changes_for
 log = logging.getLogger(__name__)
 
 CHANNEL = "rollbook_events"
+# Every append takes this lock first; so do a rebuild (no append may interleave) and head() (it
+# waits for an append in flight, so the head it returns counts that append).
+LOCK_LOG_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
 MAX_GROUP_EVENTS = 2000
 # Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
 # appends is one statement), few enough that the server has rows to write while the next are planned.
@@ -168,7 +171,7 @@ class PostgresEventStore:
         # cores that overlap is most of a large group's cost; benchmarks/README.md). The reads
         # below fetch, so they still wait for the lock before the heads are read.
         async with self._driver_connection() as conn, conn.pipeline(), conn.transaction():
-            lock = await conn.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            lock = await conn.execute(LOCK_LOG_HEAD)
             heads = await conn.execute("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(%s)", (streams,))
             if rollouts:
                 retired = await conn.execute(
@@ -276,39 +279,39 @@ class PostgresEventStore:
 
     async def head(self) -> int:
         async with self.engine.connect() as conn:
-            return int((await conn.execute(text("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"))).scalar_one())
+            return int((await conn.execute(text(LOCK_LOG_HEAD))).scalar_one())
 
     async def read_stream(self, stream: str, after_version: int = 0, to_version: int | None = None) -> list[RecordedEvent]:
-        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE stream = :s AND stream_version > :v"
+        where = "stream = :s AND stream_version > :v"
         params: dict[str, Any] = {"s": stream, "v": after_version}
         if to_version is not None:
-            sql += " AND stream_version <= :t"
+            where += " AND stream_version <= :t"
             params["t"] = to_version
-        async with self.engine.connect() as conn:
-            rows = await conn.execute(text(sql + " ORDER BY stream_version"), params)
-            return [_row_to_event(r) for r in rows]
+        return await self._select_events(where, params, "ORDER BY stream_version")
 
     async def read_all(self, after: int = 0, limit: int = 1000, to: int | None = None) -> list[RecordedEvent]:
-        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE position > :a"
+        where = "position > :a"
         params: dict[str, Any] = {"a": after, "l": limit}
         if to is not None:
-            sql += " AND position <= :t"
+            where += " AND position <= :t"
             params["t"] = to
-        async with self.engine.connect() as conn:
-            rows = await conn.execute(text(sql + " ORDER BY position LIMIT :l"), params)
-            return [_row_to_event(r) for r in rows]
+        return await self._select_events(where, params, "ORDER BY position LIMIT :l")
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]:
-        sql = f"SELECT {_COLUMNS} FROM rollbook.events WHERE rollout_id = :r"
+        where = "rollout_id = :r"
         params: dict[str, Any] = {"r": rollout_id}
         if attempt is not None:
-            sql += " AND attempt = :n"
+            where += " AND attempt = :n"
             params["n"] = attempt
         if to is not None:
-            sql += " AND position <= :t"
+            where += " AND position <= :t"
             params["t"] = to
+        return await self._select_events(where, params, "ORDER BY position")
+
+    async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
         async with self.engine.connect() as conn:
-            return [_row_to_event(r) for r in await conn.execute(text(sql + " ORDER BY position"), params)]
+            rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
+            return [_row_to_event(r) for r in rows]
 
     async def iterate(self, after: int = 0, to: int | None = None, page: int = 1000) -> AsyncIterator[RecordedEvent]:
         while True:
@@ -342,7 +345,7 @@ class PostgresEventStore:
         """Empty every projection table and derive it again from the log alone."""
         count = 0
         async with self._driver_connection() as conn, conn.transaction():
-            await conn.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            await conn.execute(LOCK_LOG_HEAD)
             await conn.execute("TRUNCATE " + ", ".join(f"rollbook.{t}" for t in TABLES))
             after = 0
             async with conn.cursor(row_factory=namedtuple_row) as cur:
