@@ -12,109 +12,31 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from adapters.generation import ScriptedBackend
-from adapters.http_client import JsonClient, data_url
+from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
-from engine.coordinator import Coordinator
 from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
-from participants.agent_server import ACTIVATION_HEADER, AgentParticipant, build_agent_app
+from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
 from participants.control_plane import CONTROL
-from participants.environment_server import build_environment_app
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
-from participants.model_server import build_model_app
-from participants.resources_server import build_resources_app
+from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "agent-env-secret"
-SEED = 7
 WORKPLACE = make_task("workplace", 3)  # 4 turns with the scripted policy: 2 look-ups, an email, the answer
 BLACKJACK = make_task("blackjack", 2)  # 6 turns, 4 of them hits or stands that change the table
 
 
-@dataclass
-class Stack:
-    """The four servers of one process generation, sharing one database."""
-
-    servers: dict[str, TestServer]
-    stores: list[PostgresEventStore]
-    tokens: PostgresTokenStore
-    backend: ScriptedBackend
-    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
-    session: aiohttp.ClientSession | None = None
-
-    def url(self, kind: str) -> str:
-        return str(self.servers[kind].make_url("")).rstrip("/")
-
-    def coordinator(self, store: PostgresEventStore) -> Coordinator:
-        assert self.session is not None
-        return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
-
-    async def episode(self, task: Task, rollout_id: str, seed: int = SEED) -> dict[str, Any]:
-        return await self.client.post(f"{self.url('environment')}/episodes",
-                                      {"rollout_id": rollout_id, "task": task.to_json(), "seed": seed})
-
-    async def wait_finished(self, rollout_id: str, timeout: float = 30.0) -> dict[str, Any]:
-        stop = time.monotonic() + timeout
-        while time.monotonic() < stop:
-            status = await self.client.get(f"{self.url('environment')}/episodes/{rollout_id}")
-            if status["status"] in ("finished", "failed"):
-                return status
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"episode {rollout_id} did not finish: {status}")
-
-    async def close(self) -> None:
-        # Callers first, as a crash would take them: nothing they hold may land afterwards.
-        for kind in ("environment", "agent", "model", "resources"):
-            await self.servers[kind].close()
-        for s in self.stores:
-            await s.close()
-        await self.tokens.close()
-        await self.client.close()
-        if self.session is not None:
-            await self.session.close()
-
-
-async def start_stack(dsn: str, tag: str, latency: float = 0.0,
-                      agent_cls: type[AgentParticipant] = AgentParticipant) -> Stack:
-    stores: list[PostgresEventStore] = []
-
-    def store(kind: str) -> PostgresEventStore:
-        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
-        return stores[-1]
-
-    backend = ScriptedBackend(latency_s=latency)
-    tokens = PostgresTokenStore(dsn)
-    servers: dict[str, TestServer] = {}
-
-    async def serve(kind: str, app: Any) -> str:
-        srv = TestServer(app, host="127.0.0.1")
-        await srv.start_server(shutdown_timeout=1.0)
-        servers[kind] = srv
-        return str(srv.make_url("")).rstrip("/")
-
-    model = await serve("model", build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}"))
-    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
-    agent = await serve("agent", build_agent_app(store("agent"), TOKEN, f"agent-{tag}", agent_cls))
-    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
-                                                     f"environment-{tag}"))
-    return Stack(servers, stores, tokens, backend, session=aiohttp.ClientSession())
-
-
 @contextlib.asynccontextmanager
 async def stack(dsn: str, tag: str, latency: float = 0.0) -> AsyncIterator[Stack]:
-    s = await start_stack(dsn, tag, latency)
+    s = await start_stack(dsn, tag, ScriptedBackend(latency_s=latency))
     try:
         yield s
     finally:
@@ -124,10 +46,6 @@ async def stack(dsn: str, tag: str, latency: float = 0.0) -> AsyncIterator[Stack
 # ---- reading the log --------------------------------------------------------------------------
 
 
-def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
-    return [e for e in events if e.kind == kind and (attempt is None or e.attempt == attempt)]
-
-
 def final_reply(events: list[RecordedEvent], attempt: int) -> dict[str, Any]:
     (done,) = of(events, "agent_activation_completed", attempt)
     return done.data["reply"]
@@ -135,10 +53,6 @@ def final_reply(events: list[RecordedEvent], attempt: int) -> dict[str, Any]:
 
 def mutations(events: list[RecordedEvent]) -> list[tuple[str, Any, Any]]:
     return [(e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
-
-
-def turn_of(call_id: str) -> int:
-    return int(call_id.rsplit(".t", 1)[1])
 
 
 async def uninterrupted(dsn: str, store: PostgresEventStore, task: Task, rollout_id: str) -> tuple[float, dict[str, Any], list]:
@@ -259,7 +173,7 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
 ) -> None:
     reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "ck-ref")
     rid = "ck-1"
-    old = await start_stack(dsn, "old", latency=0.15)
+    old = await start_stack(dsn, "old", ScriptedBackend(latency_s=0.15))
     try:
         running = asyncio.create_task(old.episode(BLACKJACK, rid))
         await wait_for(store, rid, "agent_boundary", 2, state="after_turn")
@@ -310,7 +224,7 @@ class RestartOnlyAgent(AgentParticipant):
 
 async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str, store: PostgresEventStore) -> None:
     reward, reply, _ = await uninterrupted(dsn, store, WORKPLACE, "ro-ref")
-    old = await start_stack(dsn, "ro-old", latency=0.15, agent_cls=RestartOnlyAgent)
+    old = await start_stack(dsn, "ro-old", ScriptedBackend(latency_s=0.15), RestartOnlyAgent)
     try:
         running = asyncio.create_task(old.episode(WORKPLACE, "ro-1"))
         await wait_for(store, "ro-1", "agent_boundary", 1, state="after_turn")
@@ -345,7 +259,7 @@ async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(dsn: s
     """Attempt 1 inherits attempt 0's history; its own boundaries must still pass the cut's lineage checks."""
     reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "twice-ref")
     rid = "twice-1"
-    generation = await start_stack(dsn, "g0", latency=0.15)
+    generation = await start_stack(dsn, "g0", ScriptedBackend(latency_s=0.15))
     running: asyncio.Task[Any] | None = asyncio.create_task(generation.episode(BLACKJACK, rid))
     try:
         for ck, attempt in (("twice-a", 0), ("twice-b", 1)):
@@ -360,7 +274,7 @@ async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(dsn: s
                 running.cancel()
                 await asyncio.gather(running, return_exceptions=True)
                 running = None
-            generation = await start_stack(dsn, f"g{attempt + 1}", latency=0.15)
+            generation = await start_stack(dsn, f"g{attempt + 1}", ScriptedBackend(latency_s=0.15))
             coordinator = generation.coordinator(store)
             assert (await coordinator.restore(ck, time.time() + 10))["continued"] == 1
             await coordinator.resume(ck)

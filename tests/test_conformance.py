@@ -24,36 +24,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import aiohttp
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestServer
 from sqlalchemy import text
 
 from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from adapters.generation import ScriptedBackend
-from adapters.http_client import JsonClient
-from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
 from engine.checkpoint import Cut, effective_history
-from engine.coordinator import Coordinator
 from engine.events import RecordedEvent
 from participants import agent_server, model_server
-from participants.agent_server import AgentParticipant, build_agent_app
-from participants.environment_server import build_environment_app
+from participants.agent_server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
 from participants.environments.tasks import make_task
-from participants.model_server import build_model_app
-from participants.resources_server import build_resources_app
+from tests.stack import Stack, of, start_stack, turn_of
 
 pytestmark = pytest.mark.timeout(180)
 
-TOKEN = "conformance-secret"
-SEED = 7  # the scripted policy's seed: the same replies every run
 LATENCY = 0.005  # per model call, so calls are genuinely in flight
-# Fixed tasks with few turns (scripted policy, SEED): workplace 3 turns, blackjack 4 (look, hit, stand,
+# Fixed tasks with few turns (scripted policy, tests.stack.SEED): workplace 3 turns, blackjack 4 (look, hit, stand,
 # answer: two mutations, the second drawn from the RNG the first left), math and string_match 1, sandbox 2.
 TASK_SEEDS = {"workplace": 0, "blackjack": 6, "math": 0, "string_match": 0, "sandbox": 0}
 GENUINE: dict[str, type[Environment]] = dict(ENVIRONMENTS)  # the reducers the final state is computed with
@@ -119,74 +109,16 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
 # ---- the four servers -------------------------------------------------------------------------
 
 
-@dataclass
-class Stack:
-    servers: dict[str, TestServer]
-    stores: list[PostgresEventStore]
-    tokens: PostgresTokenStore
-    session: aiohttp.ClientSession
-    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
-
-    def url(self, kind: str) -> str:
-        return str(self.servers[kind].make_url("")).rstrip("/")
-
-    def coordinator(self, store: PostgresEventStore) -> Coordinator:
-        return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
-
-    async def episode(self, task: Task, rollout_id: str) -> dict[str, Any]:
-        return await self.client.post(f"{self.url('environment')}/episodes",
-                                      {"rollout_id": rollout_id, "task": task.to_json(), "seed": SEED})
-
-    async def close(self) -> None:
-        # Callers first, as a crash takes them: nothing they hold may land afterwards.
-        for kind in ("environment", "agent", "model", "resources"):
-            await self.servers[kind].close()
-        for s in self.stores:
-            await s.close()
-        await self.tokens.close()
-        await self.client.close()
-        await self.session.close()
-
-
-async def start_stack(dsn: str, tag: str, agent_cls: type[AgentParticipant], pin: Pin | None = None) -> Stack:
-    stores: list[PostgresEventStore] = []
-
-    def store(kind: str) -> PostgresEventStore:
-        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
-        return stores[-1]
-
-    servers: dict[str, TestServer] = {}
-
-    async def serve(kind: str, app: Any) -> str:
-        srv = TestServer(app, host="127.0.0.1")
-        await srv.start_server(shutdown_timeout=1.0)
-        servers[kind] = srv
-        return str(srv.make_url("")).rstrip("/")
-
+async def start_conformance_stack(dsn: str, tag: str, agent_cls: type[AgentParticipant], pin: Pin | None = None) -> Stack:
     backend = HoldingBackend(pin)
-    tokens = PostgresTokenStore(dsn)
-    model_app = build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}")
-    backend.participant = model_app[model_server.PARTICIPANT]
-    model = await serve("model", model_app)
-    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
-    agent_app = build_agent_app(store("agent"), TOKEN, f"agent-{tag}", pinned(agent_cls) if pin else agent_cls)
+    s = await start_stack(dsn, tag, backend, pinned(agent_cls) if pin else agent_cls)
+    backend.participant = s.participant("model")  # type: ignore[assignment]
     if pin is not None:
-        agent_app[agent_server.PARTICIPANT].pin = pin  # type: ignore[attr-defined]
-    agent = await serve("agent", agent_app)
-    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
-                                                     f"environment-{tag}"))
-    return Stack(servers, stores, tokens, aiohttp.ClientSession())
+        s.participant("agent").pin = pin  # type: ignore[attr-defined]
+    return s
 
 
 # ---- reading the log --------------------------------------------------------------------------
-
-
-def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
-    return [e for e in events if e.kind == kind and (attempt is None or e.attempt == attempt)]
-
-
-def turn_of(call_id: str) -> int:
-    return int(call_id.rsplit(".t", 1)[1])
 
 
 def mutations(events: list[RecordedEvent]) -> list[tuple[int, str, Any, Any]]:
@@ -246,7 +178,7 @@ async def repeated(store: PostgresEventStore, rid: str) -> tuple[int, int]:
 async def checkpoint_at(dsn: str, store: PostgresEventStore, task: Task, rid: str, pin: Pin,
                         agent_cls: type[AgentParticipant]) -> tuple[Cut, dict[str, Any]]:
     """Run to the pinned boundary, checkpoint there, crash, restore into fresh servers, finish."""
-    old = await start_stack(dsn, f"{rid}-old", agent_cls, pin)
+    old = await start_conformance_stack(dsn, f"{rid}-old", agent_cls, pin)
     running = asyncio.create_task(old.episode(task, rid))
     try:
         await asyncio.wait_for(pin.reached.wait(), 20)
@@ -258,7 +190,7 @@ async def checkpoint_at(dsn: str, store: PostgresEventStore, task: Task, rid: st
         await old.close()  # the crash: every server of this generation is gone, nothing handed over
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-    new = await start_stack(dsn, f"{rid}-new", agent_cls)
+    new = await start_conformance_stack(dsn, f"{rid}-new", agent_cls)
     try:
         coordinator = new.coordinator(store)
         await coordinator.restore(f"ck-{rid}", time.time() + 10)
@@ -276,7 +208,7 @@ async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
     continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
 
     ref_id = f"{tag}-ref"
-    ref_stack = await start_stack(dsn, ref_id, agent_cls)
+    ref_stack = await start_conformance_stack(dsn, ref_id, agent_cls)
     try:
         ref_result = await asyncio.wait_for(ref_stack.episode(task, ref_id), 30)
     finally:

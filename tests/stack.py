@@ -1,0 +1,113 @@
+"""The four servers of one process generation, in process, sharing one database.
+
+Model, resources, agent and environment each run as a real aiohttp server on 127.0.0.1 with its
+own event-store connection; the only stand-in is the model itself (a scripted backend, which a
+test may subclass to hold a call). A test that "crashes" closes a stack without any handover and
+starts a fresh one on the same database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from adapters.generation import ScriptedBackend
+from adapters.http_client import JsonClient
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
+from engine.coordinator import Coordinator
+from engine.events import RecordedEvent
+from participants.agent_server import AgentParticipant, build_agent_app
+from participants.control_plane import PARTICIPANT, Participant
+from participants.environment_server import build_environment_app
+from participants.environments.base import Task
+from participants.model_server import build_model_app
+from participants.resources_server import build_resources_app
+
+TOKEN = "stack-secret"
+SEED = 7  # the scripted policy's seed: the same replies every run
+
+
+@dataclass
+class Stack:
+    servers: dict[str, TestServer]
+    stores: list[PostgresEventStore]
+    tokens: PostgresTokenStore
+    backend: ScriptedBackend
+    session: aiohttp.ClientSession
+    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
+
+    def url(self, kind: str) -> str:
+        return str(self.servers[kind].make_url("")).rstrip("/")
+
+    def participant(self, kind: str) -> Participant:
+        return self.servers[kind].app[PARTICIPANT]
+
+    def coordinator(self, store: PostgresEventStore) -> Coordinator:
+        return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
+
+    async def episode(self, task: Task, rollout_id: str, seed: int = SEED) -> dict[str, Any]:
+        return await self.client.post(f"{self.url('environment')}/episodes",
+                                      {"rollout_id": rollout_id, "task": task.to_json(), "seed": seed})
+
+    async def wait_finished(self, rollout_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        stop = time.monotonic() + timeout
+        while time.monotonic() < stop:
+            status = await self.client.get(f"{self.url('environment')}/episodes/{rollout_id}")
+            if status["status"] in ("finished", "failed"):
+                return status
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"episode {rollout_id} did not finish: {status}")
+
+    async def close(self) -> None:
+        # Callers first, as a crash takes them: nothing they hold may land afterwards.
+        for kind in ("environment", "agent", "model", "resources"):
+            await self.servers[kind].close()
+        for s in self.stores:
+            await s.close()
+        await self.tokens.close()
+        await self.client.close()
+        await self.session.close()
+
+
+async def start_stack(
+    dsn: str, tag: str, backend: ScriptedBackend, agent_cls: type[AgentParticipant] = AgentParticipant
+) -> Stack:
+    stores: list[PostgresEventStore] = []
+
+    def store(kind: str) -> PostgresEventStore:
+        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
+        return stores[-1]
+
+    tokens = PostgresTokenStore(dsn)
+    servers: dict[str, TestServer] = {}
+
+    async def serve(kind: str, app: Any) -> str:
+        srv = TestServer(app, host="127.0.0.1")
+        await srv.start_server(shutdown_timeout=1.0)
+        servers[kind] = srv
+        return str(srv.make_url("")).rstrip("/")
+
+    model = await serve("model", build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}"))
+    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
+    agent = await serve("agent", build_agent_app(store("agent"), TOKEN, f"agent-{tag}", agent_cls))
+    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
+                                                     f"environment-{tag}"))
+    return Stack(servers, stores, tokens, backend, aiohttp.ClientSession())
+
+
+# ---- reading the log --------------------------------------------------------------------------
+
+
+def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
+    return [e for e in events if e.kind == kind and (attempt is None or e.attempt == attempt)]
+
+
+def turn_of(call_id: str) -> int:
+    return int(call_id.rsplit(".t", 1)[1])
