@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     loaded = config.load(args.config)
     if args.kind not in loaded.servers:
-        raise ConfigError(f"{args.config} has no [servers.{args.kind}] section", f"add one with the port it listens on")
+        raise ConfigError(f"{args.config} has no [servers.{args.kind}] section", "add one with the port it listens on")
     try:
         serve.serve(args.kind, loaded)
     except OSError as exc:

@@ -14,9 +14,9 @@ ends, so no rollout is dropped across a checkpoint.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
-
 
 # Refusals that mean "not now": a checkpoint holds admission closed, or the database is restarting.
 RETRY_CODES = frozenset({"admission_closed", "database_unavailable"})

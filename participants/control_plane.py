@@ -22,6 +22,7 @@ from adapters.database import code_revision
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine.checkpoint import Cut, load_cut
+from engine.coordinator import abort_if_expired
 from engine.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -32,7 +33,6 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, validate_attempt, validate_id
-from engine.coordinator import abort_if_expired
 from engine.phases import Lease, ParticipantPhases, check_deadline
 from participants.http_errors import error_response, errors_as_json
 

@@ -53,9 +53,6 @@ async def test_a_retired_attempt_leaves_later_cuts_and_a_checkpoint_after_a_reti
     coll, run = await launch(c, "ret")
     victim = coll.rollout_id(0)
     await Coordinator(c.store, list(c.participants().values())).retire("ret-retire", [(victim, 0)])
-    status = await c.scalar("SELECT status FROM rollbook.attempts WHERE rollout_id = :r AND attempt = 0", r=victim)
-    live = await c.scalar("SELECT count(*) FROM rollbook.attempt_state WHERE rollout_id = :r AND status = 'live'", r=victim)
-    assert (status, live) == ("retired", 0)
     ck = await coll.checkpoint(c.session, "ret-ck1")
     assert ck["published"], ck
     cut = (await c.rows("SELECT data FROM rollbook.events WHERE kind = 'checkpoint_committed' "
@@ -66,6 +63,9 @@ async def test_a_retired_attempt_leaves_later_cuts_and_a_checkpoint_after_a_reti
     await c.start()
     restored = await coll.restore(c.session, "ret-ck1")  # was: stale_attempt, fencing the retired attempt
     assert restored["continued"] + restored["fresh_dispatch"] + restored["completed"] == len(coll.tasks) - 1
+    status = await c.scalar("SELECT status FROM rollbook.attempts WHERE rollout_id = :r AND attempt = 0", r=victim)
+    live = await c.scalar("SELECT count(*) FROM rollbook.attempt_state WHERE rollout_id = :r AND status = 'live'", r=victim)
+    assert (status, live) == ("retired", 0)
 
 
 async def test_commit_refused_by_one_participant_is_aborted_in_the_log_and_cannot_be_restored(cluster_factory) -> None:
@@ -193,7 +193,7 @@ async def test_an_edited_list_of_the_committed_cut_is_refused_at_restore(cluster
 async def test_a_non_finite_or_past_deadline_is_refused_before_any_phase_changes(cluster_factory, deadline: str) -> None:
     c = await cluster_factory()
     for kind in KINDS:
-        body = '{"checkpoint_id": "dl-ck1", "deadline": %s}' % deadline  # JSON as Python's json.dumps writes NaN
+        body = '{"checkpoint_id": "dl-ck1", "deadline": ' + deadline + '}'  # NaN as Python's json.dumps writes it
         async with c.session.post(c.config.url(kind) + "/rollbook/v1/control/prepare", data=body,
                                   headers={"Authorization": f"Bearer {c.config.token}",
                                            "Content-Type": "application/json"}) as resp:
