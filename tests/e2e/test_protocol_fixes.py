@@ -92,10 +92,10 @@ async def test_a_coordinator_killed_after_prepare_leaves_an_aborted_checkpoint_n
     c = await cluster_factory()
     coll, run = await launch(c, "kil")
     coordinator = Coordinator(c.store, list(c.participants().values()))
-    prepared = await coordinator.prepare("kil-ck1", time.time() + 1.0)
-    assert prepared["ready"] and await c.phase("kil-ck1") == "prepared"
+    prepared = await coordinator.prepare("kil-ck1", time.time() + 4.0)
+    assert prepared["ready"] and await c.phase("kil-ck1") == "prepared", prepared
     # the coordinator is gone; the servers' leases run out (deadline + 2 s grace) and they say so in the log
-    await c.wait_for("the checkpoint aborted in the log", lambda: _is(c, "kil-ck1", "aborted"), timeout=15)
+    await c.wait_for("the checkpoint aborted in the log", lambda: _is(c, "kil-ck1", "aborted"), timeout=20)
     with pytest.raises(InvalidPhase):  # a late coordinator cannot commit it any more
         await coordinator.commit("kil-ck1", time.time() + 30)
     await c.wait_for("every server reopened", lambda: _all_idle(c), timeout=10)
@@ -106,9 +106,11 @@ async def test_a_coordinator_killed_after_prepare_leaves_an_aborted_checkpoint_n
 async def test_checkpoint_status_aborts_an_expired_checkpoint_when_no_server_is_left(cluster_factory) -> None:
     c = await cluster_factory()
     coordinator = Coordinator(c.store, list(c.participants().values()))
-    assert (await coordinator.prepare("gone-ck1", time.time() + 0.5))["ready"]
+    deadline = time.time() + 5.0  # room for a loaded machine to prepare all four
+    prepared = await coordinator.prepare("gone-ck1", deadline)
+    assert prepared["ready"], prepared
     await c.kill()  # coordinator and servers all gone before the lease ran out
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(max(0.0, deadline + 2.5 - time.time()))  # past the deadline and its 2 s grace
     assert await c.phase("gone-ck1") == "prepared"
     out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "adapters.cli", "checkpoint", "status",
                                                    "--dsn", c.config.dsn or ""], capture_output=True, text=True, timeout=60)
