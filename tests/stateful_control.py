@@ -135,8 +135,17 @@ class ControlMachine(RuleBasedStateMachine):
 
     @initialize()
     def boot(self) -> None:
+        """Servers up and every rollout dispatched: each later rule then has live work to act on."""
         self.run(self._start())
         _count("sequences")
+        self.dispatch()
+        self.run(self._wait_started())
+
+    async def _wait_started(self) -> None:
+        deadline = time.monotonic() + 30
+        while len(await self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p")) < ROLLOUTS:
+            assert time.monotonic() < deadline, "the rollouts never started"
+            await asyncio.sleep(0.02)
 
     @rule()
     def dispatch(self) -> None:
