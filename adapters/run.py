@@ -1,9 +1,11 @@
 """`rollbook run --config FILE`: a rollout collection with periodic checkpoints that survives crashes.
 
 Checkpoints every `run.checkpoint_every_s` seconds and on SIGUSR1; on SIGTERM it checkpoints and
-stops without resuming. Started again with the same run id, it restores the run's latest published
-checkpoint into fresh server processes (servers that kept running keep their sessions and are
-not restored) and finishes every rollout that has not finished.
+stops without resuming. Started again with the same run id after any crash, it finishes every
+rollout that has not finished, each from its latest durable boundary in the log
+(engine.recovery): it prints where each stands, then dispatches the unfinished ones again, and the
+servers go on from the log. A published checkpoint is not restored: that would roll back work done
+after it (`rollbook checkpoint restore` does that on purpose).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from adapters import database
 from adapters.collection import Collection
 from adapters.config import KINDS, Config
 from adapters.postgres import PostgresEventStore
+from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
 
@@ -41,15 +44,6 @@ def say(**event: Any) -> None:
     print(json.dumps({"t": round(time.time(), 3), **event}), flush=True)
 
 
-async def _fresh_servers(collection: Collection, session: aiohttp.ClientSession) -> bool:
-    """True when no server has served a session yet: only then can a checkpoint be restored into them."""
-    for client in collection.coordinator(session).participants:
-        status = await client.call("status", {})
-        if status.get("served_sessions"):
-            return False
-    return True
-
-
 async def run_collection(config: Config) -> int:
     if config.run is None:
         raise SystemExit("the config has no [run] section")
@@ -66,12 +60,11 @@ async def run_collection(config: Config) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         async with aiohttp.ClientSession() as session:
-            latest = await collection.latest_published()
-            if latest and await collection.unfinished():
-                if await _fresh_servers(collection, session):
-                    say(event="restore", **await collection.restore(session, latest))
-                else:
-                    say(event="continue_without_restore", reason="the servers are still running with their sessions")
+            ids = [collection.rollout_id(i) for i in range(len(tasks))]
+            where = run_dispositions(await store.attempt_rows(ids), ids)
+            if any(d != "not_started" for d in where.values()):
+                counts = {d: sum(1 for v in where.values() if v == d) for d in sorted(set(where.values()))}
+                say(event="recovery", latest_published=await collection.latest_published(), **counts)
             dispatch = asyncio.create_task(collection.dispatch(session))
             while not dispatch.done():
                 timer = asyncio.create_task(asyncio.sleep(run.checkpoint_every_s))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from typing import Any, ClassVar, Literal
 
@@ -39,6 +40,7 @@ CONTROL = f"{PREFIX}/control"
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 CHECKPOINT_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_BLOCKERS = 20
+log = logging.getLogger(__name__)
 
 
 class Body(BaseModel):
@@ -224,8 +226,15 @@ class ControlPlane:
             )
 
     async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
+        before, active = self.phases.state, self.phases.checkpoint_id
         event = self.phases.fire(trigger, checkpoint_id, **data)
-        await self.p.store.append(AppendRequest((event,)))
+        try:
+            await self.p.store.append(AppendRequest((event,)))
+        except BaseException:
+            # Not in the log, so not done: the phase stays where the log says it is (a retry can fire it).
+            self.phases._machine.set_state(before)
+            self.phases.checkpoint_id = active
+            raise
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
@@ -393,17 +402,22 @@ class ControlPlane:
         self.lease = None
 
     async def watch_lease(self) -> None:
-        """An expired lease resumes the participant by itself, recorded as an abort."""
+        """An expired lease resumes the participant by itself, recorded as an abort. A failure to
+        record it (the database is down) is retried on the next tick: the watcher never dies."""
         while True:
             await asyncio.sleep(0.2)
             if self.lease is None or not self.lease.expired(time.time()):
                 continue
-            async with self.lock:
-                ck = self.phases.checkpoint_id
-                if ck is not None and self.lease is not None and self.lease.expired(time.time()):
-                    if self.phases.phase == "restored":
-                        continue  # a restored process waits for its resume: it has nothing to go back to
-                    await self._abort(ck, reason="lease expired")
+            try:
+                async with self.lock:
+                    ck = self.phases.checkpoint_id
+                    if ck is not None and self.lease is not None and self.lease.expired(time.time()):
+                        if self.phases.phase == "restored":
+                            continue  # a restored process waits for its resume: it has nothing to go back to
+                        await self._abort(ck, reason="lease expired")
+            except Exception as exc:
+                log.warning("could not record the lease abort (%s: %s); retrying", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
 
     def routes(self) -> list[web.RouteDef]:
         return [
