@@ -20,7 +20,7 @@ from sqlalchemy import text
 
 from adapters.config import KINDS, Config
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
@@ -45,6 +45,7 @@ class Collection:
         clients = [HttpParticipant(k, k, self.config.url(k), self.config.token, session) for k in KINDS]
         return Coordinator(self.store, clients)
 
+    @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
     async def unfinished(self) -> list[int]:
         async with self.store.engine.connect() as conn:
             done = {r for (r,) in await conn.execute(
@@ -112,6 +113,7 @@ class Collection:
         await coordinator.resume(checkpoint_id)
         return {**result, "timings_ms": dict(coordinator.timing.ms)}
 
+    @retrying("reading the run's checkpoints")
     async def latest_published(self) -> str | None:
         async with self.store.engine.connect() as conn:
             return (await conn.execute(text(

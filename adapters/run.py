@@ -24,7 +24,7 @@ from sqlalchemy import text
 from adapters import database
 from adapters.collection import Collection
 from adapters.config import KINDS, Config
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
@@ -90,6 +90,7 @@ async def run_collection(config: Config) -> int:
         await store.close()
 
 
+@retrying("numbering the next checkpoint")
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
     async with store.engine.connect() as conn:
         n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),

@@ -228,7 +228,11 @@ class ResourcesParticipant(Participant):
                 raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: its restart-only session lost its live process "
                                   "with a server restart; the rollout starts over under a new attempt",
                                   rollout_id=key[0], attempt=key[1], lost="session")
-            staged = rebuild(key[0], key[1], -1, history)
+            try:
+                staged = rebuild(key[0], key[1], -1, history)
+            except RestartInScope as exc:  # a session logged before sessions named their state mode
+                raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: {exc.detail}", rollout_id=key[0], attempt=key[1],
+                                  lost="session") from exc
             if staged is None:
                 return None
             stream = session_stream(*key)

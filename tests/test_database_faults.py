@@ -137,3 +137,29 @@ async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) 
         store.engine = healthy
         await server.close()
         await store.close()
+
+
+async def test_a_resume_that_could_not_be_recorded_is_503_and_can_be_repeated(dsn: str) -> None:
+    store = PostgresEventStore.connect(dsn, writer="resume", patience_s=0.2)
+    server = TestServer(build_resources_app(store, TOKEN), host="127.0.0.1")
+    await server.start_server()
+    healthy = store.engine
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def control(op: str) -> tuple[int, dict]:
+                async with http.post(server.make_url(f"{CONTROL}/{op}"), headers=AUTH,
+                                     json={"checkpoint_id": "ck-db", "deadline": time.time() + 30}) as resp:
+                    return resp.status, dict(await resp.json())
+
+            assert (await control("prepare"))[1]["ready"]
+            store.engine = create_async_engine(sqlalchemy_url(dead_dsn()))  # the database goes away mid-checkpoint
+            status, body = await control("resume")
+            assert status == 503 and body["error"]["code"] == "database_unavailable"
+            await store.engine.dispose()
+            store.engine = healthy
+            status, body = await control("resume")  # the phase is still the one the log has: resume works
+            assert status == 200 and body["phase"] == "idle", body
+    finally:
+        store.engine = healthy
+        await server.close()
+        await store.close()
