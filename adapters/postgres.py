@@ -71,7 +71,7 @@ def connection_lost(exc: BaseException) -> bool:
 
 
 def retrying(what: str) -> Callable[[Callable[..., Awaitable[_T]]], Callable[..., Awaitable[_T]]]:
-    """A read of the store, retried across a lost connection (reads are safe to repeat)."""
+    """An operation that is safe to repeat (a read, an upsert), retried across a lost connection."""
     def wrap(fn: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
         @functools.wraps(fn)
         async def retried(self: Any, *args: Any, **kw: Any) -> _T:
