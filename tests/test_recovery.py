@@ -11,6 +11,7 @@ from engine.checkpoint import effective_history
 from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
+from participants.replay import replay
 
 from .test_resources_server import call, kinds, open_session, prefix, serving, start, state
 
@@ -146,3 +147,7 @@ async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_th
     assert status == 200 and now == at_boundary
     opened = (await store.read_stream(session_stream("ri", 1)))[0]
     assert opened.kind == "session_opened" and opened.data["recovered"] and opened.data["revision"] == 1
+    # `rollbook replay` rebuilds the recovered attempt from the log alone, through its origin.
+    steps, replayed = await replay(store, "ri", 1)
+    assert replayed.revision == 1 and replayed.env_state == now["state"]
+    assert any("recovered from attempt 0" in s.change for s in steps)

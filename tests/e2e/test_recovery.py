@@ -200,9 +200,10 @@ async def test_killing_everything_before_any_checkpoint_then_dispatching_again_f
     fresh = {r.rollout_id for r in await c.rows(
         "SELECT rollout_id FROM rollbook.episode_history WHERE kind = 'rollout_recovered' AND rollout_id LIKE 'all-%' "
         "AND data->>'disposition' = 'fresh_dispatch'")}
-    opened = {r.rollout_id for r in await c.rows(
-        "SELECT DISTINCT rollout_id FROM rollbook.episode_history WHERE kind = 'session_opened' AND rollout_id = ANY(:r) "
-        "AND position <= :h", r=sorted(sandbox), h=head)}
+    opened = {r.rollout_id for r in await c.rows(  # sessions still open (not verified and closed) at the crash
+        "SELECT DISTINCT o.rollout_id FROM rollbook.episode_history o WHERE o.kind = 'session_opened' "
+        "AND o.rollout_id = ANY(:r) AND o.position <= :h AND NOT EXISTS (SELECT 1 FROM rollbook.episode_history x "
+        "WHERE x.stream = o.stream AND x.kind = 'session_closed' AND x.position <= :h)", r=sorted(sandbox), h=head)}
     assert opened <= fresh, f"sandbox rollouts with a lost session that were not restarted: {opened - fresh}"
 
 
