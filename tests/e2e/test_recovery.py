@@ -141,6 +141,31 @@ async def test_sigkill_of_the_agent_server_alone_redoes_no_turn_and_no_mutation(
     assert not await c.rows("SELECT * FROM rollbook.attempts WHERE rollout_id LIKE 'agk-%' AND attempt > 0")
 
 
+@pytest.mark.parametrize("kind", ["resources", "environment"])
+async def test_sigkill_of_one_other_server_alone_redoes_nothing(cluster_factory, rng, kind: str) -> None:
+    c = await cluster_factory(token_latency_s=0.012)
+    tasks = make_tasks(8, rng.randrange(1 << 20), ["workplace", "blackjack", "sandbox", "workplace"])
+    prefix = f"{kind[:3]}k"
+    coll = c.collection(prefix, tasks, seed=rng.randrange(1000))
+    first = asyncio.create_task(coll.dispatch(c.session))
+    await c.wait_count(prefix, "mutation_applied", rng.randint(3, 6))
+    await c.kill([kind])
+    live = {r.rollout_id for r in await c.rows(
+        "SELECT rollout_id FROM rollbook.attempts WHERE rollout_id LIKE :p AND status = 'live'", p=f"{prefix}-%")}
+    assert live, "the kill came after every rollout had finished"
+    await asyncio.sleep(rng.uniform(0.1, 0.5))
+    await asyncio.to_thread(c.procs.start, 60.0, (kind,))
+    await rerun(c, coll, first)
+    await assert_nothing_twice(c, prefix, len(tasks))
+    recovered = await c.rows("SELECT rollout_id, data FROM rollbook.episode_history WHERE kind = 'rollout_recovered' "
+                             "AND rollout_id LIKE :p", p=f"{prefix}-%")
+    sandbox = {coll.rollout_id(i) for i, t in enumerate(tasks) if t.env == "sandbox"}
+    # Only a sandbox session dies with the resources server; everything else goes on in its own attempt.
+    assert all(r.rollout_id in sandbox and r.data["disposition"] == "fresh_dispatch" for r in recovered), recovered
+    if kind == "environment":
+        assert not recovered
+
+
 async def test_sigkill_of_the_model_server_alone_regenerates_no_recorded_reply(cluster_factory, rng) -> None:
     # Slow tokens: a call lasts long enough that the kill lands inside one.
     c = await cluster_factory(token_latency_s=0.02)
