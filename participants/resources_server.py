@@ -354,7 +354,17 @@ class ResourcesParticipant(Participant):
     async def verify(self, request: web.Request) -> web.Response:
         key = await self._enter(request)
         body = VerifyRequest.model_validate(await request.json())
-        s = await self._session(key)
+        s = self.sessions.get(key) or await self._recover(key)
+        if s is None:
+            # A passed verify retires its session; a caller that crashed before it heard the answer
+            # asks again and gets the recorded verification, not a second one.
+            verified = [e for e in await effective_history(self.store, *key)
+                        if e.kind == "session_verified" and e.stream == session_stream(*key)]
+            if verified:
+                d = verified[-1].data
+                return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
+                                          "repeated": True})
+            s = await self._session(key)  # raises not_found
         self._refuse_when_closed("verify")
         s.verifying += 1
         s.verify_idle.clear()

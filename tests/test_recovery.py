@@ -11,9 +11,10 @@ from engine.checkpoint import effective_history
 from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
+from participants.environments.tasks import make_task
 from participants.replay import replay
 
-from .test_resources_server import call, kinds, open_session, prefix, serving, start, state
+from .test_resources_server import call, email_seed, kinds, open_session, prefix, serving, start, state
 
 
 def ev(position: int, kind: str, stream: str = "s", attempt: int = 0, **data: object) -> RecordedEvent:
@@ -151,3 +152,21 @@ async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_th
     steps, replayed = await replay(store, "ri", 1)
     assert replayed.revision == 1 and replayed.env_state == now["state"]
     assert any("recovered from attempt 0" in s.change for s in steps)
+
+
+async def test_a_verify_asked_again_after_it_passed_gets_the_recorded_verification(dsn: str, store: PostgresEventStore) -> None:
+    # The environment server crashed after a passed verify (which retires the session) and before it
+    # recorded its own verify step; dispatched again, it asks again and must not get not_found.
+    await start(store, "rq")
+    seed = email_seed()
+    goal = make_task("workplace", seed).params["goal"]
+    async with serving(dsn, "resources-a") as (http, _):
+        await open_session(http, "rq", "workplace", seed)
+        await call(http, "POST", f"{prefix('rq', 0)}/tools/send_email",
+                   {"arguments": {"to": goal["to"], "subject": goal["subject"], "body": "hi"}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
+        status, passed = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+        assert status == 200 and passed["status"] == "passed"
+    async with serving(dsn, "resources-b") as (http, _):
+        status, again = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+    assert status == 200 and (again["reward"], again["status"], again["revision"]) == (1.0, "passed", 1)
+    assert (await kinds(store, session_stream("rq", 0))).count("session_verified") == 1
