@@ -228,15 +228,16 @@ class ControlPlane:
             )
 
     async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
+        # The phase moves only once its event is in the log: while the append waits (a database
+        # restart) status still shows the phase the log has, and a failed append changes nothing.
         before, active = self.phases.state, self.phases.checkpoint_id
-        event = self.phases.fire(trigger, checkpoint_id, **data)
-        try:
-            await self.p.store.append(AppendRequest((event,)))
-        except BaseException:
-            # Not in the log, so not done: the phase stays where the log says it is (a retry can fire it).
-            self.phases._machine.set_state(before)
-            self.phases.checkpoint_id = active
-            raise
+        event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
+        after, after_active = self.phases.state, self.phases.checkpoint_id
+        self.phases._machine.set_state(before)
+        self.phases.checkpoint_id = active
+        await self.p.store.append(AppendRequest((event,)))
+        self.phases._machine.set_state(after)
+        self.phases.checkpoint_id = after_active
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
