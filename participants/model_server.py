@@ -111,6 +111,8 @@ def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
             continue
         cid = e.data["call_id"]
         prior = out.get(cid)
+        if e.kind == "call_excluded" and prior is not None and prior.status in ("cut", "completed"):
+            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
         accepted = e.data if e.kind == "call_accepted" else (prior.accepted if prior else {})
         out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
     return out
