@@ -30,7 +30,6 @@ from engine.checkpoint import effective_history
 from engine.errors import InvalidPayload
 from engine.tokens import CallTokens, Receipt, TokenSource
 
-
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
