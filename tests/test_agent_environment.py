@@ -224,6 +224,9 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
         else:
             assert first["disposition"] == "linked"
     assert first_new.data["messages"][: len(origin.data.get("messages", []))] == origin.data.get("messages", [])
+    # Every boundary after a model reply names the policy version that produced it.
+    after = [e for e in of(events, "agent_boundary") if e.data["state"] == "after_turn"]
+    assert after and all(e.data["policy_version"] == "scripted-v1" for e in after)
 
 
 class RestartOnlyAgent(AgentParticipant):
