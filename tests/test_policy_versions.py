@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlalchemy import text
 
 from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
 from participants.model_server import POLICY_STREAM, POLICY_VERSION
-from tests.test_model_server import (  # noqa: F401 (tokens is a fixture)
+from tests.test_model_server import (
     MATH,
     TOKEN,
     call_headers,
@@ -19,9 +21,15 @@ from tests.test_model_server import (  # noqa: F401 (tokens is a fixture)
     model_server,
     planned,
     start_attempt,
-    tokens,
     url,
 )
+
+
+@pytest.fixture
+async def tokens(dsn: str):
+    s = PostgresTokenStore(dsn)
+    yield s
+    await s.close()
 
 
 async def set_version(client, version: object, token: str | None = TOKEN):  # type: ignore[no-untyped-def]
