@@ -29,7 +29,7 @@ import pytest
 from sqlalchemy import text
 
 from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
-from adapters.generation import ScriptedBackend
+from adapters.generation import Event, Prefix, ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history
 from engine.events import RecordedEvent
@@ -78,15 +78,15 @@ class HoldingBackend(ScriptedBackend):
         self.pin = pin
         self.participant: model_server.ModelParticipant | None = None
 
-    async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
         pin, n = self.pin, self.generations
         if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
             pin.reached.set()
             while self.participant.admission_open:
                 await asyncio.sleep(0.002)
-        async for token in super().generate(request, prefix_tokens):
-            yield token
+        async for event in super().generate(request, prefix):
+            yield event
 
 
 def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
