@@ -16,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from adapters import scripted_tokenizer as tok
+from adapters.export import call_tokens
 from adapters.generation import (
     End,
     GenerationFailed,
@@ -431,3 +432,17 @@ async def test_the_first_call_of_a_restored_attempt_links_to_its_saved_reply_onc
     assert len(done) == 1 and done[0].data["replaces"] == "r8.0.t0" and done[0].attempt == 1
     assert twice.status == 409 and err["code"] == "invalid_phase" and "already linked" in err["detail"]
     assert old["error"]["code"] == "stale_attempt"
+
+
+async def test_a_completed_call_converts_to_a_nemo_gym_token_entry_without_loss(store, tokens) -> None:
+    await start_attempt(store, "ng")
+    backend = ScriptedBackend()
+    async with model_server(store, backend, tokens) as client:
+        await client.post(url("ng"), json=BLACKJACK, headers={**call_headers("ng.0.t1"), "X-Rollbook-Parent-Call-Id": "ng.0.t0"})
+    done = (await store.read_stream(call_stream("ng.0.t1")))[-1]
+    record = await call_tokens(tokens, done.data, "ng", 0, parent="ng.0.t0")
+    entry = record.to_token_entry(model="scripted")
+    prompt, ids, lps = planned(backend, BLACKJACK)
+    assert entry == {"schema_version": 1, "rollout_id": "ng", "model_call_id": "ng.0.t1", "model": "scripted",
+                     "prompt_token_ids": prompt, "generation_token_ids": ids, "generation_log_probs": lps,
+                     "parent_call_id": "ng.0.t0", "cum_len": len(prompt) + len(ids)}
