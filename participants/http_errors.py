@@ -14,6 +14,7 @@ STATUS: dict[str, int] = {
     "invalid_identifier": 400,
     "invalid_payload": 400,
     "unsupported_parameter": 400,
+    "invalid_deadline": 400,
     "payload_too_large": 413,
     "rollout_id_required": 400,
     "unauthorized": 401,
