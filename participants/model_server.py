@@ -200,6 +200,8 @@ class ModelParticipant(Participant):
         self.replacements: dict[tuple[str, int], str] = {}  # (replaced call, attempt) -> the call that replaced it
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
         self.token = ""
+        self._adopted = False
+        self._adopt_lock = asyncio.Lock()
 
     @property
     def admission_open(self) -> bool:  # type: ignore[override]
@@ -283,11 +285,16 @@ class ModelParticipant(Participant):
         return str(self.backend.policy_version)
 
     async def adopt_policy_version(self) -> None:
-        """At start: the configured version, recorded if it is not the one the log last saw."""
-        events = await self.store.read_stream(POLICY_STREAM)
-        last = events[-1].data["policy_version"] if events else None
-        if last != self.policy_version:
-            await self._record_policy_version(self.policy_version, last, "config")
+        """The configured version, recorded if it is not the one the log last saw. Done once, before the
+        first call or version operation, not at startup: a server that cannot bind its port writes nothing."""
+        async with self._adopt_lock:
+            if self._adopted:
+                return
+            events = await self.store.read_stream(POLICY_STREAM)
+            last = events[-1].data["policy_version"] if events else None
+            if last != self.policy_version:
+                await self._record_policy_version(self.policy_version, last, "config")
+            self._adopted = True
 
     async def _record_policy_version(self, version: str, previous: str | None, source: str) -> None:
         data = {"policy_version": version, "previous": previous, "source": source, "instance": self.instance}
@@ -298,6 +305,7 @@ class ModelParticipant(Participant):
         calls in flight keep the version they started under (their later tokens are the new policy's
         only if they are cut and continued, which records a new segment)."""
         self.authorize(request)
+        await self.adopt_policy_version()
         body = PolicyVersionRequest.model_validate(await request.json())
         previous = self.policy_version
         if body.policy_version != previous:
@@ -381,6 +389,8 @@ class ModelParticipant(Participant):
         payload: ChatRequest, stream: bool, own: _Record | None,
     ) -> _Call:
         stream_name = call_stream(call_id)
+        if not self._adopted:  # before the admission check: nothing may await between it and the registration
+            await self.adopt_policy_version()
         if not self.admission_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
             await self._append(NewEvent(stream_name, "call_excluded", excluded, rollout_id, attempt))
@@ -656,13 +666,7 @@ def build_model_app(
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
     participant.token = token
-    app = build_app(participant, token)
-
-    async def adopt(app: web.Application) -> None:
-        await participant.adopt_policy_version()
-
-    app.on_startup.append(adopt)
-    return app
+    return build_app(participant, token)
 
 
 __all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app"]
