@@ -165,8 +165,7 @@ class _Call:
         self.message = {k: (list(v) if isinstance(v, list) else v) for k, v in (p.message if p else {}).items()}
         if p and p.message.get("tool_calls"):
             self.message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in p.message["tool_calls"]]
-        # A streaming client gets one ordinary completion: the prefix goes out as one delta, then what follows.
-        self.steps = [Step(p.ids, p.logprobs, whole_delta(p.message) if p.message else {})] if p else []
+        self.steps = []  # the prefix joins them once the backend says it continues it (see _pump)
         if not p:
             self.prefix_segments = []
 
@@ -528,6 +527,10 @@ class ModelParticipant(Participant):
                         call.continuation = call.extra["continuation"] = event.continuation
                         if event.continuation.get("mode") != "continued":  # the prefix is dropped, and why is recorded
                             call.restart_from(None)
+                        elif call.prefix is not None:
+                            # A streaming client gets one ordinary completion: the prefix as one delta, then the rest.
+                            p = call.prefix
+                            call.steps.append(Step(p.ids, p.logprobs, whole_delta(p.message) if p.message else {}))
                     continue
                 if isinstance(event, End):
                     call.finish_reason, call.upstream_usage = event.finish_reason, event.usage

@@ -446,3 +446,35 @@ async def test_a_completed_call_converts_to_a_nemo_gym_token_entry_without_loss(
     assert entry == {"schema_version": 1, "rollout_id": "ng", "model_call_id": "ng.0.t1", "model": "scripted",
                      "prompt_token_ids": prompt, "generation_token_ids": ids, "generation_log_probs": lps,
                      "parent_call_id": "ng.0.t0", "cum_len": len(prompt) + len(ids)}
+
+
+@pytest.mark.parametrize("upstream", [None, "exact", "drift"])
+async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_continued_or_regenerated(
+        store, tokens, upstream: str | None) -> None:
+    await start_attempt(store, "rs")
+    fake = FakeVLLM(token_latency_s=0.05, continuation=upstream) if upstream else None
+    backend: Any = ScriptedBackend(token_latency_s=0.05)
+    if fake is not None:
+        await fake.start()
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+    _, full, full_lps = planned(ScriptedBackend(), MATH)
+    try:
+        async with model_server(store, backend, tokens) as client:
+            pending = asyncio.ensure_future(client.post(url("rs"), json=MATH, headers=call_headers("rs.0.t0")))
+            while not [e for e in await store.read_stream(call_stream("rs.0.t0")) if e.kind == "call_accepted"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # a few tokens in
+            await control(client, "prepare", "ck-rs")
+            assert (await pending).status == 409
+            await control(client, "resume", "ck-rs")
+            events = await stream_all(client, url("rs"), {**MATH, "stream": True, "logprobs": True}, call_headers("rs.0.t0"))
+    finally:
+        if fake is not None:
+            await backend.close()
+            await fake.stop()
+    cut, done = [e for e in await store.read_stream(call_stream("rs.0.t0")) if e.kind in ("call_cut", "call_completed")]
+    assert cut.data["tokens"] > 0 and events[-1] == "[DONE]"
+    assert streamed_ids(events) == full and streamed_message(events) == ScriptedBackend().reply(MATH)
+    assert [float(x) for x in full_lps] == [e["logprob"] for ev in events if isinstance(ev, dict) and ev.get("choices")
+                                            for e in ((ev["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert done.data["continuation"]["mode"] == ("regenerated" if upstream == "drift" else "continued")
