@@ -30,6 +30,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import sqlalchemy_url
+from adapters.postgres import retrying
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
@@ -139,7 +140,7 @@ class PostgresTokenStore(_TokenStore):
     def __init__(self, engine_or_dsn: AsyncEngine | str) -> None:
         self._owns_engine = isinstance(engine_or_dsn, str)
         if isinstance(engine_or_dsn, str):
-            self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8)
+            self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8, pool_pre_ping=True)
         else:
             self.engine = engine_or_dsn
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
@@ -159,6 +160,22 @@ class PostgresTokenStore(_TokenStore):
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
         await done
 
+    @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
+    async def _write_rows(self, rows: list[dict[str, Any]]) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
+                    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
+                    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
+                    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
+                    "r->>'d' FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r "
+                    "ON CONFLICT (blob_id) DO UPDATE "
+                    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
+                ),
+                {"rows": json.dumps(rows)},
+            )
+
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
@@ -167,19 +184,7 @@ class PostgresTokenStore(_TokenStore):
                 # JSON array, since integer[] columns of different lengths cannot be unnested together.
                 # DO UPDATE, not DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
                 rows = list({row["b"]: row for row, _ in batch}.values())  # one row per blob: ON CONFLICT needs it
-                async with self.engine.begin() as conn:
-                    await conn.execute(
-                        text(
-                            "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
-                            "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
-                            "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
-                            "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
-                            "r->>'d' FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r "
-                            "ON CONFLICT (blob_id) DO UPDATE "
-                            "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
-                        ),
-                        {"rows": json.dumps(rows)},
-                    )
+                await self._write_rows(rows)
             except BaseException as exc:
                 for _, fut in batch:
                     if not fut.done():
@@ -191,6 +196,7 @@ class PostgresTokenStore(_TokenStore):
                     if not fut.done():
                         fut.set_result(None)
 
+    @retrying("the token store")
     async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
         async with self.engine.connect() as conn:
             row = (
@@ -202,6 +208,7 @@ class PostgresTokenStore(_TokenStore):
         lps = None if row.logprobs is None else tuple(float(x) for x in row.logprobs)
         return TokenArray(tuple(row.token_ids), lps), row.digest
 
+    @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
@@ -209,6 +216,7 @@ class PostgresTokenStore(_TokenStore):
             )
             return {r.blob_id: r.digest for r in rows}
 
+    @retrying("the token store")
     async def _save_snapshot(self, snapshot_id: str, checkpoint_id: str, blob_ids: list[str], digest: str) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(
@@ -219,6 +227,7 @@ class PostgresTokenStore(_TokenStore):
                 {"s": snapshot_id, "c": checkpoint_id, "b": blob_ids, "d": digest},
             )
 
+    @retrying("the token store")
     async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
         async with self.engine.connect() as conn:
             row = (

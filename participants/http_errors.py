@@ -29,6 +29,7 @@ STATUS: dict[str, int] = {
     "restart_in_scope": 409,
     "admission_closed": 409,
     "activation_out_of_order": 409,
+    "attempt_lost": 409,
     "version_conflict": 409,
     "invalid_checkpoint_state": 422,
     "tool_error": 422,
@@ -36,6 +37,7 @@ STATUS: dict[str, int] = {
     "replay_divergence": 500,
     "participant_unavailable": 503,
     "generation_failed": 502,
+    "database_unavailable": 503,
 }
 
 
