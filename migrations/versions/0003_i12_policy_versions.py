@@ -1,13 +1,13 @@
 """Policy versions: the order they were set in, and how stale each sample is.
 
 Revision ID: 0002_i12_policy_versions
-Revises: 0001
+Revises: 0002_i9b_append_keys
 """
 
 from alembic import op
 
 revision = "0002_i12_policy_versions"
-down_revision = "0001"
+down_revision = "0002_i9b_append_keys"
 branch_labels = None
 depends_on = None
 
