@@ -103,6 +103,13 @@ def _run(args: argparse.Namespace) -> int:
     return run.main(config.load(args.config))
 
 
+def _export(args: argparse.Namespace) -> int:
+    from adapters.export import export_command
+
+    print(json.dumps(asyncio.run(export_command(database.prepare_database(args.dsn), args.run, args.out))))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="Checkpoint and continue multi-turn rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     runp = sub.add_parser("run", help="run a rollout collection from a JSONL of tasks, with checkpoints")
     runp.add_argument("--config", required=True, help="the TOML config file, with a [run] section")
     runp.set_defaults(func=_run)
+
+    exp = sub.add_parser("export", help="one training record per finished rollout of a run (JSONL or Parquet)")
+    exp.add_argument("--run", required=True, help="the run id ([run] run_id)")
+    exp.add_argument("--out", required=True, help="FILE.jsonl or FILE.parquet: the suffix chooses the format")
+    exp.add_argument("--dsn")
+    exp.set_defaults(func=_export)
 
     from adapters import checkpoint_cli
 

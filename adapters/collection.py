@@ -126,9 +126,11 @@ class Collection:
         cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=ours)
         tokens = PostgresTokenStore(self.store.engine)
         async with self.store.engine.connect() as conn:
+            # Both arrays of every call: the generated ids and logprobs, and the prompt ids a continuation needs.
             blobs = [b for (b,) in await conn.execute(text(
-                "SELECT receipt->>'blob_id' FROM rollbook.model_calls WHERE receipt IS NOT NULL AND updated_position <= :p "
-                "AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%"})]
+                "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
+                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN ('call_completed', 'call_cut') AND b IS NOT NULL "
+                "AND position <= :p AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%"})]
         token_ref = await tokens.snapshot(checkpoint_id, blobs)
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}

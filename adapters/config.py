@@ -6,6 +6,8 @@
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
     backend = "scripted"                      # or "openai_compatible" with url, model, api_key
+    policy_version = "step-0"                 # the version every call is stamped with until the framework
+                                              # sets another (POST /rollbook/v1/control/policy_version)
     token_latency_s = 0.0
     token_store = "postgres"                  # or "filesystem" with token_store_root
 
@@ -57,6 +59,7 @@ class ServerConfig(Strict):
     url: str | None = None
     model: str | None = None
     api_key: str | None = None
+    policy_version: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$", max_length=128)
     latency_s: float = 0.0
     token_latency_s: float = 0.0
     token_store: Literal["postgres", "filesystem"] = "postgres"

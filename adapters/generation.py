@@ -1,16 +1,17 @@
 """Generation backends: what produces the tokens behind the policy model server.
 
-A backend streams token strings; the model server decides when to stop (a cut at a token
-boundary) and what to keep. Both backends here share one reversible mapping between a reply and
-its tokens, so the server turns any token list back into the assistant message the same way:
+A backend streams one generation as `Start` (the prompt token ids, and how a prefix was honoured),
+then `Step`s (some whole generated tokens: integer ids, the sampling logprob of each, and the
+chat-completions delta they stand for), then `End` (finish reason, the upstream's usage). The
+model server cuts between two steps, so a cut is always at a token boundary, and it accumulates
+the deltas into the reply with `merge_delta`.
 
-    tokens  = pieces of json.dumps(message, sort_keys=True)
-    message = json.loads("".join(tokens))
-
-`ScriptedBackend` splits that text with adapters.scripted_policy.scripted_tokens; the
-OpenAI-compatible backend emits the same text as the upstream streams it (each upstream content
-delta, JSON-escaped, is one token), so a prefix of either is a prefix of the serialized reply and
-generation can continue after it.
+Continuing after a cut: the server passes the durable `Prefix` (prompt ids, generated ids and
+logprobs, the partial message). A backend either continues it exactly (the steps it yields are what
+follows the prefix, so prefix + continuation is one generation) and says `{"mode": "continued"}`,
+or cannot, and regenerates from the start, saying `{"mode": "regenerated", "reason": ...}`; the
+server then drops the prefix and records why. Nothing is ever spliced that the upstream did not
+vouch for.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 
-from adapters.scripted_policy import scripted_reply, scripted_tokens
-from engine.errors import ReplayDivergence, RollbookError
+from adapters import scripted_tokenizer as tok
+from adapters.scripted_policy import scripted_reply
+from engine.errors import InvalidPayload, RollbookError
+from engine.tokens import f32
 
 
 class GenerationFailed(RollbookError):
@@ -32,42 +36,100 @@ class GenerationFailed(RollbookError):
     code = "generation_failed"
 
 
+class UnsupportedParameter(InvalidPayload):
+    """A sampling parameter this server or its backend cannot honour: refused, never dropped."""
+
+    code = "unsupported_parameter"
+
+
+@dataclass(frozen=True)
+class Start:
+    prompt_token_ids: tuple[int, ...]
+    continuation: dict[str, Any] | None = None  # set when a prefix was given: continued or regenerated
+
+
+@dataclass(frozen=True)
+class Step:
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    delta: dict[str, Any]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token; for the client, never stored
+
+
+@dataclass(frozen=True)
+class End:
+    finish_reason: str
+    usage: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What a cut left durable: continue from here."""
+
+    prompt_token_ids: tuple[int, ...]
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    message: dict[str, Any] = field(default_factory=dict)
+
+
+Event = Start | Step | End
+
+
 class GenerationBackend(Protocol):
     policy_version: str
+    model: str
 
-    def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
-        """Yield the tokens that follow `prefix_tokens` (all of them when the prefix is empty)."""
+    def check(self, request: dict[str, Any]) -> None:
+        """Raise UnsupportedParameter for a request parameter this backend cannot honour."""
+        ...
+
+    def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
+        """Start, the steps after `prefix` (all of them without one, or when regenerating), End."""
         ...
 
 
-def serialize_message(message: dict[str, Any]) -> str:
-    return json.dumps(message, sort_keys=True)
+def merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Fold one chat-completions delta into an assistant message (content concatenated, tool calls
+    merged by index), the way an OpenAI client assembles a stream."""
+    if delta.get("content"):
+        message["content"] = (message.get("content") or "") + delta["content"]
+    for tc in delta.get("tool_calls") or []:
+        calls = message.setdefault("tool_calls", [])
+        index = int(tc.get("index", 0))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        slot = calls[index]
+        slot["id"] = tc.get("id") or slot["id"]
+        slot["type"] = tc.get("type") or slot["type"]
+        fn = tc.get("function") or {}
+        slot["function"]["name"] += fn.get("name") or ""
+        slot["function"]["arguments"] += fn.get("arguments") or ""
 
 
-def message_tokens(message: dict[str, Any]) -> list[str]:
-    return scripted_tokens(serialize_message(message))
+def final_message(partial: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": partial.get("content") or None}
+    if partial.get("tool_calls"):
+        out["tool_calls"] = [dict(c) for c in partial["tool_calls"]]
+    return out
 
 
-def message_from_tokens(tokens: list[str]) -> dict[str, Any]:
-    try:
-        message = json.loads("".join(tokens))
-    except json.JSONDecodeError as exc:
-        raise GenerationFailed(f"the generated tokens are not a whole reply: {exc}") from exc
-    if not isinstance(message, dict):
-        raise GenerationFailed("the generated tokens are not an assistant message")
-    return message
+def _max_tokens(request: dict[str, Any]) -> int | None:
+    value = request.get("max_completion_tokens", request.get("max_tokens"))
+    return None if value is None else int(value)
 
 
-def _remainder(full: list[str], prefix: list[str], what: str) -> list[str]:
-    if full[: len(prefix)] != prefix:
-        raise ReplayDivergence(f"{what}: the stored prefix of {len(prefix)} tokens is not a prefix of this generation")
-    return full[len(prefix) :]
+def _stops(request: dict[str, Any]) -> list[str]:
+    stop = request.get("stop")
+    return [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
 
 
 class ScriptedBackend:
-    """Deterministic: the reply is scripted_reply(messages, tools, seed), streamed token by token.
+    """Deterministic: the reply is scripted_reply(messages, tools, seed), emitted token by token with
+    the ids and logprobs of adapters.scripted_tokenizer. It is greedy: `temperature` and `top_p` do
+    not change its choice (they are recorded with the call), `max_tokens` / `max_completion_tokens`
+    and `stop` are honoured, `response_format` other than text is refused.
 
-    `latency_s` is paid once before the first token, `token_latency_s` before each token, so tests
+    `latency_s` is paid once before the first token, `token_latency_s` before each step, so tests
     can hold a call in flight long enough to cut it."""
 
     def __init__(self, latency_s: float = 0.0, token_latency_s: float = 0.0, policy_version: str = "scripted-v1") -> None:
@@ -78,59 +140,136 @@ class ScriptedBackend:
         self.generations = 0  # generations started, so tests can see a stored reply was not regenerated
         self.tokens_generated = 0
 
+    def check(self, request: dict[str, Any]) -> None:
+        fmt = request.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            raise UnsupportedParameter(
+                f"response_format {fmt.get('type')!r} cannot be honoured by the scripted backend (it cannot constrain "
+                "its output); use the openai_compatible backend", param="response_format")
+
     def reply(self, request: dict[str, Any]) -> dict[str, Any]:
         seed = request.get("seed")
         return scripted_reply(list(request.get("messages") or []), list(request.get("tools") or []), int(seed or 0))
 
-    def full_tokens(self, request: dict[str, Any]) -> list[str]:
-        return message_tokens(self.reply(request))
+    def plan(self, request: dict[str, Any]) -> tuple[list[int], list[Step], str]:
+        """The whole generation: prompt ids, the steps, the finish reason."""
+        message = self.reply(request)
+        prompt = tok.prompt_ids(list(request.get("messages") or []), list(request.get("tools") or []) or None)
+        ctx = tok.prompt_digest(prompt)
+        pieces = tok.reply_pieces(message)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        stops = _stops(request)
+        if stops and not message.get("tool_calls"):
+            content, cut_at = message.get("content") or "", None
+            found = [content.find(s) for s in stops if s in content]
+            if found:
+                cut_at, end, kept = min(found), 0, []
+                for p in pieces:
+                    end += len(p.delta.get("content", ""))
+                    if end > cut_at or not p.delta:
+                        break
+                    kept.append(p)
+                pieces = kept
+        limit = _max_tokens(request)
+        if limit is not None and sum(len(p.ids) for p in pieces) > limit:
+            kept, n = [], 0
+            for p in pieces:
+                if n + len(p.ids) > limit:
+                    part = p.ids[: limit - n]
+                    if part:
+                        delta = _partial_delta(p.delta, part)
+                        kept.append(tok.Piece(part, delta))
+                    break
+                kept.append(p)
+                n += len(p.ids)
+            pieces, finish = kept, "length"
+        top = int(request.get("top_logprobs") or 0)
+        steps, pos = [], 0
+        for p in pieces:
+            lps, tops = [], []
+            for i in p.ids:
+                lp, alts = tok.token_logprobs(ctx, pos, i, top)
+                lps.append(f32(lp))
+                tops.append(tuple((a, f32(x)) for a, x in alts))
+                pos += 1
+            steps.append(Step(p.ids, tuple(lps), p.delta, tuple(tops)))
+        return prompt, steps, finish
 
-    async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
-        rest = _remainder(self.full_tokens(request), list(prefix_tokens), "scripted generation")
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
+        prompt, steps, finish = self.plan(request)
+        continuation = None
+        if prefix is not None:
+            continuation, steps = _continue(prompt, steps, prefix)
         self.generations += 1
+        yield Start(tuple(prompt), continuation)
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
-        for tok in rest:
+        for step in steps:
             if self.token_latency_s:
                 await asyncio.sleep(self.token_latency_s)
-            self.tokens_generated += 1
-            yield tok
+            self.tokens_generated += len(step.ids)
+            yield step
+        yield End(finish, None)
 
 
-_CONTENT_OPEN = '{"content": "'
+def _partial_delta(delta: dict[str, Any], ids: tuple[int, ...]) -> dict[str, Any]:
+    text = tok.decode(ids)
+    if "content" in delta:
+        return {"content": text}
+    if delta.get("tool_calls") and "arguments" in (delta["tool_calls"][0].get("function") or {}) and len(delta["tool_calls"][0]["function"]) == 1:
+        return {"tool_calls": [{"index": delta["tool_calls"][0]["index"], "function": {"arguments": text}}]}
+    return dict(delta)
 
 
-def _clean_upstream_message(msg: dict[str, Any]) -> dict[str, Any]:
-    """The assistant message as the model server stores it: role, content and any tool calls."""
-    out: dict[str, Any] = {"content": msg.get("content"), "role": "assistant"}
-    calls = msg.get("tool_calls") or []
-    if calls:
-        out["tool_calls"] = [
-            {
-                "function": {"arguments": c.get("function", {}).get("arguments") or "", "name": c.get("function", {}).get("name")},
-                "id": c.get("id"),
-                "type": c.get("type") or "function",
-            }
-            for c in calls
-        ]
-    return out
+def _continue(prompt: list[int], steps: list[Step], prefix: Prefix) -> tuple[dict[str, Any], list[Step]]:
+    """A deterministic backend continues a prefix by regenerating and checking it is a prefix of the
+    same generation at a step boundary; if it is not (another policy, another prompt), it regenerates."""
+    n, covered, k = len(prefix.ids), 0, 0
+    while k < len(steps) and covered < n:
+        covered += len(steps[k].ids)
+        k += 1
+    flat = tuple(i for s in steps[:k] for i in s.ids)
+    if tuple(prompt) == prefix.prompt_token_ids and covered == n and flat == prefix.ids:
+        return {"mode": "continued", "prefix_tokens": n}, steps[k:]
+    return {"mode": "regenerated", "reason": "the stored prefix is not a prefix of this generation"}, steps
 
 
-def _trailer(content_started: bool, tool_calls: list[dict[str, Any]]) -> str:
-    """The end of the serialized message after the last content delta; keys sort content < role < tool_calls."""
-    text = '", "role": "assistant"' if content_started else '{"content": null, "role": "assistant"'
-    if tool_calls:
-        text += ', "tool_calls": ' + json.dumps(tool_calls, sort_keys=True)
-    return text + "}"
+# ---- an OpenAI-compatible upstream (vLLM) -------------------------------------------------------
+
+VLLM_TOKEN_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "return_token_ids")
+
+
+def parse_token(value: Any) -> int:
+    """vLLM's `return_tokens_as_token_ids` writes each logprob entry's token as "token_id:N"."""
+    text = str(value)
+    if not text.startswith("token_id:"):
+        raise GenerationFailed(f"the upstream did not report token ids (token {text[:40]!r}); it must honour "
+                               "return_tokens_as_token_ids (vLLM)")
+    try:
+        return int(text.removeprefix("token_id:"))
+    except ValueError as exc:
+        raise GenerationFailed(f"the upstream sent a malformed token id {text[:40]!r}") from exc
 
 
 class OpenAICompatibleBackend:
-    """Any server with POST {base_url}/chat/completions (vLLM, SGLang, a hosted API).
+    """A vLLM-style server with POST {base_url}/chat/completions, always streamed upstream.
 
-    Upstream streaming (the default) gives real token boundaries to cut at. Continuing after a cut
-    sends the partial reply as a final assistant message with vLLM's `continue_final_message`;
-    without upstream streaming a continuation regenerates and must reproduce the prefix
-    (deterministic sampling), else it fails with replay_divergence rather than splice two replies."""
+    Every request asks, whatever the client asked, for `stream: true` with
+    `stream_options.include_usage`, `logprobs: true` (and the client's `top_logprobs`, else 0),
+    `return_tokens_as_token_ids: true` (each `choices[0].logprobs.content[].token` is "token_id:N")
+    and `return_token_ids: true` (the first chunk carries `prompt_token_ids`, each chunk's choice
+    carries its `token_ids`, which must agree with the logprob entries). The client's sampling
+    parameters pass through unchanged.
+
+    Continuing a cut call: the partial reply is sent as a final assistant message with
+    `continue_final_message: true, add_generation_prompt: false`, plus
+    `required_prefix_token_ids` = prompt ids + generated prefix ids (NeMo Gym's field: the exact
+    token sequence the upstream's prompt must be), and `max_tokens` reduced by the prefix. The
+    continuation is accepted only if the upstream's `prompt_token_ids` equal that sequence, so the
+    concatenated ids are exactly prefix + continuation. Otherwise (an upstream that refuses the
+    request, retokenizes the partial text differently, reports no prompt ids, or a cut inside a
+    tool call, whose text form the chat API does not give back) the call is regenerated from the
+    start and the reason recorded."""
 
     def __init__(
         self,
@@ -138,14 +277,12 @@ class OpenAICompatibleBackend:
         api_key: str | None = None,
         model: str = "default",
         policy_version: str | None = None,
-        stream_upstream: bool = True,
         timeout_s: float = 600.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
         self.policy_version = policy_version or model
-        self.stream_upstream = stream_upstream
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -160,10 +297,14 @@ class OpenAICompatibleBackend:
         if self._session is not None:
             await self._session.close()
 
-    def _body(self, request: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def check(self, request: dict[str, Any]) -> None:
+        return None  # everything else is the upstream's to accept or refuse
+
+    def body(self, request: dict[str, Any]) -> dict[str, Any]:
         body = {k: v for k, v in request.items() if v is not None and k not in ("stream", "stream_options")}
-        body["model"] = self.model
-        body["stream"] = stream
+        body.update(model=self.model, stream=True, stream_options={"include_usage": True}, logprobs=True,
+                    top_logprobs=int(request.get("top_logprobs") or 0), return_tokens_as_token_ids=True,
+                    return_token_ids=True)
         return body
 
     async def _post(self, body: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -178,108 +319,112 @@ class OpenAICompatibleBackend:
             raise GenerationFailed(f"the upstream model server answered HTTP {resp.status}: {detail}", status=resp.status)
         return resp
 
-    async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
-        prefix = list(prefix_tokens)
-        joined = "".join(prefix)
-        partial = _partial_content(joined) if self.stream_upstream else None
-        if prefix and partial is None:
-            # The prefix is whole (nothing to add) or not in the streaming form: regenerate and check.
-            full = await self._complete_tokens(request) if not _is_whole(joined) else prefix
-            for tok in _remainder(full, prefix, "upstream generation"):
-                yield tok
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
+        if prefix is not None and prefix.ids:
+            reason = "the cut fell inside a tool call, whose text the chat API does not return" if prefix.message.get(
+                "tool_calls") else None
+            if reason is None:
+                body = self.body(request)
+                body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": prefix.message.get("content") or ""}]
+                body.update(continue_final_message=True, add_generation_prompt=False,
+                            required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
+                limit = _max_tokens(request)
+                if limit is not None:
+                    body.pop("max_completion_tokens", None)
+                    body["max_tokens"] = max(1, limit - len(prefix.ids))
+                try:
+                    resp = await self._post(body)
+                except GenerationFailed as exc:
+                    reason = f"the upstream refused the continuation: {exc.detail[:200]}"
+                else:
+                    events = self._events(resp)
+                    first = await anext(events, None)
+                    want = (*prefix.prompt_token_ids, *prefix.ids)
+                    if isinstance(first, Start) and first.prompt_token_ids == want:
+                        yield Start(prefix.prompt_token_ids, {"mode": "continued", "prefix_tokens": len(prefix.ids),
+                                                              "via": "required_prefix_token_ids"})
+                        async for event in events:
+                            yield event
+                        return
+                    await events.aclose()
+                    got = len(first.prompt_token_ids) if isinstance(first, Start) else 0
+                    reason = (f"the upstream's prompt_token_ids ({got} ids) are not the prompt plus the prefix "
+                              f"({len(want)} ids): it did not continue the exact prefix")
+            start: Start | None = None
+            async for event in self._events(await self._post(self.body(request))):
+                if isinstance(event, Start):
+                    start = Start(event.prompt_token_ids, {"mode": "regenerated", "reason": reason})
+                    yield start
+                else:
+                    yield event
             return
-        if not self.stream_upstream:
-            for tok in await self._complete_tokens(request):
-                yield tok
-            return
-        body = self._body(request, stream=True)
-        if prefix:
-            body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
-            body["continue_final_message"] = True
-            body["add_generation_prompt"] = False
-        async for tok in self._stream(body, content_started=bool(prefix)):
-            yield tok
+        async for event in self._events(await self._post(self.body(request))):
+            yield event
 
-    async def _complete_tokens(self, request: dict[str, Any]) -> list[str]:
-        resp = await self._post(self._body(request, stream=False))
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
+        """Start, Steps, End from a vLLM chat.completion.chunk stream."""
+        started, finish, usage = False, None, None
         async with resp:
             try:
-                payload = await resp.json()
-                message = payload["choices"][0]["message"]
-            except (aiohttp.ContentTypeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-                raise GenerationFailed(f"the upstream reply is not a chat completion: {exc!r}") from exc
-        return message_tokens(_clean_upstream_message(message))
-
-    async def _stream(self, body: dict[str, Any], content_started: bool) -> AsyncIterator[str]:
-        resp = await self._post(body)
-        calls: dict[int, dict[str, Any]] = {}
-        async with resp:
-            async for delta in _sse_deltas(resp):
-                piece = delta.get("content")
-                if piece:
-                    if not content_started:
-                        content_started = True
-                        yield _CONTENT_OPEN
-                    yield json.dumps(piece)[1:-1]  # JSON-escaped; escaping is per character, so pieces concatenate
-                for tc in delta.get("tool_calls") or []:
-                    slot = calls.setdefault(int(tc.get("index", 0)), {"id": None, "type": "function", "name": "", "arguments": ""})
-                    slot["id"] = tc.get("id") or slot["id"]
-                    slot["type"] = tc.get("type") or slot["type"]
-                    fn = tc.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-        tool_calls = [
-            {"function": {"arguments": s["arguments"], "name": s["name"]}, "id": s["id"], "type": s["type"]}
-            for _, s in sorted(calls.items())
-        ]
-        yield _trailer(content_started, tool_calls)
+                async for chunk in _sse_chunks(resp):
+                    if not started:
+                        started = True
+                        yield Start(tuple(int(i) for i in chunk.get("prompt_token_ids") or ()))
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("index", 0) != 0:
+                            continue
+                        step = _step(choice)
+                        if step is not None:
+                            yield step
+                        finish = choice.get("finish_reason") or finish
+            except aiohttp.ClientPayloadError as exc:
+                raise GenerationFailed(f"the upstream stream broke off: {exc}") from exc
+        if not started:
+            raise GenerationFailed("the upstream stream ended before its first chunk")
+        if finish is None:
+            raise GenerationFailed("the upstream stream ended without a finish_reason")
+        yield End(str(finish), usage)
 
 
-def _is_whole(joined: str) -> bool:
-    try:
-        return isinstance(json.loads(joined), dict)
-    except json.JSONDecodeError:
-        return False
-
-
-def _partial_content(joined: str) -> str | None:
-    """The content text of a streaming-form prefix cut inside its content, else None."""
-    if not joined.startswith(_CONTENT_OPEN) or _is_whole(joined):
+def _step(choice: dict[str, Any]) -> Step | None:
+    delta = {k: v for k, v in (choice.get("delta") or {}).items() if k in ("content", "tool_calls") and v}
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    ids = tuple(parse_token(e.get("token")) for e in entries)
+    lps = tuple(f32(e.get("logprob")) for e in entries)
+    tops = tuple(tuple((parse_token(t.get("token")), f32(t.get("logprob"))) for t in e.get("top_logprobs") or []) for e in entries)
+    reported = choice.get("token_ids")
+    if reported is not None and tuple(int(i) for i in reported) != ids:
+        raise GenerationFailed(f"the upstream's token_ids {list(reported)[:8]} disagree with its logprobs entries {list(ids)[:8]}")
+    if not ids and not delta:
         return None
-    try:
-        value = json.loads(joined + '"}')
-    except json.JSONDecodeError:
-        return None
-    return value.get("content") if isinstance(value, dict) else None
+    return Step(ids, lps, delta, tops)
 
 
-async def _sse_deltas(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The `delta` of each chat.completion.chunk in a server-sent event stream, until [DONE]."""
-    async for event in _sse_events(resp):
-        if event.strip() == "[DONE]":
-            return
+async def _sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """Each chat.completion.chunk of a server-sent event stream, until [DONE]; an error event raises."""
+    data: list[str] = []
+
+    def parse(event: str) -> dict[str, Any]:
         try:
             chunk = json.loads(event)
         except json.JSONDecodeError as exc:
             raise GenerationFailed(f"the upstream stream sent an event that is not JSON: {event[:100]!r}") from exc
         if not isinstance(chunk, dict):
             raise GenerationFailed("the upstream stream sent an event that is not a JSON object")
-        if "error" in chunk:
+        if chunk.get("error"):
             raise GenerationFailed(f"the upstream stream reported an error: {str(chunk['error'])[:300]}")
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) == 0:
-                yield choice.get("delta") or {}
+        return chunk
 
-
-async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The data of each server-sent event: `data:` lines up to a blank line (or the end of the body)."""
-    data: list[str] = []
     async for raw in resp.content:
         line = raw.decode("utf-8").rstrip("\r\n")
         if line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))
         elif not line and data:
-            yield "\n".join(data)
-            data = []
-    if data:
-        yield "\n".join(data)
+            event, data = "\n".join(data), []
+            if event.strip() == "[DONE]":
+                return
+            yield parse(event)
+    if data and "\n".join(data).strip() != "[DONE]":
+        yield parse("\n".join(data))

@@ -22,9 +22,10 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
 
         s = config.servers["model"]
         backend = (
-            OpenAICompatibleBackend(s.url or "", api_key=s.api_key, model=s.model or "default")
+            OpenAICompatibleBackend(s.url or "", api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version)
             if s.backend == "openai_compatible"
-            else ScriptedBackend(latency_s=s.latency_s, token_latency_s=s.token_latency_s)
+            else ScriptedBackend(latency_s=s.latency_s, token_latency_s=s.token_latency_s,
+                                 policy_version=s.policy_version or "scripted-v1")
         )
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
         app = build_model_app(store, backend, tokens, config.token, instance=instance)

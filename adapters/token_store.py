@@ -4,12 +4,10 @@ Two implementations with one behaviour (tests/test_token_store.py runs the same 
 `PostgresTokenStore` uses the tables rollbook.token_blobs / rollbook.token_snapshots that the
 first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot.
 
-Encoding. token_blobs.token_ids is an integer[] and the schema may not change, but our tokens
-are strings (the scripted backend's pieces, or an upstream server's text deltas) with no shared
-vocabulary to index into. Hashing a string to an int would not be reversible, so each token is
-stored as the Unicode code points of its text followed by -1 as a terminator:
-["ab", "c"] -> [97, 98, -1, 99, -1]. A terminator (rather than a separator) keeps [] and [""]
-apart. Both stores use the same encoding, so their digests agree.
+Encoding. A blob is a `TokenArray`: integer token ids (token_blobs.token_ids, integer[]) and, for
+generated tokens, the sampling logprob of each (token_blobs.logprobs, real[]; NULL for a prompt).
+Logprobs are float32 (engine.tokens.f32) before they are hashed or stored, so both stores, the
+client's reply and an export agree to the bit.
 
 Blobs are content-addressed (blob_id = "sha256-" + digest of the token list), which makes `put`
 idempotent: a call retried after a crash stores nothing new. `get` re-hashes what it reads and
@@ -22,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -32,40 +31,32 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import sqlalchemy_url
 from adapters.postgres import retrying
-from engine.errors import InvalidCheckpointState, InvalidIdentifier
+from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
-from engine.tokens import Receipt
+from engine.tokens import Receipt, TokenArray, f32
 
-TERMINATOR = -1
 BLOB_PREFIX = "sha256-"
+MAX_TOKEN_ID = 2**31 - 1  # integer[]
 
 
-def encode_tokens(tokens: list[str]) -> list[int]:
-    out: list[int] = []
-    for tok in tokens:
-        out.extend(ord(ch) for ch in tok)
-        out.append(TERMINATOR)
-    return out
+def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[float, ...] | None) -> TokenArray:
+    """Check and canonicalize what is about to be stored: ids are int32 and >= 0, logprobs finite float32."""
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID for i in ids):
+        bad = next(i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID)
+        raise InvalidPayload(f"token ids must be integers from 0 to {MAX_TOKEN_ID}; got {bad!r}")
+    lps = None
+    if logprobs is not None:
+        if len(logprobs) != len(ids):
+            raise InvalidPayload(f"{len(ids)} token ids but {len(logprobs)} logprobs")
+        lps = tuple(f32(x) for x in logprobs)
+        if any(not math.isfinite(x) for x in lps):
+            raise InvalidPayload("a logprob is not a finite number")
+    return TokenArray(tuple(int(i) for i in ids), lps)
 
 
-def decode_tokens(ids: list[int]) -> list[str]:
-    tokens: list[str] = []
-    current: list[str] = []
-    for i in ids:
-        if i == TERMINATOR:
-            tokens.append("".join(current))
-            current = []
-        else:
-            current.append(chr(i))
-    if current:
-        raise InvalidCheckpointState("a token blob ends in the middle of a token")
-    return tokens
-
-
-def token_digest(tokens: list[str]) -> str:
-    # surrogatepass: an upstream may send a lone surrogate; it must hash, not crash
-    return hashlib.sha256(canonical_json(tokens).encode("utf-8", "surrogatepass")).hexdigest()
+def token_digest(arr: TokenArray) -> str:
+    return hashlib.sha256(canonical_json({"ids": list(arr.ids), "logprobs": None if arr.logprobs is None else list(arr.logprobs)}).encode()).hexdigest()
 
 
 def snapshot_digest(checkpoint_id: str, blobs: list[tuple[str, str]]) -> str:
@@ -75,10 +66,10 @@ def snapshot_digest(checkpoint_id: str, blobs: list[tuple[str, str]]) -> str:
 class _TokenStore:
     """The behaviour both stores share; subclasses only move rows or files."""
 
-    async def _save_blob(self, blob_id: str, ids: list[int], digest: str) -> None:
+    async def _save_blob(self, blob_id: str, arr: TokenArray, digest: str) -> None:
         raise NotImplementedError
 
-    async def _load_blob(self, blob_id: str) -> tuple[list[int], str] | None:
+    async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
         raise NotImplementedError
 
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
@@ -90,22 +81,23 @@ class _TokenStore:
     async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
         raise NotImplementedError
 
-    async def put(self, tokens: list[str]) -> Receipt:
-        digest = token_digest(tokens)
+    async def put(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
+        arr = normalize(ids, logprobs)
+        digest = token_digest(arr)
         blob_id = BLOB_PREFIX + digest
-        await self._save_blob(blob_id, encode_tokens(tokens), digest)
-        return Receipt(blob_id, digest, len(tokens))
+        await self._save_blob(blob_id, arr, digest)
+        return Receipt(blob_id, digest, len(arr.ids))
 
-    async def get(self, blob_id: str) -> list[str]:
+    async def get(self, blob_id: str) -> TokenArray:
         row = await self._load_blob(blob_id)
         if row is None:
             raise InvalidCheckpointState(f"token blob {blob_id} is missing", blob_id=blob_id)
-        ids, stored = row
-        tokens = decode_tokens(ids)
-        actual = token_digest(tokens)
+        arr, stored = row
+        arr = normalize(arr.ids, arr.logprobs)  # float4 text -> the same float32 value
+        actual = token_digest(arr)
         if actual != stored or blob_id != BLOB_PREFIX + actual:
             raise InvalidCheckpointState(f"token blob {blob_id} does not match its digest", blob_id=blob_id)
-        return tokens
+        return arr
 
     async def snapshot(self, checkpoint_id: str, blob_ids: list[str]) -> dict[str, Any]:
         validate_id(checkpoint_id, "checkpoint id")
@@ -138,8 +130,8 @@ class _TokenStore:
             raise InvalidCheckpointState(f"token snapshot {ref['snapshot_id']} belongs to checkpoint {owner}, not {checkpoint_id}")
         recomputed = []
         for blob_id in blob_ids:
-            tokens = await self.get(blob_id)  # raises on a missing or altered blob
-            recomputed.append((blob_id, token_digest(tokens)))
+            arr = await self.get(blob_id)  # raises on a missing or altered blob
+            recomputed.append((blob_id, token_digest(arr)))
         if not (stored == ref["digest"] == snapshot_digest(checkpoint_id, recomputed)):
             raise InvalidCheckpointState(f"token snapshot {ref['snapshot_id']} does not match its digest")
 
@@ -151,30 +143,70 @@ class PostgresTokenStore(_TokenStore):
             self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8, pool_pre_ping=True)
         else:
             self.engine = engine_or_dsn
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         if self._owns_engine:
             await self.engine.dispose()
 
-    @retrying("the token store")
-    async def _save_blob(self, blob_id: str, ids: list[int], digest: str) -> None:
-        # DO UPDATE, not DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
+    async def _save_blob(self, blob_id: str, arr: TokenArray, digest: str) -> None:
+        """Concurrent puts share one transaction (one commit): a checkpoint cutting 80 generations at
+        once writes 160 blobs, and a commit each would make prepare wait on 160 fsyncs."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append(({"b": blob_id, "t": list(arr.ids), "l": None if arr.logprobs is None else list(arr.logprobs),
+                               "d": digest}, done))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        await done
+
+    @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
+    async def _write_rows(self, rows: list[dict[str, Any]]) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(
                 text(
-                    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, digest) VALUES (:b, CAST(:t AS integer[]), :d) "
-                    "ON CONFLICT (blob_id) DO UPDATE SET token_ids = EXCLUDED.token_ids, digest = EXCLUDED.digest"
+                    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
+                    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
+                    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
+                    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
+                    "r->>'d' FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r "
+                    "ON CONFLICT (blob_id) DO UPDATE "
+                    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
                 ),
-                {"b": blob_id, "t": ids, "d": digest},
+                {"rows": json.dumps(rows)},
             )
 
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                # One statement for the whole batch (one round trip, one commit): the rows travel as one
+                # JSON array, since integer[] columns of different lengths cannot be unnested together.
+                # DO UPDATE, not DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
+                rows = list({row["b"]: row for row, _ in batch}.values())  # one row per blob: ON CONFLICT needs it
+                await self._write_rows(rows)
+            except BaseException as exc:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+
     @retrying("the token store")
-    async def _load_blob(self, blob_id: str) -> tuple[list[int], str] | None:
+    async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
         async with self.engine.connect() as conn:
             row = (
-                await conn.execute(text("SELECT token_ids, digest FROM rollbook.token_blobs WHERE blob_id = :b"), {"b": blob_id})
+                await conn.execute(text("SELECT token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = :b"),
+                                   {"b": blob_id})
             ).first()
-        return None if row is None else (list(row.token_ids), row.digest)
+        if row is None:
+            return None
+        lps = None if row.logprobs is None else tuple(float(x) for x in row.logprobs)
+        return TokenArray(tuple(row.token_ids), lps), row.digest
 
     @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
@@ -242,12 +274,16 @@ class FilesystemTokenStore(_TokenStore):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidCheckpointState(f"{path.name} is not readable JSON: {exc}") from exc
 
-    async def _save_blob(self, blob_id: str, ids: list[int], digest: str) -> None:
-        await asyncio.to_thread(self._write, self._path("blobs", blob_id), {"token_ids": ids, "digest": digest})
+    async def _save_blob(self, blob_id: str, arr: TokenArray, digest: str) -> None:
+        value = {"token_ids": list(arr.ids), "logprobs": None if arr.logprobs is None else list(arr.logprobs), "digest": digest}
+        await asyncio.to_thread(self._write, self._path("blobs", blob_id), value)
 
-    async def _load_blob(self, blob_id: str) -> tuple[list[int], str] | None:
+    async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
         row = await asyncio.to_thread(self._read, self._path("blobs", blob_id))
-        return None if row is None else (list(row["token_ids"]), str(row["digest"]))
+        if row is None:
+            return None
+        lps = row.get("logprobs")
+        return TokenArray(tuple(row["token_ids"]), None if lps is None else tuple(lps)), str(row["digest"])
 
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         out: dict[str, str] = {}

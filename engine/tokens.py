@@ -1,14 +1,45 @@
-"""What the engine knows of token storage: receipts, and the three things a store must do.
+"""What the engine knows of tokens: the record of one model call, receipts, and the store ports.
 
 Token arrays never enter the log (a long generation would outgrow any event payload limit); a
-model call's events carry a `Receipt` that points into a token store and vouches for what is
-there. Implementations live in adapters.token_store; this module does no I/O.
+model call's events carry `Receipt`s that point into a token store and vouch for what is there.
+Implementations live in adapters.token_store; this module does no I/O.
+
+THE TOKEN RECORD OF A MODEL CALL (`CallTokens`, the one place its shape is defined). Every
+completed model call has, in its `call_completed` event:
+
+    receipt         -> the generated token ids with the sampling logprob of each (one blob)
+    prompt_receipt  -> the prompt token ids as the upstream tokenized them (one blob, no logprobs)
+    finish_reason, usage, policy_version, segments (which policy version produced which tokens)
+
+and its stream's `call_accepted` names the parent call (`parent_call_id`), the rollout and the
+attempt. `CallTokens` joins those into one value; `to_token_entry()` gives NeMo Gym's `TokenEntry`
+field names (prompt_token_ids, generation_token_ids, generation_log_probs, model_call_id,
+parent_call_id, rollout_id) so an adapter converts it without loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+def f32(x: float) -> float:
+    """A logprob as the token store keeps it (PostgreSQL `real`): rounded to float32 once, at the edge,
+    so what a client was told, what the store holds and what an export writes are the same number."""
+    return float(struct.unpack("<f", struct.pack("<f", float(x)))[0])
+
+
+@dataclass(frozen=True)
+class TokenArray:
+    """What one blob holds: integer token ids, and the logprob of each when they were generated."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.ids):
+            raise ValueError(f"{len(self.ids)} token ids but {len(self.logprobs)} logprobs")
 
 
 @dataclass(frozen=True)
@@ -27,14 +58,39 @@ class Receipt:
         return cls(str(d["blob_id"]), str(d["digest"]), int(d["tokens"]))
 
 
+@dataclass(frozen=True)
+class CallTokens:
+    """One model call's training tokens (see the module docstring)."""
+
+    model_call_id: str
+    rollout_id: str
+    attempt: int
+    prompt_token_ids: tuple[int, ...]
+    generation_token_ids: tuple[int, ...]
+    generation_log_probs: tuple[float, ...]
+    policy_version: str | None
+    finish_reason: str | None = None
+    parent_call_id: str | None = None
+    segments: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    def to_token_entry(self, model: str = "") -> dict[str, Any]:
+        """NeMo Gym's TokenEntry fields (schema_version 1)."""
+        return {
+            "schema_version": 1, "rollout_id": self.rollout_id, "model_call_id": self.model_call_id, "model": model,
+            "prompt_token_ids": list(self.prompt_token_ids), "generation_token_ids": list(self.generation_token_ids),
+            "generation_log_probs": list(self.generation_log_probs), "parent_call_id": self.parent_call_id,
+            "cum_len": len(self.prompt_token_ids) + len(self.generation_token_ids),
+        }
+
+
 class TokenSink(Protocol):
-    async def put(self, tokens: list[str]) -> Receipt:
-        """Store tokens durably; the receipt is valid once this returns."""
+    async def put(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
+        """Store token ids (and their logprobs) durably; the receipt is valid once this returns."""
         ...
 
 
 class TokenSource(Protocol):
-    async def get(self, blob_id: str) -> list[str]:
+    async def get(self, blob_id: str) -> TokenArray:
         """The stored tokens; raises InvalidCheckpointState if missing or not matching their digest."""
         ...
 

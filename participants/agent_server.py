@@ -101,6 +101,7 @@ class Session:
     finished: bool = False
     final_answer: str | None = None
     state: str = "running"
+    policy_version: str | None = None  # of the latest reply: every boundary says which policy brought it there
     resumed: bool = False  # goes on from a boundary of its own attempt, already in the log: not recorded again
 
     @property
@@ -113,6 +114,7 @@ class Session:
             "pending_call_id": pending, "replaces_call_id": self.replaces if pending else None, "calls": self.calls,
             "revisions": self.revisions, "revision_seen": self.revision_seen, "state": state, "activation": self.index,
             "done": self.done, "finished": self.finished, "final_answer": self.final_answer,
+            "policy_version": self.policy_version,
         }
 
     def reply(self) -> dict[str, Any]:
@@ -134,6 +136,7 @@ def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str,
     s.last_call_id = boundary.get("last_call_id")
     s.revision_seen = int(boundary.get("revision_seen") or 0)
     s.done = bool(boundary.get("done"))
+    s.policy_version = boundary.get("policy_version")
     if boundary["state"] == "before_model":
         s.turn = int(boundary["turn"])
         chain = [boundary.get("pending_call_id"), *(boundary.get("replaces_call_id") or "").split(",")]
@@ -317,7 +320,9 @@ class AgentParticipant(Participant):
             headers["X-Rollbook-Parent-Call-Id"] = s.last_call_id
         if s.replaces:
             headers["X-Rollbook-Replaces-Call-Id"] = s.replaces
-        body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed, "stream": False}
+        # The task's sampling parameters ride on every call; the model server records them with the call.
+        body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed,
+                **s.request.task.sampling, "stream": False}
         url = data_url(s.request.model_url, *s.key, "/v1/chat/completions")
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
         since = time.monotonic()
@@ -333,6 +338,7 @@ class AgentParticipant(Participant):
         finally:
             s.state = "running"
         message = dict(out["choices"][0]["message"])
+        s.policy_version = (out.get("rollbook") or {}).get("policy_version") or s.policy_version
         return message, dict(out.get("usage") or {})
 
     async def _tool(self, s: Session, tc: dict[str, Any], call_key: str) -> tuple[str, bool]:

@@ -16,7 +16,7 @@ import time
 from typing import Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters.database import code_revision
 from adapters.postgres import PostgresEventStore
@@ -49,6 +49,10 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
+                 "response_format", "presence_penalty", "frequency_penalty")
+
+
 class TaskBody(Body):
     """A task on the wire (participants.environments.Task as JSON), shared by the data planes."""
 
@@ -56,6 +60,17 @@ class TaskBody(Body):
     task_id: str
     prompt: str
     params: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] = Field(default_factory=dict, description=(
+        "per-task sampling parameters the agent sends with every model call of the task: "
+        + ", ".join(TASK_SAMPLING)))
+
+    @field_validator("sampling")
+    @classmethod
+    def _known_sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(TASK_SAMPLING))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {list(TASK_SAMPLING)}")
+        return value
 
 
 class ControlRequest(Body):

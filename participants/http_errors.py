@@ -13,6 +13,7 @@ STATUS: dict[str, int] = {
     "invalid_request": 400,
     "invalid_identifier": 400,
     "invalid_payload": 400,
+    "unsupported_parameter": 400,
     "invalid_deadline": 400,
     "payload_too_large": 413,
     "rollout_id_required": 400,
@@ -35,12 +36,15 @@ STATUS: dict[str, int] = {
     "schema_mismatch": 500,
     "replay_divergence": 500,
     "participant_unavailable": 503,
+    "generation_failed": 502,
     "database_unavailable": 503,
 }
 
 
 def error_response(code: str, detail: str, **context: object) -> web.Response:
-    body: dict[str, object] = {"code": code, "detail": detail}
+    # `message` and `type` beside rollbook's `code` and `detail`: OpenAI's error shape, so an OpenAI
+    # SDK pointed at the model server shows the sentence instead of a bare status.
+    body: dict[str, object] = {"code": code, "detail": detail, "message": detail, "type": code}
     if context:
         body["context"] = context
     return web.json_response({"error": body}, status=STATUS.get(code, 500))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -32,8 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.generation import GenerationBackend, GenerationFailed, message_from_tokens
+from adapters.generation import (
+    End,
+    GenerationBackend,
+    GenerationFailed,
+    Prefix,
+    Start,
+    Step,
+    final_message,
+    merge_delta,
+)
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut
 from engine.errors import (
@@ -49,20 +60,37 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import call_stream, validate_id
 from engine.recovery import call_lost
 from engine.tokens import Receipt, TokenSink, TokenSource
-from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
+from participants.control_plane import (
+    CONTROL,
+    PARTICIPANT,
+    Participant,
+    PrepareReport,
+    build_app,
+    data_path,
+    identity,
+)
 from participants.openai_wire import (
     ChatRequest,
+    chunk,
     completion_body,
-    count_prompt_tokens,
-    final_chunk,
+    error_event,
+    logprob_entries,
+    models_body,
+    rollbook_info,
     sse,
-    token_chunk,
+    usage,
+    usage_chunk,
+    whole_delta,
 )
 
 CALL_ID_HEADER = "X-Rollbook-Call-Id"
 PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
 REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 COMPLETIONS = "/v1/chat/completions"
+MODELS = "/v1/models"
+POLICY_VERSION = f"{CONTROL}/policy_version"
+POLICY_STREAM = "policy"  # one stream for the whole deployment: the order of versions is its order
+POLICY_VERSION_CHANGED = "policy_version_changed"
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
 CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
@@ -91,6 +119,8 @@ def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
             continue
         cid = e.data["call_id"]
         prior = out.get(cid)
+        if e.kind == "call_excluded" and prior is not None and prior.status in ("cut", "completed"):
+            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
         accepted = e.data if e.kind == "call_accepted" else (prior.accepted if prior else {})
         out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
     return out
@@ -105,10 +135,20 @@ class _Call:
     attempt: int
     stream: bool
     request: dict[str, Any] = field(default_factory=dict)
-    prefix: list[str] = field(default_factory=list)
+    policy_version: str | None = None
+    prefix: Prefix | None = None
+    prefix_segments: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
     state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
-    tokens: list[str] = field(default_factory=list)
+    prompt_ids: tuple[int, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[Any] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)  # what a streaming client is sent, in order
+    message: dict[str, Any] = field(default_factory=dict)  # the deltas so far, merged
+    finish_reason: str | None = None
+    upstream_usage: dict[str, Any] | None = None
+    continuation: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
     error: RollbookError | None = None
     delivered: bool = False
@@ -122,6 +162,33 @@ class _Call:
         call = cls(record.call_id, record.rollout_id or "", record.attempt or 0, stream, state="completed", result=record.data)
         call.done.set()
         return call
+
+    def restart_from(self, prefix: Prefix | None) -> None:
+        """The tokens start over from `prefix` (none: from nothing)."""
+        self.prefix = prefix if prefix is not None and prefix.ids else None
+        p = self.prefix
+        self.ids = list(p.ids) if p else []
+        self.logprobs = list(p.logprobs) if p else []
+        self.tops = [()] * len(self.ids)
+        self.message = {k: (list(v) if isinstance(v, list) else v) for k, v in (p.message if p else {}).items()}
+        if p and p.message.get("tool_calls"):
+            self.message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in p.message["tool_calls"]]
+        self.steps = []  # the prefix joins them once the backend says it continues it (see _pump)
+        if not p:
+            self.prefix_segments = []
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Which policy version produced which tokens: a call cut under one version and continued under
+        another records both, so staleness is known per token."""
+        prefix = self.prefix_segments if self.prefix else []
+        new = len(self.ids) - (len(self.prefix.ids) if self.prefix else 0)
+        out = [dict(x) for x in prefix]
+        if new or not out:
+            if out and out[-1]["policy_version"] == self.policy_version:
+                out[-1]["tokens"] += new
+            else:
+                out.append({"policy_version": self.policy_version, "tokens": new})
+        return out
 
 
 class ModelParticipant(Participant):
@@ -139,6 +206,9 @@ class ModelParticipant(Participant):
         self.staged_rollouts: set[str] = set()
         self.replacements: dict[tuple[str, int], str] = {}  # (replaced call, attempt) -> the call that replaced it
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
+        self.token = ""
+        self._adopted = False
+        self._adopt_lock = asyncio.Lock()
 
     @property
     def admission_open(self) -> bool:  # type: ignore[override]
@@ -158,8 +228,9 @@ class ModelParticipant(Participant):
         self.admission_open = False
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
         for c in inflight:
-            if c.stream:
-                c.cut_requested.set()
+            # Every generation is cut, streamed to its client or not: prepare waits for the cut to be
+            # durable (a token-store put and an append), never for a generation to finish.
+            c.cut_requested.set()
         budget = deadline - time.time() - PREPARE_MARGIN_S
         if inflight and budget > 0:
             waiters = [asyncio.ensure_future(c.done.wait()) for c in inflight]
@@ -188,6 +259,8 @@ class ModelParticipant(Participant):
         for record in staged.values():
             if record.status == "cut":  # the prefix must be there and intact before anything resumes from it
                 await self.token_store.get(Receipt.from_json(record.data["receipt"]).blob_id)
+                if record.data.get("prompt_receipt"):
+                    await self.token_store.get(Receipt.from_json(record.data["prompt_receipt"]).blob_id)
         self.staged = staged
         self.staged_rollouts = {s.rollout_id for s in cut.scope}
         self.admission_open = False  # paused until resume
@@ -208,7 +281,56 @@ class ModelParticipant(Participant):
         return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(data_path(COMPLETIONS), self.chat_completions), web.post(COMPLETIONS, self._no_identity)]
+        return [web.post(data_path(COMPLETIONS), self.chat_completions), web.post(COMPLETIONS, self._no_identity),
+                web.get(MODELS, self.models), web.get(data_path(MODELS), self.models),
+                web.post(POLICY_VERSION, self.set_policy_version), web.get(POLICY_VERSION, self.get_policy_version)]
+
+    # ---- the policy version --------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> str:
+        return str(self.backend.policy_version)
+
+    async def adopt_policy_version(self) -> None:
+        """The configured version, recorded if it is not the one the log last saw. Done once, before the
+        first call or version operation, not at startup: a server that cannot bind its port writes nothing."""
+        async with self._adopt_lock:
+            if self._adopted:
+                return
+            events = await self.store.read_stream(POLICY_STREAM)
+            last = events[-1].data["policy_version"] if events else None
+            if last != self.policy_version:
+                await self._record_policy_version(self.policy_version, last, "config")
+            self._adopted = True
+
+    async def _record_policy_version(self, version: str, previous: str | None, source: str) -> None:
+        data = {"policy_version": version, "previous": previous, "source": source, "instance": self.instance}
+        await self._append(NewEvent(POLICY_STREAM, POLICY_VERSION_CHANGED, data))
+
+    async def set_policy_version(self, request: web.Request) -> web.Response:
+        """The framework's call after a weight sync: calls accepted from now on carry the new version;
+        calls in flight keep the version they started under (their later tokens are the new policy's
+        only if they are cut and continued, which records a new segment)."""
+        self.authorize(request)
+        await self.adopt_policy_version()
+        body = PolicyVersionRequest.model_validate(await request.json())
+        previous = self.policy_version
+        if body.policy_version != previous:
+            await self._record_policy_version(body.policy_version, previous, body.source)
+            self.backend.policy_version = body.policy_version
+        return web.json_response({"policy_version": body.policy_version, "previous": previous})
+
+    async def get_policy_version(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        return web.json_response({"policy_version": self.policy_version})
+
+    def authorize(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        if not self.token or not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise Unauthorized("a valid bearer token is required to change the policy version")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_body(str(getattr(self.backend, "model", "rollbook")), self.policy_version))
 
     # ---- the data route ---------------------------------------------------------------------
 
@@ -217,21 +339,23 @@ class ModelParticipant(Participant):
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         rollout_id, attempt = identity(request)
+        body = ChatRequest.model_validate(await request.json())
+        self.backend.check(body.backend_request())
         await self.check_attempt(rollout_id, attempt)
         self.served_sessions = True
-        body = ChatRequest.model_validate(await request.json())
         call_id = validate_id(request.headers.get(CALL_ID_HEADER), f"call id ({CALL_ID_HEADER})")
         parent = _optional_id(request, PARENT_HEADER)
         # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
         replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
             raw := request.headers.get(REPLACES_HEADER)) else None
-        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body.model_dump(), body.stream)
+        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body, body.stream)
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
         self.consumers[call] += 1
         try:
             if body.stream:
-                return await self._stream_reply(request, call, model)
-            return await self._json_reply(call, model, count_prompt_tokens(body.messages))
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await self._stream_reply(request, call, model, bool(body.logprobs), include_usage)
+            return await self._json_reply(call, model, bool(body.logprobs))
         finally:
             self.consumers[call] -= 1
             if self.consumers[call] <= 0:
@@ -252,7 +376,7 @@ class ModelParticipant(Participant):
 
     async def _admit(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: dict[str, Any], stream: bool,
+        payload: ChatRequest, stream: bool,
     ) -> _Call:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
         async with self._locked(call_id):
@@ -276,20 +400,22 @@ class ModelParticipant(Participant):
 
     async def _accept(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: dict[str, Any], stream: bool, own: _Record | None,
+        payload: ChatRequest, stream: bool, own: _Record | None,
     ) -> _Call:
         stream_name = call_stream(call_id)
+        if not self._adopted:  # before the admission check: nothing may await between it and the registration
+            await self.adopt_policy_version()
         if not self.admission_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
             await self._append(NewEvent(stream_name, "call_excluded", excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
-        call = _Call(call_id, rollout_id, attempt, stream, request=payload)
+        call = _Call(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
         try:
-            accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent,
-                                        "policy_version": self.backend.policy_version, "stream": stream}
+            accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent, "policy_version": call.policy_version,
+                                        "stream": stream, "sampling": payload.sampling()}
             source: _Record | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
                 chain = replaces.split(",")
@@ -307,9 +433,13 @@ class ModelParticipant(Participant):
                     source = old
             if source is not None:
                 receipt = Receipt.from_json(source.data["receipt"])
-                call.prefix = await self.token_store.get(receipt.blob_id)
+                generated = await self.token_store.get(receipt.blob_id)
+                prompt = source.data.get("prompt_receipt")
+                prompt_ids = (await self.token_store.get(Receipt.from_json(prompt).blob_id)).ids if prompt else ()
+                call.restart_from(Prefix(prompt_ids, generated.ids, generated.logprobs or (), source.data.get("partial") or {}))
+                call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
                 accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
-                call.extra["prefix_tokens"] = len(call.prefix)
+                call.extra["prefix_tokens"] = len(generated.ids)
             await self._append(NewEvent(stream_name, "call_accepted", accepted, rollout_id, attempt))
         except BaseException as exc:
             if reserved is not None and self.replacements.get(reserved) == call_id:
@@ -349,9 +479,8 @@ class ModelParticipant(Participant):
     async def _link(self, call: _Call, accepted: dict[str, Any], old: _Record) -> _Call:
         """Deliver the replaced call's stored reply under the new id; both custody events in one append."""
         accepted["policy_version"] = old.accepted.get("policy_version", accepted["policy_version"])  # who served it
-        completed = {"call_id": call.call_id, "receipt": old.data["receipt"], "reply": old.data["reply"],
-                     "disposition": "linked", "replaces": old.call_id, "tokens": old.data["receipt"]["tokens"],
-                     "policy_version": accepted["policy_version"]}
+        completed = {**old.data, "call_id": call.call_id, "disposition": "linked", "replaces": old.call_id,
+                     "tokens": old.data["receipt"]["tokens"], "policy_version": accepted["policy_version"]}
         stream = call_stream(call.call_id)
         await self.store.append(AppendRequest((
             NewEvent(stream, "call_accepted", accepted, call.rollout_id, call.attempt),
@@ -365,11 +494,12 @@ class ModelParticipant(Participant):
     async def _run(self, call: _Call) -> None:
         try:
             if await self._pump(call):
-                await self._record_outcome(call, "call_cut", {"tokens": len(call.tokens)})
+                await self._record_outcome(call, "call_cut", {"tokens": len(call.ids), "partial": call.message})
             else:
-                message = message_from_tokens(call.tokens)
                 await self._record_outcome(call, "call_completed", {
-                    "reply": message, "disposition": "generated", "tokens": len(call.tokens), **call.extra})
+                    "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
+                    "finish_reason": call.finish_reason, "usage": usage(len(call.prompt_ids), len(call.ids)),
+                    "upstream_usage": call.upstream_usage, **call.extra})
         except StaleAttempt as exc:  # fenced while generating: nothing of it may land, and nothing did
             await self._finish(call, "stale", error=exc)
         except asyncio.CancelledError:
@@ -378,7 +508,7 @@ class ModelParticipant(Participant):
             raise
         except Exception as exc:
             error = exc if isinstance(exc, RollbookError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
-            failed = {"call_id": call.call_id, "error": {"code": error.code, "detail": error.detail}, "tokens": len(call.tokens)}
+            failed = {"call_id": call.call_id, "error": {"code": error.code, "detail": error.detail}, "tokens": len(call.ids)}
             try:
                 await self._append(NewEvent(call_stream(call.call_id), "call_failed", failed, call.rollout_id, call.attempt))
             except StaleAttempt as stale:
@@ -387,14 +517,15 @@ class ModelParticipant(Participant):
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
 
     async def _pump(self, call: _Call) -> bool:
-        """Move tokens from the backend into the call until it ends (False) or a cut lands (True).
+        """Move steps from the backend into the call until it ends (False) or a cut lands (True).
 
         A cut never splits a token: the pending step is cancelled, so the prefix is exactly the
         tokens already received."""
-        call.tokens = list(call.prefix)
-        gen = self.backend.generate(call.request, list(call.prefix))
+        if call.prefix is None:
+            call.restart_from(None)
+        gen = self.backend.generate(call.request, call.prefix)
         cut_wait = asyncio.ensure_future(call.cut_requested.wait())
-        step: asyncio.Future[str] | None = None
+        step: asyncio.Future[Any] | None = None
         try:
             while True:
                 step = asyncio.ensure_future(anext(gen))
@@ -402,10 +533,28 @@ class ModelParticipant(Participant):
                 if not step.done():
                     return True
                 try:
-                    token = step.result()
+                    event = step.result()
                 except StopAsyncIteration:
                     return False
-                call.tokens.append(token)
+                if isinstance(event, Start):
+                    call.prompt_ids = event.prompt_token_ids
+                    if event.continuation is not None:
+                        call.continuation = call.extra["continuation"] = event.continuation
+                        if event.continuation.get("mode") != "continued":  # the prefix is dropped, and why is recorded
+                            call.restart_from(None)
+                        elif call.prefix is not None:
+                            # A streaming client gets one ordinary completion: the prefix as one delta, then the rest.
+                            p = call.prefix
+                            call.steps.append(Step(p.ids, p.logprobs, whole_delta(p.message) if p.message else {}))
+                    continue
+                if isinstance(event, End):
+                    call.finish_reason, call.upstream_usage = event.finish_reason, event.usage
+                    continue
+                call.ids.extend(event.ids)
+                call.logprobs.extend(event.logprobs)
+                call.tops.extend(event.top_logprobs or [()] * len(event.ids))
+                merge_delta(call.message, event.delta)
+                call.steps.append(event)
                 async with call.changed:
                     call.changed.notify_all()
         finally:
@@ -416,8 +565,10 @@ class ModelParticipant(Participant):
             await gen.aclose()
 
     async def _record_outcome(self, call: _Call, kind: str, data: dict[str, Any]) -> None:
-        receipt = await self.token_store.put(call.tokens)
-        full = {"call_id": call.call_id, "receipt": receipt.to_json(), "policy_version": self.backend.policy_version, **data}
+        receipt, prompt = await asyncio.gather(self.token_store.put(call.ids, call.logprobs),
+                                               self.token_store.put(list(call.prompt_ids)))
+        full = {"call_id": call.call_id, "receipt": receipt.to_json(), "prompt_receipt": prompt.to_json(),
+                "policy_version": call.policy_version, "segments": call.segments(), **data}
         await self._append(NewEvent(call_stream(call.call_id), kind, full, call.rollout_id, call.attempt))
         await self._finish(call, kind.removeprefix("call_"), result=full)
 
@@ -437,45 +588,70 @@ class ModelParticipant(Participant):
 
     # ---- replies ------------------------------------------------------------------------------
 
-    async def _json_reply(self, call: _Call, model: str, prompt_tokens: int) -> web.Response:
+    async def _logprobs(self, call: _Call, result: dict[str, Any]) -> list[dict[str, Any]]:
+        if call.ids and len(call.ids) == int(result.get("tokens") or 0):
+            return logprob_entries(call.ids, call.logprobs, call.tops)
+        stored = await self.token_store.get(Receipt.from_json(result["receipt"]).blob_id)  # a stored or linked reply
+        return logprob_entries(list(stored.ids), list(stored.logprobs or [0.0] * len(stored.ids)))
+
+    async def _json_reply(self, call: _Call, model: str, logprobs: bool) -> web.Response:
         await call.done.wait()
         if call.error is not None:
             raise call.error
         if call.state != "completed" or call.result is None:
-            raise AdmissionClosed(f"call {call.call_id} ended as {call.state} for a checkpoint; repeat it after resume")
+            raise AdmissionClosed(f"call {call.call_id} was cut at a token boundary for a checkpoint; repeat it after "
+                                  "resume and it continues from the cut")
         await self._open.wait()  # held while a checkpoint is being taken
         call.delivered = True
-        return web.json_response(completion_body(call.call_id, model, call.result, prompt_tokens))
+        entries = await self._logprobs(call, call.result) if logprobs else None
+        return web.json_response(completion_body(call.call_id, model, call.result, entries))
 
-    async def _stream_reply(self, request: web.Request, call: _Call, model: str) -> web.StreamResponse:
+    async def _stream_reply(self, request: web.Request, call: _Call, model: str, logprobs: bool,
+                            include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            await self._stream_events(resp, call, model)
+            await self._stream_events(resp, call, model, logprobs, include_usage)
         except ConnectionResetError:
             pass  # the client left; the call goes on and its outcome is in the log for a repeat
         return resp
 
-    async def _stream_events(self, resp: web.StreamResponse, call: _Call, model: str) -> None:
+    async def _stream_events(self, resp: web.StreamResponse, call: _Call, model: str, logprobs: bool,
+                             include_usage: bool) -> None:
         created, sent = int(time.time()), 0
-        while True:
-            async with call.changed:
-                await call.changed.wait_for(lambda n=sent: len(call.tokens) > n or call.done.is_set())
-            batch = call.tokens[sent:]
-            for i, tok in enumerate(batch, start=sent):
-                await resp.write(sse(token_chunk(call.call_id, model, created, tok, i)))
-            sent += len(batch)
-            if call.done.is_set() and sent >= len(call.tokens):
-                break
+        cid = call.call_id
+        await resp.write(sse(chunk(cid, model, created, {"role": "assistant", "content": ""})))
+        if call.result is not None and call.state == "completed" and not call.steps:
+            # A stored reply (a repeat, or linked to the call it replaces): it goes out whole.
+            entries = await self._logprobs(call, call.result) if logprobs else None
+            await resp.write(sse(chunk(cid, model, created, whole_delta(call.result["reply"]), None, entries)))
+        else:
+            while True:
+                async with call.changed:
+                    await call.changed.wait_for(lambda n=sent: len(call.steps) > n or call.done.is_set())
+                batch = call.steps[sent:]
+                for step in batch:
+                    if step.delta or logprobs:
+                        entries = logprob_entries(list(step.ids), list(step.logprobs), list(step.top_logprobs)) if logprobs else None
+                        await resp.write(sse(chunk(cid, model, created, step.delta, None, entries)))
+                sent += len(batch)
+                if call.done.is_set() and sent >= len(call.steps):
+                    break
         if call.error is not None:
-            await resp.write(sse(call.error.to_json()))
+            await resp.write(sse(error_event(call.error, call_id=cid)))
         elif call.state == "cut" and call.result is not None:
-            await resp.write(sse({"rollbook": {"cut": True, "call_id": call.call_id, "tokens": call.result["tokens"],
-                                                "receipt": call.result["receipt"]}}))
+            cut = AdmissionClosed(f"call {cid} was cut after {call.result['tokens']} tokens for a checkpoint; repeat it "
+                                  "after resume and it continues from the cut")
+            await resp.write(sse(error_event(cut, cut=True, call_id=cid, tokens=call.result["tokens"],
+                                             receipt=call.result["receipt"])))
         elif call.result is not None:
             await self._open.wait()  # held: the client has the tokens but not the end of the reply
             call.delivered = True
-            await resp.write(sse(final_chunk(call.call_id, model, created, call.result)))
+            last = chunk(cid, model, created, {}, call.result.get("finish_reason") or "stop")
+            last["rollbook"] = rollbook_info(cid, call.result)
+            await resp.write(sse(last))
+            if include_usage:
+                await resp.write(sse(usage_chunk(cid, model, created, call.result)))
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
@@ -493,10 +669,21 @@ def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | Non
         )
 
 
+class Unauthorized(RollbookError):
+    code = "unauthorized"
+
+
+class PolicyVersionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_version: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")
+    source: str = Field(default="weight_sync", max_length=64)
+
+
 def build_model_app(
     store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
+    participant.token = token
     return build_app(participant, token)
 
 

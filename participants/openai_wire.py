@@ -1,9 +1,14 @@
-"""The OpenAI chat-completions wire format the model server speaks, with rollbook's custody
-facts under a `rollbook` key beside the standard fields (clients that do not know it ignore it).
+"""The OpenAI chat-completions wire format the model server speaks, with rollbook's custody facts
+under a `rollbook` key beside the standard fields (clients that do not know it ignore it).
 
-Streaming sends one chunk per generated token with the token under `rollbook.token` and an
-empty delta, then one final chunk whose delta is the whole message: tokens are pieces of the
-serialized message, so only the finished message is a well-formed delta.
+Streaming sends a role chunk, then one chunk per generated step with its real delta (content text
+or a piece of a tool call) as it is generated, then a chunk with the finish reason, then (with
+`stream_options.include_usage`) a usage chunk, then `[DONE]`. Logprobs, when asked for, are in
+OpenAI's shape (`choices[].logprobs.content[] = {token, logprob, bytes, top_logprobs}`) with each
+token written as vLLM writes it under `return_tokens_as_token_ids`: "token_id:N".
+
+A stream cut by a checkpoint ends with an `error` event ({"error": {"message", "type", "code"}}),
+which the OpenAI SDK raises, and no `[DONE]`.
 """
 
 from __future__ import annotations
@@ -12,77 +17,123 @@ import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from adapters.scripted_policy import scripted_tokens
+from adapters.generation import UnsupportedParameter
+from engine.errors import RollbookError
+
+SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
+            "response_format", "presence_penalty", "frequency_penalty")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
-    """The OpenAI body; fields we do not read (temperature, max_tokens...) pass through to the backend."""
+    """The OpenAI body. Sampling parameters pass through to the backend; unknown fields too (an
+    upstream may know them); a parameter that cannot be honoured is refused (400)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     seed: int | None = None
+    n: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _honourable(self) -> ChatRequest:
+        if self.n not in (None, 1):
+            raise UnsupportedParameter(f"n={self.n} is not supported: the model server generates one choice per call "
+                                       "(one custody record per call); send n separate calls", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameter("stream_options is only allowed when stream is true", param="stream_options")
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
 
-def count_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """A count of token-like pieces; the scripted tokenizer is the only one this server knows."""
-    total = 0
-    for m in messages:
-        content = m.get("content")
-        total += len(scripted_tokens(content if isinstance(content, str) else json.dumps(content)))
-    return total
+    def backend_request(self) -> dict[str, Any]:
+        """What the backend gets: everything but the transport options, which the server owns."""
+        return self.model_dump(exclude_none=True, exclude={"stream", "stream_options", "n"})
 
-
-def finish_reason(message: dict[str, Any]) -> str:
-    return "tool_calls" if message.get("tool_calls") else "stop"
-
-
-def _rollbook_info(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
-    return {"call_id": call_id, "disposition": result.get("disposition"), "receipt": result.get("receipt"),
-            "policy_version": result.get("policy_version")}
-
-
-def _chunk(call_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    def sampling(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(exclude_none=True).items() if k in SAMPLING}
 
 
 def sse(value: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(value)}\n\n".encode()
 
 
-def completion_body(call_id: str, model: str, result: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+def logprob_entries(ids: list[int], logprobs: list[float], tops: list[Any] | None = None) -> list[dict[str, Any]]:
+    tops = tops or []
+    return [
+        {"token": f"token_id:{i}", "logprob": lp, "bytes": None,
+         "top_logprobs": [{"token": f"token_id:{a}", "logprob": x, "bytes": None} for a, x in (tops[k] if k < len(tops) else ())]}
+        for k, (i, lp) in enumerate(zip(ids, logprobs, strict=True))
+    ]
+
+
+def rollbook_info(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {"call_id": call_id, "disposition": result.get("disposition"), "receipt": result.get("receipt"),
+            "prompt_receipt": result.get("prompt_receipt"), "policy_version": result.get("policy_version"),
+            "continuation": result.get("continuation")}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(call_id: str, model: str, result: dict[str, Any], logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The OpenAI chat.completion object for a completed call, with our custody facts beside it."""
-    message = result["reply"]
-    completion = int(result.get("tokens") or result["receipt"]["tokens"])
+    choice: dict[str, Any] = {"index": 0, "message": result["reply"], "finish_reason": result.get("finish_reason") or "stop",
+                              "logprobs": None if logprobs is None else {"content": logprobs}}
     return {
-        "id": f"chatcmpl-{call_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(message)}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion},
-        "rollbook": _rollbook_info(call_id, result),
+        "id": f"chatcmpl-{call_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [choice], "usage": result.get("usage") or usage(0, int(result.get("tokens") or 0)),
+        "rollbook": rollbook_info(call_id, result),
     }
 
 
-def token_chunk(call_id: str, model: str, created: int, token: str, index: int) -> dict[str, Any]:
-    chunk = _chunk(call_id, model, created, {}, None)
-    chunk["rollbook"] = {"token": token, "index": index}
-    return chunk
+def chunk(call_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
+          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                              "logprobs": None if logprobs is None else {"content": logprobs}}
+    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice]}
 
 
-def final_chunk(call_id: str, model: str, created: int, result: dict[str, Any]) -> dict[str, Any]:
-    message = result["reply"]
-    delta = (
-        {**message, "tool_calls": [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]}
-        if message.get("tool_calls")
-        else dict(message)
-    )
-    chunk = _chunk(call_id, model, created, delta, finish_reason(message))
-    chunk["rollbook"] = _rollbook_info(call_id, result)
-    return chunk
+def whole_delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A stored reply sent as one delta (a repeat or a linked call: it was generated before)."""
+    delta: dict[str, Any] = {"content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
+    return delta
+
+
+def usage_chunk(call_id: str, model: str, created: int, result: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": result.get("usage")}
+
+
+def error_event(error: RollbookError, **rollbook: Any) -> dict[str, Any]:
+    """An SSE error event in OpenAI's shape; the SDK raises it (openai.APIError) mid-iteration."""
+    body = {"error": {"message": error.detail, "type": error.code, "code": error.code, "param": None}}
+    if rollbook:
+        body["rollbook"] = rollbook
+    return body
+
+
+def models_body(model: str, policy_version: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "rollbook",
+                                        "rollbook": {"policy_version": policy_version}}]}

@@ -72,6 +72,8 @@ class Stack:
         for s in self.stores:
             await s.close()
         await self.tokens.close()
+        if hasattr(self.backend, "close"):  # an upstream backend holds an HTTP session
+            await self.backend.close()
         await self.client.close()
         await self.session.close()
 

@@ -214,8 +214,19 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
     origin = next(e for e in events if e.position == boundary)
     if origin.kind == "agent_boundary" and origin.data["state"] == "before_model":
         assert first_new.data["replaces_call_id"] == origin.data["pending_call_id"]
-        assert of(events, "call_completed", 1)[0].data["disposition"] == "linked"
+        # Prepare cuts the pending call (it never waits for a generation), so the new call either links
+        # the reply that was already complete, or continues the cut prefix of the call it replaces.
+        pending, first = origin.data["pending_call_id"], of(events, "call_completed", 1)[0].data
+        cut_calls = {e.data["call_id"] for e in of(events, "call_cut", 0) if e.position <= cut.position}
+        if pending in cut_calls:
+            assert first["replaces"] == pending and first["disposition"] == "generated"
+            assert first.get("prefix_tokens") == 0 or (first.get("continuation") or {}).get("mode") == "continued"
+        else:
+            assert first["disposition"] == "linked"
     assert first_new.data["messages"][: len(origin.data.get("messages", []))] == origin.data.get("messages", [])
+    # Every boundary after a model reply names the policy version that produced it.
+    after = [e for e in of(events, "agent_boundary") if e.data["state"] == "after_turn"]
+    assert after and all(e.data["policy_version"] == "scripted-v1" for e in after)
 
 
 class RestartOnlyAgent(AgentParticipant):

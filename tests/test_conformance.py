@@ -29,7 +29,7 @@ import pytest
 from sqlalchemy import text
 
 from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
-from adapters.generation import ScriptedBackend
+from adapters.generation import Event, OpenAICompatibleBackend, Prefix, ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history
 from engine.events import RecordedEvent
@@ -38,6 +38,7 @@ from participants.agent_server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
 from participants.environments.tasks import make_task
+from tests.fake_vllm import FakeVLLM
 from tests.stack import Stack, of, start_stack, turn_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,15 +79,15 @@ class HoldingBackend(ScriptedBackend):
         self.pin = pin
         self.participant: model_server.ModelParticipant | None = None
 
-    async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
         pin, n = self.pin, self.generations
         if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
             pin.reached.set()
             while self.participant.admission_open:
                 await asyncio.sleep(0.002)
-        async for token in super().generate(request, prefix_tokens):
-            yield token
+        async for event in super().generate(request, prefix):
+            yield event
 
 
 def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
@@ -109,8 +110,31 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
 # ---- the four servers -------------------------------------------------------------------------
 
 
+class HoldingUpstream(OpenAICompatibleBackend):
+    """The same hold, in front of the fake vLLM server (tests/fake_vllm.py) instead of the scripted policy."""
+
+    def __init__(self, url: str, pin: Pin | None) -> None:
+        super().__init__(url, model="fake-policy", policy_version="scripted-v1")
+        self.pin = pin
+        self.participant: model_server.ModelParticipant | None = None
+        self.generations = 0
+
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
+        pin, n = self.pin, self.generations
+        self.generations += 1
+        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
+            pin.reached.set()
+            while self.participant.admission_open:
+                await asyncio.sleep(0.002)
+        async for event in super().generate(request, prefix):
+            yield event
+
+
+UPSTREAM: dict[str, str] = {}  # {"url": ...} while a test runs the suite through the fake vLLM server
+
+
 async def start_conformance_stack(dsn: str, tag: str, agent_cls: type[AgentParticipant], pin: Pin | None = None) -> Stack:
-    backend = HoldingBackend(pin)
+    backend: Any = HoldingUpstream(UPSTREAM["url"], pin) if UPSTREAM else HoldingBackend(pin)
     s = await start_stack(dsn, tag, backend, pinned(agent_cls) if pin else agent_cls)
     backend.participant = s.participant("model")  # type: ignore[assignment]
     if pin is not None:
@@ -251,9 +275,12 @@ async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
             generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
                          if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
             assert sorted(generated) == list(range(turns)), f"{where}: generated turns {generated}"
-            if state == "before_model":  # the call in flight at the cut is delivered again, not regenerated
+            if state == "before_model":  # the call in flight was cut at a token boundary and is continued from there
                 first = of(events, "call_completed", 1)[0]
-                assert first.data["disposition"] == "linked" and first.data["replaces"] == f"{rid}.0.t{turn}", where
+                cut_calls = of(events, "call_cut", 0)
+                assert [e.data["call_id"] for e in cut_calls] == [f"{rid}.0.t{turn}"], f"{where}: {cut_calls}"
+                assert first.data["replaces"] == f"{rid}.0.t{turn}", where
+                assert first.data["prefix_tokens"] == cut_calls[0].data["tokens"], where
             # No revision applied twice: attempt 0's up to its boundary, then attempt 1's, each once.
             revisions = [m[0] for m in got.mutations]
             assert revisions == list(range(1, len(revisions) + 1)), f"{where}: revisions {revisions}"
@@ -286,6 +313,19 @@ async def test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end(
 ) -> None:
     summary = await assert_conformant(dsn, store, env_name, AGENTS[agent], f"{env_name}-{agent}".replace("_", "-"))
     assert summary["boundaries"] >= 2
+
+
+@pytest.mark.parametrize("env_name", ["blackjack", "math"])
+async def test_every_boundary_conforms_through_a_vllm_style_upstream(
+    dsn: str, store: PostgresEventStore, env_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same check with the openai_compatible backend in front of tests/fake_vllm.py: token ids,
+    logprobs and cut prefixes come from vLLM's fields, and continuations go upstream."""
+    async with FakeVLLM(token_latency_s=0.001) as fake:
+        monkeypatch.setitem(UPSTREAM, "url", fake.url)
+        summary = await assert_conformant(dsn, store, env_name, AgentParticipant, f"{env_name}-up")
+    assert summary["boundaries"] >= 2 and fake.requests and all(r["stream"] and r["return_tokens_as_token_ids"]
+                                                                 for r in fake.requests)
 
 
 # ---- negative control -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The policy model server on real aiohttp servers and a real PostgreSQL log.
 
-The only fake is at the edge of the world: a small OpenAI-compatible upstream for the
-OpenAI-compatible backend, standing in for a hosted model we cannot reach from a test.
+The only fake is at the edge of the world: tests/fake_vllm.py, a vLLM-style upstream for the
+OpenAI-compatible backend, standing in for a model server we cannot run in a test.
 """
 
 from __future__ import annotations
@@ -13,18 +13,31 @@ import time
 from typing import Any
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from adapters.generation import OpenAICompatibleBackend, ScriptedBackend, message_from_tokens
+from adapters import scripted_tokenizer as tok
+from adapters.export import call_tokens
+from adapters.generation import (
+    End,
+    GenerationFailed,
+    OpenAICompatibleBackend,
+    Prefix,
+    ScriptedBackend,
+    Start,
+    Step,
+    final_message,
+    merge_delta,
+)
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
+from engine.tokens import TokenArray
 from participants.control_plane import CONTROL
 from participants.model_server import build_model_app
+from tests.fake_vllm import FakeVLLM
 
 TOKEN = "secret"
 MATH = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "seed": 3}
@@ -85,107 +98,142 @@ async def stream_all(client: TestClient, path: str, body: dict[str, Any], header
     return await sse_events(await client.post(path, json=body, headers=headers))
 
 
-def streamed_tokens(events: list[Any]) -> list[str]:
-    return [e["rollbook"]["token"] for e in events if isinstance(e, dict) and "token" in e.get("rollbook", {})]
+def streamed_ids(events: list[Any]) -> list[int]:
+    """The token ids a streamed reply reported in its logprobs (asked with logprobs: true)."""
+    return [int(e["token"].removeprefix("token_id:")) for ev in events if isinstance(ev, dict) and ev.get("choices")
+            for e in ((ev["choices"][0].get("logprobs") or {}).get("content") or [])]
+
+
+def streamed_message(events: list[Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {}
+    for ev in events:
+        if isinstance(ev, dict) and ev.get("choices"):
+            merge_delta(message, ev["choices"][0]["delta"])
+    return final_message(message)
+
+
+def planned(backend: ScriptedBackend, request: dict[str, Any]) -> tuple[list[int], list[int], list[float]]:
+    prompt, steps, _ = backend.plan(request)
+    return prompt, [i for s in steps for i in s.ids], [x for s in steps for x in s.logprobs]
 
 
 # ---- backends ---------------------------------------------------------------------------------
 
 
-async def collect(gen: Any) -> list[str]:
-    return [tok async for tok in gen]
+async def events_of(gen: Any) -> tuple[Start, list[Step], End]:
+    out = [e async for e in gen]
+    assert isinstance(out[0], Start) and isinstance(out[-1], End)
+    return out[0], out[1:-1], out[-1]
 
 
-async def test_scripted_backend_continues_any_prefix_to_the_uninterrupted_output() -> None:
+def joined(steps: list[Step]) -> tuple[list[int], list[float], dict[str, Any]]:
+    message: dict[str, Any] = {}
+    for s in steps:
+        merge_delta(message, s.delta)
+    return [i for s in steps for i in s.ids], [x for s in steps for x in s.logprobs], final_message(message)
+
+
+async def test_scripted_backend_emits_integer_ids_and_logprobs_and_continues_any_prefix_exactly() -> None:
     backend = ScriptedBackend()
     for request in (MATH, BLACKJACK):
-        full = await collect(backend.generate(request, []))
-        assert message_from_tokens(full) == backend.reply(request)
-        for k in (0, 1, len(full) // 2, len(full)):
-            assert full[:k] + await collect(backend.generate(request, full[:k])) == full
+        start, steps, end = await events_of(backend.generate(request, None))
+        ids, lps, message = joined(steps)
+        assert message == backend.reply(request) and end.finish_reason in ("stop", "tool_calls")
+        assert all(isinstance(i, int) and 0 <= i < tok.VOCAB_SIZE for i in ids) and ids[-1] == tok.EOS
+        assert all(x < 0 for x in lps) and start.prompt_token_ids == tuple(tok.prompt_ids(request["messages"], request.get("tools")))
+        for k in (1, len(steps) // 2, len(steps)):
+            head_ids, head_lps, head_msg = joined(steps[:k])
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            again, rest, _ = await events_of(backend.generate(request, prefix))
+            assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids)}
+            assert head_ids + joined(rest)[0] == ids and head_lps + joined(rest)[1] == lps
 
 
-CANNED = 'Hello, wörld! "quoted"\nbye'
-CALL = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": '{"hand": 1}'}}
-
-
-@contextlib.asynccontextmanager
-async def openai_upstream():
-    """A minimal OpenAI-compatible server: canned content (or a tool call when tools are given),
-    streamed in small deltas, and vLLM's continue_final_message for a partial assistant reply."""
-    seen: list[dict[str, Any]] = []
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append(body)
-        if body.get("tools"):
-            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [CALL]}
-            deltas = [{"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                                            "function": {"name": "look", "arguments": '{"hand"'}}]},
-                      {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
-        else:
-            text = CANNED
-            last = body["messages"][-1]
-            if body.get("continue_final_message") and last["role"] == "assistant":
-                assert CANNED.startswith(last["content"])
-                text = CANNED[len(last["content"]):]
-            message = {"role": "assistant", "content": text, "refusal": None}
-            deltas = [{"content": text[i:i + 4]} for i in range(0, len(text), 4)]
-        if not body.get("stream"):
-            return web.json_response({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for d in deltas:
-            await resp.write(f"data: {json.dumps({'choices': [{'index': 0, 'delta': d}]})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1", seen
-    finally:
-        await runner.cleanup()
-
-
-async def test_openai_backend_maps_streamed_and_whole_replies_to_the_upstream_message() -> None:
-    async with openai_upstream() as (base, seen):
-        streaming = OpenAICompatibleBackend(base, api_key="k", model="m1")
-        whole = OpenAICompatibleBackend(base, model="m1", stream_upstream=False)
+async def test_openai_backend_reads_vllm_token_ids_logprobs_and_prompt_ids_from_the_stream() -> None:
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, api_key="k", model="m1")
         try:
-            for backend in (streaming, whole):
-                text = message_from_tokens(await collect(backend.generate(MATH, [])))
-                assert text == {"role": "assistant", "content": CANNED}
-                call = message_from_tokens(await collect(backend.generate(BLACKJACK, [])))
-                assert call == {"role": "assistant", "content": None, "tool_calls": [CALL]}
-            assert [b["stream"] for b in seen] == [True, True, False, False]
-            assert all(b["model"] == "m1" for b in seen)
-            # A cut inside the content continues upstream from the partial reply, and joins exactly.
-            full = await collect(streaming.generate(MATH, []))
-            rest = await collect(streaming.generate(MATH, full[:3]))
-            assert full[:3] + rest == full
-            assert seen[-1]["continue_final_message"] is True and seen[-1]["messages"][-1]["role"] == "assistant"
+            for request in (MATH, BLACKJACK):
+                start, steps, end = await events_of(backend.generate({**request, "temperature": 0.7}, None))
+                prompt, ids, lps = planned(fake.model, request)
+                assert start.prompt_token_ids == tuple(prompt)
+                assert joined(steps)[:2] == (ids, lps)
+                assert joined(steps)[2] == fake.model.reply(request)
+                assert end.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
         finally:
-            await streaming.close()
-            await whole.close()
+            await backend.close()
+    sent = fake.requests[0]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True} and sent["model"] == "m1"
+    assert sent["logprobs"] is True and sent["return_tokens_as_token_ids"] is True and sent["return_token_ids"] is True
+    assert sent["temperature"] == 0.7
 
 
-async def test_model_server_returns_the_upstream_message_of_an_openai_backend(store, tokens) -> None:
+async def test_openai_backend_continues_a_cut_prefix_exactly_through_required_prefix_token_ids() -> None:
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, _ = await events_of(backend.generate(MATH, None))
+            head_ids, head_lps, head_msg = joined(steps[:4])
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            again, rest, end = await events_of(backend.generate({**MATH, "max_tokens": 100}, prefix))
+        finally:
+            await backend.close()
+    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "required_prefix_token_ids"}
+    assert head_ids + joined(rest)[0] == joined(steps)[0]
+    assert (head_msg.get("content") or "") + (joined(rest)[2]["content"] or "") == fake.model.reply(MATH)["content"]
+    sent = fake.requests[-1]
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    assert sent["messages"][-1] == {"role": "assistant", "content": head_msg["content"]}
+    assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
+    assert sent["max_tokens"] == 100 - len(head_ids)
+
+
+@pytest.mark.parametrize("mode", ["drift", "refuse"])
+async def test_openai_backend_regenerates_and_says_why_when_the_upstream_cannot_continue(mode: str) -> None:
+    async with FakeVLLM(continuation=mode) as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, _ = await events_of(backend.generate(MATH, None))
+            head_ids, head_lps, head_msg = joined(steps[:4])
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            again, rest, _ = await events_of(backend.generate(MATH, prefix))
+        finally:
+            await backend.close()
+    assert again.continuation is not None and again.continuation["mode"] == "regenerated"
+    assert ("prompt_token_ids" if mode == "drift" else "refused") in again.continuation["reason"]
+    assert joined(rest) == joined(steps)  # the whole generation again, never a splice
+    assert "required_prefix_token_ids" not in fake.requests[-1]
+
+
+async def test_openai_backend_fails_clearly_when_the_upstream_stream_breaks_off() -> None:
+    async with FakeVLLM() as fake:
+        fake.fail_after = 2
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            with pytest.raises(GenerationFailed, match="broke off|ended"):
+                await events_of(backend.generate(MATH, None))
+        finally:
+            await backend.close()
+
+
+async def test_model_server_records_the_upstream_prompt_ids_generated_ids_and_logprobs(store, tokens) -> None:
     await start_attempt(store, "up")
-    async with openai_upstream() as (base, _seen):
-        backend = OpenAICompatibleBackend(base, model="m1", policy_version="weights-7")
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1", policy_version="weights-7")
         async with model_server(store, backend, tokens) as client:
             resp = await client.post(url("up"), json=MATH, headers=call_headers("up.0.t0"))
             body = await resp.json()
         await backend.close()
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": CANNED}
-    accepted = (await store.read_stream(call_stream("up.0.t0")))[0]
-    assert accepted.data["policy_version"] == "weights-7"
+    assert body["choices"][0]["message"] == fake.model.reply(MATH)
+    events = await store.read_stream(call_stream("up.0.t0"))
+    assert events[0].data["policy_version"] == "weights-7" and events[0].data["stream"] is False
+    assert fake.requests[0]["stream"] is True  # generated upstream in streaming mode whatever the client asked
+    done = events[-1].data
+    prompt, ids, lps = planned(fake.model, MATH)
+    assert await tokens.get(done["receipt"]["blob_id"]) == TokenArray(tuple(ids), tuple(lps))
+    assert (await tokens.get(done["prompt_receipt"]["blob_id"])).ids == tuple(prompt)
+    assert done["finish_reason"] == "stop" and done["usage"]["completion_tokens"] == len(ids)
+    assert done["segments"] == [{"policy_version": "weights-7", "tokens": len(ids)}]
 
 
 # ---- the model server -----------------------------------------------------------------------
@@ -209,7 +257,11 @@ async def test_non_streaming_call_completes_with_custody_events(store, tokens) -
     assert events[0].data["parent_call_id"] == "r1.0.tX" and events[0].data["policy_version"] == "scripted-v1"
     done = events[1].data
     assert done["disposition"] == "generated" and done["reply"] == backend.reply(MATH)
-    assert await tokens.get(done["receipt"]["blob_id"]) == backend.full_tokens(MATH)
+    prompt, ids, lps = planned(backend, MATH)
+    assert await tokens.get(done["receipt"]["blob_id"]) == TokenArray(tuple(ids), tuple(lps))
+    assert (await tokens.get(done["prompt_receipt"]["blob_id"])).ids == tuple(prompt)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+    assert done["finish_reason"] == body["choices"][0]["finish_reason"] == "stop"
     assert (no_prefix.status, no_prefix_error) == (400, "rollout_id_required")
     assert no_call_id.status == 400
 
@@ -218,17 +270,17 @@ async def test_streaming_call_streams_tokens_and_records_the_receipt(store, toke
     await start_attempt(store, "r2")
     backend = ScriptedBackend()
     async with model_server(store, backend, tokens) as client:
-        resp = await client.post(url("r2"), json={**BLACKJACK, "stream": True}, headers=call_headers("r2.0.t0"))
+        resp = await client.post(url("r2"), json={**BLACKJACK, "stream": True, "logprobs": True}, headers=call_headers("r2.0.t0"))
         events = await sse_events(resp)
-    full = backend.full_tokens(BLACKJACK)
-    assert streamed_tokens(events) == full
+    _, ids, lps = planned(backend, BLACKJACK)
+    assert streamed_ids(events) == ids
+    assert streamed_message(events) == backend.reply(BLACKJACK)
     assert events[-1] == "[DONE]"
     final = events[-2]
     assert final["choices"][0]["finish_reason"] == "tool_calls"
-    assert final["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "look"
     completed = (await store.read_stream(call_stream("r2.0.t0")))[-1]
     assert completed.kind == "call_completed" and completed.data["receipt"] == final["rollbook"]["receipt"]
-    assert completed.data["receipt"]["digest"] == token_digest(full)
+    assert completed.data["receipt"]["digest"] == token_digest(TokenArray(tuple(ids), tuple(lps)))
 
 
 async def test_a_repeated_call_id_returns_the_stored_reply_without_generating(store, tokens) -> None:
@@ -241,7 +293,7 @@ async def test_a_repeated_call_id_returns_the_stored_reply_without_generating(st
         elsewhere = await client.post(url("r3", 1), json=MATH, headers=call_headers("r3.0.t0"))
         await elsewhere.read()
     assert again["choices"] == first["choices"]
-    assert streamed[-2]["choices"][0]["delta"]["content"] == first["choices"][0]["message"]["content"]
+    assert streamed_message(streamed) == first["choices"][0]["message"]
     assert backend.generations == 1
     assert (await kinds(store, "r3.0.t0")).count("call_completed") == 1
     assert elsewhere.status in (400, 409)  # attempt 1 was never started, and the id is attempt 0's anyway
@@ -250,42 +302,66 @@ async def test_a_repeated_call_id_returns_the_stored_reply_without_generating(st
 async def test_streaming_call_is_cut_during_prepare_and_its_replacement_finishes_it_exactly(store, tokens) -> None:
     await start_attempt(store, "r4")
     backend = ScriptedBackend(token_latency_s=0.03)
-    full = backend.full_tokens(MATH)
+    _, full, full_lps = planned(backend, MATH)
     async with model_server(store, backend, tokens) as client:
-        resp = await client.post(url("r4"), json={**MATH, "stream": True}, headers=call_headers("r4.0.t0"))
-        for _ in range(3):  # three tokens on the wire, then checkpoint
-            await resp.content.readline()
+        resp = await client.post(url("r4"), json={**MATH, "stream": True, "logprobs": True}, headers=call_headers("r4.0.t0"))
+        head = []
+        for _ in range(4):  # the role chunk and three steps on the wire, then checkpoint
+            head.append(json.loads((await resp.content.readline()).decode()[6:]))
             await resp.content.readline()
         prepared = await control(client, "prepare", "ck-cut")
         rest = await sse_events(resp)
         assert prepared["ready"] and prepared["counts"]["cut"] == 1
         cut = (await store.read_stream(call_stream("r4.0.t0")))[-1]
-        assert cut.kind == "call_cut" and rest[-1]["rollbook"]["cut"] is True
+        assert cut.kind == "call_cut" and rest[-1]["rollbook"]["cut"] is True and rest[-1]["error"]["code"] == "admission_closed"
+        assert "[DONE]" not in rest
         n = cut.data["tokens"]
-        assert 3 <= n < len(full) and len(streamed_tokens(rest)) == n - 3
+        assert 3 <= n < len(full) and streamed_ids(head + rest) == full[:n]
         prefix = await tokens.get(cut.data["receipt"]["blob_id"])  # verifies the digest
-        assert prefix == full[:n] and token_digest(prefix) == cut.data["receipt"]["digest"]
+        assert prefix == TokenArray(tuple(full[:n]), tuple(full_lps[:n]))
 
         await control(client, "resume", "ck-cut")
         resp = await client.post(url("r4"), json=MATH, headers=call_headers("r4.0.t0b", replaces="r4.0.t0"))
         body = await resp.json()
     assert body["choices"][0]["message"] == backend.reply(MATH)
     done = (await store.read_stream(call_stream("r4.0.t0b")))[-1]
-    assert done.data["prefix_tokens"] == n and await tokens.get(done.data["receipt"]["blob_id"]) == full
+    assert done.data["prefix_tokens"] == n and done.data["continuation"]["mode"] == "continued"
+    assert await tokens.get(done.data["receipt"]["blob_id"]) == TokenArray(tuple(full), tuple(full_lps))
     assert backend.tokens_generated == len(full)  # the prefix was not generated twice
 
 
-async def test_a_reply_completed_during_prepare_is_held_until_resume(store, tokens) -> None:
-    await start_attempt(store, "r5")
-    backend = ScriptedBackend(latency_s=0.5)
+async def test_a_non_streaming_call_is_cut_by_prepare_without_waiting_and_continues_under_its_own_id(store, tokens) -> None:
+    await start_attempt(store, "r4b")
+    backend = ScriptedBackend(token_latency_s=0.2)  # about 5 s for the whole reply
+    _, full, full_lps = planned(backend, MATH)
     async with model_server(store, backend, tokens) as client:
-        pending = asyncio.ensure_future(client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0")))
-        while await kinds(store, "r5.0.t0") != ["call_accepted"]:
+        pending = asyncio.ensure_future(client.post(url("r4b"), json=MATH, headers=call_headers("r4b.0.t0")))
+        while backend.tokens_generated < 2:
             await asyncio.sleep(0.02)
+        started = time.monotonic()
+        prepared = await control(client, "prepare", "ck-nb")
+        took = time.monotonic() - started
+        refused = await pending
+        assert prepared["ready"] and prepared["counts"]["cut"] == 1 and took < 1.0
+        assert (refused.status, (await refused.json())["error"]["code"]) == (409, "admission_closed")
+        await control(client, "resume", "ck-nb")
+        body = await (await client.post(url("r4b"), json={**MATH, "logprobs": True}, headers=call_headers("r4b.0.t0"))).json()
+    assert await kinds(store, "r4b.0.t0") == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
+    assert body["choices"][0]["message"] == backend.reply(MATH)
+    assert [int(e["token"][9:]) for e in body["choices"][0]["logprobs"]["content"]] == full
+    assert [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]] == full_lps
+    assert backend.tokens_generated == len(full)
+
+
+async def test_a_stored_reply_asked_for_during_a_checkpoint_is_held_until_resume(store, tokens) -> None:
+    await start_attempt(store, "r5")
+    backend = ScriptedBackend()
+    async with model_server(store, backend, tokens) as client:
+        assert (await client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0"))).status == 200
         prepared = await control(client, "prepare", "ck-held")
-        assert prepared["ready"] and prepared["counts"] == {"accepted": 1, "completed": 1, "cut": 0, "held": 1}
-        assert await kinds(store, "r5.0.t0") == ["call_accepted", "call_completed"]
-        # A streamed repeat of the stored reply is held as well: its end would let the agent move on.
+        assert prepared["ready"] and prepared["counts"] == {"accepted": 0, "completed": 0, "cut": 0, "held": 0}
+        # A repeat of the stored reply, whole or streamed, is held: its end would let the agent move on.
+        pending = asyncio.ensure_future(client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0")))
         repeat = asyncio.ensure_future(stream_all(client, url("r5"), {**MATH, "stream": True}, call_headers("r5.0.t0")))
         await asyncio.sleep(0.2)
         assert not pending.done() and not repeat.done(), "a reply was delivered while admission was closed"
@@ -356,3 +432,49 @@ async def test_the_first_call_of_a_restored_attempt_links_to_its_saved_reply_onc
     assert len(done) == 1 and done[0].data["replaces"] == "r8.0.t0" and done[0].attempt == 1
     assert twice.status == 409 and err["code"] == "invalid_phase" and "already linked" in err["detail"]
     assert old["error"]["code"] == "stale_attempt"
+
+
+async def test_a_completed_call_converts_to_a_nemo_gym_token_entry_without_loss(store, tokens) -> None:
+    await start_attempt(store, "ng")
+    backend = ScriptedBackend()
+    async with model_server(store, backend, tokens) as client:
+        await client.post(url("ng"), json=BLACKJACK, headers={**call_headers("ng.0.t1"), "X-Rollbook-Parent-Call-Id": "ng.0.t0"})
+    done = (await store.read_stream(call_stream("ng.0.t1")))[-1]
+    record = await call_tokens(tokens, done.data, "ng", 0, parent="ng.0.t0")
+    entry = record.to_token_entry(model="scripted")
+    prompt, ids, lps = planned(backend, BLACKJACK)
+    assert entry == {"schema_version": 1, "rollout_id": "ng", "model_call_id": "ng.0.t1", "model": "scripted",
+                     "prompt_token_ids": prompt, "generation_token_ids": ids, "generation_log_probs": lps,
+                     "parent_call_id": "ng.0.t0", "cum_len": len(prompt) + len(ids)}
+
+
+@pytest.mark.parametrize("upstream", [None, "exact", "drift"])
+async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_continued_or_regenerated(
+        store, tokens, upstream: str | None) -> None:
+    await start_attempt(store, "rs")
+    fake = FakeVLLM(token_latency_s=0.05, continuation=upstream) if upstream else None
+    backend: Any = ScriptedBackend(token_latency_s=0.05)
+    if fake is not None:
+        await fake.start()
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+    _, full, full_lps = planned(ScriptedBackend(), MATH)
+    try:
+        async with model_server(store, backend, tokens) as client:
+            pending = asyncio.ensure_future(client.post(url("rs"), json=MATH, headers=call_headers("rs.0.t0")))
+            while not [e for e in await store.read_stream(call_stream("rs.0.t0")) if e.kind == "call_accepted"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # a few tokens in
+            await control(client, "prepare", "ck-rs")
+            assert (await pending).status == 409
+            await control(client, "resume", "ck-rs")
+            events = await stream_all(client, url("rs"), {**MATH, "stream": True, "logprobs": True}, call_headers("rs.0.t0"))
+    finally:
+        if fake is not None:
+            await backend.close()
+            await fake.stop()
+    cut, done = [e for e in await store.read_stream(call_stream("rs.0.t0")) if e.kind in ("call_cut", "call_completed")]
+    assert cut.data["tokens"] > 0 and events[-1] == "[DONE]"
+    assert streamed_ids(events) == full and streamed_message(events) == ScriptedBackend().reply(MATH)
+    assert [float(x) for x in full_lps] == [e["logprob"] for ev in events if isinstance(ev, dict) and ev.get("choices")
+                                            for e in ((ev["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert done.data["continuation"]["mode"] == ("regenerated" if upstream == "drift" else "continued")

@@ -28,7 +28,7 @@ async def tokens(store: PostgresEventStore) -> PostgresTokenStore:
 
 async def test_publish_records_both_references_when_they_validate(store, tokens) -> None:
     await committed(store, "ck-p")
-    receipt = await tokens.put(["Hel", "lo"])
+    receipt = await tokens.put([72, 101], [-0.5, -0.25])
     ref = await tokens.snapshot("ck-p", [receipt.blob_id])
     await Coordinator(store, []).publish("ck-p", {"checkpoint_id": "ck-p", "uri": "s3://run/ck-p"}, ref, tokens)
     last = (await store.read_stream("checkpoint:ck-p"))[-1]
@@ -41,7 +41,7 @@ async def test_publish_records_both_references_when_they_validate(store, tokens)
 async def test_publish_refuses_references_that_do_not_validate_and_writes_nothing(store, tokens, bad) -> None:
     await committed(store, "ck-q")
     await committed(store, "ck-other")
-    receipt = await tokens.put(["a", "b"])
+    receipt = await tokens.put([97, 98])
     framework = {"checkpoint_id": "ck-q"}
     token_ref = await tokens.snapshot("ck-q", [receipt.blob_id])
     if bad == "framework ref of another checkpoint":

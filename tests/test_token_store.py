@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from adapters.token_store import FilesystemTokenStore, PostgresTokenStore, decode_tokens, encode_tokens
-from engine.errors import InvalidCheckpointState
-from engine.tokens import Receipt
+from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
+from engine.errors import InvalidCheckpointState, InvalidPayload
+from engine.tokens import Receipt, TokenArray, f32
 
-TOKENS = ["{", '"content": "', "Hé", " 🦀", "", "\\n", "-1", "}"]
+IDS = [151644, 0, 7, 2**31 - 1, 42]
+LOGPROBS = [-0.1, -1e-7, 0.0, -23.456789, -2.0 / 3.0]
 
 
 @pytest.fixture(params=["postgres", "filesystem"])
@@ -48,23 +49,27 @@ async def delete(store, blob_id: str) -> None:
         (store.root / "blobs" / f"{blob_id}.json").unlink()
 
 
-def test_encoding_round_trips_and_keeps_empty_tokens_apart() -> None:
-    assert encode_tokens(["ab", "c"]) == [97, 98, -1, 99, -1]
-    assert decode_tokens(encode_tokens(TOKENS)) == TOKENS
-    assert encode_tokens([]) != encode_tokens([""])
+async def test_put_then_get_returns_the_same_ids_and_float32_logprobs_with_a_receipt(tokens) -> None:
+    receipt = await tokens.put(IDS, LOGPROBS)
+    assert isinstance(receipt, Receipt) and receipt.tokens == len(IDS)
+    got = await tokens.get(receipt.blob_id)
+    assert got == TokenArray(tuple(IDS), tuple(f32(x) for x in LOGPROBS))
+    assert await tokens.put(IDS, LOGPROBS) == receipt  # content-addressed: a retried put is the same blob
+    prompt = await tokens.put(IDS)  # a prompt: ids without logprobs is another blob
+    assert (await tokens.get(prompt.blob_id)).logprobs is None and prompt.blob_id != receipt.blob_id
+    empty = await tokens.put([], [])
+    assert (await tokens.get(empty.blob_id)).ids == () and empty.blob_id != receipt.blob_id
 
 
-async def test_put_then_get_returns_the_same_tokens_with_a_receipt(tokens) -> None:
-    receipt = await tokens.put(TOKENS)
-    assert isinstance(receipt, Receipt) and receipt.tokens == len(TOKENS)
-    assert await tokens.get(receipt.blob_id) == TOKENS
-    assert await tokens.put(TOKENS) == receipt  # content-addressed: a retried put is the same blob
-    empty = await tokens.put([])
-    assert await tokens.get(empty.blob_id) == [] and empty.blob_id != receipt.blob_id
+@pytest.mark.parametrize("ids,logprobs", [([-1], None), ([2**31], None), (["7"], None), ([1, 2], [-0.5]),
+                                          ([1], [float("nan")])])
+async def test_put_refuses_ids_that_are_not_int32_and_logprobs_that_do_not_fit(tokens, ids, logprobs) -> None:
+    with pytest.raises(InvalidPayload):
+        await tokens.put(ids, logprobs)
 
 
 async def test_get_refuses_a_tampered_or_missing_blob(tokens) -> None:
-    receipt = await tokens.put(TOKENS)
+    receipt = await tokens.put(IDS, LOGPROBS)
     await tamper(tokens, receipt.blob_id)
     with pytest.raises(InvalidCheckpointState, match="digest"):
         await tokens.get(receipt.blob_id)
@@ -73,7 +78,7 @@ async def test_get_refuses_a_tampered_or_missing_blob(tokens) -> None:
 
 
 async def test_snapshot_validates_under_its_own_checkpoint(tokens) -> None:
-    a, b = await tokens.put(["a"]), await tokens.put(["b", "c"])
+    a, b = await tokens.put([1]), await tokens.put([2, 3], [-1.0, -2.0])
     ref = await tokens.snapshot("ck-1", [a.blob_id, b.blob_id, a.blob_id])
     assert set(ref) == {"checkpoint_id", "snapshot_id", "digest"} and ref["checkpoint_id"] == "ck-1"
     await tokens.validate(ref, "ck-1")
@@ -81,7 +86,7 @@ async def test_snapshot_validates_under_its_own_checkpoint(tokens) -> None:
 
 
 async def test_validate_refuses_a_snapshot_of_another_checkpoint(tokens) -> None:
-    a = await tokens.put(["a"])
+    a = await tokens.put([1])
     ref = await tokens.snapshot("ck-1", [a.blob_id])
     other = await tokens.snapshot("ck-2", [a.blob_id])
     with pytest.raises(InvalidCheckpointState, match="ck-1"):
@@ -92,7 +97,7 @@ async def test_validate_refuses_a_snapshot_of_another_checkpoint(tokens) -> None
 
 
 async def test_validate_refuses_a_tampered_blob_a_missing_blob_and_a_wrong_digest(tokens) -> None:
-    a, b = await tokens.put(["a", "b"]), await tokens.put(["c"])
+    a, b = await tokens.put([1, 2]), await tokens.put([3], [-0.5])
     ref = await tokens.snapshot("ck-1", [a.blob_id, b.blob_id])
     with pytest.raises(InvalidCheckpointState, match="digest"):
         await tokens.validate({**ref, "digest": "0" * 64}, "ck-1")

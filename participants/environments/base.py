@@ -39,13 +39,18 @@ class Task:
     task_id: str
     prompt: str
     params: dict[str, JSON] = field(default_factory=dict)
+    sampling: dict[str, JSON] = field(default_factory=dict)  # sent with every model call of the task
 
     def to_json(self) -> dict[str, JSON]:
-        return {"env": self.env, "task_id": self.task_id, "prompt": self.prompt, "params": self.params}
+        out: dict[str, JSON] = {"env": self.env, "task_id": self.task_id, "prompt": self.prompt, "params": self.params}
+        if self.sampling:  # absent when empty: tasks without it keep the wire form they always had
+            out["sampling"] = self.sampling
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> Task:
-        return cls(env=d["env"], task_id=d["task_id"], prompt=d["prompt"], params=dict(d.get("params") or {}))
+        return cls(env=d["env"], task_id=d["task_id"], prompt=d["prompt"], params=dict(d.get("params") or {}),
+                   sampling=dict(d.get("sampling") or {}))
 
 
 @dataclass(frozen=True)

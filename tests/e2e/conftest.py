@@ -15,6 +15,8 @@ import asyncio
 import os
 import random
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ from adapters.postgres import PostgresEventStore
 from adapters.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SEED_VARIABLE = "ROLLBOOK_E2E_SEED"
 POLL_S = 0.005
@@ -197,9 +201,21 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
     """Build (and start) a cluster on the test's database; everything is stopped at teardown."""
     made: list[Cluster] = []
 
-    async def make(token_latency_s: float = 0.006) -> Cluster:
+    upstreams: list[subprocess.Popen[bytes]] = []
+
+    async def make(token_latency_s: float = 0.006, upstream: bool = False) -> Cluster:
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                    for k in cfg.KINDS}
+        if upstream:
+            # The model server in front of a vLLM-style upstream (tests/fake_vllm.py) in its own process,
+            # which outlives the crashes as a real inference server would.
+            port = free_port()
+            upstreams.append(subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(port),
+                                               "--token-latency-s", str(token_latency_s)], cwd=ROOT))
+            await _wait_listening(port)
+            servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",
+                                                url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
+                                                policy_version="scripted-v1")
         config = cfg.Config(dsn=dsn, token=secrets.token_hex(12), servers=servers)
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
@@ -216,6 +232,22 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
         await asyncio.to_thread(cluster.procs.stop)
         await cluster.session.close()
         await cluster.store.close()
+    for proc in upstreams:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 10)
+
+
+async def _wait_listening(port: int, timeout: float = 20.0) -> None:
+    end = time.time() + timeout
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.time() > end:
+                raise
+            await asyncio.sleep(0.05)
 
 
 # ---- invariants, through the public views --------------------------------------------------------

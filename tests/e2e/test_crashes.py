@@ -67,9 +67,10 @@ async def restored_attempts(c: Cluster, prefix: str, checkpoint_id: str) -> list
 
 # ---- 1. during a model call ----------------------------------------------------------------------
 
-async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_factory, rng) -> None:
+@pytest.mark.parametrize("upstream", [False, True], ids=["scripted", "vllm-upstream"])
+async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_factory, rng, upstream: bool) -> None:
     # Slow tokens: a call lasts hundreds of ms, so the kill that follows its detection lands inside it.
-    c = await cluster_factory(token_latency_s=0.025)
+    c = await cluster_factory(token_latency_s=0.025, upstream=upstream)
     coll, run = await launch(c, rng, "call")
     await c.wait_count("call", "mutation_applied", rng.randint(1, 3))  # sessions have state to restore
     ck = await published(c, coll, "call-ck1")

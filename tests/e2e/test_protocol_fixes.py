@@ -133,14 +133,14 @@ REPLY_AFTER_BOUNDARY = """
 SELECT e.position FROM rollbook.events e
 JOIN LATERAL jsonb_to_recordset(:scope) AS s(rollout_id text, attempt int, boundary bigint)
   ON s.rollout_id = e.rollout_id AND s.attempt = e.attempt
-WHERE e.kind = 'call_completed' AND e.position > s.boundary AND e.position <= :p
+WHERE e.kind IN ('call_completed', 'call_cut') AND e.position > s.boundary AND e.position <= :p
 ORDER BY e.position LIMIT 1
 """
 
 
 async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
-    """A checkpoint taken while model calls are in flight: the calls complete during prepare, after
-    their agent's before_model boundary and before P."""
+    """A checkpoint taken while model calls are in flight: prepare cuts them (or one completes as it
+    begins), so their custody event lands after their agent's before_model boundary and before P."""
     coll, run = await launch(c, prefix, n=8)
     await c.wait_count(prefix, "call_completed", 3)
     await c.call_in_flight(prefix)
@@ -168,10 +168,10 @@ async def test_an_edited_reply_between_a_boundary_and_the_cut_is_refused_at_rest
     c = await cluster_factory(token_latency_s=0.02)
     coll, cut = await checkpoint_with_a_reply_after_a_boundary(c, "tam")
     victim = await c.scalar(REPLY_AFTER_BOUNDARY, scope=json.dumps(cut["scope"]), p=cut["position"])
-    assert victim is not None, "no call completed between a boundary and the cut in this run"
-    await refused_with_nothing_installed(
-        c, coll, "tam-ck1",
-        "UPDATE rollbook.events SET data = jsonb_set(data, '{reply,content}', '\"edited\"') WHERE position = :v", v=victim)
+    assert victim is not None, "no call completed or was cut between a boundary and the cut in this run"
+    await refused_with_nothing_installed(  # both custody events carry the token count of their receipt
+        c, coll, "tam-ck1", "UPDATE rollbook.events SET data = jsonb_set(data, '{tokens}', '999') WHERE position = :v",
+        v=victim)
 
 
 # Clearing `completed`, or naming the finished rollouts in `fresh_dispatch`: either way they would run again.

@@ -1,0 +1,204 @@
+"""A fake vLLM OpenAI-compatible server: the one stand-in for a real model in the tests.
+
+Its "model" is the scripted policy with the scripted tokenizer (adapters.scripted_tokenizer), so
+replies are deterministic, but everything on the wire is vLLM's:
+
+- request: `logprobs`, `top_logprobs`, `return_tokens_as_token_ids` (each logprob entry's
+  `token` becomes "token_id:N"), `return_token_ids` (the first stream chunk carries
+  `prompt_token_ids`, each chunk's choice its `token_ids`), `stream_options.include_usage`,
+  `continue_final_message` / `add_generation_prompt`, and NeMo Gym's `required_prefix_token_ids`
+  (the exact ids the prompt must be);
+- response: chat.completion.chunk events, one per step, `[DONE]` at the end; non-streaming
+  replies carry `prompt_token_ids` and `choices[0].token_ids` too.
+
+Knobs for tests: `token_latency_s`; `stall_after` (stop sending after N steps and hang),
+`fail_after` (drop the connection after N steps); `continuation`: "exact" (honour
+required_prefix_token_ids), "drift" (report other prompt ids, as a server that retokenized the
+partial text differently would), "refuse" (answer 400 to a continuation). `requests` keeps every
+body received.
+
+Run alone: `python -m tests.fake_vllm --port 8000` (the e2e suite starts it as a process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from adapters import scripted_tokenizer as tok
+from adapters.generation import ScriptedBackend, Step
+
+MODEL = "fake-policy"
+
+
+class FakeVLLM:
+    def __init__(self, token_latency_s: float = 0.0, continuation: str = "exact") -> None:
+        self.token_latency_s = token_latency_s
+        self.continuation = continuation
+        self.stall_after: int | None = None
+        self.fail_after: int | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.steps_sent = 0
+        self.model = ScriptedBackend()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def start(self, port: int = 0) -> str:
+        self.runner = web.AppRunner(self.app())
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+        return self.url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def __aenter__(self) -> FakeVLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm"}]})
+
+    @staticmethod
+    def _error(status: int, message: str) -> web.Response:
+        return web.json_response({"object": "error", "message": message, "type": "BadRequestError", "param": None,
+                                  "code": status}, status=status)
+
+    def _plan(self, body: dict[str, Any]) -> tuple[list[int], list[Step], str, list[int]] | web.Response:
+        """(reported prompt ids, steps to send, finish reason, prefix ids) for a request."""
+        messages = list(body.get("messages") or [])
+        continuing = bool(body.get("continue_final_message")) and messages and messages[-1].get("role") == "assistant"
+        if not continuing:
+            prompt, steps, finish = self.model.plan(body)
+            return prompt, steps, finish, []
+        if self.continuation == "refuse":
+            return self._error(400, "continue_final_message is not supported by this server")
+        original = {**body, "messages": messages[:-1], "max_tokens": None, "max_completion_tokens": None}
+        prompt, steps, finish = self.model.plan(original)
+        required = body.get("required_prefix_token_ids")
+        if required is None or required[: len(prompt)] != prompt:
+            return self._error(400, "required_prefix_token_ids must start with the prompt's token ids")
+        prefix, n, k = required[len(prompt):], 0, 0
+        while k < len(steps) and n < len(prefix):
+            n += len(steps[k].ids)
+            k += 1
+        if [i for s in steps[:k] for i in s.ids] != prefix:
+            return self._error(400, "required_prefix_token_ids is not a prefix this model generates")
+        rest = steps[k:]
+        limit = body.get("max_tokens")
+        if limit is not None and sum(len(s.ids) for s in rest) > int(limit):
+            kept, m = [], 0
+            for s in rest:
+                if m + len(s.ids) > int(limit):
+                    break
+                kept.append(s)
+                m += len(s.ids)
+            rest, finish = kept, "length"
+        reported = list(required)
+        if self.continuation == "drift":
+            reported = reported[:-1] + [(reported[-1] + 1) % tok.VOCAB_SIZE]  # a different tokenization of the same text
+        return reported, rest, finish, prefix
+
+    @staticmethod
+    def _logprobs(step: Step, as_ids: bool) -> dict[str, Any]:
+        def name(i: int) -> str:
+            return f"token_id:{i}" if as_ids else tok.decode([i])
+
+        return {"content": [
+            {"token": name(i), "logprob": lp, "bytes": list(tok.decode([i]).encode()),
+             "top_logprobs": [{"token": name(a), "logprob": x, "bytes": None} for a, x in (step.top_logprobs[j] if j < len(step.top_logprobs) else ())]}
+            for j, (i, lp) in enumerate(zip(step.ids, step.logprobs, strict=True))]}
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if int(body.get("n") or 1) != 1:
+            return self._error(400, "this fake serves n=1 only")
+        planned = self._plan(body)
+        if isinstance(planned, web.Response):
+            return planned
+        prompt, steps, finish, prefix = planned
+        as_ids, want_ids = bool(body.get("return_tokens_as_token_ids")), bool(body.get("return_token_ids"))
+        want_lps = bool(body.get("logprobs"))
+        rid, created = f"chatcmpl-fake-{len(self.requests)}", int(time.time())
+        completion_tokens = sum(len(s.ids) for s in steps)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
+        if not body.get("stream"):
+            message: dict[str, Any] = {}
+            from adapters.generation import final_message, merge_delta
+
+            for s in steps:
+                merge_delta(message, s.delta)
+            choice: dict[str, Any] = {"index": 0, "message": final_message(message), "finish_reason": finish,
+                                      "logprobs": {"content": [e for s in steps for e in self._logprobs(s, as_ids)["content"]]} if want_lps else None}
+            out: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created, "model": MODEL,
+                                   "choices": [choice], "usage": usage}
+            if want_ids:
+                out["prompt_token_ids"] = prompt
+                choice["token_ids"] = [i for s in steps for i in s.ids]
+            return web.json_response(out)
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(value: dict[str, Any]) -> None:
+            await resp.write(f"data: {json.dumps(value)}\n\n".encode())
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [choice]}
+
+        first = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        if want_ids:
+            first["prompt_token_ids"] = prompt
+        await send(first)
+        for n, s in enumerate(steps):
+            if self.stall_after is not None and n >= self.stall_after:
+                await asyncio.sleep(3600)  # hangs until the client goes away
+            if self.fail_after is not None and n >= self.fail_after:
+                assert request.transport is not None
+                request.transport.close()  # the connection drops mid-stream
+                return resp
+            if self.token_latency_s:
+                await asyncio.sleep(self.token_latency_s)
+            choice = {"index": 0, "delta": s.delta, "logprobs": self._logprobs(s, as_ids) if want_lps else None,
+                      "finish_reason": None}
+            if want_ids:
+                choice["token_ids"] = list(s.ids)
+            await send(chunk(choice))
+            self.steps_sent += 1
+        await send(chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": MODEL, "choices": [],
+                        "usage": usage})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token-latency-s", type=float, default=0.0)
+    args = parser.parse_args()
+    fake = FakeVLLM(token_latency_s=args.token_latency_s)
+    web.run_app(fake.app(), host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
