@@ -18,7 +18,9 @@ ATTEMPT_FINISHED = "attempt_finished"
 ROLLOUT_RETIRED = "rollout_retired"
 ROLLOUT_FORGOTTEN = "rollout_forgotten"
 
-LIVE_STATUSES = frozenset({"live", "finished"})
+# "retired" in the projection mirrors the rollout's retire mark, and the mark alone refuses: forget
+# clears it, and a late writer of a forgotten rollout is admitted as before its retire.
+LIVE_STATUSES = frozenset({"live", "finished", "retired"})
 
 
 @dataclass
