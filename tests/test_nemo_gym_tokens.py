@@ -1,0 +1,395 @@
+"""rollbook's log as NeMo Gym's token-capture transport, checked by NeMo Gym's own conformance suite.
+
+nemo-gym 0.7.0 is installed the light way by tests/nemo_gym_env.py (no manual step; cached outside
+git). `run_conformance` runs against fresh clients over one real PostgreSQL: once in this process,
+once with every client in a separate worker process (tests/nemo_gym_worker.py), so a record put by
+one process is frozen, resolved and retired by another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests import nemo_gym_env
+
+nemo_gym_env.ensure()
+
+from nemo_gym.token_id_capture.conformance import ConformanceError, run_conformance  # noqa: E402
+from nemo_gym.token_id_capture.lineage import stamp_continuation  # noqa: E402
+from nemo_gym.token_id_capture.protocols import (  # noqa: E402
+    LineageMatch,
+    LineageResolution,
+    TokenCaptureSnapshot,
+)
+from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage  # noqa: E402
+
+from adapters.nemo_gym_tokens import RollbookLineageStore, RollbookTokenCapture  # noqa: E402
+from adapters.postgres import PostgresEventStore  # noqa: E402
+from engine.errors import (  # noqa: E402
+    CaptureFrozen,
+    InvalidCheckpointState,
+    InvalidIdentifier,
+    InvalidPayload,
+    StaleAttempt,
+    TokenEntryConflict,
+)
+from engine.events import AppendRequest, NewEvent  # noqa: E402
+from engine.identity import rollout_stream  # noqa: E402
+from engine.token_capture import split_capture_key  # noqa: E402
+from participants.replay import history, replay  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Every check run_conformance (0.7.0) has, in its order. The issue counts nine: it names the two
+# lineage checks (an existing and a fresh resolver) as one, "lineage visibility across clients".
+CHECKS = [
+    "put_then_freeze_visibility",
+    "idempotent_reput",
+    "conflicting_reput",
+    "mark_incomplete_durability",
+    "freeze_idempotency",
+    "post_freeze_write_safety",
+    "conditional_retirement",
+    "lineage_visibility",
+    "fresh_client_lineage_visibility",
+    "begin_call_custody",
+]
+
+
+def make_entry(rollout_id: str, call: str, prompt: list[int], generation: list[int], *,
+               logprobs: list[float] | None = None, text: str = "a") -> TokenEntry:
+    entry = TokenEntry(
+        rollout_id=rollout_id, model_call_id=call, model="m", prompt_token_ids=prompt, generation_token_ids=generation,
+        generation_log_probs=logprobs if logprobs is not None else [-0.1] * len(generation),
+        output_items=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+        token_item_index=0, created_at=1700000000.25,
+    )
+    stamp_continuation(entry, [{"role": "user", "content": "hi"}])
+    return stamp_lineage(entry, None, parent_resolution=ParentResolutionStatus.ROOT)
+
+
+async def log_size(dsn: str) -> tuple[int, int]:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        events = (await (await conn.execute("SELECT count(*) FROM rollbook.events")).fetchone())[0]
+        blobs = (await (await conn.execute("SELECT count(*) FROM rollbook.token_blobs")).fetchone())[0]
+    return events, blobs
+
+
+# ---- the conformance suite ------------------------------------------------------------------------
+
+
+async def test_nemo_gym_conformance_passes_every_check_with_fresh_clients_in_one_process(dsn: str) -> None:
+    passed = await run_conformance(
+        lambda: RollbookTokenCapture(dsn), lambda: RollbookTokenCapture(dsn), lambda: RollbookLineageStore(dsn)
+    )
+    assert passed == CHECKS
+
+
+class _RemoteError(Exception):
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+class _Worker:
+    """One process holding real clients; one request at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lock = asyncio.Lock()
+        self.clients = 0
+
+    @classmethod
+    async def start(cls, dsn: str) -> _Worker:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.nemo_gym_worker", dsn, cwd=REPO,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        return cls(proc)
+
+    async def request(self, **body: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        async with self.lock:
+            self.proc.stdin.write(json.dumps(body).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"worker {self.proc.pid} exited with {await self.proc.wait()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise _RemoteError(reply["error"]["code"], reply["error"]["detail"])
+        return reply["ok"]
+
+    async def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        await asyncio.wait_for(self.proc.wait(), 30)
+
+
+class _Remote:
+    """A fresh client whose real instance lives in a worker process (made on first use)."""
+
+    kind = ""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.handle: int | None = None
+
+    async def _call(self, method: str, **args: Any) -> Any:
+        if self.handle is None:
+            self.handle = await self.worker.request(op="new", kind=self.kind)
+            self.worker.clients += 1
+        return await self.worker.request(op="call", handle=self.handle, method=method, args=args)
+
+    async def close(self) -> None:
+        if self.handle is not None:
+            await self._call("close")
+
+
+class RemoteCapture(_Remote):
+    kind = "capture"
+
+    async def put(self, entry: TokenEntry) -> None:
+        await self._call("put", entry=entry.model_dump(mode="json"))
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        await self._call("mark_incomplete", rollout_id=rollout_id, model_call_id=model_call_id)
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        await self._call("begin_call", rollout_id=rollout_id, model_call_id=model_call_id)
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        d = await self._call("freeze", rollout_id=rollout_id)
+        entries = tuple(TokenEntry.model_validate(e) for e in d["entries"])
+        return TokenCaptureSnapshot(d["rollout_id"], entries, d["incomplete"], d["snapshot_id"], d["version"])
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        return bool(await self._call("drop", rollout_id=rollout_id, snapshot_id=snapshot_id, version=version))
+
+
+class RemoteLineage(_Remote):
+    kind = "lineage"
+
+    async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
+        d = await self._call("resolve", rollout_id=rollout_id, request_items=request_items)
+        match = None if d["match"] is None else LineageMatch(
+            d["match"]["model_call_id"], tuple(d["match"]["cumulative_token_ids"]), d["match"]["digest"])
+        return LineageResolution(ParentResolutionStatus(d["status"]), match=match, reason=d["reason"])
+
+    def is_process_shared(self) -> bool:
+        return True
+
+
+async def test_nemo_gym_conformance_passes_every_check_with_each_client_in_another_process(dsn: str) -> None:
+    workers = await asyncio.gather(_Worker.start(dsn), _Worker.start(dsn))
+    turn = itertools.cycle(workers)  # consecutive clients (a check's sink, then its source) never share a process
+    try:
+        passed = await run_conformance(
+            lambda: RemoteCapture(next(turn)), lambda: RemoteCapture(next(turn)), lambda: RemoteLineage(next(turn))
+        )
+    finally:
+        await asyncio.gather(*(w.stop() for w in workers))
+    assert passed == CHECKS
+    assert all(w.clients >= 5 for w in workers), [w.clients for w in workers]
+
+
+class _RetiresAnyVersion(RollbookTokenCapture):
+    """A negative control: retirement that ignores the version the trainer froze."""
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        state = await self._state(*split_capture_key(rollout_id))
+        return await super().drop(rollout_id, snapshot_id=snapshot_id, version=state.version)
+
+
+async def test_conformance_catches_a_retirement_that_ignores_the_frozen_version(dsn: str) -> None:
+    with pytest.raises(ConformanceError) as err:
+        await run_conformance(lambda: _RetiresAnyVersion(dsn), lambda: _RetiresAnyVersion(dsn))
+    assert err.value.check_name == "mark_incomplete_durability"
+
+
+# ---- the log shows the calls like any other ---------------------------------------------------------
+
+
+async def test_a_captured_call_is_in_model_calls_history_and_replay(dsn: str) -> None:
+    sink = RollbookTokenCapture(dsn)
+    store = PostgresEventStore.connect(dsn, writer="test")
+    try:
+        await sink.begin_call("gym-7-a2", "c1")
+        await sink.put(make_entry("gym-7-a2", "c1", [1, 2, 3], [4, 5], logprobs=[-0.5, -0.25]))
+        await sink.mark_incomplete("gym-7-a2", "c2")
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            rows = await (await conn.execute(
+                "SELECT call_id, rollout_id, attempt, status, tokens, receipt->>'blob_id', disposition "
+                "FROM rollbook.model_calls WHERE rollout_id = 'gym-7' ORDER BY call_id")).fetchall()
+            stored = await (await conn.execute(
+                "SELECT b.token_ids, b.logprobs FROM rollbook.model_calls m "
+                "JOIN rollbook.token_blobs b ON b.blob_id = m.receipt->>'blob_id' WHERE m.call_id = 'gym-7.2.c1'")).fetchone()
+        assert [r[:5] + (r[6],) for r in rows] == [
+            ("gym-7.2.c1", "gym-7", 2, "completed", 2, "captured"),
+            ("gym-7.2.c2", "gym-7", 2, "failed", None, None),
+        ]
+        assert rows[0][5].startswith("sha256-")
+        assert stored == ([4, 5], [-0.5, -0.25])
+        h = await history(store, "gym-7")
+        assert [(a["attempt"], a["status"], a["model_calls"]) for a in h["attempts"]] == [(2, "live", 1)]
+        assert [t["kind"] for t in h["timeline"]] == [
+            "attempt_started", "capture_call_begun", "call_accepted", "capture_entry_put", "call_completed",
+            "capture_incomplete", "call_accepted", "call_failed",
+        ]
+        steps, state = await replay(store, "gym-7", 2)
+        assert state.calls == ["gym-7.2.c1"]
+        assert "call c1 recorded, 3 prompt + 2 generated tokens" in steps[3].change
+    finally:
+        await sink.close()
+        await store.close()
+
+
+# ---- the contract, rule by rule -------------------------------------------------------------------
+
+
+async def test_put_then_freeze_round_trips_the_exact_record_from_another_client(dsn: str) -> None:
+    a, b = RollbookTokenCapture(dsn), RollbookTokenCapture(dsn)
+    entry = make_entry("r1", "c1", [7, 8], [9], logprobs=[-0.1])  # -0.1 is not a float32: stored as it was given
+    try:
+        await a.put(entry)
+        snap = await b.freeze("r1")
+        again = await RollbookTokenCapture(dsn).freeze("r1")
+    finally:
+        await a.close()
+        await b.close()
+    assert [e.model_dump(mode="json") for e in snap.entries] == [entry.model_dump(mode="json")]
+    assert (snap.snapshot_id, snap.version, snap.incomplete) == (again.snapshot_id, again.version, False)
+    assert snap.snapshot_id.startswith("r1@")
+
+
+async def test_a_conflicting_reput_is_refused_and_writes_nothing(dsn: str) -> None:
+    sink = RollbookTokenCapture(dsn)
+    try:
+        await sink.put(make_entry("r2", "c1", [1], [2]))
+        before = await log_size(dsn)
+        with pytest.raises(TokenEntryConflict) as err:
+            await sink.put(make_entry("r2", "c1", [1], [3]))
+        assert err.value.code == "token_entry_conflict" and "c1" in err.value.detail
+        assert await log_size(dsn) == before
+    finally:
+        await sink.close()
+
+
+async def test_a_put_after_freeze_is_refused_and_writes_nothing(dsn: str) -> None:
+    sink = RollbookTokenCapture(dsn)
+    try:
+        await sink.put(make_entry("r3", "c1", [1], [2]))
+        await sink.freeze("r3")
+        await sink.put(make_entry("r3", "c1", [1], [2]))  # the identical record: a retry, already in the snapshot
+        before = await log_size(dsn)
+        with pytest.raises(CaptureFrozen) as err:
+            await sink.put(make_entry("r3", "c2", [1, 2], [3]))
+        assert err.value.code == "capture_frozen" and "c2" in err.value.detail
+        assert await log_size(dsn) == before
+    finally:
+        await sink.close()
+
+
+@pytest.mark.parametrize("bad", ["rollout id", "token id", "logprob", "call id"])
+async def test_bad_records_are_refused_by_name_and_write_nothing(dsn: str, bad: str) -> None:
+    entry = make_entry("r4", "c1", [1, 2], [3])
+    if bad == "rollout id":
+        entry.rollout_id = "no spaces allowed"
+    elif bad == "token id":
+        entry.prompt_token_ids = [1, -2]
+    elif bad == "logprob":
+        entry.generation_log_probs = [float("nan")]
+    else:
+        entry.model_call_id = "../c1"
+    sink = RollbookTokenCapture(dsn)
+    try:
+        before = await log_size(dsn)
+        with pytest.raises((InvalidIdentifier, InvalidPayload)) as err:
+            await sink.put(entry)
+        assert await log_size(dsn) == before
+    finally:
+        await sink.close()
+    expected = {"rollout id": ("invalid_identifier", "rollout id"), "token id": ("invalid_payload", "-2"),
+                "logprob": ("invalid_payload", "logprob"), "call id": ("invalid_identifier", "model call id")}[bad]
+    assert err.value.code == expected[0] and expected[1] in err.value.detail
+
+
+async def test_a_fenced_attempt_cannot_capture(dsn: str) -> None:
+    sink = RollbookTokenCapture(dsn)
+    store = PostgresEventStore.connect(dsn, writer="test")
+    try:
+        await sink.put(make_entry("r5", "c1", [1], [2]))
+        await store.append(AppendRequest((NewEvent(rollout_stream("r5"), "attempt_fenced", {}, "r5", 0),)))
+        with pytest.raises(StaleAttempt):
+            await sink.put(make_entry("r5", "c2", [1, 2], [3]))
+    finally:
+        await sink.close()
+        await store.close()
+
+
+async def test_freeze_refuses_tokens_that_are_not_what_was_put(dsn: str) -> None:
+    sink = RollbookTokenCapture(dsn)
+    try:
+        await sink.put(make_entry("r6", "c1", [1, 2], [3]))
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("UPDATE rollbook.token_blobs SET logprobs = '{-0.2}' WHERE token_ids = '{3}'")
+        with pytest.raises(InvalidCheckpointState) as err:
+            await sink.freeze("r6")
+        assert "does not match its digest" in err.value.detail
+    finally:
+        await sink.close()
+
+
+async def test_a_put_racing_freeze_is_in_the_snapshot_or_refused(dsn: str) -> None:
+    """The log's optimistic concurrency is a strict fence: no put returns and misses the snapshot."""
+    clients = [RollbookTokenCapture(dsn) for _ in range(4)]
+    outcomes = set()
+    try:
+        for i in range(12):
+            key = f"race{i}"
+            await clients[0].put(make_entry(key, "c1", [1], [2]))
+            put, snap = await asyncio.gather(
+                clients[1 + i % 2].put(make_entry(key, "c2", [1, 2], [3])), clients[3].freeze(key),
+                return_exceptions=True,
+            )
+            assert isinstance(snap, TokenCaptureSnapshot), snap
+            landed = "c2" in {e.model_call_id for e in snap.entries}
+            if put is None:
+                assert landed
+            else:
+                assert isinstance(put, CaptureFrozen) and not landed, put
+            outcomes.add(landed)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+    assert outcomes  # at least one of the orders happened; both usually do
+
+
+async def test_a_resolved_parent_carries_tokens_read_back_from_the_store(dsn: str) -> None:
+    sink, resolver = RollbookTokenCapture(dsn), RollbookLineageStore(dsn)
+    try:
+        parent = make_entry("r7", "c1", [1, 2], [3, 4], text="sunny")
+        await sink.put(parent)
+        follow_up = [{"role": "user", "content": "hi"}, *parent.output_items, {"role": "user", "content": "more"}]
+        first = await resolver.resolve("r7", follow_up)
+        assert first.status == ParentResolutionStatus.RESOLVED and first.match is not None
+        assert first.match.cumulative_token_ids == (1, 2, 3, 4)
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("UPDATE rollbook.token_blobs SET token_ids = '{3,5}', digest = 'x' WHERE token_ids = '{3,4}'")
+        fresh = RollbookLineageStore(dsn)
+        try:
+            with pytest.raises(InvalidCheckpointState):
+                await fresh.resolve("r7", follow_up)
+        finally:
+            await fresh.close()
+    finally:
+        await sink.close()
+        await resolver.close()
+
