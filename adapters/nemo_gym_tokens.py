@@ -39,6 +39,7 @@ from nemo_gym.token_id_capture.protocols import LineageMatch, LineageResolution,
 from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry, compute_digest
 from sqlalchemy import text
 
+from adapters import database
 from adapters.postgres import PostgresEventStore
 from engine import token_capture as tc
 from engine.attempts import ATTEMPT_STARTED
@@ -73,12 +74,24 @@ def entry_digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
+_CHECKED: dict[str | None, str] = {}
+
+
+def _checked(dsn: str | None) -> str:
+    """The DSN (given, else ROLLBOOK_DSN, else the embedded server), its schema checked once per
+    process: a client of a database whose schema is behind or ahead refuses (`schema_mismatch`)."""
+    key = dsn if dsn is not None else os.environ.get("ROLLBOOK_DSN")
+    if key not in _CHECKED:
+        _CHECKED[key] = database.prepare_database(dsn)
+    return _CHECKED[key]
+
+
 class _Client:
     """One client of the shared database: its own event store (and connection pool)."""
 
-    def __init__(self, dsn: str, *, writer: str | None = None) -> None:
-        self.dsn = dsn
-        self.store = PostgresEventStore.connect(dsn, writer or f"nemo-gym-tokens-{os.getpid()}", pool_size=2)
+    def __init__(self, dsn: str | None = None, *, writer: str | None = None) -> None:
+        self.dsn = _checked(dsn)
+        self.store = PostgresEventStore.connect(self.dsn, writer or f"nemo-gym-tokens-{os.getpid()}", pool_size=2)
         self._closed = False
         self._started: set[tuple[str, int]] = set()  # attempts known to exist: an attempt never un-starts
 
@@ -199,10 +212,11 @@ class RollbookTokenCapture(_Client):
                              "entry": meta, **receipts}, rollout_id, attempt)]
             if model_call_id not in state.intents:  # begin_call accepted it already
                 out.append(_accepted(call_id, model_call_id, rollout_id, attempt, parent))
-            out.append(NewEvent(call_stream(call_id), "call_completed",
-                                {"call_id": call_id, "model_call_id": model_call_id, **receipts,
-                                 "tokens": len(generated), "disposition": "captured", "entry_digest": digest,
-                                 "policy_version": None, "source": SOURCE}, rollout_id, attempt))
+            completed = {"call_id": call_id, "model_call_id": model_call_id, **receipts, "tokens": len(generated),
+                         "disposition": "captured", "entry_digest": digest, "policy_version": None, "source": SOURCE}
+            if parent:
+                completed["parent_call_id"] = tc.captured_call_id(rollout_id, attempt, parent)
+            out.append(NewEvent(call_stream(call_id), "call_completed", completed, rollout_id, attempt))
             return out
 
         await self._write(key, lambda s: tc.decide_put(s, key, model_call_id, digest), events)
@@ -288,7 +302,7 @@ class RollbookLineageStore(_Client):
     the index holds fingerprints, digests and lengths; only the winner's tokens are read, and they
     must hash to the digest the record was stamped with."""
 
-    def __init__(self, dsn: str, *, writer: str | None = None) -> None:
+    def __init__(self, dsn: str | None = None, *, writer: str | None = None) -> None:
         super().__init__(dsn, writer=writer)
         self._cache: dict[str, tuple[int, RolloutLineage, dict[str, tc.CapturedCall]]] = {}
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import yaml
 
 from tests import nemo_gym_env
 
@@ -81,6 +84,11 @@ async def log_size(dsn: str) -> tuple[int, int]:
         events = (await (await conn.execute("SELECT count(*) FROM rollbook.events")).fetchone())[0]
         blobs = (await (await conn.execute("SELECT count(*) FROM rollbook.token_blobs")).fetchone())[0]
     return events, blobs
+
+
+async def model_call_rows(dsn: str) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        return await (await conn.execute("SELECT * FROM rollbook.model_call_state ORDER BY call_id")).fetchall()
 
 
 # ---- the conformance suite ------------------------------------------------------------------------
@@ -225,9 +233,11 @@ async def test_a_captured_call_is_in_model_calls_history_and_replay(dsn: str) ->
         await sink.begin_call("gym-7-a2", "c1")
         await sink.put(make_entry("gym-7-a2", "c1", [1, 2, 3], [4, 5], logprobs=[-0.5, -0.25]))
         await sink.mark_incomplete("gym-7-a2", "c2")
+        child = make_entry("gym-7-a2", "c3", [1, 2, 3, 4, 5, 6], [7], logprobs=[-1.0])
+        await sink.put(stamp_lineage(child, "c1", parent_resolution=ParentResolutionStatus.RESOLVED))
         async with await psycopg.AsyncConnection.connect(dsn) as conn:
             rows = await (await conn.execute(
-                "SELECT call_id, rollout_id, attempt, status, tokens, receipt->>'blob_id', disposition "
+                "SELECT call_id, rollout_id, attempt, status, tokens, receipt->>'blob_id', disposition, parent_call_id "
                 "FROM rollbook.model_calls WHERE rollout_id = 'gym-7' ORDER BY call_id")).fetchall()
             stored = await (await conn.execute(
                 "SELECT b.token_ids, b.logprobs FROM rollbook.model_calls m "
@@ -235,17 +245,21 @@ async def test_a_captured_call_is_in_model_calls_history_and_replay(dsn: str) ->
         assert [r[:5] + (r[6],) for r in rows] == [
             ("gym-7.2.c1", "gym-7", 2, "completed", 2, "captured"),
             ("gym-7.2.c2", "gym-7", 2, "failed", None, None),
+            ("gym-7.2.c3", "gym-7", 2, "completed", 1, "captured"),
         ]
-        assert rows[0][5].startswith("sha256-")
+        assert rows[0][5].startswith("sha256-") and [r[7] for r in rows] == [None, None, "gym-7.2.c1"]
         assert stored == ([4, 5], [-0.5, -0.25])
         h = await history(store, "gym-7")
-        assert [(a["attempt"], a["status"], a["model_calls"]) for a in h["attempts"]] == [(2, "live", 1)]
+        assert [(a["attempt"], a["status"], a["model_calls"]) for a in h["attempts"]] == [(2, "live", 2)]
         assert [t["kind"] for t in h["timeline"]] == [
             "attempt_started", "capture_call_begun", "call_accepted", "capture_entry_put", "call_completed",
-            "capture_incomplete", "call_accepted", "call_failed",
+            "capture_incomplete", "call_accepted", "call_failed", "capture_entry_put", "call_accepted", "call_completed",
         ]
         steps, state = await replay(store, "gym-7", 2)
-        assert state.calls == ["gym-7.2.c1"]
+        assert state.calls == ["gym-7.2.c1", "gym-7.2.c3"]
+        live = await model_call_rows(dsn)
+        await store.rebuild_projections()
+        assert await model_call_rows(dsn) == live  # the projection of captured calls is derived from the log alone
         assert "call c1 recorded, 3 prompt + 2 generated tokens" in steps[3].change
     finally:
         await sink.close()
@@ -348,28 +362,58 @@ async def test_freeze_refuses_tokens_that_are_not_what_was_put(dsn: str) -> None
         await sink.close()
 
 
-async def test_a_put_racing_freeze_is_in_the_snapshot_or_refused(dsn: str) -> None:
-    """The log's optimistic concurrency is a strict fence: no put returns and misses the snapshot."""
+class _PausingCapture(RollbookTokenCapture):
+    """Stops a write after it has read and decided, before it appends: the window a freeze can hit."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.reached, self.go = asyncio.Event(), asyncio.Event()
+
+    async def _start_if_unknown(self, rollout_id: str, attempt: int, expected: dict[str, int | None]) -> list[NewEvent]:
+        if not self.reached.is_set():
+            self.reached.set()
+            await self.go.wait()
+        return await super()._start_if_unknown(rollout_id, attempt, expected)
+
+
+async def test_a_freeze_landing_between_a_puts_read_and_append_refuses_the_put(dsn: str) -> None:
+    """The append is conditional on the capture stream's version: a strict fence, across clients."""
+    first, pausing, trainer = RollbookTokenCapture(dsn), _PausingCapture(dsn), RollbookTokenCapture(dsn)
+    try:
+        await first.put(make_entry("r8", "c1", [1], [2]))
+        put = asyncio.ensure_future(pausing.put(make_entry("r8", "c2", [1, 2], [3])))
+        await pausing.reached.wait()
+        snap = await trainer.freeze("r8")
+        pausing.go.set()
+        with pytest.raises(CaptureFrozen):
+            await put
+        after = await trainer.freeze("r8")
+    finally:
+        await asyncio.gather(first.close(), pausing.close(), trainer.close())
+    assert [e.model_call_id for e in snap.entries] == ["c1"]
+    assert (after.version, len(after.entries)) == (snap.version, 1)
+
+
+async def test_puts_racing_freeze_are_each_in_the_snapshot_or_refused(dsn: str) -> None:
     clients = [RollbookTokenCapture(dsn) for _ in range(4)]
-    outcomes = set()
     try:
         for i in range(12):
             key = f"race{i}"
             await clients[0].put(make_entry(key, "c1", [1], [2]))
+
+            async def late_freeze(delay: float, key: str = key) -> TokenCaptureSnapshot:
+                await asyncio.sleep(delay)
+                return await clients[3].freeze(key)
+
             put, snap = await asyncio.gather(
-                clients[1 + i % 2].put(make_entry(key, "c2", [1, 2], [3])), clients[3].freeze(key),
+                clients[1 + i % 2].put(make_entry(key, "c2", [1, 2], [3])), late_freeze(0.004 * i),
                 return_exceptions=True,
             )
             assert isinstance(snap, TokenCaptureSnapshot), snap
             landed = "c2" in {e.model_call_id for e in snap.entries}
-            if put is None:
-                assert landed
-            else:
-                assert isinstance(put, CaptureFrozen) and not landed, put
-            outcomes.add(landed)
+            assert landed if put is None else (isinstance(put, CaptureFrozen) and not landed), (i, put)
     finally:
         await asyncio.gather(*(c.close() for c in clients))
-    assert outcomes  # at least one of the orders happened; both usually do
 
 
 async def test_a_resolved_parent_carries_tokens_read_back_from_the_store(dsn: str) -> None:
@@ -393,3 +437,62 @@ async def test_a_resolved_parent_carries_tokens_read_back_from_the_store(dsn: st
         await sink.close()
         await resolver.close()
 
+
+
+# ---- the README's instructions, run as written ------------------------------------------------------
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    """The fenced blocks of one language in the README's NeMo Gym section, unindented."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## NeMo Gym token capture"):text.index("## The checkpoint protocol")]
+    blocks: list[tuple[str, list[str]]] = []
+    current: tuple[str, list[str]] | None = None
+    for line in section.splitlines():
+        fence = line.strip().startswith("```")
+        if current is None and fence:
+            current = (line.strip()[3:], [])
+        elif current is not None and fence:
+            blocks.append(current)
+            current = None
+        elif current is not None:
+            current[1].append(line)
+    return [textwrap.dedent("\n".join(body) + "\n") for kind, body in blocks if kind == lang]
+
+
+async def test_the_readme_round_trip_runs_and_prints_what_the_readme_shows(dsn: str) -> None:
+    (snippet,) = _readme_blocks("python")
+    shown = _readme_blocks("")[0]  # the output block right after the snippet
+    env = {**os.environ, "ROLLBOOK_DSN": dsn, "PYTHONPATH": str(nemo_gym_env.target())}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", snippet, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == shown
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        rows = await (await conn.execute("SELECT call_id, status, parent_call_id, tokens FROM rollbook.model_calls "
+                                         "WHERE rollout_id = 'demo-rollout' ORDER BY call_id")).fetchall()
+    assert rows == [("demo-rollout.0.call-1", "completed", None, 2),
+                    ("demo-rollout.0.call-2", "completed", "demo-rollout.0.call-1", 2)]
+
+
+def test_the_readme_config_names_rollbook_clients_that_gyms_loader_accepts(dsn: str) -> None:
+    """Gym's loader (TokenIdCaptureConfig.build_sink) imports 'module:Class', calls it with the kwargs
+    and checks the protocol. Its check reads `Protocol.__protocol_attrs__`, which exists from Python
+    3.12 (Gym requires 3.13), so on 3.11 the same steps run here by hand, with runtime protocol checks."""
+    from importlib import import_module
+
+    from nemo_gym.token_id_capture.config import TokenIdCaptureConfig
+    from nemo_gym.token_id_capture.protocols import LineageResolver, TokenSink, TokenSource
+
+    (block,) = _readme_blocks("yaml")
+    settings = TokenIdCaptureConfig.model_validate(yaml.safe_load(block.replace("${oc.env:ROLLBOOK_DSN}", dsn)))
+    built = []
+    for target, kwargs in ((settings.token_id_capture.sink, settings.token_id_capture.sink_kwargs),
+                           (settings.token_id_capture.lineage_store, settings.token_id_capture.lineage_store_kwargs)):
+        module, _, name = target.partition(":")
+        built.append(getattr(import_module(module), name)(**kwargs))
+    sink, lineage = built
+    assert isinstance(sink, TokenSink) and isinstance(sink, TokenSource) and isinstance(lineage, LineageResolver)
+    assert (type(sink), type(lineage)) == (RollbookTokenCapture, RollbookLineageStore)
+    assert sink.dsn == lineage.dsn == dsn and lineage.is_process_shared()
