@@ -38,6 +38,7 @@ from adapters.nemo_gym_tokens import RollbookLineageStore, RollbookTokenCapture 
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from engine.errors import (  # noqa: E402
     CaptureFrozen,
+    CaptureRetired,
     InvalidCheckpointState,
     InvalidIdentifier,
     InvalidPayload,
@@ -360,6 +361,27 @@ async def test_freeze_refuses_tokens_that_are_not_what_was_put(dsn: str) -> None
         assert "does not match its digest" in err.value.detail
     finally:
         await sink.close()
+
+
+async def test_retirement_is_exact_idempotent_and_final(dsn: str) -> None:
+    sink, trainer = RollbookTokenCapture(dsn), RollbookTokenCapture(dsn)
+    try:
+        assert await trainer.drop("r9", snapshot_id="r9@1", version=1) is False  # never frozen
+        await sink.put(make_entry("r9", "c1", [1], [2]))
+        snap = await trainer.freeze("r9")
+        assert await trainer.drop("r9", snapshot_id="r9@999", version=snap.version) is False  # not that snapshot
+        assert await trainer.drop("r9", snapshot_id=snap.snapshot_id, version=snap.version) is True
+        assert await sink.drop("r9", snapshot_id=snap.snapshot_id, version=snap.version) is True  # a retry
+        assert await sink.drop("r9", snapshot_id=snap.snapshot_id, version=snap.version + 1) is False
+        before = await log_size(dsn)
+        for write in (sink.put(make_entry("r9", "c2", [1, 2], [3])), sink.mark_incomplete("r9", "c2"),
+                      sink.begin_call("r9", "c3"), trainer.freeze("r9")):
+            with pytest.raises(CaptureRetired) as err:
+                await write
+            assert err.value.code == "capture_retired" and snap.snapshot_id in err.value.detail
+        assert await log_size(dsn) == before
+    finally:
+        await asyncio.gather(sink.close(), trainer.close())
 
 
 class _PausingCapture(RollbookTokenCapture):
