@@ -36,14 +36,20 @@ from typing import Any
 
 from nemo_gym.token_id_capture.lineage import RolloutLineage
 from nemo_gym.token_id_capture.protocols import LineageMatch, LineageResolution, TokenCaptureSnapshot
-from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry, compute_digest
+from nemo_gym.token_id_capture.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    compute_digest,
+    stamp_lineage,
+)
 from sqlalchemy import text
 
 from adapters import database
 from adapters.postgres import PostgresEventStore
 from engine import token_capture as tc
-from engine.attempts import ATTEMPT_STARTED
-from engine.errors import InvalidCheckpointState, InvalidPayload, VersionConflict
+from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_RETIRED
+from engine.checkpoint import effective_history
+from engine.errors import InvalidCheckpointState, InvalidPayload, StaleAttempt, VersionConflict
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import call_stream, capture_stream, rollout_stream, validate_id
 from engine.tokens import Receipt
@@ -253,7 +259,15 @@ class RollbookTokenCapture(_Client):
                 }, rid, attempt))
             return out
 
-        await self._write(key, lambda s: tc.decide_incomplete(s, key), events)
+        try:
+            await self._write(key, lambda s: tc.decide_incomplete(s, key), events)
+        except StaleAttempt:
+            rid, attempt = tc.split_capture_key(key)
+            if not await self._is_fenced(rid, attempt):
+                raise
+            # rollbook fenced the attempt, so no call of it can complete any more and a snapshot taken
+            # without a freeze of its own reads incomplete already. Succeeding keeps mark_incomplete
+            # more available than put, as Gym asks.
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         key = rollout_id
@@ -265,34 +279,81 @@ class RollbookTokenCapture(_Client):
                 "entries": len(digests), "digest": hashlib.sha256(canonical_json(digests).encode()).hexdigest(),
             }, rid, attempt)]
 
-        await self._write(key, lambda s: tc.decide_freeze(s, key), events)
+        fenced = False
+        try:
+            await self._write(key, lambda s: tc.decide_freeze(s, key), events)
+        except StaleAttempt:
+            fenced = True
         state = await self._state(rid, attempt)
         tc.decide_freeze(state, key)  # retired in between: refused like any freeze of a retired capture
+        abandoned = state.frozen_position is None and fenced
+        if abandoned:
+            # rollbook fenced (or retired) the attempt before any freeze: nothing of it can land any
+            # more, so the fence is its freeze. It did not finish here (a restore continued the rollout
+            # under a later attempt, or it was retired), so its snapshot is incomplete: a trainer masks it.
+            state.frozen_position = await self._fence_position(rid, attempt)
         assert state.frozen_position is not None
+        served = await self._served(rid, attempt, state.frozen_position)
         calls = sorted(state.entries.values(), key=lambda c: c.position)
         return TokenCaptureSnapshot(
             rollout_id=key,
-            entries=tuple(await self._entries(rid, calls)),
-            incomplete=state.is_incomplete(),
+            entries=tuple(await self._entries(rid, calls)) + tuple(await self._served_entries(key, served)),
+            incomplete=abandoned or state.is_incomplete() or bool(served.missing),
             snapshot_id=tc.snapshot_id(rid, attempt, state.frozen_position),
-            version=state.version,
+            version=state.version + served.late,
         )
+
+    async def _fence_position(self, rollout_id: str, attempt: int) -> int:
+        for e in await self.store.read_stream(rollout_stream(rollout_id)):
+            if (e.kind == ATTEMPT_FENCED and e.attempt == attempt) or (
+                    e.kind == ROLLOUT_RETIRED and int(e.data["through"]) >= attempt):
+                return e.position
+        raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} takes no writes, yet no fence or retire "
+                           "mark names it", rollout_id=rollout_id, attempt=attempt)
+
+    async def _served(self, rollout_id: str, attempt: int, frozen_position: int | None) -> tc.ServedSnapshot:
+        """The model server's own calls of this attempt's lineage (engine.token_capture.served_snapshot)."""
+        if frozen_position is None:
+            return tc.ServedSnapshot((), (), 0)
+        history = await effective_history(self.store, rollout_id, attempt)
+        return tc.served_snapshot(history, frozen_position, SOURCE)
+
+    async def _served_entries(self, key: str, served: tc.ServedSnapshot) -> list[TokenEntry]:
+        blobs = await self._get_blobs([r for c in served.calls for r in (c.completed["prompt_receipt"]["blob_id"],
+                                                                          c.completed["receipt"]["blob_id"])])
+        return [served_entry(key, call, blobs) for call in served.calls]
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         key = rollout_id
         rid, attempt = tc.split_capture_key(key)
         stream = capture_stream(rid, attempt)
         state = await self._state(rid, attempt)
-        decision = tc.decide_retire(state, rid, attempt, snapshot_id, version)
+        if state.frozen_position is None and state.retired is None and await self._is_fenced(rid, attempt):
+            # Fenced before any freeze: its snapshot is the cut at the fence (see freeze), and nothing of
+            # it can change, so retiring that snapshot has nothing to record. Any other is refused.
+            state.frozen_position = await self._fence_position(rid, attempt)
+            served = await self._served(rid, attempt, state.frozen_position)
+            return tc.decide_retire(state, rid, attempt, snapshot_id, version, served.late) is tc.Decision.APPEND
+        served = await self._served(rid, attempt, state.frozen_position)
+        decision = tc.decide_retire(state, rid, attempt, snapshot_id, version, served.late)
         if decision is None:
             return False
         if decision is tc.Decision.NOTHING:
             return True
         event = NewEvent(stream, tc.CAPTURE_RETIRED, {"snapshot_id": snapshot_id, "version": version}, rid, attempt)
         try:
-            # Conditional on the very version the trainer froze: a write that lands first wins.
-            await self.store.append(AppendRequest((event,), {stream: version}))
+            # Conditional on the capture stream being where the trainer froze it: a write that lands first wins.
+            await self.store.append(AppendRequest((event,), {stream: state.version}))
         except VersionConflict:
+            return False
+        except StaleAttempt:  # fenced since the freeze: nothing more can land, the snapshot stays what it was
+            return True
+        return True
+
+    async def _is_fenced(self, rollout_id: str, attempt: int) -> bool:
+        try:
+            await self._fence_position(rollout_id, attempt)
+        except StaleAttempt:
             return False
         return True
 
@@ -368,6 +429,25 @@ def _rebuild_entry(call: tc.CapturedCall, blobs: dict[str, tuple[list[int], list
     return TokenEntry.model_validate(payload)
 
 
+def served_entry(key: str, call: tc.ServedCall, blobs: dict[str, tuple[list[int], list[float] | None]]) -> TokenEntry:
+    """A call rollbook's model server recorded, as NeMo Gym's record: the same ids and logprobs (from
+    the token store, by its receipts), the parent the agent named, and Gym's lineage digest over
+    prompt + generation. Its model_call_id is rollbook's call id."""
+    prompt, _ = blobs[call.completed["prompt_receipt"]["blob_id"]]
+    generated, logprobs = blobs[call.completed["receipt"]["blob_id"]]
+    reply = call.completed.get("reply")
+    items = [{"type": "message", "role": "assistant", **reply}] if isinstance(reply, dict) else []
+    extra = {k: call.completed[k] for k in ("policy_version", "finish_reason", "segments") if k in call.completed}
+    entry = TokenEntry(
+        rollout_id=key, model_call_id=call.call_id, model=str(call.accepted.get("model") or ""),
+        prompt_token_ids=prompt, generation_token_ids=generated, generation_log_probs=logprobs or [],
+        output_items=items, token_item_index=0 if items else None, response_id=call.call_id, **extra,
+    )
+    parent = call.accepted.get("parent_call_id")
+    status = ParentResolutionStatus.RESOLVED if parent else ParentResolutionStatus.ROOT
+    return stamp_lineage(entry, parent or None, parent_resolution=status)
+
+
 def _metadata_entry(call: tc.CapturedCall) -> TokenEntry:
     """The record without its arrays: what Gym's matcher indexes when tokens stay in the store."""
     meta = dict(call.data["entry"])
@@ -376,4 +456,4 @@ def _metadata_entry(call: tc.CapturedCall) -> TokenEntry:
     return TokenEntry.model_validate({**meta, "prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []})
 
 
-__all__ = ["RollbookLineageStore", "RollbookTokenCapture", "entry_digest"]
+__all__ = ["RollbookLineageStore", "RollbookTokenCapture", "entry_digest", "served_entry"]

@@ -175,12 +175,70 @@ def decide_freeze(state: CaptureState, key: str) -> Decision:
     return Decision.NOTHING if state.frozen else Decision.APPEND
 
 
-def decide_retire(state: CaptureState, rollout_id: str, attempt: int, sid: str, version: int) -> Decision | None:
+def decide_retire(
+    state: CaptureState, rollout_id: str, attempt: int, sid: str, version: int, late: int = 0
+) -> Decision | None:
     """Retire exactly the snapshot the trainer consumed: APPEND, NOTHING (retired already, by this
-    very snapshot), or None (the state moved on, or that snapshot never was: refuse, keep evidence)."""
+    very snapshot), or None (the state moved on, or that snapshot never was: refuse, keep evidence).
+    `late` counts the served calls' custody events after the freeze (see `served_snapshot`)."""
     if state.retired is not None:
         same = state.retired == {"snapshot_id": sid, "version": version}
         return Decision.NOTHING if same else None
     if state.frozen_position is None or snapshot_id(rollout_id, attempt, state.frozen_position) != sid:
         return None
-    return Decision.APPEND if state.version == version else None
+    return Decision.APPEND if state.version + late == version else None
+
+
+# ---- calls served by rollbook's own model server ------------------------------------------------------
+#
+# A rollout rollbook runs has its model calls recorded by the model server (call_accepted, then
+# call_completed with `receipt` = generated ids and logprobs and `prompt_receipt` = prompt ids), not
+# put through a sink. A snapshot of such an attempt holds them too: the calls of its effective
+# history (engine.checkpoint.effective_history: its origin's events up to the boundary it resumed
+# from, then its own) whose custody ended `completed` at or below the freeze. A call accepted but not
+# completed there (in flight, cut, failed) is a hole: the snapshot is incomplete. The model server is
+# not fenced by a freeze, so a served call's custody event after it is a write that raced the freeze:
+# it counts into the snapshot's version, and a retirement at the frozen version fails.
+
+CALL_KINDS = ("call_accepted", "call_completed", "call_cut", "call_failed")
+
+
+@dataclass(frozen=True)
+class ServedCall:
+    call_id: str
+    accepted: dict[str, Any]
+    completed: dict[str, Any]
+    position: int  # of the call_completed event
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ServedSnapshot:
+    calls: tuple[ServedCall, ...]  # completed at or below the freeze, in log order
+    missing: tuple[str, ...]  # accepted at or below the freeze, not completed there
+    late: int  # custody events after the freeze
+
+
+def served_snapshot(history: list[RecordedEvent], frozen_position: int, captured_source: str) -> ServedSnapshot:
+    """The model server's calls as of the freeze. Events written by the capture path itself (their
+    data's `source` is `captured_source`) are the sink's, already in the capture stream."""
+    accepted: dict[str, dict[str, Any]] = {}
+    last: dict[str, RecordedEvent] = {}
+    late = 0
+    for e in history:
+        if e.kind not in CALL_KINDS or e.data.get("source") == captured_source:
+            continue
+        if e.position > frozen_position:
+            late += 1
+            continue
+        if e.kind == "call_accepted":
+            accepted.setdefault(e.data["call_id"], e.data)
+        last[e.data["call_id"]] = e
+    done = [e for e in last.values() if e.kind == "call_completed" and "prompt_receipt" in e.data]
+    calls = tuple(
+        ServedCall(e.data["call_id"], accepted.get(e.data["call_id"], {}), e.data, e.position, e.attempt or 0)
+        for e in sorted(done, key=lambda e: e.position)
+    )
+    # A completion without prompt ids (a record from before token-id custody) cannot be trained on either.
+    missing = tuple(sorted(c for c, e in last.items() if e.kind != "call_completed" or "prompt_receipt" not in e.data))
+    return ServedSnapshot(calls, missing, late)

@@ -384,6 +384,55 @@ async def test_retirement_is_exact_idempotent_and_final(dsn: str) -> None:
         await asyncio.gather(sink.close(), trainer.close())
 
 
+async def _served_call(store: PostgresEventStore, capture: RollbookTokenCapture, rollout_id: str, attempt: int,
+                       call_id: str, prompt: list[int], generated: list[int] | None, parent: str | None = None) -> None:
+    """A call as rollbook's model server records it: accepted, then completed with its receipts."""
+    stream = f"call:{call_id}"
+    await store.append(AppendRequest((NewEvent(stream, "call_accepted", {
+        "call_id": call_id, "parent_call_id": parent, "policy_version": "v1", "stream": False}, rollout_id, attempt),)))
+    if generated is None:
+        return  # still generating
+    prompt_receipt = await capture._put_blob(prompt, None)
+    receipt = await capture._put_blob(generated, [-0.25 * (i + 1) for i in range(len(generated))])
+    await store.append(AppendRequest((NewEvent(stream, "call_completed", {
+        "call_id": call_id, "receipt": receipt.to_json(), "prompt_receipt": prompt_receipt.to_json(),
+        "reply": {"role": "assistant", "content": "ok"}, "disposition": "generated", "tokens": len(generated),
+        "policy_version": "v1", "finish_reason": "stop"}, rollout_id, attempt),)))
+
+
+async def test_calls_served_by_rollbooks_model_server_are_in_the_snapshot_of_their_attempts_lineage(dsn: str) -> None:
+    store = PostgresEventStore.connect(dsn, writer="test")
+    capture = RollbookTokenCapture(dsn)
+    try:
+        await store.append(AppendRequest((NewEvent(rollout_stream("svc"), "attempt_started", {}, "svc", 0),)))
+        await _served_call(store, capture, "svc", 0, "svc.0.t0", [1, 2], [3, 4])
+        (boundary,) = await store.append(AppendRequest((NewEvent("agent:svc:0", "agent_boundary", {}, "svc", 0),)))
+        await _served_call(store, capture, "svc", 0, "svc.0.t1", [1, 2, 3, 4, 5], None, parent="svc.0.t0")  # crashed
+        await store.append(AppendRequest((
+            NewEvent(rollout_stream("svc"), "attempt_fenced", {}, "svc", 0),
+            NewEvent(rollout_stream("svc"), "attempt_started", {
+                "parent_attempt": 0, "origin_attempt": 0, "origin_position": boundary.position}, "svc", 1),
+        )))
+        await _served_call(store, capture, "svc", 1, "svc.1.t1", [1, 2, 3, 4, 5], [6], parent="svc.0.t0")
+
+        fenced, continued = await capture.freeze("svc"), await capture.freeze("svc-a1")
+        assert (fenced.incomplete, [e.model_call_id for e in fenced.entries]) == (True, ["svc.0.t0"])
+        assert (continued.incomplete, [e.model_call_id for e in continued.entries]) == (False, ["svc.0.t0", "svc.1.t1"])
+        first, second = continued.entries
+        assert (first.prompt_token_ids, first.generation_token_ids, first.generation_log_probs) == ([1, 2], [3, 4], [-0.25, -0.5])
+        assert (second.parent_call_id, second.parent_resolution, second.cum_len) == ("svc.0.t0", "resolved", 6)
+        assert second.rollout_id == "svc-a1" and second.policy_version == "v1" and second.finish_reason == "stop"
+
+        await _served_call(store, capture, "svc", 1, "svc.1.t2", [1, 2, 3, 4, 5, 6, 7], [8])  # raced the freeze
+        again = await capture.freeze("svc-a1")
+        assert (again.snapshot_id, len(again.entries)) == (continued.snapshot_id, 2) and again.version > continued.version
+        assert await capture.drop("svc-a1", snapshot_id=continued.snapshot_id, version=continued.version) is False
+        assert await capture.drop("svc-a1", snapshot_id=again.snapshot_id, version=again.version) is True
+    finally:
+        await capture.close()
+        await store.close()
+
+
 class _PausingCapture(RollbookTokenCapture):
     """Stops a write after it has read and decided, before it appends: the window a freeze can hit."""
 
