@@ -417,6 +417,9 @@ async def test_calls_served_by_rollbooks_model_server_are_in_the_snapshot_of_the
 
         fenced, continued = await capture.freeze("svc"), await capture.freeze("svc-a1")
         assert (fenced.incomplete, [e.model_call_id for e in fenced.entries]) == (True, ["svc.0.t0"])
+        await capture.mark_incomplete("svc", "svc.0.t1")  # fenced: already incomplete, and not an error
+        assert await capture.drop("svc", snapshot_id=fenced.snapshot_id, version=fenced.version + 1) is False
+        assert await capture.drop("svc", snapshot_id=fenced.snapshot_id, version=fenced.version) is True
         assert (continued.incomplete, [e.model_call_id for e in continued.entries]) == (False, ["svc.0.t0", "svc.1.t1"])
         first, second = continued.entries
         assert (first.prompt_token_ids, first.generation_token_ids, first.generation_log_probs) == ([1, 2], [3, 4], [-0.25, -0.5])
