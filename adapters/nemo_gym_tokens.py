@@ -376,16 +376,18 @@ class RollbookLineageStore(_Client):
     the index holds fingerprints, digests and lengths; only the winner's tokens are read, and they
     must hash to the digest the record was stamped with."""
 
-    def __init__(self, dsn: str | None = None, *, writer: str | None = None) -> None:
+    def __init__(self, dsn: str | None = None, *, writer: str | None = None, max_cached_rollouts: int = 4096) -> None:
         super().__init__(dsn, writer=writer)
+        # Least recently resolved first; an evicted rollout is read again from the log, which stays the truth.
         self._cache: dict[str, tuple[int, RolloutLineage, dict[str, tc.CapturedCall]]] = {}
+        self._max_cached = max(1, max_cached_rollouts)
 
     def is_process_shared(self) -> bool:
         return True
 
     async def resolve(self, rollout_id: str, request_items: list[dict]) -> LineageResolution:
         rid, attempt = tc.split_capture_key(rollout_id)
-        version, lineage, calls = self._cache.get(rollout_id, (0, RolloutLineage(), {}))
+        version, lineage, calls = self._cache.pop(rollout_id, (0, RolloutLineage(), {}))
         # Only what was appended since this client last looked; a put that returned is in it.
         for e in await self.store.read_stream(capture_stream(rid, attempt), after_version=version):
             version = e.stream_version
@@ -394,6 +396,8 @@ class RollbookLineageStore(_Client):
                 calls[call.model_call_id] = call
                 lineage.add_entry(_metadata_entry(call), store_tokens=False)
         self._cache[rollout_id] = (version, lineage, calls)
+        while len(self._cache) > self._max_cached:
+            del self._cache[next(iter(self._cache))]
         status, node, reason = lineage.resolve_node(request_items)
         if status != ParentResolutionStatus.RESOLVED or node is None:
             return LineageResolution(status, reason=reason)

@@ -490,6 +490,24 @@ async def test_puts_racing_freeze_are_each_in_the_snapshot_or_refused(dsn: str) 
         await asyncio.gather(*(c.close() for c in clients))
 
 
+async def test_the_resolver_keeps_a_bounded_cache_and_reads_an_evicted_rollout_again(dsn: str) -> None:
+    sink, resolver = RollbookTokenCapture(dsn), RollbookLineageStore(dsn, max_cached_rollouts=2)
+    try:
+        parents = {}
+        for key in ("ra", "rb", "rc"):
+            parents[key] = make_entry(key, "c1", [1, 2], [3], text=f"answer {key}")
+            await sink.put(parents[key])
+        for key in ("ra", "rb", "rc", "ra"):
+            items = [{"role": "user", "content": "hi"}, *parents[key].output_items, {"role": "user", "content": "?"}]
+            res = await resolver.resolve(key, items)
+            assert res.status == ParentResolutionStatus.RESOLVED and res.match is not None
+            assert res.match.cumulative_token_ids == (1, 2, 3)
+            assert len(resolver._cache) <= 2
+        assert list(resolver._cache) == ["rc", "ra"]
+    finally:
+        await asyncio.gather(sink.close(), resolver.close())
+
+
 async def test_a_resolved_parent_carries_tokens_read_back_from_the_store(dsn: str) -> None:
     sink, resolver = RollbookTokenCapture(dsn), RollbookLineageStore(dsn)
     try:
