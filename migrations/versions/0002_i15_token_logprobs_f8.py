@@ -5,13 +5,13 @@ hand back the identical serialized entry on freeze; `real` (float32) would round
 value widens to double precision exactly, so writers that store float32 logprobs read back the same.
 
 Revision ID: 0002_i15_token_logprobs_f8
-Revises: 0001
+Revises: 0002_i9b_append_keys
 """
 
 from alembic import op
 
 revision = "0002_i15_token_logprobs_f8"
-down_revision = "0001"
+down_revision = "0002_i9b_append_keys"
 branch_labels = None
 depends_on = None
 
