@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.postgres import PostgresEventStore
+from engine import token_capture as TC
 from engine.checkpoint import effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
@@ -117,7 +118,23 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
     if e.kind == "attempt_finished":
         state.reward = d.get("reward")
         return f"attempt finished, reward {d.get('reward')}"
+    if e.kind in TC.CAPTURE_KINDS:
+        return _capture_change(e)
     return e.kind.replace("_", " ")
+
+
+def _capture_change(e: RecordedEvent) -> str:
+    d = e.data
+    if e.kind == TC.CAPTURE_ENTRY_PUT:
+        return (f"token capture: call {d['model_call_id']} recorded, {d['prompt_receipt']['tokens']} prompt + "
+                f"{d['receipt']['tokens']} generated tokens")
+    if e.kind == TC.CAPTURE_CALL_BEGUN:
+        return f"token capture: call {d['model_call_id']} dispatched"
+    if e.kind == TC.CAPTURE_INCOMPLETE:
+        return f"token capture incomplete: call {d.get('model_call_id') or '?'} was not captured"
+    if e.kind == TC.CAPTURE_FROZEN:
+        return f"token capture frozen for a trainer, {d.get('entries')} calls"
+    return f"token capture retired: snapshot {d.get('snapshot_id')} consumed at version {d.get('version')}"
 
 
 async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
