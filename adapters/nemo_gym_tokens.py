@@ -45,14 +45,16 @@ from nemo_gym.token_id_capture.records import (
 from sqlalchemy import text
 
 from adapters import database
+from adapters.export import call_tokens
 from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
 from engine import token_capture as tc
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_RETIRED
 from engine.checkpoint import effective_history
 from engine.errors import InvalidCheckpointState, InvalidPayload, StaleAttempt, VersionConflict
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import call_stream, capture_stream, rollout_stream, validate_id
-from engine.tokens import Receipt
+from engine.tokens import CallTokens, Receipt
 
 ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 BLOB_PREFIX = "sha256-"
@@ -332,9 +334,13 @@ class RollbookTokenCapture(_Client):
         return tc.served_snapshot(history, frozen_position, SOURCE)
 
     async def _served_entries(self, key: str, served: tc.ServedSnapshot) -> list[TokenEntry]:
-        blobs = await self._get_blobs([r for c in served.calls for r in (c.completed["prompt_receipt"]["blob_id"],
-                                                                          c.completed["receipt"]["blob_id"])])
-        return [served_entry(key, call, blobs) for call in served.calls]
+        """Each served call through the one record shape (engine.tokens.CallTokens), read the way
+        `rollbook export` reads it (adapters.export.call_tokens), so the two cannot disagree."""
+        rollout_id, _ = tc.split_capture_key(key)
+        tokens = PostgresTokenStore(self.store.engine)
+        return [served_entry(key, call, await call_tokens(tokens, call.completed, rollout_id, call.attempt,
+                                                          call.accepted.get("parent_call_id")))
+                for call in served.calls]
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         key = rollout_id
@@ -446,23 +452,19 @@ def _rebuild_entry(call: tc.CapturedCall, blobs: dict[str, tuple[list[int], list
     return TokenEntry.model_validate(payload)
 
 
-def served_entry(key: str, call: tc.ServedCall, blobs: dict[str, tuple[list[int], list[float] | None]]) -> TokenEntry:
-    """A call rollbook's model server recorded, as NeMo Gym's record: the same ids and logprobs (from
-    the token store, by its receipts), the parent the agent named, and Gym's lineage digest over
-    prompt + generation. Its model_call_id is rollbook's call id."""
-    prompt, _ = blobs[call.completed["prompt_receipt"]["blob_id"]]
-    generated, logprobs = blobs[call.completed["receipt"]["blob_id"]]
+def served_entry(key: str, call: tc.ServedCall, record: CallTokens) -> TokenEntry:
+    """A call rollbook's model server recorded, as NeMo Gym's record: `CallTokens.to_token_entry`
+    (the same ids and logprobs, the parent the agent named) under the trainer's rollout key, with the
+    reply as its output item and Gym's lineage stamps (cum_len, digest over prompt + generation)."""
     reply = call.completed.get("reply")
     items = [{"type": "message", "role": "assistant", **reply}] if isinstance(reply, dict) else []
     extra = {k: call.completed[k] for k in ("policy_version", "finish_reason", "segments") if k in call.completed}
-    entry = TokenEntry(
-        rollout_id=key, model_call_id=call.call_id, model=str(call.accepted.get("model") or ""),
-        prompt_token_ids=prompt, generation_token_ids=generated, generation_log_probs=logprobs or [],
-        output_items=items, token_item_index=0 if items else None, response_id=call.call_id, **extra,
-    )
-    parent = call.accepted.get("parent_call_id")
-    status = ParentResolutionStatus.RESOLVED if parent else ParentResolutionStatus.ROOT
-    return stamp_lineage(entry, parent or None, parent_resolution=status)
+    entry = TokenEntry.model_validate({
+        **record.to_token_entry(model=str(call.accepted.get("model") or "")), "rollout_id": key,
+        "output_items": items, "token_item_index": 0 if items else None, "response_id": call.call_id, **extra,
+    })
+    status = ParentResolutionStatus.RESOLVED if record.parent_call_id else ParentResolutionStatus.ROOT
+    return stamp_lineage(entry, record.parent_call_id or None, parent_resolution=status)
 
 
 def _metadata_entry(call: tc.CapturedCall) -> TokenEntry:
