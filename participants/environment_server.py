@@ -243,7 +243,10 @@ class EnvironmentParticipant(Participant):
         return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status)]
+        from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
+
+        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status),
+                *EnvironmentFront(self).routes()]
 
     # ---- control plane hooks --------------------------------------------------------------------
 

@@ -1,0 +1,150 @@
+"""NeMo Gym's wire format on rollbook's environment and agent servers (all four servers real).
+
+The request and response shapes are NeMo Gym 0.7.0's (`nemo_gym/episode_types.py`); the
+collector-level test against the real `ng_collect_rollouts` is tests/e2e/test_nemo_gym.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from sqlalchemy import text
+
+from adapters.generation import ScriptedBackend
+from adapters.postgres import PostgresEventStore
+from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
+from tests.stack import Stack, start_stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.asynccontextmanager
+async def stack(dsn: str, tag: str) -> AsyncIterator[Stack]:
+    s = await start_stack(dsn, tag, ScriptedBackend())
+    s.participant("agent").environment_url = s.url("environment")  # type: ignore[attr-defined]
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def episode(taskset: str, rollout_id: str, task_input: dict[str, Any], attempt: int = 0,
+            task_id: str = "t0") -> dict[str, Any]:
+    return {"episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+            "task": {"task_id": {"taskset": taskset, "task_id": task_id}, "task_input": task_input}}
+
+
+async def post(url: str, body: Any) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
+    async with store.engine.connect() as conn:
+        return (await conn.execute(text(sql), params)).scalar()
+
+
+MATH = {"env": "math", "generate": 0}
+BLACKJACK = {"env": "blackjack", "generate": 6, "seed": 7}
+
+
+async def test_run_answers_an_episode_in_nemo_gyms_response_shape(dsn: str) -> None:
+    async with stack(dsn, "shape") as s:
+        status, body = await post(f"{s.url('environment')}/run", episode("blackjack:train", "0-0", BLACKJACK))
+    assert status == 200
+    assert set(body) == {"episode_id", "task_id", "result"}
+    assert body["episode_id"] == {"rollout_id": "0-0", "attempt": 0}
+    assert body["task_id"] == {"taskset": "blackjack:train", "task_id": "t0"}
+    EpisodeResponse.model_validate(body)  # extra="forbid": nothing but the 0.7.0 fields
+    result = body["result"]
+    assert isinstance(result["reward"], float)
+    kinds = [item["type"] for item in result["response"]["output"]]
+    # blackjack is multi-turn: tool calls, their outputs, then the final message
+    assert kinds[0] == "function_call" and "function_call_output" in kinds and kinds[-1] == "message"
+    assert result["rollbook"]["rollout_id"] == scoped_rollout_id("blackjack:train", "0-0")
+    assert result["rollbook"]["steps"] == ["seed", "agent", "verify", "close"]
+
+
+async def test_the_same_rollout_id_in_two_tasksets_is_two_rollouts(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "two") as s:
+        _, a = await post(f"{s.url('environment')}/run", episode("math:a", "0-0", MATH))
+        _, b = await post(f"{s.url('environment')}/run", episode("math:b", "0-0", {"env": "math", "generate": 1}))
+    assert a["result"]["rollbook"]["rollout_id"] != b["result"]["rollbook"]["rollout_id"]
+    finished = await scalar(store, "SELECT count(DISTINCT rollout_id) FROM rollbook.attempts WHERE status = 'finished'")
+    assert finished == 2
+    # a taskset slug that sanitises to the same text is still another taskset
+    assert scoped_rollout_id("math:a", "0-0") != scoped_rollout_id("math_a", "0-0")
+
+
+async def test_the_same_episode_again_answers_the_recorded_result_and_runs_nothing(
+        dsn: str, store: PostgresEventStore) -> None:
+    body = episode("blackjack:train", "3-1", BLACKJACK)
+    async with stack(dsn, "again") as s:
+        _, first = await post(f"{s.url('environment')}/run", body)
+        head = await store.head()
+        _, again = await post(f"{s.url('environment')}/run", body)
+        # a later caller attempt of a finished rollout is answered the same way: it never runs twice
+        _, later = await post(f"{s.url('environment')}/run", {**body, "episode_id": {"rollout_id": "3-1", "attempt": 1}})
+        assert await store.head() == head  # nothing written by either
+    assert again == first
+    assert later["result"] == first["result"] and later["episode_id"]["attempt"] == 1
+
+
+async def test_a_bad_episode_request_is_400_and_writes_nothing(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "bad") as s:
+        head = await store.head()
+        url = f"{s.url('environment')}/run"
+        extra = {**episode("math:a", "0-0", MATH), "unexpected": 1}
+        unknown_env = episode("math:a", "0-0", {"env": "chess", "generate": 0})
+        reserved = episode("math:a", "0-a1", MATH)
+        both = episode("math:a", "0-0", {"env": "math", "generate": 0, "prompt": "2+2?"})
+        for bad in (extra, unknown_env, reserved, both):
+            status, reply = await post(url, bad)
+            assert (status, reply["error"]["code"]) == (400, "invalid_request"), bad
+        assert await store.head() == head
+
+
+async def test_a_different_task_under_a_recorded_rollout_is_a_conflict(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "conflict") as s:
+        await post(f"{s.url('environment')}/run", episode("math:a", "0-0", MATH))
+        head = await store.head()
+        status, reply = await post(f"{s.url('environment')}/run", episode("math:a", "0-0", {"env": "math", "generate": 5}))
+        assert (status, reply["error"]["code"]) == (409, "task_conflict")
+        assert await store.head() == head
+
+
+def test_flat_rows_pick_their_environment_by_the_documented_rule() -> None:
+    explicit = {"responses_create_params": {"input": [{"role": "user", "content": "hi"}]},
+                "rollbook": {"env": "blackjack", "generate": 3}}
+    _, chosen = flat_row_task(explicit)
+    assert (chosen.env, chosen.generate) == ("blackjack", 3)
+    answer = {"responses_create_params": {"input": [{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": [{"type": "input_text", "text": "Reverse 'ab'"}]}]},
+              "expected_answer": "ba"}
+    task_id, chosen = flat_row_task(answer)
+    assert (chosen.env, chosen.prompt, chosen.params) == ("string_match", "Reverse 'ab'", {"expected": "ba"})
+    assert task_id.taskset == f"flat:{task_id.task_id}"
+    with pytest.raises(Exception, match="no rule picks its environment"):
+        flat_row_task({"responses_create_params": {"input": "x"}, "_ng_task_index": 4})
+
+
+async def test_the_agent_answers_legacy_agent_rows_with_the_row_a_response_and_a_reward(
+        dsn: str, store: PostgresEventStore) -> None:
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "Reverse the string 'abcde'. Reply with the result only."}]},
+           "expected_answer": "edcba", "agent_ref": {"name": "rollbook_agent"}, "_ng_task_index": 0, "_ng_rollout_index": 0,
+           "note": "kept"}
+    async with stack(dsn, "flat") as s:
+        status, out = await post(f"{s.url('agent')}/run", row)
+        assert status == 200, out
+        status, plain = await post(f"{s.url('agent')}/run", {"task": {}})
+        assert (status, plain["error"]["code"]) == (400, "rollout_id_required")
+        status, metrics = await post(f"{s.url('agent')}/aggregate_metrics", {"verify_responses": [out]})
+    assert {k: out[k] for k in row} == row
+    assert out["reward"] == 1.0
+    assert out["response"]["output"][-1]["content"][0]["text"] == "edcba"
+    assert metrics["key_metrics"] == {"mean/reward": 1.0}
+    assert await scalar(store, "SELECT count(*) FROM rollbook.attempts WHERE status = 'finished'") == 1
