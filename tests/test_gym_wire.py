@@ -7,7 +7,11 @@ collector-level test against the real `ng_collect_rollouts` is tests/e2e/test_ne
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,10 +20,14 @@ from sqlalchemy import text
 
 from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from adapters.run import load_tasks
+from participants.environments import Task
+from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
 from tests.stack import Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
+ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
 
 
 @contextlib.asynccontextmanager
@@ -148,3 +156,34 @@ async def test_the_agent_answers_legacy_agent_rows_with_the_row_a_response_and_a
     assert out["response"]["output"][-1]["content"][0]["text"] == "edcba"
     assert metrics["key_metrics"] == {"mean/reward": 1.0}
     assert await scalar(store, "SELECT count(*) FROM rollbook.attempts WHERE status = 'finished'") == 1
+
+
+def test_tasks_from_gym_converts_materialized_and_flat_rows(tmp_path: Path) -> None:
+    rows = [
+        {"task_id": {"taskset": "math:train", "task_id": "m0"}, "task_input": {"env": "math", "generate": 0}},
+        {"responses_create_params": {"input": [{"role": "user", "content": "Uppercase the string 'ab'."}]},
+         "expected_answer": "AB", "agent_ref": {"name": "a"}},
+        {"responses_create_params": {"input": "hi"}, "rollbook": {"env": "blackjack", "generate": 2}},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tasks.jsonl"
+    done = subprocess.run([*ROLLBOOK, "tasks", "from-gym", str(src), "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    tasks = [Task.from_json(json.loads(line)) for line in out.read_text().splitlines()]
+    assert tasks[0] == Task("math", "m0", make_task("math", 0).prompt, make_task("math", 0).params)
+    assert (tasks[1].env, tasks[1].prompt, tasks[1].params) == ("string_match", "Uppercase the string 'ab'.", {"expected": "AB"})
+    assert (tasks[2].env, tasks[2].params) == ("blackjack", make_task("blackjack", 2).params)
+    assert load_tasks(out) == tasks  # what `rollbook run` reads
+
+
+def test_tasks_from_gym_names_the_bad_line_and_writes_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"task_id": {"taskset": "s", "task_id": "x"}, "task_input": {"env": "math", "generate": 0}})
+                   + "\n" + json.dumps({"responses_create_params": {"input": "no rule for me"}}) + "\n")
+    out = tmp_path / "tasks.jsonl"
+    done = subprocess.run([*ROLLBOOK, "tasks", "from-gym", str(src), "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 2
+    error = json.loads(done.stderr)["error"]
+    assert error["code"] == "invalid_request" and error["detail"].startswith(f"{src}:2: ")
+    assert not out.exists()
