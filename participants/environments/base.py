@@ -81,9 +81,20 @@ def function_tool(name: str, description: str, properties: dict[str, JSON], requ
 
 
 class Environment(ABC):
+    """One environment. It is registered by one entry point of the group `rollbook.environments`
+    (name = its `name`, value = `module:Class`), and that is all: the registry, the task generator
+    (`make_task`) and the conformance suite (`conformance_seed`) read it from the class."""
+
     name: ClassVar[str]
     state_mode: ClassVar[StateMode]
     verification: ClassVar[Verification]
+    # The seed of the task the conformance suite runs (one with few turns under the scripted policy).
+    conformance_seed: ClassVar[int] = 0
+
+    @staticmethod
+    def make_task(seed: int) -> Task:
+        """A task of this environment, deterministic from `seed` (task_id is filled in by the caller)."""
+        raise NotImplementedError("this environment has no task generator")
 
     @abstractmethod
     def tools(self) -> list[dict]:

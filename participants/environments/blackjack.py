@@ -115,6 +115,8 @@ def make_task(seed: int) -> Task:
 
 class BlackjackEnvironment(Environment):
     name: ClassVar[str] = "blackjack"
+    make_task = staticmethod(make_task)
+    conformance_seed: ClassVar[int] = 6  # look, hit, stand, answer: two mutations
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"
 

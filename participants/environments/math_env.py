@@ -49,6 +49,7 @@ def make_task(seed: int) -> Task:
 
 class MathEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "math"
+    make_task = staticmethod(make_task)
 
     def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
         got = last_number(final_answer)

@@ -61,6 +61,7 @@ def make_task(seed: int) -> Task:
 
 class SandboxEnvironment(Environment):
     name: ClassVar[str] = "sandbox"
+    make_task = staticmethod(make_task)
     state_mode: ClassVar[StateMode] = "restart_only"
     verification: ClassVar[Verification] = "wait"
 

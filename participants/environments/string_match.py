@@ -31,6 +31,7 @@ def make_task(seed: int) -> Task:
 
 class StringMatchEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "string_match"
+    make_task = staticmethod(make_task)
 
     def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
         # Surrounding whitespace is formatting, not content; everything else must match.

@@ -186,6 +186,7 @@ def _insert(table: str, rows: dict[str, JSON], prefix: str, values: dict[str, JS
 
 class WorkplaceEnvironment(Environment):
     name: ClassVar[str] = "workplace"
+    make_task = staticmethod(make_task)
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"
 
