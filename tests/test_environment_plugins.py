@@ -68,7 +68,8 @@ def test_the_conformance_suite_picks_up_an_environment_from_outside(tmp_path: Pa
 
     env = install_plugin(tmp_path)
     env["ROLLBOOK_TEST_DSN"] = _server("primary").admin_dsn  # the server this session already runs
-    suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_conformance.py")]
+    suite = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+             str(ROOT / "tests" / "test_conformance.py")]
     listed = subprocess.run([*suite, "--collect-only", "-k", "coin"], env=env, cwd=ROOT, capture_output=True, text=True)
     collected = sorted(line.split("::")[-1] for line in listed.stdout.splitlines() if "::" in line)
     assert collected == [
