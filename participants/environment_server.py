@@ -222,7 +222,12 @@ class EnvironmentParticipant(Participant):
 
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         answer = (ep.recorded("agent") or {}).get("final_answer")
-        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {"final_answer": answer})
+        # The whole conversation, as the agent recorded it when its activation completed (read from the
+        # log, so a verify after a restart sends the same).
+        history = await effective_history(self.store, ep.rollout_id, ep.attempt)
+        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == "agent_activation_completed"), {})
+        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"),
+                               {"final_answer": answer, "messages": reply.get("messages") or []})
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:

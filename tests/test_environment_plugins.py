@@ -42,14 +42,17 @@ def test_rollbooks_own_environments_are_its_entry_points() -> None:
 def test_an_environment_from_outside_is_registered_and_generates_tasks(tmp_path: Path) -> None:
     env = install_plugin(tmp_path)
     probe = ("import json; from participants.environments import ENVIRONMENTS, get_environment; "
-             "from participants.environments.tasks import make_task; t = make_task('coin', 1); "
+             "from participants.environments.base import Trajectory; "
+             "from participants.environments.tasks import make_task; t = make_task('coin', 1); coin = get_environment('coin'); "
+             "said = [{'role': 'user', 'content': t.prompt}, {'role': 'assistant', 'content': t.params['expected']}]; "
              "print(json.dumps({'names': sorted(ENVIRONMENTS), 'task': t.to_json(), "
-             "'reward': get_environment('coin').verify(t, {}, t.params['expected'])}))")
+             "'reward': coin.verify(t, {}, Trajectory(said, t.params['expected'])), "
+             "'without_conversation': coin.verify(t, {}, Trajectory([], t.params['expected']))}))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     seen = json.loads(out.stdout)
     assert "coin" in seen["names"] and "workplace" in seen["names"]
     assert seen["task"]["env"] == "coin" and seen["task"]["task_id"].startswith("coin-")
-    assert seen["reward"] == 1.0
+    assert (seen["reward"], seen["without_conversation"]) == (1.0, 0.0)  # verify reads the whole trajectory
 
 
 def test_a_misdeclared_entry_point_is_refused_by_name(tmp_path: Path) -> None:

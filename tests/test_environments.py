@@ -10,7 +10,7 @@ from gymnasium.envs.toy_text import blackjack as gym_blackjack
 
 from adapters.scripted_policy import scripted_reply, scripted_tokens
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
-from participants.environments.base import canonical, roundtrip
+from participants.environments.base import Trajectory, canonical, roundtrip
 from participants.environments.blackjack import export_rng, import_rng, restore_env
 from participants.environments.tasks import make_tasks
 
@@ -60,7 +60,7 @@ def drive(env: Environment, task: Task, seed: int, run: Run, live: object = None
         run.boundaries.append(len(run.messages))
     else:
         pytest.fail("the policy never gave a final answer")
-    run.reward = env.verify(task, run.state, run.final)
+    run.reward = env.verify(task, run.state, Trajectory(run.messages, run.final))
     return run
 
 
@@ -318,7 +318,7 @@ def test_scripted_reply_is_a_pure_function_of_its_inputs() -> None:
 def test_math_policy_slips_sometimes() -> None:
     task = make_tasks(1, seed=0, envs=["math"])[0]
     env = get_environment("math")
-    rewards = [env.verify(task, {}, scripted_reply([{"role": "user", "content": task.prompt}], [], s)["content"])
+    rewards = [env.verify(task, {}, Trajectory([], scripted_reply([{"role": "user", "content": task.prompt}], [], s)["content"]))
                for s in range(100)]
     assert 5 <= rewards.count(0.0) <= 40
 

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from adapters.run import load_tasks
-from participants.environments import Task
+from participants.environments import ENVIRONMENTS, Task
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
 from tests.stack import Stack, start_stack
@@ -187,3 +187,16 @@ def test_tasks_from_gym_names_the_bad_line_and_writes_nothing(tmp_path: Path) ->
     error = json.loads(done.stderr)["error"]
     assert error["code"] == "invalid_request" and error["detail"].startswith(f"{src}:2: ")
     assert not out.exists()
+
+
+async def test_verify_receives_the_whole_trajectory_through_the_servers(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rb_coin's verifier scores an answer only inside a conversation about its own task (tests/plugins).
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    from rb_coin import CoinEnvironment
+
+    monkeypatch.setitem(ENVIRONMENTS, "coin", CoinEnvironment)
+    async with stack(dsn, "coin") as s:
+        status, body = await post(f"{s.url('environment')}/run", episode("coin:test", "0-0", {"env": "coin", "generate": 1, "seed": 1}))
+    assert status == 200, body
+    assert body["result"]["reward"] == 1.0

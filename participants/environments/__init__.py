@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from .base import JSON, Environment, StateMode, Task, ToolError, ToolOutcome, Verification
+from .base import JSON, Environment, StateMode, Task, ToolError, ToolOutcome, Trajectory, Verification
 
 ENTRY_POINT_GROUP = "rollbook.environments"
 
@@ -48,5 +48,5 @@ def get_environment(name: str) -> Environment:
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
-    "Verification", "get_environment", "registered_environments",
+    "Trajectory", "Verification", "get_environment", "registered_environments",
 ]

@@ -49,6 +49,21 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Trajectory:
+    """What a verifier reads: the whole conversation (the prompt, every model turn, every tool call and
+    its output, as chat messages) and the final answer, the way NeMo Gym verifiers read
+    `response.output`."""
+
+    messages: list[dict[str, JSON]] = field(default_factory=list)
+    final_answer: str | None = None
+
+    def tool_calls(self) -> list[dict[str, JSON]]:
+        """Every tool call the agent made, in order: {"name", "arguments"} (arguments as sent)."""
+        return [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+                for m in self.messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])]
+
+
+@dataclass(frozen=True)
 class ToolOutcome:
     output: JSON
     effect: JSON | None  # None marks a read-only call: nothing is logged for apply()
@@ -113,8 +128,8 @@ class Environment(ABC):
         """Pure reducer, used both live and when replaying the log."""
 
     @abstractmethod
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
-        """The episode's reward."""
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        """The episode's reward, from the final state and the whole trajectory."""
 
     def rebuild(self, task: Task, effects: list[JSON]) -> JSON:
         return reduce(self.apply, effects, self.initial_state(task))

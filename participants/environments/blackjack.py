@@ -22,6 +22,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -153,6 +154,6 @@ class BlackjackEnvironment(Environment):
             raise ToolError("bad_effect", "a blackjack effect is a full exported state")
         return copy.deepcopy(effect)
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         # An abandoned hand scores like a push: it neither won nor was played out.
         return float(state["reward"]) if state["done"] else 0.0

@@ -28,6 +28,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -83,7 +84,8 @@ class SandboxEnvironment(Environment):
     def apply(self, state: JSON, effect: JSON) -> JSON:
         raise ToolError("restart_only", "a live shell cannot be rebuilt from events; restart the session")
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        final_answer = trajectory.final_answer
         text = task.params["text"]
         if task.params["kind"] == "sha256":
             found = _HEX64.findall((final_answer or "").lower())

@@ -7,7 +7,7 @@ import string
 from collections.abc import Callable
 from typing import ClassVar
 
-from .base import JSON, StatelessEnvironment, Task
+from .base import JSON, StatelessEnvironment, Task, Trajectory
 
 # op -> (how the prompt phrases it, the transform)
 OPERATIONS: dict[str, tuple[str, Callable[[str], str]]] = {
@@ -33,6 +33,7 @@ class StringMatchEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "string_match"
     make_task = staticmethod(make_task)
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        final_answer = trajectory.final_answer
         # Surrounding whitespace is formatting, not content; everything else must match.
         return 1.0 if (final_answer or "").strip() == task.params["expected"] else 0.0

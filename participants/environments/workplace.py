@@ -20,6 +20,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -287,7 +288,7 @@ class WorkplaceEnvironment(Environment):
         new_rows[label] = {**new_rows.get(label, {}), **copy.deepcopy(values)}
         return new_state
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         goal, kind = task.params["goal"], task.params["kind"]
         rows = {t: v["rows"] for t, v in state["tables"].items()}
         if kind == "move_deal":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from participants.environments.base import JSON, StatelessEnvironment, Task
+from participants.environments.base import JSON, StatelessEnvironment, Task, Trajectory
 
 
 def make_task(seed: int) -> Task:
@@ -23,5 +23,9 @@ class CoinEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "coin"
     make_task = staticmethod(make_task)
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
-        return 1.0 if (final_answer or "").strip() == task.params["expected"] else 0.0
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        # Reads the whole trajectory, as a NeMo Gym verifier reads response.output: the answer counts only
+        # in a conversation about this task.
+        asked = [m.get("content") for m in trajectory.messages if m.get("role") == "user"]
+        answered = (trajectory.final_answer or "").strip() == task.params["expected"]
+        return 1.0 if answered and asked == [task.prompt] else 0.0
