@@ -67,6 +67,8 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
     """Sequential upserts of one row equal one upsert of their merged columns, later ones winning."""
     merged: dict[tuple[str, tuple[Any, ...]], Change] = {}
     for ch in changes:
+        if ch.guard is not None:
+            continue  # applied after the upserts by apply_changes
         key = (ch.table, tuple(ch.key[c] for c in TABLES[ch.table]))
         prior = merged.get(key)
         merged[key] = ch if prior is None else Change(ch.table, ch.key, {**prior.values, **ch.values})
@@ -74,6 +76,7 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
 
 
 async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Change]) -> None:
+    changes = list(changes)
     groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for ch in merge_changes(changes):
         cols = tuple(sorted(ch.values))
@@ -89,6 +92,14 @@ async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Ch
                 f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
             )
             await cur.executemany(sql, rows)
+        # Guarded changes come last: no event the append check admits after a retire (in the same
+        # group) can touch an attempt it ended, so applying them after the upserts is in log order.
+        for ch in changes:
+            if ch.guard == "live_through":
+                sets = ", ".join(f"{c} = %({c})s" for c in sorted(ch.values))
+                await cur.execute(
+                    f"UPDATE rollbook.{ch.table} SET {sets} WHERE rollout_id = %(rollout_id)s "
+                    "AND attempt <= %(attempt)s AND status = 'live'", {**ch.key, **ch.values})
 
 
 class _Pending:
@@ -410,6 +421,33 @@ class PostgresEventStore:
             for r in rows:
                 out[(r.rollout_id, r.attempt)].append((r.stream, r.stream_version, bytes(r.hash)))
         return out
+
+    async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
+        """Each rollout's streams at their last version at or below `position`; reads no event data
+        (the hash of a stream's head covers every earlier event of that stream)."""
+        out: dict[str, list[tuple[str, int, bytes]]] = {r: [] for r in rollout_ids}
+        if not rollout_ids:
+            return out
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT DISTINCT ON (e.rollout_id, e.stream) e.rollout_id, e.stream, e.stream_version, e.hash "
+                    "FROM rollbook.events e WHERE e.rollout_id = ANY(CAST(:rs AS text[])) AND e.position <= :p "
+                    "ORDER BY e.rollout_id, e.stream, e.stream_version DESC"
+                ),
+                {"rs": list(rollout_ids), "p": position},
+            )
+            for r in rows:
+                out[r.rollout_id].append((r.stream, r.stream_version, bytes(r.hash)))
+        return out
+
+    async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"),
+                {"ph": list(phases)},
+            )
+            return [r for (r,) in rows]
 
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:

@@ -21,19 +21,38 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.collection import Collection
-from adapters.config import KINDS, Config
+from adapters.config import KINDS, Config, ConfigError
 from adapters.postgres import PostgresEventStore
+from engine.coordinator import abort_expired
+from engine.errors import RollbookError
 from participants.environments.base import Task
 
 
 def load_tasks(path: str | Path) -> list[Task]:
+    """The tasks file, every line checked before anything runs (an unknown environment would
+    otherwise fail each of its rollouts one by one, far from its cause)."""
+    from participants.environments import ENVIRONMENTS
+
+    try:
+        text_ = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"tasks file {path} not found", "fix [run] tasks in the config (a path, relative to where you run)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read tasks file {path} ({exc})", "point [run] tasks at a readable JSONL file") from None
     tasks = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text_.splitlines(), 1):
         if line.strip():
             try:
-                tasks.append(Task.from_json(json.loads(line)))
+                task = Task.from_json(json.loads(line))
             except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{n}: not a task ({exc}); expected {{\"env\", \"task_id\", \"prompt\", \"params\"}}") from exc
+                raise ConfigError(f"{path}:{n} is not a task ({exc})",
+                                  'write one {"env", "task_id", "prompt", "params"} object per line') from None
+            if task.env not in ENVIRONMENTS:
+                raise ConfigError(f"{path}:{n} names unknown environment {task.env!r}",
+                                  f"use one of {', '.join(sorted(ENVIRONMENTS))}")
+            tasks.append(task)
+    if not tasks:
+        raise ConfigError(f"tasks file {path} holds no task", "add one JSON task per line")
     return tasks
 
 
@@ -50,13 +69,36 @@ async def _fresh_servers(collection: Collection, session: aiohttp.ClientSession)
     return True
 
 
+async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
+    """Every server answers its status with our token, or the run stops before dispatching anything."""
+    for kind in KINDS:
+        if kind not in config.servers:
+            raise ConfigError(f"the config has no [servers.{kind}] section", "add one with the port that server listens on")
+        url = config.url(kind) + "/rollbook/v1/control/status"
+        try:
+            async with session.get(url, headers={"Authorization": f"Bearer {config.token}"},
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise ConfigError(f"cannot reach the {kind} server at {config.url(kind)} ({exc or type(exc).__name__})",
+                              f"start it with `rollbook serve {kind} --config FILE`, or fix [servers.{kind}] host and port") from None
+        if status == 401:
+            raise ConfigError(f"the {kind} server at {config.url(kind)} refused our token",
+                              "give every server and `rollbook run` the same config `token`")
+        if status != 200:
+            raise ConfigError(f"the {kind} server at {config.url(kind)} answered its status with HTTP {status}",
+                              f"check that a rollbook {kind} server (`rollbook serve {kind}`) listens there")
+
+
 async def run_collection(config: Config) -> int:
     if config.run is None:
-        raise SystemExit("the config has no [run] section")
+        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (adapters/config.py)")
     run = config.run
+    tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
+    async with aiohttp.ClientSession() as probe:
+        await check_servers(config, probe)
     dsn = database.prepare_database(config.dsn)
     store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}")
-    tasks = load_tasks(run.tasks)
     collection = Collection(config, store, run.run_id, tasks, seed=run.seed, max_steps=run.max_steps,
                             concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid))
     loop = asyncio.get_running_loop()
@@ -66,6 +108,8 @@ async def run_collection(config: Config) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         async with aiohttp.ClientSession() as session:
+            for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
+                say(event="checkpoint_aborted", checkpoint_id=ck, reason="lease expired")
             latest = await collection.latest_published()
             if latest and await collection.unfinished():
                 if await _fresh_servers(collection, session):
@@ -82,7 +126,11 @@ async def run_collection(config: Config) -> int:
                 if dispatch.done():
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
-                result = await collection.checkpoint(session, ck, resume=not stop.is_set())
+                try:
+                    result = await collection.checkpoint(session, ck, resume=not stop.is_set())
+                except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
+                    await collection.coordinator(session).resume(ck)
+                    result = {"checkpoint_id": ck, "published": False, "error": exc.to_json()["error"]}
                 say(event="checkpoint", **result)
                 wanted.clear()
                 if stop.is_set():
@@ -91,7 +139,9 @@ async def run_collection(config: Config) -> int:
                     return 0
             results = await dispatch
             finished = len(tasks) - len(await collection.unfinished())
-            say(event="done", rollouts=len(tasks), finished=finished, this_session=len(results))
+            extra = {"refused": dict(sorted(collection.refused.items())[:10])} if collection.refused else {}
+            say(event="done", rollouts=len(tasks), finished=finished, this_session=len(results),
+                retried=collection.retries, **extra)
             return 0 if finished == len(tasks) else 1
     finally:
         await store.close()

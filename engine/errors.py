@@ -77,6 +77,12 @@ class DeadlineExceeded(RollbookError):
     code = "deadline_exceeded"
 
 
+class InvalidDeadline(RollbookError):
+    """A deadline that is not a finite number of seconds since the epoch (NaN, infinity)."""
+
+    code = "invalid_deadline"
+
+
 class RestartInScope(RollbookError):
     code = "restart_in_scope"
 

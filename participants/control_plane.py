@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from typing import Any, ClassVar, Literal
 
@@ -21,6 +22,7 @@ from adapters.database import code_revision
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine.checkpoint import Cut, load_cut
+from engine.coordinator import abort_if_expired
 from engine.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -31,8 +33,10 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, validate_attempt, validate_id
-from engine.phases import Lease, ParticipantPhases
+from engine.phases import Lease, ParticipantPhases, check_deadline
 from participants.http_errors import error_response, errors_as_json
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/rollbook/v1"
 CONTROL = f"{PREFIX}/control"
@@ -243,8 +247,7 @@ class ControlPlane:
             raise CheckpointConflict(f"checkpoint {active} is active ({self.phases.phase}); {req.checkpoint_id} must wait")
         if needs_active and active is None:
             raise InvalidPhase(f"cannot {op} checkpoint {req.checkpoint_id} while idle", phase="idle", operation=op)
-        if req.deadline < time.time():
-            raise DeadlineExceeded(f"the deadline of {op} for {req.checkpoint_id} has passed")
+        check_deadline(req.deadline, time.time(), f"{op} for {req.checkpoint_id}")  # before any state changes
         return None
 
     async def _body(self, request: web.Request, model: type[Body]) -> Any:
@@ -309,6 +312,7 @@ class ControlPlane:
                 raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
             if self.phases.checkpoint_id != req.checkpoint_id:
                 raise CheckpointConflict(f"checkpoint {req.checkpoint_id} is not the active one")
+            check_deadline(req.deadline, time.time(), f"renew for {req.checkpoint_id}")
             self.lease = Lease(req.deadline, self.grace)
             return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                     detail={"lease_deadline": req.deadline}).model_dump())
@@ -404,6 +408,13 @@ class ControlPlane:
                     if self.phases.phase == "restored":
                         continue  # a restored process waits for its resume: it has nothing to go back to
                     await self._abort(ck, reason="lease expired")
+                    expired_checkpoint = ck
+                else:
+                    continue
+            try:  # and the checkpoint itself, in the log, if no one has ended it yet (engine.coordinator)
+                await abort_if_expired(self.p.store, expired_checkpoint, grace=self.grace)
+            except (RollbookError, OSError) as exc:  # the next participant or `rollbook run` will record it
+                log.warning("could not record the abort of checkpoint %s: %s", expired_checkpoint, exc)
 
     def routes(self) -> list[web.RouteDef]:
         return [

@@ -13,6 +13,7 @@ STATUS: dict[str, int] = {
     "invalid_request": 400,
     "invalid_identifier": 400,
     "invalid_payload": 400,
+    "invalid_deadline": 400,
     "payload_too_large": 413,
     "rollout_id_required": 400,
     "unauthorized": 401,
