@@ -39,7 +39,7 @@ def test_rollbooks_own_environments_are_its_entry_points() -> None:
     assert {name: f"{cls.__module__}:{cls.__name__}" for name, cls in ENVIRONMENTS.items() if name in declared} == declared
 
 
-def test_an_environment_from_outside_is_registered_and_generates_tasks(tmp_path: Path) -> None:
+def test_an_environment_from_outside_is_registered_generates_tasks_and_is_played(tmp_path: Path) -> None:
     env = install_plugin(tmp_path)
     probe = ("import json; from participants.environments import ENVIRONMENTS, get_environment; "
              "from participants.environments.base import Trajectory; "
@@ -47,12 +47,15 @@ def test_an_environment_from_outside_is_registered_and_generates_tasks(tmp_path:
              "said = [{'role': 'user', 'content': t.prompt}, {'role': 'assistant', 'content': t.params['expected']}]; "
              "print(json.dumps({'names': sorted(ENVIRONMENTS), 'task': t.to_json(), "
              "'reward': coin.verify(t, {}, Trajectory(said, t.params['expected'])), "
-             "'without_conversation': coin.verify(t, {}, Trajectory([], t.params['expected']))}))")
+             "'without_conversation': coin.verify(t, {}, Trajectory([], t.params['expected'])), "
+             "'played': __import__('adapters.scripted_policy').scripted_policy.scripted_reply(said[:1], [], 0)}))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     seen = json.loads(out.stdout)
     assert "coin" in seen["names"] and "workplace" in seen["names"]
     assert seen["task"]["env"] == "coin" and seen["task"]["task_id"].startswith("coin-")
     assert (seen["reward"], seen["without_conversation"]) == (1.0, 0.0)  # verify reads the whole trajectory
+    # the scripted stand-in model plays it with the player the package brought
+    assert seen["played"] == {"role": "assistant", "content": seen["task"]["params"]["expected"]}
 
 
 def test_a_misdeclared_entry_point_is_refused_by_name(tmp_path: Path) -> None:

@@ -197,6 +197,6 @@ async def test_verify_receives_the_whole_trajectory_through_the_servers(
 
     monkeypatch.setitem(ENVIRONMENTS, "coin", CoinEnvironment)
     async with stack(dsn, "coin") as s:
-        status, body = await post(f"{s.url('environment')}/run", episode("coin:test", "0-0", {"env": "coin", "generate": 1, "seed": 1}))
+        status, body = await post(f"{s.url('environment')}/run", episode("coin:test", "0-0", {"env": "coin", "generate": 1}))
     assert status == 200, body
     assert body["result"]["reward"] == 1.0

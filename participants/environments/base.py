@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any, ClassVar, Literal
 
+from .players import Player
+
 JSON = Any  # dict/list/str/int/float/bool/None only: no tuples, no numpy scalars
 StateMode = Literal["stateless", "exported", "restart_only"]
 Verification = Literal["replay", "wait"]
@@ -98,13 +100,17 @@ def function_tool(name: str, description: str, properties: dict[str, JSON], requ
 class Environment(ABC):
     """One environment. It is registered by one entry point of the group `rollbook.environments`
     (name = its `name`, value = `module:Class`), and that is all: the registry, the task generator
-    (`make_task`) and the conformance suite (`conformance_seed`) read it from the class."""
+    (`make_task`), the scripted policy (`scripted`) and the conformance suite (`conformance_seed`)
+    read it from the class."""
 
     name: ClassVar[str]
     state_mode: ClassVar[StateMode]
     verification: ClassVar[Verification]
     # The seed of the task the conformance suite runs (one with few turns under the scripted policy).
     conformance_seed: ClassVar[int] = 0
+    # How the scripted stand-in model plays it (participants/environments/players.py); None: like any
+    # request no player recognises.
+    scripted: ClassVar[Player | None] = None
 
     @staticmethod
     def make_task(seed: int) -> Task:

@@ -15,6 +15,7 @@ import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text import blackjack as gym_blackjack
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -117,6 +118,7 @@ def make_task(seed: int) -> Task:
 class BlackjackEnvironment(Environment):
     name: ClassVar[str] = "blackjack"
     make_task = staticmethod(make_task)
+    scripted = players.BLACKJACK
     conformance_seed: ClassVar[int] = 6  # look, hit, stand, answer: two mutations
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"

@@ -8,6 +8,7 @@ import random
 import re
 from typing import ClassVar
 
+from . import players
 from .base import JSON, StatelessEnvironment, Task, Trajectory
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -50,6 +51,7 @@ def make_task(seed: int) -> Task:
 class MathEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "math"
     make_task = staticmethod(make_task)
+    scripted = players.MATH
 
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         final_answer = trajectory.final_answer

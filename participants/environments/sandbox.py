@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -63,6 +64,7 @@ def make_task(seed: int) -> Task:
 class SandboxEnvironment(Environment):
     name: ClassVar[str] = "sandbox"
     make_task = staticmethod(make_task)
+    scripted = players.SANDBOX
     state_mode: ClassVar[StateMode] = "restart_only"
     verification: ClassVar[Verification] = "wait"
 

@@ -7,6 +7,7 @@ import string
 from collections.abc import Callable
 from typing import ClassVar
 
+from . import players
 from .base import JSON, StatelessEnvironment, Task, Trajectory
 
 # op -> (how the prompt phrases it, the transform)
@@ -32,6 +33,7 @@ def make_task(seed: int) -> Task:
 class StringMatchEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "string_match"
     make_task = staticmethod(make_task)
+    scripted = players.STRING
 
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         final_answer = trajectory.final_answer

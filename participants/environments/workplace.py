@@ -13,6 +13,7 @@ import datetime as dt
 import random
 from typing import ClassVar
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -188,6 +189,7 @@ def _insert(table: str, rows: dict[str, JSON], prefix: str, values: dict[str, JS
 class WorkplaceEnvironment(Environment):
     name: ClassVar[str] = "workplace"
     make_task = staticmethod(make_task)
+    scripted = players.WORKPLACE
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"
 

@@ -8,20 +8,33 @@ rollbook names it.
 from __future__ import annotations
 
 import random
+import re
 from typing import ClassVar
 
 from participants.environments.base import JSON, StatelessEnvironment, Task, Trajectory
+from participants.environments.players import Answer, Player
+
+_PROMPT = re.compile(r"Spell the coin face '(\w+)' backwards\.")
 
 
 def make_task(seed: int) -> Task:
     word = random.Random(f"coin:{seed}").choice(["heads", "tails", "edge"])
-    return Task(env="coin", task_id="", prompt=f"Reverse the string '{word}'. Reply with the result only.",
-                params={"expected": word[::-1]})
+    return Task(env="coin", task_id="", prompt=f"Spell the coin face '{word}' backwards.", params={"expected": word[::-1]})
+
+
+def _play(prompt: str, history: list, tools: list[dict], seed: int) -> Answer:
+    m = _PROMPT.search(prompt)
+    return Answer(m.group(1)[::-1] if m else "no idea")
+
+
+# How rollbook's scripted stand-in model plays it: the package brings that too, nothing in rollbook changes.
+PLAYER = Player(5, lambda names, prompt: _PROMPT.search(prompt) is not None, _play)
 
 
 class CoinEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "coin"
     make_task = staticmethod(make_task)
+    scripted = PLAYER
 
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         # Reads the whole trajectory, as a NeMo Gym verifier reads response.output: the answer counts only
