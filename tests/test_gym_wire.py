@@ -10,6 +10,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ import pytest
 from sqlalchemy import text
 
 from adapters.generation import ScriptedBackend
+from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.run import load_tasks
 from participants.environments import ENVIRONMENTS, Task
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
-from tests.stack import Stack, start_stack
+from tests.stack import TOKEN, Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
 ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
@@ -49,6 +51,11 @@ def episode(taskset: str, rollout_id: str, task_input: dict[str, Any], attempt: 
 async def post(url: str, body: Any) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
         return resp.status, await resp.json()
+
+
+async def rows(store: PostgresEventStore, sql: str, **params: Any) -> list[Any]:
+    async with store.engine.connect() as conn:
+        return list(await conn.execute(text(sql), params))
 
 
 async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
@@ -200,3 +207,19 @@ async def test_verify_receives_the_whole_trajectory_through_the_servers(
         status, body = await post(f"{s.url('environment')}/run", episode("coin:test", "0-0", {"env": "coin", "generate": 1}))
     assert status == 200, body
     assert body["result"]["reward"] == 1.0
+
+
+async def test_a_new_episode_during_a_checkpoint_is_a_non_terminal_admission_failure(
+        dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "admission") as s:
+        env = HttpParticipant("environment", "environment", s.url("environment"), TOKEN, s.session)
+        await env.call("prepare", {"checkpoint_id": "ck-gym", "deadline": time.time() + 30})
+        head = await store.head()
+        status, body = await post(f"{s.url('environment')}/run", episode("math:a", "0-0", MATH))
+        assert await store.head() == head
+        await env.call("resume", {"checkpoint_id": "ck-gym", "deadline": time.time() + 30})
+        _, after = await post(f"{s.url('environment')}/run", episode("math:a", "0-0", MATH))
+    assert status == 200
+    assert body["failure"] == {"failure_reason": "a checkpoint is in progress; new work waits for resume",
+                               "terminal": False, "failure_kind": "rollbook:admission_closed", "stage": "admission"}
+    assert "result" in after
