@@ -25,7 +25,7 @@ from sqlalchemy import text
 
 from adapters.config import KINDS, Config
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
@@ -66,6 +66,7 @@ class Collection:
         clients = [HttpParticipant(k, k, self.config.url(k), self.config.token, session) for k in KINDS]
         return Coordinator(self.store, clients)
 
+    @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
     async def unfinished(self) -> list[int]:
         async with self.store.engine.connect() as conn:
             done = {r for (r,) in await conn.execute(
@@ -143,6 +144,7 @@ class Collection:
         await coordinator.resume(checkpoint_id)
         return {**result, "timings_ms": dict(coordinator.timing.ms)}
 
+    @retrying("reading the run's checkpoints")
     async def latest_published(self) -> str | None:
         async with self.store.engine.connect() as conn:
             return (await conn.execute(text(

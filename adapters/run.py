@@ -1,9 +1,11 @@
 """`rollbook run --config FILE`: a rollout collection with periodic checkpoints that survives crashes.
 
 Checkpoints every `run.checkpoint_every_s` seconds and on SIGUSR1; on SIGTERM it checkpoints and
-stops without resuming. Started again with the same run id, it restores the run's latest published
-checkpoint into fresh server processes (servers that kept running keep their sessions and are
-not restored) and finishes every rollout that has not finished.
+stops without resuming. Started again with the same run id after any crash, it finishes every
+rollout that has not finished, each from its latest durable boundary in the log
+(engine.recovery): it prints where each stands, then dispatches the unfinished ones again, and the
+servers go on from the log. A published checkpoint is not restored: that would roll back work done
+after it (`rollbook checkpoint restore` does that on purpose).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from sqlalchemy import text
 from adapters import database
 from adapters.collection import Collection
 from adapters.config import KINDS, Config, ConfigError
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from engine.coordinator import abort_expired
 from engine.errors import RollbookError
+from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
 
@@ -58,15 +61,6 @@ def load_tasks(path: str | Path) -> list[Task]:
 
 def say(**event: Any) -> None:
     print(json.dumps({"t": round(time.time(), 3), **event}), flush=True)
-
-
-async def _fresh_servers(collection: Collection, session: aiohttp.ClientSession) -> bool:
-    """True when no server has served a session yet: only then can a checkpoint be restored into them."""
-    for client in collection.coordinator(session).participants:
-        status = await client.call("status", {})
-        if status.get("served_sessions"):
-            return False
-    return True
 
 
 async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
@@ -110,12 +104,11 @@ async def run_collection(config: Config) -> int:
         async with aiohttp.ClientSession() as session:
             for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
                 say(event="checkpoint_aborted", checkpoint_id=ck, reason="lease expired")
-            latest = await collection.latest_published()
-            if latest and await collection.unfinished():
-                if await _fresh_servers(collection, session):
-                    say(event="restore", **await collection.restore(session, latest))
-                else:
-                    say(event="continue_without_restore", reason="the servers are still running with their sessions")
+            ids = [collection.rollout_id(i) for i in range(len(tasks))]
+            where = run_dispositions(await store.attempt_rows(ids), ids)
+            if any(d != "not_started" for d in where.values()):
+                counts = {d: sum(1 for v in where.values() if v == d) for d in sorted(set(where.values()))}
+                say(event="recovery", latest_published=await collection.latest_published(), **counts)
             dispatch = asyncio.create_task(collection.dispatch(session))
             while not dispatch.done():
                 timer = asyncio.create_task(asyncio.sleep(run.checkpoint_every_s))
@@ -147,6 +140,7 @@ async def run_collection(config: Config) -> int:
         await store.close()
 
 
+@retrying("numbering the next checkpoint")
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
     async with store.engine.connect() as conn:
         n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),

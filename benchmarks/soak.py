@@ -43,7 +43,12 @@ def main() -> int:
         ControlMachine.dsn = server.new_database()
         # One hypothesis run of --seeds examples, seeded by --first: hypothesis varies the sequences
         # across examples (its first one is always the simplest) and shrinks a failing one.
-        machine = seed(args.first)(type("SoakMachine", (ControlMachine,), {}))
+        def progress(tally: dict[str, int]) -> None:
+            if tally.get("sequences_checked", 0) % 25 == 0:
+                print(f"{tally['sequences_checked']} sequences checked, {time.perf_counter() - started:.0f} s: "
+                      f"{json.dumps(dict(sorted(tally.items())))}", file=sys.stderr, flush=True)
+
+        machine = seed(args.first)(type("SoakMachine", (ControlMachine,), {"progress": staticmethod(progress)}))
         try:
             run_state_machine_as_test(machine, settings=settings(
                 max_examples=args.seeds, stateful_step_count=args.steps, deadline=None, database=None,

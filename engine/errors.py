@@ -111,3 +111,17 @@ class SchemaMismatch(RollbookError):
 
 class ReplayDivergence(RollbookError):
     code = "replay_divergence"
+
+
+class DatabaseUnavailable(RollbookError):
+    """The database did not answer within the store's patience (a restart, a dropped network).
+    Nothing was written that the caller cannot find again: appends carry an idempotency key."""
+
+    code = "database_unavailable"
+
+
+class AttemptLost(RollbookError):
+    """A part of a live attempt cannot continue (its sandbox process or an unrecorded model call
+    died with a server). The attempt's driver restarts that rollout alone under a new attempt."""
+
+    code = "attempt_lost"

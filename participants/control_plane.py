@@ -228,8 +228,16 @@ class ControlPlane:
             )
 
     async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
-        event = self.phases.fire(trigger, checkpoint_id, **data)
+        # The phase moves only once its event is in the log: while the append waits (a database
+        # restart) status still shows the phase the log has, and a failed append changes nothing.
+        before, active = self.phases.state, self.phases.checkpoint_id
+        event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
+        after, after_active = self.phases.state, self.phases.checkpoint_id
+        self.phases._machine.set_state(before)
+        self.phases.checkpoint_id = active
         await self.p.store.append(AppendRequest((event,)))
+        self.phases._machine.set_state(after)
+        self.phases.checkpoint_id = after_active
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
@@ -397,20 +405,26 @@ class ControlPlane:
         self.lease = None
 
     async def watch_lease(self) -> None:
-        """An expired lease resumes the participant by itself, recorded as an abort."""
+        """An expired lease resumes the participant by itself, recorded as an abort. A failure to
+        record it (the database is down) is retried on the next tick: the watcher never dies."""
         while True:
             await asyncio.sleep(0.2)
             if self.lease is None or not self.lease.expired(time.time()):
                 continue
-            async with self.lock:
-                ck = self.phases.checkpoint_id
-                if ck is not None and self.lease is not None and self.lease.expired(time.time()):
-                    if self.phases.phase == "restored":
-                        continue  # a restored process waits for its resume: it has nothing to go back to
-                    await self._abort(ck, reason="lease expired")
-                    expired_checkpoint = ck
-                else:
-                    continue
+            try:
+                async with self.lock:
+                    ck = self.phases.checkpoint_id
+                    if ck is not None and self.lease is not None and self.lease.expired(time.time()):
+                        if self.phases.phase == "restored":
+                            continue  # a restored process waits for its resume: it has nothing to go back to
+                        await self._abort(ck, reason="lease expired")
+                        expired_checkpoint = ck
+                    else:
+                        continue
+            except Exception as exc:  # e.g. the database is down: not recorded, so not done; try again
+                log.warning("could not record the lease abort (%s: %s); retrying", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+                continue
             try:  # and the checkpoint itself, in the log, if no one has ended it yet (engine.coordinator)
                 await abort_if_expired(self.p.store, expired_checkpoint, grace=self.grace)
             except (RollbookError, OSError) as exc:  # the next participant or `rollbook run` will record it

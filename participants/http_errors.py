@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "restart_in_scope": 409,
     "admission_closed": 409,
     "activation_out_of_order": 409,
+    "attempt_lost": 409,
     "version_conflict": 409,
     "task_conflict": 409,
     "invalid_checkpoint_state": 422,
@@ -36,6 +37,7 @@ STATUS: dict[str, int] = {
     "schema_mismatch": 500,
     "replay_divergence": 500,
     "participant_unavailable": 503,
+    "database_unavailable": 503,
 }
 
 

@@ -1,5 +1,5 @@
-"""`rollbook run`: checkpoints on SIGUSR1, checkpoint-and-stop on SIGTERM, and a restart that restores
-the latest published checkpoint into fresh server processes and finishes every rollout once."""
+"""`rollbook run`: checkpoints on SIGUSR1, checkpoint-and-stop on SIGTERM, and a restart into fresh server
+processes that continues every rollout from the log (no rollback to the checkpoint) and finishes each once."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Run:
         return seen
 
 
-def test_run_checkpoints_on_signals_and_resumes_from_the_latest_published_checkpoint(dsn: str) -> None:
+def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="rbrun-"))
     tasks = make_tasks(8, seed=3, envs=["workplace", "blackjack", "math"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
@@ -77,8 +77,10 @@ def test_run_checkpoints_on_signals_and_resumes_from_the_latest_published_checkp
         assert second.proc.wait(timeout=30) == 0
     finally:
         procs.stop()
-    restore = next(e for e in events if e.get("event") == "restore")
-    assert restore["checkpoint_id"] == latest
+    assert not [e for e in events if e.get("event") == "restore"], "a rerun must not roll back to the checkpoint"
+    recovery = next(e for e in events if e.get("event") == "recovery")
+    assert recovery["latest_published"] == latest
+    assert recovery.get("finished", 0) + recovery.get("continue", 0) + recovery.get("not_started", 0) == 8
     done = next(e for e in events if e.get("event") == "done")
     assert done["finished"] == done["rollouts"] == 8
     with psycopg.connect(dsn) as conn:
