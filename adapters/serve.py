@@ -36,7 +36,8 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     elif kind == "agent":
         from participants.agent_server import build_agent_app
 
-        app = build_agent_app(store, config.token, instance=instance)
+        env = config.servers.get("environment")
+        app = build_agent_app(store, config.token, instance=instance, environment_url=env.base_url if env else None)
     else:
         from participants.environment_server import build_environment_app
 

@@ -184,6 +184,7 @@ class AgentParticipant(Participant):
     concurrency: ClassVar[str] = "one activation at a time per (rollout_id, attempt); control operations serialized"
     # An agent that cannot go on from a boundary sets this False: it is then honestly restart-only.
     supports_continuation: ClassVar[bool] = True
+    environment_url: str | None = None  # where NeMo Gym rows received on POST /run are run as episodes
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -381,12 +382,10 @@ class AgentParticipant(Participant):
         return web.json_response({"sessions": rows})
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(data_path("/run"), self.run), web.get("/sessions", self.list_sessions),
-                web.post("/run", self._no_identity)]
+        from participants.gym_wire import AgentFront  # NeMo Gym's flat rows, relayed by its legacy_agent
 
-    async def _no_identity(self, request: web.Request) -> web.Response:
-        identity(request)  # raises rollout_id_required
-        raise AssertionError("unreachable")
+        return [web.post(data_path("/run"), self.run), web.get("/sessions", self.list_sessions),
+                *AgentFront(self).routes()]
 
     # ---- control plane hooks --------------------------------------------------------------------
 
@@ -458,8 +457,10 @@ class AgentParticipant(Participant):
 
 
 def build_agent_app(store: PostgresEventStore, token: str, instance: str = "agent-0",
-                    participant_cls: type[AgentParticipant] = AgentParticipant) -> web.Application:
+                    participant_cls: type[AgentParticipant] = AgentParticipant,
+                    environment_url: str | None = None) -> web.Application:
     participant = participant_cls(store, instance, token)
+    participant.environment_url = environment_url
     return build_app(participant, token)
 
 

@@ -271,7 +271,12 @@ class EnvironmentParticipant(Participant):
 
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         answer = (ep.recorded("agent") or {}).get("final_answer")
-        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {"final_answer": answer})
+        # The whole conversation, as the agent recorded it when its activation completed (read from the
+        # log, so a verify after a restart sends the same).
+        history = await effective_history(self.store, ep.rollout_id, ep.attempt)
+        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == "agent_activation_completed"), {})
+        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"),
+                               {"final_answer": answer, "messages": reply.get("messages") or []})
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
@@ -292,7 +297,10 @@ class EnvironmentParticipant(Participant):
         return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status)]
+        from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
+
+        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status),
+                *EnvironmentFront(self).routes()]
 
     # ---- control plane hooks --------------------------------------------------------------------
 
