@@ -13,6 +13,7 @@ import asyncio
 import json
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import psycopg
@@ -40,11 +41,30 @@ async def freeze_all(dsn: str, keys: list[str]) -> list:
         await capture.close()
 
 
+def wait_for_a_generation_under_way(dsn: str, timeout: float = 60) -> None:
+    """Until some call has streamed for a while with no outcome: stopping now cuts it with tokens in it.
+
+    Waiting on the log rather than on a fixed delay is what keeps this test true on a loaded machine."""
+    end = time.time() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.time() < end:
+            under_way = conn.execute(
+                "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
+                "AND a.recorded_at < now() - interval '200 milliseconds' AND NOT EXISTS ("
+                "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
+            ).fetchone()[0]
+            if under_way:
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no generation under way within {timeout} s")
+
+
 def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(dsn: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="rbgym-"))
     tasks = make_tasks(4, seed=5, envs=["blackjack", "math", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
+    # Slow tokens keep each generation in flight for a second or more, so the stop below lands mid-generation.
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.05 if k == "model" else 0.0) for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, token="t0ken", servers=servers, run=cfg.RunConfig(
         run_id="gym", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=4))
     cfg.write(config, work / "rollbook.toml")
@@ -53,6 +73,7 @@ def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(ds
     try:
         crash = Run(work / "rollbook.toml")
         crash.wait_for("finished")  # the others are mid-turn, most of them mid-generation
+        wait_for_a_generation_under_way(dsn)
         crash.proc.send_signal(signal.SIGTERM)  # checkpoint and stop: prepare cuts every generation in flight
         crash.wait_for("stopped")
         assert crash.proc.wait(timeout=30) == 0
