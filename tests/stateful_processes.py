@@ -110,7 +110,7 @@ class World:
         return tuple(k for k in cfg.KINDS if k not in self.procs.procs or self.procs.procs[k].poll() is not None)
 
 
-def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 0.004) -> World:
+def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 0.015) -> World:
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, token="faults-secret", servers=servers)
@@ -166,6 +166,11 @@ class FaultMachine(RuleBasedStateMachine):
     def _restart(self, kinds: tuple[str, ...]) -> None:
         if kinds:
             self.run(asyncio.to_thread(self.world.procs.start, 90.0, kinds))
+
+    def _live_now(self, fault: str) -> None:
+        """Count a fault that lands while some rollout of the sequence is live (the ones that test recovery)."""
+        if self.run(self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p AND status = 'live' LIMIT 1")):
+            _count(f"{fault}_on_live_rollouts")
 
     def _stop_dispatch(self) -> None:
         if self.dispatching is not None:
@@ -254,6 +259,8 @@ class FaultMachine(RuleBasedStateMachine):
     def retire(self, i: int) -> None:
         assert self.coll is not None
         rid = self.coll.rollout_id(i)
+        if rid in self.retired:
+            return
         rows = self.run(self.store.attempt_rows([rid]))
         if not rows or any(row["status"] == "finished" for row in rows.values()):
             return
@@ -280,6 +287,7 @@ class FaultMachine(RuleBasedStateMachine):
     def kill_servers(self, kinds: set[str], pause: float) -> None:
         """SIGKILL a subset; the framework's dispatches meet whatever is left, then fresh ones start."""
         killed = tuple(k for k in cfg.KINDS if k in kinds)
+        self._live_now("kill_servers")
         self.run(asyncio.to_thread(self.world.procs.kill, killed))
         self.run(asyncio.sleep(pause))
         self._restart(killed)
@@ -287,12 +295,13 @@ class FaultMachine(RuleBasedStateMachine):
         _count("kill_servers")
         _count(f"kill_{len(killed)}_servers")
 
-    @rule(delay=st.sampled_from([0.0, 0.05, 0.2, 0.6]))
+    @rule(delay=st.sampled_from([0.1, 0.3, 0.6, 1.0]))  # its first 0.1 s or so is reading the log
     def kill_coordinator(self, delay: float) -> None:
         """A coordinator process SIGKILLed `delay` s into a checkpoint (prepare, commit, publish, resume)."""
         if self.active is not None:
             return
         ck = f"{self.run_id}-k{next(self.counter)}"
+        self._live_now("kill_coordinator")
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.coordinator_child", "--config", str(self.world.config_path), "--run-id",
              self.run_id, "--rollouts", str(ROLLOUTS), "--checkpoint", ck, "--deadline-s", str(COORDINATOR_DEADLINE_S)],
@@ -321,12 +330,14 @@ class FaultMachine(RuleBasedStateMachine):
 
     @rule()
     def restart_postgres(self) -> None:
+        self._live_now("restart_postgres")
         self.run(asyncio.to_thread(self.world.restart_db))
         self.steps.append("restart PostgreSQL")
         _count("restart_postgres")
 
     @rule()
     def drop_connections(self) -> None:
+        self._live_now("drop_connections")
         def drop() -> int:
             with psycopg.connect(self.world.dsn, autocommit=True) as conn:
                 row = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -341,6 +352,7 @@ class FaultMachine(RuleBasedStateMachine):
         """Every server SIGKILLed with the framework's dispatches; fresh ones restore the latest cut."""
         if not self.restorable:
             return
+        self._live_now("crash_and_restore")
         self._stop_dispatch()
         self.run(asyncio.to_thread(self.world.procs.kill))
         self._restart(cfg.KINDS)
@@ -419,7 +431,7 @@ class FaultMachine(RuleBasedStateMachine):
                           ("mutations an ancestor applied before the boundary, applied again", REPEATED_MUTATIONS)):
             rows = await self._rows(sql)
             assert not rows, f"{name}: {rows[:5]} after {self.steps}"
-        print(f"{self.run_id}: {len(self.steps)} steps checked: {'; '.join(self.steps)}")
+        print(f"{self.run_id}: {len(self.steps)} steps checked: {'; '.join(self.steps)}", file=sys.stderr)
         _count("sequences_checked")
         TALLY["rollouts_finished"] = TALLY.get("rollouts_finished", 0) + ROLLOUTS - len(self.retired)
         if self.progress is not None:
