@@ -15,7 +15,9 @@ faults are the real ones:
 
 mixed with the control operations of tests/stateful_control.py (dispatch, prepare, commit,
 publish, resume, retire, forget). After every step the invariants of tests/stateful_control.py
-are read through the public SQL views; at the end of each sequence every rollout that was not
+are read through the public SQL views, plus: no model call generated twice for one turn, no tool
+call applied twice and no agent turn recorded twice within one attempt (a restarted server that
+redid its own work); at the end of each sequence every rollout that was not
 retired must have finished exactly once by its latest attempt, nothing may have been done twice
 within an attempt or again by a continued attempt (tests/e2e/conftest.py's lineage queries), and
 every server must be idle.
@@ -54,7 +56,7 @@ from engine.errors import RollbookError
 from engine.phases import CHECKPOINT_LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
 from tests.e2e.conftest import REPEATED_CALLS
-from tests.e2e.test_recovery import REGENERATED_ACROSS, REPEATED_MUTATIONS
+from tests.e2e.test_recovery import REGENERATED_ACROSS, REPEATED_MUTATIONS, REPEATED_TURNS
 from tests.stateful_control import (
     AFTER_FENCE,
     CALL_COMPLETED_TWICE,
@@ -375,6 +377,7 @@ class FaultMachine(RuleBasedStateMachine):
                           ("model call generated twice for one turn of one attempt", GENERATED_TWICE),
                           ("mutation applied twice in one attempt", MUTATION_TWICE),
                           ("tool call applied twice in one attempt", TOOL_CALL_TWICE),
+                          ("agent turn recorded twice in one attempt (work redone)", REPEATED_TURNS),
                           ("restored from an uncommitted checkpoint", RESTORED_FROM_UNCOMMITTED)):
             rows = await self._rows(sql)
             assert not rows, f"{name}: {rows[:5]} after {self.steps}"
