@@ -65,12 +65,13 @@ def main() -> int:
             world = stateful_processes.start_world(database.scratch_database(server.admin_dsn, "rollbook_soak"),
                                                    restart, work)
             base.world = world
+        every = 25 if args.machine == "control" else 5  # sequences between two progress lines
         # One hypothesis run of --seeds examples, seeded by --first: hypothesis varies the sequences
         # across examples (its first one is always the simplest) and shrinks a failing one.
         def progress(tally: dict[str, int]) -> None:
-            # hypothesis may run past max_examples (a repeated sequence does not count), so every 25
+            # hypothesis may run past max_examples (a repeated sequence does not count), so every few
             # sequences the tally so far is printed and saved: a run cut short still leaves its figures
-            if tally.get("sequences_checked", 0) % 25 == 0:
+            if tally.get("sequences_checked", 0) % every == 0:
                 print(f"{tally['sequences_checked']} sequences checked, 0 violations, {time.perf_counter() - started:.0f} s: "
                       f"{json.dumps(dict(sorted(tally.items())))}", file=sys.stderr, flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
