@@ -11,7 +11,8 @@ step and at the end, of one of two machines:
   (SIGKILL of any subset of the four server processes, of a coordinator process mid-checkpoint,
   a PostgreSQL restart, dropped connections) on an embedded PostgreSQL of its own (several
   seconds a sequence). A violation is shrunk by hypothesis to a short sequence
-and printed with its seed and a reproduction blob. Prints a table (each operation that took
+and printed with its seed and a reproduction blob; with `--machine processes` a traceback in any server's log counts as
+a violation too. Prints a table (each operation that took
 effect, counted over every sequence including shrinking) and writes JSON; never asserts a time.
 """
 
@@ -93,6 +94,12 @@ def main() -> int:
     finally:
         if world is not None:
             world.procs.stop()
+            # No server may print a traceback for any of these faults (issue 9, item 3).
+            from tests.e2e.test_recovery import tracebacks
+
+            for found in tracebacks(world.procs.log_dir):
+                print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
+                failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})
         server.close()
     elapsed = time.perf_counter() - started
     result = {"machine": args.machine, "seeds": args.seeds, "first": args.first, "steps": args.steps, "violations": len(failures),
