@@ -5,7 +5,7 @@ coordinator process mid-checkpoint, a PostgreSQL restart and dropped connections
 dispatch, prepare, commit, publish, resume, restore, retire and forget; every invariant read
 through the public SQL views after every step and at the end of every sequence.
 
-CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 5, of up to ROLLBOOK_STATEFUL_STEPS=10 steps; raise it to run more, or run
+CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4, of up to ROLLBOOK_STATEFUL_STEPS=10 steps; raise it to run more, or run
 `benchmarks/soak.py --machine processes --seeds N`). The seed is printed before the run; a
 failing sequence is shrunk by hypothesis and printed as a list of steps (`state.kill_servers(...)`)
 with a `@reproduce_failure` blob, and ROLLBOOK_STATEFUL_SEED=<seed> replays the same run.
@@ -28,7 +28,7 @@ from tests import pg
 from tests.e2e.test_recovery import tracebacks
 from tests.stateful_processes import TALLY, FaultMachine, World, start_world
 
-EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "5"))
+EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
 
 
