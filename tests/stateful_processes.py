@@ -351,9 +351,17 @@ class FaultMachine(RuleBasedStateMachine):
 
     @rule()
     def crash_and_restore(self) -> None:
-        """Every server SIGKILLed with the framework's dispatches; fresh ones restore the latest cut."""
+        """Every server SIGKILLed with the framework's dispatches; fresh ones restore the latest cut.
+
+        With no committed cut yet, it first takes one (prepare, commit): drawing prepare, commit and
+        this rule in that order by chance is rare, and a restore of real processes must be tried."""
         if not self.restorable:
-            return
+            if self.active is None:
+                self.prepare()
+            if self.phase == "prepared":
+                self.commit()
+            if not self.restorable:
+                return
         self._live_now("crash_and_restore")
         self._stop_dispatch()
         self.run(asyncio.to_thread(self.world.procs.kill))
