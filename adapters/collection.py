@@ -42,7 +42,7 @@ class Collection:
         return f"{self.run_id}-{i:04d}"
 
     def coordinator(self, session: aiohttp.ClientSession) -> Coordinator:
-        clients = [HttpParticipant(k, k, self.config.url(k), self.config.token, session) for k in KINDS]
+        clients = [HttpParticipant(k, k, self.config.url(k), self.config.control_token, session) for k in KINDS]
         return Coordinator(self.store, clients)
 
     async def unfinished(self) -> list[int]:
@@ -57,6 +57,7 @@ class Collection:
         """Run every unfinished rollout to its end; a rollout cut off by a crash just returns None."""
         gate = asyncio.Semaphore(self.concurrency)
         url = self.config.url("environment") + "/episodes"
+        headers = {"Authorization": f"Bearer {self.config.data_token}"}  # dispatch is data-plane work
 
         async def one(i: int) -> dict[str, Any] | None:
             rid = self.rollout_id(i)
@@ -64,7 +65,7 @@ class Collection:
                     "max_steps": self.max_steps}
             async with gate:
                 try:
-                    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                    async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
                         if resp.status != 200:
                             return None
                         result = dict(await resp.json())

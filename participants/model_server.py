@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,15 +35,18 @@ from engine.errors import (
     AdmissionClosed,
     InvalidIdentifier,
     InvalidPhase,
+    RequestConflict,
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
 )
-from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import call_stream, validate_id
+from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
+from engine.identity import ID_PATTERN, call_stream, validate_id
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
+from participants.guard import Credentials, Header, Route
 from participants.openai_wire import (
+    ChatCompletion,
     ChatRequest,
     completion_body,
     count_prompt_tokens,
@@ -57,6 +61,7 @@ REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 COMPLETIONS = "/v1/chat/completions"
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
+REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
 
 
@@ -99,6 +104,7 @@ class _Call:
     request: dict[str, Any] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
+    digest: str = ""  # request_digest of the body it was accepted with
     state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
     tokens: list[str] = field(default_factory=list)
     result: dict[str, Any] | None = None
@@ -199,31 +205,42 @@ class ModelParticipant(Participant):
     def held(self) -> int:
         return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.post(data_path(COMPLETIONS), self.chat_completions), web.post(COMPLETIONS, self._no_identity)]
+    def routes(self) -> list[Route]:
+        headers = (
+            Header(CALL_ID_HEADER, ID_PATTERN, description="the call's id: a repeat with the same body gets the same reply"),
+            Header(PARENT_HEADER, ID_PATTERN, required=False, description="the call before this one in the rollout"),
+            Header(REPLACES_HEADER, REPLACES_PATTERN, required=False,
+                   description="comma-separated call ids this call continues, newest first"),
+        )
+        return [
+            Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
+                  ("invalid_identifier", "stale_attempt", "admission_closed", "conflict", "invalid_phase"),
+                  headers=headers, stream=True),
+            Route("POST", COMPLETIONS, self._no_identity, None, None, ("rollout_id_required",), name="completions_without_identity"),
+        ]
 
     # ---- the data route ---------------------------------------------------------------------
 
-    async def _no_identity(self, request: web.Request) -> web.Response:
+    async def _no_identity(self, request: web.Request, _body: None) -> web.Response:
         raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
         rollout_id, attempt = identity(request)
-        await self.check_attempt(rollout_id, attempt)
-        self.served_sessions = True
-        body = ChatRequest.model_validate(await request.json())
         call_id = validate_id(request.headers.get(CALL_ID_HEADER), f"call id ({CALL_ID_HEADER})")
         parent = _optional_id(request, PARENT_HEADER)
         # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
         replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
             raw := request.headers.get(REPLACES_HEADER)) else None
-        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body.model_dump(), body.stream)
+        payload = body.payload()
+        await self.check_attempt(rollout_id, attempt)
+        self.served_sessions = True
+        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, payload, body.stream)
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
         self.consumers[call] += 1
         try:
             if body.stream:
                 return await self._stream_reply(request, call, model)
-            return await self._json_reply(call, model, count_prompt_tokens(body.messages))
+            return await self._json_reply(call, model, count_prompt_tokens(payload["messages"]))
         finally:
             self.consumers[call] -= 1
             if self.consumers[call] <= 0:
@@ -248,13 +265,16 @@ class ModelParticipant(Participant):
     ) -> _Call:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
         async with self._locked(call_id):
+            digest = request_digest(payload)
             live = self.calls.get(call_id)
             if live is not None:
                 _check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
+                _check_same(call_id, live.digest or None, digest)
                 return live
             record = _records(await self.store.read_stream(call_stream(call_id))).get(call_id)
             if record is not None:
                 _check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
+                _check_same(call_id, record.accepted.get("request_digest"), digest)
                 if record.status == "completed":
                     return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
             return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record)
@@ -270,11 +290,13 @@ class ModelParticipant(Participant):
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
         call = _Call(call_id, rollout_id, attempt, stream, request=payload)
+        call.digest = request_digest(payload)
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
         try:
             accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent,
-                                        "policy_version": self.backend.policy_version, "stream": stream}
+                                        "policy_version": self.backend.policy_version, "stream": stream,
+                                        "request_digest": call.digest}
             source: _Record | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
                 chain = replaces.split(",")
@@ -465,6 +487,17 @@ class ModelParticipant(Participant):
         await resp.write_eof()
 
 
+def request_digest(payload: dict[str, Any]) -> str:
+    """What makes two requests under one call id the same request: the body, streamed or not."""
+    same = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+    return hashlib.sha256(canonical_json(same).encode()).hexdigest()
+
+
+def _check_same(call_id: str, recorded: object, digest: str) -> None:
+    if recorded is not None and recorded != digest:
+        raise RequestConflict(f"call id {call_id} was already used for a different request; name a new call")
+
+
 def _optional_id(request: web.Request, header: str) -> str | None:
     value = request.headers.get(header)
     return validate_id(value, f"{header} header") if value else None
@@ -479,10 +512,11 @@ def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | Non
 
 
 def build_model_app(
-    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
+    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
+    instance: str = "model-0",
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
-    return build_app(participant, token)
+    return build_app(participant, credentials)
 
 
 __all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app"]

@@ -10,11 +10,34 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.scripted_policy import scripted_tokens
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    """An OpenAI function tool: `{"type": "function", "function": {"name", ...}}`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(BaseModel):
@@ -22,10 +45,29 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
     stream: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+
+    def payload(self) -> dict[str, Any]:
+        """The body as the backend sees it: messages and tools exactly as the client sent them."""
+        out = self.model_dump()
+        out["messages"] = [m.model_dump(exclude_unset=True) for m in self.messages]
+        out["tools"] = [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools is not None else None
+        return out
+
+
+class ChatCompletion(BaseModel):
+    """The reply of a non-streaming call (a streaming one is text/event-stream)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, int]
 
 
 def count_prompt_tokens(messages: list[dict[str, Any]]) -> int:
