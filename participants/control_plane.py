@@ -32,6 +32,7 @@ from engine.events import AppendRequest, NewEvent
 from engine.identity import parse_attempt, rollout_stream, validate_id
 from engine.phases import Lease, ParticipantPhases
 from participants.guard import (
+    MAX_BODY_BYTES,
     AttemptIndex,
     Body,
     Credentials,
@@ -41,7 +42,6 @@ from participants.guard import (
     Route,
     authenticate,
 )
-from participants.guard import MAX_BODY_BYTES
 from participants.http_errors import error_response, errors_as_json
 
 PREFIX = "/rollbook/v1"

@@ -23,9 +23,9 @@ from engine.checkpoint import Cut, effective_history, validate_cut
 from engine.errors import (
     AdmissionClosed,
     Forbidden,
+    InvalidCheckpointState,
     InvalidRequest,
     NotFound,
-    InvalidCheckpointState,
     RestartInScope,
     RollbookError,
     RolloutIdRequired,

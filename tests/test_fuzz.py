@@ -72,23 +72,27 @@ def fuzz(kind: str, config: cfg.Config, http: requests.Session) -> dict[str, int
         wrong = [{}, {"Authorization": "Bearer not-a-credential"}] + ([] if op.path == OPENAPI_PATH else [
             data if right is control else control])
         for mode, n in EXAMPLES.items():
-
-            @settings(max_examples=n, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def one(case: Any) -> None:
-                response = case.call(base_url=base, session=http, headers=right, timeout=TIMEOUT_S)
-                counts["requests"] += 1
-                case.validate_response(response, checks=CHECKS, headers=right)
-                for headers in wrong:
-                    refused = case.call(base_url=base, session=http, headers=headers, timeout=TIMEOUT_S)
-                    counts["requests"] += 1
-                    assert refused.status_code in (401, 403), (case.method, case.formatted_path, headers.keys(),
-                                                               refused.status_code, refused.text[:300])
-                    counts["refused_without_credential"] += 1
-
-            one()
+            run_operation(op, mode, n, base, http, right, wrong, counts)
     return counts
+
+
+def run_operation(op: Any, mode: GenerationMode, n: int, base: str, http: requests.Session, right: dict[str, str],
+                  wrong: list[dict[str, str]], counts: dict[str, int]) -> None:
+    @settings(max_examples=n, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=op.as_strategy(generation_mode=mode))
+    def one(case: Any) -> None:
+        response = case.call(base_url=base, session=http, headers=right, timeout=TIMEOUT_S)
+        counts["requests"] += 1
+        case.validate_response(response, checks=CHECKS, headers=right)
+        for headers in wrong:
+            refused = case.call(base_url=base, session=http, headers=headers, timeout=TIMEOUT_S)
+            counts["requests"] += 1
+            assert refused.status_code in (401, 403), (case.method, case.formatted_path, list(headers),
+                                                       refused.status_code, refused.text[:300])
+            counts["refused_without_credential"] += 1
+
+    one()
 
 
 def test_schemathesis_finds_no_5xx_no_schema_violation_and_no_request_accepted_without_credential(servers) -> None:

@@ -22,8 +22,8 @@ from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.phases import checkpoint_started
 from participants.control_plane import CONTROL
 from participants.environments import get_environment
-from participants.environments.tasks import make_task
 from participants.environments.sandbox import SandboxLimits
+from participants.environments.tasks import make_task
 from participants.guard import Credentials
 from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
 
