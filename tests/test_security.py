@@ -284,3 +284,17 @@ async def test_every_server_documents_every_route_it_serves(stack: Stack, kind: 
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert served == documented
     assert all(op["security"] == [{"bearer": []}] for ops in doc["paths"].values() for op in ops.values())
+
+
+async def test_a_repeated_passed_verify_answers_the_same_and_appends_nothing(stack: Stack, store) -> None:
+    task = make_task("string_match", 0)
+    await start(store, "vv")
+    assert (await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/session", {"env": task.env, "task": task.to_json()}))[0] == 200
+    answer = {"final_answer": task.params["expected"]}
+    first = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", answer)
+    assert first[0] == 200 and first[1]["status"] == "passed"
+    written = await events(store)
+    assert await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", answer) == first
+    status, reply = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", {"final_answer": "other"})
+    assert (status, reply["error"]["code"]) == (409, "conflict")
+    assert await events(store) == written
