@@ -51,13 +51,18 @@ _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 422: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def error_response(code: str, detail: str, **context: object) -> web.Response:
+def error_body(code: str, detail: str, **context: object) -> dict[str, object]:
+    """The one error shape, for replies and for the error event of a stream alike."""
     status = STATUS.get(code, 500)
     body: dict[str, object] = {"code": code, "detail": detail, "message": detail,
                                "type": _OPENAI_TYPE.get(status, "api_error" if status >= 500 else "invalid_request_error")}
     if context:
         body["context"] = context
-    return web.json_response({"error": body}, status=status)
+    return {"error": body}
+
+
+def error_response(code: str, detail: str, **context: object) -> web.Response:
+    return web.json_response(error_body(code, detail, **context), status=STATUS.get(code, 500))
 
 
 @web.middleware

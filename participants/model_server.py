@@ -45,6 +45,7 @@ from engine.identity import ID_PATTERN, call_stream, validate_id
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
 from participants.guard import Credentials, Header, Route
+from participants.http_errors import error_body
 from participants.openai_wire import (
     ChatCompletion,
     ChatRequest,
@@ -475,7 +476,7 @@ class ModelParticipant(Participant):
             if call.done.is_set() and sent >= len(call.tokens):
                 break
         if call.error is not None:
-            await resp.write(sse(call.error.to_json()))
+            await resp.write(sse(error_body(call.error.code, call.error.detail, **call.error.context)))
         elif call.state == "cut" and call.result is not None:
             await resp.write(sse({"rollbook": {"cut": True, "call_id": call.call_id, "tokens": call.result["tokens"],
                                                 "receipt": call.result["receipt"]}}))
