@@ -144,7 +144,7 @@ class EnvironmentParticipant(Participant):
             if task is not None and not task.done() and running is not None and running.task != requested:
                 raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
             if task is None or task.done():
-                done = await self._from_log(rid)
+                done = await self._from_log(rid, requested)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
                 if not self.admission_open:
@@ -153,7 +153,7 @@ class EnvironmentParticipant(Participant):
                 task = self._launch(ep)
         return web.json_response(await asyncio.shield(task))
 
-    async def _from_log(self, rid: str) -> dict[str, Any] | None:
+    async def _from_log(self, rid: str, requested: Task) -> dict[str, Any] | None:
         rows = await self.store.attempt_rows([rid])
         if not rows:
             return None
@@ -162,6 +162,7 @@ class EnvironmentParticipant(Participant):
             return None
         history = await effective_history(self.store, rid, attempt)
         ep = episode_from_history(rid, attempt, history, history)
+        _same_task(rid, ep, requested)
         steps = [d["step"] for d in ep.done] if ep else []
         return {"rollout_id": rid, "attempt": attempt, "reward": rows[(rid, attempt)]["reward"], "steps": steps}
 
@@ -182,6 +183,7 @@ class EnvironmentParticipant(Participant):
                                rollout_id=rid, attempt=attempt)
         history = await effective_history(self.store, rid, attempt)
         ep = episode_from_history(rid, attempt, history, history)
+        _same_task(rid, ep, task)
         if ep is None:  # a fresh dispatch: the attempt exists, its episode starts from input
             await self.store.append(AppendRequest((NewEvent(episode_stream(rid, attempt), started.kind, started.data,
                                                             rid, attempt),)))
@@ -365,6 +367,12 @@ class EnvironmentParticipant(Participant):
         await asyncio.gather(*running, return_exceptions=True)
 
 
+
+
+def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:
+    """A rollout id names one task: asking for it with another is a conflict, answered before any write."""
+    if ep is not None and ep.task != requested:
+        raise RequestConflict(f"rollout {rid} was started with another task; a rollout id names one task")
 
 
 def build_environment_app(store: PostgresEventStore, credentials: Credentials, agent_url: str, resources_url: str,

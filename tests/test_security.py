@@ -298,3 +298,15 @@ async def test_a_repeated_passed_verify_answers_the_same_and_appends_nothing(sta
     status, reply = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", {"final_answer": "other"})
     assert (status, reply["error"]["code"]) == (409, "conflict")
     assert await events(store) == written
+
+
+async def test_a_rollout_id_reused_for_another_task_is_a_conflict_and_a_repeat_appends_nothing(stack: Stack, store) -> None:
+    first = await send(stack, "environment", "POST", "/episodes", {"rollout_id": "one-task", "task": MATH.to_json(), "seed": 7})
+    assert first[0] == 200 and first[1]["attempt"] == 0
+    written = await events(store)
+    again = await send(stack, "environment", "POST", "/episodes", {"rollout_id": "one-task", "task": MATH.to_json(), "seed": 7})
+    assert again == first and await events(store) == written
+    other = {**MATH.to_json(), "prompt": "another question"}
+    status, reply = await send(stack, "environment", "POST", "/episodes", {"rollout_id": "one-task", "task": other})
+    assert (status, reply["error"]["code"]) == (409, "conflict")
+    assert await events(store) == written
