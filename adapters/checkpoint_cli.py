@@ -13,7 +13,8 @@ import aiohttp
 from adapters import database
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from engine.coordinator import Coordinator
+from engine.coordinator import Coordinator, abort_expired
+from engine.errors import RollbookError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +54,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         ck = args.checkpoint_id
         try:
             if args.action == "status":
-                return {c.name: await c.call("status", {}) for c in clients}
+                # Looking is enough to end a checkpoint whose lease ran out (its coordinator died).
+                out: dict[str, Any] = {"aborted_expired": await abort_expired(store)}
+                for c in clients:
+                    try:
+                        out[c.name] = await c.call("status", {})
+                    except (RollbookError, OSError, aiohttp.ClientError) as exc:
+                        out[c.name] = {"error": {"code": "participant_unavailable", "detail": str(exc) or type(exc).__name__}}
+                return out
             if args.action == "prepare":
                 return await coordinator.prepare(ck, deadline)
             if args.action == "commit":

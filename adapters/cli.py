@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import sys
 
 from adapters import database, embedded
+from adapters.config import ConfigError
 from engine.errors import RollbookError
 
 
@@ -81,7 +83,17 @@ def _replay(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from adapters import config, serve
 
-    serve.serve(args.kind, config.load(args.config))
+    loaded = config.load(args.config)
+    if args.kind not in loaded.servers:
+        raise ConfigError(f"{args.config} has no [servers.{args.kind}] section", "add one with the port it listens on")
+    try:
+        serve.serve(args.kind, loaded)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        s = loaded.servers[args.kind]
+        raise ConfigError(f"port {s.port} on {s.bind or s.host} is already in use",
+                          f"stop what listens there or change [servers.{args.kind}] port in {args.config}") from None
     return 0
 
 
@@ -137,12 +149,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def explain(exc: BaseException) -> ConfigError | None:
+    """A configuration mistake that surfaced as a library's exception, said as cause and fix."""
+    import psycopg
+    import sqlalchemy.exc
+
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, sqlalchemy.exc.DBAPIError | psycopg.OperationalError) and isinstance(
+            getattr(exc, "orig", exc), psycopg.OperationalError):
+        first = str(getattr(exc, "orig", exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return ConfigError(f"cannot connect to PostgreSQL ({first})", database.CONNECT_FIX)
+    if isinstance(exc, sqlalchemy.exc.ArgumentError) and "URL" in str(exc):
+        return ConfigError("the database DSN is not a postgresql:// URL", database.DSN_FIX)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except RollbookError as exc:
         print(json.dumps(exc.to_json()), file=sys.stderr)
+        return 2
+    except Exception as exc:  # a mistake in the user's input is one line and exit 2, never a traceback
+        problem = explain(exc)
+        if problem is None:
+            raise
+        print(f"rollbook: error: {problem}", file=sys.stderr)
         return 2
 
 

@@ -5,11 +5,16 @@ episode is done. The same request is the way back after a crash: for a rollout w
 continued it joins the running episode, for a fresh dispatch it starts from input, and for a
 finished one it returns the recorded result, never a second run. So after any restore the
 framework just dispatches every unfinished rollout again.
+
+A dispatch refused because admission is closed (a checkpoint is in progress) or because the
+database is briefly unavailable is not an answer: it waits and asks again until the checkpoint
+ends, so no rollout is dropped across a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +25,24 @@ from sqlalchemy import text
 
 from adapters.config import KINDS, Config
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
-from engine.coordinator import Coordinator
+from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
+
+# Refusals that mean "not now": a checkpoint holds admission closed, or the database is restarting.
+RETRY_CODES = frozenset({"admission_closed", "database_unavailable"})
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+
+
+async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
+    try:
+        body = await resp.json(content_type=None)
+    except (ValueError, aiohttp.ClientError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 @dataclass
@@ -37,6 +56,8 @@ class Collection:
     concurrency: int = 64
     on_finish: Callable[[str], None] = lambda rid: None
     finished: set[str] = field(default_factory=set)
+    refused: dict[str, str] = field(default_factory=dict)  # rollout id -> the error code that ended its dispatch
+    retries: int = 0  # dispatches asked again after admission_closed / database_unavailable
 
     def rollout_id(self, i: int) -> str:
         return f"{self.run_id}-{i:04d}"
@@ -45,6 +66,7 @@ class Collection:
         clients = [HttpParticipant(k, k, self.config.url(k), self.config.control_token, session) for k in KINDS]
         return Coordinator(self.store, clients)
 
+    @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
     async def unfinished(self) -> list[int]:
         async with self.store.engine.connect() as conn:
             done = {r for (r,) in await conn.execute(
@@ -64,13 +86,22 @@ class Collection:
             body = {"rollout_id": rid, "task": self.tasks[i].to_json(), "seed": self.seed * 100_000 + i,
                     "max_steps": self.max_steps}
             async with gate:
-                try:
-                    async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
-                        if resp.status != 200:
-                            return None
-                        result = dict(await resp.json())
-                except (aiohttp.ClientError, OSError):
-                    return None  # the server died under us; the log knows where this rollout stands
+                wait = RETRY_FIRST_S
+                while True:
+                    try:
+                        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                            if resp.status == 200:
+                                result = dict(await resp.json())
+                                break
+                            code = await _error_code(resp)
+                            if code not in RETRY_CODES:
+                                self.refused[rid] = code or f"http_{resp.status}"
+                                return None
+                    except (aiohttp.ClientError, OSError):
+                        return None  # the server died under us; the log knows where this rollout stands
+                    self.retries += 1
+                    await asyncio.sleep(wait * (0.5 + random.random()))  # jittered: a resume must not meet a stampede
+                    wait = min(RETRY_MAX_S, wait * 2)
             if rid not in self.finished:
                 self.finished.add(rid)
                 self.on_finish(rid)
@@ -83,6 +114,7 @@ class Collection:
                          resume: bool = True) -> dict[str, Any]:
         """Prepare, commit, publish (framework state + token snapshot under the same id), then resume."""
         coordinator = self.coordinator(session)
+        await abort_expired(self.store)  # a checkpoint a killed coordinator left open must not stay open
         deadline = time.time() + deadline_s
         prepared = await coordinator.prepare(checkpoint_id, deadline)
         if not prepared["ready"]:
@@ -113,6 +145,7 @@ class Collection:
         await coordinator.resume(checkpoint_id)
         return {**result, "timings_ms": dict(coordinator.timing.ms)}
 
+    @retrying("reading the run's checkpoints")
     async def latest_published(self) -> str | None:
         async with self.store.engine.connect() as conn:
             return (await conn.execute(text(

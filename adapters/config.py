@@ -38,7 +38,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
@@ -46,6 +46,14 @@ from participants.guard import Credentials
 
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
+
+
+class ConfigError(Exception):
+    """A mistake in what the user gave us: printed as one line naming the cause and the fix, exit 2."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(f"{cause}; {fix}")
+        self.cause, self.fix = cause, fix
 
 
 class Strict(BaseModel):
@@ -120,8 +128,34 @@ class Config(Strict):
 
 
 def load(path: str | Path) -> Config:
-    with open(path, "rb") as f:
-        return Config.model_validate(tomllib.load(f))
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found", "pass --config the path of your rollbook.toml") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path {path} is a directory", "pass --config the path of your rollbook.toml") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML ({exc})", "fix the syntax at that line") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason})", "save it as UTF-8 TOML") from None
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise config_problem(exc, path) from None
+
+
+def config_problem(exc: ValidationError, path: str | Path) -> ConfigError:
+    """The first problem pydantic found, said the way a person fixes it."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return ConfigError(f"unknown key {where!r} in {path}",
+                           "remove it or fix its spelling (adapters/config.py lists every key)")
+    if err["type"] == "missing":
+        return ConfigError(f"missing key {where!r} in {path}", "add it (adapters/config.py lists every key)")
+    return ConfigError(f"bad value for {where!r} in {path}: {err['msg']}",
+                       "fix it (adapters/config.py documents every key)")
 
 
 def write(config: Config, path: str | Path) -> None:

@@ -23,12 +23,37 @@ from engine.errors import SchemaMismatch
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
 
+DSN_FIX = ("write it as a URL, postgresql://user:password@host:5432/dbname, in --dsn, ROLLBOOK_DSN or the config's "
+           "`dsn` (or give none of them, for the embedded server)")
+CONNECT_FIX = ("check that PostgreSQL runs there and that the DSN's host, port, user, password and database are right "
+               "(--dsn, ROLLBOOK_DSN or the config's `dsn`; give none of them for the embedded server)")
+
+
 def resolve_dsn(dsn: str | None = None) -> tuple[str, bool]:
     """Return (libpq-style DSN, whether it is the embedded default)."""
     chosen = dsn or os.environ.get("ROLLBOOK_DSN")
     if chosen:
+        check_dsn_form(chosen)
         return chosen, False
     return embedded.start(), True
+
+
+def check_dsn_form(dsn: str) -> None:
+    """Only the URL form is accepted: every layer (SQLAlchemy, Alembic, psycopg) reads it the same way."""
+    from adapters.config import ConfigError
+
+    scheme = dsn.split("://", 1)[0] if "://" in dsn else None
+    if scheme is None:
+        what = "a key=value DSN" if "=" in dsn else "not a URL"
+        raise ConfigError(f"the database DSN {_redact(dsn)!r} is {what}", DSN_FIX)
+    if not scheme.startswith(("postgresql", "postgres")):
+        raise ConfigError(f"the database DSN names scheme {scheme!r}, not postgresql", DSN_FIX)
+
+
+def _redact(dsn: str) -> str:
+    import re
+
+    return re.sub(r"(password\s*=\s*)\S+", r"\1***", re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn))
 
 
 def sqlalchemy_url(dsn: str) -> str:

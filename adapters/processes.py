@@ -33,17 +33,17 @@ class ServerProcesses:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     generation: int = 0
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Start fresh processes of all four kinds and wait until each control plane answers."""
+    def start(self, timeout: float = 60.0, kinds: tuple[str, ...] = KINDS) -> None:
+        """Start fresh processes of the given kinds (default all four) and wait until each control plane answers."""
         self.generation += 1
-        for kind in KINDS:
+        for kind in kinds:
             log = open(self.log_dir / f"{kind}-{self.generation}.log", "wb")  # noqa: SIM115  (the child owns it)
             self.procs[kind] = subprocess.Popen(
                 [sys.executable, "-m", "adapters.cli", "serve", kind, "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         deadline = time.time() + timeout
-        for kind in KINDS:
+        for kind in kinds:
             while not self._answers(kind):
                 if self.procs[kind].poll() is not None:
                     tail = (self.log_dir / f"{kind}-{self.generation}.log").read_text()[-2000:]

@@ -1,9 +1,11 @@
 """`rollbook run --config FILE`: a rollout collection with periodic checkpoints that survives crashes.
 
 Checkpoints every `run.checkpoint_every_s` seconds and on SIGUSR1; on SIGTERM it checkpoints and
-stops without resuming. Started again with the same run id, it restores the run's latest published
-checkpoint into fresh server processes (servers that kept running keep their sessions and are
-not restored) and finishes every rollout that has not finished.
+stops without resuming. Started again with the same run id after any crash, it finishes every
+rollout that has not finished, each from its latest durable boundary in the log
+(engine.recovery): it prints where each stands, then dispatches the unfinished ones again, and the
+servers go on from the log. A published checkpoint is not restored: that would roll back work done
+after it (`rollbook checkpoint restore` does that on purpose).
 """
 
 from __future__ import annotations
@@ -21,19 +23,39 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.collection import Collection
-from adapters.config import KINDS, Config
-from adapters.postgres import PostgresEventStore
+from adapters.config import KINDS, Config, ConfigError
+from adapters.postgres import PostgresEventStore, retrying
+from engine.coordinator import abort_expired
+from engine.errors import RollbookError
+from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
 
 def load_tasks(path: str | Path) -> list[Task]:
+    """The tasks file, every line checked before anything runs (an unknown environment would
+    otherwise fail each of its rollouts one by one, far from its cause)."""
+    from participants.environments import ENVIRONMENTS
+
+    try:
+        text_ = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"tasks file {path} not found", "fix [run] tasks in the config (a path, relative to where you run)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read tasks file {path} ({exc})", "point [run] tasks at a readable JSONL file") from None
     tasks = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text_.splitlines(), 1):
         if line.strip():
             try:
-                tasks.append(Task.from_json(json.loads(line)))
+                task = Task.from_json(json.loads(line))
             except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{n}: not a task ({exc}); expected {{\"env\", \"task_id\", \"prompt\", \"params\"}}") from exc
+                raise ConfigError(f"{path}:{n} is not a task ({exc})",
+                                  'write one {"env", "task_id", "prompt", "params"} object per line') from None
+            if task.env not in ENVIRONMENTS:
+                raise ConfigError(f"{path}:{n} names unknown environment {task.env!r}",
+                                  f"use one of {', '.join(sorted(ENVIRONMENTS))}")
+            tasks.append(task)
+    if not tasks:
+        raise ConfigError(f"tasks file {path} holds no task", "add one JSON task per line")
     return tasks
 
 
@@ -41,22 +63,36 @@ def say(**event: Any) -> None:
     print(json.dumps({"t": round(time.time(), 3), **event}), flush=True)
 
 
-async def _fresh_servers(collection: Collection, session: aiohttp.ClientSession) -> bool:
-    """True when no server has served a session yet: only then can a checkpoint be restored into them."""
-    for client in collection.coordinator(session).participants:
-        status = await client.call("status", {})
-        if status.get("served_sessions"):
-            return False
-    return True
+async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
+    """Every server answers its status with our token, or the run stops before dispatching anything."""
+    for kind in KINDS:
+        if kind not in config.servers:
+            raise ConfigError(f"the config has no [servers.{kind}] section", "add one with the port that server listens on")
+        url = config.url(kind) + "/rollbook/v1/control/status"
+        try:
+            async with session.get(url, headers={"Authorization": f"Bearer {config.control_token}"},
+                                   timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise ConfigError(f"cannot reach the {kind} server at {config.url(kind)} ({exc or type(exc).__name__})",
+                              f"start it with `rollbook serve {kind} --config FILE`, or fix [servers.{kind}] host and port") from None
+        if status == 401:
+            raise ConfigError(f"the {kind} server at {config.url(kind)} refused our token",
+                              "give every server and `rollbook run` the same config `token`")
+        if status != 200:
+            raise ConfigError(f"the {kind} server at {config.url(kind)} answered its status with HTTP {status}",
+                              f"check that a rollbook {kind} server (`rollbook serve {kind}`) listens there")
 
 
 async def run_collection(config: Config) -> int:
     if config.run is None:
-        raise SystemExit("the config has no [run] section")
+        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (adapters/config.py)")
     run = config.run
+    tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
+    async with aiohttp.ClientSession() as probe:
+        await check_servers(config, probe)
     dsn = database.prepare_database(config.dsn)
     store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}")
-    tasks = load_tasks(run.tasks)
     collection = Collection(config, store, run.run_id, tasks, seed=run.seed, max_steps=run.max_steps,
                             concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid))
     loop = asyncio.get_running_loop()
@@ -66,12 +102,13 @@ async def run_collection(config: Config) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         async with aiohttp.ClientSession() as session:
-            latest = await collection.latest_published()
-            if latest and await collection.unfinished():
-                if await _fresh_servers(collection, session):
-                    say(event="restore", **await collection.restore(session, latest))
-                else:
-                    say(event="continue_without_restore", reason="the servers are still running with their sessions")
+            for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
+                say(event="checkpoint_aborted", checkpoint_id=ck, reason="lease expired")
+            ids = [collection.rollout_id(i) for i in range(len(tasks))]
+            where = run_dispositions(await store.attempt_rows(ids), ids)
+            if any(d != "not_started" for d in where.values()):
+                counts = {d: sum(1 for v in where.values() if v == d) for d in sorted(set(where.values()))}
+                say(event="recovery", latest_published=await collection.latest_published(), **counts)
             dispatch = asyncio.create_task(collection.dispatch(session))
             while not dispatch.done():
                 timer = asyncio.create_task(asyncio.sleep(run.checkpoint_every_s))
@@ -82,7 +119,11 @@ async def run_collection(config: Config) -> int:
                 if dispatch.done():
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
-                result = await collection.checkpoint(session, ck, resume=not stop.is_set())
+                try:
+                    result = await collection.checkpoint(session, ck, resume=not stop.is_set())
+                except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
+                    await collection.coordinator(session).resume(ck)
+                    result = {"checkpoint_id": ck, "published": False, "error": exc.to_json()["error"]}
                 say(event="checkpoint", **result)
                 wanted.clear()
                 if stop.is_set():
@@ -91,12 +132,15 @@ async def run_collection(config: Config) -> int:
                     return 0
             results = await dispatch
             finished = len(tasks) - len(await collection.unfinished())
-            say(event="done", rollouts=len(tasks), finished=finished, this_session=len(results))
+            extra = {"refused": dict(sorted(collection.refused.items())[:10])} if collection.refused else {}
+            say(event="done", rollouts=len(tasks), finished=finished, this_session=len(results),
+                retried=collection.retries, **extra)
             return 0 if finished == len(tasks) else 1
     finally:
         await store.close()
 
 
+@retrying("numbering the next checkpoint")
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
     async with store.engine.connect() as conn:
         n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),

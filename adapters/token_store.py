@@ -31,6 +31,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import sqlalchemy_url
+from adapters.postgres import retrying
 from engine.errors import InvalidCheckpointState, InvalidIdentifier
 from engine.events import canonical_json
 from engine.identity import validate_id
@@ -147,7 +148,7 @@ class PostgresTokenStore(_TokenStore):
     def __init__(self, engine_or_dsn: AsyncEngine | str) -> None:
         self._owns_engine = isinstance(engine_or_dsn, str)
         if isinstance(engine_or_dsn, str):
-            self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8)
+            self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8, pool_pre_ping=True)
         else:
             self.engine = engine_or_dsn
 
@@ -155,6 +156,7 @@ class PostgresTokenStore(_TokenStore):
         if self._owns_engine:
             await self.engine.dispose()
 
+    @retrying("the token store")
     async def _save_blob(self, blob_id: str, ids: list[int], digest: str) -> None:
         # DO UPDATE, not DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
         async with self.engine.begin() as conn:
@@ -166,6 +168,7 @@ class PostgresTokenStore(_TokenStore):
                 {"b": blob_id, "t": ids, "d": digest},
             )
 
+    @retrying("the token store")
     async def _load_blob(self, blob_id: str) -> tuple[list[int], str] | None:
         async with self.engine.connect() as conn:
             row = (
@@ -173,6 +176,7 @@ class PostgresTokenStore(_TokenStore):
             ).first()
         return None if row is None else (list(row.token_ids), row.digest)
 
+    @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
@@ -180,6 +184,7 @@ class PostgresTokenStore(_TokenStore):
             )
             return {r.blob_id: r.digest for r in rows}
 
+    @retrying("the token store")
     async def _save_snapshot(self, snapshot_id: str, checkpoint_id: str, blob_ids: list[str], digest: str) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(
@@ -190,6 +195,7 @@ class PostgresTokenStore(_TokenStore):
                 {"s": snapshot_id, "c": checkpoint_id, "b": blob_ids, "d": digest},
             )
 
+    @retrying("the token store")
     async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
         async with self.engine.connect() as conn:
             row = (

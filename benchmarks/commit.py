@@ -21,8 +21,8 @@ Both worlds are loaded first (each then VACUUM ANALYZEd and CHECKPOINTed, so no 
 is pending), and the timed calls alternate between them, so a noisy moment on a shared machine
 does not land on one world only.
 
-- make_cut (the commit's work: head, attempt rows, latest boundaries, chain heads at the
-  boundaries): one untimed warm-up, then `--repeats` timed calls; the median is reported.
+- make_cut (the commit's work: head, attempt rows, latest boundaries, each scoped rollout's
+  chain heads at P): one untimed warm-up, then `--repeats` timed calls; the median is reported.
 - validate_cut (restore's validation: re-reads every event up to the boundary, re-hashes it and
   checks lineage, so it reads the data and is expected to grow with it): `--validate-repeats`
   timed calls, median reported.

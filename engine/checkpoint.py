@@ -1,18 +1,20 @@
 """The cut and the restore: a checkpoint is a log position plus, per episode, its resume boundary.
 
 Commit fixes P at the head of the log and, for each rollout attempt in scope, the latest boundary
-at or below P. It copies no session state: the digest combines the hash-chain heads of the
-attempt's streams at its boundary, which the log already holds, so its cost grows with the number
-of streams in scope, never with their size. Restore re-reads each attempt up to its boundary,
-re-derives the chain heads (so a missing or altered event changes the digest) and checks lineage,
-before one atomic append fences every old attempt and starts every new one.
+at or below P. It copies no session state: the digest combines, for every rollout in scope, the
+hash-chain head at P of each of its streams (each head covers every event before it in its
+stream), together with the cut's own lists (continue, fresh_dispatch, completed). So its cost
+grows with the number of streams in scope, never with their size, and yet an edit of any event of
+a scoped rollout up to P, or of the lists, changes it. Restore re-reads each scoped rollout up to
+P, re-derives the chain heads and checks lineage, before one atomic append fences every old
+attempt and starts every new one.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine import attempts as A
@@ -38,7 +40,7 @@ Key = tuple[str, int]  # (rollout_id, attempt)
 class CutStore(EventStore, Protocol):
     async def latest_boundaries(self, keys: Sequence[Key], position: int, kinds: Sequence[str]) -> dict[Key, int]: ...
 
-    async def stream_heads_at(self, cuts: dict[Key, int]) -> dict[Key, list[tuple[str, int, bytes]]]: ...
+    async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]: ...
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
 
@@ -93,12 +95,29 @@ class Cut:
         )
 
 
-def cut_digest(heads: dict[Key, list[tuple[str, int, bytes]]], scope: Iterable[ScopeEntry]) -> str:
+def cut_digest(heads: dict[str, list[tuple[str, int, bytes]]], scope: Iterable[ScopeEntry], *, position: int,
+               fresh: Iterable[Key] = (), completed: Iterable[Key] = (), rollouts: Iterable[str] | None = None) -> str:
+    """One digest over the cut's lists and, per scoped rollout, its streams' chain heads at P.
+
+    `heads` maps each scoped rollout to (stream, version, hash) of every stream holding its
+    events, at the last version at or below P: a head covers every earlier event of its stream."""
     h = hashlib.sha256()
-    for s in sorted(scope, key=lambda s: (s.rollout_id, s.attempt)):
-        streams = sorted(heads.get((s.rollout_id, s.attempt), []))
-        h.update(canonical_json([s.rollout_id, s.attempt, s.boundary, [[n, v, x.hex()] for n, v, x in streams]]).encode())
+    h.update(canonical_json({
+        "position": position,
+        "continue": sorted([s.rollout_id, s.attempt, s.boundary] for s in scope),
+        "fresh_dispatch": sorted([r, a] for r, a in fresh),
+        "completed": sorted([r, a] for r, a in completed),
+        "rollouts": sorted(rollouts) if rollouts is not None else None,
+    }).encode())
+    for rollout_id in sorted({s.rollout_id for s in scope}):
+        streams = sorted(heads.get(rollout_id, []))
+        h.update(canonical_json([rollout_id, [[n, v, x.hex()] for n, v, x in streams]]).encode())
     return h.hexdigest()
+
+
+def digest_of(cut: Cut, heads: dict[str, list[tuple[str, int, bytes]]]) -> str:
+    return cut_digest(heads, cut.scope, position=cut.position, fresh=cut.fresh, completed=cut.completed,
+                      rollouts=cut.rollouts)
 
 
 @dataclass(frozen=True)
@@ -152,9 +171,10 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], re
     if missing:
         raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")
     entries = tuple(ScopeEntry(r, a, boundaries[(r, a)]) for r, a in cls.continued)
-    heads = await store.stream_heads_at({(s.rollout_id, s.attempt): s.boundary for s in entries})
-    return Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, cut_digest(heads, entries),
-               rollouts=tuple(rollouts) if rollouts is not None else None)
+    heads = await store.rollout_heads_at(sorted({s.rollout_id for s in entries}), position)
+    cut = Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, "",
+              rollouts=tuple(rollouts) if rollouts is not None else None)
+    return replace(cut, digest=digest_of(cut, heads))
 
 
 def committed_event(cut: Cut) -> NewEvent:
@@ -170,6 +190,7 @@ async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
     phase = events[-1].kind.removeprefix("checkpoint_")
     if not committed:
         raise InvalidCheckpointState(f"checkpoint {checkpoint_id} was never committed (phase {phase})")
+    _rechain(events)  # the checkpoint's own record (its lists, its digest) is as tamper-evident as the rest
     refs = {k: v for e in events if e.kind == "checkpoint_published" for k, v in e.data.items() if k.endswith("_ref")}
     return Cut.from_json(committed[-1].data, refs), phase
 
@@ -212,18 +233,27 @@ class RestoreItem:
 
 
 async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
-    """Check the whole cut before anything is installed anywhere."""
+    """Check the whole cut before anything is installed anywhere: every event of every scoped
+    rollout up to P must re-derive its recorded hash, and the chain heads plus the cut's lists
+    must give the committed digest."""
     items, heads = [], {}
+    by_rollout: dict[str, list[ScopeEntry]] = {}
     for s in cut.scope:
-        history = await store.read_rollout(s.rollout_id, s.attempt, to=s.boundary)
-        heads[(s.rollout_id, s.attempt)] = _rechain(history, await _predecessors(store, history))
-        if not any(e.position == s.boundary for e in history):
-            raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
-        _check_lineage(s, history, cut.position, await store.read_rollout(s.rollout_id, s.attempt, to=cut.position))
-        items.append(RestoreItem(s, tuple(history)))
-    if cut_digest(heads, cut.scope) != cut.digest:
+        by_rollout.setdefault(s.rollout_id, []).append(s)
+    for rollout_id, entries in sorted(by_rollout.items()):
+        upto_cut = await store.read_rollout(rollout_id, None, to=cut.position)
+        heads[rollout_id] = _rechain(upto_cut, await _predecessors(store, upto_cut))
+        for s in entries:
+            mine = [e for e in upto_cut if e.attempt == s.attempt]
+            history = [e for e in mine if e.position <= s.boundary]
+            if not any(e.position == s.boundary for e in history):
+                raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
+            _check_lineage(s, history, cut.position, mine)
+            items.append(RestoreItem(s, tuple(history)))
+    if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
-    return items
+    order = {(s.rollout_id, s.attempt): i for i, s in enumerate(cut.scope)}
+    return sorted(items, key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
 
 
 def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: int, upto_cut: Sequence[RecordedEvent]) -> None:

@@ -28,8 +28,16 @@ from engine.checkpoint import (
     validate_cut,
 )
 from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
-from engine.events import AppendRequest
-from engine.phases import CheckpointPhases, checkpoint_started
+from engine.events import AppendRequest, RecordedEvent
+from engine.identity import checkpoint_stream
+from engine.phases import (
+    CHECKPOINT_LEASE_GRACE_S,
+    OPEN_CHECKPOINT_PHASES,
+    CheckpointPhases,
+    check_deadline,
+    checkpoint_lease_expired,
+    checkpoint_started,
+)
 
 PREPARE_ORDER = ("environment", "model", "agent", "resources")
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
@@ -40,6 +48,10 @@ class ParticipantClient(Protocol):
     kind: str
 
     async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class CheckpointStore(CutStore, Protocol):
+    async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]: ...
 
 
 class TokenSnapshots(Protocol):
@@ -70,13 +82,12 @@ class Coordinator:
         return {"checkpoint_id": checkpoint_id, "deadline": deadline, **extra}
 
     async def _phase(self, checkpoint_id: str) -> CheckpointPhases:
-        events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
-        phase = events[-1].kind.removeprefix("checkpoint_") if events else "started"
-        return CheckpointPhases(checkpoint_id, phase)
+        return (await _checkpoint(self.store, checkpoint_id))[0]
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
         """Prepare every participant in order; on the first failure resume those already prepared."""
         started = time.perf_counter()
+        check_deadline(deadline, time.time(), f"prepare of {checkpoint_id}")  # before anything is written
         started_event = checkpoint_started(checkpoint_id, deadline=deadline)
         try:  # expecting an empty stream: a checkpoint id is used once
             await self.store.append(AppendRequest((started_event,), {started_event.stream: 0}))
@@ -107,9 +118,7 @@ class Coordinator:
         return {"checkpoint_id": checkpoint_id, "ready": True, "reports": reports, "restarts": [list(k) for k in sorted(restarts)]}
 
     async def _abort(self, checkpoint_id: str, touched: Sequence[ParticipantClient], reason: str) -> None:
-        phases = await self._phase(checkpoint_id)
-        if phases.can("aborted"):
-            await self.store.append(AppendRequest((phases.fire("aborted", reason=reason),)))
+        await abort_checkpoint(self.store, checkpoint_id, reason)
         await self._resume(checkpoint_id, touched)
 
     async def _restarts_of(self, checkpoint_id: str) -> list[Key]:
@@ -120,18 +129,39 @@ class Coordinator:
 
     async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None,
                      rollouts: Sequence[str] | None = None) -> Cut:
-        """Fix the cut (engine.checkpoint.make_cut), record it, then tell every participant at once."""
+        """Fix the cut (engine.checkpoint.make_cut), tell every participant at once, and record the
+        commit only once every one of them accepted it: a refusal (a lease that ran out, a crash)
+        aborts the checkpoint in the log instead, so the log never says committed for a cut the
+        participants did not all hold."""
         started = time.perf_counter()
-        phases = await self._phase(checkpoint_id)
+        check_deadline(deadline, time.time(), f"commit of {checkpoint_id}")
+        phases, events = await _checkpoint(self.store, checkpoint_id)
+        phases._move("committed")  # validate the transition before anything is sent or written
+        if _lease_expired(events, time.time()):
+            await self._abort(checkpoint_id, self.participants, "lease expired before commit")
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id}: its lease expired before commit; it was aborted")
         restarts = await self._restarts_of(checkpoint_id)
         if scope is None:
             live = await self.store.live_attempts()
             scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
         cut = await make_cut(self.store, checkpoint_id, scope, restarts, rollouts)
-        phases._move("committed")  # validate the transition before writing anything
-        await self.store.append(AppendRequest((committed_event(cut),)))
         body = self._body(checkpoint_id, deadline, scope=[{"rollout_id": s.rollout_id, "attempt": s.attempt} for s in cut.scope])
-        await asyncio.gather(*(p.call("commit", body) for p in self.participants))
+        results = await asyncio.gather(*(p.call("commit", body) for p in self.participants), return_exceptions=True)
+        refused = [(p, r) for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)]
+        for _, r in refused:
+            if not isinstance(r, RollbookError | OSError):
+                raise r  # a bug or a cancellation, not a participant's answer
+        if refused:
+            name, exc = refused[0][0].name, refused[0][1]
+            await self._abort(checkpoint_id, self.participants, f"commit refused by {name}: {exc}")
+            if isinstance(exc, RollbookError):
+                raise exc
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id}: participant {name} did not accept the commit ({exc}); aborted")
+        try:  # expecting the stream as read: whoever aborted it meanwhile (an expired lease) wins
+            await self.store.append(AppendRequest((committed_event(cut),), {checkpoint_stream(checkpoint_id): len(events)}))
+        except VersionConflict as exc:
+            await self._resume(checkpoint_id, self.participants)
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being committed") from exc
         self.timing.record("commit", started)
         return cut
 
@@ -197,3 +227,49 @@ class Coordinator:
         body = self._body(checkpoint_id, time.time() + 30, rollout_ids=list(rollout_ids))
         for p in _ordered(self.participants, RETIRE_ORDER):
             await p.call("forget", body)
+
+
+async def _checkpoint(store: CutStore, checkpoint_id: str) -> tuple[CheckpointPhases, list[RecordedEvent]]:
+    events = await store.read_stream(checkpoint_stream(checkpoint_id))
+    phase = events[-1].kind.removeprefix("checkpoint_") if events else "started"
+    return CheckpointPhases(checkpoint_id, phase), events
+
+
+def _lease_expired(events: Sequence[RecordedEvent], now: float, grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+    if not events:
+        return False
+    deadline = events[0].data.get("deadline") if events[0].kind == "checkpoint_started" else None
+    return checkpoint_lease_expired(events[-1].kind.removeprefix("checkpoint_"), deadline, now, grace)
+
+
+async def abort_checkpoint(store: CutStore, checkpoint_id: str, reason: str) -> bool:
+    """Record the abort of a checkpoint that has not committed; False when it had already ended
+    (committed, published, aborted) or someone else moved it first."""
+    phases, events = await _checkpoint(store, checkpoint_id)
+    if not events or not phases.can("aborted") or phases.phase not in OPEN_CHECKPOINT_PHASES:
+        return False
+    try:
+        await store.append(AppendRequest((phases.fire("aborted", reason=reason),), {checkpoint_stream(checkpoint_id): len(events)}))
+    except VersionConflict:
+        return False
+    return True
+
+
+async def abort_if_expired(store: CutStore, checkpoint_id: str, now: float | None = None,
+                           grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+    """The lease rule, applied by whoever notices first (a server whose lease ran out, `rollbook run`,
+    `rollbook checkpoint status`): a checkpoint still started or prepared past its deadline plus the
+    grace is aborted in the log, so a coordinator killed after prepare never leaves it open forever."""
+    _, events = await _checkpoint(store, checkpoint_id)
+    if not _lease_expired(events, time.time() if now is None else now, grace):
+        return False
+    return await abort_checkpoint(store, checkpoint_id, "lease expired")
+
+
+async def abort_expired(store: CheckpointStore, now: float | None = None) -> list[str]:
+    """Every open checkpoint whose lease expired, aborted in the log; returns their ids."""
+    aborted = []
+    for checkpoint_id in await store.checkpoints_in_phase(OPEN_CHECKPOINT_PHASES):
+        if await abort_if_expired(store, checkpoint_id, now):
+            aborted.append(checkpoint_id)
+    return aborted

@@ -112,6 +112,12 @@ class DeadlineExceeded(RollbookError):
     code = "deadline_exceeded"
 
 
+class InvalidDeadline(RollbookError):
+    """A deadline that is not a finite number of seconds since the epoch (NaN, infinity)."""
+
+    code = "invalid_deadline"
+
+
 class RestartInScope(RollbookError):
     code = "restart_in_scope"
 
@@ -140,3 +146,17 @@ class SchemaMismatch(RollbookError):
 
 class ReplayDivergence(RollbookError):
     code = "replay_divergence"
+
+
+class DatabaseUnavailable(RollbookError):
+    """The database did not answer within the store's patience (a restart, a dropped network).
+    Nothing was written that the caller cannot find again: appends carry an idempotency key."""
+
+    code = "database_unavailable"
+
+
+class AttemptLost(RollbookError):
+    """A part of a live attempt cannot continue (its sandbox process or an unrecorded model call
+    died with a server). The attempt's driver restarts that rollout alone under a new attempt."""
+
+    code = "attempt_lost"

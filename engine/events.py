@@ -50,6 +50,10 @@ class AppendRequest:
 
     events: tuple[NewEvent, ...]
     expected_versions: dict[str, int | None] = field(default_factory=dict)
+    # Idempotency: a request retried after its commit outcome was lost (the connection dropped at
+    # commit) carries the same key, and the store returns what the first try wrote instead of
+    # writing it again. The store assigns one when the writer gives none.
+    key: str | None = None
 
 
 # One encoder, built once: json.dumps with options builds a new one per call, a measurable share

@@ -9,12 +9,13 @@ an illegal one raises InvalidPhase and changes nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from transitions import Machine, MachineError
 
-from engine.errors import InvalidPhase
+from engine.errors import DeadlineExceeded, InvalidDeadline, InvalidPhase
 from engine.events import NewEvent
 from engine.identity import checkpoint_stream, participant_stream
 
@@ -106,3 +107,26 @@ class Lease:
 
     def expired(self, now: float) -> bool:
         return now > self.deadline + self.grace
+
+
+def check_deadline(deadline: float, now: float, what: str) -> float:
+    """Every control operation's deadline, checked before anything changes: a non-finite one is bad
+    input (NaN compares false with everything, so it would never pass and never expire), a past
+    one has nothing left to run in."""
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not math.isfinite(deadline):
+        raise InvalidDeadline(f"the deadline of {what} must be a finite number of seconds since the epoch, got {deadline!r}")
+    if deadline < now:
+        raise DeadlineExceeded(f"the deadline of {what} has passed ({deadline:.3f} < now {now:.3f})")
+    return float(deadline)
+
+
+# A checkpoint that is only started or prepared is held by a lease; past it (deadline + grace, the
+# grace the participants give) whoever notices first records the abort in the log.
+OPEN_CHECKPOINT_PHASES = ("started", "prepared")
+CHECKPOINT_LEASE_GRACE_S = 2.0
+
+
+def checkpoint_lease_expired(phase: str, deadline: float | None, now: float, grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+    if phase not in OPEN_CHECKPOINT_PHASES or deadline is None:
+        return False
+    return not math.isfinite(deadline) or Lease(deadline, grace).expired(now)

@@ -20,6 +20,10 @@ class Change:
     table: str
     key: dict[str, Any]
     values: dict[str, Any]
+    # "live_through": not an upsert but an update of every row of key["rollout_id"] whose attempt is at
+    # or below key["attempt"] and whose status is still live. A retire ends whichever attempts were
+    # live without knowing which: the event carries the mark, the live rows take the new status.
+    guard: str | None = None
 
 
 # table -> key columns; every other column is nullable so a partial upsert can insert the row.
@@ -66,7 +70,12 @@ def changes_for(e: RecordedEvent) -> list[Change]:
             )
         ]
     if k == A.ROLLOUT_RETIRED:
-        return [Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": d["through"]})]
+        # A retired attempt has ended: it must leave `live`, or later cuts would include (and fence) it.
+        return [
+            Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": d["through"]}),
+            Change("attempt_state", {"rollout_id": e.rollout_id, "attempt": d["through"]},
+                   {"status": "retired", "ended_position": e.position}, guard="live_through"),
+        ]
     if k == A.ROLLOUT_FORGOTTEN:
         return [Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": -1})]
     if k.startswith("episode_"):

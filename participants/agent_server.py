@@ -8,6 +8,15 @@ waiting for its activation), `running`, or `at_boundary` (parked, or waiting on 
 counts as a boundary: the model server cuts or drains its calls during prepare). Activations are
 idempotent by index: the completed index gets its stored reply again (read from the log), any
 index but completed + 1 is refused.
+
+After a crash of this server, the activation a caller asks for again goes on from its last
+boundary in the log (engine.recovery.resume_point), under the same attempt: the turns and tool
+calls before it are not redone, the pending model call is asked for again under its own id (the
+model server delivers a recorded reply, or joins the generation it is still running), and each tool
+call carries a key (X-Rollbook-Tool-Call) so the resources server answers a call it already applied
+from the log. Another server that does not answer, or a database that is restarting, is waited
+for (PEER_PATIENCE_S); a part that is gone for good (`attempt_lost`) ends the activation, and the
+environment server restarts that rollout under a new attempt.
 """
 
 from __future__ import annotations
@@ -22,18 +31,20 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, data_url
+from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
+    DatabaseUnavailable,
     InvalidRequest,
     RestartInScope,
     RollbookError,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ATTEMPT_PATTERN, agent_stream, parse_attempt, session_stream
+from engine.recovery import resume_point
 from participants.control_plane import (
     PARTICIPANT,
     Execution,
@@ -53,6 +64,8 @@ ACTIVATION_HEADER = "X-Rollbook-Activation"
 BOUNDARY = "agent_boundary"
 ACTIVATION_COMPLETED = "agent_activation_completed"
 RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
+PEER_PATIENCE_S = 120.0  # how long a session waits for a server (or the database) that does not answer
+TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
 class RunRequest(Body):
@@ -109,6 +122,7 @@ class Session:
     finished: bool = False
     final_answer: str | None = None
     state: str = "running"
+    resumed: bool = False  # goes on from a boundary of its own attempt, already in the log: not recorded again
 
     @property
     def key(self) -> Key:
@@ -150,6 +164,17 @@ def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str,
         s.turn = int(boundary["turn"]) + 1
         s.finished = bool(boundary.get("finished"))
         s.final_answer = boundary.get("final_answer")
+    return s
+
+
+def resumed_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
+    """The same attempt going on from its own last boundary after this server restarted."""
+    s = continued_session(key, index, req, boundary)
+    s.calls = list(boundary.get("calls") or [])
+    s.revisions = dict(boundary.get("revisions") or {})
+    # The pending call is asked for again under its own id, with the chain it was first sent with.
+    s.replaces = boundary.get("replaces_call_id") if boundary["state"] == "before_model" else None
+    s.resumed = boundary["state"] == "before_model"
     return s
 
 
@@ -231,9 +256,12 @@ class AgentParticipant(Participant):
     def _session_for(self, key: Key, index: int, req: RunRequest, history: list[RecordedEvent]) -> Session:
         boundary = self.restored.pop(key, None)
         if boundary is None and self.supports_continuation:
-            # The log says the same as restore staged: an inherited boundary of this very activation.
-            last = pending_boundary(history)
-            if last is not None and last.attempt != key[1]:
+            last = resume_point(history, index)
+            if last is not None and last.attempt == key[1]:
+                # This attempt's own activation, cut off by a crash: it goes on, nothing before it is redone.
+                return resumed_session(key, index, req, last.data)
+            if last is not None:
+                # The log says the same as restore staged: an inherited boundary of this very activation.
                 boundary = last.data
         if boundary is not None and self.supports_continuation and boundary.get("activation", 0) == index:
             return continued_session(key, index, req, boundary)
@@ -243,7 +271,11 @@ class AgentParticipant(Participant):
         while not s.finished and s.turn < s.request.max_steps:
             t = s.turn
             call_id = f"{s.rollout_id}.{s.attempt}.t{t}"
-            await self._boundary(s, "before_model", t, call_id)
+            if s.resumed:
+                s.resumed = False  # this boundary is the one in the log it goes on from
+                await self._park(s)
+            else:
+                await self._boundary(s, "before_model", t, call_id)
             reply, usage = await self._model(s, call_id)
             await self._park(s)  # the reply is in hand; a checkpoint keeps it at the before_model boundary
             s.state = "running"
@@ -258,8 +290,8 @@ class AgentParticipant(Participant):
             if not tool_calls or s.done:
                 s.finished, s.final_answer = True, reply.get("content")
             else:
-                for tc in tool_calls:
-                    content, done = await self._tool(s, tc)
+                for i, tc in enumerate(tool_calls):
+                    content, done = await self._tool(s, tc, f"a{s.index}.t{t}.{i}")
                     s.messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": content})
                     s.done = s.done or done
             s.turn = t + 1
@@ -283,6 +315,13 @@ class AgentParticipant(Participant):
         await self._open.wait()
         s.state = "running"
 
+    @staticmethod
+    async def _wait_unavailable(tries: int, since: float, exc: RollbookError) -> None:
+        # A server restarting, or the database: what was refused changed nothing, so ask again.
+        if time.monotonic() - since > PEER_PATIENCE_S:
+            raise exc
+        await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
+
     async def _wait_closed(self, tries: int) -> None:
         # Another server refused new work for a checkpoint: the refused call changed nothing, so ask
         # again later (backing off: each refusal of a model call is a `call_excluded` event).
@@ -300,6 +339,7 @@ class AgentParticipant(Participant):
         body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed, "stream": False}
         url = data_url(self.model_url, *s.key, "/v1/chat/completions")
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
+        since = time.monotonic()
         try:
             for tries in itertools.count():
                 try:
@@ -307,12 +347,14 @@ class AgentParticipant(Participant):
                     break
                 except AdmissionClosed:
                     await self._wait_closed(tries)
+                except (ParticipantUnavailable, DatabaseUnavailable) as exc:
+                    await self._wait_unavailable(tries, since, exc)
         finally:
             s.state = "running"
         message = dict(out["choices"][0]["message"])
         return message, dict(out.get("usage") or {})
 
-    async def _tool(self, s: Session, tc: dict[str, Any]) -> tuple[str, bool]:
+    async def _tool(self, s: Session, tc: dict[str, Any], call_key: str) -> tuple[str, bool]:
         fn = tc.get("function") or {}
         name = str(fn.get("name") or "")
         try:
@@ -322,12 +364,15 @@ class AgentParticipant(Participant):
         if not isinstance(args, dict):
             return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
         url = data_url(self.resources_url, *s.key, f"/tools/{name}")
+        since = time.monotonic()
         for tries in itertools.count():
             try:
-                out = await self.client.post(url, {"arguments": args})
+                out = await self.client.post(url, {"arguments": args}, {TOOL_CALL_HEADER: call_key})
                 break
             except AdmissionClosed:
                 await self._wait_closed(tries)
+            except (ParticipantUnavailable, DatabaseUnavailable) as exc:
+                await self._wait_unavailable(tries, since, exc)
             except RollbookError as exc:
                 if exc.code != "tool_error":
                     raise

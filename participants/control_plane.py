@@ -9,6 +9,7 @@ for a given server is its `Participant` subclass's business.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, ClassVar, Literal
 
@@ -19,6 +20,7 @@ from adapters.database import code_revision
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine.checkpoint import Cut, load_cut
+from engine.coordinator import abort_if_expired
 from engine.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -30,7 +32,7 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent
 from engine.identity import parse_attempt, rollout_stream, validate_id
-from engine.phases import Lease, ParticipantPhases
+from engine.phases import Lease, ParticipantPhases, check_deadline
 from participants.guard import (
     MAX_BODY_BYTES,
     AttemptIndex,
@@ -43,6 +45,8 @@ from participants.guard import (
     authenticate,
 )
 from participants.http_errors import error_response, errors_as_json
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/rollbook/v1"
 CONTROL = f"{PREFIX}/control"
@@ -218,8 +222,16 @@ class ControlPlane:
     # ---- plumbing -------------------------------------------------------------------------
 
     async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
-        event = self.phases.fire(trigger, checkpoint_id, **data)
+        # The phase moves only once its event is in the log: while the append waits (a database
+        # restart) status still shows the phase the log has, and a failed append changes nothing.
+        before, active = self.phases.state, self.phases.checkpoint_id
+        event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
+        after, after_active = self.phases.state, self.phases.checkpoint_id
+        self.phases._machine.set_state(before)
+        self.phases.checkpoint_id = active
         await self.p.store.append(AppendRequest((event,)))
+        self.phases._machine.set_state(after)
+        self.phases.checkpoint_id = after_active
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
@@ -237,8 +249,7 @@ class ControlPlane:
             raise CheckpointConflict(f"checkpoint {active} is active ({self.phases.phase}); {req.checkpoint_id} must wait")
         if needs_active and active is None:
             raise InvalidPhase(f"cannot {op} checkpoint {req.checkpoint_id} while idle", phase="idle", operation=op)
-        if req.deadline < time.time():
-            raise DeadlineExceeded(f"the deadline of {op} for {req.checkpoint_id} has passed")
+        check_deadline(req.deadline, time.time(), f"{op} for {req.checkpoint_id}")  # before any state changes
         return None
 
     # ---- operations -----------------------------------------------------------------------
@@ -296,6 +307,7 @@ class ControlPlane:
                 raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
             if self.phases.checkpoint_id != req.checkpoint_id:
                 raise CheckpointConflict(f"checkpoint {req.checkpoint_id} is not the active one")
+            check_deadline(req.deadline, time.time(), f"renew for {req.checkpoint_id}")
             self.lease = Lease(req.deadline, self.grace)
             return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                     detail={"lease_deadline": req.deadline}).model_dump())
@@ -382,17 +394,30 @@ class ControlPlane:
         self.lease = None
 
     async def watch_lease(self) -> None:
-        """An expired lease resumes the participant by itself, recorded as an abort."""
+        """An expired lease resumes the participant by itself, recorded as an abort. A failure to
+        record it (the database is down) is retried on the next tick: the watcher never dies."""
         while True:
             await asyncio.sleep(0.2)
             if self.lease is None or not self.lease.expired(time.time()):
                 continue
-            async with self.lock:
-                ck = self.phases.checkpoint_id
-                if ck is not None and self.lease is not None and self.lease.expired(time.time()):
-                    if self.phases.phase == "restored":
-                        continue  # a restored process waits for its resume: it has nothing to go back to
-                    await self._abort(ck, reason="lease expired")
+            try:
+                async with self.lock:
+                    ck = self.phases.checkpoint_id
+                    if ck is not None and self.lease is not None and self.lease.expired(time.time()):
+                        if self.phases.phase == "restored":
+                            continue  # a restored process waits for its resume: it has nothing to go back to
+                        await self._abort(ck, reason="lease expired")
+                        expired_checkpoint = ck
+                    else:
+                        continue
+            except Exception as exc:  # e.g. the database is down: not recorded, so not done; try again
+                log.warning("could not record the lease abort (%s: %s); retrying", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+                continue
+            try:  # and the checkpoint itself, in the log, if no one has ended it yet (engine.coordinator)
+                await abort_if_expired(self.p.store, expired_checkpoint, grace=self.grace)
+            except (RollbookError, OSError) as exc:  # the next participant or `rollbook run` will record it
+                log.warning("could not record the abort of checkpoint %s: %s", expired_checkpoint, exc)
 
     def routes(self) -> list[Route]:
         common = ("invalid_request", "invalid_json", "payload_too_large")

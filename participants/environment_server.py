@@ -6,6 +6,14 @@ under its new attempt, and nothing recorded before its boundary is done twice. D
 episode parks between steps; one inside its agent step counts as parked (the agent parks it at its
 own boundary). An episode that finishes while a checkpoint is being prepared has its
 `attempt_finished` in the log and is never continued.
+
+After a crash, dispatching a rollout again picks up its live attempt where the log leaves it: the
+steps it recorded are not run again, and the agent, model and resources servers each go on from
+their own part of the log. A server that does not answer (restarting) or a database outage is
+waited for. When another server says a part of the attempt is gone for good (`attempt_lost`: a
+sandbox process, a model call whose reply was never recorded), this server classifies the attempt
+(engine.recovery.classify), records that and restarts this rollout alone under attempt N+1:
+continuing from N's latest boundary, or from its input when its state cannot be rebuilt.
 """
 
 from __future__ import annotations
@@ -18,11 +26,21 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, data_url
+from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
+from engine import recovery
 from engine.checkpoint import Cut, effective_history
-from engine.errors import AdmissionClosed, Forbidden, InvalidRequest, NotFound, RequestConflict, StaleAttempt
+from engine.errors import (
+    AdmissionClosed,
+    AttemptLost,
+    DatabaseUnavailable,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    RequestConflict,
+    StaleAttempt,
+)
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
 from participants.agent_server import ACTIVATION_HEADER
@@ -32,6 +50,8 @@ from participants.guard import Body, Credentials, Identifier, Int64, Route
 
 STEPS = ("seed", "agent", "verify", "close")
 RETRY_SECONDS = 0.05
+PEER_PATIENCE_S = 120.0  # how long a step waits for a server (or the database) that does not answer
+MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
 
 
 class EpisodeRequest(Body):
@@ -200,21 +220,14 @@ class EnvironmentParticipant(Participant):
 
     async def _drive(self, ep: Episode) -> dict[str, Any]:
         try:
-            for step in STEPS:
-                if ep.recorded(step) is not None:
-                    continue
-                await self._park(ep)
-                ep.step = step
-                data = {"step": step, **await getattr(self, f"_{step}")(ep)}
-                data["status"] = "finished" if step == "close" else "running"
-                events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), "episode_step", data, ep.rollout_id, ep.attempt)]
-                if step == "close":
-                    # Atomic with the close step: the result is accepted exactly when the episode is done.
-                    events.append(NewEvent(rollout_stream(ep.rollout_id), A.ATTEMPT_FINISHED, {"reward": ep.reward},
-                                           ep.rollout_id, ep.attempt))
-                await self.store.append(AppendRequest(tuple(events)))
-                ep.done.append(data)
-                ep.step = None
+            for recoveries in range(MAX_RECOVERIES + 1):
+                try:
+                    await self._steps(ep)
+                    break
+                except AttemptLost as exc:
+                    if recoveries == MAX_RECOVERIES:
+                        raise
+                    await self._restart(ep, exc)
             ep.status = "finished"
             return ep.result()
         except asyncio.CancelledError:
@@ -225,6 +238,44 @@ class EnvironmentParticipant(Participant):
             ep.status, ep.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
 
+    async def _restart(self, ep: Episode, exc: AttemptLost) -> None:
+        """This rollout alone goes on under attempt N+1, as engine.recovery classifies it."""
+        rid = ep.rollout_id
+        lost = "session" if exc.context.get("lost") == "session" else "call"
+        history = await effective_history(self.store, rid, ep.attempt)
+        decision = recovery.classify(rid, ep.attempt, history, lost)
+        await self.store.append(recovery.recovery_request(decision))  # stale_attempt if a restore or retire came first
+        ep.attempt += 1
+        if decision.disposition == "fresh_dispatch":
+            ep.done = []
+            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_started", {
+                "env": ep.task.env, "task_id": ep.task.task_id, "task": ep.task.to_json(), "seed": ep.seed,
+                "max_steps": ep.max_steps, "status": "running"}, rid, ep.attempt),)))
+        else:
+            inherited = await effective_history(self.store, rid, ep.attempt)
+            ep.done = [dict(e.data) for e in inherited if e.kind == "episode_step"]
+            nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
+            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_continued", {
+                "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": decision.attempt, "next_step": nxt,
+                "recovered": True, "status": "running"}, rid, ep.attempt),)))
+
+    async def _steps(self, ep: Episode) -> None:
+        for step in STEPS:
+            if ep.recorded(step) is not None:
+                continue
+            await self._park(ep)
+            ep.step = step
+            data = {"step": step, **await getattr(self, f"_{step}")(ep)}
+            data["status"] = "finished" if step == "close" else "running"
+            events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), "episode_step", data, ep.rollout_id, ep.attempt)]
+            if step == "close":
+                # Atomic with the close step: the result is accepted exactly when the episode is done.
+                events.append(NewEvent(rollout_stream(ep.rollout_id), A.ATTEMPT_FINISHED, {"reward": ep.reward},
+                                       ep.rollout_id, ep.attempt))
+            await self.store.append(AppendRequest(tuple(events)))
+            ep.done.append(data)
+            ep.step = None
+
     async def _park(self, ep: Episode) -> None:
         if self._open.is_set():
             return
@@ -233,12 +284,19 @@ class EnvironmentParticipant(Participant):
         ep.status = "running"
 
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        since, tries = time.monotonic(), 0
         while True:
             try:
                 return await self.client.post(url, body, headers)
             except AdmissionClosed:
                 # The other server is in a checkpoint; the refused request changed nothing there.
                 await asyncio.sleep(RETRY_SECONDS)
+            except (ParticipantUnavailable, DatabaseUnavailable):
+                # Restarting: every step's request is idempotent (sessions by attempt, activations by index).
+                if time.monotonic() - since > PEER_PATIENCE_S:
+                    raise
+                tries += 1
+                await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
 
     async def _seed(self, ep: Episode) -> dict[str, Any]:
         out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),

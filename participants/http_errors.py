@@ -19,6 +19,7 @@ STATUS: dict[str, int] = {
     "invalid_json": 400,
     "invalid_identifier": 400,
     "invalid_payload": 400,
+    "invalid_deadline": 400,
     "payload_too_large": 413,
     "rollout_id_required": 400,
     "unauthorized": 401,
@@ -36,6 +37,7 @@ STATUS: dict[str, int] = {
     "restart_in_scope": 409,
     "admission_closed": 409,
     "activation_out_of_order": 409,
+    "attempt_lost": 409,
     "version_conflict": 409,
     "invalid_checkpoint_state": 422,
     "tool_error": 422,
@@ -43,6 +45,7 @@ STATUS: dict[str, int] = {
     "replay_divergence": 500,
     "participant_unavailable": 503,
     "internal_error": 500,
+    "database_unavailable": 503,
 }
 
 # OpenAI's error `type` by status, so its SDKs raise the matching exception class.

@@ -13,6 +13,12 @@ Checkpoint behaviour:
 - restore stages the calls of the rollouts in the cut (as of the cut's position); a call that
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
+
+After a crash: a call asked for again whose reply the log holds gets that reply, never a second
+generation. A call the log says was accepted that no process here is serving was lost with the
+server that accepted it (engine.recovery.call_lost): it is recorded `call_failed` (`call_lost`)
+and refused with `attempt_lost`, and the environment server continues the rollout under a new
+attempt from the boundary before that call.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut
 from engine.errors import (
     AdmissionClosed,
+    AttemptLost,
     InvalidIdentifier,
     InvalidPhase,
     RequestConflict,
@@ -42,6 +49,7 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
 from engine.identity import ID_PATTERN, call_stream, validate_id
+from engine.recovery import call_lost
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import PARTICIPANT, Participant, PrepareReport, build_app, data_path, identity
 from participants.guard import Credentials, Header, Route
@@ -278,6 +286,13 @@ class ModelParticipant(Participant):
                 _check_same(call_id, record.accepted.get("request_digest"), digest)
                 if record.status == "completed":
                     return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
+                if call_lost(record.status, served_here=False):
+                    failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
+                              "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
+                    await self._append(NewEvent(call_stream(call_id), "call_failed", failed, rollout_id, attempt))
+                    raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
+                                      f"never recorded; the rollout continues under a new attempt",
+                                      rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
             return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record)
 
     async def _accept(

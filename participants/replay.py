@@ -76,10 +76,11 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
     d = e.data
     if e.kind == "session_opened":
         task = Task.from_json(d["task"])
-        if d.get("restored_from"):
+        if d.get("restored_from") or d.get("recovered"):  # reopened under a new attempt: it carries its origin's state
             if d.get("revision", 0) != state.revision:
                 raise _divergence(e, f"restored session claims revision {d.get('revision')}, replay has {state.revision}")
-            return f"session restored from {d['restored_from']} at revision {state.revision}"
+            where = d.get("restored_from") or f"the log (recovered from attempt {d.get('origin_attempt')})"
+            return f"session restored from {where} at revision {state.revision}"
         state.task, state.env_state, state.revision = task, get_environment(task.env).initial_state(task), 0
         return f"session opened: {task.env} task {task.task_id}"
     if e.kind == "mutation_applied":

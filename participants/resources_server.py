@@ -6,6 +6,12 @@ revision. Mutations of one session are serialized by its lock; each one that has
 before the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every
 scoped session from the log alone (initial state, then each effect in order), validates the whole
 set, stages it, and installs it under the rollout's new attempt only at resume.
+
+After a crash of this server, a session of a live attempt is rebuilt from the log the first time
+the attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that
+continues another one's boundary, the inherited session reopened under the new attempt. A tool call
+whose mutation is in the log (by the caller's tool-call key) gets its recorded answer and changes
+nothing. A restart-only session whose live process died cannot be rebuilt: `attempt_lost`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history, validate_cut
 from engine.errors import (
     AdmissionClosed,
+    AttemptLost,
     Forbidden,
     InvalidCheckpointState,
     InvalidRequest,
@@ -32,7 +39,8 @@ from engine.errors import (
     RolloutIdRequired,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import session_stream
+from engine.identity import ID_PATTERN, session_stream
+from engine.recovery import open_session_mode, tool_call_outcomes
 from participants.control_plane import (
     PARTICIPANT,
     Execution,
@@ -46,9 +54,12 @@ from participants.control_plane import (
 from participants.environments import Environment, Task, ToolError, get_environment
 from participants.environments.base import JSON
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.guard import Body, Credentials, Empty, Identifier, Route
+from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
 
 Key = tuple[str, int]  # (rollout_id, attempt)
+# The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
+# whose mutation the log already holds under this key is answered from the log, never applied again.
+TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
 class ToolCallRefused(RollbookError):
@@ -89,12 +100,14 @@ class ToolReply(BaseModel):
     output: Any
     revision: int
     done: bool
+    repeated: bool | None = None
 
 
 class VerifyReply(BaseModel):
     reward: float
     status: str
     revision: int
+    repeated: bool | None = None  # the recorded answer of a verify asked again
 
 
 class StateReply(BaseModel):
@@ -115,6 +128,7 @@ class Session:
     opened: bool = False  # session_opened is durable
     verify_status: str | None = None
     verifying: int = 0
+    tool_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> its mutation_applied data
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     verify_idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -154,7 +168,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
             continue
         try:
             if e.kind == "session_opened":
-                if e.data.get("restored_from") is not None:
+                if e.data.get("restored_from") is not None or e.data.get("recovered"):
                     # A restored session continues its origin's replay; it must agree with it.
                     if env is None or task is None or e.data.get("revision") != revision or e.data.get("env") != env.name:
                         raise InvalidCheckpointState(
@@ -202,6 +216,7 @@ class ResourcesParticipant(Participant):
         self.sessions: dict[Key, Session] = {}
         self.staged: dict[Key, Staged] = {}
         self.staged_from: str | None = None
+        self._recovering: dict[Key, asyncio.Lock] = {}
 
     # ---- data plane -------------------------------------------------------------------------
 
@@ -222,10 +237,50 @@ class ResourcesParticipant(Participant):
         except ToolError as exc:
             raise InvalidRequest(exc.message) from exc
 
-    def _session(self, key: Key) -> Session:
-        s = self.sessions.get(key)
+    async def _session(self, key: Key) -> Session:
+        s = self.sessions.get(key) or await self._recover(key)
         if s is None or not s.opened:
             raise SessionNotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
+        return s
+
+    async def _recover(self, key: Key) -> Session | None:
+        """The session of a live attempt this process never held, rebuilt from the log (None: the
+        log has no open session for it). Raises AttemptLost for a restart-only session."""
+        lock = self._recovering.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in self.sessions:
+                return self.sessions[key]
+            if any(r == key[0] for r, _ in self.staged):
+                raise AdmissionClosed(f"the session of {key[0]} is restored and waits for resume")
+            history = await effective_history(self.store, *key)
+            mode = open_session_mode(history)
+            if mode is None:
+                return None
+            if mode == "restart_only":
+                raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: its restart-only session lost its live process "
+                                  "with a server restart; the rollout starts over under a new attempt",
+                                  rollout_id=key[0], attempt=key[1], lost="session")
+            try:
+                staged = rebuild(key[0], key[1], -1, history)
+            except RestartInScope as exc:  # a session logged before sessions named their state mode
+                raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: {exc.detail}", rollout_id=key[0], attempt=key[1],
+                                  lost="session") from exc
+            if staged is None:
+                return None
+            stream = session_stream(*key)
+            own = [e for e in history if e.stream == stream]
+            s = Session(key[0], key[1], get_environment(staged.env_name), staged.task, staged.state, staged.revision,
+                        stream_version=own[-1].stream_version if own else 0, opened=True)
+            s.tool_calls = tool_call_outcomes(history)
+            verified = [e for e in own if e.kind == "session_verified"]
+            s.verify_status = verified[-1].data.get("status") if verified else None
+            if not own:  # inherited from the boundary this attempt continues: reopen it under this attempt
+                origin = next((e.attempt for e in reversed(history) if e.stream.startswith("session:")), None)
+                await self._append(s, "session_opened", {
+                    "env": s.env.name, "task": s.task.to_json(), "state_mode": s.env.state_mode, "revision": s.revision,
+                    "origin_attempt": origin, "recovered": True})
+            self.sessions[key] = s
+        self._recovering.pop(key, None)
         return s
 
     async def _append(self, s: Session, kind: str, data: dict[str, Any]) -> RecordedEvent:
@@ -251,13 +306,13 @@ class ResourcesParticipant(Participant):
         except Exception as exc:  # a reducer that cannot start from these params: the request is wrong
             raise InvalidRequest(f"the task's params do not fit {env.name}: {type(exc).__name__}: {exc}"[:300]) from None
         key = await self._enter(request)
-        existing = self.sessions.get(key)
+        existing = self.sessions.get(key) or await self._recover(key)
         if existing is not None:
             if existing.env.name != env.name or existing.task != task:
                 raise ToolCallRefused(f"rollout {key[0]} attempt {key[1]} already has a different session",
                                       tool_error="session_exists")
             async with existing.lock:  # a repeated open is answered once the first is durable
-                return web.json_response(self._describe(self._session(key)))
+                return web.json_response(self._describe(await self._session(key)))
         self._refuse_when_closed("opening a session")
         s = Session(key[0], key[1], env, task, state)
         async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
@@ -269,7 +324,8 @@ class ResourcesParticipant(Participant):
                         s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
                     except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
                         raise refused(exc) from exc
-                await self._append(s, "session_opened", {"env": env.name, "task": task.to_json()})
+                await self._append(s, "session_opened", {"env": env.name, "task": task.to_json(),
+                                                         "state_mode": env.state_mode})
             except BaseException:
                 self.sessions.pop(key, None)
                 await self._close_live(s)
@@ -285,13 +341,18 @@ class ResourcesParticipant(Participant):
     async def call_tool(self, request: web.Request, body: ToolRequest) -> web.Response:
         key = await self._enter(request)
         name = request.match_info["name"]
-        s = self._session(key)
+        call_key = request.headers.get(TOOL_CALL_HEADER) or None
+        s = await self._session(key)
         # Taken right before the lock: work admitted here and queued on the lock is in flight,
         # and prepare, queued behind it, waits for it.
         admitted = self.admission_open
         async with s.lock:
             if self.sessions.get(key) is not s:
                 raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
+            recorded = s.tool_calls.get(call_key) if call_key else None
+            if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
+                return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
+                                          "done": bool(recorded.get("done")), "repeated": True})
             if s.env.state_mode == "restart_only":
                 if not admitted:
                     raise AdmissionClosed("tool calls on a live shell are refused while a checkpoint is in progress")
@@ -315,22 +376,29 @@ class ResourcesParticipant(Participant):
                 return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
             revision = s.revision + 1
             # The event first: a crash after it replays this change, a crash before it never happened.
-            await self._append(s, "mutation_applied",
-                               {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect})
+            data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
+                    "tool_call": call_key, "output": outcome.output, "done": outcome.done}
+            await self._append(s, "mutation_applied", data)
             s.state, s.revision = new_state, revision
+            if call_key:
+                s.tool_calls[call_key] = data
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
     async def verify(self, request: web.Request, body: VerifyRequest) -> web.Response:
         key = await self._enter(request)
-        if self.sessions.get(key) is None:
-            # A passed verify retired the session: its repeat gets the recorded answer and appends nothing.
-            done = [e for e in await self.store.read_stream(session_stream(*key)) if e.kind == "session_verified"]
-            if done and done[-1].data.get("status") == "passed":
-                d = done[-1].data
+        s = self.sessions.get(key) or await self._recover(key)
+        if s is None:
+            # A passed verify retires its session; a caller that crashed before it heard the answer
+            # asks again and gets the recorded verification, not a second one.
+            verified = [e for e in await effective_history(self.store, *key)
+                        if e.kind == "session_verified" and e.stream == session_stream(*key)]
+            if verified:
+                d = verified[-1].data
                 if d.get("final_answer") != body.final_answer:
                     raise RequestConflict(f"rollout {key[0]} attempt {key[1]} was verified with another answer")
-                return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"]})
-        s = self._session(key)
+                return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
+                                          "repeated": True})
+            s = await self._session(key)  # raises not_found
         self._refuse_when_closed("verify")
         s.verifying += 1
         s.verify_idle.clear()
@@ -365,7 +433,7 @@ class ResourcesParticipant(Participant):
 
     async def close_session(self, request: web.Request, _body: None) -> web.Response:
         key = await self._enter(request)
-        s = self.sessions.get(key)
+        s = self.sessions.get(key) or await self._recover(key)
         if s is None:
             # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
             # the session's own stream or, for a restored attempt, its origin's up to the boundary.
@@ -386,7 +454,7 @@ class ResourcesParticipant(Participant):
         await self._close_live(s)
 
     async def get_state(self, request: web.Request, _body: None) -> web.Response:
-        s = self._session(await self._enter(request))
+        s = await self._session(await self._enter(request))
         return web.json_response({"state": s.state, "revision": s.revision})
 
     @staticmethod
@@ -402,7 +470,9 @@ class ResourcesParticipant(Participant):
         session = ("stale_attempt", "invalid_identifier", "not_found", "admission_closed", "tool_error")
         routes = [
             Route("POST", data_path("/session"), self.open_session, OpenRequest, SessionReply, session),
-            Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session),
+            Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
+                  headers=(Header(TOOL_CALL_HEADER, ID_PATTERN, required=False,
+                                  description="the call's key: a repeat gets the recorded outcome"),)),
             Route("POST", data_path("/verify"), self.verify, VerifyRequest, VerifyReply, session),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),

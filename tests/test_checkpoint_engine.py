@@ -154,16 +154,16 @@ async def test_cut_digest_is_the_same_for_the_same_log(
     ]
 
 
-async def test_cut_digest_ignores_work_after_the_boundary_and_moves_with_a_new_boundary(
+async def test_cut_digest_covers_every_event_of_a_scoped_rollout_up_to_p_and_nothing_after(
     store: PostgresEventStore, world: dict[str, Positions]
 ) -> None:
     base = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    # work after r1's boundary but before the next cut's P: same boundary, yet covered by that cut
     await append_one(store, E(session_stream("r1", 0), "mutation_applied", "r1", 0, revision=4, effect={}))
-    unmoved = await make_cut(store, "ck2", SCOPE, RESTARTS)
-    await append_one(store, E(agent_stream("r1", 0), "agent_boundary", "r1", 0, calls=[], revisions={}))
-    moved = await make_cut(store, "ck3", SCOPE, RESTARTS)
-    assert unmoved.digest == base.digest
-    assert moved.digest != base.digest
+    after_boundary = await make_cut(store, "ck2", SCOPE, RESTARTS)
+    assert {s.rollout_id: s.boundary for s in after_boundary.scope} == {s.rollout_id: s.boundary for s in base.scope}
+    assert after_boundary.digest != base.digest
+    await validate_cut(store, base)  # the older cut still validates: events after its P are not its business
 
 
 async def test_committed_cut_reads_back_from_the_log(
@@ -428,3 +428,61 @@ async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_execution
     cut = await make_cut(store, "ck1", SCOPE, [*RESTARTS, ("r3", 0)], rollouts=["r0", "r1", "r2", "r5"])
     assert {s.rollout_id for s in cut.scope} == {"r0", "r1", "r2"}
     assert (set(cut.fresh), set(cut.completed)) == ({("r5", 0)}, set())
+
+
+# ---- issue 9: the digest covers everything up to P and the cut's lists -----------------------------
+
+
+async def test_validate_refuses_an_edited_event_between_the_boundary_and_the_cut(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    assert world["r0"]["boundary"] < world["r0"]["late_call"] <= cut.position
+    await tamper(dsn, """UPDATE rollbook.events SET data = data || '{"edited": true}' WHERE position = %(p)s""",
+                 world["r0"]["late_call"])
+    with pytest.raises(InvalidCheckpointState, match="does not match its recorded hash"):
+        await validate_cut(store, cut)
+
+
+@pytest.mark.parametrize("edit", ["completed", "fresh", "scope_boundary"])
+async def test_validate_refuses_a_cut_whose_lists_were_edited(
+    store: PostgresEventStore, world: dict[str, Positions], edit: str
+) -> None:
+    import dataclasses
+
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    assert cut.completed and cut.fresh
+    edited = {
+        "completed": dataclasses.replace(cut, completed=()),
+        "fresh": dataclasses.replace(cut, fresh=(*cut.fresh, *cut.completed)),
+        "scope_boundary": dataclasses.replace(cut, scope=(dataclasses.replace(cut.scope[0], boundary=world["r0"]["step"]),
+                                                          *cut.scope[1:])),
+    }[edit]
+    with pytest.raises(InvalidCheckpointState, match="digest"):
+        await validate_cut(store, edited)
+
+
+async def test_load_cut_refuses_an_edited_committed_record(
+    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+) -> None:
+    cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
+    recorded = await append_one(store, committed_event(cut))
+    await tamper(dsn, """UPDATE rollbook.events SET data = jsonb_set(data, '{completed}', '[]') WHERE position = %(p)s""",
+                 recorded.position)
+    with pytest.raises(InvalidCheckpointState, match="checkpoint:ck1@1 does not match"):
+        await load_cut(store, "ck1")
+
+
+async def test_an_open_checkpoint_past_its_lease_is_aborted_in_the_log_once(store: PostgresEventStore) -> None:
+    from engine.coordinator import abort_expired, abort_if_expired
+    from engine.phases import CheckpointPhases, checkpoint_started
+
+    for ck, deadline in (("old", 1000.0), ("fresh", 2000.0)):
+        await append_one(store, checkpoint_started(ck, deadline=deadline))
+        await append_one(store, CheckpointPhases(ck).fire("prepared", restarts=[]))
+    assert not await abort_if_expired(store, "old", now=1001.0)  # within the grace
+    assert await abort_expired(store, now=1500.0) == ["old"]
+    assert await abort_expired(store, now=1500.0) == []  # already aborted: nothing written twice
+    kinds = [e.kind for e in await store.read_stream("checkpoint:old")]
+    assert kinds == ["checkpoint_started", "checkpoint_prepared", "checkpoint_aborted"]
+    assert [e.kind for e in await store.read_stream("checkpoint:fresh")][-1] == "checkpoint_prepared"

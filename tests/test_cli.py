@@ -40,7 +40,7 @@ def test_demo_continues_rollouts_without_repeating_work(dsn: str) -> None:
     s = json.loads(out.stdout)
     assert s["continued"] > 0
     assert s["completed_before_checkpoint"] + s["continued"] + s["restarted"] == s["rollouts"] == 12
-    assert s["repeated_model_calls"] == 0 and s["repeated_mutations"] == 0
+    assert s["repeated_model_calls"] == 0 and s["repeated_mutations"] == 0 and s["repeated_mutations_within_attempt"] == 0
     assert s["unfinished"] == 0 and s["finished_twice"] == 0
     # The scripted policy is deterministic, so continuing must not change any reward.
     assert s["mean_reward_checkpointed"] == s["mean_reward_uninterrupted"]

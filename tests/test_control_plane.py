@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from adapters.database import code_revision
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
@@ -171,7 +172,7 @@ async def test_status_reports_capabilities(one) -> None:
     async with http.get(f"{CONTROL}/status", headers=AUTH) as resp:
         status = await resp.json()
     assert status["kind"] == "model" and status["phase"] == "idle" and status["checkpoint_mode"] == "native"
-    assert status["schema_version"] == "0001" and status["concurrency"]
+    assert status["schema_version"] == code_revision() and status["concurrency"]
 
 
 async def test_openapi_document_lists_every_route_and_error_status(one) -> None:

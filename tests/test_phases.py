@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidPhase
+from engine.errors import DeadlineExceeded, InvalidDeadline, InvalidPhase
 from engine.events import NewEvent
 from engine.identity import checkpoint_stream, participant_stream
 from engine.phases import (
@@ -15,6 +15,8 @@ from engine.phases import (
     CheckpointPhases,
     Lease,
     ParticipantPhases,
+    check_deadline,
+    checkpoint_lease_expired,
 )
 
 CK = "ck-1"
@@ -188,3 +190,23 @@ def test_lease_expires_only_after_deadline_plus_grace() -> None:
 
 def test_lease_default_grace_is_applied() -> None:
     assert (Lease(100.0).expired(104.9), Lease(100.0).expired(105.1)) == (False, True)
+
+
+@pytest.mark.parametrize("deadline", [float("nan"), float("inf"), float("-inf"), "soon", True])
+def test_a_non_finite_or_non_numeric_deadline_is_invalid(deadline: object) -> None:
+    with pytest.raises(InvalidDeadline):
+        check_deadline(deadline, 1000.0, "prepare of ck")  # type: ignore[arg-type]
+
+
+def test_a_past_deadline_is_exceeded_and_a_future_one_passes() -> None:
+    with pytest.raises(DeadlineExceeded):
+        check_deadline(999.0, 1000.0, "prepare of ck")
+    assert check_deadline(1001, 1000.0, "prepare of ck") == 1001.0
+
+
+@pytest.mark.parametrize("phase, now, expired", [
+    ("started", 1003.0, True), ("prepared", 1003.0, True), ("prepared", 1001.5, False),
+    ("committed", 1e9, False), ("published", 1e9, False), ("aborted", 1e9, False),
+])
+def test_only_an_open_checkpoint_past_its_deadline_and_grace_has_an_expired_lease(phase: str, now: float, expired: bool) -> None:
+    assert checkpoint_lease_expired(phase, 1000.0, now, grace=2.0) is expired

@@ -81,3 +81,17 @@ async def test_public_views_answer_sql(store: PostgresEventStore, dsn: str) -> N
     with psycopg.connect(dsn) as conn:
         excluded = conn.execute("SELECT rollout_id, attempt, status FROM rollbook.model_calls WHERE call_id = 'x1'").fetchone()
     assert excluded == ("ro1", 0, "excluded")  # a call refused before acceptance still names its rollout
+
+
+async def test_a_retire_ends_the_live_attempts_at_or_below_its_mark_and_leaves_finished_ones(
+        store: PostgresEventStore, dsn: str) -> None:
+    await _populate(store)  # ro2 attempt 0 was live, then retired through 0; ro0 attempt 0 finished
+    await store.append(AppendRequest((NewEvent(rollout_stream("ro0"), ROLLOUT_RETIRED, {"through": 0}, "ro0", 0),)))
+    with psycopg.connect(dsn) as conn:
+        state = dict(((r, a), s) for r, a, s in conn.execute(
+            "SELECT rollout_id, attempt, status FROM rollbook.attempt_state").fetchall())
+    assert state[("ro2", 0)] == "retired" and state[("ro0", 0)] == "finished" and state[("ro3", 0)] == "live"
+    assert ("ro2", 0) not in await store.live_attempts()  # so no later cut includes (and fences) it
+    live = _dump(dsn)
+    await store.rebuild_projections(page=2)
+    assert _dump(dsn) == live

@@ -19,7 +19,7 @@ import pytest
 from adapters.collection import Collection
 from adapters.config import KINDS
 from engine.checkpoint import load_cut
-from engine.coordinator import PREPARE_ORDER, Coordinator
+from engine.coordinator import PREPARE_ORDER, Coordinator, abort_expired
 from engine.errors import InvalidCheckpointState
 from participants.environments.base import Task
 from participants.environments.tasks import make_tasks
@@ -181,14 +181,12 @@ async def test_kill_during_prepare_restores_the_previous_published_checkpoint(cl
 
 # ---- 4. during commit ---------------------------------------------------------------------------------
 
-async def test_kill_during_commit_restores_the_committed_checkpoint(cluster_factory, rng) -> None:
-    """checkpoint_committed is in the log, some participants have not acknowledged, nothing is published.
+async def test_kill_during_commit_leaves_no_committed_record_and_restores_the_previous_checkpoint(cluster_factory, rng) -> None:
+    """Some participants have acknowledged the commit, the others not yet, when everything dies.
 
-    We restore the committed-but-unpublished checkpoint, not the previous published one: the cut
-    (position, scope, boundaries, digest) is complete in the log the moment checkpoint_committed is
-    appended, and participants keep nothing of a checkpoint outside the log, so it restores like a
-    published one. (latest_published still names ck1, which a framework that only trusts published
-    checkpoints would restore instead; test 3 covers that path.)"""
+    The commit is recorded only once every participant accepted it (issue 9: it used to be logged
+    first), so the log still says `prepared`: the checkpoint cannot be restored, whoever notices its
+    lease ran out aborts it, and the framework restores its previous published checkpoint."""
     c = await cluster_factory(token_latency_s=0.008)
     coll, run = await launch(c, rng, "commit")
     await c.wait_count("commit", "agent_boundary", rng.randint(4, 12))
@@ -206,13 +204,15 @@ async def test_kill_during_commit_restores_the_committed_checkpoint(cluster_fact
 
     await c.wait_for("the commit fan-out", fanned_out)
     await c.crash(run, commit)
-    assert await c.phase("commit-ck2") == "committed"
-    assert await coll.latest_published() == "commit-ck1"
-    cut, _ = await load_cut(c.store, "commit-ck2")
+    assert await c.phase("commit-ck2") == "prepared"
+    with pytest.raises(InvalidCheckpointState, match="never committed"):
+        await load_cut(c.store, "commit-ck2")
+    assert await abort_expired(c.store, now=time.time() + 60) == ["commit-ck2"]  # its lease has run out by then
+    assert await c.phase("commit-ck2") == "aborted"
 
     await c.start()
-    restored = await coll.restore(c.session, "commit-ck2")
-    assert restored["continued"] == len(cut.scope)
+    restored = await coll.restore(c.session, await coll.latest_published())
+    assert restored["checkpoint_id"] == "commit-ck1" and restored["continued"] == ck1["continued"]
     await finish(c, coll)
     print(await assert_invariants(c, coll))
 

@@ -1,0 +1,168 @@
+"""Database faults: lost connections are replaced, a retried append lands once, an outage is a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import psycopg
+import pytest
+from aiohttp.test_utils import TestServer
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from adapters.database import sqlalchemy_url
+from adapters.postgres import PostgresEventStore
+from adapters.processes import free_port
+from engine.errors import DatabaseUnavailable
+from engine.events import AppendRequest, NewEvent
+from participants.control_plane import CONTROL
+from participants.guard import Credentials
+from participants.resources_server import build_resources_app
+
+CREDS = Credentials(control="db-control-token", data="db-data-token")
+TOKEN = CREDS.control
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DATA = {"Authorization": f"Bearer {CREDS.data}"}
+
+
+def dead_dsn() -> str:
+    """A DSN nothing answers on: every connection attempt is refused."""
+    return f"postgresql://postgres@127.0.0.1:{free_port()}/nothing"
+
+
+async def test_an_append_whose_commit_answer_was_lost_is_retried_and_lands_once(store: PostgresEventStore) -> None:
+    real = store._commit_group
+    tries = 0
+
+    async def answer_lost(requests):  # type: ignore[no-untyped-def]
+        nonlocal tries
+        tries += 1
+        outcome = await real(requests)  # committed for real...
+        if tries == 1:  # ...but the connection dropped before the answer arrived
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return outcome
+
+    store._commit_group = answer_lost  # type: ignore[method-assign]
+    written = await store.append(AppendRequest((NewEvent("once", "noted", {"n": 1}), NewEvent("once", "noted", {"n": 2}))))
+    assert tries == 2
+    assert [e.stream_version for e in written] == [1, 2]
+    assert [e.data["n"] for e in await store.read_stream("once")] == [1, 2]  # one copy, not two
+    async with store.engine.connect() as conn:
+        from sqlalchemy import text
+
+        assert (await conn.execute(text("SELECT count(*) FROM rollbook.append_keys"))).scalar_one() == 1
+
+
+async def test_without_its_key_the_same_retry_would_have_written_twice(store: PostgresEventStore) -> None:
+    # The negative control of the test above: the key, not luck, keeps the second copy out.
+    request = AppendRequest((NewEvent("twice", "noted", {"n": 1}),))
+    await store._commit_group([request])
+    await store._commit_group([request])
+    assert len(await store.read_stream("twice")) == 2
+    keyed = AppendRequest((NewEvent("keyed", "noted", {"n": 1}),), key="k-1")
+    first = await store._commit_group([keyed])
+    again = await store._commit_group([keyed])
+    assert [(e.position, e.hash) for e in first[0]] == [(e.position, e.hash) for e in again[0]]  # type: ignore[union-attr]
+    assert len(await store.read_stream("keyed")) == 1
+
+
+async def test_connections_the_server_dropped_are_replaced_before_use(dsn: str, store: PostgresEventStore) -> None:
+    await store.append(AppendRequest((NewEvent("before", "noted", {}),)))
+    assert await store.read_stream("before")
+    with psycopg.connect(dsn, autocommit=True) as admin:  # what a restart does to every pooled connection
+        killed = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                               "WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchone()[0]
+    assert killed >= 1
+    await store.append(AppendRequest((NewEvent("after", "noted", {}),)))
+    assert [e.kind for e in await store.read_stream("after")] == ["noted"]
+    assert await store.head() == 2
+
+
+async def test_a_database_that_does_not_answer_is_database_unavailable_after_the_patience() -> None:
+    store = PostgresEventStore.connect(dead_dsn(), writer="dead", patience_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable) as err:
+            await store.append(AppendRequest((NewEvent("s", "noted", {}),)))
+        assert err.value.code == "database_unavailable" and time.monotonic() - started < 5
+        with pytest.raises(DatabaseUnavailable):
+            await store.read_stream("s")
+    finally:
+        await store.close()
+
+
+async def test_a_server_answers_503_database_unavailable_while_the_database_is_down() -> None:
+    store = PostgresEventStore.connect(dead_dsn(), writer="dead", patience_s=0.3)
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            task = {"env": "math", "task_id": "t", "prompt": "p", "params": {}}
+            async with http.post(server.make_url("/rollouts/r1/attempts/0/session"), json={"env": "math", "task": task}, headers=DATA) as resp:
+                body = await resp.json()
+        assert resp.status == 503 and body["error"]["code"] == "database_unavailable", body
+    finally:
+        await server.close()
+        await store.close()
+
+
+async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) -> None:
+    store = PostgresEventStore.connect(dsn, writer="lease", patience_s=0.2)
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
+    await server.start_server()
+    healthy = store.engine
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def control(op: str, deadline: float) -> dict:
+                async with http.post(server.make_url(f"{CONTROL}/{op}"), headers=AUTH,
+                                     json={"checkpoint_id": "ck-lease", "deadline": deadline}) as resp:
+                    return dict(await resp.json())
+
+            async def status() -> dict:
+                async with http.get(server.make_url(f"{CONTROL}/status"), headers=AUTH) as resp:
+                    return dict(await resp.json())
+
+            assert (await control("prepare", time.time() + 0.5))["ready"]
+            store.engine = create_async_engine(sqlalchemy_url(dead_dsn()))  # the database goes away
+            await asyncio.sleep(0.5 + 2.0 + 1.5)  # past deadline + grace: the abort fails, more than once
+            assert (await status())["phase"] == "prepared"  # not recorded, so not done
+            await store.engine.dispose()
+            store.engine = healthy  # the database is back
+            for _ in range(100):
+                if (await status())["phase"] == "idle":
+                    break
+                await asyncio.sleep(0.1)
+            assert (await status())["phase"] == "idle"
+        aborts = [e for e in await store.read_all() if e.kind == "participant_abort"]
+        assert len(aborts) == 1 and aborts[0].data["reason"] == "lease expired"
+    finally:
+        store.engine = healthy
+        await server.close()
+        await store.close()
+
+
+async def test_a_resume_that_could_not_be_recorded_is_503_and_can_be_repeated(dsn: str) -> None:
+    store = PostgresEventStore.connect(dsn, writer="resume", patience_s=0.2)
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
+    await server.start_server()
+    healthy = store.engine
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def control(op: str) -> tuple[int, dict]:
+                async with http.post(server.make_url(f"{CONTROL}/{op}"), headers=AUTH,
+                                     json={"checkpoint_id": "ck-db", "deadline": time.time() + 30}) as resp:
+                    return resp.status, dict(await resp.json())
+
+            assert (await control("prepare"))[1]["ready"]
+            store.engine = create_async_engine(sqlalchemy_url(dead_dsn()))  # the database goes away mid-checkpoint
+            status, body = await control("resume")
+            assert status == 503 and body["error"]["code"] == "database_unavailable"
+            await store.engine.dispose()
+            store.engine = healthy
+            status, body = await control("resume")  # the phase is still the one the log has: resume works
+            assert status == 200 and body["phase"] == "idle", body
+    finally:
+        store.engine = healthy
+        await server.close()
+        await store.close()

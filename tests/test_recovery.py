@@ -1,0 +1,172 @@
+"""The recovery rules (engine.recovery) and the servers' way back from the log after a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.postgres import PostgresEventStore
+from engine import recovery
+from engine.attempts import ATTEMPT_FINISHED, ATTEMPT_STARTED
+from engine.checkpoint import effective_history
+from engine.errors import StaleAttempt
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
+from participants.environments.tasks import make_task
+from participants.replay import replay
+
+from .test_resources_server import call, email_seed, kinds, open_session, prefix, serving, start, state
+
+
+def ev(position: int, kind: str, stream: str = "s", attempt: int = 0, **data: object) -> RecordedEvent:
+    return RecordedEvent(position, stream, position, kind, dict(data), "r", attempt, 1, "test", b"")
+
+
+HISTORY = [
+    ev(1, ATTEMPT_STARTED, rollout_stream("r")),
+    ev(2, "episode_step", episode_stream("r", 0), step="seed", state_mode="exported"),
+    ev(3, "session_opened", session_stream("r", 0), env="workplace"),
+    ev(4, "agent_boundary", agent_stream("r", 0), activation=0, turn=0, state="before_model"),
+    ev(5, "mutation_applied", session_stream("r", 0), revision=1, tool_call="a0.t0.0", output={"ok": 1}, done=False),
+    ev(6, "agent_boundary", agent_stream("r", 0), activation=0, turn=1, state="before_model"),
+]
+
+
+def test_an_attempt_with_every_part_intact_continues_from_its_latest_boundary() -> None:
+    r = recovery.classify("r", 0, HISTORY)
+    assert (r.disposition, r.boundary, r.new_attempt) == ("continue", 6, False)
+
+
+def test_a_finished_attempt_is_never_continued() -> None:
+    r = recovery.classify("r", 0, [*HISTORY, ev(7, ATTEMPT_FINISHED, rollout_stream("r"), reward=1.0)], lost="call")
+    assert (r.disposition, r.new_attempt) == ("finished", False)
+
+
+def test_a_lost_model_call_continues_under_a_new_attempt_from_the_boundary_before_it() -> None:
+    r = recovery.classify("r", 0, HISTORY, lost="call")
+    assert (r.disposition, r.boundary, r.new_attempt) == ("continue", 6, True)
+
+
+@pytest.mark.parametrize("lost", ["session", "call"])
+def test_an_attempt_whose_restart_only_state_is_gone_starts_over_from_its_input(lost: str) -> None:
+    sandbox = [ev(1, ATTEMPT_STARTED, rollout_stream("r")),
+               ev(2, "session_opened", session_stream("r", 0), env="sandbox", state_mode="restart_only"),
+               ev(3, "agent_boundary", agent_stream("r", 0), activation=0, turn=0, state="before_model")]
+    r = recovery.classify("r", 0, sandbox, lost=lost)  # type: ignore[arg-type]
+    assert (r.disposition, r.boundary, r.new_attempt) == ("fresh_dispatch", None, True)
+
+
+def test_a_closed_session_does_not_count_as_open() -> None:
+    closed = [*HISTORY, ev(7, "session_closed", session_stream("r", 0))]
+    assert recovery.open_session_mode(HISTORY) == "exported"
+    assert recovery.open_session_mode(closed) is None
+
+
+def test_resume_point_is_the_last_boundary_of_an_unfinished_activation_only() -> None:
+    assert recovery.resume_point(HISTORY, 0) == HISTORY[-1]
+    assert recovery.resume_point(HISTORY, 1) is None
+    done = [*HISTORY, ev(7, "agent_activation_completed", agent_stream("r", 0), index=0)]
+    assert recovery.resume_point(done, 0) is None
+
+
+def test_tool_call_outcomes_name_each_applied_call_and_call_lost_needs_an_orphaned_acceptance() -> None:
+    assert recovery.tool_call_outcomes(HISTORY) == {"a0.t0.0": HISTORY[4].data}
+    assert recovery.call_lost("accepted", served_here=False)
+    assert not recovery.call_lost("accepted", served_here=True)
+    assert not recovery.call_lost("completed", served_here=False)
+
+
+def test_run_dispositions_from_attempt_rows() -> None:
+    rows = {("a", 0): {"status": "finished"}, ("b", 0): {"status": "fenced"}, ("b", 1): {"status": "live"},
+            ("c", 0): {"status": "fenced"}}
+    assert recovery.run_dispositions(rows, ["a", "b", "c", "d"]) == {
+        "a": "finished", "b": "continue", "c": "stale", "d": "not_started"}
+
+
+async def test_a_recovery_request_fences_the_attempt_and_starts_the_next_from_its_boundary(store: PostgresEventStore) -> None:
+    await start(store, "rv")
+    step = NewEvent(episode_stream("rv", 0), "episode_step", {"step": "seed"}, "rv", 0)
+    (boundary,) = await store.append(AppendRequest((step,)))
+    history = await effective_history(store, "rv", 0)
+    decision = recovery.classify("rv", 0, history, lost="call")
+    written = await store.append(recovery.recovery_request(decision))
+    assert [e.kind for e in written] == [recovery.ROLLOUT_RECOVERED, "attempt_fenced", ATTEMPT_STARTED]
+    assert written[2].data["origin_position"] == boundary.position and written[2].attempt == 1
+    rows = await store.attempt_rows(["rv"])
+    assert rows[("rv", 0)]["status"] == "fenced" and rows[("rv", 1)]["origin_position"] == boundary.position
+    # Attempt 1 inherits attempt 0's events up to the boundary, nothing after it.
+    assert [e.position for e in await effective_history(store, "rv", 1)][:2] == [history[0].position, boundary.position]
+    with pytest.raises(StaleAttempt):  # a second recovery of the same attempt (a racing server) writes nothing
+        await store.append(recovery.recovery_request(decision))
+
+
+async def test_a_restarted_resources_server_rebuilds_the_session_and_answers_an_applied_tool_call_from_the_log(
+        dsn: str, store: PostgresEventStore) -> None:
+    await start(store, "rr")
+    hit = {"X-Rollbook-Tool-Call": "a0.t0.0"}
+    async with serving(dsn, "resources-a") as (http, _):
+        await open_session(http, "rr", "blackjack", 3)
+        status, first = await call(http, "POST", f"{prefix('rr', 0)}/tools/hit", {"arguments": {}}, hit)
+        assert status == 200 and first["revision"] == 1
+        _, before = await state(http, "rr")
+    # A fresh process: nothing in memory, only the log.
+    async with serving(dsn, "resources-b") as (http, _):
+        status, again = await call(http, "POST", f"{prefix('rr', 0)}/tools/hit", {"arguments": {}}, hit)
+        assert status == 200 and again["revision"] == 1 and again["output"] == first["output"] and again["repeated"]
+        _, after = await state(http, "rr")
+        assert after == before
+        status, other = await call(http, "POST", f"{prefix('rr', 0)}/tools/look", {"arguments": {}},
+                                   {"X-Rollbook-Tool-Call": "a0.t1.0"})
+        assert status == 200
+    assert (await kinds(store, session_stream("rr", 0))).count("mutation_applied") == 1
+
+
+async def test_a_sandbox_session_lost_with_its_server_is_attempt_lost(dsn: str, store: PostgresEventStore) -> None:
+    await start(store, "rs")
+    async with serving(dsn, "resources-a") as (http, _):
+        await open_session(http, "rs", "sandbox", 2)
+    async with serving(dsn, "resources-b") as (http, _):
+        status, reply = await call(http, "POST", f"{prefix('rs', 0)}/tools/run", {"arguments": {"command": "echo hi"}},
+                                   {"X-Rollbook-Tool-Call": "a0.t0.0"})
+    assert status == 409 and reply["error"]["code"] == "attempt_lost"
+    assert reply["error"]["context"]["lost"] == "session"
+
+
+async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_the_boundary(
+        dsn: str, store: PostgresEventStore) -> None:
+    await start(store, "ri")
+    async with serving(dsn, "resources-a") as (http, _):
+        await open_session(http, "ri", "blackjack", 5)
+        await call(http, "POST", f"{prefix('ri', 0)}/tools/hit", {"arguments": {}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
+        _, at_boundary = await state(http, "ri")
+    (boundary,) = await store.append(AppendRequest((NewEvent(agent_stream("ri", 0), "agent_boundary", {
+        "activation": 0, "turn": 1, "state": "before_model"}, "ri", 0),)))
+    decision = recovery.classify("ri", 0, await effective_history(store, "ri", 0), lost="call")
+    assert decision.boundary == boundary.position
+    await store.append(recovery.recovery_request(decision))
+    async with serving(dsn, "resources-b") as (http, _):
+        status, now = await state(http, "ri", attempt=1)
+    assert status == 200 and now == at_boundary
+    opened = (await store.read_stream(session_stream("ri", 1)))[0]
+    assert opened.kind == "session_opened" and opened.data["recovered"] and opened.data["revision"] == 1
+    # `rollbook replay` rebuilds the recovered attempt from the log alone, through its origin.
+    steps, replayed = await replay(store, "ri", 1)
+    assert replayed.revision == 1 and replayed.env_state == now["state"]
+    assert any("recovered from attempt 0" in s.change for s in steps)
+
+
+async def test_a_verify_asked_again_after_it_passed_gets_the_recorded_verification(dsn: str, store: PostgresEventStore) -> None:
+    # The environment server crashed after a passed verify (which retires the session) and before it
+    # recorded its own verify step; dispatched again, it asks again and must not get not_found.
+    await start(store, "rq")
+    seed = email_seed()
+    goal = make_task("workplace", seed).params["goal"]
+    async with serving(dsn, "resources-a") as (http, _):
+        await open_session(http, "rq", "workplace", seed)
+        await call(http, "POST", f"{prefix('rq', 0)}/tools/send_email",
+                   {"arguments": {"to": goal["to"], "subject": goal["subject"], "body": "hi"}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
+        status, passed = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+        assert status == 200 and passed["status"] == "passed"
+    async with serving(dsn, "resources-b") as (http, _):
+        status, again = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+    assert status == 200 and (again["reward"], again["status"], again["revision"]) == (1.0, "passed", 1)
+    assert (await kinds(store, session_stream("rq", 0))).count("session_verified") == 1
