@@ -15,6 +15,11 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
 }
 
 
+def enabled_environments(sandbox: bool) -> frozenset[str]:
+    """The environments a deployment serves: the sandbox runs commands, so only when configured."""
+    return frozenset(n for n in ENVIRONMENTS if sandbox or n != SandboxEnvironment.name)
+
+
 def get_environment(name: str) -> Environment:
     try:
         return ENVIRONMENTS[name]()
@@ -24,5 +29,5 @@ def get_environment(name: str) -> Environment:
 
 __all__ = [
     "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome", "Verification",
-    "get_environment",
+    "get_environment", "enabled_environments",
 ]
