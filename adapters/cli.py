@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     from adapters import checkpoint_cli
 
     checkpoint_cli.add_parser(sub)
+    from adapters import gym_tasks
+
+    gym_tasks.add_parser(sub)
     return parser
 
 

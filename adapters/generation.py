@@ -365,11 +365,25 @@ class OpenAICompatibleBackend:
         """Start, Steps, End from a vLLM chat.completion.chunk stream."""
         started, finish, usage = False, None, None
         async with resp:
+            if resp.content_type == "application/json":  # an upstream that answers whole, streamed or not
+                body = await resp.json()
+                choice = next((c for c in body.get("choices") or [] if c.get("index", 0) == 0), None)
+                if not isinstance(choice, dict):
+                    raise GenerationFailed("the upstream's reply has no choice 0")
+                yield Start(_prompt_ids(body, choice))
+                step = _step(choice)
+                if step is not None:
+                    yield step
+                if not choice.get("finish_reason"):
+                    raise GenerationFailed("the upstream's reply has no finish_reason")
+                yield End(str(choice["finish_reason"]), body.get("usage"))
+                return
             try:
                 async for chunk in _sse_chunks(resp):
                     if not started:
                         started = True
-                        yield Start(tuple(int(i) for i in chunk.get("prompt_token_ids") or ()))
+                        first = next(iter(chunk.get("choices") or []), {})
+                        yield Start(_prompt_ids(chunk, first))
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
@@ -388,12 +402,38 @@ class OpenAICompatibleBackend:
         yield End(str(finish), usage)
 
 
+def _prompt_ids(body: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...]:
+    """vLLM puts `prompt_token_ids` on the reply (or the first chunk); NeMo Gym's shape puts it on the
+    message (or the first delta)."""
+    holder = choice.get("message") or choice.get("delta") or {}
+    ids = body.get("prompt_token_ids") or holder.get("prompt_token_ids") or ()
+    return tuple(int(i) for i in ids)
+
+
+def _gym_tokens(holder: dict[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """NeMo Gym's vLLM shape (its token_id_capture adapter reads it): `generation_token_ids` with
+    `generation_log_probs`, one logprob per id, on the message or on a delta."""
+    ids = holder.get("generation_token_ids")
+    if ids is None:
+        return None
+    lps = holder.get("generation_log_probs")
+    if not isinstance(ids, list) or not isinstance(lps, list) or len(lps) != len(ids):
+        raise GenerationFailed("the upstream's generation_log_probs must give one logprob per generation_token_ids entry "
+                               f"({len(lps) if isinstance(lps, list) else lps!r} for {len(ids) if isinstance(ids, list) else ids!r})")
+    return tuple(int(i) for i in ids), tuple(f32(x) for x in lps)
+
+
 def _step(choice: dict[str, Any]) -> Step | None:
-    delta = {k: v for k, v in (choice.get("delta") or {}).items() if k in ("content", "tool_calls") and v}
+    """One chunk's tokens (or a whole reply's): vLLM's logprob entries with `token_id:N` tokens, else
+    NeMo Gym's generation_token_ids / generation_log_probs."""
+    holder = choice.get("delta") or choice.get("message") or {}
+    delta = {k: v for k, v in holder.items() if k in ("content", "tool_calls") and v}
     entries = (choice.get("logprobs") or {}).get("content") or []
     ids = tuple(parse_token(e.get("token")) for e in entries)
     lps = tuple(f32(e.get("logprob")) for e in entries)
     tops = tuple(tuple((parse_token(t.get("token")), f32(t.get("logprob"))) for t in e.get("top_logprobs") or []) for e in entries)
+    if not entries and (gym := _gym_tokens(holder)) is not None:
+        ids, lps = gym
     reported = choice.get("token_ids")
     if reported is not None and tuple(int(i) for i in reported) != ids:
         raise GenerationFailed(f"the upstream's token_ids {list(reported)[:8]} disagree with its logprobs entries {list(ids)[:8]}")

@@ -37,8 +37,11 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     elif kind == "agent":
         from participants.agent_server import build_agent_app
 
-        # The agent calls these two and no other address: none comes from a request.
-        app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance)
+        # The agent calls these three and no other address: none comes from a request. The environment
+        # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
+        env = config.servers.get("environment")
+        app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
+                              environment_url=env.base_url if env else None)
     else:
         from participants.environment_server import build_environment_app
 

@@ -160,3 +160,21 @@ class AttemptLost(RollbookError):
     died with a server). The attempt's driver restarts that rollout alone under a new attempt."""
 
     code = "attempt_lost"
+
+
+class TokenEntryConflict(RollbookError):
+    """A captured model call was put again with a different payload; the first one stands."""
+
+    code = "token_entry_conflict"
+
+
+class CaptureFrozen(RollbookError):
+    """The rollout's token capture is frozen: a trainer holds its snapshot, no entry may join it."""
+
+    code = "capture_frozen"
+
+
+class CaptureRetired(RollbookError):
+    """The rollout's token capture was retired after its snapshot was consumed."""
+
+    code = "capture_retired"

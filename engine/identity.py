@@ -71,6 +71,11 @@ def call_stream(call_id: str) -> str:
     return f"call:{call_id}"
 
 
+def capture_stream(rollout_id: str, attempt: int) -> str:
+    """One attempt's token capture for a trainer (engine.token_capture)."""
+    return f"capture:{rollout_id}:{attempt}"
+
+
 def checkpoint_stream(checkpoint_id: str) -> str:
     return f"checkpoint:{checkpoint_id}"
 

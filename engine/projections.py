@@ -108,6 +108,9 @@ def changes_for(e: RecordedEvent) -> list[Change]:
         for col in ("receipt", "tokens", "disposition"):
             if col in d:
                 values[col] = d[col]
+        if k == "call_completed" and d.get("parent_call_id"):
+            # A captured call's parent is known only when its record lands (it was resolved after acceptance).
+            values["parent_call_id"] = d["parent_call_id"]
         return [Change("model_call_state", {"call_id": d["call_id"]}, values)]
     if k.startswith("checkpoint_"):
         values = {"phase": k.removeprefix("checkpoint_"), "updated_position": e.position}

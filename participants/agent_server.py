@@ -56,7 +56,7 @@ from participants.control_plane import (
     identity,
 )
 from participants.environments import ENVIRONMENTS, get_environment
-from participants.guard import Body, Credentials, Empty, Header, Int64, Route
+from participants.guard import Body, Credentials, Header, Int64, Route
 from participants.openai_wire import ToolSpec
 
 Key = tuple[str, int]  # (rollout_id, attempt)
@@ -199,6 +199,7 @@ class AgentParticipant(Participant):
     concurrency: ClassVar[str] = "one activation at a time per (rollout_id, attempt); control operations serialized"
     # An agent that cannot go on from a boundary sets this False: it is then honestly restart-only.
     supports_continuation: ClassVar[bool] = True
+    environment_url: str | None = None  # where NeMo Gym rows received on POST /run are run as episodes
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -400,18 +401,16 @@ class AgentParticipant(Participant):
         return web.json_response({"sessions": rows})
 
     def routes(self) -> list[Route]:
+        from participants.gym_wire import AgentFront  # NeMo Gym's flat rows, relayed by its legacy_agent
+
         activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")
         return [
             Route("POST", data_path("/run"), self.run, RunRequest, RunReply,
                   ("invalid_identifier", "stale_attempt", "activation_out_of_order", "admission_closed", "tool_error",
                    "participant_unavailable"), headers=(activation,)),
             Route("GET", "/sessions", self.list_sessions, None, SessionList),
-            Route("POST", "/run", self._no_identity, Empty, None, ("rollout_id_required",), name="run_without_identity"),
+            *AgentFront(self).routes(),  # POST /run without an identity in its path is NeMo Gym's row
         ]
-
-    async def _no_identity(self, request: web.Request, _body: Empty) -> web.Response:
-        identity(request)  # raises rollout_id_required
-        raise AssertionError("unreachable")
 
     # ---- control plane hooks --------------------------------------------------------------------
 
@@ -483,9 +482,11 @@ class AgentParticipant(Participant):
 
 
 def build_agent_app(store: PostgresEventStore, credentials: Credentials, model_url: str, resources_url: str,
-                    instance: str = "agent-0", participant_cls: type[AgentParticipant] = AgentParticipant) -> web.Application:
+                    instance: str = "agent-0", participant_cls: type[AgentParticipant] = AgentParticipant,
+                    environment_url: str | None = None) -> web.Application:
     """Outgoing addresses come from here (the configuration), never from a request."""
     participant = participant_cls(store, instance, credentials.data, model_url, resources_url)
+    participant.environment_url = environment_url
     return build_app(participant, credentials)
 
 

@@ -144,11 +144,14 @@ class EnvironmentParticipant(Participant):
 
     def _check_task(self, body: TaskBody) -> Task:
         """Everything about the task that can be refused is refused here, before any event."""
-        if body.env not in ENVIRONMENTS:
-            raise InvalidRequest(f"no environment named {body.env!r}; known: {sorted(ENVIRONMENTS)}")
-        if body.env not in self.environments:
-            raise Forbidden(f"the {body.env} environment is not enabled in this deployment's configuration")
-        task = Task.from_json(body.model_dump())
+        return self.admit_task(Task.from_json(body.model_dump()))
+
+    def admit_task(self, task: Task) -> Task:
+        """The task's environment is known and served here, and its params fit it; else refused."""
+        if task.env not in ENVIRONMENTS:
+            raise InvalidRequest(f"no environment named {task.env!r}; known: {sorted(ENVIRONMENTS)}")
+        if task.env not in self.environments:
+            raise Forbidden(f"the {task.env} environment is not enabled in this deployment's configuration")
         try:
             get_environment(task.env).initial_state(task)  # pure for every environment: it reads the params
         except Exception as exc:
@@ -316,7 +319,12 @@ class EnvironmentParticipant(Participant):
 
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         answer = (ep.recorded("agent") or {}).get("final_answer")
-        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {"final_answer": answer})
+        # The whole conversation, as the agent recorded it when its activation completed (read from the
+        # log, so a verify after a restart sends the same).
+        history = await effective_history(self.store, ep.rollout_id, ep.attempt)
+        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == "agent_activation_completed"), {})
+        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"),
+                               {"final_answer": answer, "messages": reply.get("messages") or []})
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
@@ -337,10 +345,13 @@ class EnvironmentParticipant(Participant):
         return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
 
     def routes(self) -> list[Route]:
+        from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
+
         return [
             Route("POST", "/episodes", self.start_episode, EpisodeRequest, EpisodeResult,
                   ("forbidden", "conflict", "admission_closed", "stale_attempt", "tool_error", "participant_unavailable")),
             Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, ("not_found",)),
+            *EnvironmentFront(self).routes(),
         ]
 
     # ---- control plane hooks --------------------------------------------------------------------

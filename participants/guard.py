@@ -5,7 +5,10 @@ Credentials. Two bearer tokens, compared in constant time and never logged:
 - the data credential opens every other route (held by the servers that call each other, and by
   the framework that dispatches rollouts to the environment server).
 A known credential on the wrong plane is `forbidden` (403); anything else is `unauthorized` (401).
-The OpenAPI document opens with either.
+The OpenAPI document opens with either. The NeMo Gym fronts (`POST /run`, `POST /aggregate_metrics`)
+also take the data credential as the password of HTTP Basic: NeMo Gym's collector and its
+legacy_agent send no header of their own, only what their configured server address holds, and
+aiohttp turns `http://rollbook:<data credential>@host:port` into `Authorization: Basic ...`.
 
 Bodies. Read whole up to MAX_BODY_BYTES (`payload_too_large`, 413), then decoded as strict UTF-8 and
 parsed as JSON within bounds (`invalid_json`, 400): nesting at most MAX_DEPTH, integers within 64
@@ -20,6 +23,8 @@ aiohttp routes and generate the server's OpenAPI document (participants.openapi)
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import json
 import math
@@ -73,9 +78,24 @@ def _matches(given: bytes, token: str) -> bool:
     return hmac.compare_digest(given, b"Bearer " + token.encode())
 
 
-def check_credential(header: str | None, creds: Credentials, scope: Scope) -> None:
-    """Raise unless the Authorization header carries a credential that opens `scope`."""
-    given = (header or "").encode("utf-8", "surrogateescape")
+def _basic_as_bearer(header: str) -> str:
+    """`Basic base64(user:password)` as `Bearer password` (the user name is not checked); else ""."""
+    try:
+        decoded = base64.b64decode(header[len("Basic "):].strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return ""
+    _, colon, password = decoded.partition(":")
+    return f"Bearer {password}" if colon and password else ""
+
+
+def check_credential(header: str | None, creds: Credentials, scope: Scope, basic: bool = False) -> None:
+    """Raise unless the Authorization header carries a credential that opens `scope`.
+
+    `basic`: the route also takes the credential as the password of HTTP Basic (the NeMo Gym fronts)."""
+    header = header or ""
+    if basic and header[:6].lower() == "basic ":
+        header = _basic_as_bearer(header)
+    given = header.encode("utf-8", "surrogateescape")
     # Both compared every time, so the time taken says nothing about which one nearly matched.
     control, data = _matches(given, creds.control), _matches(given, creds.data)
     if not (control or data):
@@ -185,6 +205,7 @@ class Route:
     headers: tuple[Header, ...] = ()
     stream: bool = False  # the 200 reply may also be text/event-stream
     name: str = ""
+    basic: bool = False  # also HTTP Basic with the credential as password (clients that can only set a URL)
 
     @property
     def operation_id(self) -> str:
@@ -198,6 +219,7 @@ class Route:
             return await handler(request, body)
 
         run.rollbook_scope = self.scope  # type: ignore[attr-defined]  # read by the auth middleware
+        run.rollbook_basic = self.basic  # type: ignore[attr-defined]
         return web.route(self.method, self.path, run)
 
 
@@ -207,7 +229,8 @@ def authenticate(creds: Credentials) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         scope = getattr(request.match_info.handler, "rollbook_scope", "any")
-        check_credential(request.headers.get("Authorization"), creds, scope)
+        basic = getattr(request.match_info.handler, "rollbook_basic", False)
+        check_credential(request.headers.get("Authorization"), creds, scope, basic)
         return await handler(request)
 
     return middleware

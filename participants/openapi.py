@@ -58,8 +58,8 @@ def document(title: str, routes: list[Route]) -> dict[str, Any]:
                     "schema": {"type": "string", "pattern": h.pattern}} for h in r.headers]
         op: dict[str, Any] = {
             "operationId": r.operation_id,
-            "description": f"Needs {_SCOPE[r.scope]}.",
-            "security": [{"bearer": []}],
+            "description": f"Needs {_SCOPE[r.scope]}" + (" (bearer, or the password of HTTP Basic)." if r.basic else "."),
+            "security": [{"bearer": []}, {"basic": []}] if r.basic else [{"bearer": []}],
             "responses": responses,
         }
         if params:
@@ -71,5 +71,9 @@ def document(title: str, routes: list[Route]) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": title, "version": "1"},
         "paths": paths,
-        "components": {"schemas": schemas.get("$defs", {}), "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": schemas.get("$defs", {}), "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "basic": {"type": "http", "scheme": "basic", "description": "the data credential as the password "
+                      "(any user name); only on NeMo Gym's fronts, whose callers can set an address but no header"},
+        }},
     }

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.postgres import PostgresEventStore
+from engine import token_capture as TC
 from engine.checkpoint import effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
 from engine.identity import session_stream
 from participants.environments import get_environment
-from participants.environments.base import Task
+from participants.environments.base import Task, Trajectory
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ReplayState:
     step: str | None = None
     reward: float | None = None
     final_answer: str | None = None
+    conversation: list[dict[str, Any]] = field(default_factory=list)  # the last completed activation's messages
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,16 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
             raise _divergence(e, f"agent boundary saw revision {seen}, replay has {state.revision}")
         state.turn, state.messages = d.get("turn", state.turn), len(d.get("messages", []))
         return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
+    if e.kind == "agent_activation_completed":
+        state.conversation = list((d.get("reply") or {}).get("messages") or [])
+        return e.kind.replace("_", " ")
     if e.kind in ("call_completed", "call_cut"):
         state.calls.append(d["call_id"])
         return f"model call {d['call_id']} {e.kind.removeprefix('call_')} ({d.get('disposition', '')})"
     if e.kind == "session_verified":
         if state.task is not None and "final_answer" in d and get_environment(state.task.env).verification == "replay":
             env = get_environment(state.task.env)
-            again = float(env.verify(state.task, state.env_state, d["final_answer"]))
+            again = float(env.verify(state.task, state.env_state, Trajectory(state.conversation, d["final_answer"])))
             if abs(again - float(d["reward"])) > 1e-9:
                 raise _divergence(e, f"verify on the replayed state gives {again}, the log recorded {d['reward']}")
         state.reward, state.final_answer = d.get("reward"), d.get("final_answer")
@@ -117,7 +122,23 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
     if e.kind == "attempt_finished":
         state.reward = d.get("reward")
         return f"attempt finished, reward {d.get('reward')}"
+    if e.kind in TC.CAPTURE_KINDS:
+        return _capture_change(e)
     return e.kind.replace("_", " ")
+
+
+def _capture_change(e: RecordedEvent) -> str:
+    d = e.data
+    if e.kind == TC.CAPTURE_ENTRY_PUT:
+        return (f"token capture: call {d['model_call_id']} recorded, {d['prompt_receipt']['tokens']} prompt + "
+                f"{d['receipt']['tokens']} generated tokens")
+    if e.kind == TC.CAPTURE_CALL_BEGUN:
+        return f"token capture: call {d['model_call_id']} dispatched"
+    if e.kind == TC.CAPTURE_INCOMPLETE:
+        return f"token capture incomplete: call {d.get('model_call_id') or '?'} was not captured"
+    if e.kind == TC.CAPTURE_FROZEN:
+        return f"token capture frozen for a trainer, {d.get('entries')} calls"
+    return f"token capture retired: snapshot {d.get('snapshot_id')} consumed at version {d.get('version')}"
 
 
 async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:

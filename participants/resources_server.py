@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history, validate_cut
@@ -52,7 +52,7 @@ from participants.control_plane import (
     identity,
 )
 from participants.environments import Environment, Task, ToolError, get_environment
-from participants.environments.base import JSON
+from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
 
@@ -87,6 +87,7 @@ class ToolRequest(Body):
 
 class VerifyRequest(Body):
     final_answer: str | None = None
+    messages: list[dict[str, Any]] = Field(default_factory=list, description="the whole conversation, for the verifier")
 
 
 class SessionReply(BaseModel):
@@ -407,7 +408,8 @@ class ResourcesParticipant(Participant):
             error: str | None = None
             try:
                 # A verifier may be slow (a judge, a subprocess); a thread keeps the loop serving.
-                reward = float(await asyncio.to_thread(s.env.verify, s.task, state, body.final_answer))
+                trajectory = Trajectory(body.messages, body.final_answer)
+                reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
                 status = "passed" if reward > 0 else "failed"
             except Exception as exc:  # any verifier failure is recorded, then reported
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"

@@ -37,7 +37,10 @@ MODEL = "fake-policy"
 
 
 class FakeVLLM:
-    def __init__(self, token_latency_s: float = 0.0, continuation: str = "exact") -> None:
+    def __init__(self, token_latency_s: float = 0.0, continuation: str = "exact", shape: str = "vllm") -> None:
+        # shape "nemo_gym": whole replies (even when asked to stream) carrying NeMo Gym's message fields
+        # generation_token_ids / generation_log_probs / prompt_token_ids instead of logprob entries.
+        self.shape = shape
         self.token_latency_s = token_latency_s
         self.continuation = continuation
         self.stall_after: int | None = None
@@ -139,6 +142,17 @@ class FakeVLLM:
         rid, created = f"chatcmpl-fake-{len(self.requests)}", int(time.time())
         completion_tokens = sum(len(s.ids) for s in steps)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
+        if self.shape == "nemo_gym":
+            message = {}
+            from adapters.generation import final_message, merge_delta
+
+            for s in steps:
+                merge_delta(message, s.delta)
+            gym = {**final_message(message), "prompt_token_ids": prompt,
+                   "generation_token_ids": [i for s in steps for i in s.ids],
+                   "generation_log_probs": [lp for s in steps for lp in s.logprobs]}
+            return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": MODEL,
+                                      "choices": [{"index": 0, "message": gym, "finish_reason": finish}], "usage": usage})
         if not body.get("stream"):
             message: dict[str, Any] = {}
             from adapters.generation import final_message, merge_delta

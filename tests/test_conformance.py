@@ -44,9 +44,9 @@ from tests.stack import Stack, of, start_stack, turn_of
 pytestmark = pytest.mark.timeout(180)
 
 LATENCY = 0.005  # per model call, so calls are genuinely in flight
-# Fixed tasks with few turns (scripted policy, tests.stack.SEED): workplace 3 turns, blackjack 4 (look, hit, stand,
-# answer: two mutations, the second drawn from the RNG the first left), math and string_match 1, sandbox 2.
-TASK_SEEDS = {"workplace": 0, "blackjack": 6, "math": 0, "string_match": 0, "sandbox": 0}
+# Each environment's fixed task is `make_task(env, cls.conformance_seed)`, one with few turns under the scripted
+# policy (tests.stack.SEED): workplace 3 turns, blackjack 4 (look, hit, stand, answer: two mutations, the second
+# drawn from the RNG the first left), math and string_match 1, sandbox 2. Every registered environment runs.
 GENUINE: dict[str, type[Environment]] = dict(ENVIRONMENTS)  # the reducers the final state is computed with
 
 
@@ -228,7 +228,7 @@ async def checkpoint_at(dsn: str, store: PostgresEventStore, task: Task, rid: st
 
 async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
                             agent_cls: type[AgentParticipant], tag: str) -> dict[str, Any]:
-    task = make_task(env_name, TASK_SEEDS[env_name])
+    task = make_task(env_name, ENVIRONMENTS[env_name].conformance_seed)
     continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
 
     ref_id = f"{tag}-ref"

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from adapters import scripted_tokenizer as tok
@@ -169,6 +170,42 @@ async def test_openai_backend_reads_vllm_token_ids_logprobs_and_prompt_ids_from_
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True} and sent["model"] == "m1"
     assert sent["logprobs"] is True and sent["return_tokens_as_token_ids"] is True and sent["return_token_ids"] is True
     assert sent["temperature"] == 0.7
+
+
+async def test_openai_backend_reads_nemo_gyms_generation_token_ids_and_log_probs_from_a_whole_reply() -> None:
+    """NeMo Gym's vLLM shape (message.generation_token_ids / generation_log_probs / prompt_token_ids),
+    answered whole although the backend asked for a stream: the same ids and logprobs as vLLM's entries."""
+    async with FakeVLLM(shape="nemo_gym") as fake:
+        backend = OpenAICompatibleBackend(fake.url, api_key="k", model="m1")
+        try:
+            for request in (MATH, BLACKJACK):
+                start, steps, end = await events_of(backend.generate(request, None))
+                prompt, ids, lps = planned(fake.model, request)
+                assert start.prompt_token_ids == tuple(prompt)
+                assert joined(steps) == (ids, lps, fake.model.reply(request))
+                assert end.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+        finally:
+            await backend.close()
+
+
+async def test_openai_backend_refuses_generation_log_probs_that_do_not_match_the_ids() -> None:
+    """Bad input tried: one logprob short of the generated ids."""
+    fake = FakeVLLM(shape="nemo_gym")
+
+    async def short(request):  # the fake's reply, one logprob dropped
+        reply = json.loads((await FakeVLLM.completions(fake, request)).text)
+        reply["choices"][0]["message"]["generation_log_probs"].pop()
+        return web.json_response(reply)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", short)
+    async with TestServer(app) as server:
+        backend = OpenAICompatibleBackend(str(server.make_url("/v1")), api_key="k", model="m1")
+        try:
+            with pytest.raises(GenerationFailed, match="one logprob per generation_token_ids"):
+                await events_of(backend.generate(MATH, None))
+        finally:
+            await backend.close()
 
 
 async def test_openai_backend_continues_a_cut_prefix_exactly_through_required_prefix_token_ids() -> None:

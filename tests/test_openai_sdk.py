@@ -21,10 +21,12 @@ from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from participants.control_plane import CONTROL
+from participants.guard import Credentials
 from participants.model_server import build_model_app
 from tests.fake_vllm import FakeVLLM
 
-TOKEN = "secret"
+CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")
+TOKEN = CREDS.control  # the control plane's; the SDK's api_key is the data credential
 MATH = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
@@ -39,9 +41,9 @@ async def tokens(dsn: str):
 async def sdk(store: PostgresEventStore, backend: Any, tokens: Any, rollout: str):
     """A model server, an attempt to call it under, and an SDK client for that attempt."""
     await store.append(AppendRequest((NewEvent(rollout_stream(rollout), ATTEMPT_STARTED, {"parent_attempt": None}, rollout, 0),)))
-    server = TestServer(build_model_app(store, backend, tokens, TOKEN))
+    server = TestServer(build_model_app(store, backend, tokens, CREDS))
     await server.start_server()
-    client = openai.AsyncOpenAI(base_url=str(server.make_url(f"/rollouts/{rollout}/attempts/0/v1")), api_key="unused",
+    client = openai.AsyncOpenAI(base_url=str(server.make_url(f"/rollouts/{rollout}/attempts/0/v1")), api_key=CREDS.data,
                                 max_retries=0)
     try:
         yield client, server
@@ -120,7 +122,7 @@ async def test_models_list_names_the_served_model_and_errors_carry_a_message(sto
         models = await client.models.list()
         with pytest.raises(openai.BadRequestError) as missing:
             await client.chat.completions.create(model="scripted", messages=MATH)  # no X-Rollbook-Call-Id
-        wrong = openai.AsyncOpenAI(base_url=str(client.base_url).replace("/attempts/0/", "/attempts/5/"), api_key="x",
+        wrong = openai.AsyncOpenAI(base_url=str(client.base_url).replace("/attempts/0/", "/attempts/5/"), api_key=CREDS.data,
                                    max_retries=0)
         with pytest.raises(openai.ConflictError) as stale:
             await wrong.chat.completions.create(model="scripted", messages=MATH, **call("s5.5.t0"))

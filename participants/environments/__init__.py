@@ -1,22 +1,48 @@
-"""The bundled environments, by name."""
+"""The environments, by name: every entry point of the group `rollbook.environments`.
+
+rollbook's own five are declared in its pyproject.toml; a package outside rollbook adds one the
+same way, and from then on the servers, `make_task`, `rollbook tasks from-gym` and the conformance
+suite all see it:
+
+    [project.entry-points."rollbook.environments"]
+    coin = "my_package.coin:CoinEnvironment"    # the name must equal the class's `name`
+"""
 
 from __future__ import annotations
 
-from .base import JSON, Environment, StateMode, Task, ToolError, ToolOutcome, Verification
-from .blackjack import BlackjackEnvironment
-from .math_env import MathEnvironment
-from .sandbox import SandboxEnvironment
-from .string_match import StringMatchEnvironment
-from .workplace import WorkplaceEnvironment
+from importlib.metadata import entry_points
 
-ENVIRONMENTS: dict[str, type[Environment]] = {
-    cls.name: cls
-    for cls in (WorkplaceEnvironment, BlackjackEnvironment, MathEnvironment, StringMatchEnvironment, SandboxEnvironment)
-}
+from .base import JSON, Environment, StateMode, Task, ToolError, ToolOutcome, Trajectory, Verification
+
+ENTRY_POINT_GROUP = "rollbook.environments"
+
+
+def registered_environments() -> dict[str, type[Environment]]:
+    """Load every environment registered under the entry point group, checking each."""
+    found: dict[str, type[Environment]] = {}
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        cls = ep.load()
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}) is not an Environment subclass")
+        if cls.name != ep.name:
+            raise ValueError(f"entry point {ep.name} = {ep.value} names a class whose name is {cls.name!r}")
+        if ep.name in found and found[ep.name] is not cls:
+            raise ValueError(f"two entry points register an environment named {ep.name!r}")
+        found[ep.name] = cls
+    if not found:
+        # A checkout whose installed metadata predates the entry points: say how to fix it.
+        raise RuntimeError(f"no environment is registered under the entry point group {ENTRY_POINT_GROUP!r}; "
+                           "reinstall rollbook (pip install -e .) so its metadata declares its own")
+    return found
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = registered_environments()
 
 
 def enabled_environments(sandbox: bool) -> frozenset[str]:
     """The environments a deployment serves: the sandbox runs commands, so only when configured."""
+    from .sandbox import SandboxEnvironment
+
     return frozenset(n for n in ENVIRONMENTS if sandbox or n != SandboxEnvironment.name)
 
 
@@ -28,6 +54,6 @@ def get_environment(name: str) -> Environment:
 
 
 __all__ = [
-    "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome", "Verification",
-    "get_environment", "enabled_environments",
+    "ENTRY_POINT_GROUP", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
+    "Trajectory", "Verification", "enabled_environments", "get_environment", "registered_environments",
 ]

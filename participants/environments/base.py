@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any, ClassVar, Literal
 
+from .players import Player
+
 JSON = Any  # dict/list/str/int/float/bool/None only: no tuples, no numpy scalars
 StateMode = Literal["stateless", "exported", "restart_only"]
 Verification = Literal["replay", "wait"]
@@ -54,6 +56,21 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Trajectory:
+    """What a verifier reads: the whole conversation (the prompt, every model turn, every tool call and
+    its output, as chat messages) and the final answer, the way NeMo Gym verifiers read
+    `response.output`."""
+
+    messages: list[dict[str, JSON]] = field(default_factory=list)
+    final_answer: str | None = None
+
+    def tool_calls(self) -> list[dict[str, JSON]]:
+        """Every tool call the agent made, in order: {"name", "arguments"} (arguments as sent)."""
+        return [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+                for m in self.messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])]
+
+
+@dataclass(frozen=True)
 class ToolOutcome:
     output: JSON
     effect: JSON | None  # None marks a read-only call: nothing is logged for apply()
@@ -86,9 +103,24 @@ def function_tool(name: str, description: str, properties: dict[str, JSON], requ
 
 
 class Environment(ABC):
+    """One environment. It is registered by one entry point of the group `rollbook.environments`
+    (name = its `name`, value = `module:Class`), and that is all: the registry, the task generator
+    (`make_task`), the scripted policy (`scripted`) and the conformance suite (`conformance_seed`)
+    read it from the class."""
+
     name: ClassVar[str]
     state_mode: ClassVar[StateMode]
     verification: ClassVar[Verification]
+    # The seed of the task the conformance suite runs (one with few turns under the scripted policy).
+    conformance_seed: ClassVar[int] = 0
+    # How the scripted stand-in model plays it (participants/environments/players.py); None: like any
+    # request no player recognises.
+    scripted: ClassVar[Player | None] = None
+
+    @staticmethod
+    def make_task(seed: int) -> Task:
+        """A task of this environment, deterministic from `seed` (task_id is filled in by the caller)."""
+        raise NotImplementedError("this environment has no task generator")
 
     @abstractmethod
     def tools(self) -> list[dict]:
@@ -107,8 +139,8 @@ class Environment(ABC):
         """Pure reducer, used both live and when replaying the log."""
 
     @abstractmethod
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
-        """The episode's reward."""
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        """The episode's reward, from the final state and the whole trajectory."""
 
     def rebuild(self, task: Task, effects: list[JSON]) -> JSON:
         return reduce(self.apply, effects, self.initial_state(task))

@@ -15,6 +15,7 @@ import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text import blackjack as gym_blackjack
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -22,6 +23,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -115,6 +117,9 @@ def make_task(seed: int) -> Task:
 
 class BlackjackEnvironment(Environment):
     name: ClassVar[str] = "blackjack"
+    make_task = staticmethod(make_task)
+    scripted = players.BLACKJACK
+    conformance_seed: ClassVar[int] = 6  # look, hit, stand, answer: two mutations
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"
 
@@ -151,6 +156,6 @@ class BlackjackEnvironment(Environment):
             raise ToolError("bad_effect", "a blackjack effect is a full exported state")
         return copy.deepcopy(effect)
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         # An abandoned hand scores like a push: it neither won nor was played out.
         return float(state["reward"]) if state["done"] else 0.0

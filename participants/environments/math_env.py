@@ -8,7 +8,8 @@ import random
 import re
 from typing import ClassVar
 
-from .base import JSON, StatelessEnvironment, Task
+from . import players
+from .base import JSON, StatelessEnvironment, Task, Trajectory
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -49,7 +50,10 @@ def make_task(seed: int) -> Task:
 
 class MathEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "math"
+    make_task = staticmethod(make_task)
+    scripted = players.MATH
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        final_answer = trajectory.final_answer
         got = last_number(final_answer)
         return 1.0 if got is not None and got == float(task.params["answer"]) else 0.0

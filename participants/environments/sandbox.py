@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -41,6 +42,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -119,6 +121,8 @@ def make_task(seed: int) -> Task:
 
 class SandboxEnvironment(Environment):
     name: ClassVar[str] = "sandbox"
+    make_task = staticmethod(make_task)
+    scripted = players.SANDBOX
     state_mode: ClassVar[StateMode] = "restart_only"
     verification: ClassVar[Verification] = "wait"
 
@@ -141,7 +145,8 @@ class SandboxEnvironment(Environment):
     def apply(self, state: JSON, effect: JSON) -> JSON:
         raise ToolError("restart_only", "a live shell cannot be rebuilt from events; restart the session")
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        final_answer = trajectory.final_answer
         text = task.params["text"]
         if task.params["kind"] == "sha256":
             found = _HEX64.findall((final_answer or "").lower())

@@ -7,7 +7,8 @@ import string
 from collections.abc import Callable
 from typing import ClassVar
 
-from .base import JSON, StatelessEnvironment, Task
+from . import players
+from .base import JSON, StatelessEnvironment, Task, Trajectory
 
 # op -> (how the prompt phrases it, the transform)
 OPERATIONS: dict[str, tuple[str, Callable[[str], str]]] = {
@@ -31,7 +32,10 @@ def make_task(seed: int) -> Task:
 
 class StringMatchEnvironment(StatelessEnvironment):
     name: ClassVar[str] = "string_match"
+    make_task = staticmethod(make_task)
+    scripted = players.STRING
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        final_answer = trajectory.final_answer
         # Surrounding whitespace is formatting, not content; everything else must match.
         return 1.0 if (final_answer or "").strip() == task.params["expected"] else 0.0

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
 
-from . import blackjack, math_env, sandbox, string_match, workplace
+from . import ENVIRONMENTS
 from .base import Task, canonical
 
-GENERATORS: dict[str, Callable[[int], Task]] = {
-    "workplace": workplace.make_task,
-    "blackjack": blackjack.make_task,
-    "math": math_env.make_task,
-    "string_match": string_match.make_task,
-    "sandbox": sandbox.make_task,
-}
 DEFAULT_ORDER = ["workplace", "blackjack", "math", "sandbox"]
 
 
@@ -32,9 +24,10 @@ def task_id_for(task: Task) -> str:
 
 
 def make_task(env: str, seed: int) -> Task:
-    if env not in GENERATORS:
-        raise ValueError(f"no task generator for {env!r}; known: {sorted(GENERATORS)}")
-    task = GENERATORS[env](seed)
+    """A task of a registered environment, from its own generator (`Environment.make_task`)."""
+    if env not in ENVIRONMENTS:
+        raise ValueError(f"no task generator for {env!r}; known: {sorted(ENVIRONMENTS)}")
+    task = ENVIRONMENTS[env].make_task(seed)
     return dataclasses.replace(task, task_id=task_id_for(task))
 
 

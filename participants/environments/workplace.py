@@ -13,6 +13,7 @@ import datetime as dt
 import random
 from typing import ClassVar
 
+from . import players
 from .base import (
     JSON,
     Environment,
@@ -20,6 +21,7 @@ from .base import (
     Task,
     ToolError,
     ToolOutcome,
+    Trajectory,
     Verification,
     function_tool,
     read_args,
@@ -186,6 +188,8 @@ def _insert(table: str, rows: dict[str, JSON], prefix: str, values: dict[str, JS
 
 class WorkplaceEnvironment(Environment):
     name: ClassVar[str] = "workplace"
+    make_task = staticmethod(make_task)
+    scripted = players.WORKPLACE
     state_mode: ClassVar[StateMode] = "exported"
     verification: ClassVar[Verification] = "replay"
 
@@ -286,7 +290,7 @@ class WorkplaceEnvironment(Environment):
         new_rows[label] = {**new_rows.get(label, {}), **copy.deepcopy(values)}
         return new_state
 
-    def verify(self, task: Task, state: JSON, final_answer: str | None) -> float:
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         goal, kind = task.params["goal"], task.params["kind"]
         rows = {t: v["rows"] for t, v in state["tables"].items()}
         if kind == "move_deal":

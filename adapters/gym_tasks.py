@@ -1,0 +1,68 @@
+"""`rollbook tasks from-gym IN.jsonl`: NeMo Gym rows to rollbook's task file (`rollbook run`'s `tasks`).
+
+A materialized row (`task_id: {taskset, task_id}` plus `task_input`) becomes the task its
+`task_input` names (participants.gym_wire.GymTaskInput); a flat row (`responses_create_params`, ...)
+becomes the task the per-row rule picks (participants.gym_wire.flat_row_task). One JSON task per
+output line, in input order. A row no rule accepts stops the conversion with its line number and
+nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.errors import RollbookError
+from participants.environments import Task
+from participants.gym_wire import GymTaskInput, InvalidRequest, TaskId, flat_row_task, task_for
+
+
+def task_from_row(row: Any) -> Task:
+    if not isinstance(row, dict):
+        raise InvalidRequest("a row must be a JSON object")
+    if isinstance(row.get("task_id"), dict) and "task_input" in row:
+        return task_for(TaskId.model_validate(row["task_id"]), GymTaskInput.model_validate(row["task_input"]))
+    if "responses_create_params" in row:
+        return task_for(*flat_row_task(row))
+    raise InvalidRequest("neither a materialized row (task_id and task_input) nor a flat row (responses_create_params)")
+
+
+def convert(lines: list[str], source: str) -> list[Task]:
+    tasks = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            tasks.append(task_from_row(json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{source}:{n}: not JSON ({exc})", line=n) from exc
+        except ValidationError as exc:
+            problem = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+            raise InvalidRequest(f"{source}:{n}: {problem}", line=n) from exc
+        except RollbookError as exc:
+            raise InvalidRequest(f"{source}:{n}: {exc.detail}", line=n) from exc
+    return tasks
+
+
+def _from_gym(args: argparse.Namespace) -> int:
+    tasks = convert(Path(args.input).read_text().splitlines(), args.input)
+    text = "".join(json.dumps(t.to_json(), sort_keys=True) + "\n" for t in tasks)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    tasks = sub.add_parser("tasks", help="task files: convert NeMo Gym rows")
+    tsub = tasks.add_subparsers(dest="tasks_command", required=True)
+    fg = tsub.add_parser("from-gym", help="NeMo Gym rows (materialized or flat) to rollbook's task file")
+    fg.add_argument("input", help="a NeMo Gym JSONL file")
+    fg.add_argument("-o", "--output", help="write here instead of standard output")
+    fg.set_defaults(func=_from_gym)

@@ -1,0 +1,329 @@
+"""How the scripted stand-in model plays each bundled environment.
+
+The scripted policy (adapters/scripted_policy.py) asks each registered environment's `scripted`
+player, in `priority` order, whether it recognises the request, from what a model sees: the tool
+names and the prompt text. An environment from outside brings its own player the same way (or none:
+then the policy answers like the string player, the last resort). Every move is a pure function of
+(prompt, history of tool calls, tools, seed): its mistakes come from hashes of its inputs, so a
+replayed or resumed rollout gets byte-identical replies.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime as dt
+import hashlib
+import json
+import operator
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MATH_SLIP = 0.2
+STRING_SLIP = 0.1
+WORKPLACE_SLIP = 0.12
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One finished tool call as the conversation shows it."""
+
+    name: str
+    arguments: dict[str, Any]
+    result: Any
+
+
+# -- plumbing --------------------------------------------------------------------
+
+
+def _chance(seed: int, prompt: str, tag: str) -> float:
+    """A number in [0, 1) fixed for one episode, so every turn agrees on whether to slip."""
+    digest = hashlib.sha256(f"{seed}|{tag}|{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _history(messages: list[dict]) -> list[Step]:
+    calls: dict[str, tuple[str, dict[str, Any]]] = {}
+    steps: list[Step] = []
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", {})
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except json.JSONDecodeError:
+                args = {}
+            calls[call.get("id", "")] = (fn.get("name", ""), args if isinstance(args, dict) else {})
+        if m.get("role") == "tool" and m.get("tool_call_id") in calls:
+            name, args = calls[m["tool_call_id"]]
+            content = m.get("content")
+            try:
+                result = json.loads(content) if isinstance(content, str) else content
+            except json.JSONDecodeError:
+                result = {"text": content}
+            steps.append(Step(name, args, result))
+    return steps
+
+
+def _find(history: list[Step], tool: str, /, **arguments: Any) -> Any:
+    for step in reversed(history):
+        if step.name == tool and all(step.arguments.get(k) == v for k, v in arguments.items()):
+            return step.result
+    return None
+
+
+def _failed(result: Any) -> str | None:
+    if isinstance(result, dict) and "error" in result:
+        return f"I could not finish: {result.get('message') or result['error']}."
+    return None
+
+
+# -- blackjack -------------------------------------------------------------------
+
+
+def _blackjack(history: list[Step]) -> Call | Answer:
+    if not history:
+        return Call("look", {})
+    last = history[-1].result
+    if not isinstance(last, dict) or "player_sum" not in last:
+        return Answer(_failed(last) or "The hand is over.")
+    if last.get("done"):
+        dealer = f", the dealer had {last['dealer_sum']}" if "dealer_sum" in last else ""
+        return Answer(f"The hand is over: I had {last['player_sum']}{dealer}. Reward: {last.get('reward')}.")
+    # The textbook dealer-mimicking rule: good enough to win sometimes, far from optimal.
+    return Call("hit" if last["player_sum"] < 17 else "stand", {})
+
+
+# -- single-turn tasks ---------------------------------------------------------------
+
+
+def _evaluate(expression: str) -> int:
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError("unsupported expression")
+
+    return walk(ast.parse(expression.strip(), mode="eval").body)
+
+
+def _math(expression: str, chance: float) -> Answer:
+    try:
+        value = _evaluate(expression)
+    except (ValueError, SyntaxError):
+        return Answer("I cannot work that out.")
+    if chance < MATH_SLIP:
+        # A plausible arithmetic slip: off by one or by ten.
+        value += [-10, -1, 1, 10][int(chance / MATH_SLIP * 4)]
+    return Answer(f"{expression.strip()} = {value}. The answer is {value}")
+
+
+_STRING_OPS = [
+    ("Reverse the string", lambda s: s[::-1]),
+    ("Uppercase the string", str.upper),
+    ("Lowercase the string", str.lower),
+    ("Sort the characters of the string", lambda s: "".join(sorted(s))),
+    ("Remove the vowels from the string", lambda s: "".join(c for c in s if c.lower() not in "aeiou")),
+]
+
+
+def _string(prompt: str, chance: float) -> Answer:
+    for phrase, transform in _STRING_OPS:
+        m = re.search(re.escape(phrase) + r" '(.*)'", prompt)
+        if m:
+            result = transform(m.group(1))
+            # A slip drops the last character, the kind of off-by-one a model makes.
+            return Answer(result[:-1] if chance < STRING_SLIP and len(result) > 1 else result)
+    return Answer("I am not sure what to do.")
+
+
+# -- sandbox -----------------------------------------------------------------------
+
+
+def _sandbox(prompt: str, history: list[Step]) -> Call | Answer:
+    m = re.search(r"the string '(.*?)'", prompt)
+    text = m.group(1) if m else ""
+    digest = "sha-256" in prompt.lower()
+    if not history:
+        tool = "sha256sum" if digest else "wc -c"
+        return Call("run", {"command": f"printf '%s' {shlex.quote(text)} | {tool}"})
+    result = history[-1].result
+    if _failed(result) or not isinstance(result, dict):
+        return Answer(_failed(result) or "The command gave no usable output.")
+    words = str(result.get("output", "")).split()
+    if not words:
+        return Answer("The command printed nothing.")
+    if digest:
+        return Answer(f"The SHA-256 digest is {words[0]}.")
+    return Answer(f"The string is {words[0]} bytes long.")
+
+
+# -- workplace ---------------------------------------------------------------------
+
+
+def _workplace(prompt: str, history: list[Step], tools: list[dict], chance: float) -> Call | Answer:
+    slip = chance < WORKPLACE_SLIP
+    if m := re.search(r"Email (.+?)'s manager with the subject '(.+)'\.", prompt):
+        return _email_manager(m.group(1), m.group(2), history, slip)
+    if m := re.search(r"Move deal (\S+) to stage '(\w+)'\.", prompt):
+        return _move_deal(m.group(1), m.group(2), history, tools, slip)
+    if m := re.search(r"Book a meeting titled '(.+)' on (\d{4}-\d{2}-\d{2}) with the owner of deal (\S+?)\.", prompt):
+        return _book(m.group(1), m.group(2), m.group(3), history, slip)
+    if m := re.search(r"Reply to the most recent email from (.+?), using the subject 'Re: '", prompt):
+        return _reply_latest(m.group(1), history, slip)
+    if m := re.search(r"Send the CRM contact (.+?) an email with the subject '(.+)'\.", prompt):
+        return _email_contact(m.group(1), m.group(2), history, slip)
+    return Answer("I do not know how to do that with these tools.")
+
+
+def _pick(result: Any, key: str, value: str) -> dict | None:
+    matches = result.get("matches", []) if isinstance(result, dict) else []
+    return next((r for r in matches if r.get(key) == value), None)
+
+
+def _send(history: list[Step], to: str, subject: str, greeting: str) -> Call | Answer:
+    sent = _find(history, "send_email")
+    if sent is None:
+        body = f"Hi {greeting},\n\nFollowing up on this.\n\nBest regards"
+        return Call("send_email", {"to": to, "subject": subject, "body": body})
+    return Answer(_failed(sent) or f"Sent '{subject}' to {to}.")
+
+
+def _email_manager(name: str, subject: str, history: list[Step], slip: bool) -> Call | Answer:
+    found = _find(history, "search_directory", query=name)
+    if found is None:
+        return Call("search_directory", {"query": name})
+    person = _pick(found, "name", name)
+    if person is None:
+        return Answer(_failed(found) or f"I could not find {name} in the directory.")
+    if slip or not person.get("manager_id"):
+        # The mistake: writing to the person instead of looking up their manager.
+        return _send(history, person["email"], subject, name.split()[0])
+    manager_id = person["manager_id"]
+    found = _find(history, "search_directory", query=manager_id)
+    if found is None:
+        return Call("search_directory", {"query": manager_id})
+    manager = _pick(found, "person_id", manager_id)
+    if manager is None:
+        return Answer(_failed(found) or f"I could not find {name}'s manager.")
+    return _send(history, manager["email"], subject, manager["name"].split()[0])
+
+
+def _move_deal(deal_id: str, stage: str, history: list[Step], tools: list[dict], slip: bool) -> Call | Answer:
+    deal = _find(history, "get_deal", deal_id=deal_id)
+    if deal is None:
+        return Call("get_deal", {"deal_id": deal_id})
+    if _failed(deal):
+        return Answer(_failed(deal) or "")
+    updated = _find(history, "update_deal", deal_id=deal_id)
+    if updated is not None:
+        return Answer(_failed(updated) or f"Deal {deal_id} moved.")
+    if slip:
+        stages = _stage_enum(tools) or [stage]
+        # The mistake: the stage next to the requested one in the pipeline.
+        stage = stages[(stages.index(stage) + 1) % len(stages)] if stage in stages else stage
+    return Call("update_deal", {"deal_id": deal_id, "stage": stage})
+
+
+def _stage_enum(tools: list[dict]) -> list[str]:
+    for t in tools:
+        fn = t.get("function", {})
+        if fn.get("name") == "update_deal":
+            return list(fn.get("parameters", {}).get("properties", {}).get("stage", {}).get("enum", []))
+    return []
+
+
+def _book(title: str, day: str, deal_id: str, history: list[Step], slip: bool) -> Call | Answer:
+    deal = _find(history, "get_deal", deal_id=deal_id)
+    if deal is None:
+        return Call("get_deal", {"deal_id": deal_id})
+    if _failed(deal):
+        return Answer(_failed(deal) or "")
+    owner_id = deal["deal"]["owner_id"]
+    found = _find(history, "search_directory", query=owner_id)
+    if found is None:
+        return Call("search_directory", {"query": owner_id})
+    owner = _pick(found, "person_id", owner_id)
+    if owner is None:
+        return Answer(_failed(found) or f"I could not find the owner of {deal_id}.")
+    created = _find(history, "create_event")
+    if created is not None:
+        return Answer(_failed(created) or f"Booked '{title}' on {day} with {owner['name']}.")
+    if slip:
+        # The mistake: the day before, as if reading the date off by one.
+        day = (dt.date.fromisoformat(day) - dt.timedelta(days=1)).isoformat()
+    return Call("create_event", {"title": title, "day": day, "attendees": [owner["email"]]})
+
+
+def _reply_latest(name: str, history: list[Step], slip: bool) -> Call | Answer:
+    inbox = _find(history, "read_inbox")
+    if inbox is None:
+        return Call("read_inbox", {})
+    msgs = [m for m in (inbox.get("messages", []) if isinstance(inbox, dict) else []) if m.get("from_name") == name]
+    if not msgs:
+        return Answer(_failed(inbox) or f"There is no email from {name}.")
+    ordered = sorted(msgs, key=lambda m: (m["received"], m["msg_id"]))
+    # The mistake: answering the oldest thread rather than the newest.
+    chosen = ordered[0] if slip else ordered[-1]
+    return _send(history, chosen["from_email"], "Re: " + chosen["subject"], name.split()[0])
+
+
+def _email_contact(name: str, subject: str, history: list[Step], slip: bool) -> Call | Answer:
+    # Searching by last name is realistic and sometimes ambiguous, which is where the slip bites.
+    query = name.split()[-1]
+    found = _find(history, "lookup_contact", name=query)
+    if found is None:
+        return Call("lookup_contact", {"name": query})
+    matches = found.get("matches", []) if isinstance(found, dict) else []
+    exact = _pick(found, "name", name)
+    others = [c for c in matches if c.get("name") != name]
+    contact = others[0] if slip and others else exact
+    if contact is None:
+        return Answer(_failed(found) or f"I could not find the contact {name}.")
+    return _send(history, contact["email"], subject, contact["name"].split()[0])
+
+
+# -- the players, one per bundled environment --------------------------------------------------------
+
+_MATH_PROMPT = re.compile(r"What is ([-+*\d\s()]+)\?")
+
+
+@dataclass(frozen=True)
+class Player:
+    """One environment's scripted play: `recognizes(tool names, prompt)`, then `move(prompt, history,
+    tools, seed)`; the lowest `priority` that recognises a request plays it."""
+
+    priority: int
+    recognizes: Callable[[set[str], str], bool]
+    move: Callable[[str, list[Step], list[dict], int], Call | Answer]
+
+
+def _math_move(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
+    m = _MATH_PROMPT.search(prompt)
+    return _math(m.group(1) if m else "", _chance(seed, prompt, "math"))
+
+
+BLACKJACK = Player(10, lambda names, prompt: {"hit", "stand"} <= names, lambda prompt, h, tools, seed: _blackjack(h))
+SANDBOX = Player(20, lambda names, prompt: "run" in names, lambda prompt, h, tools, seed: _sandbox(prompt, h))
+WORKPLACE = Player(30, lambda names, prompt: bool({"send_email", "update_deal", "create_event"} & names),
+                   lambda prompt, h, tools, seed: _workplace(prompt, h, tools, _chance(seed, prompt, "workplace")))
+MATH = Player(40, lambda names, prompt: _MATH_PROMPT.search(prompt) is not None, _math_move)
+# The last resort: any request no other player recognises.
+STRING = Player(1000, lambda names, prompt: True,
+                lambda prompt, h, tools, seed: _string(prompt, _chance(seed, prompt, "string")))

@@ -1,0 +1,260 @@
+"""NeMo Gym 0.7.0's own rollout collector drives rollbook, and survives a SIGKILL of rollbook's servers.
+
+The collector is the real `ng_collect_rollouts` from PyPI's `nemo-gym==0.7.0`, in a Python 3.13
+virtual environment of its own (built once, cached under ~/.cache/rollbook-tests; see
+`gym_venv`). Beside rollbook's four servers (real processes, on the test's database) run NeMo
+Gym's head server (its HeadServer class on the config below) and NeMo Gym's `legacy_agent`
+environment server (its own app.py, launched the way `ng_run` launches it). One collection holds
+materialized rows (routed by taskset to rollbook's environment server) and flat rows (through
+legacy_agent to rollbook's agent server). Mid-collection every rollbook server's process group is
+SIGKILLed; the collector retries its in-flight requests on its own; fresh rollbook processes answer
+them by continuing each rollout from the log. Then, through SQL: every rollout finished exactly once,
+no model call generated twice for a turn, no mutation applied twice at a revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.processes import free_port
+from tests.e2e.conftest import Cluster
+
+pytestmark = pytest.mark.timeout(1500)
+
+# The smallest install that runs `ng_collect_rollouts` and legacy_agent (README, "NeMo Gym"): nemo-gym
+# without its dependencies, then exactly what its import chain and legacy_agent's Ray start need, each
+# without dependencies of its own. The full dependency set (about 1.4 GB: MLflow, datasets, pyarrow,
+# ray[default], ...) is never imported by these two.
+NEMO_GYM = "nemo-gym==0.7.0"
+REQUIREMENTS = """
+aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0
+anthropic==2.14.0 antlr4-python3-runtime==4.9.3 anyio==4.16.0 attrs==26.1.0 certifi==2026.10.19.post1
+click==8.5.1 devtools==0.13.0 distro==1.9.0 docstring_parser==0.18.0 fastapi==0.165.0 frozenlist==1.8.0
+httptools==0.9.0 httpx==0.28.1 httpx2==2.16.2 hydra-core==1.3.8 idna==3.20 itsdangerous==2.2.0 jiter==0.19.0
+markdown-it-py==4.3.0 mdurl==0.1.2 multidict==7.2.1 numpy==2.5.5 omegaconf==2.4.0 openai==2.44.0
+opentelemetry-api==1.45.2 orjson==3.13.0 packaging==26.4 pandas==3.1.1 platformdirs==4.14.9 propcache==0.5.4
+protobuf==7.36.2 psutil==7.2.2 pydantic==2.14.4 pydantic_core==2.50.5 pydot==4.0.1 Pygments==2.21.0
+python-dateutil==4.0.0 PyYAML==6.0.4 ray==2.60.0 requests==2.34.2 rich==15.0.0 scipy==1.18.1 sniffio==1.3.1
+starlette==1.10.0 tqdm==4.70.1 typing-inspection==0.4.5 typing_extensions==4.16.0 urllib3==2.8.0
+uvicorn==0.54.0 wandb==0.31.0 xxhash==4.1.0 yappi==1.7.6 yarl==1.25.1
+msgpack filelock jsonschema jsonschema-specifications referencing rpds-py
+""".split()
+CACHE = Path(os.environ.get("ROLLBOOK_TEST_CACHE", Path.home() / ".cache" / "rollbook-tests"))
+
+
+def python313() -> Path:
+    """pyenv's Python 3.13 (NeMo Gym 0.7.0 needs 3.13; it declares >=3.13.14, this machine has 3.13.0)."""
+    explicit = os.environ.get("ROLLBOOK_PY313")
+    if explicit:
+        return Path(explicit)
+    root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() if shutil.which("pyenv") \
+        else str(Path.home() / ".pyenv")
+    found = sorted(Path(root).glob("versions/3.13*/bin/python"))
+    assert found, f"no Python 3.13 under {root}/versions (set ROLLBOOK_PY313 to one): NeMo Gym 0.7.0 needs it"
+    return found[-1]
+
+
+def gym_venv() -> Path:
+    """The cached NeMo Gym virtual environment, built on first use (its build time is printed)."""
+    key = hashlib.sha256(" ".join([NEMO_GYM, *REQUIREMENTS]).encode()).hexdigest()[:12]
+    venv = CACHE / f"nemo-gym-0.7.0-{key}"
+    if (venv / "complete").exists():
+        return venv
+    t0 = time.monotonic()
+    shutil.rmtree(venv, ignore_errors=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(python313()), "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--ignore-requires-python", NEMO_GYM,
+                    *REQUIREMENTS], check=True)
+    (venv / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
+    print(f"built the NeMo Gym virtual environment {venv} in {time.monotonic() - t0:.0f} s")
+    return venv
+
+
+def gym_config(cluster: Cluster, head_port: int, legacy_port: int) -> str:
+    """What a NeMo Gym user adds to an existing config to point it at rollbook (README, "NeMo Gym")."""
+    return f"""
+head_server:
+  host: 127.0.0.1
+  port: {head_port}
+rollbook_environment:            # rollbook's environment server: materialized rows, by taskset
+  environment_servers:
+    rollbook:
+      host: 127.0.0.1
+      port: {cluster.config.servers['environment'].port}
+rollbook_agent:                  # rollbook's agent server: flat rows, through legacy_agent
+  responses_api_agents:
+    rollbook:
+      entrypoint: rollbook         # NeMo Gym validates a referenced agent; `rollbook serve agent` runs it
+      host: 127.0.0.1
+      port: {cluster.config.servers['agent'].port}
+rollbook_legacy_environment:
+  environment_servers:
+    legacy_agent:
+      entrypoint: app.py
+      host: 127.0.0.1
+      port: {legacy_port}
+      agent_server:
+        type: responses_api_agents
+        name: rollbook_agent
+environment_server_routes:
+  "blackjack:train": rollbook_environment
+  "workplace:train": rollbook_environment
+"""
+
+
+def rows() -> list[dict[str, Any]]:
+    materialized = [{"task_id": {"taskset": f"{env}:train", "task_id": f"{env}-{i}"},
+                     "task_input": {"env": env, "generate": i, "seed": 7}}
+                    for env in ("blackjack", "workplace") for i in range(4)]
+    flat = [{"responses_create_params": {"input": [{"role": "user", "content": f"Reverse the string '{w}'. "
+                                                                               "Reply with the result only."}]},
+             "expected_answer": w[::-1], "agent_ref": {"name": "rollbook_agent"}} for w in ("kitten", "rollbook")]
+    flat += [{"responses_create_params": {"input": "play a hand"}, "rollbook": {"env": "blackjack", "generate": 10 + i},
+              "agent_ref": {"name": "rollbook_agent"}} for i in range(2)]
+    return materialized + flat
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError as exc:
+            if getattr(exc, "code", None):  # an HTTP error status: it answers
+                return
+        assert proc.poll() is None, f"{log.name} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{url} did not answer in {timeout} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def spawn(args: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, cwd=cwd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# What was done twice, over every rollout of the collection (all of this test's database):
+FINISHED_NOT_ONCE = """
+SELECT count(*) FROM (SELECT rollout_id FROM rollbook.attempts GROUP BY rollout_id
+                      HAVING count(*) FILTER (WHERE status = 'finished') <> 1) t"""
+# a turn of a rollout whose model reply was generated (not delivered from the log) more than once
+REPEATED_CALLS = """
+SELECT count(*) FROM (SELECT rollout_id, split_part(data->>'call_id', '.t', 2) AS turn FROM rollbook.episode_history
+                      WHERE kind = 'call_completed' AND coalesce(data->>'disposition', 'generated') = 'generated'
+                      GROUP BY 1, 2 HAVING count(*) > 1) t"""
+# a session revision of a rollout applied more than once (no restart-only environment runs here)
+REPEATED_MUTATIONS = """
+SELECT count(*) FROM (SELECT rollout_id, data->>'revision' FROM rollbook.episode_history
+                      WHERE kind = 'mutation_applied' GROUP BY 1, 2 HAVING count(*) > 1) t"""
+
+
+async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
+        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
+    venv = gym_venv()
+    cluster = await cluster_factory(token_latency_s=0.02)  # ~0.5 s a model reply: the kill lands mid-rollout
+    head_port, legacy_port = free_port(), free_port()
+    (tmp_path / "gym.yaml").write_text(gym_config(cluster, head_port, legacy_port))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    env = {**os.environ, "NEMO_GYM_RESOLVED_CONFIG": str(tmp_path / "resolved.yaml"), "PYTHONUNBUFFERED": "1",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("PYTHONPATH", None)
+    for key in [k for k in env if k.startswith("VIRTUAL_ENV")]:
+        env.pop(key)
+    overrides = [f"+config_paths=[{tmp_path / 'gym.yaml'}]"]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        head = spawn([str(venv / "bin" / "python"), str(Path(__file__).with_name("nemo_gym_head.py")), *overrides],
+                     tmp_path / "head.log", tmp_path, env)
+        procs.append(head)
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{head_port}/global_config_dict_yaml", head,
+                                tmp_path / "head.log", 300)
+        legacy_dir = next((venv / "lib").glob("python3.13/site-packages/environment_servers/legacy_agent"))
+        legacy = spawn([str(venv / "bin" / "python"), "app.py"], tmp_path / "legacy_agent.log", legacy_dir,
+                       {**env, "NEMO_GYM_CONFIG_DICT": (tmp_path / "resolved.yaml").read_text(),
+                        "NEMO_GYM_CONFIG_PATH": "rollbook_legacy_environment"})
+        procs.append(legacy)
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{legacy_port}/docs", legacy,
+                                tmp_path / "legacy_agent.log", 300)
+
+        out = tmp_path / "out" / "rollouts.jsonl"
+        t0 = time.monotonic()
+        collector = spawn([str(venv / "bin" / "ng_collect_rollouts"), *overrides,
+                           f"+input_jsonl_fpath={tmp_path / 'rows.jsonl'}", f"+output_jsonl_fpath={out}",
+                           "+num_samples_in_parallel=6"], tmp_path / "collector.log", tmp_path, env)
+        procs.append(collector)
+        total = len(rows())
+
+        async def mid_collection() -> bool:
+            finished = await cluster.scalar("SELECT count(*) FROM rollbook.attempts WHERE status = 'finished'")
+            generated = await cluster.scalar("SELECT count(*) FROM rollbook.model_calls WHERE status = 'completed'")
+            assert collector.poll() is None, (tmp_path / "collector.log").read_text()[-3000:]
+            return bool(generated >= 6 and 1 <= finished <= total - 4)
+
+        await cluster.wait_for("the collection to be under way", mid_collection, timeout=600)
+        before = {"finished": await cluster.scalar("SELECT count(*) FROM rollbook.attempts WHERE status = 'finished'"),
+                  "model_calls": await cluster.scalar("SELECT count(*) FROM rollbook.model_calls WHERE status = 'completed'"),
+                  "mutations": await cluster.scalar("SELECT count(*) FROM rollbook.episode_history WHERE kind = 'mutation_applied'")}
+        kill_position = await cluster.head()
+        await cluster.crash()  # SIGKILL every rollbook server's process group
+        await asyncio.sleep(2.0)  # the collector and legacy_agent keep retrying against closed ports
+        await cluster.start()  # fresh processes on the same database
+        rc = await asyncio.to_thread(collector.wait, 900)
+        elapsed = time.monotonic() - t0
+        log = (tmp_path / "collector.log").read_text()
+        assert rc == 0, log[-4000:]
+
+        written = [json.loads(line) for line in out.read_text().splitlines()]
+        failures = out.with_name("rollouts_failures.jsonl")
+        failed = failures.read_text().splitlines() if failures.exists() else []
+        by_server: dict[str, int] = {}
+        for r in written:
+            by_server[r["_ng_environment_server"]] = by_server.get(r["_ng_environment_server"], 0) + 1
+        figures = {
+            "rows": total, "written": len(written), "failures": len(failed), "by_server": by_server,
+            "before_kill": before, "collector_s": round(elapsed, 1),
+            "rollouts": await cluster.scalar("SELECT count(DISTINCT rollout_id) FROM rollbook.attempts"),
+            "finished_not_once": await cluster.scalar(FINISHED_NOT_ONCE),
+            "repeated_model_calls": await cluster.scalar(REPEATED_CALLS),
+            "repeated_mutations": await cluster.scalar(REPEATED_MUTATIONS),
+            "attempts": await cluster.scalar("SELECT count(*) FROM rollbook.attempts"),
+            # rollouts under way at the kill that the fresh processes took to their end
+            "continued_after_kill": await cluster.scalar(
+                "SELECT count(DISTINCT s.rollout_id) FROM rollbook.episode_history s JOIN rollbook.attempts a "
+                "ON a.rollout_id = s.rollout_id AND a.status = 'finished' AND a.ended_position > :k "
+                "WHERE s.kind = 'episode_started' AND s.position <= :k", k=kill_position),
+        }
+        print("NEMO_GYM_FIGURES " + json.dumps(figures))
+        assert (len(written), failed) == (total, []), figures
+        assert by_server == {"rollbook_environment": 8, "rollbook_legacy_environment": 4}
+        assert all(isinstance(r["reward"], float) and r["response"]["output"] for r in written)
+        assert figures["rollouts"] == total and figures["finished_not_once"] == 0, figures
+        assert (figures["repeated_model_calls"], figures["repeated_mutations"]) == (0, 0), figures
+        assert figures["continued_after_kill"] >= 1, figures  # some rollouts were picked up by the new processes
+        assert (tmp_path / "out" / "rollouts_aggregate_metrics.json").exists()
+    finally:
+        for p in procs:
+            stop(p)
