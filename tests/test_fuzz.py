@@ -31,6 +31,10 @@ from adapters import config as cfg
 from adapters.processes import ServerProcesses, free_port
 from participants.control_plane import CONTROL, OPENAPI_PATH
 
+# Bounded by the examples per operation (about 1,400 requests over the four servers); the timeout is
+# the backstop that keeps a slow machine from holding CI.
+pytestmark = pytest.mark.timeout(240)
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES = {GenerationMode.POSITIVE: 4, GenerationMode.NEGATIVE: 2}  # per operation: bounded, derandomized
 TIMEOUT_S = 20

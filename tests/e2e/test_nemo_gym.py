@@ -10,6 +10,10 @@ legacy_agent to rollbook's agent server). Mid-collection every rollbook server's
 SIGKILLed; the collector retries its in-flight requests on its own; fresh rollbook processes answer
 them by continuing each rollout from the log. Then, through SQL: every rollout finished exactly once,
 no model call generated twice for a turn, no mutation applied twice at a revision.
+
+rollbook's Gym fronts need the data credential; the collector and legacy_agent send it the only way
+NeMo Gym's client can, in the configured server address (`ROLLBOOK_HOST`), so the collection
+finishing at all shows they authenticated.
 """
 
 from __future__ import annotations
@@ -84,6 +88,11 @@ def gym_venv() -> Path:
     return venv
 
 
+# NeMo Gym's client sends no header of its own: the data credential rides in the server address
+# (http://rollbook:<token>@host:port, which aiohttp sends as HTTP Basic), read from the environment.
+ROLLBOOK_HOST = '"rollbook:${oc.env:ROLLBOOK_DATA_TOKEN}@127.0.0.1"'
+
+
 def gym_config(cluster: Cluster, head_port: int, legacy_port: int) -> str:
     """What a NeMo Gym user adds to an existing config to point it at rollbook (README, "NeMo Gym")."""
     return f"""
@@ -93,13 +102,13 @@ head_server:
 rollbook_environment:            # rollbook's environment server: materialized rows, by taskset
   environment_servers:
     rollbook:
-      host: 127.0.0.1
+      host: {ROLLBOOK_HOST}
       port: {cluster.config.servers['environment'].port}
 rollbook_agent:                  # rollbook's agent server: flat rows, through legacy_agent
   responses_api_agents:
     rollbook:
       entrypoint: rollbook         # NeMo Gym validates a referenced agent; `rollbook serve agent` runs it
-      host: 127.0.0.1
+      host: {ROLLBOOK_HOST}
       port: {cluster.config.servers['agent'].port}
 rollbook_legacy_environment:
   environment_servers:
@@ -180,7 +189,7 @@ async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
     (tmp_path / "gym.yaml").write_text(gym_config(cluster, head_port, legacy_port))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
     env = {**os.environ, "NEMO_GYM_RESOLVED_CONFIG": str(tmp_path / "resolved.yaml"), "PYTHONUNBUFFERED": "1",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "ROLLBOOK_DATA_TOKEN": cluster.config.data_token}
     env.pop("PYTHONPATH", None)
     for key in [k for k in env if k.startswith("VIRTUAL_ENV")]:
         env.pop(key)
