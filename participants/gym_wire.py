@@ -552,7 +552,7 @@ class AgentFront:
 
 
 __all__ = [
-    "AgentFront", "AggregateMetricsReply", "EnvironmentFront", "FlatRow", "FlatRowReply", "EpisodeFailure", "EpisodeId", "EpisodeRequest", "EpisodeResponse",
-    "GymTaskInput", "TaskId", "aggregate", "flat_row_episode", "flat_row_task", "responses_output",
+    "AgentFront", "AggregateMetricsReply", "EnvironmentFront", "EpisodeFailure", "EpisodeId", "EpisodeRequest",
+    "EpisodeResponse", "FlatRow", "FlatRowReply", "GymTaskInput", "TaskId", "aggregate", "flat_row_episode", "flat_row_task", "responses_output",
     "scoped_rollout_id", "task_for",
 ]

@@ -150,3 +150,18 @@ async def test_a_stream_cut_by_a_checkpoint_raises_in_the_sdk(store, tokens) -> 
     assert "cut" in info.value.message and len(got) >= 3
     await asyncio.sleep(0)
     assert [e.kind for e in await store.read_stream(call_stream("s6.0.t0"))] == ["call_accepted", "call_cut"]
+
+
+async def test_the_sdk_needs_the_data_credential_as_its_api_key_and_shows_the_refusal(store, tokens) -> None:
+    async with sdk(store, ScriptedBackend(), tokens, "s7") as (client, _):
+        head = await store.head()
+        outcomes = {}
+        for name, key in (("wrong", "not-a-credential"), ("control", CREDS.control)):
+            other = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=key, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await other.chat.completions.create(model="scripted", messages=MATH, **call("s7.0.t0"))
+            await other.close()
+            outcomes[name] = (type(refused.value), refused.value.code, refused.value.message)
+        assert await store.head() == head  # refused before anything was written
+    assert outcomes["wrong"][:2] == (openai.AuthenticationError, "unauthorized") and "credential" in outcomes["wrong"][2]
+    assert outcomes["control"][:2] == (openai.PermissionDeniedError, "forbidden") and "data" in outcomes["control"][2]
