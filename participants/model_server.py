@@ -669,9 +669,14 @@ class ModelParticipant(Participant):
         await resp.write_eof()
 
 
+# Options that choose how the reply is shown, not what is generated: a call cut by a checkpoint may be
+# asked again with them changed (streamed this time, with logprobs) and is still the same call.
+PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
+
+
 def request_digest(payload: dict[str, Any]) -> str:
-    """What makes two requests under one call id the same request: the body, streamed or not."""
-    same = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+    """What makes two requests under one call id the same request: the body but its presentation options."""
+    same = {k: v for k, v in payload.items() if k not in PRESENTATION}
     return hashlib.sha256(canonical_json(same).encode()).hexdigest()
 
 

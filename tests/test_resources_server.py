@@ -61,7 +61,9 @@ def prefix(rid: str, attempt: int) -> str:
 
 async def call(http: aiohttp.ClientSession, method: str, path: str, body: Any = None,
                headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with http.request(method, path, json=body, headers=DATA if headers is None else headers) as resp:
+    # The data credential unless the headers name another Authorization (the control plane's, or none: "").
+    sent = {k: v for k, v in {**DATA, **(headers or {})}.items() if v != ""}
+    async with http.request(method, path, json=body, headers=sent) as resp:
         return resp.status, await resp.json()
 
 
