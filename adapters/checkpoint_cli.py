@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint_id", nargs="?", default=None)
     p.add_argument("--participant", action="append", default=[], metavar="KIND=URL",
                    help="a participant's base URL, e.g. model=http://127.0.0.1:8101 (repeat for each)")
-    p.add_argument("--token", default=os.environ.get("ROLLBOOK_TOKEN", ""), help="bearer token (default ROLLBOOK_TOKEN)")
+    p.add_argument("--control-token", default=os.environ.get("ROLLBOOK_CONTROL_TOKEN", ""),
+                   help="the control credential (default ROLLBOOK_CONTROL_TOKEN)")
     p.add_argument("--dsn")
     p.add_argument("--deadline-seconds", type=float, default=30.0)
     p.add_argument("--scope", help="JSON list of [rollout_id, attempt] to continue (commit; default: every live attempt)")
@@ -48,7 +49,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         clients = []
         for spec in args.participant:
             kind, _, url = spec.partition("=")
-            clients.append(HttpParticipant(kind, kind, url, args.token, session))
+            clients.append(HttpParticipant(kind, kind, url, args.control_token, session))
         coordinator = Coordinator(store, clients)
         ck = args.checkpoint_id
         try:

@@ -66,7 +66,7 @@ class Collection:
         return f"{self.run_id}-{i:04d}"
 
     def coordinator(self, session: aiohttp.ClientSession) -> Coordinator:
-        clients = [HttpParticipant(k, k, self.config.url(k), self.config.token, session) for k in KINDS]
+        clients = [HttpParticipant(k, k, self.config.url(k), self.config.control_token, session) for k in KINDS]
         return Coordinator(self.store, clients)
 
     @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
@@ -82,6 +82,7 @@ class Collection:
         """Run every unfinished rollout to its end; a rollout cut off by a crash just returns None."""
         gate = asyncio.Semaphore(self.concurrency)
         url = self.config.url("environment") + "/episodes"
+        headers = {"Authorization": f"Bearer {self.config.data_token}"}  # dispatch is data-plane work
 
         async def one(i: int) -> dict[str, Any] | None:
             rid = self.rollout_id(i)
@@ -92,7 +93,7 @@ class Collection:
                 waiting = False
                 while True:
                     try:
-                        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
                             if resp.status == 200:
                                 result = dict(await resp.json())
                                 break

@@ -1,7 +1,8 @@
-"""The one config file of rollbook (TOML): the database, the token, the four servers and a run.
+"""The one config file of rollbook (TOML): the database, the credentials, the four servers and a run.
 
     dsn = "postgresql://user:pw@host/db"    # optional: else ROLLBOOK_DSN, else the embedded server
-    token = "change-me"                       # bearer token of every control plane
+    control_token = "..."                     # opens /rollbook/v1/control/* (framework, coordinator)
+    data_token = "..."                        # opens every other route (servers, framework dispatch)
 
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
@@ -18,6 +19,13 @@
     [servers.environment]
     port = 8104
 
+    [sandbox]                                 # only with this table is the sandbox environment served
+    user = "nobody"                           # the server must run as root to drop to this user
+    cpu_s = 10
+    memory_mb = 512
+    output_bytes = 8000
+    timeout_s = 10.0
+
     [run]
     run_id = "eval-1"
     tasks = "tasks.jsonl"                     # one task per line: {"env", "task_id", "prompt", "params"}
@@ -32,7 +40,11 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from participants.environments import enabled_environments
+from participants.environments.sandbox import SandboxLimits
+from participants.guard import Credentials
 
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
@@ -52,7 +64,7 @@ class Strict(BaseModel):
 
 class ServerConfig(Strict):
     host: str = "127.0.0.1"  # how the others reach this server
-    bind: str | None = None  # the address it listens on, when not `host` (e.g. 0.0.0.0 in a container)
+    bind: str | None = None  # the address it listens on when not `host` (e.g. 0.0.0.0 in a container)
     port: int = Field(ge=0, le=65535)
     # model server only
     backend: Literal["scripted", "openai_compatible"] = "scripted"
@@ -79,14 +91,43 @@ class RunConfig(Strict):
     seed: int = 0
 
 
+class SandboxConfig(Strict):
+    user: str = "nobody"
+    cpu_s: int = Field(default=10, ge=1, le=3600)
+    memory_mb: int = Field(default=512, ge=16, le=1 << 20)
+    max_processes: int = Field(default=64, ge=1, le=1 << 16)
+    file_mb: int = Field(default=64, ge=1, le=1 << 20)
+    output_bytes: int = Field(default=8000, ge=256, le=1 << 20)
+    timeout_s: float = Field(default=10.0, gt=0, le=3600)
+
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(**self.model_dump())
+
+
 class Config(Strict):
     dsn: str | None = None
-    token: str
+    # Never in a repr or a log line: pydantic leaves repr=False fields out.
+    control_token: str = Field(min_length=8, repr=False)
+    data_token: str = Field(min_length=8, repr=False)
     servers: dict[Kind, ServerConfig]
+    sandbox: SandboxConfig | None = None  # absent: the sandbox environment is off
     run: RunConfig | None = None
+
+    @model_validator(mode="after")
+    def _distinct_tokens(self) -> Config:
+        if self.control_token == self.data_token:
+            raise ValueError("control_token and data_token must differ: each opens one plane")
+        return self
 
     def url(self, kind: Kind) -> str:
         return self.servers[kind].base_url
+
+    @property
+    def credentials(self) -> Credentials:
+        return Credentials(self.control_token, self.data_token)
+
+    def environments(self) -> frozenset[str]:
+        return enabled_environments(sandbox=self.sandbox is not None)
 
 
 def load(path: str | Path) -> Config:
@@ -125,10 +166,15 @@ def write(config: Config, path: str | Path) -> None:
     lines = []
     if config.dsn:
         lines.append(f"dsn = {_q(config.dsn)}")
-    lines.append(f"token = {_q(config.token)}")
+    lines.append(f"control_token = {_q(config.control_token)}")
+    lines.append(f"data_token = {_q(config.data_token)}")
     for kind, s in config.servers.items():
         lines.append(f"\n[servers.{kind}]")
         for key, value in s.model_dump(exclude_defaults=True).items():
+            lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
+    if config.sandbox:
+        lines.append("\n[sandbox]")
+        for key, value in config.sandbox.model_dump().items():
             lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
     if config.run:
         lines.append("\n[run]")

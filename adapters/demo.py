@@ -68,12 +68,15 @@ async def run_demo(args: argparse.Namespace) -> int:
         dsn = database.scratch_database(dsn, f"rollbook_demo_{os.getpid()}")
     work = Path(tempfile.mkdtemp(prefix="rollbook-demo-"))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token=secrets.token_hex(16), servers=servers)
+    # The sandbox drops each shell to an unprivileged user, which only a server started as root can do.
+    sandbox = cfg.SandboxConfig() if os.geteuid() == 0 else None
+    config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(16), data_token=secrets.token_hex(16), servers=servers,
+                        sandbox=sandbox)
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(config, work / "rollbook.toml", work)
     store = PostgresEventStore.connect(dsn, writer="demo-driver")
     run = f"demo{args.seed}-{int(time.time())}"
-    tasks = make_tasks(args.rollouts, args.seed, DEMO_ENVS)
+    tasks = make_tasks(args.rollouts, args.seed, [e for e in DEMO_ENVS if e in config.environments()])
     progress = Progress(len(tasks), args.json)
     try:
         procs.start()

@@ -54,7 +54,7 @@ class ServerProcesses:
 
     def _answers(self, kind: str) -> bool:
         req = urllib.request.Request(self.config.url(kind) + CONTROL_STATUS,  # type: ignore[arg-type]
-                                     headers={"Authorization": f"Bearer {self.config.token}"})
+                                     headers={"Authorization": f"Bearer {self.config.control_token}"})
         try:
             with urllib.request.urlopen(req, timeout=1) as resp:
                 return bool(json.loads(resp.read())["kind"] == kind)

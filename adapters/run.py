@@ -70,7 +70,7 @@ async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
             raise ConfigError(f"the config has no [servers.{kind}] section", "add one with the port that server listens on")
         url = config.url(kind) + "/rollbook/v1/control/status"
         try:
-            async with session.get(url, headers={"Authorization": f"Bearer {config.token}"},
+            async with session.get(url, headers={"Authorization": f"Bearer {config.control_token}"},
                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 status = resp.status
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

@@ -28,21 +28,25 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
                                  policy_version=s.policy_version or "scripted-v1")
         )
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
-        app = build_model_app(store, backend, tokens, config.token, instance=instance)
+        app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":
         from participants.resources_server import build_resources_app
 
-        app = build_resources_app(store, config.token, instance=instance)
+        sandbox = config.sandbox.limits() if config.sandbox is not None else None
+        app = build_resources_app(store, config.credentials, instance=instance, sandbox=sandbox)
     elif kind == "agent":
         from participants.agent_server import build_agent_app
 
+        # The agent calls these three and no other address: none comes from a request. The environment
+        # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
         env = config.servers.get("environment")
-        app = build_agent_app(store, config.token, instance=instance, environment_url=env.base_url if env else None)
+        app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
+                              environment_url=env.base_url if env else None)
     else:
         from participants.environment_server import build_environment_app
 
-        app = build_environment_app(store, config.token, config.url("agent"), config.url("model"), config.url("resources"),
-                                    instance=instance)
+        app = build_environment_app(store, config.credentials, config.url("agent"), config.url("resources"),
+                                    instance=instance, environments=config.environments())
 
     async def close_store(app: web.Application) -> None:
         await store.close()

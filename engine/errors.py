@@ -55,6 +55,41 @@ class InvalidIdentifier(RollbookError):
     code = "invalid_identifier"
 
 
+class InvalidRequest(RollbookError):
+    """A request that does not parse or does not validate: refused before anything changes."""
+
+    code = "invalid_request"
+
+
+class InvalidJson(InvalidRequest):
+    """A body that is not UTF-8 JSON within the limits (depth, integer size, finite numbers)."""
+
+    code = "invalid_json"
+
+
+class Unauthorized(RollbookError):
+    """No credential, or not one this server knows."""
+
+    code = "unauthorized"
+
+
+class Forbidden(RollbookError):
+    """A known credential that does not open this route (the data credential on the control plane),
+    or something the configuration switched off (the sandbox)."""
+
+    code = "forbidden"
+
+
+class NotFound(RollbookError):
+    code = "not_found"
+
+
+class RequestConflict(RollbookError):
+    """An identifier reused for a different request (a call id with another body)."""
+
+    code = "conflict"
+
+
 class InvalidPhase(RollbookError):
     """An illegal phase transition: refused loudly, never a silent no-op."""
 

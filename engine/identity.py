@@ -10,8 +10,16 @@ import re
 
 from engine.errors import InvalidIdentifier, RolloutIdRequired
 
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The one identifier alphabet (NeMo Gym's EpisodeId uses the same): ASCII only, so an id is one
+# spelling in paths, logs, file names and SQL.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_ID = re.compile(ID_PATTERN.strip("^$"))
 MAX_ID_LENGTH = 128
+# Attempts are stored as PostgreSQL integers; anything larger is refused at the edge, not by the database.
+ATTEMPT_MAX = 2**31 - 1
+# Plain ASCII decimal, no sign, no leading zero, no spaces or underscores: one spelling per attempt.
+ATTEMPT_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
+_ATTEMPT = re.compile(ATTEMPT_PATTERN.strip("^$"))
 
 
 def validate_id(value: object, what: str) -> str:
@@ -28,9 +36,19 @@ def validate_id(value: object, what: str) -> str:
 
 
 def validate_attempt(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidIdentifier(f"attempt must be an integer >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > ATTEMPT_MAX:
+        raise InvalidIdentifier(f"attempt must be an integer from 0 to {ATTEMPT_MAX}, got {value!r}"[:160])
     return value
+
+
+def parse_attempt(raw: object, what: str = "attempt") -> int:
+    """An attempt index as text (a path segment, a header): ASCII decimal digits only.
+
+    `int()` would also take ' 0', '0_0', '+0' and other scripts' digits ('\u0660'), each a second
+    name for attempt 0; those are refused here."""
+    if not isinstance(raw, str) or not _ATTEMPT.fullmatch(raw) or int(raw) > ATTEMPT_MAX:
+        raise InvalidIdentifier(f"{what} must be ASCII decimal digits from 0 to {ATTEMPT_MAX}, got {str(raw)[:40]!r}")
+    return int(raw)
 
 
 def rollout_stream(rollout_id: str) -> str:

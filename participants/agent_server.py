@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
@@ -38,16 +38,15 @@ from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
     DatabaseUnavailable,
-    InvalidIdentifier,
+    InvalidRequest,
     RestartInScope,
     RollbookError,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import agent_stream, session_stream
+from engine.identity import ATTEMPT_PATTERN, agent_stream, parse_attempt, session_stream
 from engine.recovery import resume_point
 from participants.control_plane import (
     PARTICIPANT,
-    Body,
     Execution,
     Participant,
     PrepareReport,
@@ -56,7 +55,9 @@ from participants.control_plane import (
     data_path,
     identity,
 )
-from participants.environments import get_environment
+from participants.environments import ENVIRONMENTS, get_environment
+from participants.guard import Body, Credentials, Header, Int64, Route
+from participants.openai_wire import ToolSpec
 
 Key = tuple[str, int]  # (rollout_id, attempt)
 ACTIVATION_HEADER = "X-Rollbook-Activation"
@@ -68,14 +69,34 @@ TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
 class RunRequest(Body):
+    """One activation. The model and resources servers it talks to come from the configuration only:
+    a request never names an address (it could name one that collects the data credential)."""
+
     task: TaskBody
     max_steps: int = Field(default=16, ge=1, le=1000)
-    model_url: str
-    resources_url: str
-    seed: int = 0
-    model: str = "policy"
+    seed: Int64 = 0
+    model: str = Field(default="policy", max_length=256)
     system_prompt: str | None = None
-    tools: list[dict[str, Any]] | None = Field(default=None, description="the session's tools; default: the environment's")
+    tools: list[ToolSpec] | None = Field(default=None, description="the session's tools; default: the environment's")
+
+
+class RunReply(BaseModel):
+    final_answer: str | None
+    messages: list[dict[str, Any]]
+    usage: dict[str, int]
+    turns: int
+
+
+class SessionRow(BaseModel):
+    rollout_id: str
+    attempt: int
+    activation: int
+    state: str
+    turn: int
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionRow]
 
 
 @dataclass
@@ -124,7 +145,8 @@ class Session:
 def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
     messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + [
         {"role": "user", "content": req.task.prompt}]
-    tools = req.tools if req.tools is not None else get_environment(req.task.env).tools()
+    tools = ([t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None
+             else get_environment(req.task.env).tools())
     return Session(key[0], key[1], index, req, messages, tools)
 
 
@@ -169,14 +191,7 @@ def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
 
 
 def activation_index(request: web.Request) -> int:
-    raw = request.headers.get(ACTIVATION_HEADER)
-    try:
-        index = int(raw) if raw is not None else -1
-    except ValueError:
-        index = -1
-    if index < 0:
-        raise InvalidIdentifier(f"header {ACTIVATION_HEADER} must be an integer >= 0, got {raw!r}")
-    return index
+    return parse_attempt(request.headers.get(ACTIVATION_HEADER), f"header {ACTIVATION_HEADER}")
 
 
 class AgentParticipant(Participant):
@@ -190,9 +205,12 @@ class AgentParticipant(Participant):
         super().__init_subclass__(**kw)
         cls.checkpoint_mode = "native" if cls.supports_continuation else "restart_only"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "agent-0", token: str | None = None) -> None:
+    def __init__(self, store: PostgresEventStore, instance: str = "agent-0", data_token: str | None = None,
+                 model_url: str = "", resources_url: str = "") -> None:
         super().__init__(store, instance)
-        self.client = JsonClient(token)
+        # The data credential goes only to the configured model and resources servers.
+        self.client = JsonClient(data_token)
+        self.model_url, self.resources_url = model_url, resources_url
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
         self.locks: dict[Key, asyncio.Lock] = {}
@@ -204,12 +222,13 @@ class AgentParticipant(Participant):
 
     # ---- data plane ---------------------------------------------------------------------------
 
-    async def run(self, request: web.Request) -> web.Response:
+    async def run(self, request: web.Request, req: RunRequest) -> web.Response:
         key = identity(request)
+        index = activation_index(request)
+        if req.tools is None and req.task.env not in ENVIRONMENTS:
+            raise InvalidRequest(f"no environment named {req.task.env!r} to take the tools from; name the tools")
         await self.check_attempt(*key)
         self.served_sessions = True
-        index = activation_index(request)
-        req = RunRequest.model_validate(await request.json())
         async with self.locks.setdefault(key, asyncio.Lock()):
             current = self.running.get(key)
             if current is not None and current[0] == index:
@@ -324,7 +343,7 @@ class AgentParticipant(Participant):
         # The task's sampling parameters ride on every call; the model server records them with the call.
         body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed,
                 **s.request.task.sampling, "stream": False}
-        url = data_url(s.request.model_url, *s.key, "/v1/chat/completions")
+        url = data_url(self.model_url, *s.key, "/v1/chat/completions")
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
         since = time.monotonic()
         try:
@@ -351,7 +370,7 @@ class AgentParticipant(Participant):
             args = exc
         if not isinstance(args, dict):
             return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
-        url = data_url(s.request.resources_url, *s.key, f"/tools/{name}")
+        url = data_url(self.resources_url, *s.key, f"/tools/{name}")
         since = time.monotonic()
         for tries in itertools.count():
             try:
@@ -374,18 +393,24 @@ class AgentParticipant(Participant):
             s.revision_seen = revision
         return json.dumps(out.get("output"), sort_keys=True), bool(out.get("done"))
 
-    async def list_sessions(self, request: web.Request) -> web.Response:
+    async def list_sessions(self, request: web.Request, _body: None) -> web.Response:
         rows = [{"rollout_id": s.rollout_id, "attempt": s.attempt, "activation": s.index, "state": s.state, "turn": s.turn}
                 for s in self.sessions.values()]
         rows += [{"rollout_id": r, "attempt": a, "activation": b.get("activation", 0), "state": "idle", "turn": b["turn"]}
                  for (r, a), b in self.restored.items()]
         return web.json_response({"sessions": rows})
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
         from participants.gym_wire import AgentFront  # NeMo Gym's flat rows, relayed by its legacy_agent
 
-        return [web.post(data_path("/run"), self.run), web.get("/sessions", self.list_sessions),
-                *AgentFront(self).routes()]
+        activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")
+        return [
+            Route("POST", data_path("/run"), self.run, RunRequest, RunReply,
+                  ("invalid_identifier", "stale_attempt", "activation_out_of_order", "admission_closed", "tool_error",
+                   "participant_unavailable"), headers=(activation,)),
+            Route("GET", "/sessions", self.list_sessions, None, SessionList),
+            *AgentFront(self).routes(),  # POST /run without an identity in its path is NeMo Gym's row
+        ]
 
     # ---- control plane hooks --------------------------------------------------------------------
 
@@ -456,12 +481,13 @@ class AgentParticipant(Participant):
         await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
 
 
-def build_agent_app(store: PostgresEventStore, token: str, instance: str = "agent-0",
-                    participant_cls: type[AgentParticipant] = AgentParticipant,
+def build_agent_app(store: PostgresEventStore, credentials: Credentials, model_url: str, resources_url: str,
+                    instance: str = "agent-0", participant_cls: type[AgentParticipant] = AgentParticipant,
                     environment_url: str | None = None) -> web.Application:
-    participant = participant_cls(store, instance, token)
+    """Outgoing addresses come from here (the configuration), never from a request."""
+    participant = participant_cls(store, instance, credentials.data, model_url, resources_url)
     participant.environment_url = environment_url
-    return build_app(participant, token)
+    return build_app(participant, credentials)
 
 
 __all__ = ["AgentParticipant", "PARTICIPANT", "RunRequest", "Session", "build_agent_app", "ACTIVATION_HEADER", "BOUNDARY",

@@ -9,14 +9,12 @@ for a given server is its `Participant` subclass's business.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from typing import Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from adapters.database import code_revision
 from adapters.postgres import PostgresEventStore
@@ -27,13 +25,25 @@ from engine.errors import (
     CheckpointConflict,
     DeadlineExceeded,
     InvalidPhase,
+    InvalidRequest,
     RollbookError,
     StaleAttempt,
     StaleCheckpoint,
 )
 from engine.events import AppendRequest, NewEvent
-from engine.identity import rollout_stream, validate_attempt, validate_id
+from engine.identity import parse_attempt, rollout_stream, validate_id
 from engine.phases import Lease, ParticipantPhases, check_deadline
+from participants.guard import (
+    MAX_BODY_BYTES,
+    AttemptIndex,
+    Body,
+    Credentials,
+    Empty,
+    Identifier,
+    Int64,
+    Route,
+    authenticate,
+)
 from participants.http_errors import error_response, errors_as_json
 
 log = logging.getLogger(__name__)
@@ -41,12 +51,10 @@ log = logging.getLogger(__name__)
 PREFIX = "/rollbook/v1"
 CONTROL = f"{PREFIX}/control"
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
-CHECKPOINT_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_BLOCKERS = 20
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
+# 2100-01-01: a deadline is a wall-clock time, and a larger one only overflows the timers.
+MAX_DEADLINE = 4_102_444_800.0
 
 
 TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
@@ -56,8 +64,8 @@ TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", 
 class TaskBody(Body):
     """A task on the wire (participants.environments.Task as JSON), shared by the data planes."""
 
-    env: str
-    task_id: str
+    env: Identifier
+    task_id: str = Field(max_length=256)
     prompt: str
     params: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=dict, description=(
@@ -74,30 +82,30 @@ class TaskBody(Body):
 
 
 class ControlRequest(Body):
-    checkpoint_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
-    deadline: float = Field(description="absolute deadline, seconds since the Unix epoch")
+    checkpoint_id: Identifier
+    deadline: float = Field(gt=0, le=MAX_DEADLINE, description="absolute deadline, seconds since the Unix epoch")
 
 
 class Execution(Body):
-    rollout_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
-    attempt: int = Field(ge=0)
+    rollout_id: Identifier
+    attempt: AttemptIndex
 
 
 class CommitRequest(ControlRequest):
-    scope: list[Execution] = Field(default_factory=list)
+    scope: list[Execution] = Field(default_factory=list, max_length=MAX_ITEMS)
 
 
 class Retirement(Body):
-    rollout_id: str = Field(pattern=CHECKPOINT_ID, max_length=128)
-    through: int = Field(ge=0)
+    rollout_id: Identifier
+    through: AttemptIndex
 
 
 class RetireRequest(ControlRequest):
-    rollouts: list[Retirement]
+    rollouts: list[Retirement] = Field(max_length=MAX_ITEMS)
 
 
 class ForgetRequest(ControlRequest):
-    rollout_ids: list[str]
+    rollout_ids: list[Identifier] = Field(max_length=MAX_ITEMS)
 
 
 class Status(BaseModel):
@@ -131,6 +139,9 @@ class OperationReply(BaseModel):
 class ErrorBody(BaseModel):
     code: str
     detail: str
+    message: str = Field(description="the same as detail, where OpenAI's clients look for it")
+    type: str = Field(description="OpenAI's error type for the status")
+    context: dict[str, Any] | None = None
 
 
 class ErrorReply(BaseModel):
@@ -188,7 +199,8 @@ class Participant:
     async def forget(self, rollout_id: str) -> None:
         return None
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
+        """The server's data routes (participants.guard.Route): mounted and documented alike."""
         return []
 
     async def check_attempt(self, rollout_id: str, attempt: int) -> None:
@@ -203,16 +215,8 @@ class Participant:
 
 def identity(request: web.Request) -> tuple[str, int]:
     """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
-    rid = request.match_info.get("rollout_id")
-    raw = request.match_info.get("attempt")
-    rollout_id = validate_id(rid, "rollout id")
-    try:
-        attempt = validate_attempt(int(raw)) if raw is not None else None
-    except ValueError:
-        attempt = None
-    if attempt is None:
-        validate_attempt(raw)
-    return rollout_id, attempt  # type: ignore[return-value]
+    rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
+    return rollout_id, parse_attempt(request.match_info.get("attempt"))
 
 
 def data_path(suffix: str) -> str:
@@ -220,9 +224,8 @@ def data_path(suffix: str) -> str:
 
 
 class ControlPlane:
-    def __init__(self, participant: Participant, token: str, grace: float = 2.0) -> None:
+    def __init__(self, participant: Participant, grace: float = 2.0) -> None:
         self.p = participant
-        self.token = token
         self.grace = grace
         self.phases = ParticipantPhases(participant.kind, participant.instance)
         self.lease: Lease | None = None
@@ -232,15 +235,6 @@ class ControlPlane:
         self._watch: asyncio.Task[None] | None = None
 
     # ---- plumbing -------------------------------------------------------------------------
-
-    def authorize(self, request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise web.HTTPUnauthorized(
-                text=json.dumps({"error": {"code": "unauthorized", "detail": "a valid bearer token is required"}}),
-                content_type="application/json",
-            )
 
     async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
         # The phase moves only once its event is in the log: while the append waits (a database
@@ -273,14 +267,9 @@ class ControlPlane:
         check_deadline(req.deadline, time.time(), f"{op} for {req.checkpoint_id}")  # before any state changes
         return None
 
-    async def _body(self, request: web.Request, model: type[Body]) -> Any:
-        self.authorize(request)
-        return model.model_validate(await request.json())
-
     # ---- operations -----------------------------------------------------------------------
 
-    async def status(self, request: web.Request) -> web.Response:
-        self.authorize(request)
+    async def status(self, request: web.Request, _body: None) -> web.Response:
         return web.json_response(
             Status(
                 kind=self.p.kind,
@@ -295,8 +284,7 @@ class ControlPlane:
             ).model_dump()
         )
 
-    async def prepare(self, request: web.Request) -> web.Response:
-        req = await self._body(request, ControlRequest)
+    async def prepare(self, request: web.Request, req: ControlRequest) -> web.Response:
         async with self.lock:
             if (early := self._guard("prepare", req, needs_active=False)) is not None:
                 return early
@@ -328,8 +316,7 @@ class ControlPlane:
             restarts=report.restarts,
         ).model_dump()
 
-    async def renew(self, request: web.Request) -> web.Response:
-        req = await self._body(request, ControlRequest)
+    async def renew(self, request: web.Request, req: ControlRequest) -> web.Response:
         async with self.lock:
             if req.checkpoint_id in self.finished:
                 raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
@@ -340,8 +327,7 @@ class ControlPlane:
             return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                     detail={"lease_deadline": req.deadline}).model_dump())
 
-    async def commit(self, request: web.Request) -> web.Response:
-        req = await self._body(request, CommitRequest)
+    async def commit(self, request: web.Request, req: CommitRequest) -> web.Response:
         async with self.lock:
             if (early := self._guard("commit", req)) is not None:
                 return early
@@ -352,8 +338,7 @@ class ControlPlane:
             body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
             return self._reply("commit", req.checkpoint_id, body)
 
-    async def restore(self, request: web.Request) -> web.Response:
-        req = await self._body(request, ControlRequest)
+    async def restore(self, request: web.Request, req: ControlRequest) -> web.Response:
         async with self.lock:
             if (early := self._guard("restore", req, needs_active=False)) is not None:
                 return early
@@ -369,8 +354,7 @@ class ControlPlane:
             body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
             return self._reply("restore", req.checkpoint_id, body)
 
-    async def resume(self, request: web.Request) -> web.Response:
-        req = await self._body(request, ControlRequest)
+    async def resume(self, request: web.Request, req: ControlRequest) -> web.Response:
         async with self.lock:
             cached = self.replies.get(("resume", req.checkpoint_id))
             if cached is not None:
@@ -389,25 +373,30 @@ class ControlPlane:
             body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
             return self._reply("resume", req.checkpoint_id, body)
 
-    async def retire(self, request: web.Request) -> web.Response:
-        req = await self._body(request, RetireRequest)
+    async def retire(self, request: web.Request, req: RetireRequest) -> web.Response:
+        """All or nothing: every retire mark in one append, and only the marks that move.
+
+        A repeat (or a mark already at or above `through`) appends nothing and answers the same."""
+        if len({r.rollout_id for r in req.rollouts}) != len(req.rollouts):
+            raise InvalidRequest("each rollout may be named once in a retire")
+        marks = {r.rollout_id: await self.p.store.retired_through(r.rollout_id) for r in req.rollouts}
+        events = tuple(NewEvent(rollout_stream(r.rollout_id), A.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through)
+                       for r in req.rollouts if r.through > marks[r.rollout_id])
+        if events:
+            await self.p.store.append(AppendRequest(events))
         for r in req.rollouts:
-            await self.p.store.append(
-                AppendRequest((NewEvent(rollout_stream(r.rollout_id), A.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through),))
-            )
             await self.p.retire(r.rollout_id, r.through)
         return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                 detail={"retired": len(req.rollouts)}).model_dump())
 
-    async def forget(self, request: web.Request) -> web.Response:
-        req = await self._body(request, ForgetRequest)
-        for rid in req.rollout_ids:
-            validate_id(rid, "rollout id")
-            mark = await self.p.store.retired_through(rid)
-            if mark >= 0:
-                await self.p.store.append(
-                    AppendRequest((NewEvent(rollout_stream(rid), A.ROLLOUT_FORGOTTEN, {}, rid, mark),))
-                )
+    async def forget(self, request: web.Request, req: ForgetRequest) -> web.Response:
+        """All or nothing: every id is checked by the body model before one append clears the marks."""
+        ids = list(dict.fromkeys(req.rollout_ids))
+        marks = {rid: await self.p.store.retired_through(rid) for rid in ids}
+        events = tuple(NewEvent(rollout_stream(rid), A.ROLLOUT_FORGOTTEN, {}, rid, marks[rid]) for rid in ids if marks[rid] >= 0)
+        if events:
+            await self.p.store.append(AppendRequest(events))
+        for rid in ids:
             await self.p.forget(rid)
         return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                 detail={"forgotten": len(req.rollout_ids)}).model_dump())
@@ -445,36 +434,44 @@ class ControlPlane:
             except (RollbookError, OSError) as exc:  # the next participant or `rollbook run` will record it
                 log.warning("could not record the abort of checkpoint %s: %s", expired_checkpoint, exc)
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
+        common = ("invalid_request", "invalid_json", "payload_too_large")
+        def op(name: str, body: type[Body], reply: type[BaseModel], *errors: str) -> Route:
+            return Route("POST", f"{CONTROL}/{name}", getattr(self, name), body, reply, (*common, *errors), "control")
         return [
-            web.get(f"{CONTROL}/status", self.status),
-            web.post(f"{CONTROL}/prepare", self.prepare),
-            web.post(f"{CONTROL}/renew", self.renew),
-            web.post(f"{CONTROL}/commit", self.commit),
-            web.post(f"{CONTROL}/restore", self.restore),
-            web.post(f"{CONTROL}/resume", self.resume),
-            web.post(f"{CONTROL}/retire", self.retire),
-            web.post(f"{CONTROL}/forget", self.forget),
+            Route("GET", f"{CONTROL}/status", self.status, None, Status, (), "control"),
+            op("prepare", ControlRequest, PrepareReply, "checkpoint_conflict", "stale_checkpoint", "deadline_exceeded"),
+            op("renew", ControlRequest, OperationReply, "checkpoint_conflict", "stale_checkpoint"),
+            op("commit", CommitRequest, OperationReply, "checkpoint_conflict", "stale_checkpoint", "invalid_phase",
+               "restart_in_scope", "deadline_exceeded", "unknown_checkpoint", "invalid_checkpoint_state"),
+            op("restore", ControlRequest, OperationReply, "invalid_phase", "unknown_checkpoint", "invalid_checkpoint_state",
+               "stale_checkpoint", "checkpoint_conflict", "deadline_exceeded", "restart_in_scope"),
+            op("resume", ControlRequest, OperationReply, "invalid_phase", "checkpoint_conflict", "stale_checkpoint"),
+            op("retire", RetireRequest, OperationReply),
+            op("forget", ForgetRequest, OperationReply),
         ]
 
 
 PARTICIPANT: web.AppKey[Participant] = web.AppKey("participant", Participant)
 
 
-def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.Application:
-    """An aiohttp app with the control plane, the OpenAPI document and the participant's own routes."""
+def build_app(participant: Participant, credentials: Credentials, grace: float = 2.0) -> web.Application:
+    """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
+
+    Every route, the document included, needs a credential (participants.guard)."""
     from participants.openapi import document
 
-    plane = ControlPlane(participant, token, grace)
-    app = web.Application(middlewares=[errors_as_json], client_max_size=8 * 1024 * 1024)
+    plane = ControlPlane(participant, grace)
+    app = web.Application(middlewares=[errors_as_json, authenticate(credentials)], client_max_size=MAX_BODY_BYTES)
     app[PARTICIPANT] = participant
-    app.add_routes(plane.routes())
-    app.add_routes(participant.routes())
 
-    async def openapi(request: web.Request) -> web.Response:
-        return web.json_response(document())
+    async def openapi(request: web.Request, _body: None) -> web.Response:
+        return web.json_response(doc)
 
-    app.router.add_get(OPENAPI_PATH, openapi)
+    routes = [*plane.routes(), *participant.routes(),
+              Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")]
+    doc = document(f"rollbook {participant.kind} server", routes)
+    app.add_routes([r.mount() for r in routes])
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(plane.watch_lease())
@@ -494,4 +491,4 @@ def build_app(participant: Participant, token: str, grace: float = 2.0) -> web.A
 
 
 __all__ = ["PARTICIPANT", "Participant", "TaskBody", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
-           "Execution", "CONTROL", "OPENAPI_PATH"]
+           "Execution", "CONTROL", "OPENAPI_PATH", "Body", "Empty", "Route", "Credentials", "Identifier", "AttemptIndex", "Int64"]

@@ -24,19 +24,29 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine import recovery
 from engine.checkpoint import Cut, effective_history
-from engine.errors import AdmissionClosed, AttemptLost, DatabaseUnavailable, StaleAttempt
+from engine.errors import (
+    AdmissionClosed,
+    AttemptLost,
+    DatabaseUnavailable,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    RequestConflict,
+    StaleAttempt,
+)
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
 from participants.agent_server import ACTIVATION_HEADER
-from participants.control_plane import PARTICIPANT, Body, Participant, PrepareReport, TaskBody, build_app
-from participants.environments import Task
+from participants.control_plane import PARTICIPANT, Participant, PrepareReport, TaskBody, build_app
+from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
+from participants.guard import Body, Credentials, Identifier, Int64, Route
 
 STEPS = ("seed", "agent", "verify", "close")
 RETRY_SECONDS = 0.05
@@ -45,10 +55,26 @@ MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one dri
 
 
 class EpisodeRequest(Body):
-    rollout_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
+    rollout_id: Identifier
     task: TaskBody
-    seed: int = 0
+    seed: Int64 = 0
     max_steps: int = Field(default=16, ge=1, le=1000)
+
+
+class EpisodeResult(BaseModel):
+    rollout_id: str
+    attempt: int
+    reward: float | None
+    steps: list[str]
+
+
+class EpisodeStatus(BaseModel):
+    status: str
+    attempt: int
+    reward: float | None
+    step: str | None = None
+    steps: list[str] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -99,11 +125,13 @@ class EnvironmentParticipant(Participant):
     kind: ClassVar[str] = "environment"
     concurrency: ClassVar[str] = "steps serialized per episode; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str, token: str | None, agent_url: str, model_url: str,
-                 resources_url: str) -> None:
+    def __init__(self, store: PostgresEventStore, instance: str, data_token: str | None, agent_url: str,
+                 resources_url: str, environments: frozenset[str] = enabled_environments(sandbox=False)) -> None:
         super().__init__(store, instance)
-        self.client = JsonClient(token)
-        self.agent_url, self.model_url, self.resources_url = agent_url, model_url, resources_url
+        # The data credential goes only to the agent and resources servers of the configuration.
+        self.client = JsonClient(data_token)
+        self.agent_url, self.resources_url = agent_url, resources_url
+        self.environments = environments
         self.episodes: dict[str, Episode] = {}
         self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -114,22 +142,41 @@ class EnvironmentParticipant(Participant):
 
     # ---- data plane ---------------------------------------------------------------------------
 
-    async def start_episode(self, request: web.Request) -> web.Response:
-        req = EpisodeRequest.model_validate(await request.json())
-        rid = validate_id(req.rollout_id, "rollout id")
+    def _check_task(self, body: TaskBody) -> Task:
+        """Everything about the task that can be refused is refused here, before any event."""
+        return self.admit_task(Task.from_json(body.model_dump()))
+
+    def admit_task(self, task: Task) -> Task:
+        """The task's environment is known and served here, and its params fit it; else refused."""
+        if task.env not in ENVIRONMENTS:
+            raise InvalidRequest(f"no environment named {task.env!r}; known: {sorted(ENVIRONMENTS)}")
+        if task.env not in self.environments:
+            raise Forbidden(f"the {task.env} environment is not enabled in this deployment's configuration")
+        try:
+            get_environment(task.env).initial_state(task)  # pure for every environment: it reads the params
+        except Exception as exc:
+            raise InvalidRequest(f"the task's params do not fit {task.env}: {type(exc).__name__}: {exc}"[:300]) from None
+        return task
+
+    async def start_episode(self, request: web.Request, req: EpisodeRequest) -> web.Response:
+        rid = req.rollout_id
+        requested = self._check_task(req.task)
         async with self.locks.setdefault(rid, asyncio.Lock()):
             task = self.tasks.get(rid)
+            running = self.episodes.get(rid)
+            if task is not None and not task.done() and running is not None and running.task != requested:
+                raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
             if task is None or task.done():
-                done = await self._from_log(rid)
+                done = await self._from_log(rid, requested)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
                 if not self.admission_open:
                     raise AdmissionClosed("a checkpoint is in progress; new episodes wait for resume")
-                ep = await self._open_episode(rid, Task.from_json(req.task.model_dump()), req.seed, req.max_steps)
+                ep = await self._open_episode(rid, requested, req.seed, req.max_steps)
                 task = self._launch(ep)
         return web.json_response(await asyncio.shield(task))
 
-    async def _from_log(self, rid: str) -> dict[str, Any] | None:
+    async def _from_log(self, rid: str, requested: Task) -> dict[str, Any] | None:
         rows = await self.store.attempt_rows([rid])
         if not rows:
             return None
@@ -138,6 +185,7 @@ class EnvironmentParticipant(Participant):
             return None
         history = await effective_history(self.store, rid, attempt)
         ep = episode_from_history(rid, attempt, history, history)
+        _same_task(rid, ep, requested)
         steps = [d["step"] for d in ep.done] if ep else []
         return {"rollout_id": rid, "attempt": attempt, "reward": rows[(rid, attempt)]["reward"], "steps": steps}
 
@@ -158,6 +206,7 @@ class EnvironmentParticipant(Participant):
                                rollout_id=rid, attempt=attempt)
         history = await effective_history(self.store, rid, attempt)
         ep = episode_from_history(rid, attempt, history, history)
+        _same_task(rid, ep, task)
         if ep is None:  # a fresh dispatch: the attempt exists, its episode starts from input
             await self.store.append(AppendRequest((NewEvent(episode_stream(rid, attempt), started.kind, started.data,
                                                             rid, attempt),)))
@@ -262,8 +311,7 @@ class EnvironmentParticipant(Participant):
         # The next activation index: earlier attempts' completed activations are in the effective history.
         index = sum(1 for d in ep.done if d["step"] == "agent")
         seeded = ep.recorded("seed") or {}
-        body = {"task": ep.task.to_json(), "max_steps": ep.max_steps, "model_url": self.model_url,
-                "resources_url": self.resources_url, "seed": ep.seed, "tools": seeded.get("tools")}
+        body = {"task": ep.task.to_json(), "max_steps": ep.max_steps, "seed": ep.seed, "tools": seeded.get("tools")}
         out = await self._post(data_url(self.agent_url, ep.rollout_id, ep.attempt, "/run"), body,
                                {ACTIVATION_HEADER: str(index)})
         return {"activation": index, "final_answer": out.get("final_answer"), "turns": out.get("turns"),
@@ -283,24 +331,28 @@ class EnvironmentParticipant(Participant):
         await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
         return {"reward": ep.reward}
 
-    async def episode_status(self, request: web.Request) -> web.Response:
+    async def episode_status(self, request: web.Request, _body: None) -> web.Response:
         rid = validate_id(request.match_info["rollout_id"], "rollout id")
         ep = self.episodes.get(rid)
         if ep is not None:
             return web.json_response(ep.status_json())
         rows = await self.store.attempt_rows([rid])
         if not rows:
-            raise web.HTTPNotFound(reason=f"no episode for rollout {rid}")
+            raise NotFound(f"no episode for rollout {rid}")
         attempt = max(a for _, a in rows)
         row = rows[(rid, attempt)]
         status = {"finished": "finished", "live": "not_running"}.get(row["status"], row["status"])
         return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
         from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
 
-        return [web.post("/episodes", self.start_episode), web.get("/episodes/{rollout_id}", self.episode_status),
-                *EnvironmentFront(self).routes()]
+        return [
+            Route("POST", "/episodes", self.start_episode, EpisodeRequest, EpisodeResult,
+                  ("forbidden", "conflict", "admission_closed", "stale_attempt", "tool_error", "participant_unavailable")),
+            Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, ("not_found",)),
+            *EnvironmentFront(self).routes(),
+        ]
 
     # ---- control plane hooks --------------------------------------------------------------------
 
@@ -386,10 +438,18 @@ class EnvironmentParticipant(Participant):
 
 
 
-def build_environment_app(store: PostgresEventStore, token: str, agent_url: str, model_url: str, resources_url: str,
-                          instance: str = "environment-0") -> web.Application:
-    participant = EnvironmentParticipant(store, instance, token, agent_url, model_url, resources_url)
-    return build_app(participant, token)
+def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:
+    """A rollout id names one task: asking for it with another is a conflict, answered before any write."""
+    if ep is not None and ep.task != requested:
+        raise RequestConflict(f"rollout {rid} was started with another task; a rollout id names one task")
+
+
+def build_environment_app(store: PostgresEventStore, credentials: Credentials, agent_url: str, resources_url: str,
+                          instance: str = "environment-0",
+                          environments: frozenset[str] = enabled_environments(sandbox=False)) -> web.Application:
+    """Outgoing addresses come from here (the configuration), never from a request."""
+    participant = EnvironmentParticipant(store, instance, credentials.data, agent_url, resources_url, environments)
+    return build_app(participant, credentials)
 
 
 __all__ = ["EnvironmentParticipant", "EpisodeRequest", "PARTICIPANT", "STEPS", "build_environment_app"]

@@ -14,6 +14,12 @@ Responses-API `response` and a `reward`, like a NeMo Gym agent's verify response
 
 Both servers answer `POST /aggregate_metrics` (NeMo Gym's `AggregateMetrics`), which the collector
 calls at the end of a collection.
+
+Every one of these routes is a data-plane route behind the guard (participants.guard): the data
+credential, as a bearer token or, since NeMo Gym's client can set an address but no header, as the
+password of HTTP Basic (`http://rollbook:<data credential>@host:port` in NeMo Gym's config). The
+bodies are parsed by the models below before anything runs, and the environment a task names must
+be one this deployment serves (the sandbox only when configured).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import MAX_ID_LENGTH, episode_stream, rollout_stream
 from participants.environments import Task, ToolError, get_environment
 from participants.environments.base import canonical
+from participants.guard import Route
 
 if TYPE_CHECKING:
     from participants.agent_server import AgentParticipant
@@ -168,7 +175,40 @@ class EpisodeResponse(BaseModel):
 
 
 class AggregateMetricsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     verify_responses: list[dict[str, Any]]
+
+
+class AggregateMetricsReply(BaseModel):
+    """What rollbook fills of NeMo Gym's AggregateMetrics."""
+
+    agent_metrics: dict[str, Any]
+    key_metrics: dict[str, Any]
+    group_level_metrics: list[dict[str, Any]]
+
+
+class FlatRow(BaseModel):
+    """A flat NeMo Gym row as legacy_agent relays it: these fields, and any others, which come back as sent.
+
+    `rollbook` (a `GymTaskInput`) or `expected_answer` picks the task (`flat_row_task`); the rollout id is
+    `_ng_rollout_id`, else `<_ng_task_index>-<_ng_rollout_index>`, the caller's attempt `_ng_attempt_index`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: dict[str, Any] | None = None
+    expected_answer: Any = None
+    rollbook: dict[str, Any] | None = None
+
+
+class FlatRowReply(BaseModel):
+    """The row as sent, plus the episode's Responses-API `response`, its `reward` and rollbook's identity."""
+
+    model_config = ConfigDict(extra="allow")
+
+    response: dict[str, Any] | None
+    reward: float | None
+    rollbook: dict[str, Any] | None
 
 
 # ---- identity --------------------------------------------------------------------------------
@@ -303,7 +343,10 @@ def aggregate(verify_responses: list[dict[str, Any]]) -> dict[str, Any]:
     by_task: dict[Any, list[float]] = defaultdict(list)
     for r in verify_responses:
         if isinstance(r.get("reward"), (int, float)):
-            by_task[r.get("_ng_task_index")].append(float(r["reward"]))
+            index = r.get("_ng_task_index")
+            # A task index is a number; anything else a caller sends is grouped by its JSON text.
+            key = index if isinstance(index, str | int | float) or index is None else canonical(index)
+            by_task[key].append(float(r["reward"]))
     mean = sum(rewards) / len(rewards) if rewards else 0.0
     return {
         "agent_metrics": {"mean/reward": mean, "rollouts": len(rewards)},
@@ -313,9 +356,13 @@ def aggregate(verify_responses: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def aggregate_metrics(request: web.Request) -> web.Response:
-    body = AggregateMetricsRequest.model_validate(await request.json())
+async def aggregate_metrics(request: web.Request, body: AggregateMetricsRequest) -> web.Response:
     return web.json_response(aggregate(body.verify_responses))
+
+
+def aggregate_route() -> Route:
+    return Route("POST", "/aggregate_metrics", aggregate_metrics, AggregateMetricsRequest, AggregateMetricsReply,
+                 basic=True, name="gym_aggregate_metrics")
 
 
 # ---- the environment server's /run -------------------------------------------------------------
@@ -333,11 +380,12 @@ class EnvironmentFront:
     def __init__(self, p: EnvironmentParticipant) -> None:
         self.p = p
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.post("/run", self.run), web.post("/aggregate_metrics", aggregate_metrics)]
+    def routes(self) -> list[Route]:
+        return [Route("POST", "/run", self.run, EpisodeRequest, EpisodeResponse,
+                      ("task_conflict", "forbidden", "participant_unavailable"), basic=True, name="gym_episode"),
+                aggregate_route()]
 
-    async def run(self, request: web.Request) -> web.Response:
-        req = EpisodeRequest.model_validate(await request.json())
+    async def run(self, request: web.Request, req: EpisodeRequest) -> web.Response:
         reply = await self.episode(req)
         return web.json_response(reply.model_dump(mode="json", exclude_none=True))
 
@@ -345,6 +393,7 @@ class EnvironmentFront:
         rid = scoped_rollout_id(req.task.task_id.taskset, req.episode_id.rollout_id)
         task = task_for(req.task.task_id, req.task.task_input)
         p = self.p
+        p.admit_task(task)  # known, enabled here, and its params fit: refused before anything is written
         async with p.locks.setdefault(rid, asyncio.Lock()):
             events = await p.store.read_rollout(rid)
             recorded = _gym_record(events)
@@ -477,15 +526,15 @@ class AgentFront:
     def __init__(self, p: AgentParticipant) -> None:
         self.p = p
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.post("/run", self.run), web.post("/aggregate_metrics", aggregate_metrics)]
+    def routes(self) -> list[Route]:
+        return [Route("POST", "/run", self.run, FlatRow, FlatRowReply,
+                      ("rollout_id_required", "task_conflict", "forbidden", "episode_failed", "participant_unavailable"),
+                      basic=True, name="gym_flat_row"),
+                aggregate_route()]
 
-    async def run(self, request: web.Request) -> web.Response:
-        try:
-            row = await request.json()
-        except ValueError:
-            row = None
-        if not isinstance(row, dict) or "responses_create_params" not in row:
+    async def run(self, request: web.Request, body: FlatRow) -> web.Response:
+        row = body.model_dump(mode="json", exclude_unset=True)
+        if body.responses_create_params is None:
             # Not a NeMo Gym row: rollbook's own agent route needs the identity in its path.
             raise RolloutIdRequired("POST /run takes a NeMo Gym row (responses_create_params, _ng_task_index, "
                                     "_ng_rollout_index); rollbook's own activations go to "
@@ -503,7 +552,7 @@ class AgentFront:
 
 
 __all__ = [
-    "AgentFront", "EnvironmentFront", "EpisodeFailure", "EpisodeId", "EpisodeRequest", "EpisodeResponse",
-    "GymTaskInput", "TaskId", "aggregate", "flat_row_episode", "flat_row_task", "responses_output",
+    "AgentFront", "AggregateMetricsReply", "EnvironmentFront", "EpisodeFailure", "EpisodeId", "EpisodeRequest",
+    "EpisodeResponse", "FlatRow", "FlatRowReply", "GymTaskInput", "TaskId", "aggregate", "flat_row_episode", "flat_row_task", "responses_output",
     "scoped_rollout_id", "task_for",
 ]

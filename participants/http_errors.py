@@ -1,4 +1,9 @@
-"""Every error the servers return: one JSON shape, one HTTP status per code, mapped here only."""
+"""Every error the servers return: one JSON shape, one HTTP status per code, mapped here only.
+
+The shape is `{"error": {"code", "detail", "message", "type"}}` (plus `context` when there is some):
+`code` and `detail` are rollbook's; `message` and `type` are OpenAI's, so an OpenAI SDK pointed at
+the model server shows the message. Anything unforeseen is a JSON `internal_error`, never a page.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ log = logging.getLogger("rollbook.http")
 
 STATUS: dict[str, int] = {
     "invalid_request": 400,
+    "invalid_json": 400,
     "invalid_identifier": 400,
     "invalid_payload": 400,
     "unsupported_parameter": 400,
@@ -21,9 +27,12 @@ STATUS: dict[str, int] = {
     "payload_too_large": 413,
     "rollout_id_required": 400,
     "unauthorized": 401,
+    "forbidden": 403,
     "unknown_checkpoint": 404,
     "not_found": 404,
+    "method_not_allowed": 405,
     "deadline_exceeded": 408,
+    "conflict": 409,
     "stale_checkpoint": 409,
     "checkpoint_conflict": 409,
     "invalid_phase": 409,
@@ -45,17 +54,28 @@ STATUS: dict[str, int] = {
     "replay_divergence": 500,
     "participant_unavailable": 503,
     "generation_failed": 502,
+    "internal_error": 500,
     "database_unavailable": 503,
 }
 
+# OpenAI's error `type` by status, so its SDKs raise the matching exception class.
+_OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error"}
 
-def error_response(code: str, detail: str, **context: object) -> web.Response:
-    # `message` and `type` beside rollbook's `code` and `detail`: OpenAI's error shape, so an OpenAI
-    # SDK pointed at the model server shows the sentence instead of a bare status.
-    body: dict[str, object] = {"code": code, "detail": detail, "message": detail, "type": code}
+
+def error_body(code: str, detail: str, **context: object) -> dict[str, object]:
+    """The one error shape, for replies and for the error event of a stream alike."""
+    status = STATUS.get(code, 500)
+    body: dict[str, object] = {"code": code, "detail": detail, "message": detail,
+                               "type": _OPENAI_TYPE.get(status, "api_error" if status >= 500 else "invalid_request_error")}
     if context:
         body["context"] = context
-    return web.json_response({"error": body}, status=STATUS.get(code, 500))
+    return {"error": body}
+
+
+def error_response(code: str, detail: str, **context: object) -> web.Response:
+    return web.json_response(error_body(code, detail, **context), status=STATUS.get(code, 500))
 
 
 @web.middleware
@@ -68,7 +88,7 @@ async def errors_as_json(request: web.Request, handler):  # type: ignore[no-unty
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
         return error_response("invalid_request", f"the request body is not valid: {problems}")
     except json.JSONDecodeError as exc:
-        return error_response("invalid_request", f"the request body is not JSON: {exc}")
+        return error_response("invalid_json", f"the request body is not JSON: {exc}")
     except ConnectionResetError:
         if request.content.exception() is None:
             raise  # not the caller: something this handler called went away
@@ -78,5 +98,9 @@ async def errors_as_json(request: web.Request, handler):  # type: ignore[no-unty
         return error_response("invalid_request", "the client closed the connection before its request body arrived")
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
-            return error_response("not_found" if exc.status == 404 else "invalid_request", exc.reason)
+            code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status, "invalid_request")
+            return error_response(code, exc.reason)
         raise
+    except Exception as exc:  # a bug: still JSON with a stable code; the detail names the type, never a secret
+        request.app.logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response("internal_error", f"internal error ({type(exc).__name__})")

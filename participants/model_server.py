@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import hashlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -52,12 +52,13 @@ from engine.errors import (
     AttemptLost,
     InvalidIdentifier,
     InvalidPhase,
+    RequestConflict,
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
 )
-from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import call_stream, validate_id
+from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
+from engine.identity import ID_PATTERN, call_stream, validate_id
 from engine.recovery import call_lost
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import (
@@ -69,7 +70,9 @@ from participants.control_plane import (
     data_path,
     identity,
 )
+from participants.guard import Credentials, Header, Route
 from participants.openai_wire import (
+    ChatCompletion,
     ChatRequest,
     chunk,
     completion_body,
@@ -93,6 +96,7 @@ POLICY_STREAM = "policy"  # one stream for the whole deployment: the order of ve
 POLICY_VERSION_CHANGED = "policy_version_changed"
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
+REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
 
 
@@ -139,6 +143,7 @@ class _Call:
     prefix: Prefix | None = None
     prefix_segments: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
+    digest: str = ""  # request_digest of the body it was accepted with
     state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
     prompt_ids: tuple[int, ...] = ()
     ids: list[int] = field(default_factory=list)
@@ -206,7 +211,6 @@ class ModelParticipant(Participant):
         self.staged_rollouts: set[str] = set()
         self.replacements: dict[tuple[str, int], str] = {}  # (replaced call, attempt) -> the call that replaced it
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
-        self.token = ""
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
 
@@ -280,10 +284,24 @@ class ModelParticipant(Participant):
     def held(self) -> int:
         return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.post(data_path(COMPLETIONS), self.chat_completions), web.post(COMPLETIONS, self._no_identity),
-                web.get(MODELS, self.models), web.get(data_path(MODELS), self.models),
-                web.post(POLICY_VERSION, self.set_policy_version), web.get(POLICY_VERSION, self.get_policy_version)]
+    def routes(self) -> list[Route]:
+        headers = (
+            Header(CALL_ID_HEADER, ID_PATTERN, description="the call's id: a repeat with the same body gets the same reply"),
+            Header(PARENT_HEADER, ID_PATTERN, required=False, description="the call before this one in the rollout"),
+            Header(REPLACES_HEADER, REPLACES_PATTERN, required=False,
+                   description="comma-separated call ids this call continues, newest first"),
+        )
+        return [
+            Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
+                  ("invalid_identifier", "stale_attempt", "admission_closed", "conflict", "invalid_phase"),
+                  headers=headers, stream=True),
+            Route("POST", COMPLETIONS, self._no_identity, None, None, ("rollout_id_required",), name="completions_without_identity"),
+            Route("GET", MODELS, self.models, None, None, (), name="list_models"),
+            Route("GET", data_path(MODELS), self.models, None, None, (), name="list_models_of_attempt"),
+            Route("POST", POLICY_VERSION, self.set_policy_version, PolicyVersionRequest, None,
+                  ("invalid_request", "invalid_json"), "control"),
+            Route("GET", POLICY_VERSION, self.get_policy_version, None, None, (), "control"),
+        ]
 
     # ---- the policy version --------------------------------------------------------------------
 
@@ -307,39 +325,30 @@ class ModelParticipant(Participant):
         data = {"policy_version": version, "previous": previous, "source": source, "instance": self.instance}
         await self._append(NewEvent(POLICY_STREAM, POLICY_VERSION_CHANGED, data))
 
-    async def set_policy_version(self, request: web.Request) -> web.Response:
+    async def set_policy_version(self, request: web.Request, body: PolicyVersionRequest) -> web.Response:
         """The framework's call after a weight sync: calls accepted from now on carry the new version;
         calls in flight keep the version they started under (their later tokens are the new policy's
         only if they are cut and continued, which records a new segment)."""
-        self.authorize(request)
         await self.adopt_policy_version()
-        body = PolicyVersionRequest.model_validate(await request.json())
         previous = self.policy_version
         if body.policy_version != previous:
             await self._record_policy_version(body.policy_version, previous, body.source)
             self.backend.policy_version = body.policy_version
         return web.json_response({"policy_version": body.policy_version, "previous": previous})
 
-    async def get_policy_version(self, request: web.Request) -> web.Response:
-        self.authorize(request)
+    async def get_policy_version(self, request: web.Request, _body: None) -> web.Response:
         return web.json_response({"policy_version": self.policy_version})
 
-    def authorize(self, request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        if not self.token or not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            raise Unauthorized("a valid bearer token is required to change the policy version")
-
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.Request, _body: None) -> web.Response:
         return web.json_response(models_body(str(getattr(self.backend, "model", "rollbook")), self.policy_version))
 
     # ---- the data route ---------------------------------------------------------------------
 
-    async def _no_identity(self, request: web.Request) -> web.Response:
+    async def _no_identity(self, request: web.Request, _body: None) -> web.Response:
         raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
         rollout_id, attempt = identity(request)
-        body = ChatRequest.model_validate(await request.json())
         self.backend.check(body.backend_request())
         await self.check_attempt(rollout_id, attempt)
         self.served_sessions = True
@@ -380,13 +389,16 @@ class ModelParticipant(Participant):
     ) -> _Call:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
         async with self._locked(call_id):
+            digest = request_digest(payload.backend_request())
             live = self.calls.get(call_id)
             if live is not None:
                 _check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
+                _check_same(call_id, live.digest or None, digest)
                 return live
             record = _records(await self.store.read_stream(call_stream(call_id))).get(call_id)
             if record is not None:
                 _check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
+                _check_same(call_id, record.accepted.get("request_digest"), digest)
                 if record.status == "completed":
                     return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
                 if call_lost(record.status, served_here=False):
@@ -411,11 +423,12 @@ class ModelParticipant(Participant):
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
         call = _Call(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
+        call.digest = request_digest(call.request)
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
         try:
             accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent, "policy_version": call.policy_version,
-                                        "stream": stream, "sampling": payload.sampling()}
+                                        "stream": stream, "sampling": payload.sampling(), "request_digest": call.digest}
             source: _Record | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
                 chain = replaces.split(",")
@@ -656,6 +669,22 @@ class ModelParticipant(Participant):
         await resp.write_eof()
 
 
+# Options that choose how the reply is shown, not what is generated: a call cut by a checkpoint may be
+# asked again with them changed (streamed this time, with logprobs) and is still the same call.
+PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
+
+
+def request_digest(payload: dict[str, Any]) -> str:
+    """What makes two requests under one call id the same request: the body but its presentation options."""
+    same = {k: v for k, v in payload.items() if k not in PRESENTATION}
+    return hashlib.sha256(canonical_json(same).encode()).hexdigest()
+
+
+def _check_same(call_id: str, recorded: object, digest: str) -> None:
+    if recorded is not None and recorded != digest:
+        raise RequestConflict(f"call id {call_id} was already used for a different request; name a new call")
+
+
 def _optional_id(request: web.Request, header: str) -> str | None:
     value = request.headers.get(header)
     return validate_id(value, f"{header} header") if value else None
@@ -669,10 +698,6 @@ def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | Non
         )
 
 
-class Unauthorized(RollbookError):
-    code = "unauthorized"
-
-
 class PolicyVersionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy_version: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")
@@ -680,11 +705,11 @@ class PolicyVersionRequest(BaseModel):
 
 
 def build_model_app(
-    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
+    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
+    instance: str = "model-0",
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
-    participant.token = token
-    return build_app(participant, token)
+    return build_app(participant, credentials)
 
 
 __all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app"]

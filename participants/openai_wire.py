@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,17 +31,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    """An OpenAI function tool: `{"type": "function", "function": {"name", ...}}`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
 class ChatRequest(BaseModel):
     """The OpenAI body. Sampling parameters pass through to the backend; unknown fields too (an
     upstream may know them); a parameter that cannot be honoured is refused (400)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     n: int | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -69,6 +92,18 @@ class ChatRequest(BaseModel):
 
     def sampling(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump(exclude_none=True).items() if k in SAMPLING}
+
+
+class ChatCompletion(BaseModel):
+    """The reply of a non-streaming call (a streaming one is text/event-stream)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, int]
 
 
 def sse(value: dict[str, Any]) -> bytes:

@@ -1,53 +1,79 @@
-"""The control plane's OpenAPI 3 document, generated from its pydantic models."""
+"""One OpenAPI 3.1 document per server, generated from its `Route`s and the pydantic models that parse them.
+
+The control plane and the server's data plane alike: every route with its path and header
+parameters, its request body (the very model `participants.guard.read_body` validates with), its
+reply and the error codes it can answer with. Every operation needs a bearer credential; its
+description says which one.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from participants import control_plane as cp
+from participants.guard import PATH_PARAMETERS, Route
 from participants.http_errors import STATUS
 
-_OPS: dict[str, tuple[str, type[Any] | None, type[Any], list[str]]] = {
-    # path: (method, request model, reply model, error codes it can return)
-    "status": ("get", None, cp.Status, ["unauthorized"]),
-    "prepare": ("post", cp.ControlRequest, cp.PrepareReply,
-                ["unauthorized", "invalid_request", "checkpoint_conflict", "stale_checkpoint", "deadline_exceeded"]),
-    "renew": ("post", cp.ControlRequest, cp.OperationReply, ["unauthorized", "invalid_request", "checkpoint_conflict", "stale_checkpoint"]),
-    "commit": ("post", cp.CommitRequest, cp.OperationReply,
-               ["unauthorized", "invalid_request", "checkpoint_conflict", "stale_checkpoint", "invalid_phase", "restart_in_scope",
-                "deadline_exceeded"]),
-    "restore": ("post", cp.ControlRequest, cp.OperationReply,
-                ["unauthorized", "invalid_request", "invalid_phase", "unknown_checkpoint", "invalid_checkpoint_state",
-                 "stale_checkpoint", "checkpoint_conflict", "deadline_exceeded"]),
-    "resume": ("post", cp.ControlRequest, cp.OperationReply,
-               ["unauthorized", "invalid_request", "invalid_phase", "checkpoint_conflict", "stale_checkpoint"]),
-    "retire": ("post", cp.RetireRequest, cp.OperationReply, ["unauthorized", "invalid_request"]),
-    "forget": ("post", cp.ForgetRequest, cp.OperationReply, ["unauthorized", "invalid_request"]),
-}
+# Every operation may answer these: a bad credential, a body over the limit or not JSON, a body that
+# does not validate, a server that is not ready; `default` documents any other error status.
+ALWAYS = ("unauthorized", "forbidden", "invalid_request", "invalid_json", "payload_too_large")
+_SCOPE = {"control": "the control credential", "data": "the data credential", "any": "either credential"}
 
 
-def document() -> dict[str, Any]:
-    models = {m for _, req, rep, _ in _OPS.values() for m in (req, rep) if m is not None} | {cp.ErrorReply}
-    _, schemas = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def document(title: str, routes: list[Route]) -> dict[str, Any]:
+    from participants.control_plane import ErrorReply
+
+    models: set[type[BaseModel]] = {ErrorReply}
+    for r in routes:
+        models |= {m for m in (r.body, r.reply) if m is not None}
+    _, schemas = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+                                    ref_template="#/components/schemas/{model}")
+    error = {"application/json": {"schema": _ref(ErrorReply)}}
     paths: dict[str, Any] = {}
-    for name, (method, req, rep, codes) in _OPS.items():
-        responses: dict[str, Any] = {
-            "200": {"description": "ok", "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{rep.__name__}"}}}}
-        }
-        for code in codes:
+    for r in routes:
+        ok_schema = _ref(r.reply) if r.reply is not None else {"type": "object"}
+        content: dict[str, Any] = {"application/json": {"schema": ok_schema}}
+        if r.stream:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        responses: dict[str, Any] = {"200": {"description": "ok", "content": content}}
+        for code in dict.fromkeys((*ALWAYS, *r.errors)):
+            if code in ("invalid_json", "payload_too_large", "invalid_request") and r.body is None:
+                continue
             status = str(STATUS[code])
-            entry = responses.setdefault(status, {"description": "", "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/ErrorReply"}}}})
+            entry = responses.setdefault(status, {"description": "", "content": error})
             entry["description"] = ", ".join(filter(None, [entry["description"], code]))
-        op: dict[str, Any] = {"operationId": name, "security": [{"bearer": []}], "responses": responses}
-        if req is not None:
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{req.__name__}"}}}}
-        paths[f"{cp.CONTROL}/{name}"] = {method: op}
+        responses["default"] = {"description": "any other error, with its stable code", "content": error}
+        params: list[dict[str, Any]] = [
+            {"name": name, "in": "path", "required": True, "schema": PATH_PARAMETERS[name]}
+            for name in re.findall(r"{(\w+)}", r.path)
+        ]
+        params += [{"name": h.name, "in": "header", "required": h.required, "description": h.description,
+                    "schema": {"type": "string", "pattern": h.pattern}} for h in r.headers]
+        op: dict[str, Any] = {
+            "operationId": r.operation_id,
+            "description": f"Needs {_SCOPE[r.scope]}" + (" (bearer, or the password of HTTP Basic)." if r.basic else "."),
+            "security": [{"bearer": []}, {"basic": []}] if r.basic else [{"bearer": []}],
+            "responses": responses,
+        }
+        if params:
+            op["parameters"] = params
+        if r.body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(r.body)}}}
+        paths.setdefault(r.path, {})[r.method.lower()] = op
     return {
         "openapi": "3.1.0",
-        "info": {"title": "rollbook control plane", "version": "1"},
+        "info": {"title": title, "version": "1"},
         "paths": paths,
-        "components": {"schemas": schemas.get("$defs", {}), "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": schemas.get("$defs", {}), "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "basic": {"type": "http", "scheme": "basic", "description": "the data credential as the password "
+                      "(any user name); only on NeMo Gym's fronts, whose callers can set an address but no header"},
+        }},
     }

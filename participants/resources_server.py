@@ -22,33 +22,39 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history, validate_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
+    Forbidden,
     InvalidCheckpointState,
+    InvalidRequest,
+    NotFound,
+    RequestConflict,
     RestartInScope,
     RollbookError,
     RolloutIdRequired,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import session_stream
+from engine.identity import ID_PATTERN, session_stream
 from engine.recovery import open_session_mode, tool_call_outcomes
 from participants.control_plane import (
     PARTICIPANT,
-    Body,
     Execution,
     Participant,
     PrepareReport,
+    TaskBody,
     build_app,
     data_path,
     identity,
 )
 from participants.environments import Environment, Task, ToolError, get_environment
 from participants.environments.base import JSON, Trajectory
+from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
+from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
 
 Key = tuple[str, int]  # (rollout_id, attempt)
 # The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
@@ -62,28 +68,16 @@ class ToolCallRefused(RollbookError):
     code = "tool_error"
 
 
-class InvalidRequest(RollbookError):
-    code = "invalid_request"
-
-
-class SessionNotFound(RollbookError):
-    code = "not_found"
+class SessionNotFound(NotFound):
+    pass
 
 
 def refused(exc: ToolError) -> ToolCallRefused:
     return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
 
 
-class TaskBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    env: str
-    task_id: str
-    prompt: str
-    params: dict[str, Any] = {}
-
-
 class OpenRequest(Body):
-    env: str
+    env: Identifier
     task: TaskBody
 
 
@@ -94,6 +88,32 @@ class ToolRequest(Body):
 class VerifyRequest(Body):
     final_answer: str | None = None
     messages: list[dict[str, Any]] = Field(default_factory=list, description="the whole conversation, for the verifier")
+
+
+class SessionReply(BaseModel):
+    state_mode: str
+    verification: str
+    revision: int
+    tools: list[dict[str, Any]]
+
+
+class ToolReply(BaseModel):
+    output: Any
+    revision: int
+    done: bool
+    repeated: bool | None = None
+
+
+class VerifyReply(BaseModel):
+    reward: float
+    status: str
+    revision: int
+    repeated: bool | None = None  # the recorded answer of a verify asked again
+
+
+class StateReply(BaseModel):
+    state: Any
+    revision: int
 
 
 @dataclass
@@ -191,8 +211,9 @@ class ResourcesParticipant(Participant):
     kind: ClassVar[str] = "resources"
     concurrency: ClassVar[str] = "mutations serialized per (rollout_id, attempt) session; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "resources-0") -> None:
+    def __init__(self, store: PostgresEventStore, instance: str = "resources-0", sandbox: SandboxLimits | None = None) -> None:
         super().__init__(store, instance)
+        self.sandbox = sandbox  # None: the sandbox environment is off (the default)
         self.sessions: dict[Key, Session] = {}
         self.staged: dict[Key, Staged] = {}
         self.staged_from: str | None = None
@@ -201,10 +222,21 @@ class ResourcesParticipant(Participant):
     # ---- data plane -------------------------------------------------------------------------
 
     async def _enter(self, request: web.Request) -> Key:
+        """Called once the request has been parsed and checked: only then does the attempt matter."""
         key = identity(request)
         await self.check_attempt(*key)
         self.served_sessions = True
         return key
+
+    def _environment(self, name: str) -> Environment:
+        if name == SandboxEnvironment.name:
+            if self.sandbox is None:
+                raise Forbidden("the sandbox environment is off; the configuration's [sandbox] table turns it on")
+            return SandboxEnvironment(self.sandbox)
+        try:
+            return get_environment(name)
+        except ToolError as exc:
+            raise InvalidRequest(exc.message) from exc
 
     async def _session(self, key: Key) -> Session:
         s = self.sessions.get(key) or await self._recover(key)
@@ -262,16 +294,19 @@ class ResourcesParticipant(Participant):
         if not self.admission_open:
             raise AdmissionClosed(f"{what} refused: a checkpoint is in progress; retry after it resumes")
 
-    async def open_session(self, request: web.Request) -> web.Response:
-        key = await self._enter(request)
-        body = OpenRequest.model_validate(await request.json())
+    async def open_session(self, request: web.Request, body: OpenRequest) -> web.Response:
+        identity(request)
         if body.task.env != body.env:
             raise InvalidRequest(f"the task is for environment {body.task.env!r}, not {body.env!r}")
-        try:
-            env = get_environment(body.env)
-        except ToolError as exc:
-            raise InvalidRequest(exc.message) from exc
+        env = self._environment(body.env)
         task = Task.from_json(body.task.model_dump())
+        try:
+            state = env.initial_state(task)
+        except ToolError as exc:
+            raise refused(exc) from exc
+        except Exception as exc:  # a reducer that cannot start from these params: the request is wrong
+            raise InvalidRequest(f"the task's params do not fit {env.name}: {type(exc).__name__}: {exc}"[:300]) from None
+        key = await self._enter(request)
         existing = self.sessions.get(key) or await self._recover(key)
         if existing is not None:
             if existing.env.name != env.name or existing.task != task:
@@ -280,17 +315,16 @@ class ResourcesParticipant(Participant):
             async with existing.lock:  # a repeated open is answered once the first is durable
                 return web.json_response(self._describe(await self._session(key)))
         self._refuse_when_closed("opening a session")
-        try:
-            state = env.initial_state(task)
-        except ToolError as exc:
-            raise refused(exc) from exc
         s = Session(key[0], key[1], env, task, state)
         async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
             self.sessions[key] = s
             try:
                 if env.state_mode == "restart_only":
                     # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
-                    s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
+                    try:
+                        s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
+                    except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
+                        raise refused(exc) from exc
                 await self._append(s, "session_opened", {"env": env.name, "task": task.to_json(),
                                                          "state_mode": env.state_mode})
             except BaseException:
@@ -305,10 +339,9 @@ class ResourcesParticipant(Participant):
         return {"state_mode": s.env.state_mode, "verification": s.env.verification, "revision": s.revision,
                 "tools": s.env.tools()}
 
-    async def call_tool(self, request: web.Request) -> web.Response:
+    async def call_tool(self, request: web.Request, body: ToolRequest) -> web.Response:
         key = await self._enter(request)
         name = request.match_info["name"]
-        body = ToolRequest.model_validate(await request.json())
         call_key = request.headers.get(TOOL_CALL_HEADER) or None
         s = await self._session(key)
         # Taken right before the lock: work admitted here and queued on the lock is in flight,
@@ -352,9 +385,8 @@ class ResourcesParticipant(Participant):
                 s.tool_calls[call_key] = data
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
-    async def verify(self, request: web.Request) -> web.Response:
+    async def verify(self, request: web.Request, body: VerifyRequest) -> web.Response:
         key = await self._enter(request)
-        body = VerifyRequest.model_validate(await request.json())
         s = self.sessions.get(key) or await self._recover(key)
         if s is None:
             # A passed verify retires its session; a caller that crashed before it heard the answer
@@ -363,6 +395,8 @@ class ResourcesParticipant(Participant):
                         if e.kind == "session_verified" and e.stream == session_stream(*key)]
             if verified:
                 d = verified[-1].data
+                if d.get("final_answer") != body.final_answer:
+                    raise RequestConflict(f"rollout {key[0]} attempt {key[1]} was verified with another answer")
                 return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
                                           "repeated": True})
             s = await self._session(key)  # raises not_found
@@ -399,7 +433,7 @@ class ResourcesParticipant(Participant):
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
         return web.json_response({"reward": reward, "status": status, "revision": revision})
 
-    async def close_session(self, request: web.Request) -> web.Response:
+    async def close_session(self, request: web.Request, _body: None) -> web.Response:
         key = await self._enter(request)
         s = self.sessions.get(key) or await self._recover(key)
         if s is None:
@@ -421,7 +455,7 @@ class ResourcesParticipant(Participant):
         self.sessions.pop((s.rollout_id, s.attempt), None)
         await self._close_live(s)
 
-    async def get_state(self, request: web.Request) -> web.Response:
+    async def get_state(self, request: web.Request, _body: None) -> web.Response:
         s = await self._session(await self._enter(request))
         return web.json_response({"state": s.state, "revision": s.revision})
 
@@ -431,19 +465,24 @@ class ResourcesParticipant(Participant):
             handle, s.live = s.live, None
             await asyncio.to_thread(s.env.close_live, handle)  # type: ignore[attr-defined]
 
-    async def no_identity(self, request: web.Request) -> web.Response:
+    async def no_identity(self, request: web.Request, _body: Any) -> web.Response:
         raise RolloutIdRequired("data routes live under /rollouts/{rollout_id}/attempts/{attempt}/")
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
+        session = ("stale_attempt", "invalid_identifier", "not_found", "admission_closed", "tool_error")
         routes = [
-            web.post(data_path("/session"), self.open_session),
-            web.post(data_path("/tools/{name}"), self.call_tool),
-            web.post(data_path("/verify"), self.verify),
-            web.post(data_path("/close"), self.close_session),
-            web.get(data_path("/state"), self.get_state),
+            Route("POST", data_path("/session"), self.open_session, OpenRequest, SessionReply, session),
+            Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
+                  headers=(Header(TOOL_CALL_HEADER, ID_PATTERN, required=False,
+                                  description="the call's key: a repeat gets the recorded outcome"),)),
+            Route("POST", data_path("/verify"), self.verify, VerifyRequest, VerifyReply, session),
+            Route("POST", data_path("/close"), self.close_session, None, Empty, session),
+            Route("GET", data_path("/state"), self.get_state, None, StateReply, session),
         ]
-        bare = [web.post(p, self.no_identity) for p in ("/session", "/tools/{name}", "/verify", "/close")]
-        return routes + bare + [web.get("/state", self.no_identity)]
+        bare = [Route("POST", p, self.no_identity, None, None, ("rollout_id_required",), name=f"{n}_without_identity")
+                for n, p in (("session", "/session"), ("tool", "/tools/{name}"), ("verify", "/verify"), ("close", "/close"))]
+        return [*routes, *bare, Route("GET", "/state", self.no_identity, None, None, ("rollout_id_required",),
+                                      name="state_without_identity")]
 
     # ---- control plane hooks ----------------------------------------------------------------
 
@@ -535,10 +574,12 @@ class ResourcesParticipant(Participant):
 
 
 
-def build_resources_app(store: PostgresEventStore, token: str, instance: str = "resources-0") -> web.Application:
-    """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection."""
-    participant = ResourcesParticipant(store, instance)
-    return build_app(participant, token)
+def build_resources_app(store: PostgresEventStore, credentials: Credentials, instance: str = "resources-0",
+                        sandbox: SandboxLimits | None = None) -> web.Application:
+    """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection.
+    The sandbox environment is served only when `sandbox` gives its limits."""
+    participant = ResourcesParticipant(store, instance, sandbox)
+    return build_app(participant, credentials)
 
 
 __all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild", "ToolCallRefused", "SessionNotFound"]

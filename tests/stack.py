@@ -26,11 +26,15 @@ from engine.events import RecordedEvent
 from participants.agent_server import AgentParticipant, build_agent_app
 from participants.control_plane import PARTICIPANT, Participant
 from participants.environment_server import build_environment_app
+from participants.environments import enabled_environments
 from participants.environments.base import Task
+from participants.environments.sandbox import SandboxLimits
+from participants.guard import Credentials
 from participants.model_server import build_model_app
 from participants.resources_server import build_resources_app
 
-TOKEN = "stack-secret"
+CREDS = Credentials(control="stack-control-secret", data="stack-data-secret")
+TOKEN = CREDS.control  # the coordinator's
 SEED = 7  # the scripted policy's seed: the same replies every run
 
 
@@ -41,7 +45,8 @@ class Stack:
     tokens: PostgresTokenStore
     backend: ScriptedBackend
     session: aiohttp.ClientSession
-    client: JsonClient = field(default_factory=lambda: JsonClient(TOKEN))
+    client: JsonClient = field(default_factory=lambda: JsonClient(CREDS.data))  # the framework's dispatch
+    control_client: JsonClient = field(default_factory=lambda: JsonClient(CREDS.control))
 
     def url(self, kind: str) -> str:
         return str(self.servers[kind].make_url("")).rstrip("/")
@@ -75,6 +80,7 @@ class Stack:
         if hasattr(self.backend, "close"):  # an upstream backend holds an HTTP session
             await self.backend.close()
         await self.client.close()
+        await self.control_client.close()
         await self.session.close()
 
 
@@ -96,11 +102,12 @@ async def start_stack(
         servers[kind] = srv
         return str(srv.make_url("")).rstrip("/")
 
-    model = await serve("model", build_model_app(store("model"), backend, tokens, TOKEN, f"model-{tag}"))
-    resources = await serve("resources", build_resources_app(store("resources"), TOKEN, f"resources-{tag}"))
-    agent = await serve("agent", build_agent_app(store("agent"), TOKEN, f"agent-{tag}", agent_cls))
-    await serve("environment", build_environment_app(store("environment"), TOKEN, agent, model, resources,
-                                                     f"environment-{tag}"))
+    model = await serve("model", build_model_app(store("model"), backend, tokens, CREDS, f"model-{tag}"))
+    resources = await serve("resources", build_resources_app(store("resources"), CREDS, f"resources-{tag}",
+                                                             sandbox=SandboxLimits()))
+    agent = await serve("agent", build_agent_app(store("agent"), CREDS, model, resources, f"agent-{tag}", agent_cls))
+    await serve("environment", build_environment_app(store("environment"), CREDS, agent, resources, f"environment-{tag}",
+                                                     environments=enabled_environments(sandbox=True)))
     return Stack(servers, stores, tokens, backend, aiohttp.ClientSession())
 
 

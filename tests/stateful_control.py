@@ -41,7 +41,7 @@ from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.errors import RollbookError
 from participants.environments.tasks import make_tasks
-from tests.stack import SEED, TOKEN, Stack, start_stack
+from tests.stack import CREDS, SEED, Stack, start_stack
 
 ENVS = ["math", "blackjack", "workplace"]
 ROLLOUTS = 4
@@ -116,7 +116,7 @@ class ControlMachine(RuleBasedStateMachine):
     async def _start(self) -> None:
         self.stack = await start_stack(self.dsn, f"{self.run_id}-{next(self.counter)}", ScriptedBackend(token_latency_s=0.002))
         servers = {k: cfg.ServerConfig(port=self.stack.servers[k].port) for k in cfg.KINDS}
-        config = cfg.Config(dsn=self.dsn, token=TOKEN, servers=servers)
+        config = cfg.Config(dsn=self.dsn, control_token=CREDS.control, data_token=CREDS.data, servers=servers)
         if self.session is None:
             self.session = aiohttp.ClientSession()
         tasks = make_tasks(ROLLOUTS, 3, ENVS)
@@ -290,7 +290,7 @@ class ControlMachine(RuleBasedStateMachine):
             if rid not in self.retired:
                 assert finished.get(rid) == 1, f"{rid} finished {finished.get(rid, 0)} times after {self.steps}"
         for kind in cfg.KINDS:
-            status = await self.stack.client.get(f"{self.stack.url(kind)}/rollbook/v1/control/status")
+            status = await self.stack.control_client.get(f"{self.stack.url(kind)}/rollbook/v1/control/status")
             assert status["phase"] == "idle", f"{kind} is {status['phase']} at the end, after {self.steps}"
         await self._check()
         _count("sequences_checked")

@@ -116,8 +116,7 @@ async def test_activations_replay_the_completed_index_and_refuse_any_other(dsn: 
         await s.episode(WORKPLACE, "act-1")
         before = await store.read_rollout("act-1")
         url = data_url(s.url("agent"), "act-1", 0, "/run")
-        body = {"task": WORKPLACE.to_json(), "max_steps": 16, "model_url": s.url("model"),
-                "resources_url": s.url("resources"), "seed": SEED}
+        body = {"task": WORKPLACE.to_json(), "max_steps": 16, "seed": SEED}
         replay = await s.client.post(url, body, {ACTIVATION_HEADER: "0"})
         assert replay == final_reply(before, 0)
         with pytest.raises(ActivationOutOfOrder):
@@ -239,7 +238,7 @@ async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str
     try:
         running = asyncio.create_task(old.episode(WORKPLACE, "ro-1"))
         await wait_for(store, "ro-1", "agent_boundary", 1, state="after_turn")
-        status = await old.client.get(f"{old.url('agent')}{CONTROL}/status")
+        status = await old.control_client.get(f"{old.url('agent')}{CONTROL}/status")
         assert status["checkpoint_mode"] == "restart_only"
         coordinator = old.coordinator(store)
         prepared = await coordinator.prepare("ro-ck", time.time() + 10)

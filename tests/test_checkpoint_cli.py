@@ -17,7 +17,8 @@ from adapters.processes import ServerProcesses, free_port
 @pytest.fixture
 def servers(dsn: str):
     work = Path(tempfile.mkdtemp(prefix="rbcli-"))
-    config = cfg.Config(dsn=dsn, token="cli-token", servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS})
+    config = cfg.Config(dsn=dsn, control_token="cli-control-token", data_token="cli-data-token",
+                        servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS})
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(config, work / "rollbook.toml", work)
     procs.start()
@@ -28,7 +29,7 @@ def servers(dsn: str):
 def checkpoint(config: cfg.Config, *args: str) -> tuple[int, dict]:
     participants = [a for k in cfg.KINDS for a in ("--participant", f"{k}={config.url(k)}")]
     out = subprocess.run([sys.executable, "-m", "adapters.cli", "checkpoint", *args, *participants,
-                          "--token", config.token, "--dsn", config.dsn or ""], capture_output=True, text=True, timeout=60)
+                          "--control-token", config.control_token, "--dsn", config.dsn or ""], capture_output=True, text=True, timeout=60)
     text = out.stdout if out.returncode == 0 else out.stderr
     return out.returncode, json.loads(text.strip().splitlines()[-1])
 

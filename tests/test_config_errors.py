@@ -33,7 +33,7 @@ def write_config(work: Path, dsn: str | None, *, tasks: str | None = None, extra
     servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
     tasks_path = work / "tasks.jsonl"
     tasks_path.write_text("".join(json.dumps(t.to_json()) + "\n" for t in make_tasks(2, 1, ["math"])))
-    config = cfg.Config(dsn=dsn, token="t", servers=servers,
+    config = cfg.Config(dsn=dsn, control_token="control-t0k", data_token="data-t0ken", servers=servers,
                         run=cfg.RunConfig(run_id="cfg", tasks=tasks or str(tasks_path)) if run else None)
     path = work / "rollbook.toml"
     cfg.write(config, path)

@@ -16,9 +16,11 @@ from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
 from engine.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
 from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
+from participants.guard import Credentials
 from participants.http_errors import STATUS
 
-TOKEN = "s3cret"
+CREDS = Credentials(control="s3cret-control", data="s3cret-data")
+TOKEN = CREDS.control
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -46,7 +48,7 @@ class Recorder(Participant):
 
 async def serve(store: PostgresEventStore, kind: str, calls: list[str], **kw: Any) -> tuple[TestServer, Recorder]:
     participant = Recorder(store, kind, calls, **kw)
-    server = TestServer(build_app(participant, TOKEN, grace=0.1), host="127.0.0.1")
+    server = TestServer(build_app(participant, CREDS, grace=0.1), host="127.0.0.1")
     await server.start_server()
     return server, participant
 
@@ -76,6 +78,14 @@ async def test_calls_without_the_bearer_token_are_refused(one, headers) -> None:
         assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
     async with http.post(f"{CONTROL}/prepare", json=body(), headers=headers) as resp:
         assert resp.status == 401
+    assert calls == [] and participant.admission_open
+
+
+async def test_the_data_credential_does_not_open_the_control_plane(one) -> None:
+    http, participant, calls = one
+    data = {"Authorization": f"Bearer {CREDS.data}"}
+    async with http.post(f"{CONTROL}/prepare", json=body(), headers=data) as resp:
+        assert resp.status == 403 and (await resp.json())["error"]["code"] == "forbidden"
     assert calls == [] and participant.admission_open
 
 
@@ -168,15 +178,17 @@ async def test_status_reports_capabilities(one) -> None:
 async def test_openapi_document_lists_every_route_and_error_status(one) -> None:
     http, _, _ = one
     async with http.get(OPENAPI_PATH) as resp:
+        assert resp.status == 401  # the document too needs a credential
+    async with http.get(OPENAPI_PATH, headers={"Authorization": f"Bearer {CREDS.data}"}) as resp:
         doc = await resp.json()
     from openapi_spec_validator import validate
 
     validate(doc)
-    app = build_app(Participant(None, "x"), TOKEN)  # type: ignore[arg-type]
+    app = build_app(Participant(None, "x"), CREDS)  # type: ignore[arg-type]
     routes = {
         (r.method.lower(), r.resource.canonical)
         for r in app.router.routes()
-        if r.resource.canonical.startswith(CONTROL) and r.method != "HEAD"  # aiohttp adds HEAD to each GET
+        if r.method != "HEAD"  # aiohttp adds HEAD to each GET
     }
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert routes == documented

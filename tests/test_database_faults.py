@@ -17,10 +17,13 @@ from adapters.processes import free_port
 from engine.errors import DatabaseUnavailable
 from engine.events import AppendRequest, NewEvent
 from participants.control_plane import CONTROL
+from participants.guard import Credentials
 from participants.resources_server import build_resources_app
 
-TOKEN = "db-token"
+CREDS = Credentials(control="db-control-token", data="db-data-token")
+TOKEN = CREDS.control
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DATA = {"Authorization": f"Bearer {CREDS.data}"}
 
 
 def dead_dsn() -> str:
@@ -91,12 +94,12 @@ async def test_a_database_that_does_not_answer_is_database_unavailable_after_the
 
 async def test_a_server_answers_503_database_unavailable_while_the_database_is_down() -> None:
     store = PostgresEventStore.connect(dead_dsn(), writer="dead", patience_s=0.3)
-    server = TestServer(build_resources_app(store, TOKEN), host="127.0.0.1")
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as http:
             task = {"env": "math", "task_id": "t", "prompt": "p", "params": {}}
-            async with http.post(server.make_url("/rollouts/r1/attempts/0/session"), json={"env": "math", "task": task}) as resp:
+            async with http.post(server.make_url("/rollouts/r1/attempts/0/session"), json={"env": "math", "task": task}, headers=DATA) as resp:
                 body = await resp.json()
         assert resp.status == 503 and body["error"]["code"] == "database_unavailable", body
     finally:
@@ -106,7 +109,7 @@ async def test_a_server_answers_503_database_unavailable_while_the_database_is_d
 
 async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) -> None:
     store = PostgresEventStore.connect(dsn, writer="lease", patience_s=0.2)
-    server = TestServer(build_resources_app(store, TOKEN), host="127.0.0.1")
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
     await server.start_server()
     healthy = store.engine
     try:
@@ -141,7 +144,7 @@ async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) 
 
 async def test_a_resume_that_could_not_be_recorded_is_503_and_can_be_repeated(dsn: str) -> None:
     store = PostgresEventStore.connect(dsn, writer="resume", patience_s=0.2)
-    server = TestServer(build_resources_app(store, TOKEN), host="127.0.0.1")
+    server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
     await server.start_server()
     healthy = store.engine
     try:

@@ -12,6 +12,7 @@ from adapters.scripted_policy import scripted_reply, scripted_tokens
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
 from participants.environments.base import Trajectory, canonical, roundtrip
 from participants.environments.blackjack import export_rng, import_rng, restore_env
+from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.environments.tasks import make_tasks
 
 REPLAYABLE = sorted(n for n, cls in ENVIRONMENTS.items() if cls.state_mode in ("stateless", "exported"))
@@ -65,7 +66,7 @@ def drive(env: Environment, task: Task, seed: int, run: Run, live: object = None
 
 
 def play(task: Task, seed: int = 0) -> Run:
-    env = get_environment(task.env)
+    env = SandboxEnvironment(SandboxLimits()) if task.env == "sandbox" else get_environment(task.env)
     run = Run(messages=[{"role": "user", "content": task.prompt}])
     if env.state_mode == "restart_only":
         live = env.open_live(task)
@@ -274,7 +275,7 @@ def test_sandbox_cannot_rebuild_and_says_so() -> None:
 
 
 def test_sandbox_live_session_runs_commands_and_keeps_its_shell_state() -> None:
-    env = get_environment("sandbox")
+    env = SandboxEnvironment(SandboxLimits())
     task = make_tasks(1, seed=2, envs=["sandbox"])[0]
     handle = env.open_live(task)
     try:
@@ -291,7 +292,7 @@ def test_sandbox_live_session_runs_commands_and_keeps_its_shell_state() -> None:
 
 
 def test_sandbox_timeout_ends_the_session() -> None:
-    env = type(get_environment("sandbox"))(timeout_s=0.3)
+    env = SandboxEnvironment(SandboxLimits(timeout_s=0.3))
     handle = env.open_live(make_tasks(1, seed=2, envs=["sandbox"])[0])
     try:
         with pytest.raises(ToolError) as err:

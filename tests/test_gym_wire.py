@@ -6,6 +6,7 @@ collector-level test against the real `ng_collect_rollouts` is tests/e2e/test_ne
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import subprocess
@@ -23,10 +24,10 @@ from adapters.generation import ScriptedBackend
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.run import load_tasks
-from participants.environments import ENVIRONMENTS, Task
+from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
-from tests.stack import TOKEN, Stack, start_stack
+from tests.stack import CREDS, TOKEN, Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
 ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
@@ -48,8 +49,17 @@ def episode(taskset: str, rollout_id: str, task_input: dict[str, Any], attempt: 
             "task": {"task_id": {"taskset": taskset, "task_id": task_id}, "task_input": task_input}}
 
 
-async def post(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+# How NeMo Gym's client authenticates: the data credential in the server address, which aiohttp sends
+# as HTTP Basic (http://rollbook:<data credential>@host:port).
+GYM_AUTH = basic("rollbook", CREDS.data)
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = GYM_AUTH) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http, http.post(url, json=body, headers=headers) as resp:
         return resp.status, await resp.json()
 
 
@@ -121,6 +131,62 @@ async def test_a_bad_episode_request_is_400_and_writes_nothing(dsn: str, store: 
             status, reply = await post(url, bad)
             assert (status, reply["error"]["code"]) == (400, "invalid_request"), bad
         assert await store.head() == head
+
+
+async def test_the_gym_fronts_need_the_data_credential_and_refuse_anything_else_writing_nothing(
+        dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "auth") as s:
+        head = await store.head()
+        body = episode("math:a", "0-0", MATH)
+        row = {"responses_create_params": {"input": "Reverse the string 'ab'."}, "expected_answer": "ba",
+               "_ng_task_index": 0, "_ng_rollout_index": 0}
+        refused = {}
+        for server, path, payload in (("environment", "/run", body), ("agent", "/run", row),
+                                      ("environment", "/aggregate_metrics", {"verify_responses": []}),
+                                      ("agent", "/aggregate_metrics", {"verify_responses": []})):
+            url = f"{s.url(server)}{path}"
+            for name, headers in (
+                    ("none", None),
+                    ("wrong basic", basic("rollbook", "not-a-credential")),
+                    ("not base64", {"Authorization": "Basic %%%"}),
+                    ("no password", basic(CREDS.data, "")),
+                    ("wrong bearer", {"Authorization": "Bearer not-a-credential"}),
+                    ("control basic", basic("rollbook", CREDS.control)),
+                    ("control bearer", {"Authorization": f"Bearer {CREDS.control}"})):
+                status, reply = await post(url, payload, headers)
+                refused[(server, path, name)] = (status, reply["error"]["code"])
+        assert await store.head() == head  # nothing written by any refused request
+        bearer = await post(f"{s.url('environment')}/run", body, {"Authorization": f"Bearer {CREDS.data}"})
+        gym = await post(f"{s.url('agent')}/run", row)  # GYM_AUTH: what NeMo Gym's client sends
+    for (server, path, name), got in refused.items():
+        expected = (403, "forbidden") if name.startswith("control") else (401, "unauthorized")
+        assert got == expected, (server, path, name, got)
+    assert bearer[0] == 200 and "result" in bearer[1], bearer
+    assert gym[0] == 200 and gym[1]["reward"] == 1.0, gym
+
+
+async def test_basic_auth_opens_only_the_gym_fronts(dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "basiconly") as s:
+        head = await store.head()
+        task = {"env": "math", "task_id": "m", "prompt": "What is 1 + 1?", "params": {"expression": "1 + 1", "answer": 2}}
+        episodes = await post(f"{s.url('environment')}/episodes", {"rollout_id": "b-0", "task": task})
+        async with aiohttp.ClientSession() as http, http.get(f"{s.url('environment')}/rollbook/v1/control/status",
+                                                            headers=basic("rollbook", CREDS.control)) as resp:
+            control = resp.status, await resp.json()
+        assert await store.head() == head
+    assert (episodes[0], episodes[1]["error"]["code"]) == (401, "unauthorized")
+    assert (control[0], control[1]["error"]["code"]) == (401, "unauthorized")
+
+
+async def test_the_sandbox_through_the_gym_front_is_forbidden_unless_configured(
+        dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "gymsandbox") as s:
+        s.participant("environment").environments = enabled_environments(sandbox=False)  # type: ignore[attr-defined]
+        head = await store.head()
+        status, reply = await post(f"{s.url('environment')}/run",
+                                   episode("sh:a", "0-0", {"env": "sandbox", "prompt": "run id", "params": {}}))
+        assert await store.head() == head
+    assert (status, reply["error"]["code"]) == (403, "forbidden")
 
 
 async def test_a_different_task_under_a_recorded_rollout_is_a_conflict(dsn: str, store: PostgresEventStore) -> None:
@@ -204,6 +270,8 @@ async def test_verify_receives_the_whole_trajectory_through_the_servers(
 
     monkeypatch.setitem(ENVIRONMENTS, "coin", CoinEnvironment)
     async with stack(dsn, "coin") as s:
+        env = s.participant("environment")
+        env.environments = env.environments | {"coin"}  # type: ignore[attr-defined]  # as a config enabling it would
         status, body = await post(f"{s.url('environment')}/run", episode("coin:test", "0-0", {"env": "coin", "generate": 1}))
     assert status == 200, body
     assert body["result"]["reward"] == 1.0

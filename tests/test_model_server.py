@@ -37,10 +37,13 @@ from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
 from participants.control_plane import CONTROL
+from participants.guard import Credentials
 from participants.model_server import build_model_app
 from tests.fake_vllm import FakeVLLM
 
-TOKEN = "secret"
+CREDS = Credentials(control="secret-control", data="secret-data")
+TOKEN = CREDS.control
+DATA = {"Authorization": f"Bearer {CREDS.data}"}
 MATH = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "seed": 3}
 TOOLS = [{"type": "function", "function": {"name": n}} for n in ("look", "hit", "stand")]
 BLACKJACK = {"messages": [{"role": "user", "content": "Play a hand of blackjack."}], "tools": TOOLS, "seed": 1}
@@ -55,7 +58,7 @@ async def tokens(dsn: str):
 
 @contextlib.asynccontextmanager
 async def model_server(store: PostgresEventStore, backend: Any, tokens: Any, instance: str = "model-0"):
-    async with TestClient(TestServer(build_model_app(store, backend, tokens, TOKEN, instance))) as client:
+    async with TestClient(TestServer(build_model_app(store, backend, tokens, CREDS, instance))) as client:
         yield client
 
 
@@ -68,7 +71,7 @@ def url(rollout: str, attempt: int = 0) -> str:
 
 
 def call_headers(call_id: str, replaces: str | None = None) -> dict[str, str]:
-    headers = {"X-Rollbook-Call-Id": call_id}
+    headers = {"X-Rollbook-Call-Id": call_id, **DATA}
     if replaces:
         headers["X-Rollbook-Replaces-Call-Id"] = replaces
     return headers
@@ -285,7 +288,7 @@ async def test_non_streaming_call_completes_with_custody_events(store, tokens) -
         assert resp.status == 200, body
         no_prefix = await client.post("/v1/chat/completions", json=MATH, headers=call_headers("x"))
         no_prefix_error = (await no_prefix.json())["error"]["code"]
-        no_call_id = await client.post(url("r1"), json=MATH)
+        no_call_id = await client.post(url("r1"), json=MATH, headers=DATA)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == backend.reply(MATH)
     events = await store.read_stream(call_stream("r1.0.t0"))

@@ -21,10 +21,12 @@ from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from participants.control_plane import CONTROL
+from participants.guard import Credentials
 from participants.model_server import build_model_app
 from tests.fake_vllm import FakeVLLM
 
-TOKEN = "secret"
+CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")
+TOKEN = CREDS.control  # the control plane's; the SDK's api_key is the data credential
 MATH = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
@@ -39,9 +41,9 @@ async def tokens(dsn: str):
 async def sdk(store: PostgresEventStore, backend: Any, tokens: Any, rollout: str):
     """A model server, an attempt to call it under, and an SDK client for that attempt."""
     await store.append(AppendRequest((NewEvent(rollout_stream(rollout), ATTEMPT_STARTED, {"parent_attempt": None}, rollout, 0),)))
-    server = TestServer(build_model_app(store, backend, tokens, TOKEN))
+    server = TestServer(build_model_app(store, backend, tokens, CREDS))
     await server.start_server()
-    client = openai.AsyncOpenAI(base_url=str(server.make_url(f"/rollouts/{rollout}/attempts/0/v1")), api_key="unused",
+    client = openai.AsyncOpenAI(base_url=str(server.make_url(f"/rollouts/{rollout}/attempts/0/v1")), api_key=CREDS.data,
                                 max_retries=0)
     try:
         yield client, server
@@ -120,7 +122,7 @@ async def test_models_list_names_the_served_model_and_errors_carry_a_message(sto
         models = await client.models.list()
         with pytest.raises(openai.BadRequestError) as missing:
             await client.chat.completions.create(model="scripted", messages=MATH)  # no X-Rollbook-Call-Id
-        wrong = openai.AsyncOpenAI(base_url=str(client.base_url).replace("/attempts/0/", "/attempts/5/"), api_key="x",
+        wrong = openai.AsyncOpenAI(base_url=str(client.base_url).replace("/attempts/0/", "/attempts/5/"), api_key=CREDS.data,
                                    max_retries=0)
         with pytest.raises(openai.ConflictError) as stale:
             await wrong.chat.completions.create(model="scripted", messages=MATH, **call("s5.5.t0"))
@@ -148,3 +150,18 @@ async def test_a_stream_cut_by_a_checkpoint_raises_in_the_sdk(store, tokens) -> 
     assert "cut" in info.value.message and len(got) >= 3
     await asyncio.sleep(0)
     assert [e.kind for e in await store.read_stream(call_stream("s6.0.t0"))] == ["call_accepted", "call_cut"]
+
+
+async def test_the_sdk_needs_the_data_credential_as_its_api_key_and_shows_the_refusal(store, tokens) -> None:
+    async with sdk(store, ScriptedBackend(), tokens, "s7") as (client, _):
+        head = await store.head()
+        outcomes = {}
+        for name, key in (("wrong", "not-a-credential"), ("control", CREDS.control)):
+            other = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=key, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await other.chat.completions.create(model="scripted", messages=MATH, **call("s7.0.t0"))
+            await other.close()
+            outcomes[name] = (type(refused.value), refused.value.code, refused.value.message)
+        assert await store.head() == head  # refused before anything was written
+    assert outcomes["wrong"][:2] == (openai.AuthenticationError, "unauthorized") and "credential" in outcomes["wrong"][2]
+    assert outcomes["control"][:2] == (openai.PermissionDeniedError, "forbidden") and "data" in outcomes["control"][2]

@@ -14,6 +14,7 @@ from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
 from participants.model_server import POLICY_STREAM, POLICY_VERSION
 from tests.test_model_server import (
+    CREDS,
     MATH,
     TOKEN,
     call_headers,
@@ -43,9 +44,12 @@ async def test_the_configured_version_is_recorded_at_start_and_a_change_needs_th
         no_token = await set_version(client, "step-1", token=None)
         wrong = await set_version(client, "step-1", token="nope")
         bad = await set_version(client, "step 1!")
-        assert [e.data["policy_version"] for e in await store.read_stream(POLICY_STREAM)] == ["step-0"]
+        data = await set_version(client, "step-1", token=CREDS.data)  # the data credential opens no control route
+        # Refused requests write nothing, not even the configured version (validate, then write).
+        assert await store.read_stream(POLICY_STREAM) == []
         ok = await set_version(client, "step-1")
     assert no_token[0] == wrong[0] == 401 and no_token[1]["error"]["code"] == "unauthorized"
+    assert (data[0], data[1]["error"]["code"]) == (403, "forbidden")
     assert bad[0] == 400 and "policy_version" in bad[1]["error"]["detail"]
     assert ok == (200, {"policy_version": "step-1", "previous": "step-0"})
     changes = await store.read_stream(POLICY_STREAM)

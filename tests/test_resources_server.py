@@ -22,11 +22,14 @@ from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.phases import checkpoint_started
 from participants.control_plane import CONTROL
 from participants.environments import get_environment
+from participants.environments.sandbox import SandboxLimits
 from participants.environments.tasks import make_task
+from participants.guard import Credentials
 from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
 
-TOKEN = "res-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CREDS = Credentials(control="res-control-token", data="res-data-token")
+AUTH = {"Authorization": f"Bearer {CREDS.control}"}
+DATA = {"Authorization": f"Bearer {CREDS.data}"}
 Served = tuple[aiohttp.ClientSession, ResourcesParticipant]
 
 
@@ -34,7 +37,7 @@ Served = tuple[aiohttp.ClientSession, ResourcesParticipant]
 async def serving(dsn: str, writer: str) -> AsyncIterator[Served]:
     """One resources server process: its own store (connections) and its own memory."""
     store = PostgresEventStore.connect(dsn, writer=writer)
-    app = build_resources_app(store, TOKEN)
+    app = build_resources_app(store, CREDS, sandbox=SandboxLimits())
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     http = aiohttp.ClientSession(base_url=str(server.make_url("")))
@@ -58,7 +61,9 @@ def prefix(rid: str, attempt: int) -> str:
 
 async def call(http: aiohttp.ClientSession, method: str, path: str, body: Any = None,
                headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with http.request(method, path, json=body, headers=headers) as resp:
+    # The data credential unless the headers name another Authorization (the control plane's, or none: "").
+    sent = {k: v for k, v in {**DATA, **(headers or {})}.items() if v != ""}
+    async with http.request(method, path, json=body, headers=sent) as resp:
         return resp.status, await resp.json()
 
 

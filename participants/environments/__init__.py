@@ -39,6 +39,13 @@ def registered_environments() -> dict[str, type[Environment]]:
 ENVIRONMENTS: dict[str, type[Environment]] = registered_environments()
 
 
+def enabled_environments(sandbox: bool) -> frozenset[str]:
+    """The environments a deployment serves: the sandbox runs commands, so only when configured."""
+    from .sandbox import SandboxEnvironment
+
+    return frozenset(n for n in ENVIRONMENTS if sandbox or n != SandboxEnvironment.name)
+
+
 def get_environment(name: str) -> Environment:
     try:
         return ENVIRONMENTS[name]()
@@ -48,5 +55,5 @@ def get_environment(name: str) -> Environment:
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
-    "Trajectory", "Verification", "get_environment", "registered_environments",
+    "Trajectory", "Verification", "enabled_environments", "get_environment", "registered_environments",
 ]

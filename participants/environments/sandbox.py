@@ -4,18 +4,31 @@ The shell's memory (variables, cwd, background jobs) lives in a process, not
 in JSON, so this environment cannot be rebuilt from the event log: a crashed
 session restarts from scratch. It says so through ``state_mode`` and by
 refusing ``apply``; the engine talks to it through the ``*_live`` methods.
+
+It runs whatever command a model (or whoever holds the data credential) sends, so it is off
+unless the configuration gives it `SandboxLimits`, and then each shell starts through a small
+jail (`_JAIL`, run by the server, which must be root for it): a new network namespace with no
+interface but a down loopback (unshare(CLONE_NEWNET)), resource limits (RLIMIT_CPU, RLIMIT_AS,
+RLIMIT_NPROC, RLIMIT_FSIZE, no core files), supplementary groups dropped, then the uid and gid of
+an unprivileged user (default `nobody`), a private working directory and an environment of PATH,
+HOME and LC_ALL only. The shell is exec'ed only after every step succeeded and said so; any
+failure ends the session before a command runs. The server adds a wall-clock timeout per command
+(the session ends when one passes it) and keeps at most `output_bytes` of each command's output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import pwd
 import random
 import re
 import secrets
 import select
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,9 +50,54 @@ from .base import (
 from .math_env import last_number
 
 SHELL = "/bin/sh"
-MAX_OUTPUT = 8_000
+READY = b"rollbook-sandbox-ready\n"
+FAILED = b"rollbook-sandbox-failed"
+CLONE_NEWNET = 0x40000000
+# Run by a fresh interpreter (-I -S: no site, no user paths) as root, it jails itself and becomes the shell.
+_JAIL = """
+import ctypes, json, os, resource, sys
+a = json.loads(sys.argv[1])
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(a["clone_newnet"]) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+    for name, soft, hard in a["limits"]:
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    os.setgroups([])
+    os.setgid(a["gid"])
+    os.setuid(a["uid"])
+    if os.getuid() != a["uid"] or os.geteuid() != a["uid"] or os.getgid() != a["gid"]:
+        raise OSError("the user did not change")
+    os.chdir(a["cwd"])
+except Exception as exc:
+    sys.stdout.write("rollbook-sandbox-failed %s\\n" % (exc,))
+    sys.stdout.flush()
+    os._exit(126)
+sys.stdout.write("rollbook-sandbox-ready\\n")
+sys.stdout.flush()
+os.execve(a["shell"], [a["shell"]], a["env"])
+"""
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper"]
 _HEX64 = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What a sandbox shell may use; given by the configuration's [sandbox] table."""
+
+    user: str = "nobody"
+    cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    max_processes: int = 64  # processes of the sandbox user (RLIMIT_NPROC)
+    file_mb: int = 64  # largest file a command may write (RLIMIT_FSIZE)
+    output_bytes: int = 8_000  # output kept per command; the rest is counted and dropped
+    timeout_s: float = 10.0  # wall clock per command; past it the session ends
+
+    def rlimits(self) -> list[tuple[str, int, int]]:
+        mb = 1024 * 1024
+        return [("RLIMIT_CPU", self.cpu_s, self.cpu_s + 1), ("RLIMIT_AS", self.memory_mb * mb, self.memory_mb * mb),
+                ("RLIMIT_NPROC", self.max_processes, self.max_processes), ("RLIMIT_FSIZE", self.file_mb * mb, self.file_mb * mb),
+                ("RLIMIT_CORE", 0, 0)]
 
 
 @dataclass(frozen=True)
@@ -68,8 +126,9 @@ class SandboxEnvironment(Environment):
     state_mode: ClassVar[StateMode] = "restart_only"
     verification: ClassVar[Verification] = "wait"
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, limits: SandboxLimits | None = None) -> None:
+        self.limits = limits  # None: off; a session cannot be opened
+        self.timeout_s = limits.timeout_s if limits is not None else 10.0
 
     def tools(self) -> list[dict]:
         return [function_tool("run", "Run a command in a persistent POSIX shell; returns its output and exit code.",
@@ -99,13 +158,48 @@ class SandboxEnvironment(Environment):
     # -- live session -------------------------------------------------------------
 
     def open_live(self, task: Task) -> LiveShell:
+        limits = self.limits
+        if limits is None:
+            raise ToolError("sandbox_disabled", "the sandbox environment is off in this configuration")
+        try:
+            user = pwd.getpwnam(limits.user)
+        except KeyError:
+            raise ToolError("sandbox_unavailable", f"no user named {limits.user!r} for the sandbox") from None
+        if user.pw_uid == 0:
+            raise ToolError("sandbox_unavailable", "the sandbox user must not be root")
+        if os.geteuid() != 0:
+            raise ToolError("sandbox_unavailable", "the sandbox needs a server started as root, to drop to its user")
         workdir = tempfile.mkdtemp(prefix="rollbook-sandbox-")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "LC_ALL": "C"}
+        os.chown(workdir, user.pw_uid, user.pw_gid)
+        args = {"clone_newnet": CLONE_NEWNET, "limits": limits.rlimits(), "uid": user.pw_uid, "gid": user.pw_gid,
+                "cwd": workdir, "shell": SHELL,
+                "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "LC_ALL": "C"}}
         process = subprocess.Popen(
-            [SHELL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            cwd=workdir, env=env, start_new_session=True,
+            [sys.executable, "-I", "-S", "-c", _JAIL, json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, cwd="/", env={}, start_new_session=True,
         )
-        return LiveShell(process=process, workdir=workdir, task_id=task.task_id)
+        handle = LiveShell(process=process, workdir=workdir, task_id=task.task_id)
+        said = self._read_line(handle, deadline=time.monotonic() + 10.0)
+        if said != READY:
+            self.close_live(handle)
+            why = said.removeprefix(FAILED).strip().decode(errors="replace") or "the jail exited"
+            raise ToolError("sandbox_unavailable", f"the sandbox could not start: {why}")
+        return handle
+
+    @staticmethod
+    def _read_line(handle: LiveShell, deadline: float) -> bytes:
+        """The jail's one line, read byte by byte so nothing of the shell's later output is taken."""
+        assert handle.process.stdout is not None
+        fd, line = handle.process.stdout.fileno(), b""
+        while not line.endswith(b"\n") and len(line) < 4096:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            byte = os.read(fd, 1)
+            if not byte:
+                break
+            line += byte
+        return line
 
     def call_live(self, handle: LiveShell, name: str, arguments: dict) -> ToolOutcome:
         command = self._check(name, arguments)
@@ -121,8 +215,8 @@ class SandboxEnvironment(Environment):
         assert handle.process.stdin is not None
         handle.process.stdin.write(script.encode())
         handle.process.stdin.flush()
-        output, code = self._read_until(handle, marker)
-        return self._outcome(command, output, code)
+        output, code, dropped = self._read_until(handle, marker)
+        return self._outcome(command, output, code, dropped)
 
     def close_live(self, handle: LiveShell) -> None:
         process = handle.process
@@ -152,17 +246,31 @@ class SandboxEnvironment(Environment):
             raise ToolError("bad_arguments", "command must not be empty")
         return command
 
-    def _read_until(self, handle: LiveShell, marker: str) -> tuple[str, int]:
+    def _read_until(self, handle: LiveShell, marker: str) -> tuple[str, int, int]:
+        """The command's output (at most `output_bytes` of it), its exit code and how many bytes were dropped.
+
+        Memory stays bounded however much a command prints: past the cap only a short tail is kept,
+        long enough to find the end marker in."""
         assert handle.process.stdout is not None
         fd = handle.process.stdout.fileno()
         needle = f"\n{marker} ".encode()
-        buf = b""
+        cap = self.limits.output_bytes if self.limits is not None else 8_000
+        kept, dropped, buf = bytearray(), 0, b""
+        window = len(needle) + 32
         deadline = time.monotonic() + self.timeout_s
         while True:
             at = buf.find(needle)
             if at >= 0 and buf.find(b"\n", at + len(needle)) >= 0:
                 code = int(buf[at + len(needle):].split(b"\n", 1)[0])
-                return buf[:at].decode(errors="replace"), code
+                room = max(0, cap - len(kept))
+                kept += buf[:at][:room]
+                dropped += max(0, at - room)
+                return kept.decode(errors="replace"), code, dropped
+            if at < 0 and len(buf) > window:
+                flush, buf = buf[:-window], buf[-window:]
+                room = max(0, cap - len(kept))
+                kept += flush[:room]
+                dropped += max(0, len(flush) - room)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 # The shell is stuck mid-command; its state is unknown, so the session ends here.
@@ -176,9 +284,9 @@ class SandboxEnvironment(Environment):
                 buf += chunk
 
     @staticmethod
-    def _outcome(command: str, output: str, code: int) -> ToolOutcome:
-        if len(output) > MAX_OUTPUT:
-            output = output[:MAX_OUTPUT] + "\n[output truncated]"
+    def _outcome(command: str, output: str, code: int, dropped: int = 0) -> ToolOutcome:
+        if dropped:
+            output += f"\n[output truncated: {dropped} more bytes]"
         # Not read-only: the live shell changed. The effect is a record for the log; apply() refuses it.
         return ToolOutcome(output={"output": output, "exit_code": code},
                            effect={"command": command, "exit_code": code})

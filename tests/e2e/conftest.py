@@ -115,7 +115,7 @@ class Cluster:
         return Collection(self.config, self.store, run_id, tasks, seed=seed, **kw)
 
     def participants(self) -> dict[str, HttpParticipant]:
-        return {k: HttpParticipant(k, k, self.config.url(k), self.config.token, self.session) for k in cfg.KINDS}
+        return {k: HttpParticipant(k, k, self.config.url(k), self.config.control_token, self.session) for k in cfg.KINDS}
 
     def gated(self, operation: str, held: Iterable[str]) -> tuple[Coordinator, dict[str, Gate]]:
         """A coordinator whose `operation` is held before it is sent to each kind in `held`."""
@@ -132,11 +132,12 @@ class Cluster:
 
     async def control_status(self, kind: str) -> dict[str, Any]:
         async with self.session.get(self.config.url(kind) + "/rollbook/v1/control/status",
-                                    headers={"Authorization": f"Bearer {self.config.token}"}) as resp:
+                                    headers={"Authorization": f"Bearer {self.config.control_token}"}) as resp:
             return dict(await resp.json())
 
     async def episode(self, rollout_id: str) -> dict[str, Any]:
-        async with self.session.get(self.config.url("environment") + f"/episodes/{rollout_id}") as resp:
+        async with self.session.get(self.config.url("environment") + f"/episodes/{rollout_id}",
+                                    headers={"Authorization": f"Bearer {self.config.data_token}"}) as resp:
             return dict(await resp.json()) if resp.status == 200 else {"status": f"http_{resp.status}"}
 
     # ---- reading the public views ------------------------------------------------------------
@@ -216,7 +217,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
             servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1")
-        config = cfg.Config(dsn=dsn, token=secrets.token_hex(12), servers=servers)
+        config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
+                            sandbox=cfg.SandboxConfig())
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")

@@ -380,7 +380,8 @@ async def test_an_episode_finishing_during_prepare_is_neither_lost_nor_redone(cl
     await finish(c, coll)
     print(await assert_invariants(c, coll))
     async with c.session.post(c.config.url("environment") + "/episodes", json={
-            "rollout_id": math[0], "task": coll.tasks[int(math[0].rsplit("-", 1)[1])].to_json()}) as resp:
+            "rollout_id": math[0], "task": coll.tasks[int(math[0].rsplit("-", 1)[1])].to_json()},
+            headers={"Authorization": f"Bearer {c.config.data_token}"}) as resp:
         assert resp.status == 200 and (await resp.json())["attempt"] == 0  # the recorded result, not a second run
     rows = await c.rows("SELECT rollout_id, count(*) AS attempts, max(reward) AS reward, "
                         "count(*) FILTER (WHERE restored_from_checkpoint IS NOT NULL) AS restored "

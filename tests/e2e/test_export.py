@@ -47,7 +47,7 @@ def test_a_run_crashed_and_restored_mid_generation_exports_what_an_uninterrupted
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
     paths = {}
     for run_id in ("ref", "crash"):
-        config = cfg.Config(dsn=dsn, token="t0ken", servers=servers, run=cfg.RunConfig(
+        config = cfg.Config(dsn=dsn, control_token="c0ntrol-t0ken", data_token="data-t0ken", servers=servers, run=cfg.RunConfig(
             run_id=run_id, tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=4))
         paths[run_id] = work / f"{run_id}.toml"
         cfg.write(config, paths[run_id])

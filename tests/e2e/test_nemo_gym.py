@@ -10,6 +10,10 @@ legacy_agent to rollbook's agent server). Mid-collection every rollbook server's
 SIGKILLed; the collector retries its in-flight requests on its own; fresh rollbook processes answer
 them by continuing each rollout from the log. Then, through SQL: every rollout finished exactly once,
 no model call generated twice for a turn, no mutation applied twice at a revision.
+
+rollbook's Gym fronts need the data credential; the collector and legacy_agent send it the only way
+NeMo Gym's client can, in the configured server address (`ROLLBOOK_HOST`), so the collection
+finishing at all shows they authenticated.
 """
 
 from __future__ import annotations
@@ -84,7 +88,12 @@ def gym_venv() -> Path:
     return venv
 
 
-def gym_config(cluster: Cluster, head_port: int, legacy_port: int) -> str:
+# NeMo Gym's client sends no header of its own: the data credential rides in the server address
+# (http://rollbook:<token>@host:port, which aiohttp sends as HTTP Basic), read from the environment.
+ROLLBOOK_HOST = '"rollbook:${oc.env:ROLLBOOK_DATA_TOKEN}@127.0.0.1"'
+
+
+def gym_config(cluster: Cluster, head_port: int, legacy_port: int, host: str = ROLLBOOK_HOST) -> str:
     """What a NeMo Gym user adds to an existing config to point it at rollbook (README, "NeMo Gym")."""
     return f"""
 head_server:
@@ -93,13 +102,13 @@ head_server:
 rollbook_environment:            # rollbook's environment server: materialized rows, by taskset
   environment_servers:
     rollbook:
-      host: 127.0.0.1
+      host: {host}
       port: {cluster.config.servers['environment'].port}
 rollbook_agent:                  # rollbook's agent server: flat rows, through legacy_agent
   responses_api_agents:
     rollbook:
       entrypoint: rollbook         # NeMo Gym validates a referenced agent; `rollbook serve agent` runs it
-      host: 127.0.0.1
+      host: {host}
       port: {cluster.config.servers['agent'].port}
 rollbook_legacy_environment:
   environment_servers:
@@ -172,6 +181,46 @@ SELECT count(*) FROM (SELECT rollout_id, data->>'revision' FROM rollbook.episode
                       WHERE kind = 'mutation_applied' GROUP BY 1, 2 HAVING count(*) > 1) t"""
 
 
+def gym_env(cluster: Cluster, tmp_path: Path) -> dict[str, str]:
+    env = {**os.environ, "NEMO_GYM_RESOLVED_CONFIG": str(tmp_path / "resolved.yaml"), "PYTHONUNBUFFERED": "1",
+           "RAY_USAGE_STATS_ENABLED": "0", "ROLLBOOK_DATA_TOKEN": cluster.config.data_token}
+    env.pop("PYTHONPATH", None)
+    for key in [k for k in env if k.startswith("VIRTUAL_ENV")]:
+        env.pop(key)
+    return env
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", '"rollbook:${oc.env:ROLLBOOK_CONTROL_TOKEN}@127.0.0.1"'],
+                         ids=["no-credential", "control-credential"])
+async def test_ng_collect_rollouts_without_the_data_credential_is_refused_and_writes_nothing(
+        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path, host: str) -> None:
+    venv = gym_venv()
+    cluster = await cluster_factory()
+    head_port = free_port()
+    (tmp_path / "gym.yaml").write_text(gym_config(cluster, head_port, free_port(), host=host))
+    materialized = [r for r in rows() if "task_id" in r][:2]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in materialized))
+    env = {**gym_env(cluster, tmp_path), "ROLLBOOK_CONTROL_TOKEN": cluster.config.control_token}
+    overrides = [f"+config_paths=[{tmp_path / 'gym.yaml'}]"]
+    head = spawn([str(venv / "bin" / "python"), str(Path(__file__).with_name("nemo_gym_head.py")), *overrides],
+                 tmp_path / "head.log", tmp_path, env)
+    try:
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{head_port}/global_config_dict_yaml", head,
+                                tmp_path / "head.log", 300)
+        before = await cluster.head()
+        out = tmp_path / "out" / "rollouts.jsonl"
+        collector = subprocess.run([str(venv / "bin" / "ng_collect_rollouts"), *overrides,
+                                    f"+input_jsonl_fpath={tmp_path / 'rows.jsonl'}", f"+output_jsonl_fpath={out}"],
+                                   cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        log = collector.stdout + collector.stderr
+        expected = "403" if "CONTROL" in host else "401"
+        assert collector.returncode != 0 and f"status={expected}" in log, log[-3000:]
+        assert await cluster.head() == before  # refused before anything was written
+        assert await cluster.scalar("SELECT count(*) FROM rollbook.attempts") == 0
+    finally:
+        stop(head)
+
+
 async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
         cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
     venv = gym_venv()
@@ -179,11 +228,7 @@ async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
     head_port, legacy_port = free_port(), free_port()
     (tmp_path / "gym.yaml").write_text(gym_config(cluster, head_port, legacy_port))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
-    env = {**os.environ, "NEMO_GYM_RESOLVED_CONFIG": str(tmp_path / "resolved.yaml"), "PYTHONUNBUFFERED": "1",
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("PYTHONPATH", None)
-    for key in [k for k in env if k.startswith("VIRTUAL_ENV")]:
-        env.pop(key)
+    env = gym_env(cluster, tmp_path)
     overrides = [f"+config_paths=[{tmp_path / 'gym.yaml'}]"]
     procs: list[subprocess.Popen[bytes]] = []
     try:

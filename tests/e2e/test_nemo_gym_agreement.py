@@ -65,7 +65,7 @@ def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(ds
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     # Slow tokens keep each generation in flight for a second or more, so the stop below lands mid-generation.
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.05 if k == "model" else 0.0) for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers, run=cfg.RunConfig(
+    config = cfg.Config(dsn=dsn, control_token="c0ntrol-t0ken", data_token="data-t0ken", servers=servers, run=cfg.RunConfig(
         run_id="gym", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=4))
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(cfg.load(work / "rollbook.toml"), work / "rollbook.toml", work)

@@ -260,7 +260,7 @@ def test_a_postgresql_restart_mid_run_is_ridden_out_without_a_traceback(restarta
     tasks = make_tasks(10, 11, ["workplace", "blackjack", "math"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
-    config = cfg.Config(dsn=url, token="t0ken", servers=servers,
+    config = cfg.Config(dsn=url, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="pgr", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
                                           concurrency=10))
     cfg.write(config, work / "rollbook.toml")

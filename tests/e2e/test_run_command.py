@@ -53,7 +53,7 @@ def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str)
     tasks = make_tasks(8, seed=3, envs=["workplace", "blackjack", "math"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers,
+    config = cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="r1", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=8))
     cfg.write(config, work / "rollbook.toml")
     assert cfg.load(work / "rollbook.toml") == config  # the documented format round-trips
@@ -100,7 +100,7 @@ def test_run_with_frequent_checkpoints_and_small_concurrency_finishes_every_task
     tasks = make_tasks(16, seed=11, envs=["math", "blackjack", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers,
+    config = cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="often", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=0.2,
                                           concurrency=3))
     cfg.write(config, work / "rollbook.toml")
