@@ -115,7 +115,8 @@ class World:
 def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 0.015) -> World:
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token="faults-secret", servers=servers)
+    config = cfg.Config(dsn=dsn, control_token="faults-c0ntrol", data_token="faults-d4ta", servers=servers,
+                        sandbox=cfg.SandboxConfig())  # the sandbox environment is off unless configured
     work.mkdir(parents=True, exist_ok=True)
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(config, work / "rollbook.toml", work)
@@ -404,7 +405,7 @@ class FaultMachine(RuleBasedStateMachine):
             phases = {}
             for kind in cfg.KINDS:
                 async with self.session.get(self.world.config.url(kind) + "/rollbook/v1/control/status",
-                                            headers={"Authorization": f"Bearer {self.world.config.token}"}) as resp:
+                                            headers={"Authorization": f"Bearer {self.world.config.control_token}"}) as resp:
                     phases[kind] = (await resp.json())["phase"]
             if all(p == "idle" for p in phases.values()) or time.time() > until:
                 return phases

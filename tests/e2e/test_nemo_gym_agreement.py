@@ -75,7 +75,10 @@ def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(ds
         crash.wait_for("finished")  # the others are mid-turn, most of them mid-generation
         wait_for_a_generation_under_way(dsn)
         crash.proc.send_signal(signal.SIGTERM)  # checkpoint and stop: prepare cuts every generation in flight
-        crash.wait_for("stopped")
+        seen = crash.wait_for("stopped")
+        stopped_at = [e for e in seen if e.get("event") == "checkpoint"]
+        # The stop's checkpoint must have gone through: one refused at prepare cuts nothing.
+        assert stopped_at and stopped_at[-1]["published"], stopped_at
         assert crash.proc.wait(timeout=30) == 0
         procs.kill()  # SIGKILL every server
         procs.start()

@@ -135,7 +135,7 @@ def _control(config: cfg.Config, kind: str, operation: str, checkpoint_id: str, 
 
     body = json.dumps({"checkpoint_id": checkpoint_id, "deadline": time.time() + deadline_s}).encode()
     req = urllib.request.Request(f"{config.url(kind)}/rollbook/v1/control/{operation}", data=body, method="POST",
-                                 headers={"Authorization": f"Bearer {config.token}", "Content-Type": "application/json"})
+                                 headers={"Authorization": f"Bearer {config.control_token}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -149,7 +149,7 @@ def test_run_waits_while_admission_is_held_closed_then_finishes_every_refused_ta
     tasks = make_tasks(6, seed=5, envs=["math", "blackjack", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers,
+    config = cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="held", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
                                           concurrency=len(tasks)))
     cfg.write(config, work / "rollbook.toml")
