@@ -1,11 +1,28 @@
 """The coordinator: one checkpoint across every participant, in the order the protocol needs.
 
-Prepare goes environment, model, agent, resources (environments park episodes first; the model
-closes and cuts generations so agents reach a boundary; resources last because the others call
-them) and stops at the first participant that is not ready. Commit and restore fan out to all at
-once; restore installs nothing unless every participant staged its part. Resume goes in reverse
-and carries on past failures. Retire and forget go callers first. The HTTP client that talks to
-participants is in adapters.participant_client; this module sees only the protocol below.
+Prepare runs in stages (PREPARE_STAGES), the participants of a stage at once, and stops after the
+first stage in which one is not ready. Commit and restore fan out to all at once; restore installs
+nothing unless every participant staged its part. Resume goes through the stages in reverse, each
+at once, and carries on past failures. Retire and forget go callers first. The HTTP client that
+talks to participants is in adapters.participant_client; this module sees only the protocol below.
+
+WHICH PREPARE ORDERINGS ARE REQUIRED, AND WHY. A participant that closes admission refuses new
+calls from its callers; a refused caller waits for resume. That is harmless when the caller's
+waiting work already counts as parked, and fatal to prepare when it does not:
+
+- environment, model and agent prepare at once. An agent session waiting on the model counts as
+  at its boundary, so the model closing (and cutting its generations) never strands an agent
+  prepare, and the agent needs nothing from the model's prepare to park. An episode inside its
+  agent step counts as parked, so the agent refusing a new activation never strands the
+  environment's prepare. The model calls no one.
+- resources prepare after all three. Agents (tool rounds) and environments (seed, verify and close
+  steps) call the resources server in the middle of work that does not count as parked: a tool
+  round is `running`, an episode in `verify` is in a step. Refused there, that work would wait for
+  resume while its own server waits for it to park, and prepare would fail at its deadline. So the
+  resources server closes only once every caller has parked.
+
+Resume reverses this: resources reopen first, so nothing its callers send on resume is refused,
+then the other three at once.
 """
 
 from __future__ import annotations
@@ -39,7 +56,8 @@ from engine.phases import (
     checkpoint_started,
 )
 
-PREPARE_ORDER = ("environment", "model", "agent", "resources")
+PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent"), ("resources",))
+PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
 
 
@@ -71,6 +89,24 @@ def _ordered(participants: Sequence[ParticipantClient], order: Sequence[str]) ->
     return sorted(participants, key=lambda p: rank.get(p.kind, len(order)))
 
 
+def _staged(participants: Sequence[ParticipantClient]) -> list[list[ParticipantClient]]:
+    """The participants of each prepare stage, in PREPARE_ORDER within it; a kind the protocol does
+    not name prepares last, alone, since nothing says what it may refuse to whom."""
+    stages = [[p for p in _ordered(participants, stage) if p.kind in stage] for stage in PREPARE_STAGES]
+    known = set(PREPARE_ORDER)
+    stages += [[p] for p in participants if p.kind not in known]
+    return [s for s in stages if s]
+
+
+async def _prepare_one(p: ParticipantClient, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return await p.call("prepare", body)
+    except RollbookError as exc:
+        return {"ready": False, "error": exc.to_json()["error"]}
+    except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
+        return {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
+
+
 class Coordinator:
     def __init__(self, store: CutStore, participants: Sequence[ParticipantClient]) -> None:
         self.store = store
@@ -97,20 +133,18 @@ class Coordinator:
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
-        for p in _ordered(self.participants, PREPARE_ORDER):
-            try:
-                reply = await p.call("prepare", self._body(checkpoint_id, deadline))
-            except RollbookError as exc:
-                reply = {"ready": False, "error": exc.to_json()["error"]}
-            except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
-                reply = {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
-            reports[p.name] = reply
-            if not reply.get("ready"):
-                await self._abort(checkpoint_id, [*prepared, p], f"{p.name} not ready")
+        body = self._body(checkpoint_id, deadline)
+        for stage in _staged(self.participants):
+            replies = await asyncio.gather(*(_prepare_one(p, body) for p in stage))
+            for p, reply in zip(stage, replies, strict=True):
+                reports[p.name] = reply
+            failed = next((p for p, reply in zip(stage, replies, strict=True) if not reply.get("ready")), None)
+            if failed is not None:
+                await self._abort(checkpoint_id, [*prepared, *stage], f"{failed.name} not ready")
                 self.timing.record("prepare", started)
-                return {"checkpoint_id": checkpoint_id, "ready": False, "failed": p.name, "reports": reports}
-            prepared.append(p)
-            restarts |= {(r["rollout_id"], r["attempt"]) for r in reply.get("restarts", [])}
+                return {"checkpoint_id": checkpoint_id, "ready": False, "failed": failed.name, "reports": reports}
+            prepared += stage
+            restarts |= {(r["rollout_id"], r["attempt"]) for reply in replies for r in reply.get("restarts", [])}
         phases = await self._phase(checkpoint_id)
         await self.store.append(AppendRequest((phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)]),)))
         self.restarts[checkpoint_id] = sorted(restarts)
@@ -186,11 +220,14 @@ class Coordinator:
 
     async def _resume(self, checkpoint_id: str, participants: Sequence[ParticipantClient]) -> dict[str, str]:
         failures: dict[str, str] = {}
-        for p in reversed(_ordered(participants, PREPARE_ORDER)):
-            try:
-                await p.call("resume", self._body(checkpoint_id, time.time() + 30))
-            except (RollbookError, OSError) as exc:  # keep going: every other participant must reopen
-                failures[p.name] = str(exc)
+        body = self._body(checkpoint_id, time.time() + 30)
+        for stage in reversed(_staged(participants)):
+            results = await asyncio.gather(*(p.call("resume", body) for p in stage), return_exceptions=True)
+            for p, r in zip(stage, results, strict=True):
+                if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
+                    failures[p.name] = str(r)
+                elif isinstance(r, BaseException):
+                    raise r  # a bug or a cancellation, not a participant's answer
         return failures
 
     async def restore(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
