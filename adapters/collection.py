@@ -124,6 +124,7 @@ class Collection:
         rows = await self.store.attempt_rows(ours)
         scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
         cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=ours)
+        publish_started = time.perf_counter()
         tokens = PostgresTokenStore(self.store.engine)
         parent_ref, since = await self._last_snapshot(cut.position)
         async with self.store.engine.connect() as conn:
@@ -139,6 +140,7 @@ class Collection:
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}
         await coordinator.publish(checkpoint_id, framework_ref, token_ref, tokens)
+        coordinator.timing.record("publish", publish_started)  # the snapshot, its validation and the append
         if resume:
             await coordinator.resume(checkpoint_id)
         return {"checkpoint_id": checkpoint_id, "published": True, "position": cut.position, "continued": len(cut.scope),

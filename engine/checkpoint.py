@@ -27,6 +27,7 @@ from engine.events import (
     canonical_json,
     chain_hash,
     encode_payload,
+    has_large_float,
 )
 from engine.identity import checkpoint_stream, rollout_stream
 from engine.log import EventStore
@@ -230,12 +231,20 @@ def _rechain(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]
         version, prev = heads.get(e.stream, (0, GENESIS_HASH))
         if e.stream_version != version + 1:
             raise InvalidCheckpointState(f"stream {e.stream} is missing version {version + 1}")
-        new = NewEvent(e.stream, e.kind, e.data, e.rollout_id, e.attempt, e.schema_version)
-        digest = chain_hash(prev, e.stream, e.stream_version, new, encode_payload(e.data, limit=1 << 62))
+        digest = recorded_chain_hash(prev, e)
         if digest != e.hash:
             raise InvalidCheckpointState(f"event {e.stream}@{e.stream_version} does not match its recorded hash")
         heads[e.stream] = (e.stream_version, digest)
     return [(s, v, h) for s, (v, h) in heads.items()]
+
+
+def recorded_chain_hash(previous: bytes, e: RecordedEvent) -> bytes:
+    """engine.events.chain_hash of an event as read back, without the append's checks (size limit,
+    NUL characters: what was stored passed them): restore runs this once per event in scope."""
+    text = canonical_json(e.data)
+    if "e+" in text and has_large_float(e.data):  # the writer hashed them as PostgreSQL hands them back
+        text = encode_payload(e.data, limit=1 << 62)
+    return chain_hash(previous, e.stream, e.stream_version, e, text)
 
 
 def _recorded_heads(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]] | None = None) -> list[tuple[str, int, bytes]]:

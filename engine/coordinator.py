@@ -98,13 +98,16 @@ def _staged(participants: Sequence[ParticipantClient]) -> list[list[ParticipantC
     return [s for s in stages if s]
 
 
-async def _prepare_one(p: ParticipantClient, body: dict[str, Any]) -> dict[str, Any]:
+async def _prepare_one(p: ParticipantClient, body: dict[str, Any], timing: StepTiming) -> dict[str, Any]:
+    started = time.perf_counter()
     try:
         return await p.call("prepare", body)
     except RollbookError as exc:
         return {"ready": False, "error": exc.to_json()["error"]}
     except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
         return {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
+    finally:
+        timing.record(f"prepare:{p.name}", started)  # where a slow prepare spends its time
 
 
 class Coordinator:
@@ -135,7 +138,7 @@ class Coordinator:
         restarts: set[Key] = set()
         body = self._body(checkpoint_id, deadline)
         for stage in _staged(self.participants):
-            replies = await asyncio.gather(*(_prepare_one(p, body) for p in stage))
+            replies = await asyncio.gather(*(_prepare_one(p, body, self.timing) for p in stage))
             for p, reply in zip(stage, replies, strict=True):
                 reports[p.name] = reply
             failed = next((p for p, reply in zip(stage, replies, strict=True) if not reply.get("ready")), None)
@@ -237,6 +240,8 @@ class Coordinator:
         if phase not in ("committed", "published"):
             raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is {phase}; only a committed one can be restored")
         await validate_cut(self.store, cut)
+        self.timing.record("restore:validate", started)
+        staging = time.perf_counter()
         body = self._body(checkpoint_id, deadline)
         results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
         failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}
@@ -245,8 +250,14 @@ class Coordinator:
             if isinstance(exc, RollbookError):
                 raise exc
             raise InvalidCheckpointState(f"participant {name} could not restore: {exc}")
-        late = started_after(cut, await self.store.live_attempts())
-        rows = await self.store.attempt_rows(sorted({s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *late]}))
+        self.timing.record("restore:participants", staging)
+        named = {s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *cut.completed]}
+        if cut.rollouts is not None:  # the framework named its rollouts: one read of their attempts is all it takes
+            rows = await self.store.attempt_rows(sorted(named | set(cut.rollouts)))
+            late = started_after(cut, rows)
+        else:
+            late = started_after(cut, await self.store.live_attempts())
+            rows = await self.store.attempt_rows(sorted(named | {r for r, _ in late}))
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)
