@@ -88,6 +88,15 @@ class _TokenStore:
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         raise NotImplementedError
 
+    async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
+        """Several blobs at once (a snapshot's validation); the PostgreSQL store reads them in one query."""
+        out = {}
+        for blob_id in blob_ids:
+            row = await self._load_blob(blob_id)
+            if row is not None:
+                out[blob_id] = row
+        return out
+
     async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
         raise NotImplementedError
 
@@ -102,7 +111,11 @@ class _TokenStore:
         return Receipt(blob_id, digest, len(arr.ids))
 
     async def get(self, blob_id: str) -> TokenArray:
-        row = await self._load_blob(blob_id)
+        return self._checked(blob_id, await self._load_blob(blob_id))
+
+    @staticmethod
+    def _checked(blob_id: str, row: tuple[TokenArray, str] | None) -> TokenArray:
+        """A blob as read, re-hashed: missing, or not matching its digest or its id, is refused."""
         if row is None:
             raise InvalidCheckpointState(f"token blob {blob_id} is missing", blob_id=blob_id)
         arr, stored = row
@@ -164,9 +177,10 @@ class _TokenStore:
         row = await self._check_ref_row(ref, checkpoint_id)
         snapshot_id = str(ref["snapshot_id"])
         while True:
+            loaded = await self._load_blobs(row.blob_ids)  # one read for the snapshot's blobs
             recomputed = []
             for blob_id in row.blob_ids:
-                arr = await self.get(blob_id)  # raises on a missing or altered blob
+                arr = self._checked(blob_id, loaded.get(blob_id))  # raises on a missing or altered blob
                 recomputed.append((blob_id, token_digest(arr)))
             parent = None
             if row.parent_snapshot_id is not None:
@@ -251,6 +265,15 @@ class PostgresTokenStore(_TokenStore):
             return None
         lps = None if row.logprobs is None else tuple(float(x) for x in row.logprobs)
         return TokenArray(tuple(row.token_ids), lps), row.digest
+
+    @retrying("the token store")
+    async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT blob_id, token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = ANY(CAST(:b AS text[]))"),
+                {"b": blob_ids})
+            return {r.blob_id: (TokenArray(tuple(r.token_ids), None if r.logprobs is None else tuple(float(x) for x in r.logprobs)),
+                                r.digest) for r in rows}
 
     @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:

@@ -210,6 +210,7 @@ async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, stor
         rtt = await _round_trip_ms(session, config)
         samples.append({"published": result["published"], "continued": restored["continued"],
                         "restore_ms": restored["timings_ms"].get("restore"), "select_ms": statistics.median(select),
+                        "steps_ms": {k: v for k, v in restored["timings_ms"].items() if k.startswith("restore:")},
                         "round_trips_ms": round(rtt, 2)})
         progress(f"demo restore #{rep}: {samples[-1]}")
         await coll.dispatch(session)  # finish the run so the next one starts on quiet servers

@@ -2,8 +2,8 @@
 
 Prepare runs in stages (PREPARE_STAGES), the participants of a stage at once, and stops after the
 first stage in which one is not ready. Commit and restore fan out to all at once; restore installs
-nothing unless every participant staged its part. Resume goes through the stages in reverse, each
-at once, and carries on past failures. Retire and forget go callers first. The HTTP client that
+nothing unless every participant staged its part. Resume goes callees first (RESUME_STAGES) and
+carries on past failures. Retire and forget go callers first. The HTTP client that
 talks to participants is in adapters.participant_client; this module sees only the protocol below.
 
 WHICH PREPARE ORDERINGS ARE REQUIRED, AND WHY. A participant that closes admission refuses new
@@ -21,8 +21,11 @@ waiting work already counts as parked, and fatal to prepare when it does not:
   resume while its own server waits for it to park, and prepare would fail at its deadline. So the
   resources server closes only once every caller has parked.
 
-Resume reverses this: resources reopen first, so nothing its callers send on resume is refused,
-then the other three at once.
+Resume reopens callees before their callers (RESUME_STAGES): model and resources (they call no
+one) at once, then the agent (it calls both), then the environment (it calls the agent). A caller
+that reopened first would send its held work to a server still closed, be refused, and back off
+(up to a second per refusal in the agent), which measured as most of a checkpoint's cost to the
+run when checkpoints are frequent.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from engine.phases import (
 
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent"), ("resources",))
 PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
+RESUME_STAGES: tuple[tuple[str, ...], ...] = (("model", "resources"), ("agent",), ("environment",))
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
 
 
@@ -89,13 +93,14 @@ def _ordered(participants: Sequence[ParticipantClient], order: Sequence[str]) ->
     return sorted(participants, key=lambda p: rank.get(p.kind, len(order)))
 
 
-def _staged(participants: Sequence[ParticipantClient]) -> list[list[ParticipantClient]]:
-    """The participants of each prepare stage, in PREPARE_ORDER within it; a kind the protocol does
-    not name prepares last, alone, since nothing says what it may refuse to whom."""
-    stages = [[p for p in _ordered(participants, stage) if p.kind in stage] for stage in PREPARE_STAGES]
-    known = set(PREPARE_ORDER)
-    stages += [[p] for p in participants if p.kind not in known]
-    return [s for s in stages if s]
+def _staged(participants: Sequence[ParticipantClient],
+            stages: tuple[tuple[str, ...], ...] = PREPARE_STAGES) -> list[list[ParticipantClient]]:
+    """The participants of each stage, in the stage's order; a kind the protocol does not name goes
+    last, alone, since nothing says what it may refuse to whom."""
+    out = [[p for p in _ordered(participants, stage) if p.kind in stage] for stage in stages]
+    known = {k for stage in stages for k in stage}
+    out += [[p] for p in participants if p.kind not in known]
+    return [s for s in out if s]
 
 
 async def _prepare_one(p: ParticipantClient, body: dict[str, Any], timing: StepTiming) -> dict[str, Any]:
@@ -224,7 +229,7 @@ class Coordinator:
     async def _resume(self, checkpoint_id: str, participants: Sequence[ParticipantClient]) -> dict[str, str]:
         failures: dict[str, str] = {}
         body = self._body(checkpoint_id, time.time() + 30)
-        for stage in reversed(_staged(participants)):
+        for stage in _staged(participants, RESUME_STAGES):
             results = await asyncio.gather(*(p.call("resume", body) for p in stage), return_exceptions=True)
             for p, r in zip(stage, results, strict=True):
                 if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen

@@ -116,17 +116,17 @@ async def test_snapshot_refuses_a_missing_blob(tokens) -> None:
 
 
 class CountingReads:
-    """Counts the blobs a store reads (each read is a re-hash), around the store's own method."""
+    """Counts the blobs a snapshot's validation reads (each one is re-hashed), around the store's own method."""
 
     def __init__(self, store) -> None:
         self.count = 0
-        inner = store._load_blob
+        inner = store._load_blobs
 
-        async def load(blob_id: str):
-            self.count += 1
-            return await inner(blob_id)
+        async def load(blob_ids: list[str]):
+            self.count += len(blob_ids)
+            return await inner(blob_ids)
 
-        store._load_blob = load
+        store._load_blobs = load
 
 
 async def test_the_tenth_chained_snapshot_validates_no_more_blobs_than_the_first(tokens) -> None:
