@@ -387,14 +387,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="every part shrunk: a few minutes in all")
     p.add_argument("--only", default="", help="comma list of parts: collection,restore_check,appends,export")
+    p.add_argument("--repeats", type=int, help="override the mode's number of repeats")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
     args = p.parse_args(argv)
+    repeats = args.repeats
     full = {"tasks": 320, "in_flight": 80, "repeats": 3, "limit_factor": 3.0, "episodes": 1000, "seconds": 3.0, "warmup": 0.75,
             "export_sessions": 1000}
     quick = {"tasks": 120, "in_flight": 80, "repeats": 1, "limit_factor": 2.0, "episodes": 200, "seconds": 1.5, "warmup": 0.5,
              "export_sessions": 200}
     for k, v in (quick if args.quick else full).items():
         setattr(args, k, v)
+    if repeats:
+        args.repeats = repeats
     return args
 
 

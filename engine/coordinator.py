@@ -26,6 +26,24 @@ one) at once, then the agent (it calls both), then the environment (it calls the
 that reopened first would send its held work to a server still closed, be refused, and back off
 (up to a second per refusal in the agent), which measured as most of a checkpoint's cost to the
 run when checkpoints are frequent.
+
+HOW MANY APPENDS. Six per prepare, and no fewer: `checkpoint_started` must be durable before any
+participant hears of the checkpoint (it holds the lease whose expiry anyone may record as an
+abort); each participant writes its own `preparing`+`prepared` in one append, from its own
+process (control_plane defers the first); `checkpoint_prepared` carries the restart-only list that
+a commit from another process (`rollbook checkpoint commit`) reads back.
+
+WHY ADMISSION STILL CLOSES (the pause-free option, not taken). A cut needs only each rollout's
+latest boundary at or below P, and lineage makes every boundary consistent with the sessions and
+model calls it names, so the log alone would give a consistent cut with every server running.
+What the pause buys is elsewhere: (1) the framework publishes its own state under the same id, and
+only a pause makes that state "as of P": without one, an episode can finish after P and before the
+framework snapshots, and restore would continue a rollout whose result the restored framework has
+already consumed; (2) restart-only executions are known to the servers holding them (prepare reports
+them) and are not yet recorded in the log; (3) the model's prepare turns every generation in flight
+into a durable prefix that restore continues, where an online cut would redo each from its
+boundary. Pause-free needs the framework to key its state by log position and the restart-only
+mode in the log; until then it is not the default.
 """
 
 from __future__ import annotations
