@@ -132,17 +132,23 @@ class Collection:
         rows = await self.store.attempt_rows(ours)
         scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
         cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=ours)
+        publish_started = time.perf_counter()
         tokens = PostgresTokenStore(self.store.engine)
+        parent_ref, since = await self._last_snapshot(cut.position)
         async with self.store.engine.connect() as conn:
             # Both arrays of every call: the generated ids and logprobs, and the prompt ids a continuation needs.
+            # Only those written since the last published checkpoint of this run: its snapshot is the parent
+            # of this one, so publish costs what this cut added, not the length of the run.
             blobs = [b for (b,) in await conn.execute(text(
                 "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
                 "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN ('call_completed', 'call_cut') AND b IS NOT NULL "
-                "AND position <= :p AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%"})]
-        token_ref = await tokens.snapshot(checkpoint_id, blobs)
+                "AND position > :since AND position <= :p AND rollout_id LIKE :r"),
+                {"since": since, "p": cut.position, "r": f"{self.run_id}-%"})]
+        token_ref = await tokens.snapshot(checkpoint_id, blobs, parent=parent_ref)
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}
         await coordinator.publish(checkpoint_id, framework_ref, token_ref, tokens)
+        coordinator.timing.record("publish", publish_started)  # the snapshot, its validation and the append
         if resume:
             await coordinator.resume(checkpoint_id)
         return {"checkpoint_id": checkpoint_id, "published": True, "position": cut.position, "continued": len(cut.scope),
@@ -153,6 +159,20 @@ class Collection:
         result = await coordinator.restore(checkpoint_id, time.time() + deadline_s)
         await coordinator.resume(checkpoint_id)
         return {**result, "timings_ms": dict(coordinator.timing.ms)}
+
+    @retrying("reading the run's checkpoints")
+    async def _last_snapshot(self, before: int) -> tuple[dict[str, Any] | None, int]:
+        """The token snapshot of this run's latest published checkpoint cut below `before`, and its cut
+        position (0 and None when there is none: the snapshot then lists every blob from the start)."""
+        async with self.store.engine.connect() as conn:
+            row = (await conn.execute(text(
+                "SELECT c.position, p.data->'token_snapshot_ref' AS ref FROM rollbook.checkpoint_state c "
+                "JOIN rollbook.events p ON p.position = c.published_position WHERE c.phase = 'published' "
+                "AND c.checkpoint_id LIKE :p AND c.position < :b ORDER BY c.position DESC LIMIT 1"),
+                {"p": f"{self.run_id}-ck%", "b": before})).first()
+        if row is None or not isinstance(row.ref, dict):
+            return None, 0
+        return dict(row.ref), int(row.position)
 
     @retrying("reading the run's checkpoints")
     async def latest_published(self) -> str | None:

@@ -419,6 +419,29 @@ class PostgresEventStore:
         return await self._select_events(where, params, "ORDER BY position")
 
     @retrying("reading events")
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
+        """Every event of these rollouts up to `to`, in log order, in one query (restore's one pass).
+        On the driver connection: SQLAlchemy's row processing doubled the time of a large read."""
+        if not rollout_ids:
+            return []
+        where = "rollout_id = ANY(%(r)s)" + ("" if to is None else " AND position <= %(t)s")
+        async with self._driver_connection() as conn, conn.cursor(row_factory=namedtuple_row) as cur:
+            await cur.execute(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} ORDER BY position",
+                              {"r": list(rollout_ids), "t": to})
+            return [_row_to_event(r) for r in await cur.fetchall()]
+
+    @retrying("reading stream hashes")
+    async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
+        if not versions:
+            return {}
+        async with self._driver_connection() as conn:
+            cur = await conn.execute(
+                "SELECT e.stream, e.stream_version, e.hash FROM unnest(%s::text[], %s::int[]) AS k(s, v) "
+                "JOIN rollbook.events e ON e.stream = k.s AND e.stream_version = k.v",
+                ([s for s, _ in versions], [v for _, v in versions]))
+            return {(r[0], r[1]): bytes(r[2]) for r in await cur.fetchall()}
+
+    @retrying("reading events")
     async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,20 @@ def token_digest(arr: TokenArray) -> str:
     return hashlib.sha256(canonical_json({"ids": list(arr.ids), "logprobs": None if arr.logprobs is None else list(arr.logprobs)}).encode()).hexdigest()
 
 
-def snapshot_digest(checkpoint_id: str, blobs: list[tuple[str, str]]) -> str:
-    return hashlib.sha256(canonical_json([checkpoint_id, sorted([b, d] for b, d in blobs)]).encode()).hexdigest()
+def snapshot_digest(checkpoint_id: str, blobs: list[tuple[str, str]], parent_digest: str | None = None) -> str:
+    """A root snapshot's digest covers its blobs; a child's also covers its parent's digest, so the
+    chain's last digest vouches for every blob of every snapshot before it."""
+    listed = sorted([b, d] for b, d in blobs)
+    body = [checkpoint_id, listed] if parent_digest is None else [checkpoint_id, listed, parent_digest]
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    checkpoint_id: str
+    blob_ids: list[str]
+    digest: str
+    parent_snapshot_id: str | None = None
 
 
 class _TokenStore:
@@ -75,10 +88,19 @@ class _TokenStore:
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         raise NotImplementedError
 
-    async def _save_snapshot(self, snapshot_id: str, checkpoint_id: str, blob_ids: list[str], digest: str) -> None:
+    async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
+        """Several blobs at once (a snapshot's validation); the PostgreSQL store reads them in one query."""
+        out = {}
+        for blob_id in blob_ids:
+            row = await self._load_blob(blob_id)
+            if row is not None:
+                out[blob_id] = row
+        return out
+
+    async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
         raise NotImplementedError
 
-    async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
+    async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
         raise NotImplementedError
 
     async def put(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
@@ -89,7 +111,11 @@ class _TokenStore:
         return Receipt(blob_id, digest, len(arr.ids))
 
     async def get(self, blob_id: str) -> TokenArray:
-        row = await self._load_blob(blob_id)
+        return self._checked(blob_id, await self._load_blob(blob_id))
+
+    @staticmethod
+    def _checked(blob_id: str, row: tuple[TokenArray, str] | None) -> TokenArray:
+        """A blob as read, re-hashed: missing, or not matching its digest or its id, is refused."""
         if row is None:
             raise InvalidCheckpointState(f"token blob {blob_id} is missing", blob_id=blob_id)
         arr, stored = row
@@ -99,7 +125,11 @@ class _TokenStore:
             raise InvalidCheckpointState(f"token blob {blob_id} does not match its digest", blob_id=blob_id)
         return arr
 
-    async def snapshot(self, checkpoint_id: str, blob_ids: list[str]) -> dict[str, Any]:
+    async def snapshot(self, checkpoint_id: str, blob_ids: list[str], parent: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Pin `blob_ids` under `checkpoint_id`. With `parent` (the reference of an earlier published
+        snapshot of the same run) the new snapshot extends it: `blob_ids` need only be the blobs
+        written since the parent's cut, so the cost of a snapshot and of its validation follows what
+        the cut added, not the length of the run."""
         validate_id(checkpoint_id, "checkpoint id")
         wanted = sorted(set(blob_ids))
         digests = await self._blob_digests(wanted)
@@ -108,14 +138,20 @@ class _TokenStore:
             raise InvalidCheckpointState(
                 f"cannot snapshot checkpoint {checkpoint_id}: {len(missing)} token blob(s) missing, e.g. {missing[0]}"
             )
-        digest = snapshot_digest(checkpoint_id, list(digests.items()))
+        parent_id, parent_digest = None, None
+        if parent is not None:
+            parent_row = await self._check_ref_row(parent, str(parent.get("checkpoint_id")))
+            if parent_row.checkpoint_id == checkpoint_id:
+                raise InvalidCheckpointState(f"a snapshot of {checkpoint_id} cannot extend a snapshot of the same checkpoint")
+            parent_id, parent_digest = str(parent["snapshot_id"]), parent_row.digest
+        digest = snapshot_digest(checkpoint_id, list(digests.items()), parent_digest)
         # Deterministic id (the digest covers the checkpoint id): a retried publish writes one row.
         snapshot_id = f"snapshot-{digest[:40]}"
-        await self._save_snapshot(snapshot_id, checkpoint_id, wanted, digest)
+        await self._save_snapshot(snapshot_id, SnapshotRow(checkpoint_id, wanted, digest, parent_id))
         return {"checkpoint_id": checkpoint_id, "snapshot_id": snapshot_id, "digest": digest}
 
-    async def validate(self, ref: dict[str, Any], checkpoint_id: str) -> None:
-        """Re-hash every blob: a restore must not continue from tokens that are not what was cut."""
+    async def _check_ref_row(self, ref: dict[str, Any], checkpoint_id: str) -> SnapshotRow:
+        """The row a reference names, checked against it without reading any blob."""
         if not isinstance(ref, dict) or not {"checkpoint_id", "snapshot_id", "digest"} <= ref.keys():
             raise InvalidCheckpointState("a token snapshot reference needs checkpoint_id, snapshot_id and digest")
         if ref["checkpoint_id"] != checkpoint_id:
@@ -125,15 +161,37 @@ class _TokenStore:
         row = await self._load_snapshot(str(ref["snapshot_id"]))
         if row is None:
             raise InvalidCheckpointState(f"token snapshot {ref['snapshot_id']} is missing")
-        owner, blob_ids, stored = row
-        if owner != checkpoint_id:
-            raise InvalidCheckpointState(f"token snapshot {ref['snapshot_id']} belongs to checkpoint {owner}, not {checkpoint_id}")
-        recomputed = []
-        for blob_id in blob_ids:
-            arr = await self.get(blob_id)  # raises on a missing or altered blob
-            recomputed.append((blob_id, token_digest(arr)))
-        if not (stored == ref["digest"] == snapshot_digest(checkpoint_id, recomputed)):
+        if row.checkpoint_id != checkpoint_id:
+            raise InvalidCheckpointState(
+                f"token snapshot {ref['snapshot_id']} belongs to checkpoint {row.checkpoint_id}, not {checkpoint_id}")
+        if row.digest != ref["digest"]:
             raise InvalidCheckpointState(f"token snapshot {ref['snapshot_id']} does not match its digest")
+        return row
+
+    async def validate(self, ref: dict[str, Any], checkpoint_id: str, deep: bool = False) -> None:
+        """Re-hash every blob this snapshot lists: a restore must not continue from tokens that are not
+        what was cut. A snapshot that extends a parent checks the parent's recorded digest (which its
+        own digest covers) without re-hashing the parent's blobs: they were re-hashed when the parent
+        was published, and blobs are content-addressed (any later read re-hashes what it returns).
+        `deep` walks the whole chain and re-hashes every blob of it (an audit, not a publish)."""
+        row = await self._check_ref_row(ref, checkpoint_id)
+        snapshot_id = str(ref["snapshot_id"])
+        while True:
+            loaded = await self._load_blobs(row.blob_ids)  # one read for the snapshot's blobs
+            recomputed = []
+            for blob_id in row.blob_ids:
+                arr = self._checked(blob_id, loaded.get(blob_id))  # raises on a missing or altered blob
+                recomputed.append((blob_id, token_digest(arr)))
+            parent = None
+            if row.parent_snapshot_id is not None:
+                parent = await self._load_snapshot(row.parent_snapshot_id)
+                if parent is None:
+                    raise InvalidCheckpointState(f"token snapshot {row.parent_snapshot_id}, parent of {snapshot_id}, is missing")
+            if row.digest != snapshot_digest(row.checkpoint_id, recomputed, parent.digest if parent else None):
+                raise InvalidCheckpointState(f"token snapshot {snapshot_id} does not match its digest")
+            if parent is None or not deep:
+                return
+            snapshot_id, row = str(row.parent_snapshot_id), parent
 
 
 class PostgresTokenStore(_TokenStore):
@@ -209,6 +267,15 @@ class PostgresTokenStore(_TokenStore):
         return TokenArray(tuple(row.token_ids), lps), row.digest
 
     @retrying("the token store")
+    async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(
+                text("SELECT blob_id, token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = ANY(CAST(:b AS text[]))"),
+                {"b": blob_ids})
+            return {r.blob_id: (TokenArray(tuple(r.token_ids), None if r.logprobs is None else tuple(float(x) for x in r.logprobs)),
+                                r.digest) for r in rows}
+
+    @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
@@ -217,26 +284,27 @@ class PostgresTokenStore(_TokenStore):
             return {r.blob_id: r.digest for r in rows}
 
     @retrying("the token store")
-    async def _save_snapshot(self, snapshot_id: str, checkpoint_id: str, blob_ids: list[str], digest: str) -> None:
+    async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(
                 text(
-                    "INSERT INTO rollbook.token_snapshots (snapshot_id, checkpoint_id, blob_ids, digest) "
-                    "VALUES (:s, :c, CAST(:b AS text[]), :d) ON CONFLICT (snapshot_id) DO NOTHING"
+                    "INSERT INTO rollbook.token_snapshots (snapshot_id, checkpoint_id, blob_ids, digest, parent_snapshot_id) "
+                    "VALUES (:s, :c, CAST(:b AS text[]), :d, :p) ON CONFLICT (snapshot_id) DO NOTHING"
                 ),
-                {"s": snapshot_id, "c": checkpoint_id, "b": blob_ids, "d": digest},
+                {"s": snapshot_id, "c": row.checkpoint_id, "b": row.blob_ids, "d": row.digest, "p": row.parent_snapshot_id},
             )
 
     @retrying("the token store")
-    async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
+    async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
         async with self.engine.connect() as conn:
             row = (
                 await conn.execute(
-                    text("SELECT checkpoint_id, blob_ids, digest FROM rollbook.token_snapshots WHERE snapshot_id = :s"),
+                    text("SELECT checkpoint_id, blob_ids, digest, parent_snapshot_id FROM rollbook.token_snapshots "
+                         "WHERE snapshot_id = :s"),
                     {"s": snapshot_id},
                 )
             ).first()
-        return None if row is None else (row.checkpoint_id, list(row.blob_ids), row.digest)
+        return None if row is None else SnapshotRow(row.checkpoint_id, list(row.blob_ids), row.digest, row.parent_snapshot_id)
 
 
 class FilesystemTokenStore(_TokenStore):
@@ -293,17 +361,22 @@ class FilesystemTokenStore(_TokenStore):
                 out[blob_id] = row[1]
         return out
 
-    async def _save_snapshot(self, snapshot_id: str, checkpoint_id: str, blob_ids: list[str], digest: str) -> None:
-        value = {"checkpoint_id": checkpoint_id, "blob_ids": blob_ids, "digest": digest}
+    async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
+        value = {"checkpoint_id": row.checkpoint_id, "blob_ids": row.blob_ids, "digest": row.digest,
+                 "parent_snapshot_id": row.parent_snapshot_id}
         await asyncio.to_thread(self._write, self._path("snapshots", snapshot_id), value)
 
-    async def _load_snapshot(self, snapshot_id: str) -> tuple[str, list[str], str] | None:
+    async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
         try:
             path = self._path("snapshots", snapshot_id)
         except InvalidIdentifier:
             return None  # no file can have that name, so no such snapshot
         row = await asyncio.to_thread(self._read, path)
-        return None if row is None else (str(row["checkpoint_id"]), list(row["blob_ids"]), str(row["digest"]))
+        if row is None:
+            return None
+        parent = row.get("parent_snapshot_id")
+        return SnapshotRow(str(row["checkpoint_id"]), list(row["blob_ids"]), str(row["digest"]),
+                           None if parent is None else str(parent))
 
     async def close(self) -> None:
         return None

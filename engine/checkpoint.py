@@ -27,6 +27,7 @@ from engine.events import (
     canonical_json,
     chain_hash,
     encode_payload,
+    has_large_float,
 )
 from engine.identity import checkpoint_stream, rollout_stream
 from engine.log import EventStore
@@ -43,6 +44,14 @@ class CutStore(EventStore, Protocol):
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]: ...
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
+
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
+        """Every event of these rollouts (up to `to`), in log order: one query, whatever their number."""
+        ...
+
+    async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
+        """The recorded hash of each (stream, version) that exists: one query."""
+        ...
 
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[Key, dict[str, Any]]: ...
 
@@ -195,19 +204,23 @@ async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
     return Cut.from_json(committed[-1].data, refs), phase
 
 
-async def _predecessors(store: CutStore, events: Sequence[RecordedEvent]) -> dict[str, tuple[int, bytes]]:
-    """Where an attempt's part of a stream starts after other attempts' events (the rollout stream),
-    its chain continues from the recorded hash of the event just before."""
-    first: dict[str, int] = {}
-    for e in events:
-        first.setdefault(e.stream, e.stream_version)
-    out: dict[str, tuple[int, bytes]] = {}
-    for stream, version in first.items():
-        if version > 1:
-            prev = [e for e in await store.read_stream(stream, version - 2) if e.stream_version == version - 1]
-            if not prev:
-                raise InvalidCheckpointState(f"stream {stream} is missing version {version - 1}")
-            out[stream] = (version - 1, prev[0].hash)
+async def _predecessors(store: CutStore, per_rollout: dict[str, list[RecordedEvent]]) -> dict[str, dict[str, tuple[int, bytes]]]:
+    """Where a rollout's part of a stream starts after other events of that stream, its chain
+    continues from the recorded hash of the event just before: for every rollout, in one query."""
+    firsts: dict[str, dict[str, int]] = {}
+    for rollout_id, events in per_rollout.items():
+        first = firsts.setdefault(rollout_id, {})
+        for e in events:
+            first.setdefault(e.stream, e.stream_version)
+    wanted = sorted({(stream, v - 1) for first in firsts.values() for stream, v in first.items() if v > 1})
+    found = await store.stream_hashes(wanted) if wanted else {}
+    out: dict[str, dict[str, tuple[int, bytes]]] = {}
+    for rollout_id, first in firsts.items():
+        for stream, v in first.items():
+            if v > 1:
+                if (stream, v - 1) not in found:
+                    raise InvalidCheckpointState(f"stream {stream} is missing version {v - 1}")
+                out.setdefault(rollout_id, {})[stream] = (v - 1, found[(stream, v - 1)])
     return out
 
 
@@ -218,11 +231,31 @@ def _rechain(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]
         version, prev = heads.get(e.stream, (0, GENESIS_HASH))
         if e.stream_version != version + 1:
             raise InvalidCheckpointState(f"stream {e.stream} is missing version {version + 1}")
-        new = NewEvent(e.stream, e.kind, e.data, e.rollout_id, e.attempt, e.schema_version)
-        digest = chain_hash(prev, e.stream, e.stream_version, new, encode_payload(e.data, limit=1 << 62))
+        digest = recorded_chain_hash(prev, e)
         if digest != e.hash:
             raise InvalidCheckpointState(f"event {e.stream}@{e.stream_version} does not match its recorded hash")
         heads[e.stream] = (e.stream_version, digest)
+    return [(s, v, h) for s, (v, h) in heads.items()]
+
+
+def recorded_chain_hash(previous: bytes, e: RecordedEvent) -> bytes:
+    """engine.events.chain_hash of an event as read back, without the append's checks (size limit,
+    NUL characters: what was stored passed them): restore runs this once per event in scope."""
+    text = canonical_json(e.data)
+    if "e+" in text and has_large_float(e.data):  # the writer hashed them as PostgreSQL hands them back
+        text = encode_payload(e.data, limit=1 << 62)
+    return chain_hash(previous, e.stream, e.stream_version, e, text)
+
+
+def _recorded_heads(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]] | None = None) -> list[tuple[str, int, bytes]]:
+    """Each stream's head as recorded, checking only that no version is missing: what a participant
+    checks of the events it reads, once the coordinator has re-derived every hash (see read_cut)."""
+    heads: dict[str, tuple[int, bytes]] = dict(start or {})
+    for e in events:
+        version, _ = heads.get(e.stream, (0, GENESIS_HASH))
+        if e.stream_version != version + 1:
+            raise InvalidCheckpointState(f"stream {e.stream} is missing version {version + 1}")
+        heads[e.stream] = (e.stream_version, e.hash)
     return [(s, v, h) for s, (v, h) in heads.items()]
 
 
@@ -232,17 +265,53 @@ class RestoreItem:
     history: tuple[RecordedEvent, ...]  # the attempt's own events up to its boundary
 
 
-async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
-    """Check the whole cut before anything is installed anywhere: every event of every scoped
-    rollout up to P must re-derive its recorded hash, and the chain heads plus the cut's lists
-    must give the committed digest."""
-    items, heads = [], {}
+@dataclass(frozen=True)
+class CutHistory:
+    """One read of every scoped rollout's events (engine.checkpoint.read_cut), checked against the cut;
+    each participant takes what it needs from it instead of reading history again."""
+
+    cut: Cut
+    events: dict[str, tuple[RecordedEvent, ...]]  # rollout id -> its events in log order
+    items: tuple[RestoreItem, ...]  # in the order of the cut's scope
+
+    def attempt(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
+        return [e for e in self.events.get(rollout_id, ()) if e.attempt == attempt and (to is None or e.position <= to)]
+
+    def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
+        """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
+        own = self.attempt(rollout_id, attempt, to)
+        start = next((e for e in own if e.kind == A.ATTEMPT_STARTED), None)
+        if start is None or start.data.get("origin_attempt") is None:
+            return own
+        return self.effective(rollout_id, start.data["origin_attempt"], start.data["origin_position"]) + own
+
+
+async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
+    """Read every scoped rollout's events in one query (plus one for chain predecessors, if any) and
+    check them against the cut before anything is installed anywhere.
+
+    With `rehash` (the coordinator, once per restore) every event up to P must re-derive its recorded
+    hash, and the chain heads plus the cut's lists must give the committed digest. Without it (each
+    participant, after the coordinator's check) the stream versions must be gap-free and the heads
+    *as recorded* must still give the digest: a deleted event or a changed hash is refused there
+    too, without paying for a second re-hash of every payload. `beyond_cut` also returns events
+    after P (an episode's input may land after its first boundary); they are never part of the check."""
     by_rollout: dict[str, list[ScopeEntry]] = {}
     for s in cut.scope:
         by_rollout.setdefault(s.rollout_id, []).append(s)
+    rows = await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position)
+    events: dict[str, list[RecordedEvent]] = {r: [] for r in by_rollout}
+    for e in rows:
+        if e.rollout_id in events:
+            events[e.rollout_id].append(e)
+    upto = {r: [e for e in evs if e.position <= cut.position] for r, evs in events.items()}
+    start = await _predecessors(store, upto)
+    heads: dict[str, list[tuple[str, int, bytes]]] = {}
+    items: list[RestoreItem] = []
     for rollout_id, entries in sorted(by_rollout.items()):
-        upto_cut = await store.read_rollout(rollout_id, None, to=cut.position)
-        heads[rollout_id] = _rechain(upto_cut, await _predecessors(store, upto_cut))
+        upto_cut = upto[rollout_id]
+        mine_start = start.get(rollout_id, {})
+        heads[rollout_id] = _rechain(upto_cut, mine_start) if rehash else _recorded_heads(upto_cut, mine_start)
         for s in entries:
             mine = [e for e in upto_cut if e.attempt == s.attempt]
             history = [e for e in mine if e.position <= s.boundary]
@@ -253,7 +322,15 @@ async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
     order = {(s.rollout_id, s.attempt): i for i, s in enumerate(cut.scope)}
-    return sorted(items, key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
+    items.sort(key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
+    return CutHistory(cut, {r: tuple(evs) for r, evs in events.items()}, tuple(items))
+
+
+async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
+    """Check the whole cut before anything is installed anywhere: every event of every scoped
+    rollout up to P must re-derive its recorded hash, and the chain heads plus the cut's lists
+    must give the committed digest (read_cut with `rehash`)."""
+    return list((await read_cut(store, cut)).items)
 
 
 def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: int, upto_cut: Sequence[RecordedEvent]) -> None:

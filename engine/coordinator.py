@@ -1,11 +1,49 @@
 """The coordinator: one checkpoint across every participant, in the order the protocol needs.
 
-Prepare goes environment, model, agent, resources (environments park episodes first; the model
-closes and cuts generations so agents reach a boundary; resources last because the others call
-them) and stops at the first participant that is not ready. Commit and restore fan out to all at
-once; restore installs nothing unless every participant staged its part. Resume goes in reverse
-and carries on past failures. Retire and forget go callers first. The HTTP client that talks to
-participants is in adapters.participant_client; this module sees only the protocol below.
+Prepare runs in stages (PREPARE_STAGES), the participants of a stage at once, and stops after the
+first stage in which one is not ready. Commit and restore fan out to all at once; restore installs
+nothing unless every participant staged its part. Resume goes callees first (RESUME_STAGES) and
+carries on past failures. Retire and forget go callers first. The HTTP client that
+talks to participants is in adapters.participant_client; this module sees only the protocol below.
+
+WHICH PREPARE ORDERINGS ARE REQUIRED, AND WHY. A participant that closes admission refuses new
+calls from its callers; a refused caller waits for resume. That is harmless when the caller's
+waiting work already counts as parked, and fatal to prepare when it does not:
+
+- environment, model and agent prepare at once. An agent session waiting on the model counts as
+  at its boundary, so the model closing (and cutting its generations) never strands an agent
+  prepare, and the agent needs nothing from the model's prepare to park. An episode inside its
+  agent step counts as parked, so the agent refusing a new activation never strands the
+  environment's prepare. The model calls no one.
+- resources prepare after all three. Agents (tool rounds) and environments (seed, verify and close
+  steps) call the resources server in the middle of work that does not count as parked: a tool
+  round is `running`, an episode in `verify` is in a step. Refused there, that work would wait for
+  resume while its own server waits for it to park, and prepare would fail at its deadline. So the
+  resources server closes only once every caller has parked.
+
+Resume reopens callees before their callers (RESUME_STAGES): model and resources (they call no
+one) at once, then the agent (it calls both), then the environment (it calls the agent). A caller
+that reopened first would send its held work to a server still closed, be refused, and back off
+(up to a second per refusal in the agent), which measured as most of a checkpoint's cost to the
+run when checkpoints are frequent.
+
+HOW MANY APPENDS. Six per prepare, and no fewer: `checkpoint_started` must be durable before any
+participant hears of the checkpoint (it holds the lease whose expiry anyone may record as an
+abort); each participant writes its own `preparing`+`prepared` in one append, from its own
+process (control_plane defers the first); `checkpoint_prepared` carries the restart-only list that
+a commit from another process (`rollbook checkpoint commit`) reads back.
+
+WHY ADMISSION STILL CLOSES (the pause-free option, not taken). A cut needs only each rollout's
+latest boundary at or below P, and lineage makes every boundary consistent with the sessions and
+model calls it names, so the log alone would give a consistent cut with every server running.
+What the pause buys is elsewhere: (1) the framework publishes its own state under the same id, and
+only a pause makes that state "as of P": without one, an episode can finish after P and before the
+framework snapshots, and restore would continue a rollout whose result the restored framework has
+already consumed; (2) restart-only executions are known to the servers holding them (prepare reports
+them) and are not yet recorded in the log; (3) the model's prepare turns every generation in flight
+into a durable prefix that restore continues, where an online cut would redo each from its
+boundary. Pause-free needs the framework to key its state by log position and the restart-only
+mode in the log; until then it is not the default.
 """
 
 from __future__ import annotations
@@ -39,7 +77,9 @@ from engine.phases import (
     checkpoint_started,
 )
 
-PREPARE_ORDER = ("environment", "model", "agent", "resources")
+PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent"), ("resources",))
+PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
+RESUME_STAGES: tuple[tuple[str, ...], ...] = (("model", "resources"), ("agent",), ("environment",))
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
 
 
@@ -71,6 +111,28 @@ def _ordered(participants: Sequence[ParticipantClient], order: Sequence[str]) ->
     return sorted(participants, key=lambda p: rank.get(p.kind, len(order)))
 
 
+def _staged(participants: Sequence[ParticipantClient],
+            stages: tuple[tuple[str, ...], ...] = PREPARE_STAGES) -> list[list[ParticipantClient]]:
+    """The participants of each stage, in the stage's order; a kind the protocol does not name goes
+    last, alone, since nothing says what it may refuse to whom."""
+    out = [[p for p in _ordered(participants, stage) if p.kind in stage] for stage in stages]
+    known = {k for stage in stages for k in stage}
+    out += [[p] for p in participants if p.kind not in known]
+    return [s for s in out if s]
+
+
+async def _prepare_one(p: ParticipantClient, body: dict[str, Any], timing: StepTiming) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        return await p.call("prepare", body)
+    except RollbookError as exc:
+        return {"ready": False, "error": exc.to_json()["error"]}
+    except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
+        return {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
+    finally:
+        timing.record(f"prepare:{p.name}", started)  # where a slow prepare spends its time
+
+
 class Coordinator:
     def __init__(self, store: CutStore, participants: Sequence[ParticipantClient]) -> None:
         self.store = store
@@ -97,20 +159,18 @@ class Coordinator:
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
-        for p in _ordered(self.participants, PREPARE_ORDER):
-            try:
-                reply = await p.call("prepare", self._body(checkpoint_id, deadline))
-            except RollbookError as exc:
-                reply = {"ready": False, "error": exc.to_json()["error"]}
-            except OSError as exc:  # a participant that does not answer fails prepare, like one that says no
-                reply = {"ready": False, "error": {"code": "participant_unavailable", "detail": str(exc)}}
-            reports[p.name] = reply
-            if not reply.get("ready"):
-                await self._abort(checkpoint_id, [*prepared, p], f"{p.name} not ready")
+        body = self._body(checkpoint_id, deadline)
+        for stage in _staged(self.participants):
+            replies = await asyncio.gather(*(_prepare_one(p, body, self.timing) for p in stage))
+            for p, reply in zip(stage, replies, strict=True):
+                reports[p.name] = reply
+            failed = next((p for p, reply in zip(stage, replies, strict=True) if not reply.get("ready")), None)
+            if failed is not None:
+                await self._abort(checkpoint_id, [*prepared, *stage], f"{failed.name} not ready")
                 self.timing.record("prepare", started)
-                return {"checkpoint_id": checkpoint_id, "ready": False, "failed": p.name, "reports": reports}
-            prepared.append(p)
-            restarts |= {(r["rollout_id"], r["attempt"]) for r in reply.get("restarts", [])}
+                return {"checkpoint_id": checkpoint_id, "ready": False, "failed": failed.name, "reports": reports}
+            prepared += stage
+            restarts |= {(r["rollout_id"], r["attempt"]) for reply in replies for r in reply.get("restarts", [])}
         phases = await self._phase(checkpoint_id)
         await self.store.append(AppendRequest((phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)]),)))
         self.restarts[checkpoint_id] = sorted(restarts)
@@ -186,11 +246,14 @@ class Coordinator:
 
     async def _resume(self, checkpoint_id: str, participants: Sequence[ParticipantClient]) -> dict[str, str]:
         failures: dict[str, str] = {}
-        for p in reversed(_ordered(participants, PREPARE_ORDER)):
-            try:
-                await p.call("resume", self._body(checkpoint_id, time.time() + 30))
-            except (RollbookError, OSError) as exc:  # keep going: every other participant must reopen
-                failures[p.name] = str(exc)
+        body = self._body(checkpoint_id, time.time() + 30)
+        for stage in _staged(participants, RESUME_STAGES):
+            results = await asyncio.gather(*(p.call("resume", body) for p in stage), return_exceptions=True)
+            for p, r in zip(stage, results, strict=True):
+                if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
+                    failures[p.name] = str(r)
+                elif isinstance(r, BaseException):
+                    raise r  # a bug or a cancellation, not a participant's answer
         return failures
 
     async def restore(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
@@ -200,6 +263,8 @@ class Coordinator:
         if phase not in ("committed", "published"):
             raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is {phase}; only a committed one can be restored")
         await validate_cut(self.store, cut)
+        self.timing.record("restore:validate", started)
+        staging = time.perf_counter()
         body = self._body(checkpoint_id, deadline)
         results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
         failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}
@@ -208,8 +273,14 @@ class Coordinator:
             if isinstance(exc, RollbookError):
                 raise exc
             raise InvalidCheckpointState(f"participant {name} could not restore: {exc}")
-        late = started_after(cut, await self.store.live_attempts())
-        rows = await self.store.attempt_rows(sorted({s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *late]}))
+        self.timing.record("restore:participants", staging)
+        named = {s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *cut.completed]}
+        if cut.rollouts is not None:  # the framework named its rollouts: one read of their attempts is all it takes
+            rows = await self.store.attempt_rows(sorted(named | set(cut.rollouts)))
+            late = started_after(cut, rows)
+        else:
+            late = started_after(cut, await self.store.live_attempts())
+            rows = await self.store.attempt_rows(sorted(named | {r for r, _ in late}))
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)

@@ -74,7 +74,7 @@ def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
         text = canonical_json(data)
     except (TypeError, ValueError) as exc:
         raise InvalidPayload(f"event data is not plain JSON: {exc}") from exc
-    if "e+" in text:  # only large floats are spelt with a positive exponent (a string may match: harmless)
+    if "e+" in text and has_large_float(data):  # only large floats are spelt with a positive exponent
         text = canonical_json(_as_postgres_reads(data))
     if "\\u0000" in text:
         raise InvalidPayload("event data contains a NUL character, which PostgreSQL JSONB cannot store")
@@ -89,6 +89,19 @@ def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
     return text
 
 
+def has_large_float(value: Any) -> bool:
+    """Whether `value` holds a float JSONB would hand back as an int (see _as_postgres_reads). Asked
+    only when the JSON text has "e+" in it, which a string (base64, say) often has too: walking the
+    value is far cheaper than encoding a large payload two more times."""
+    if isinstance(value, float):
+        return abs(value) >= 1e16
+    if isinstance(value, dict):
+        return any(has_large_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_large_float(v) for v in value)
+    return False
+
+
 def _as_postgres_reads(value: Any) -> Any:
     """JSONB stores numbers as numeric and hands 1e+16 back as 10000000000000000, an int. Hash what
     a reader will get back: a float that large is an integer, so the int is the same value."""
@@ -101,7 +114,7 @@ def _as_postgres_reads(value: Any) -> Any:
     return value
 
 
-def chain_hash(previous: bytes, stream: str, version: int, event: NewEvent, payload: str) -> bytes:
+def chain_hash(previous: bytes, stream: str, version: int, event: NewEvent | RecordedEvent, payload: str) -> bytes:
     """Each event's hash covers its stream predecessor, so a stream head vouches for the whole stream."""
     h = hashlib.sha256(previous)
     h.update(

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut, effective_history
+from engine.checkpoint import Cut, effective_history, read_cut
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
@@ -437,9 +437,9 @@ class AgentParticipant(Participant):
     async def restore(self, cut: Cut) -> dict[str, Any]:
         """Read each scoped execution's last boundary from the log and stage it; nothing runs yet."""
         staged: dict[str, tuple[int, dict[str, Any]]] = {}
+        read = await read_cut(self.store, cut, rehash=False)  # one read for the whole scope
         for entry in cut.scope:
-            history = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
-            last = pending_boundary(history)
+            last = pending_boundary(read.effective(entry.rollout_id, entry.attempt, to=entry.boundary))
             if last is None:
                 continue  # the agent had not started, or its activation completed: nothing to continue here
             if not self.supports_continuation:

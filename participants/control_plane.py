@@ -233,18 +233,27 @@ class ControlPlane:
         self.replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._unrecorded: list[NewEvent] = []  # deferred transitions, appended with the next one
 
     # ---- plumbing -------------------------------------------------------------------------
 
-    async def _record(self, trigger: str, checkpoint_id: str, **data: Any) -> None:
+    async def _record(self, trigger: str, checkpoint_id: str, *, defer: bool = False, **data: Any) -> None:
         # The phase moves only once its event is in the log: while the append waits (a database
         # restart) status still shows the phase the log has, and a failed append changes nothing.
+        # Except a deferred transition (the move into `preparing`): it moves at once and its event
+        # goes out with the next one, in the same append, so a prepare costs one append, not two.
+        # Nothing reads `preparing` from the log while it lasts: a process that dies in it
+        # leaves no paused state behind, and the coordinator records the checkpoint's abort.
         before, active = self.phases.state, self.phases.checkpoint_id
         event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
+        if defer:
+            self._unrecorded.append(event)
+            return
         after, after_active = self.phases.state, self.phases.checkpoint_id
         self.phases._machine.set_state(before)
         self.phases.checkpoint_id = active
-        await self.p.store.append(AppendRequest((event,)))
+        await self.p.store.append(AppendRequest((*self._unrecorded, event)))
+        self._unrecorded.clear()
         self.phases._machine.set_state(after)
         self.phases.checkpoint_id = after_active
 
@@ -288,7 +297,7 @@ class ControlPlane:
         async with self.lock:
             if (early := self._guard("prepare", req, needs_active=False)) is not None:
                 return early
-            await self._record("prepare", req.checkpoint_id, deadline=req.deadline)
+            await self._record("prepare", req.checkpoint_id, defer=True, deadline=req.deadline)
             self.lease = Lease(req.deadline, self.grace)
         try:
             report = await asyncio.wait_for(self.p.prepare(req.checkpoint_id, req.deadline), max(0.0, req.deadline - time.time()))

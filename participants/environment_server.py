@@ -30,7 +30,7 @@ from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine import recovery
-from engine.checkpoint import Cut, effective_history
+from engine.checkpoint import Cut, effective_history, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -381,9 +381,11 @@ class EnvironmentParticipant(Participant):
     async def restore(self, cut: Cut) -> dict[str, Any]:
         """Stage every scoped episode at its boundary; it runs again only at resume."""
         staged: dict[str, Episode] = {}
+        # One read for the whole scope; past P too, since an episode's input may land after its first boundary.
+        read = await read_cut(self.store, cut, rehash=False, beyond_cut=True)
         for entry in cut.scope:
-            upto = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
-            inputs = await effective_history(self.store, entry.rollout_id, entry.attempt)
+            upto = read.effective(entry.rollout_id, entry.attempt, to=entry.boundary)
+            inputs = read.effective(entry.rollout_id, entry.attempt)
             ep = episode_from_history(entry.rollout_id, entry.attempt, inputs, upto)
             if ep is not None and ep.recorded("close") is None:
                 staged[entry.rollout_id] = ep

@@ -46,7 +46,7 @@ from adapters.generation import (
     merge_delta,
 )
 from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut
+from engine.checkpoint import Cut, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -257,9 +257,10 @@ class ModelParticipant(Participant):
 
     async def restore(self, cut: Cut) -> dict[str, Any]:
         staged: dict[str, _Record] = {}
-        for entry in cut.scope:
+        read = await read_cut(self.store, cut, rehash=False)  # one read for the whole scope, up to P
+        for rollout_id in sorted({entry.rollout_id for entry in cut.scope}):
             # As of the cut: a call completed after P is not part of this checkpoint's history.
-            staged.update(_records(await self.store.read_rollout(entry.rollout_id, to=cut.position)))
+            staged.update(_records(list(read.events[rollout_id])))
         for record in staged.values():
             if record.status == "cut":  # the prefix must be there and intact before anything resumes from it
                 await self.token_store.get(Receipt.from_json(record.data["receipt"]).blob_id)

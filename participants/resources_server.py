@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut, effective_history, validate_cut
+from engine.checkpoint import Cut, effective_history, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -513,11 +513,13 @@ class ResourcesParticipant(Participant):
 
     async def restore(self, cut: Cut) -> dict[str, Any]:
         """Rebuild every scoped session and validate the whole set before staging any of it."""
-        await validate_cut(self.store, cut)  # chain hashes, digest, lineage: the log is the one we cut
+        # One read of every scoped rollout, checked against the cut (gap-free streams, recorded heads
+        # giving the digest, lineage); the coordinator has re-derived every payload hash before asking.
+        history = await read_cut(self.store, cut, rehash=False)
         staged: dict[Key, Staged] = {}
         for entry in cut.scope:
-            history = await effective_history(self.store, entry.rollout_id, entry.attempt, to=entry.boundary)
-            one = rebuild(entry.rollout_id, entry.attempt, entry.boundary, history)
+            one = rebuild(entry.rollout_id, entry.attempt, entry.boundary,
+                          history.effective(entry.rollout_id, entry.attempt, to=entry.boundary))
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one
         self.staged, self.staged_from = staged, cut.checkpoint_id

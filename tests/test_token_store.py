@@ -113,3 +113,48 @@ async def test_validate_refuses_a_tampered_blob_a_missing_blob_and_a_wrong_diges
 async def test_snapshot_refuses_a_missing_blob(tokens) -> None:
     with pytest.raises(InvalidCheckpointState, match="missing"):
         await tokens.snapshot("ck-1", ["sha256-" + "1" * 64])
+
+
+class CountingReads:
+    """Counts the blobs a snapshot's validation reads (each one is re-hashed), around the store's own method."""
+
+    def __init__(self, store) -> None:
+        self.count = 0
+        inner = store._load_blobs
+
+        async def load(blob_ids: list[str]):
+            self.count += len(blob_ids)
+            return await inner(blob_ids)
+
+        store._load_blobs = load
+
+
+async def test_the_tenth_chained_snapshot_validates_no_more_blobs_than_the_first(tokens) -> None:
+    reads = CountingReads(tokens)
+    parent, per_publish = None, []
+    for k in range(1, 11):  # each checkpoint of a run adds two calls' blobs
+        new = [(await tokens.put([k, 1])).blob_id, (await tokens.put([k, 2], [-0.5, -0.25])).blob_id]
+        ref = await tokens.snapshot(f"ck-{k}", new, parent=parent)
+        before = reads.count
+        await tokens.validate(ref, f"ck-{k}")
+        per_publish.append(reads.count - before)
+        parent = ref
+    assert per_publish == [2] * 10
+    before = reads.count
+    await tokens.validate(parent, "ck-10", deep=True)  # the audit still reaches every blob of the chain
+    assert reads.count - before == 20
+
+
+async def test_a_chained_snapshot_is_refused_when_its_parent_is_altered(tokens) -> None:
+    a, b = await tokens.put([1]), await tokens.put([2])
+    root = await tokens.snapshot("ck-1", [a.blob_id])
+    child = await tokens.snapshot("ck-2", [b.blob_id], parent=root)
+    assert child["digest"] != (await tokens.snapshot("ck-2", [b.blob_id]))["digest"]  # the parent is in the digest
+    with pytest.raises(InvalidCheckpointState, match="does not match its digest"):
+        await tokens.snapshot("ck-3", [], parent={**root, "digest": "0" * 64})  # a forged parent is not extended
+    with pytest.raises(InvalidCheckpointState, match="same checkpoint"):
+        await tokens.snapshot("ck-1", [], parent=root)
+    await tamper(tokens, a.blob_id)  # a parent blob edited after the parent was published
+    await tokens.validate(child, "ck-2")  # publish checks what this cut added ...
+    with pytest.raises(InvalidCheckpointState, match=a.blob_id):
+        await tokens.validate(child, "ck-2", deep=True)  # ... the audit walks the chain and finds it

@@ -1,0 +1,452 @@
+"""The issue-14 table in one command: what a checkpoint costs the run, next to honest baselines.
+
+    .venv/bin/python -m benchmarks [--quick] [--out PATH]
+
+Everything runs on one throwaway embedded PostgreSQL (fsync on), each part in a fresh migrated
+database, the peers in this same process (benchmarks/peers.py; `pip install -e '.[bench]'`):
+
+- a rollout collection on the four servers as real processes (the demo's setup, adapters/demo.py):
+  rollouts/s with a checkpoint every 5 s and every 1 s against none; each checkpoint's prepare
+  (with the collection's rollouts in flight) and publish, by its index in the run;
+- a full restore of 20 episodes in fresh server processes, against one SELECT of their events
+  plus one round trip per server;
+- restore's check (engine.checkpoint.validate_cut) against one SELECT of the same events, with
+  1 KB and 1 MB sessions (the worlds of benchmarks/commit.py);
+- batched append (100 x 1 KB per request, 8 writers) against COPY of rows built before the timer;
+- single-event append with 64 writers against raw INSERTs, eventsourcing's recorder and DBOS steps;
+- a file export of the seeds' kind (sessions x 350 KB, fsync, rename, manifest last) against
+  rollbook's commit of the same number of sessions (make_cut).
+
+Figures are medians over `--repeats` (the cases interleaved, so a noisy moment does not land on one
+case); ratios are what to read on a shared machine. It prints the table and writes every figure,
+the raw runs and the machine's load to benchmarks/results/issue14.json. It never asserts a time.
+`--quick` shrinks every part so the whole command takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+import psycopg  # noqa: E402
+
+from adapters import config as cfg  # noqa: E402
+from adapters.collection import Collection  # noqa: E402
+from adapters.database import libpq_dsn  # noqa: E402
+from adapters.postgres import _COLUMNS, PostgresEventStore  # noqa: E402
+from adapters.processes import ServerProcesses, free_port  # noqa: E402
+from benchmarks import append as bappend  # noqa: E402
+from benchmarks import commit as bcommit  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
+from participants.environments.tasks import make_tasks  # noqa: E402
+from tests import pg  # noqa: E402
+
+DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def med(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))], 2)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+# ---- a collection on the four servers ---------------------------------------------------------------
+
+
+async def _select_ms(url: str, rollouts: list[str], position: int) -> float:
+    """One SELECT of the events restore reads, fetched into Python: the baseline of a restore."""
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(url)) as conn:
+        t0 = time.perf_counter()
+        cur = await conn.execute(f"SELECT {_COLUMNS} FROM rollbook.events WHERE rollout_id = ANY(%s) AND position <= %s "
+                                 "ORDER BY position", (rollouts, position))
+        await cur.fetchall()
+        return (time.perf_counter() - t0) * 1000
+
+
+async def _round_trip_ms(session: aiohttp.ClientSession, config: cfg.Config) -> float:
+    """One control-plane round trip to each server (status), summed: what 'one round trip per server' costs."""
+    total = 0.0
+    for kind in cfg.KINDS:
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            async with session.get(config.url(kind) + "/rollbook/v1/control/status",
+                                   headers={"Authorization": f"Bearer {config.token}"}) as resp:
+                await resp.read()
+            samples.append((time.perf_counter() - t0) * 1000)
+        total += statistics.median(samples)
+    return total
+
+
+async def collection_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+    url = server.new_database()
+    work = Path(tempfile.mkdtemp(prefix="rb-bench-"))
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
+    config = cfg.Config(dsn=url, token=secrets.token_hex(16), servers=servers)
+    cfg.write(config, work / "rollbook.toml")
+    procs = ServerProcesses(config, work / "rollbook.toml", work)
+    store = PostgresEventStore.connect(url, writer="bench-driver")
+    modes = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0)]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m, _ in modes}
+    out: dict[str, Any] = {"tasks": args.tasks, "in_flight": args.in_flight}
+    try:
+        procs.start()
+        async with aiohttp.ClientSession() as session:
+            for rep in range(args.repeats):
+                for mode, every in modes:
+                    run_id = f"b{rep}{mode.replace('_', '')}"
+                    coll = Collection(config, store, run_id, make_tasks(args.tasks, rep, DEMO_ENVS), seed=rep,
+                                      concurrency=args.in_flight)
+                    # A run with checkpoints gets at most `limit` times the run without: a checkpoint cycle
+                    # longer than its interval can starve the rollouts, and the figure must still come back.
+                    off = [r["seconds"] for r in runs["off"]]
+                    limit = args.limit_factor * max(off) if off and every is not None else None
+                    t0 = time.perf_counter()
+                    dispatch = asyncio.create_task(coll.dispatch(session))
+                    checkpoints = []
+                    while every is not None:
+                        await asyncio.wait([dispatch], timeout=every)
+                        if dispatch.done() or (limit is not None and time.perf_counter() - t0 > limit):
+                            break
+                        in_flight = min(args.in_flight, args.tasks - len(coll.finished))
+                        ck = await coll.checkpoint(session, f"{run_id}-ck{len(checkpoints) + 1}")
+                        checkpoints.append({"in_flight": in_flight, "published": ck["published"],
+                                            **ck.get("timings_ms", {})})
+                    cut_off = None
+                    if every is not None and not dispatch.done():  # over the limit: count what finished by now, let the rest end unpaused
+                        cut_off = (time.perf_counter() - t0, len(coll.finished))
+                    await dispatch
+                    wall = time.perf_counter() - t0
+                    seconds, done = cut_off or (wall, args.tasks)
+                    runs[mode].append({"seconds": round(seconds, 2), "rollouts_per_s": round(done / seconds, 2),
+                                       "finished_in_window": done, "hit_limit": cut_off is not None,
+                                       "checkpoints": checkpoints})
+                    progress(f"collection {mode} #{rep}: {done} rollouts in {seconds:.1f} s, {len(checkpoints)} checkpoints"
+                             + (" (hit the time limit)" if cut_off else ""))
+            out["demo_restore"] = await _demo_restore(session, config, store, procs, url, args)
+    finally:
+        procs.stop()
+        await store.close()
+        server.drop_database(url)
+    rate = {m: med([r["rollouts_per_s"] for r in rs]) for m, rs in runs.items()}
+    cks = [c for m in ("every_5s", "every_1s") for r in runs[m] for c in r["checkpoints"]]
+    prepare = [c["prepare"] for c in cks if "prepare" in c]
+    per_participant = {k.split(":", 1)[1]: med([c[k] for c in cks if k in c])
+                       for k in sorted({k for c in cks for k in c if k.startswith("prepare:")})}
+    by_index: dict[int, list[float]] = {}
+    for m in ("every_5s", "every_1s"):
+        for r in runs[m]:
+            for i, c in enumerate(r["checkpoints"], start=1):
+                if "publish" in c:
+                    by_index.setdefault(i, []).append(c["publish"])
+    last = max(by_index) if by_index else None
+    out.update({
+        "rollouts_per_s": rate,
+        "ratio_every_5s": ratio(rate["every_5s"], rate["off"]),
+        "ratio_every_1s": ratio(rate["every_1s"], rate["off"]),
+        "prepare_ms": {"p50": pct(prepare, 50), "p99": pct(prepare, 99), "min": min(prepare, default=None),
+                       "max": max(prepare, default=None), "n": len(prepare),
+                       "median_per_participant": per_participant},
+        "publish_ms_by_index": {str(i): med(v) for i, v in sorted(by_index.items())},
+        "publish_first_ms": med(by_index.get(1, [])), "publish_last_index": last,
+        "publish_last_ms": med(by_index[last]) if last else None,
+        "runs": runs,
+    })
+    out["publish_growth"] = ratio(out["publish_last_ms"], out["publish_first_ms"])
+    return out
+
+
+async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, store: PostgresEventStore,
+                        procs: ServerProcesses, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's crash: 20 episodes, a checkpoint mid-run, every server SIGKILLed, a restore in fresh
+    processes (coordinator's check plus every participant's restore, timed by the coordinator)."""
+    samples: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        run_id = f"dr{rep}"
+        coll = Collection(config, store, run_id, make_tasks(20, 100 + rep, DEMO_ENVS), seed=rep, concurrency=20)
+        dispatch = asyncio.create_task(coll.dispatch(session))
+        await asyncio.wait([dispatch], timeout=1.5)
+        ck = f"{run_id}-ck1"
+        result = await coll.checkpoint(session, ck, resume=False)
+        procs.kill()
+        await asyncio.gather(dispatch, return_exceptions=True)
+        procs.start()
+        cut, _ = await load_cut(store, ck)
+        restored = await coll.restore(session, ck)
+        scope = sorted({s.rollout_id for s in cut.scope})
+        select = [await _select_ms(url, scope, cut.position) for _ in range(3)]
+        rtt = await _round_trip_ms(session, config)
+        samples.append({"published": result["published"], "continued": restored["continued"],
+                        "restore_ms": restored["timings_ms"].get("restore"), "select_ms": statistics.median(select),
+                        "steps_ms": {k: v for k, v in restored["timings_ms"].items() if k.startswith("restore:")},
+                        "round_trips_ms": round(rtt, 2)})
+        progress(f"demo restore #{rep}: {samples[-1]}")
+        await coll.dispatch(session)  # finish the run so the next one starts on quiet servers
+    restore_ms, select_ms = med([s["restore_ms"] for s in samples]), med([s["select_ms"] for s in samples])
+    rtt = med([s["round_trips_ms"] for s in samples])
+    return {"episodes": 20, "restore_ms": restore_ms, "select_ms": select_ms, "round_trips_ms": rtt,
+            "ratio": ratio(restore_ms, select_ms),
+            "goal_ms": round(2 * select_ms + rtt, 2) if select_ms is not None and rtt is not None else None,
+            "samples": samples}
+
+
+# ---- restore's check against one SELECT -------------------------------------------------------------
+
+
+async def restore_check_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+    ns = argparse.Namespace(episodes=args.episodes)
+    worlds: dict[str, tuple[str, PostgresEventStore, dict[str, Any]]] = {}
+    scope = [(f"e{i:05d}", 0) for i in range(args.episodes)]
+    runs: dict[str, dict[str, list[float]]] = {}
+    try:
+        for size in ("1kb", "1mb"):
+            worlds[size] = await bcommit.build(server, size, ns)
+        cuts = {size: await make_cut(store, "warmup", scope, []) for size, (_, store, _) in worlds.items()}
+        for size in worlds:
+            runs[size] = {"validate_ms": [], "select_ms": [], "make_cut_ms": []}
+        for _ in range(args.repeats):
+            for size, (url, store, _) in worlds.items():
+                rollouts = [r for r, _ in scope]
+                runs[size]["select_ms"].append(await _select_ms(url, rollouts, cuts[size].position))
+                runs[size]["validate_ms"].append(await bcommit.elapsed_ms(validate_cut(store, cuts[size])))
+                runs[size]["make_cut_ms"].append(await bcommit.elapsed_ms(make_cut(store, "bench", scope, [])))
+            progress(f"restore check: { {s: {k: round(v[-1], 1) for k, v in r.items()} for s, r in runs.items()} }")
+    finally:
+        for url, store, _ in worlds.values():
+            await store.close()
+            server.drop_database(url)
+    out: dict[str, Any] = {"episodes": args.episodes, "runs": runs}
+    for size, r in runs.items():
+        out[size] = {k: med(v) for k, v in r.items()}
+        out[size]["ratio"] = ratio(out[size]["validate_ms"], out[size]["select_ms"])
+    return out
+
+
+# ---- appends and peers ------------------------------------------------------------------------------
+
+
+def append_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+    w, s = args.warmup, args.seconds
+    runs: dict[str, list[float]] = {k: [] for k in ("batched_8", "copy_8", "single_64", "raw_64", "eventsourcing_64", "dbos_64")}
+    notes: dict[str, str] = {}
+    for rep in range(args.repeats):
+        url = server.new_database()
+        runs["batched_8"].append(bappend.run_append(url, 8, "batched", w, s, f"b{rep}")["events_per_s"])
+        runs["single_64"].append(bappend.run_append(url, 64, "single", w, s, f"s{rep}")["events_per_s"])
+        server.drop_database(url)
+        url = server.new_database()
+        with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {bappend.COPY_TABLE} (position bigint, stream text, stream_version int, kind text, "
+                         "data jsonb, schema_version smallint, rollout_id text, attempt int, writer text, hash bytea, "
+                         "recorded_at timestamptz DEFAULT now())")
+        runs["copy_8"].append(asyncio.run(bappend._copy_writers(url, 8, w, s)))
+        runs["raw_64"].append(asyncio.run(peers.raw_inserts(url, 64, w, s))["events_per_s"])
+        server.drop_database(url)
+        for name, fn, key in (("eventsourcing_64", peers.eventsourcing_recorder, "events_per_s"),
+                              ("dbos_64", peers.dbos_steps, "steps_per_s")):
+            url = server.new_database()
+            try:
+                got = fn(url, 64, w, s)
+            except Exception as exc:  # a peer that cannot run here is reported, not faked
+                got = {"skipped": f"{type(exc).__name__}: {exc}"}
+            finally:
+                server.drop_database(url)
+            if "skipped" in got:
+                notes[name] = got["skipped"]
+            else:
+                runs[name].append(got[key])
+        progress(f"appends #{rep}: { {k: round(v[-1]) for k, v in runs.items() if v} }")
+    m = {k: med(v) for k, v in runs.items()}
+    return {
+        "medians_per_s": m, "runs": runs, "notes": notes,
+        "batched_vs_copy": ratio(m["batched_8"], m["copy_8"]),
+        "single_vs_raw": ratio(m["single_64"], m["raw_64"]),
+        "single_vs_eventsourcing": ratio(m["single_64"], m["eventsourcing_64"]),
+        "single_vs_dbos": ratio(m["single_64"], m["dbos_64"]),
+    }
+
+
+def export_part(server: pg.Server, args: argparse.Namespace, restore_check: dict[str, Any] | None) -> dict[str, Any]:
+    runs = [peers.file_export(args.export_sessions)["ms"] for _ in range(args.repeats)]
+    out = {"sessions": args.export_sessions, "session_bytes": 350 * 1024, "file_export_ms": med(runs), "runs_ms": runs}
+    if restore_check and "1mb" in restore_check:
+        out["rollbook_commit_ms"] = restore_check["1mb"]["make_cut_ms"]
+        out["rollbook_commit_episodes"] = restore_check["episodes"]
+    return out
+
+
+# ---- the table --------------------------------------------------------------------------------------
+
+
+def _f(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        x = round(x, 2) if abs(x) < 100 else round(x)
+    return f"{x:,}{unit}" if isinstance(x, int) else f"{x}{unit}"
+
+
+def table(r: dict[str, Any]) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = []
+    c, rc, ap, ex = r.get("collection") or {}, r.get("restore_check") or {}, r.get("appends") or {}, r.get("export") or {}
+
+    def row(measure: str, peer: str, ours: str, goal: str, met: bool | None) -> None:
+        rows.append({"measure": measure, "peer / reference": peer, "rollbook": ours, "goal": goal,
+                     "met": "n/a" if met is None else ("yes" if met else "no")})
+
+    def ge(x: float | None, g: float) -> bool | None:
+        return None if x is None else x >= g
+
+    def le(x: float | None, g: float) -> bool | None:
+        return None if x is None else x <= g
+
+    if c:
+        rate = c.get("rollouts_per_s", {})
+        row(f"rollouts/s, checkpoint every 5 s (every 1 s) vs none ({c['tasks']} tasks, {c['in_flight']} in flight)",
+            f"off {_f(rate.get('off'))} rollouts/s", f"{_f(c.get('ratio_every_5s'))} (every 1 s: {_f(c.get('ratio_every_1s'))})",
+            ">= 0.97 every 5 s, >= 0.9 every 1 s",
+            None if c.get("ratio_every_5s") is None else bool(ge(c["ratio_every_5s"], 0.97) and ge(c.get("ratio_every_1s"), 0.9)))
+        p = c.get("prepare_ms", {})
+        row(f"prepare, {c['in_flight']} rollouts in flight (n={p.get('n')})", "NeMo Gym reports <= 8 ms",
+            f"p50 {_f(p.get('p50'), ' ms')}, p99 {_f(p.get('p99'), ' ms')} ({_f(p.get('min'))}-{_f(p.get('max'))})",
+            "<= 8 ms p50, <= 50 ms p99", None if p.get("p50") is None else bool(le(p["p50"], 8) and le(p.get("p99"), 50)))
+        row(f"publish, checkpoint {c.get('publish_last_index')} of a run vs the 1st", "-",
+            f"{_f(c.get('publish_last_ms'), ' ms')} vs {_f(c.get('publish_first_ms'), ' ms')} ({_f(c.get('publish_growth'))}x)",
+            "constant in run length (<= 1.5x)", le(c.get("publish_growth"), 1.5))
+        d = c.get("demo_restore") or {}
+        row("full restore in the demo, 20 episodes", f"reading their events: {_f(d.get('select_ms'), ' ms')}; "
+            f"one round trip per server: {_f(d.get('round_trips_ms'), ' ms')}",
+            f"{_f(d.get('restore_ms'), ' ms')} ({_f(d.get('ratio'))}x the read)",
+            f"<= 2x + one round trip per server ({_f(d.get('goal_ms'), ' ms')})",
+            None if d.get("restore_ms") is None or d.get("goal_ms") is None else d["restore_ms"] <= d["goal_ms"])
+    if rc:
+        k, m = rc.get("1kb", {}), rc.get("1mb", {})
+        row(f"restore check vs one SELECT of the same events, {rc['episodes']} episodes, 1 KB / 1 MB sessions",
+            f"{_f(k.get('select_ms'), ' ms')} / {_f(m.get('select_ms'), ' ms')}",
+            f"{_f(k.get('validate_ms'), ' ms')} / {_f(m.get('validate_ms'), ' ms')} ({_f(k.get('ratio'))}x / {_f(m.get('ratio'))}x)",
+            "<= 2x", None if k.get("ratio") is None or m.get("ratio") is None else k["ratio"] <= 2 and m["ratio"] <= 2)
+    if ap:
+        mm = ap.get("medians_per_s", {})
+        row("batched append (100 x 1 KB per request, 8 writers) vs COPY of rows built before the timer",
+            f"{_f(mm.get('copy_8'))} rows/s", f"{_f(mm.get('batched_8'))} ev/s: {_f(ap.get('batched_vs_copy'))}", ">= 0.5",
+            ge(ap.get("batched_vs_copy"), 0.5))
+        row("single-event append, 64 writers, vs raw inserts / eventsourcing / DBOS steps",
+            f"{_f(mm.get('raw_64'))} / {_f(mm.get('eventsourcing_64'))} / {_f(mm.get('dbos_64'))} per s",
+            f"{_f(mm.get('single_64'))} ev/s: {_f(ap.get('single_vs_raw'))}x / {_f(ap.get('single_vs_eventsourcing'))}x / "
+            f"{_f(ap.get('single_vs_dbos'))}x", "keep >= 2x / 13x / 25x",
+            None if ap.get("single_vs_raw") is None else bool(ge(ap["single_vs_raw"], 2) and ge(ap.get("single_vs_eventsourcing"), 13)
+                                                              and ge(ap.get("single_vs_dbos"), 25)))
+    if ex:
+        row(f"checkpoint of {ex['sessions']} sessions x 350 KB: file export (fsync, rename, manifest last) vs rollbook commit",
+            f"{_f(ex.get('file_export_ms'), ' ms')}",
+            f"{_f(ex.get('rollbook_commit_ms'), ' ms')} (make_cut, {ex.get('rollbook_commit_episodes')} episodes of 1 MB)",
+            "(reference)", None)
+    return rows
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    head = list(rows[0]) if rows else ["measure"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r[h] for h in head) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="every part shrunk: a few minutes in all")
+    p.add_argument("--only", default="", help="comma list of parts: collection,restore_check,appends,export")
+    p.add_argument("--repeats", type=int, help="override the mode's number of repeats")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
+    args = p.parse_args(argv)
+    repeats = args.repeats
+    full = {"tasks": 320, "in_flight": 80, "repeats": 3, "limit_factor": 3.0, "episodes": 1000, "seconds": 3.0, "warmup": 0.75,
+            "export_sessions": 1000}
+    quick = {"tasks": 120, "in_flight": 80, "repeats": 1, "limit_factor": 2.0, "episodes": 200, "seconds": 1.5, "warmup": 0.5,
+             "export_sessions": 200}
+    for k, v in (quick if args.quick else full).items():
+        setattr(args, k, v)
+    if repeats:
+        args.repeats = repeats
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    only = set(filter(None, args.only.split(","))) or {"collection", "restore_check", "appends", "export"}
+    began = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    server = bcommit.start_server()
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+    def part(name: str, fn: Callable[[], Any]) -> None:
+        if name not in only:
+            return
+        progress(f"part {name}")
+        try:
+            results[name] = fn()
+        except Exception as exc:  # one part failing leaves the others' figures standing; the JSON says why
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+
+    try:
+        part("collection", lambda: asyncio.run(collection_part(server, args)))
+        part("restore_check", lambda: asyncio.run(restore_check_part(server, args)))
+        part("appends", lambda: append_part(server, args))
+        part("export", lambda: export_part(server, args, results.get("restore_check")))
+    finally:
+        server.close()
+    rows = table(results)
+    out = {
+        "table": rows, **results, "errors": errors,
+        "details": {"command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+                    "quick": args.quick, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "total_seconds": round(time.perf_counter() - began, 1),
+                    "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                                "loadavg_at_start": load_start, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}},
+    }
+    print(markdown(rows))
+    print(f"machine: {os.cpu_count()} cores, load average {load_start} at start, "
+          f"{out['details']['machine']['loadavg_at_end']} at end; {out['details']['total_seconds']} s")
+    if errors:
+        print(f"parts that failed: {errors}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""A checkpoint's prepare runs environment, model and agent at once, then resources, and records its
+phase transitions in one append per participant plus the checkpoint's own two (engine.coordinator)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from adapters.generation import ScriptedBackend
+from adapters.postgres import PostgresEventStore
+from tests.stack import start_stack
+
+
+def count_appends(store: PostgresEventStore, tally: list[str], name: str) -> None:
+    inner = store.append
+
+    async def append(request: Any) -> Any:
+        tally.append(name)
+        return await inner(request)
+
+    store.append = append  # type: ignore[method-assign]
+
+
+async def test_prepare_appends_once_per_participant_and_twice_for_the_checkpoint(dsn: str, store: PostgresEventStore) -> None:
+    stack = await start_stack(dsn, "appends", ScriptedBackend())
+    try:
+        appends: list[str] = []
+        count_appends(store, appends, "coordinator")
+        for kind in stack.servers:
+            count_appends(stack.participant(kind).store, appends, kind)
+        reply = await stack.coordinator(store).prepare("ck-a", time.time() + 30)
+        assert reply["ready"], reply
+        # started + prepared for the checkpoint; each participant's preparing -> prepared in one append
+        assert sorted(appends) == sorted(["coordinator", "coordinator", "model", "resources", "agent", "environment"])
+        events = [e.kind for kind in stack.servers for e in await store.read_stream(f"participant:{kind}:{kind}-appends")]
+        assert events == ["participant_prepare", "participant_prepared"] * 4  # every transition is still an event
+        await stack.coordinator(store).resume("ck-a")
+    finally:
+        await stack.close()
+
+
+async def test_environment_model_and_agent_prepare_at_once_and_resources_only_after_them(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    stack = await start_stack(dsn, "stages", ScriptedBackend())
+    try:
+        seen: list[tuple[str, str]] = []
+        for kind in stack.servers:
+            participant = stack.participant(kind)
+            inner = participant.prepare
+
+            async def prepare(checkpoint_id: str, deadline: float, inner: Any = inner, kind: str = kind) -> Any:
+                seen.append(("start", kind))
+                await asyncio.sleep(0.2)  # long enough that a sequential prepare could not overlap them
+                report = await inner(checkpoint_id, deadline)
+                seen.append(("end", kind))
+                return report
+
+            participant.prepare = prepare  # type: ignore[method-assign]
+        reply = await stack.coordinator(store).prepare("ck-s", time.time() + 30)
+        assert reply["ready"], reply
+        starts = [k for what, k in seen[:3]]
+        assert sorted(starts) == ["agent", "environment", "model"] and all(w == "start" for w, _ in seen[:3])
+        assert seen[-2:] == [("start", "resources"), ("end", "resources")]  # resources close once every caller parked
+        await stack.coordinator(store).resume("ck-s")
+    finally:
+        await stack.close()
