@@ -11,14 +11,14 @@ from adapters.collection import Collection
 from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from participants.environments.tasks import make_tasks
-from tests.stack import TOKEN, start_stack
+from tests.stack import CREDS, start_stack
 
 
 async def test_each_publish_of_a_run_snapshots_only_the_blobs_its_cut_added(dsn: str, store: PostgresEventStore) -> None:
     stack = await start_stack(dsn, "chain", ScriptedBackend(token_latency_s=0.002))
     try:
         servers = {k: cfg.ServerConfig(port=stack.servers[k].port) for k in cfg.KINDS}
-        coll = Collection(cfg.Config(token=TOKEN, servers=servers), store, "pc", make_tasks(6, 3, ["math", "workplace"]))
+        coll = Collection(cfg.Config(control_token=CREDS.control, data_token=CREDS.data, servers=servers), store, "pc", make_tasks(6, 3, ["math", "workplace"]))
         dispatch = asyncio.create_task(coll.dispatch(stack.session))
         published = []
         for k in (1, 2, 3):
