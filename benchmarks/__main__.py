@@ -103,7 +103,7 @@ async def _round_trip_ms(session: aiohttp.ClientSession, config: cfg.Config) -> 
         for _ in range(5):
             t0 = time.perf_counter()
             async with session.get(config.url(kind) + "/rollbook/v1/control/status",
-                                   headers={"Authorization": f"Bearer {config.token}"}) as resp:
+                                   headers={"Authorization": f"Bearer {config.control_token}"}) as resp:
                 await resp.read()
             samples.append((time.perf_counter() - t0) * 1000)
         total += statistics.median(samples)
@@ -114,7 +114,7 @@ async def collection_part(server: pg.Server, args: argparse.Namespace) -> dict[s
     url = server.new_database()
     work = Path(tempfile.mkdtemp(prefix="rb-bench-"))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
-    config = cfg.Config(dsn=url, token=secrets.token_hex(16), servers=servers)
+    config = cfg.Config(dsn=url, control_token=secrets.token_hex(16), data_token=secrets.token_hex(16), servers=servers)
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(config, work / "rollbook.toml", work)
     store = PostgresEventStore.connect(url, writer="bench-driver")

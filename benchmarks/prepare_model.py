@@ -44,9 +44,10 @@ from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from participants.control_plane import CONTROL, PARTICIPANT  # noqa: E402
+from participants.guard import Credentials  # noqa: E402
 from participants.model_server import build_model_app  # noqa: E402
 
-TOKEN = "bench"
+CREDS = Credentials(control="bench-control", data="bench-data")
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step
 
 
@@ -62,7 +63,7 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
     async def call(i: int, rid: str) -> tuple[int, str]:
         body = {"messages": [{"role": "user", "content": PROMPT}], "seed": i, "stream": i % 2 == 0}
         url = f"{base}/rollouts/{rid}/attempts/0/v1/chat/completions"
-        async with session.post(url, json=body, headers={"X-Rollbook-Call-Id": f"{rid}.0.t0"}) as resp:
+        async with session.post(url, json=body, headers={"X-Rollbook-Call-Id": f"{rid}.0.t0", "Authorization": f"Bearer {CREDS.data}"}) as resp:
             return resp.status, (await resp.text())[-200:]
 
     tasks = [asyncio.ensure_future(call(i, r)) for i, r in enumerate(rollouts)]
@@ -79,13 +80,13 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
     t0 = time.perf_counter()
     async with session.post(f"{base}{CONTROL}/prepare", json={"checkpoint_id": f"bench-ck{round_no}",
                                                                "deadline": time.time() + 30},
-                            headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                            headers={"Authorization": f"Bearer {CREDS.control}"}) as resp:
         report = await resp.json()
     prepare_ms = (time.perf_counter() - t0) * 1000
     results = await asyncio.gather(*tasks)
     async with session.post(f"{base}{CONTROL}/resume", json={"checkpoint_id": f"bench-ck{round_no}",
                                                               "deadline": time.time() + 30},
-                            headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                            headers={"Authorization": f"Bearer {CREDS.control}"}) as resp:
         await resp.read()
     async with store.engine.connect() as conn:
         from sqlalchemy import text
@@ -118,7 +119,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     else:
         backend = ScriptedBackend(token_latency_s=args.token_latency_s)
     reply_steps = len(ScriptedBackend().plan({"messages": [{"role": "user", "content": PROMPT}], "seed": 0})[1])
-    app = build_model_app(store, backend, tokens, TOKEN, "bench-model")
+    app = build_model_app(store, backend, tokens, CREDS, "bench-model")
     participant = app[PARTICIPANT]
     runner = web.AppRunner(app)
     await runner.setup()
