@@ -50,7 +50,7 @@ def wait_for_a_generation_under_way(dsn: str, timeout: float = 60) -> None:
         while time.time() < end:
             under_way = conn.execute(
                 "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
-                "AND a.recorded_at < now() - interval '200 milliseconds' AND NOT EXISTS ("
+                "AND a.recorded_at < now() - interval '300 milliseconds' AND NOT EXISTS ("
                 "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
             ).fetchone()[0]
             if under_way:
@@ -63,8 +63,8 @@ def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(ds
     work = Path(tempfile.mkdtemp(prefix="rbgym-"))
     tasks = make_tasks(4, seed=5, envs=["blackjack", "math", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
-    # Slow tokens keep each generation in flight for a second or more, so the stop below lands mid-generation.
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.05 if k == "model" else 0.0) for k in cfg.KINDS}
+    # Slow tokens (about 2 s a reply) keep each generation in flight well past the stop, so the stop below lands mid-generation.
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.2 if k == "model" else 0.0) for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, control_token="c0ntrol-t0ken", data_token="data-t0ken", servers=servers, run=cfg.RunConfig(
         run_id="gym", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=4))
     cfg.write(config, work / "rollbook.toml")
