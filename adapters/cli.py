@@ -9,8 +9,7 @@ import json
 import sys
 
 from adapters import database, embedded
-from adapters.config import ConfigError
-from engine.errors import RollbookError
+from engine.errors import ConfigError, RollbookError
 
 
 def _db(args: argparse.Namespace) -> int:

@@ -34,16 +34,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.errors import ConfigError
+
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
-
-
-class ConfigError(Exception):
-    """A mistake in what the user gave us: printed as one line naming the cause and the fix, exit 2."""
-
-    def __init__(self, cause: str, fix: str) -> None:
-        super().__init__(f"{cause}; {fix}")
-        self.cause, self.fix = cause, fix
 
 
 class Strict(BaseModel):

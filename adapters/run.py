@@ -23,10 +23,10 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.collection import Collection
-from adapters.config import KINDS, Config, ConfigError
+from adapters.config import KINDS, Config
 from adapters.postgres import PostgresEventStore, retrying
 from engine.coordinator import abort_expired
-from engine.errors import RollbookError
+from engine.errors import ConfigError, RollbookError
 from engine.recovery import run_dispositions
 from participants.environments.base import Task
 

@@ -16,7 +16,8 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
     store = PostgresEventStore.connect(dsn, writer=instance)
     if kind == "model":
-        from adapters.generation import OpenAICompatibleBackend, ScriptedBackend
+        from adapters.generation import OpenAICompatibleBackend
+        from adapters.scripted_policy import ScriptedBackend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
         from participants.model_server import build_model_app
 

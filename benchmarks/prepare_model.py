@@ -37,8 +37,9 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from adapters import database, embedded  # noqa: E402
-from adapters.generation import OpenAICompatibleBackend, ScriptedBackend  # noqa: E402
+from adapters.generation import OpenAICompatibleBackend  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from adapters.scripted_policy import ScriptedBackend  # noqa: E402
 from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402

@@ -21,6 +21,16 @@ class RollbookError(Exception):
         return {"error": {"code": self.code, "detail": self.detail, **({"context": self.context} if self.context else {})}}
 
 
+class ConfigError(Exception):
+    """A mistake in what the user gave a command (a DSN, a config file, a tasks line): not a protocol
+    error and never an HTTP answer, so not a RollbookError. The command prints it as one line naming
+    the cause and then the fix, and exits 2."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(f"{cause}; {fix}")
+        self.cause, self.fix = cause, fix
+
+
 class InvalidPayload(RollbookError):
     """An event's data is not plain JSON, carries a NUL, or is over the size limit."""
 

@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from adapters.generation import ScriptedBackend
 from adapters.http_client import JsonClient
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.events import RecordedEvent

@@ -35,8 +35,8 @@ from sqlalchemy import text
 
 from adapters import config as cfg
 from adapters.collection import Collection
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.errors import RollbookError

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from adapters.generation import ScriptedBackend
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant

@@ -29,8 +29,9 @@ import pytest
 from sqlalchemy import text
 
 from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
-from adapters.generation import Event, OpenAICompatibleBackend, Prefix, ScriptedBackend
+from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from engine.checkpoint import Cut, effective_history
 from engine.events import RecordedEvent
 from participants import agent_server, model_server

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 from gymnasium.envs.toy_text import blackjack as gym_blackjack
 
-from adapters.scripted_policy import scripted_reply, scripted_tokens
+from adapters.scripted_policy import scripted_reply
+from adapters.scripted_tokenizer import scripted_tokens
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
 from participants.environments.base import Trajectory, canonical, roundtrip
 from participants.environments.blackjack import export_rng, import_rng, restore_env

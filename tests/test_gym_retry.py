@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from participants.gym_wire import scoped_rollout_id
 from tests.e2e.test_nemo_gym import REPEATED_CALLS, REPEATED_MUTATIONS
 from tests.stack import start_stack

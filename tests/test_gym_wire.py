@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 from sqlalchemy import text
 
-from adapters.generation import ScriptedBackend
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.run import load_tasks
+from adapters.scripted_policy import ScriptedBackend
 from participants.environments import ENVIRONMENTS, Task
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id

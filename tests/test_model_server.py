@@ -23,13 +23,13 @@ from adapters.generation import (
     GenerationFailed,
     OpenAICompatibleBackend,
     Prefix,
-    ScriptedBackend,
     Start,
     Step,
     final_message,
     merge_delta,
 )
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut

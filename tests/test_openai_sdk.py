@@ -14,8 +14,9 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from adapters.generation import OpenAICompatibleBackend, ScriptedBackend
+from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent

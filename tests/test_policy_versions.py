@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from sqlalchemy import text
 
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
 from participants.model_server import POLICY_STREAM, POLICY_VERSION
