@@ -76,7 +76,7 @@ async def export_run(store: PostgresEventStore, tokens: TokenSource, run_id: str
         rows = (await conn.execute(text(
             "SELECT rollout_id, attempt, reward FROM rollbook.attempts WHERE status = 'finished' "
             "AND starts_with(rollout_id, :p) ORDER BY rollout_id"), {"p": f"{run_id}-"})).all()
-    ours = re.compile(re.escape(run_id) + r"-\d+")  # adapters.collection names rollouts RUN_ID-NNNN
+    ours = re.compile(re.escape(run_id) + r"-\d+")  # apps.collection names rollouts RUN_ID-NNNN
     return [await rollout_record(store, tokens, r.rollout_id, int(r.attempt), r.reward) for r in rows
             if ours.fullmatch(r.rollout_id)]
 

@@ -39,13 +39,13 @@ from aiohttp import web  # noqa: E402
 from adapters import database, embedded  # noqa: E402
 from adapters.generation import OpenAICompatibleBackend  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
-from adapters.scripted_policy import ScriptedBackend  # noqa: E402
 from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from participants.control_plane import CONTROL, PARTICIPANT  # noqa: E402
 from participants.model_server import build_model_app  # noqa: E402
+from participants.scripted_model import ScriptedBackend  # noqa: E402
 
 TOKEN = "bench"
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step

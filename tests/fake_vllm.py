@@ -32,7 +32,7 @@ from aiohttp import web
 
 from adapters import scripted_tokenizer as tok
 from adapters.generation import Step
-from adapters.scripted_policy import ScriptedBackend
+from participants.scripted_model import ScriptedBackend
 
 MODEL = "fake-policy"
 

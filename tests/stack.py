@@ -19,7 +19,6 @@ from aiohttp.test_utils import TestServer
 from adapters.http_client import JsonClient
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.events import RecordedEvent
@@ -29,6 +28,7 @@ from participants.environment_server import build_environment_app
 from participants.environments.base import Task
 from participants.model_server import build_model_app
 from participants.resources_server import build_resources_app
+from participants.scripted_model import ScriptedBackend
 
 TOKEN = "stack-secret"
 SEED = 7  # the scripted policy's seed: the same replies every run

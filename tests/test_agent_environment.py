@@ -19,13 +19,13 @@ import pytest
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import ScriptedBackend
 from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
 from participants.control_plane import CONTROL
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
+from participants.scripted_model import ScriptedBackend
 from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from adapters import config as cfg
+from apps import config as cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 

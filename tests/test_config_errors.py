@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from adapters import config as cfg
 from adapters.database import sibling_url
-from adapters.processes import free_port
+from apps import config as cfg
+from apps.processes import free_port
 from participants.environments.tasks import make_tasks
 
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 
 
 @dataclass

@@ -21,15 +21,15 @@ from sqlalchemy import text
 
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.run import load_tasks
-from adapters.scripted_policy import ScriptedBackend
+from apps.run import load_tasks
 from participants.environments import ENVIRONMENTS, Task
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
+from participants.scripted_model import ScriptedBackend
 from tests.stack import TOKEN, Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 
 
 @contextlib.asynccontextmanager

@@ -29,7 +29,6 @@ from adapters.generation import (
     merge_delta,
 )
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut
@@ -38,6 +37,7 @@ from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
 from participants.control_plane import CONTROL
 from participants.model_server import build_model_app
+from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
 
 TOKEN = "secret"

@@ -16,13 +16,13 @@ from aiohttp.test_utils import TestServer
 
 from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from participants.control_plane import CONTROL
 from participants.model_server import build_model_app
+from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
 
 TOKEN = "secret"

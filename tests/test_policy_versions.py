@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
-from adapters.scripted_policy import ScriptedBackend
 from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
 from participants.model_server import POLICY_STREAM, POLICY_VERSION
+from participants.scripted_model import ScriptedBackend
 from tests.test_model_server import (
     MATH,
     TOKEN,

@@ -107,11 +107,11 @@ def config_problem(exc: ValidationError, path: str | Path) -> ConfigError:
     where = ".".join(str(p) for p in err["loc"]) or "(top level)"
     if err["type"] == "extra_forbidden":
         return ConfigError(f"unknown key {where!r} in {path}",
-                           "remove it or fix its spelling (adapters/config.py lists every key)")
+                           "remove it or fix its spelling (apps/config.py lists every key)")
     if err["type"] == "missing":
-        return ConfigError(f"missing key {where!r} in {path}", "add it (adapters/config.py lists every key)")
+        return ConfigError(f"missing key {where!r} in {path}", "add it (apps/config.py lists every key)")
     return ConfigError(f"bad value for {where!r} in {path}: {err['msg']}",
-                       "fix it (adapters/config.py documents every key)")
+                       "fix it (apps/config.py documents every key)")
 
 
 def write(config: Config, path: str | Path) -> None:

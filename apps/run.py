@@ -22,9 +22,9 @@ import aiohttp
 from sqlalchemy import text
 
 from adapters import database
-from adapters.collection import Collection
-from adapters.config import KINDS, Config
 from adapters.postgres import PostgresEventStore, retrying
+from apps.collection import Collection
+from apps.config import KINDS, Config
 from engine.coordinator import abort_expired
 from engine.errors import ConfigError, RollbookError
 from engine.recovery import run_dispositions
@@ -86,7 +86,7 @@ async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
 
 async def run_collection(config: Config) -> int:
     if config.run is None:
-        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (adapters/config.py)")
+        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (apps/config.py)")
     run = config.run
     tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
     async with aiohttp.ClientSession() as probe:

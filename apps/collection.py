@@ -23,10 +23,10 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
-from adapters.config import KINDS, Config
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
+from apps.config import KINDS, Config
 from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
 

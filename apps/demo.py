@@ -24,11 +24,11 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
-from adapters import config as cfg
 from adapters import database
-from adapters.collection import Collection
 from adapters.postgres import PostgresEventStore
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.collection import Collection
+from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]

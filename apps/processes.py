@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters.config import KINDS, Config
+from apps.config import KINDS, Config
 
 CONTROL_STATUS = "/rollbook/v1/control/status"
 
@@ -39,7 +39,7 @@ class ServerProcesses:
         for kind in kinds:
             log = open(self.log_dir / f"{kind}-{self.generation}.log", "wb")  # noqa: SIM115  (the child owns it)
             self.procs[kind] = subprocess.Popen(
-                [sys.executable, "-m", "adapters.cli", "serve", kind, "--config", str(self.config_path)],
+                [sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         deadline = time.time() + timeout

@@ -8,8 +8,8 @@ import socket
 from aiohttp import web
 
 from adapters import database
-from adapters.config import Config, Kind
 from adapters.postgres import PostgresEventStore
+from apps.config import Config, Kind
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
@@ -17,9 +17,9 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     store = PostgresEventStore.connect(dsn, writer=instance)
     if kind == "model":
         from adapters.generation import OpenAICompatibleBackend
-        from adapters.scripted_policy import ScriptedBackend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
         from participants.model_server import build_model_app
+        from participants.scripted_model import ScriptedBackend
 
         s = config.servers["model"]
         backend = (
