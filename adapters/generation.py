@@ -17,13 +17,14 @@ vouch for.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 import aiohttp
 
-from engine.errors import InvalidPayload, RollbookError
+from engine.errors import ConfigError, InvalidPayload, RollbookError
 from engine.tokens import f32
 
 
@@ -83,6 +84,37 @@ class GenerationBackend(Protocol):
     def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         """Start, the steps after `prefix` (all of them without one, or when regenerating), End."""
         ...
+
+
+# ---- the registry: every backend is an entry point of this group, and nothing else names it ----
+
+ENTRY_POINT_GROUP = "rollbook.generation_backends"
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What the config's [servers.model] section gives the backend it names (apps/config.py)."""
+
+    url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    policy_version: str | None = None
+    latency_s: float = 0.0
+    token_latency_s: float = 0.0
+
+
+def backend_names() -> list[str]:
+    """The registered backends' names (pyproject's `rollbook.generation_backends`, or a plugin's)."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def make_backend(name: str, settings: BackendSettings) -> GenerationBackend:
+    """The backend registered as `name`: its class's `from_settings(settings)`."""
+    found = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    if not found:
+        raise ConfigError(f"unknown generation backend {name!r}", f"use one of {', '.join(backend_names())}")
+    factory: Callable[[BackendSettings], GenerationBackend] = next(iter(found)).load().from_settings
+    return factory(settings)
 
 
 def merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
@@ -166,6 +198,13 @@ class OpenAICompatibleBackend:
         self.policy_version = policy_version or model
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_settings(cls, s: BackendSettings) -> OpenAICompatibleBackend:
+        if not s.url:
+            raise ConfigError("the openai_compatible backend has no url",
+                              "set url in [servers.model] to the upstream's base URL, e.g. http://vllm:8000/v1")
+        return cls(s.url, api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version)
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -5,7 +5,9 @@
 
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
-    backend = "scripted"                      # or "openai_compatible" with url, model, api_key
+    backend = "scripted"                      # a registered generation backend (entry point group
+                                              # rollbook.generation_backends): "scripted", or
+                                              # "openai_compatible" with url, model, api_key
     policy_version = "step-0"                 # the version every call is stamped with until the framework
                                               # sets another (POST /rollbook/v1/control/policy_version)
     token_latency_s = 0.0
@@ -32,8 +34,9 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from adapters.generation import backend_names
 from engine.errors import ConfigError
 
 Kind = Literal["environment", "model", "agent", "resources"]
@@ -49,7 +52,7 @@ class ServerConfig(Strict):
     bind: str | None = None  # the address it listens on, when not `host` (e.g. 0.0.0.0 in a container)
     port: int = Field(ge=0, le=65535)
     # model server only
-    backend: Literal["scripted", "openai_compatible"] = "scripted"
+    backend: str = "scripted"  # checked against the registry below, so a plugin's backend needs no edit here
     url: str | None = None
     model: str | None = None
     api_key: str | None = None
@@ -58,6 +61,14 @@ class ServerConfig(Strict):
     token_latency_s: float = 0.0
     token_store: Literal["postgres", "filesystem"] = "postgres"
     token_store_root: str | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:
+        names = backend_names()
+        if name not in names:
+            raise ValueError(f"{name!r} is not a registered generation backend (one of {', '.join(names)})")
+        return name
 
     @property
     def base_url(self) -> str:

@@ -17,7 +17,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from adapters import scripted_tokenizer as tok
-from adapters.generation import End, Event, Prefix, Start, Step, UnsupportedParameter, max_tokens
+from adapters.generation import (
+    BackendSettings,
+    End,
+    Event,
+    Prefix,
+    Start,
+    Step,
+    UnsupportedParameter,
+    max_tokens,
+)
 from engine.tokens import f32
 from participants.environments import ENVIRONMENTS
 from participants.environments.players import STRING, Answer, Call, Player, _history
@@ -70,6 +79,10 @@ class ScriptedBackend:
         self.model = "scripted"
         self.generations = 0  # generations started, so tests can see a stored reply was not regenerated
         self.tokens_generated = 0
+
+    @classmethod
+    def from_settings(cls, s: BackendSettings) -> ScriptedBackend:
+        return cls(latency_s=s.latency_s, token_latency_s=s.token_latency_s, policy_version=s.policy_version or "scripted-v1")
 
     def check(self, request: dict[str, Any]) -> None:
         fmt = request.get("response_format")
