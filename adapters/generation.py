@@ -24,20 +24,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from engine.errors import ConfigError, InvalidPayload, RollbookError
+from engine.errors import ConfigError, GenerationFailed
 from engine.tokens import f32
-
-
-class GenerationFailed(RollbookError):
-    """The backend could not produce a reply (upstream error, malformed stream, bad output)."""
-
-    code = "generation_failed"
-
-
-class UnsupportedParameter(InvalidPayload):
-    """A sampling parameter this server or its backend cannot honour: refused, never dropped."""
-
-    code = "unsupported_parameter"
 
 
 @dataclass(frozen=True)

@@ -424,15 +424,6 @@ class PostgresEventStore:
             rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
             return [_row_to_event(r) for r in rows]
 
-    async def iterate(self, after: int = 0, to: int | None = None, page: int = 1000) -> AsyncIterator[RecordedEvent]:
-        while True:
-            batch = await self.read_all(after, page, to)
-            for e in batch:
-                yield e
-            if len(batch) < page:
-                return
-            after = batch[-1].position
-
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
         """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
         conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True)
@@ -505,26 +496,6 @@ class PostgresEventStore:
                 {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "kinds": list(kinds)},
             )
             return {(r.r, r.a): r.b for r in rows if r.b is not None}
-
-    @retrying("reading stream heads")
-    async def stream_heads_at(self, cuts: dict[tuple[str, int], int]) -> dict[tuple[str, int], list[tuple[str, int, bytes]]]:
-        """Each attempt's streams at their last version at or below its boundary; reads no event data."""
-        if not cuts:
-            return {}
-        out: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {k: [] for k in cuts}
-        async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT DISTINCT ON (e.rollout_id, e.attempt, e.stream) e.rollout_id, e.attempt, e.stream, "
-                    "e.stream_version, e.hash FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) "
-                    "AS k(r, a, b) JOIN rollbook.events e ON e.rollout_id = k.r AND e.attempt = k.a AND e.position <= k.b "
-                    "ORDER BY e.rollout_id, e.attempt, e.stream, e.stream_version DESC"
-                ),
-                {"rs": [r for r, _ in cuts], "as_": [a for _, a in cuts], "bs": list(cuts.values())},
-            )
-            for r in rows:
-                out[(r.rollout_id, r.attempt)].append((r.stream, r.stream_version, bytes(r.hash)))
-        return out
 
     @retrying("reading stream heads")
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:

@@ -14,9 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adapters.http_client import CONTROL
 from apps.config import KINDS, Config
-
-CONTROL_STATUS = "/rollbook/v1/control/status"
 
 
 def free_port() -> int:
@@ -53,7 +52,7 @@ class ServerProcesses:
                 time.sleep(0.1)
 
     def _answers(self, kind: str) -> bool:
-        req = urllib.request.Request(self.config.url(kind) + CONTROL_STATUS,  # type: ignore[arg-type]
+        req = urllib.request.Request(self.config.url(kind) + f"{CONTROL}/status",  # type: ignore[arg-type]
                                      headers={"Authorization": f"Bearer {self.config.token}"})
         try:
             with urllib.request.urlopen(req, timeout=1) as resp:

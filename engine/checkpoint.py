@@ -28,13 +28,12 @@ from engine.events import (
     chain_hash,
     encode_payload,
 )
-from engine.identity import checkpoint_stream, rollout_stream
+from engine.identity import Key, checkpoint_stream, rollout_stream
 from engine.log import EventStore
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = ("attempt_started", "episode_step", "agent_boundary")
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 
 
 class CutStore(EventStore, Protocol):

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 from engine.checkpoint import (
     Cut,
     CutStore,
-    Key,
     committed_event,
     install_request,
     load_cut,
@@ -29,7 +28,7 @@ from engine.checkpoint import (
 )
 from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
 from engine.events import AppendRequest, RecordedEvent
-from engine.identity import checkpoint_stream
+from engine.identity import Key, checkpoint_stream
 from engine.phases import (
     CHECKPOINT_LEASE_GRACE_S,
     OPEN_CHECKPOINT_PHASES,

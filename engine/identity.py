@@ -10,6 +10,8 @@ import re
 
 from engine.errors import InvalidIdentifier, RolloutIdRequired
 
+Key = tuple[str, int]  # an execution: (rollout_id, attempt)
+
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_ID_LENGTH = 128
 

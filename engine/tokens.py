@@ -94,12 +94,3 @@ class TokenSource(Protocol):
         """The stored tokens; raises InvalidCheckpointState if missing or not matching their digest."""
         ...
 
-
-class LineageStore(Protocol):
-    async def snapshot(self, checkpoint_id: str, blob_ids: list[str]) -> dict[str, Any]:
-        """Pin the blobs a checkpoint needs; returns {"checkpoint_id", "snapshot_id", "digest"}."""
-        ...
-
-    async def validate(self, ref: dict[str, Any], checkpoint_id: str) -> None:
-        """Raise InvalidCheckpointState unless `ref` is an intact snapshot of `checkpoint_id`."""
-        ...

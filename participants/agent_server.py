@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import Field
 
-from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
+from adapters.http_client import JsonClient, data_url
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history
 from engine.errors import (
@@ -39,11 +39,12 @@ from engine.errors import (
     AdmissionClosed,
     DatabaseUnavailable,
     InvalidIdentifier,
+    ParticipantUnavailable,
     RestartInScope,
     RollbookError,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import agent_stream, session_stream
+from engine.identity import Key, agent_stream, session_stream
 from engine.recovery import resume_point
 from participants.control_plane import (
     PARTICIPANT,
@@ -58,7 +59,6 @@ from participants.control_plane import (
 )
 from participants.environments import get_environment
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 ACTIVATION_HEADER = "X-Rollbook-Activation"
 BOUNDARY = "agent_boundary"
 ACTIVATION_COMPLETED = "agent_activation_completed"

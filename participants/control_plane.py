@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters.database import code_revision
+from adapters.http_client import CONTROL, PREFIX
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine.checkpoint import Cut, load_cut
@@ -38,8 +39,6 @@ from participants.http_errors import error_response, errors_as_json
 
 log = logging.getLogger(__name__)
 
-PREFIX = "/rollbook/v1"
-CONTROL = f"{PREFIX}/control"
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 CHECKPOINT_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 MAX_BLOCKERS = 20
@@ -229,7 +228,6 @@ class ControlPlane:
         self.finished: set[str] = set()  # checkpoint ids resumed or aborted here
         self.replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.lock = asyncio.Lock()
-        self._watch: asyncio.Task[None] | None = None
 
     # ---- plumbing -------------------------------------------------------------------------
 

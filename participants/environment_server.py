@@ -26,12 +26,18 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import Field
 
-from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
+from adapters.http_client import JsonClient, data_url
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine import recovery
 from engine.checkpoint import Cut, effective_history
-from engine.errors import AdmissionClosed, AttemptLost, DatabaseUnavailable, StaleAttempt
+from engine.errors import (
+    AdmissionClosed,
+    AttemptLost,
+    DatabaseUnavailable,
+    ParticipantUnavailable,
+    StaleAttempt,
+)
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
 from participants.agent_server import ACTIVATION_HEADER

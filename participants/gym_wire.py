@@ -30,7 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from engine import retry
 from engine.checkpoint import effective_history
-from engine.errors import RollbookError, RolloutIdRequired, StaleAttempt
+from engine.errors import (
+    EpisodeFailed,
+    InvalidRequest,
+    RolloutIdRequired,
+    StaleAttempt,
+    TaskConflict,
+)
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import MAX_ID_LENGTH, episode_stream, rollout_stream
 from participants.environments import Task, ToolError, get_environment
@@ -46,22 +52,6 @@ ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 TASKSET_SLUG_LENGTH = 40
 TASKSET_HASH_LENGTH = 12
 ACTIVATION_COMPLETED = "agent_activation_completed"
-
-
-class InvalidRequest(RollbookError):
-    code = "invalid_request"
-
-
-class TaskConflict(RollbookError):
-    """A rollout id of a taskset already recorded with another task: two runs share a taskset name."""
-
-    code = "task_conflict"
-
-
-class EpisodeFailed(RollbookError):
-    """The episode of a flat row ended in a handled failure (its reason, kind and stage in context)."""
-
-    code = "episode_failed"
 
 
 # ---- the 0.7.0 models -------------------------------------------------------------------------

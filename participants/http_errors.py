@@ -1,4 +1,4 @@
-"""Every error the servers return: one JSON shape, one HTTP status per code, mapped here only."""
+"""Every error the servers return, in one JSON shape, with the status engine/errors.py gives its code."""
 
 from __future__ import annotations
 
@@ -7,43 +7,7 @@ import json
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.errors import RollbookError
-
-STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "invalid_identifier": 400,
-    "invalid_payload": 400,
-    "unsupported_parameter": 400,
-    "invalid_deadline": 400,
-    "payload_too_large": 413,
-    "rollout_id_required": 400,
-    "unauthorized": 401,
-    "unknown_checkpoint": 404,
-    "not_found": 404,
-    "deadline_exceeded": 408,
-    "stale_checkpoint": 409,
-    "checkpoint_conflict": 409,
-    "invalid_phase": 409,
-    "stale_attempt": 409,
-    "unknown_attempt": 409,
-    "restart_in_scope": 409,
-    "admission_closed": 409,
-    "activation_out_of_order": 409,
-    "attempt_lost": 409,
-    "version_conflict": 409,
-    "token_entry_conflict": 409,
-    "capture_frozen": 409,
-    "capture_retired": 409,
-    "task_conflict": 409,
-    "invalid_checkpoint_state": 422,
-    "tool_error": 422,
-    "episode_failed": 500,
-    "schema_mismatch": 500,
-    "replay_divergence": 500,
-    "participant_unavailable": 503,
-    "generation_failed": 502,
-    "database_unavailable": 503,
-}
+from engine.errors import STATUS, RollbookError
 
 
 def error_response(code: str, detail: str, **context: object) -> web.Response:

@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from adapters.generation import (
     End,
     GenerationBackend,
-    GenerationFailed,
     Prefix,
     Start,
     Step,
@@ -50,11 +49,13 @@ from engine.checkpoint import Cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
+    GenerationFailed,
     InvalidIdentifier,
     InvalidPhase,
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
+    Unauthorized,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import call_stream, validate_id
@@ -667,10 +668,6 @@ def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | Non
             f"call id {call_id} belongs to rollout {have_rollout} attempt {have_attempt}, "
             f"not rollout {rollout_id} attempt {attempt}; name the new call anew and replace the old one",
         )
-
-
-class Unauthorized(RollbookError):
-    code = "unauthorized"
 
 
 class PolicyVersionRequest(BaseModel):

@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from engine.errors import STATUS
 from participants import control_plane as cp
-from participants.http_errors import STATUS
 
 _OPS: dict[str, tuple[str, type[Any] | None, type[Any], list[str]]] = {
     # path: (method, request model, reply model, error codes it can return)

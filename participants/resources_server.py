@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from adapters.postgres import PostgresEventStore
 from engine.checkpoint import Cut, effective_history, validate_cut
@@ -30,12 +30,15 @@ from engine.errors import (
     AdmissionClosed,
     AttemptLost,
     InvalidCheckpointState,
+    InvalidRequest,
+    NotFound,
     RestartInScope,
     RollbookError,
     RolloutIdRequired,
+    ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import session_stream
+from engine.identity import Key, session_stream
 from engine.recovery import open_session_mode, tool_call_outcomes
 from participants.control_plane import (
     PARTICIPANT,
@@ -43,6 +46,7 @@ from participants.control_plane import (
     Execution,
     Participant,
     PrepareReport,
+    TaskBody,
     build_app,
     data_path,
     identity,
@@ -50,36 +54,13 @@ from participants.control_plane import (
 from participants.environments import Environment, Task, ToolError, get_environment
 from participants.environments.base import JSON, Trajectory
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 # The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
 # whose mutation the log already holds under this key is answered from the log, never applied again.
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
-class ToolCallRefused(RollbookError):
-    """An environment refused a call (bad arguments, unknown tool, a finished game): nothing changed."""
-
-    code = "tool_error"
-
-
-class InvalidRequest(RollbookError):
-    code = "invalid_request"
-
-
-class SessionNotFound(RollbookError):
-    code = "not_found"
-
-
 def refused(exc: ToolError) -> ToolCallRefused:
     return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
-
-
-class TaskBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    env: str
-    task_id: str
-    prompt: str
-    params: dict[str, Any] = {}
 
 
 class OpenRequest(Body):
@@ -209,7 +190,7 @@ class ResourcesParticipant(Participant):
     async def _session(self, key: Key) -> Session:
         s = self.sessions.get(key) or await self._recover(key)
         if s is None or not s.opened:
-            raise SessionNotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
+            raise NotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
         return s
 
     async def _recover(self, key: Key) -> Session | None:
@@ -316,7 +297,7 @@ class ResourcesParticipant(Participant):
         admitted = self.admission_open
         async with s.lock:
             if self.sessions.get(key) is not s:
-                raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
+                raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
             recorded = s.tool_calls.get(call_key) if call_key else None
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
@@ -381,7 +362,7 @@ class ResourcesParticipant(Participant):
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
             async with s.lock:
                 if self.sessions.get(key) is not s:
-                    raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
+                    raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
                 data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
                                         "final_answer": body.final_answer}
                 if error is not None:
@@ -408,7 +389,7 @@ class ResourcesParticipant(Participant):
             history = [e for e in await effective_history(self.store, *key) if e.stream.startswith("session:")]
             if history and history[-1].kind == "session_closed":
                 return web.json_response({})
-            raise SessionNotFound(f"no session for rollout {key[0]} attempt {key[1]}")
+            raise NotFound(f"no session for rollout {key[0]} attempt {key[1]}")
         self._refuse_when_closed("closing a session")
         async with s.lock:
             if self.sessions.get(key) is s:
@@ -533,12 +514,10 @@ class ResourcesParticipant(Participant):
         self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
 
 
-
-
 def build_resources_app(store: PostgresEventStore, token: str, instance: str = "resources-0") -> web.Application:
     """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection."""
     participant = ResourcesParticipant(store, instance)
     return build_app(participant, token)
 
 
-__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild", "ToolCallRefused", "SessionNotFound"]
+__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild"]

@@ -24,9 +24,9 @@ from adapters.generation import (
     Prefix,
     Start,
     Step,
-    UnsupportedParameter,
     max_tokens,
 )
+from engine.errors import UnsupportedParameter
 from engine.tokens import f32
 from participants.environments import ENVIRONMENTS
 from participants.environments.players import STRING, Answer, Call, Player, _history

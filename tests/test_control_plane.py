@@ -14,9 +14,8 @@ from adapters.database import code_revision
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
-from engine.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
+from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
 from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
-from participants.http_errors import STATUS
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
