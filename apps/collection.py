@@ -27,6 +27,7 @@ from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
+from engine import catalog as ev
 from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
 
@@ -129,8 +130,8 @@ class Collection:
             # Both arrays of every call: the generated ids and logprobs, and the prompt ids a continuation needs.
             blobs = [b for (b,) in await conn.execute(text(
                 "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
-                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN ('call_completed', 'call_cut') AND b IS NOT NULL "
-                "AND position <= :p AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%"})]
+                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN (:completed, :cut) AND b IS NOT NULL "
+                "AND position <= :p AND rollout_id LIKE :r"), {"p": cut.position, "r": f"{self.run_id}-%", "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
         token_ref = await tokens.snapshot(checkpoint_id, blobs)
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}

@@ -25,6 +25,7 @@ from adapters import database
 from adapters.postgres import PostgresEventStore, retrying
 from apps.collection import Collection
 from apps.config import KINDS, Config
+from engine import catalog as ev
 from engine.coordinator import abort_expired
 from engine.errors import ConfigError, RollbookError
 from engine.recovery import run_dispositions
@@ -103,7 +104,7 @@ async def run_collection(config: Config) -> int:
     try:
         async with aiohttp.ClientSession() as session:
             for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
-                say(event="checkpoint_aborted", checkpoint_id=ck, reason="lease expired")
+                say(event=ev.CHECKPOINT_ABORTED, checkpoint_id=ck, reason="lease expired")
             ids = [collection.rollout_id(i) for i in range(len(tasks))]
             where = run_dispositions(await store.attempt_rows(ids), ids)
             if any(d != "not_started" for d in where.values()):

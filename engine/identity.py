@@ -51,6 +51,11 @@ def session_stream(rollout_id: str, attempt: int) -> str:
     return f"session:{rollout_id}:{attempt}"
 
 
+def is_session_stream(stream: str, rollout_id: str | None = None) -> bool:
+    """Whether `stream` is a session stream (of `rollout_id`, any attempt, when given)."""
+    return stream.startswith(f"session:{rollout_id}:" if rollout_id is not None else "session:")
+
+
 def call_stream(call_id: str) -> str:
     return f"call:{call_id}"
 
@@ -66,3 +71,13 @@ def checkpoint_stream(checkpoint_id: str) -> str:
 
 def participant_stream(kind: str, instance: str) -> str:
     return f"participant:{kind}:{instance}"
+
+
+def restore_stream(checkpoint_id: str) -> str:
+    """The record of one installed restore of a checkpoint."""
+    return f"restore:{checkpoint_id}"
+
+
+def policy_stream() -> str:
+    """One stream for the whole deployment: the order of policy versions is its order."""
+    return "policy"

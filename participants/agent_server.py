@@ -33,6 +33,8 @@ from pydantic import Field
 
 from adapters.http_client import JsonClient, data_url
 from adapters.postgres import PostgresEventStore
+from engine.catalog import ACTIVATION_COMPLETED
+from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, effective_history
 from engine.errors import (
     ActivationOutOfOrder,
@@ -60,8 +62,6 @@ from participants.control_plane import (
 from participants.environments import get_environment
 
 ACTIVATION_HEADER = "X-Rollbook-Activation"
-BOUNDARY = "agent_boundary"
-ACTIVATION_COMPLETED = "agent_activation_completed"
 RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
 PEER_PATIENCE_S = 120.0  # how long a session waits for a server (or the database) that does not answer
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"

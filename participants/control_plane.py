@@ -22,6 +22,7 @@ from adapters.database import code_revision
 from adapters.http_client import CONTROL, PREFIX
 from adapters.postgres import PostgresEventStore
 from engine import attempts as A
+from engine import catalog as ev
 from engine.checkpoint import Cut, load_cut
 from engine.coordinator import abort_if_expired
 from engine.errors import (
@@ -391,7 +392,7 @@ class ControlPlane:
         req = await self._body(request, RetireRequest)
         for r in req.rollouts:
             await self.p.store.append(
-                AppendRequest((NewEvent(rollout_stream(r.rollout_id), A.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through),))
+                AppendRequest((NewEvent(rollout_stream(r.rollout_id), ev.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through),))
             )
             await self.p.retire(r.rollout_id, r.through)
         return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
@@ -404,7 +405,7 @@ class ControlPlane:
             mark = await self.p.store.retired_through(rid)
             if mark >= 0:
                 await self.p.store.append(
-                    AppendRequest((NewEvent(rollout_stream(rid), A.ROLLOUT_FORGOTTEN, {}, rid, mark),))
+                    AppendRequest((NewEvent(rollout_stream(rid), ev.ROLLOUT_FORGOTTEN, {}, rid, mark),))
                 )
             await self.p.forget(rid)
         return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,

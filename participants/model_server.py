@@ -45,6 +45,8 @@ from adapters.generation import (
     merge_delta,
 )
 from adapters.postgres import PostgresEventStore
+from engine import catalog as ev
+from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut
 from engine.errors import (
     AdmissionClosed,
@@ -58,7 +60,7 @@ from engine.errors import (
     Unauthorized,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import call_stream, validate_id
+from engine.identity import call_stream, policy_stream, validate_id
 from engine.recovery import call_lost
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import (
@@ -90,11 +92,10 @@ REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 COMPLETIONS = "/v1/chat/completions"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
-POLICY_STREAM = "policy"  # one stream for the whole deployment: the order of versions is its order
-POLICY_VERSION_CHANGED = "policy_version_changed"
+POLICY_STREAM = policy_stream()
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
-CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
+CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
 
 
 class TokenStore(TokenSink, TokenSource, Protocol):
@@ -120,9 +121,9 @@ def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
             continue
         cid = e.data["call_id"]
         prior = out.get(cid)
-        if e.kind == "call_excluded" and prior is not None and prior.status in ("cut", "completed"):
+        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status in ("cut", "completed"):
             continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
-        accepted = e.data if e.kind == "call_accepted" else (prior.accepted if prior else {})
+        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
         out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
     return out
 
@@ -393,7 +394,7 @@ class ModelParticipant(Participant):
                 if call_lost(record.status, served_here=False):
                     failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
                               "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
-                    await self._append(NewEvent(call_stream(call_id), "call_failed", failed, rollout_id, attempt))
+                    await self._append(NewEvent(call_stream(call_id), ev.CALL_FAILED, failed, rollout_id, attempt))
                     raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
                                       f"never recorded; the rollout continues under a new attempt",
                                       rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
@@ -408,7 +409,7 @@ class ModelParticipant(Participant):
             await self.adopt_policy_version()
         if not self.admission_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
-            await self._append(NewEvent(stream_name, "call_excluded", excluded, rollout_id, attempt))
+            await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
         call = _Call(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
@@ -441,7 +442,7 @@ class ModelParticipant(Participant):
                 call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
                 accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
                 call.extra["prefix_tokens"] = len(generated.ids)
-            await self._append(NewEvent(stream_name, "call_accepted", accepted, rollout_id, attempt))
+            await self._append(NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt))
         except BaseException as exc:
             if reserved is not None and self.replacements.get(reserved) == call_id:
                 del self.replacements[reserved]
@@ -457,7 +458,7 @@ class ModelParticipant(Participant):
         key = (replaces, attempt)
         if self.replacements.get(key, call_id) == call_id:
             for e in await self.store.read_rollout(rollout_id, attempt):
-                if e.kind == "call_accepted" and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
+                if e.kind == ev.CALL_ACCEPTED and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
                     self.replacements.setdefault(key, e.data["call_id"])
         holder = self.replacements.setdefault(key, call_id)  # no await between this check and the claim
         if holder != call_id:
@@ -484,8 +485,8 @@ class ModelParticipant(Participant):
                      "tokens": old.data["receipt"]["tokens"], "policy_version": accepted["policy_version"]}
         stream = call_stream(call.call_id)
         await self.store.append(AppendRequest((
-            NewEvent(stream, "call_accepted", accepted, call.rollout_id, call.attempt),
-            NewEvent(stream, "call_completed", completed, call.rollout_id, call.attempt),
+            NewEvent(stream, ev.CALL_ACCEPTED, accepted, call.rollout_id, call.attempt),
+            NewEvent(stream, ev.CALL_COMPLETED, completed, call.rollout_id, call.attempt),
         )))
         await self._finish(call, "completed", result=completed)
         return call
@@ -495,9 +496,9 @@ class ModelParticipant(Participant):
     async def _run(self, call: _Call) -> None:
         try:
             if await self._pump(call):
-                await self._record_outcome(call, "call_cut", {"tokens": len(call.ids), "partial": call.message})
+                await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
             else:
-                await self._record_outcome(call, "call_completed", {
+                await self._record_outcome(call, ev.CALL_COMPLETED, {
                     "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
                     "finish_reason": call.finish_reason, "usage": usage(len(call.prompt_ids), len(call.ids)),
                     "upstream_usage": call.upstream_usage, **call.extra})
@@ -511,7 +512,7 @@ class ModelParticipant(Participant):
             error = exc if isinstance(exc, RollbookError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
             failed = {"call_id": call.call_id, "error": {"code": error.code, "detail": error.detail}, "tokens": len(call.ids)}
             try:
-                await self._append(NewEvent(call_stream(call.call_id), "call_failed", failed, call.rollout_id, call.attempt))
+                await self._append(NewEvent(call_stream(call.call_id), ev.CALL_FAILED, failed, call.rollout_id, call.attempt))
             except StaleAttempt as stale:
                 error = stale
             finally:

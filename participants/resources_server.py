@@ -25,6 +25,7 @@ from aiohttp import web
 from pydantic import Field
 
 from adapters.postgres import PostgresEventStore
+from engine import catalog as ev
 from engine.checkpoint import Cut, effective_history, validate_cut
 from engine.errors import (
     AdmissionClosed,
@@ -38,7 +39,7 @@ from engine.errors import (
     ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import Key, session_stream
+from engine.identity import Key, is_session_stream, session_stream
 from engine.recovery import open_session_mode, tool_call_outcomes
 from participants.control_plane import (
     PARTICIPANT,
@@ -126,10 +127,10 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
     revision = 0
     where = f"{rollout_id} attempt {attempt}"
     for e in history:
-        if not e.stream.startswith("session:"):
+        if not is_session_stream(e.stream):
             continue
         try:
-            if e.kind == "session_opened":
+            if e.kind == ev.SESSION_OPENED:
                 if e.data.get("restored_from") is not None or e.data.get("recovered"):
                     # A restored session continues its origin's replay; it must agree with it.
                     if env is None or task is None or e.data.get("revision") != revision or e.data.get("env") != env.name:
@@ -140,7 +141,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
                 env = get_environment(e.data["env"])
                 task = Task.from_json(e.data["task"])
                 state, revision = env.initial_state(task), 0
-            elif e.kind == "mutation_applied":
+            elif e.kind == ev.MUTATION_APPLIED:
                 if env is None:
                     raise InvalidCheckpointState(f"{where}: {e.stream} has a mutation before any session_opened")
                 if e.data.get("revision") != revision + 1:
@@ -149,7 +150,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
                 if env.state_mode == "restart_only":
                     continue  # its effects are records, not state; refused below
                 state, revision = env.apply(state, e.data["effect"]), revision + 1
-            elif e.kind == "session_closed":
+            elif e.kind == ev.SESSION_CLOSED:
                 env, task, state, revision = None, None, None, 0
         except RollbookError:
             raise
@@ -163,7 +164,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
     at = next((e for e in history if e.position == boundary), None)
     seen = (at.data.get("revisions") or {}) if at is not None else {}
     for stream, rev in seen.items():
-        if stream.startswith(f"session:{rollout_id}:") and rev != revision:
+        if is_session_stream(stream, rollout_id) and rev != revision:
             raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {rev}, the replay reaches {revision}")
     return Staged(rollout_id, attempt, env.name, task, state, revision)
 
@@ -222,11 +223,11 @@ class ResourcesParticipant(Participant):
             s = Session(key[0], key[1], get_environment(staged.env_name), staged.task, staged.state, staged.revision,
                         stream_version=own[-1].stream_version if own else 0, opened=True)
             s.tool_calls = tool_call_outcomes(history)
-            verified = [e for e in own if e.kind == "session_verified"]
+            verified = [e for e in own if e.kind == ev.SESSION_VERIFIED]
             s.verify_status = verified[-1].data.get("status") if verified else None
             if not own:  # inherited from the boundary this attempt continues: reopen it under this attempt
-                origin = next((e.attempt for e in reversed(history) if e.stream.startswith("session:")), None)
-                await self._append(s, "session_opened", {
+                origin = next((e.attempt for e in reversed(history) if is_session_stream(e.stream)), None)
+                await self._append(s, ev.SESSION_OPENED, {
                     "env": s.env.name, "task": s.task.to_json(), "state_mode": s.env.state_mode, "revision": s.revision,
                     "origin_attempt": origin, "recovered": True})
             self.sessions[key] = s
@@ -272,7 +273,7 @@ class ResourcesParticipant(Participant):
                 if env.state_mode == "restart_only":
                     # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
                     s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
-                await self._append(s, "session_opened", {"env": env.name, "task": task.to_json(),
+                await self._append(s, ev.SESSION_OPENED, {"env": env.name, "task": task.to_json(),
                                                          "state_mode": env.state_mode})
             except BaseException:
                 self.sessions.pop(key, None)
@@ -327,7 +328,7 @@ class ResourcesParticipant(Participant):
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
                     "tool_call": call_key, "output": outcome.output, "done": outcome.done}
-            await self._append(s, "mutation_applied", data)
+            await self._append(s, ev.MUTATION_APPLIED, data)
             s.state, s.revision = new_state, revision
             if call_key:
                 s.tool_calls[call_key] = data
@@ -341,7 +342,7 @@ class ResourcesParticipant(Participant):
             # A passed verify retires its session; a caller that crashed before it heard the answer
             # asks again and gets the recorded verification, not a second one.
             verified = [e for e in await effective_history(self.store, *key)
-                        if e.kind == "session_verified" and e.stream == session_stream(*key)]
+                        if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
             if verified:
                 d = verified[-1].data
                 return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
@@ -367,7 +368,7 @@ class ResourcesParticipant(Participant):
                                         "final_answer": body.final_answer}
                 if error is not None:
                     data["error"] = error
-                await self._append(s, "session_verified", data)
+                await self._append(s, ev.SESSION_VERIFIED, data)
                 s.verify_status = status
                 if status == "passed":
                     # A successful terminal session is retired; a failed one keeps its state to inspect or retry.
@@ -386,8 +387,8 @@ class ResourcesParticipant(Participant):
         if s is None:
             # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
             # the session's own stream or, for a restored attempt, its origin's up to the boundary.
-            history = [e for e in await effective_history(self.store, *key) if e.stream.startswith("session:")]
-            if history and history[-1].kind == "session_closed":
+            history = [e for e in await effective_history(self.store, *key) if is_session_stream(e.stream)]
+            if history and history[-1].kind == ev.SESSION_CLOSED:
                 return web.json_response({})
             raise NotFound(f"no session for rollout {key[0]} attempt {key[1]}")
         self._refuse_when_closed("closing a session")
@@ -398,7 +399,7 @@ class ResourcesParticipant(Participant):
 
     async def _retire_session(self, s: Session, data: dict[str, Any]) -> None:
         """Under the session's lock: record the close, then free the session."""
-        await self._append(s, "session_closed", {**data, "revision": s.revision})
+        await self._append(s, ev.SESSION_CLOSED, {**data, "revision": s.revision})
         self.sessions.pop((s.rollout_id, s.attempt), None)
         await self._close_live(s)
 
@@ -490,7 +491,7 @@ class ResourcesParticipant(Participant):
             env = get_environment(st.env_name)
             fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
         events = tuple(
-            s.event("session_opened", {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
+            s.event(ev.SESSION_OPENED, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
                                        "revision": s.revision, "origin_attempt": old})
             for old, s in fresh
         )
