@@ -527,6 +527,13 @@ class PostgresEventStore:
             return [r for (r,) in rows]
 
     @retrying("reading a retire mark")
+    async def session_revision(self, rollout_id: str, attempt: int) -> int | None:
+        """The revision the session projection records for an attempt (None: it never opened one)."""
+        async with self.engine.connect() as conn:
+            return (await conn.execute(
+                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
+                {"r": rollout_id, "a": attempt})).scalar()
+
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (

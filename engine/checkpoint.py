@@ -48,6 +48,15 @@ class CutStore(EventStore, Protocol):
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
 
 
+class ParticipantStore(CutStore, Protocol):
+    """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
+    are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
+
+    async def retired_through(self, rollout_id: str) -> int: ...
+
+    async def session_revision(self, rollout_id: str, attempt: int) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class ScopeEntry:
     rollout_id: str

@@ -32,10 +32,9 @@ from aiohttp import web
 from pydantic import Field
 
 from adapters.http_client import JsonClient, data_url
-from adapters.postgres import PostgresEventStore
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
-from engine.checkpoint import Cut, effective_history
+from engine.checkpoint import Cut, ParticipantStore, effective_history
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
@@ -190,7 +189,7 @@ class AgentParticipant(Participant):
         super().__init_subclass__(**kw)
         cls.checkpoint_mode = "native" if cls.supports_continuation else "restart_only"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "agent-0", token: str | None = None) -> None:
+    def __init__(self, store: ParticipantStore, instance: str = "agent-0", token: str | None = None) -> None:
         super().__init__(store, instance)
         self.client = JsonClient(token)
         self.sessions: dict[Key, Session] = {}
@@ -456,7 +455,7 @@ class AgentParticipant(Participant):
         await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
 
 
-def build_agent_app(store: PostgresEventStore, token: str, instance: str = "agent-0",
+def build_agent_app(store: ParticipantStore, token: str, instance: str = "agent-0",
                     participant_cls: type[AgentParticipant] = AgentParticipant,
                     environment_url: str | None = None) -> web.Application:
     participant = participant_cls(store, instance, token)

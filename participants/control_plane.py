@@ -20,10 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters.database import code_revision
 from adapters.http_client import CONTROL, PREFIX
-from adapters.postgres import PostgresEventStore
 from engine import attempts as A
 from engine import catalog as ev
-from engine.checkpoint import Cut, load_cut
+from engine.checkpoint import Cut, ParticipantStore, load_cut
 from engine.coordinator import abort_if_expired
 from engine.errors import (
     CheckpointConflict,
@@ -153,7 +152,7 @@ class Participant:
     checkpoint_mode: ClassVar[Literal["native", "restart_only"]] = "native"
     concurrency: ClassVar[str] = "sessions serialized per rollout attempt; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str) -> None:
+    def __init__(self, store: ParticipantStore, instance: str) -> None:
         self.store = store
         self.instance = instance
         self.served_sessions = False

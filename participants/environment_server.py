@@ -27,10 +27,9 @@ from aiohttp import web
 from pydantic import Field
 
 from adapters.http_client import JsonClient, data_url
-from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
 from engine import recovery
-from engine.checkpoint import Cut, effective_history
+from engine.checkpoint import Cut, ParticipantStore, effective_history
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -105,7 +104,7 @@ class EnvironmentParticipant(Participant):
     kind: ClassVar[str] = "environment"
     concurrency: ClassVar[str] = "steps serialized per episode; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str, token: str | None, agent_url: str, model_url: str,
+    def __init__(self, store: ParticipantStore, instance: str, token: str | None, agent_url: str, model_url: str,
                  resources_url: str) -> None:
         super().__init__(store, instance)
         self.client = JsonClient(token)
@@ -392,7 +391,7 @@ class EnvironmentParticipant(Participant):
 
 
 
-def build_environment_app(store: PostgresEventStore, token: str, agent_url: str, model_url: str, resources_url: str,
+def build_environment_app(store: ParticipantStore, token: str, agent_url: str, model_url: str, resources_url: str,
                           instance: str = "environment-0") -> web.Application:
     participant = EnvironmentParticipant(store, instance, token, agent_url, model_url, resources_url)
     return build_app(participant, token)

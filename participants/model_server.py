@@ -44,10 +44,9 @@ from adapters.generation import (
     final_message,
     merge_delta,
 )
-from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
 from engine.catalog import POLICY_VERSION_CHANGED
-from engine.checkpoint import Cut
+from engine.checkpoint import Cut, ParticipantStore
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -197,7 +196,7 @@ class ModelParticipant(Participant):
     kind = "model"
     concurrency = "calls run concurrently; one call id is accepted once; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
+    def __init__(self, store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
         self._open = asyncio.Event()
         super().__init__(store, instance)  # sets admission_open = True through the property below
         self.backend = backend
@@ -678,7 +677,7 @@ class PolicyVersionRequest(BaseModel):
 
 
 def build_model_app(
-    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
+    store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, token: str, instance: str = "model-0"
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)
     participant.token = token

@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
-from engine import token_capture as TC
-from engine.checkpoint import effective_history
+from engine.checkpoint import ParticipantStore, effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
 from engine.identity import session_stream
@@ -123,26 +121,26 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
     if e.kind == ev.ATTEMPT_FINISHED:
         state.reward = d.get("reward")
         return f"attempt finished, reward {d.get('reward')}"
-    if e.kind in TC.CAPTURE_KINDS:
+    if e.kind in ev.CAPTURE_KINDS:
         return _capture_change(e)
     return e.kind.replace("_", " ")
 
 
 def _capture_change(e: RecordedEvent) -> str:
     d = e.data
-    if e.kind == TC.CAPTURE_ENTRY_PUT:
+    if e.kind == ev.CAPTURE_ENTRY_PUT:
         return (f"token capture: call {d['model_call_id']} recorded, {d['prompt_receipt']['tokens']} prompt + "
                 f"{d['receipt']['tokens']} generated tokens")
-    if e.kind == TC.CAPTURE_CALL_BEGUN:
+    if e.kind == ev.CAPTURE_CALL_BEGUN:
         return f"token capture: call {d['model_call_id']} dispatched"
-    if e.kind == TC.CAPTURE_INCOMPLETE:
+    if e.kind == ev.CAPTURE_INCOMPLETE:
         return f"token capture incomplete: call {d.get('model_call_id') or '?'} was not captured"
-    if e.kind == TC.CAPTURE_FROZEN:
+    if e.kind == ev.CAPTURE_FROZEN:
         return f"token capture frozen for a trainer, {d.get('entries')} calls"
     return f"token capture retired: snapshot {d.get('snapshot_id')} consumed at version {d.get('version')}"
 
 
-async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
+async def replay(store: ParticipantStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
     rows = await store.attempt_rows([rollout_id])
     if (rollout_id, attempt) not in rows:
         raise UnknownAttempt(f"rollout {rollout_id} has no attempt {attempt}", rollout_id=rollout_id, attempt=attempt)
@@ -150,18 +148,13 @@ async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: i
     for e in await effective_history(store, rollout_id, attempt, to):
         steps.append(Step(e.position, e.attempt or 0, e.kind, apply(state, e)))
     if to is None:
-        async with store.engine.connect() as conn:
-            from sqlalchemy import text
-
-            recorded = (await conn.execute(
-                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
-                {"r": rollout_id, "a": attempt})).scalar()
+        recorded = await store.session_revision(rollout_id, attempt)
         if recorded is not None and recorded != state.revision:
             raise ReplayDivergence(f"the session projection records revision {recorded}, the replay reaches {state.revision}")
     return steps, state
 
 
-async def history(store: PostgresEventStore, rollout_id: str) -> dict[str, Any]:
+async def history(store: ParticipantStore, rollout_id: str) -> dict[str, Any]:
     rows = await store.attempt_rows([rollout_id])
     events = await store.read_rollout(rollout_id)
     attempts = []

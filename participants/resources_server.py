@@ -24,9 +24,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import Field
 
-from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
-from engine.checkpoint import Cut, effective_history, validate_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, validate_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -173,7 +172,7 @@ class ResourcesParticipant(Participant):
     kind: ClassVar[str] = "resources"
     concurrency: ClassVar[str] = "mutations serialized per (rollout_id, attempt) session; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "resources-0") -> None:
+    def __init__(self, store: ParticipantStore, instance: str = "resources-0") -> None:
         super().__init__(store, instance)
         self.sessions: dict[Key, Session] = {}
         self.staged: dict[Key, Staged] = {}
@@ -515,7 +514,7 @@ class ResourcesParticipant(Participant):
         self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
 
 
-def build_resources_app(store: PostgresEventStore, token: str, instance: str = "resources-0") -> web.Application:
+def build_resources_app(store: ParticipantStore, token: str, instance: str = "resources-0") -> web.Application:
     """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection."""
     participant = ResourcesParticipant(store, instance)
     return build_app(participant, token)
