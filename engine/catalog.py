@@ -20,7 +20,7 @@ from typing import Any
 
 from engine import identity
 from engine.errors import InvalidPayload
-from engine.events import NewEvent
+from engine.events import NewEvent, RecordedEvent
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,14 @@ def check(event: NewEvent) -> None:
     kind = CATALOG.get(event.kind)
     if kind is not None:
         kind.check(event)
+
+
+def problems(event: RecordedEvent) -> list[str]:
+    """Where a recorded event departs from the catalog (empty: it conforms)."""
+    kind = CATALOG.get(event.kind)
+    if kind is None:
+        return [f"{event.kind} is not in the catalog"]
+    return [f"{event.kind}: {p}" for p in kind.problems(event.stream, event.data, event.rollout_id is not None)]
 
 
 def need(name: str, type: str, doc: str) -> Field:

@@ -22,6 +22,7 @@ from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.events import RecordedEvent
+from engine.log import EventStore
 from participants.agent_server import AgentParticipant, build_agent_app
 from participants.control_plane import PARTICIPANT, Participant
 from participants.environment_server import build_environment_app
@@ -105,6 +106,14 @@ async def start_stack(
 
 
 # ---- reading the log --------------------------------------------------------------------------
+
+
+async def all_events(store: EventStore) -> list[RecordedEvent]:
+    """The whole log, in pages."""
+    out: list[RecordedEvent] = []
+    while batch := await store.read_all(out[-1].position if out else 0, 1000):
+        out += batch
+    return out
 
 
 def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:
