@@ -56,6 +56,9 @@ class Collection:
     max_steps: int = 12
     concurrency: int = 64
     on_finish: Callable[[str], None] = lambda rid: None
+    # Called with (rollout id, code) when a dispatch of that rollout is first told "not now": a run
+    # that waits out a checkpoint says so instead of looking hung.
+    on_wait: Callable[[str, str], None] = lambda rid, code: None
     finished: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)  # rollout id -> the error code that ended its dispatch
     retries: int = 0  # dispatches asked again after admission_closed / database_unavailable
@@ -87,6 +90,7 @@ class Collection:
                     "max_steps": self.max_steps}
             async with gate:
                 wait = RETRY_FIRST_S
+                waiting = False
                 while True:
                     try:
                         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=None)) as resp:
@@ -99,6 +103,9 @@ class Collection:
                                 return None
                     except (aiohttp.ClientError, OSError):
                         return None  # the server died under us; the log knows where this rollout stands
+                    if not waiting:
+                        waiting = True
+                        self.on_wait(rid, str(code))
                     self.retries += 1
                     await asyncio.sleep(wait * (0.5 + random.random()))  # jittered: a resume must not meet a stampede
                     wait = min(RETRY_MAX_S, wait * 2)

@@ -95,7 +95,8 @@ async def run_collection(config: Config) -> int:
     dsn = database.prepare_database(config.dsn)
     store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}")
     collection = Collection(config, store, run.run_id, tasks, seed=run.seed, max_steps=run.max_steps,
-                            concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid))
+                            concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid),
+                            on_wait=lambda rid, code: say(event="waiting", rollout_id=rid, code=code))
     loop = asyncio.get_running_loop()
     wanted = asyncio.Event()
     stop = asyncio.Event()

@@ -1,12 +1,18 @@
 """Many more sequences of the control-operation state machine than CI runs, one seed each.
 
-    .venv/bin/python benchmarks/soak.py --seeds 500 [--steps 12] [--out PATH]
+    .venv/bin/python benchmarks/soak.py --seeds 500 [--steps 12] [--machine control|processes] [--out PATH]
 
-One hypothesis run of tests/stateful_control.ControlMachine with --seeds examples (sequences of
-dispatch, prepare, commit, publish, resume, crash-and-restore, retire, forget against the four
-servers in process, on one throwaway embedded PostgreSQL), seeded with --first, every invariant
-checked after every step and at the end. A violation is shrunk by hypothesis to a short sequence
-and printed with its seed and a reproduction blob. Prints a table (each operation that took
+One hypothesis run of --seeds examples, seeded with --first, every invariant checked after every
+step and at the end, of one of two machines:
+- `control` (the default): tests/stateful_control.ControlMachine, sequences of dispatch, prepare,
+  commit, publish, resume, crash-and-restore, retire, forget against the four servers in process,
+  on one throwaway embedded PostgreSQL (about 1 s a sequence);
+- `processes`: tests/stateful_processes.FaultMachine, the same operations plus the real faults
+  (SIGKILL of any subset of the four server processes, of a coordinator process mid-checkpoint,
+  a PostgreSQL restart, dropped connections) on an embedded PostgreSQL of its own (several
+  seconds a sequence). A violation is shrunk by hypothesis to a short sequence
+and printed with its seed and a reproduction blob; with `--machine processes` a traceback in any server's log counts as
+a violation too. Prints a table (each operation that took
 effect, counted over every sequence including shrinking) and writes JSON; never asserts a time.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -25,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from tests import pg  # noqa: E402
-from tests.stateful_control import TALLY, ControlMachine  # noqa: E402
+from adapters import database  # noqa: E402
+from tests import pg, stateful_control, stateful_processes  # noqa: E402
 
 
 def main() -> int:
@@ -34,46 +41,77 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=500, help="sequences to run")
     p.add_argument("--first", type=int, default=0, help="the seed of the run")
     p.add_argument("--steps", type=int, default=12, help="steps per sequence at most")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
+    p.add_argument("--machine", choices=["control", "processes"], default="control",
+                   help="in-process control operations, or real processes and real faults")
+    p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/soak[-processes].json")
     args = p.parse_args()
-    server = pg.primary_server()
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / ("soak.json" if args.machine == "control" else "soak-processes.json")
     failures: list[dict[str, object]] = []
     started = time.perf_counter()
+    world = None
+    if args.machine == "control":
+        server = pg.primary_server()
+        base: type = stateful_control.ControlMachine
+        tally_of_run = stateful_control.TALLY
+    else:
+        server, restart = pg.restartable_server()
+        base, tally_of_run = stateful_processes.FaultMachine, stateful_processes.TALLY
     try:
-        ControlMachine.dsn = server.new_database()
+        if args.machine == "control":
+            base.dsn = server.new_database()
+        else:
+            work = Path(tempfile.mkdtemp(prefix="rbsoak-"))
+            print(f"server logs: {work}", file=sys.stderr)
+            world = stateful_processes.start_world(database.scratch_database(server.admin_dsn, "rollbook_soak"),
+                                                   restart, work)
+            base.world = world
+        every = 25 if args.machine == "control" else 5  # sequences between two progress lines
         # One hypothesis run of --seeds examples, seeded by --first: hypothesis varies the sequences
         # across examples (its first one is always the simplest) and shrinks a failing one.
         def progress(tally: dict[str, int]) -> None:
-            # hypothesis may run past max_examples (a repeated sequence does not count), so every 25
+            # hypothesis may run past max_examples (a repeated sequence does not count), so every few
             # sequences the tally so far is printed and saved: a run cut short still leaves its figures
-            if tally.get("sequences_checked", 0) % 25 == 0:
+            if tally.get("sequences_checked", 0) % every == 0:
                 print(f"{tally['sequences_checked']} sequences checked, 0 violations, {time.perf_counter() - started:.0f} s: "
                       f"{json.dumps(dict(sorted(tally.items())))}", file=sys.stderr, flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"partial": True, "seeds": args.seeds, "first": args.first,
-                                                "operations": dict(sorted(tally.items()))}, indent=2) + "\n")
+                args.out.write_text(json.dumps({"partial": True, "machine": args.machine, "seeds": args.seeds,
+                                                "first": args.first, "operations": dict(sorted(tally.items()))},
+                                               indent=2) + "\n")
 
-        machine = seed(args.first)(type("SoakMachine", (ControlMachine,), {"progress": staticmethod(progress)}))
+        machine = seed(args.first)(type("SoakMachine", (base,), {"progress": staticmethod(progress)}))
         try:
             run_state_machine_as_test(machine, settings=settings(
                 max_examples=args.seeds, stateful_step_count=args.steps, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck), print_blob=True))
         except Exception as exc:  # a violation, already shrunk: report it with the seed that found it
-            print(f"seed {args.first}: VIOLATION {type(exc).__name__}: {str(exc)[:400]}", file=sys.stderr)
+            print(f"seed {args.first}: VIOLATION {type(exc).__name__}: {str(exc)[:400]}\n"
+                  f"reproduce: benchmarks/soak.py --machine {args.machine} --first {args.first} --seeds {args.seeds} "
+                  f"--steps {args.steps}", file=sys.stderr)
             traceback.print_exc(limit=3)
             failures.append({"seed": args.first, "error": f"{type(exc).__name__}: {str(exc)[:1000]}"})
     finally:
+        if world is not None:
+            world.procs.stop()
+            # No server may print a traceback for any of these faults (issue 9, item 3).
+            from tests.e2e.test_recovery import tracebacks
+
+            for found in tracebacks(world.procs.log_dir):
+                print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
+                failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})
         server.close()
     elapsed = time.perf_counter() - started
-    result = {"seeds": args.seeds, "first": args.first, "steps": args.steps, "violations": len(failures),
-              "failures": failures, "seconds": round(elapsed, 1), "operations": dict(sorted(TALLY.items()))}
+    result = {"machine": args.machine, "seeds": args.seeds, "first": args.first, "steps": args.steps, "violations": len(failures),
+              "failures": failures, "seconds": round(elapsed, 1), "operations": dict(sorted(tally_of_run.items()))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'sequences asked':<28}{args.seeds:>10}")
-    print(f"{'violations':<28}{len(failures):>10}")
-    for op, n in sorted(TALLY.items()):
-        print(f"{op:<28}{n:>10}")
-    print(f"{'seconds':<28}{elapsed:>10.1f}")
+    print(f"{'machine':<36}{args.machine:>10}")
+    print(f"{'sequences asked':<36}{args.seeds:>10}")
+    print(f"{'violations':<36}{len(failures):>10}")
+    for op, n in sorted(tally_of_run.items()):
+        print(f"{op:<36}{n:>10}")
+    print(f"{'seconds':<36}{elapsed:>10.1f}")
     print(json.dumps({k: v for k, v in result.items() if k != "failures"}))
     return 1 if failures else 0
 

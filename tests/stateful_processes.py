@@ -1,0 +1,457 @@
+"""Issue 9, item 6: control operations and real faults in random order, against real processes.
+
+The four servers run as separate processes (apps.processes.ServerProcesses, each in its own
+process group) on a PostgreSQL server of the suite's own (tests.pg.restartable_server), so the
+faults are the real ones:
+
+- kill_servers: SIGKILL of any non-empty subset of the four, restarted after a pause in which the
+  framework's dispatches go on against whatever is left;
+- kill_coordinator: a coordinator process (tests/coordinator_child.py, which checkpoints as
+  `rollbook run` does) SIGKILLed a drawn delay into its checkpoint: its lease runs out on the
+  servers, and a cut it managed to commit is restorable like any other;
+- restart_postgres: `pg_ctl restart -m fast` while the rollouts run (every connection dropped);
+- drop_connections: pg_terminate_backend of every other connection to the database;
+- crash_and_restore: SIGKILL of all four, fresh processes restore the latest committed cut;
+
+mixed with the control operations of tests/stateful_control.py (dispatch, prepare, commit,
+publish, resume, retire, forget). After every step the invariants of tests/stateful_control.py
+are read through the public SQL views, plus: no model call generated twice for one turn, no tool
+call applied twice and no agent turn recorded twice within one attempt (a restarted server that
+redid its own work); at the end of each sequence every rollout that was not
+retired must have finished exactly once by its latest attempt, nothing may have been done twice
+within an attempt or again by a continued attempt (tests/e2e/conftest.py's lineage queries), and
+every server must be idle.
+
+The processes and the database live for the whole hypothesis run (starting them per sequence
+would not fit CI); each sequence works under its own run prefix, restarts what it killed, and
+leaves every server idle, so a sequence never sees another's rollouts live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from sqlalchemy import text
+
+from adapters.postgres import PostgresEventStore
+from adapters.token_store import PostgresTokenStore
+from apps import config as cfg
+from apps.collection import Collection
+from apps.processes import ServerProcesses, free_port
+from engine.coordinator import Coordinator
+from engine.errors import RollbookError
+from engine.phases import CHECKPOINT_LEASE_GRACE_S
+from participants.environments.tasks import make_tasks
+from tests.e2e.conftest import REPEATED_CALLS
+from tests.e2e.test_recovery import REGENERATED_ACROSS, REPEATED_MUTATIONS, REPEATED_TURNS
+from tests.stateful_control import (
+    AFTER_FENCE,
+    CALL_COMPLETED_TWICE,
+    FINISHED_TWICE,
+    MUTATION_TWICE,
+    RESTORED_FROM_UNCOMMITTED,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS = ["math", "blackjack", "workplace", "sandbox"]
+ROLLOUTS = 4
+DEADLINE_S = 20.0
+COORDINATOR_DEADLINE_S = 2.0  # a killed coordinator's checkpoint holds the servers this long (plus the grace)
+TALLY: dict[str, int] = {}
+_runs = itertools.count()
+
+# A model call generated twice for the same turn within one attempt (a replayed reply is not generated).
+GENERATED_TWICE = """
+SELECT rollout_id, attempt, split_part(data->>'call_id', '.t', 2) AS turn, count(*)
+FROM rollbook.episode_history
+WHERE kind = 'call_completed' AND rollout_id LIKE :p AND coalesce(data->>'disposition', 'generated') = 'generated'
+GROUP BY 1, 2, 3 HAVING count(*) > 1
+"""
+# One tool call (activation, turn, index) applied twice within one attempt.
+TOOL_CALL_TWICE = """
+SELECT rollout_id, attempt, data->>'tool_call' AS tool_call, count(*)
+FROM rollbook.episode_history WHERE kind = 'mutation_applied' AND rollout_id LIKE :p AND data->>'tool_call' IS NOT NULL
+GROUP BY 1, 2, 3 HAVING count(*) > 1
+"""
+ENDINGS = """
+SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') AS finished,
+       count(*) FILTER (WHERE status = 'live') AS live,
+       max(attempt) AS latest, max(attempt) FILTER (WHERE status = 'finished') AS finished_attempt
+FROM rollbook.attempts WHERE rollout_id LIKE :p GROUP BY rollout_id
+"""
+
+
+def _count(op: str) -> None:
+    TALLY[op] = TALLY.get(op, 0) + 1
+
+
+@dataclass
+class World:
+    """What lives across sequences: the database, its restart, and the four server processes."""
+
+    dsn: str
+    restart_db: Any
+    config: cfg.Config
+    config_path: Path
+    procs: ServerProcesses
+
+    def dead(self) -> tuple[str, ...]:
+        return tuple(k for k in cfg.KINDS if k not in self.procs.procs or self.procs.procs[k].poll() is not None)
+
+
+def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 0.015) -> World:
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
+               for k in cfg.KINDS}
+    config = cfg.Config(dsn=dsn, token="faults-secret", servers=servers)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg.write(config, work / "rollbook.toml")
+    procs = ServerProcesses(config, work / "rollbook.toml", work)
+    procs.start()
+    return World(dsn, restart_db, config, work / "rollbook.toml", procs)
+
+
+class _Collection(Collection):
+    retired: set[str]
+
+    async def unfinished(self) -> list[int]:
+        return [i for i in await super().unfinished() if self.rollout_id(i) not in self.retired]
+
+
+class FaultMachine(RuleBasedStateMachine):
+    world: World  # set by the test or the soak before running
+    progress: Any = None  # called with TALLY after each checked sequence (benchmarks/soak.py)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.run_id = f"rf{next(_runs)}x{int(time.time() * 1000) % 100000}"
+        self.store = PostgresEventStore.connect(self.world.dsn, writer=f"driver-{self.run_id}")
+        self.session: aiohttp.ClientSession | None = None
+        self.coll: _Collection | None = None
+        self.dispatching: asyncio.Task[Any] | None = None
+        self.active: str | None = None
+        self.phase = "idle"
+        self.restorable: list[str] = []
+        self.retired: dict[str, int] = {}
+        self.counter = itertools.count(1)
+        self.lease_until = 0.0  # a killed coordinator's checkpoint may hold the servers until then
+        self.steps: list[str] = []
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    @staticmethod
+    async def _new_session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()  # inside the loop that will use it
+
+    def coordinator(self) -> Coordinator:
+        assert self.coll is not None and self.session is not None
+        return self.coll.coordinator(self.session)
+
+    async def _rows(self, sql: str, **params: Any) -> list[Any]:
+        async with self.store.engine.connect() as conn:
+            return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%", **params}))
+
+    def _restart(self, kinds: tuple[str, ...]) -> None:
+        if kinds:
+            self.run(asyncio.to_thread(self.world.procs.start, 90.0, kinds))
+
+    def _live_now(self, fault: str) -> None:
+        """Count a fault that lands while some rollout of the sequence is live (the ones that test recovery)."""
+        if self.run(self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p AND status = 'live' LIMIT 1")):
+            _count(f"{fault}_on_live_rollouts")
+
+    def _stop_dispatch(self) -> None:
+        if self.dispatching is not None:
+            self.dispatching.cancel()
+            self.run(asyncio.gather(self.dispatching, return_exceptions=True))
+            self.dispatching = None
+
+    # ---- rules -------------------------------------------------------------------------------
+
+    @initialize()
+    def boot(self) -> None:
+        self._restart(self.world.dead())  # a sequence that failed may have left a server dead
+        self.session = self.run(self._new_session())
+        self.coll = _Collection(self.world.config, self.store, self.run_id, make_tasks(ROLLOUTS, 3, ENVS), max_steps=6)
+        self.coll.retired = set()
+        _count("sequences")
+        self.dispatch()
+        self.run(self._wait_started())
+
+    async def _wait_started(self) -> None:
+        deadline = time.monotonic() + 60
+        while len(await self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p")) < ROLLOUTS:
+            assert time.monotonic() < deadline, f"the rollouts never started: {self.steps}"
+            await asyncio.sleep(0.02)
+
+    @rule()
+    def dispatch(self) -> None:
+        if self.dispatching is None or self.dispatching.done():
+            assert self.coll is not None and self.session is not None
+            self.dispatching = self.loop.create_task(self.coll.dispatch(self.session))
+        self.run(asyncio.sleep(0.05))
+        self.steps.append("dispatch")
+        _count("dispatch")
+
+    @rule(wait=st.sampled_from([0.0, 0.2, 0.5]))
+    def let_time_pass(self, wait: float) -> None:
+        self.run(asyncio.sleep(wait))
+
+    @rule()
+    def prepare(self) -> None:
+        if self.active is not None:
+            return
+        ck = f"{self.run_id}-m{next(self.counter)}"
+        reply = self.run(self.coordinator().prepare(ck, time.time() + DEADLINE_S))
+        self.steps.append(f"prepare {ck} ready={reply['ready']}")
+        _count("prepare" if reply["ready"] else "prepare_not_ready")
+        if reply["ready"]:
+            self.active, self.phase = ck, "prepared"
+
+    @rule()
+    def commit(self) -> None:
+        if self.active is None or self.phase != "prepared":
+            return
+        assert self.coll is not None
+        ours = [self.coll.rollout_id(i) for i in range(ROLLOUTS)]
+        try:
+            self.run(self.coordinator().commit(self.active, time.time() + DEADLINE_S, None, rollouts=ours))
+            self.phase = "committed"
+            self.restorable.append(self.active)
+        except RollbookError:  # refused (a participant was killed since prepare): aborted and resumed
+            self.active, self.phase = None, "idle"
+        self.steps.append(f"commit -> {self.phase}")
+        _count("commit" if self.phase == "committed" else "commit_aborted")
+
+    @rule()
+    def publish(self) -> None:
+        if self.active is None or self.phase != "committed":
+            return
+        tokens = PostgresTokenStore(self.store.engine)
+        ref = self.run(tokens.snapshot(self.active, []))
+        self.run(self.coordinator().publish(self.active, {"checkpoint_id": self.active}, ref, tokens))
+        self.phase = "published"
+        self.steps.append("publish")
+        _count("publish")
+
+    @rule()
+    def resume(self) -> None:
+        if self.active is None:
+            return
+        self.run(self.coordinator().resume(self.active))  # a participant restarted since says so; the rest reopen
+        self.active, self.phase = None, "idle"
+        self.steps.append("resume")
+        _count("resume")
+
+    @rule(i=st.integers(0, ROLLOUTS - 1))
+    def retire(self, i: int) -> None:
+        assert self.coll is not None
+        rid = self.coll.rollout_id(i)
+        if rid in self.retired:
+            return
+        rows = self.run(self.store.attempt_rows([rid]))
+        if not rows or any(row["status"] == "finished" for row in rows.values()):
+            return
+        through = max(a for _, a in rows)
+        self.run(self.coordinator().retire(f"{self.run_id}-retire", [(rid, through)]))
+        self.retired[rid] = through
+        self.coll.retired.add(rid)
+        self.steps.append(f"retire {rid} through {through}")
+        _count("retire")
+
+    @rule(i=st.integers(0, ROLLOUTS - 1))
+    def forget(self, i: int) -> None:
+        assert self.coll is not None
+        rid = self.coll.rollout_id(i)
+        if rid not in self.retired:
+            return
+        self.run(self.coordinator().forget(f"{self.run_id}-forget", [rid]))
+        self.steps.append(f"forget {rid}")
+        _count("forget")
+
+    # ---- faults ------------------------------------------------------------------------------
+
+    @rule(kinds=st.sets(st.sampled_from(cfg.KINDS), min_size=1), pause=st.sampled_from([0.0, 0.3]))
+    def kill_servers(self, kinds: set[str], pause: float) -> None:
+        """SIGKILL a subset; the framework's dispatches meet whatever is left, then fresh ones start."""
+        killed = tuple(k for k in cfg.KINDS if k in kinds)
+        self._live_now("kill_servers")
+        self.run(asyncio.to_thread(self.world.procs.kill, killed))
+        self.run(asyncio.sleep(pause))
+        self._restart(killed)
+        self.steps.append(f"SIGKILL {','.join(killed)}")
+        _count("kill_servers")
+        _count(f"kill_{len(killed)}_servers")
+
+    @rule(delay=st.sampled_from([0.1, 0.25, 0.5]))  # its first 0.1 s or so is reading the log
+    def kill_coordinator(self, delay: float) -> None:
+        """A coordinator process SIGKILLed `delay` s into a checkpoint (prepare, commit, publish, resume)."""
+        if self.active is not None:
+            return
+        ck = f"{self.run_id}-k{next(self.counter)}"
+        self._live_now("kill_coordinator")
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.coordinator_child", "--config", str(self.world.config_path), "--run-id",
+             self.run_id, "--rollouts", str(ROLLOUTS), "--checkpoint", ck, "--deadline-s", str(COORDINATOR_DEADLINE_S)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            line = self.run(asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60))
+            assert line.strip() == b"ready", f"the coordinator process did not start: {line!r}"
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            self.run(asyncio.sleep(delay))
+        finally:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
+        phase = self.run(self._rows("SELECT phase FROM rollbook.checkpoints WHERE checkpoint_id = :c", c=ck))
+        phase = phase[0].phase if phase else None
+        if phase in ("committed", "published"):
+            self.restorable.append(ck)  # its cut is whole in the log: restorable, whoever wrote it
+        self.lease_until = time.time() + COORDINATOR_DEADLINE_S + CHECKPOINT_LEASE_GRACE_S + 1.0
+        self.steps.append(f"SIGKILL coordinator {delay} s into {ck} (left {phase})")
+        _count("kill_coordinator")
+        _count(f"kill_coordinator_left_{phase}")
+
+    @rule()
+    def restart_postgres(self) -> None:
+        self._live_now("restart_postgres")
+        self.run(asyncio.to_thread(self.world.restart_db))
+        self.steps.append("restart PostgreSQL")
+        _count("restart_postgres")
+
+    @rule()
+    def drop_connections(self) -> None:
+        self._live_now("drop_connections")
+        def drop() -> int:
+            with psycopg.connect(self.world.dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                   "WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchone()
+                return int(row[0]) if row else 0
+        n = self.run(asyncio.to_thread(drop))
+        self.steps.append(f"drop {n} connections")
+        _count("drop_connections")
+
+    @rule()
+    def crash_and_restore(self) -> None:
+        """Every server SIGKILLed with the framework's dispatches; fresh ones restore the latest cut.
+
+        With no committed cut yet, it first takes one (prepare, commit): drawing prepare, commit and
+        this rule in that order by chance is rare, and a restore of real processes must be tried."""
+        if not self.restorable:
+            if self.active is None:
+                self.prepare()
+            if self.phase == "prepared":
+                self.commit()
+            if not self.restorable:
+                return
+        self._live_now("crash_and_restore")
+        self._stop_dispatch()
+        self.run(asyncio.to_thread(self.world.procs.kill))
+        self._restart(cfg.KINDS)
+        ck = self.restorable[-1]
+        self.run(self.coordinator().restore(ck, time.time() + DEADLINE_S))
+        self.run(self.coordinator().resume(ck))
+        self.active, self.phase = None, "idle"
+        self.steps.append(f"SIGKILL all, restore {ck}")
+        _count("crash_and_restore")
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def the_log_stays_honest(self) -> None:
+        self.run(self._check())
+
+    async def _check(self) -> None:
+        for name, sql in (("events after a fence", AFTER_FENCE), ("finished twice", FINISHED_TWICE),
+                          ("model call completed twice", CALL_COMPLETED_TWICE),
+                          ("model call generated twice for one turn of one attempt", GENERATED_TWICE),
+                          ("mutation applied twice in one attempt", MUTATION_TWICE),
+                          ("tool call applied twice in one attempt", TOOL_CALL_TWICE),
+                          ("agent turn recorded twice in one attempt (work redone)", REPEATED_TURNS),
+                          ("restored from an uncommitted checkpoint", RESTORED_FROM_UNCOMMITTED)):
+            rows = await self._rows(sql)
+            assert not rows, f"{name}: {rows[:5]} after {self.steps}"
+
+    def teardown(self) -> None:
+        try:
+            if self.coll is not None:
+                self.run(self._finish())
+        finally:
+            self.run(self._close())
+            self.loop.close()
+
+    async def _idle(self, until: float) -> dict[str, str]:
+        assert self.session is not None
+        while True:
+            phases = {}
+            for kind in cfg.KINDS:
+                async with self.session.get(self.world.config.url(kind) + "/rollbook/v1/control/status",
+                                            headers={"Authorization": f"Bearer {self.world.config.token}"}) as resp:
+                    phases[kind] = (await resp.json())["phase"]
+            if all(p == "idle" for p in phases.values()) or time.time() > until:
+                return phases
+            await asyncio.sleep(0.1)
+
+    async def _finish(self) -> None:
+        assert self.coll is not None and self.session is not None
+        if self.active is not None:
+            await self.coordinator().resume(self.active)
+            self.active = None
+        if self.dispatching is not None:
+            self.dispatching.cancel()
+            await asyncio.gather(self.dispatching, return_exceptions=True)
+            self.dispatching = None
+        # A killed coordinator's checkpoint holds admission closed until its lease runs out; the
+        # dispatches below wait it out (admission_closed is retried).
+        deadline = time.monotonic() + 90
+        while await self.coll.unfinished() and time.monotonic() < deadline:
+            await asyncio.wait_for(self.coll.dispatch(self.session), 90)
+        left = [self.coll.rollout_id(i) for i in await self.coll.unfinished()]
+        assert not left, f"rollouts never finished: {left} after {self.steps}"
+        phases = await self._idle(max(self.lease_until, time.time()) + 5.0)
+        assert all(p == "idle" for p in phases.values()), f"servers not idle at the end: {phases} after {self.steps}"
+        await self._check()
+        for r in await self._rows(ENDINGS):
+            if r.rollout_id in self.retired:
+                assert r.finished <= 1, f"retired {r.rollout_id} finished {r.finished} times after {self.steps}"
+            else:
+                assert (r.finished, r.live, r.finished_attempt) == (1, 0, r.latest), \
+                    f"{r.rollout_id}: finished {r.finished}, live {r.live}, finished attempt {r.finished_attempt} " \
+                    f"of {r.latest}, after {self.steps}"
+        # Across attempts, over every continued attempt's ancestry (recovered from the log or restored).
+        for name, sql in (("model calls an ancestor completed before the boundary, generated again", REGENERATED_ACROSS),
+                          ("model calls a restored cut held, generated again", REPEATED_CALLS.format(upto="cut")),
+                          ("mutations an ancestor applied before the boundary, applied again", REPEATED_MUTATIONS)):
+            rows = await self._rows(sql)
+            assert not rows, f"{name}: {rows[:5]} after {self.steps}"
+        print(f"{self.run_id}: {len(self.steps)} steps checked: {'; '.join(self.steps)}", file=sys.stderr)
+        _count("sequences_checked")
+        TALLY["rollouts_finished"] = TALLY.get("rollouts_finished", 0) + ROLLOUTS - len(self.retired)
+        if self.progress is not None:
+            self.progress(TALLY)
+
+    async def _close(self) -> None:
+        if self.dispatching is not None and not self.dispatching.done():
+            self.dispatching.cancel()
+            await asyncio.gather(self.dispatching, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        await self.store.close()
