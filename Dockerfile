@@ -6,6 +6,7 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY participants participants
 COPY adapters adapters
+COPY apps apps
 COPY migrations migrations
 RUN pip install --no-cache-dir . && rm -rf /build \
     && useradd --system --no-create-home --shell /usr/sbin/nologin rollbook

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from adapters import embedded
-from engine.errors import SchemaMismatch
+from engine.errors import ConfigError, SchemaMismatch
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -40,8 +40,6 @@ def resolve_dsn(dsn: str | None = None) -> tuple[str, bool]:
 
 def check_dsn_form(dsn: str) -> None:
     """Only the URL form is accepted: every layer (SQLAlchemy, Alembic, psycopg) reads it the same way."""
-    from adapters.config import ConfigError
-
     scheme = dsn.split("://", 1)[0] if "://" in dsn else None
     if scheme is None:
         what = "a key=value DSN" if "=" in dsn else "not a URL"

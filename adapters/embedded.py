@@ -14,6 +14,8 @@ from pathlib import Path
 import platformdirs
 import psycopg
 
+from engine.errors import ConfigError
+
 DATABASE = "rollbook"
 
 
@@ -46,8 +48,6 @@ def start() -> str:
 
 def _writable_home() -> None:
     """ROLLBOOK_HOME must be a folder we can write (the data directory lives there): say so plainly."""
-    from adapters.config import ConfigError
-
     where = home()
     fix = "set ROLLBOOK_HOME to a writable folder, or pass --dsn / set ROLLBOOK_DSN to use your own PostgreSQL"
     try:

@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
+from engine import catalog as ev
 from engine.checkpoint import effective_history
 from engine.errors import InvalidPayload
 from engine.tokens import CallTokens, Receipt, TokenSource
@@ -48,11 +49,11 @@ async def call_tokens(tokens: TokenSource, data: dict[str, Any], rollout_id: str
 async def rollout_record(store: PostgresEventStore, tokens: TokenSource, rollout_id: str, attempt: int,
                          reward: float | None) -> dict[str, Any]:
     history = await effective_history(store, rollout_id, attempt)
-    started = next((e for e in history if e.kind == "episode_started"), None)
-    parents = {e.data["call_id"]: e.data.get("parent_call_id") for e in history if e.kind == "call_accepted"}
+    started = next((e for e in history if e.kind == ev.EPISODE_STARTED), None)
+    parents = {e.data["call_id"]: e.data.get("parent_call_id") for e in history if e.kind == ev.CALL_ACCEPTED}
     turns = []
     for e in history:
-        if e.kind != "call_completed":
+        if e.kind != ev.CALL_COMPLETED:
             continue
         t = await call_tokens(tokens, e.data, rollout_id, int(e.attempt or 0), parents.get(e.data["call_id"]))
         n_prompt, n_gen = len(t.prompt_token_ids), len(t.generation_token_ids)
@@ -76,7 +77,7 @@ async def export_run(store: PostgresEventStore, tokens: TokenSource, run_id: str
         rows = (await conn.execute(text(
             "SELECT rollout_id, attempt, reward FROM rollbook.attempts WHERE status = 'finished' "
             "AND starts_with(rollout_id, :p) ORDER BY rollout_id"), {"p": f"{run_id}-"})).all()
-    ours = re.compile(re.escape(run_id) + r"-\d+")  # adapters.collection names rollouts RUN_ID-NNNN
+    ours = re.compile(re.escape(run_id) + r"-\d+")  # apps.collection names rollouts RUN_ID-NNNN
     return [await rollout_record(store, tokens, r.rollout_id, int(r.attempt), r.reward) for r in rows
             if ours.fullmatch(r.rollout_id)]
 

@@ -16,30 +16,16 @@ vouch for.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 import aiohttp
 
-from adapters import scripted_tokenizer as tok
-from adapters.scripted_policy import scripted_reply
-from engine.errors import InvalidPayload, RollbookError
+from engine.errors import ConfigError, GenerationFailed
 from engine.tokens import f32
-
-
-class GenerationFailed(RollbookError):
-    """The backend could not produce a reply (upstream error, malformed stream, bad output)."""
-
-    code = "generation_failed"
-
-
-class UnsupportedParameter(InvalidPayload):
-    """A sampling parameter this server or its backend cannot honour: refused, never dropped."""
-
-    code = "unsupported_parameter"
 
 
 @dataclass(frozen=True)
@@ -88,6 +74,37 @@ class GenerationBackend(Protocol):
         ...
 
 
+# ---- the registry: every backend is an entry point of this group, and nothing else names it ----
+
+ENTRY_POINT_GROUP = "rollbook.generation_backends"
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What the config's [servers.model] section gives the backend it names (apps/config.py)."""
+
+    url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    policy_version: str | None = None
+    latency_s: float = 0.0
+    token_latency_s: float = 0.0
+
+
+def backend_names() -> list[str]:
+    """The registered backends' names (pyproject's `rollbook.generation_backends`, or a plugin's)."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def make_backend(name: str, settings: BackendSettings) -> GenerationBackend:
+    """The backend registered as `name`: its class's `from_settings(settings)`."""
+    found = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    if not found:
+        raise ConfigError(f"unknown generation backend {name!r}", f"use one of {', '.join(backend_names())}")
+    factory: Callable[[BackendSettings], GenerationBackend] = next(iter(found)).load().from_settings
+    return factory(settings)
+
+
 def merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
     """Fold one chat-completions delta into an assistant message (content concatenated, tool calls
     merged by index), the way an OpenAI client assembles a stream."""
@@ -113,125 +130,9 @@ def final_message(partial: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _max_tokens(request: dict[str, Any]) -> int | None:
+def max_tokens(request: dict[str, Any]) -> int | None:
     value = request.get("max_completion_tokens", request.get("max_tokens"))
     return None if value is None else int(value)
-
-
-def _stops(request: dict[str, Any]) -> list[str]:
-    stop = request.get("stop")
-    return [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-
-
-class ScriptedBackend:
-    """Deterministic: the reply is scripted_reply(messages, tools, seed), emitted token by token with
-    the ids and logprobs of adapters.scripted_tokenizer. It is greedy: `temperature` and `top_p` do
-    not change its choice (they are recorded with the call), `max_tokens` / `max_completion_tokens`
-    and `stop` are honoured, `response_format` other than text is refused.
-
-    `latency_s` is paid once before the first token, `token_latency_s` before each step, so tests
-    can hold a call in flight long enough to cut it."""
-
-    def __init__(self, latency_s: float = 0.0, token_latency_s: float = 0.0, policy_version: str = "scripted-v1") -> None:
-        self.latency_s = latency_s
-        self.token_latency_s = token_latency_s
-        self.policy_version = policy_version
-        self.model = "scripted"
-        self.generations = 0  # generations started, so tests can see a stored reply was not regenerated
-        self.tokens_generated = 0
-
-    def check(self, request: dict[str, Any]) -> None:
-        fmt = request.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise UnsupportedParameter(
-                f"response_format {fmt.get('type')!r} cannot be honoured by the scripted backend (it cannot constrain "
-                "its output); use the openai_compatible backend", param="response_format")
-
-    def reply(self, request: dict[str, Any]) -> dict[str, Any]:
-        seed = request.get("seed")
-        return scripted_reply(list(request.get("messages") or []), list(request.get("tools") or []), int(seed or 0))
-
-    def plan(self, request: dict[str, Any]) -> tuple[list[int], list[Step], str]:
-        """The whole generation: prompt ids, the steps, the finish reason."""
-        message = self.reply(request)
-        prompt = tok.prompt_ids(list(request.get("messages") or []), list(request.get("tools") or []) or None)
-        ctx = tok.prompt_digest(prompt)
-        pieces = tok.reply_pieces(message)
-        finish = "tool_calls" if message.get("tool_calls") else "stop"
-        stops = _stops(request)
-        if stops and not message.get("tool_calls"):
-            content, cut_at = message.get("content") or "", None
-            found = [content.find(s) for s in stops if s in content]
-            if found:
-                cut_at, end, kept = min(found), 0, []
-                for p in pieces:
-                    end += len(p.delta.get("content", ""))
-                    if end > cut_at or not p.delta:
-                        break
-                    kept.append(p)
-                pieces = kept
-        limit = _max_tokens(request)
-        if limit is not None and sum(len(p.ids) for p in pieces) > limit:
-            kept, n = [], 0
-            for p in pieces:
-                if n + len(p.ids) > limit:
-                    part = p.ids[: limit - n]
-                    if part:
-                        delta = _partial_delta(p.delta, part)
-                        kept.append(tok.Piece(part, delta))
-                    break
-                kept.append(p)
-                n += len(p.ids)
-            pieces, finish = kept, "length"
-        top = int(request.get("top_logprobs") or 0)
-        steps, pos = [], 0
-        for p in pieces:
-            lps, tops = [], []
-            for i in p.ids:
-                lp, alts = tok.token_logprobs(ctx, pos, i, top)
-                lps.append(f32(lp))
-                tops.append(tuple((a, f32(x)) for a, x in alts))
-                pos += 1
-            steps.append(Step(p.ids, tuple(lps), p.delta, tuple(tops)))
-        return prompt, steps, finish
-
-    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
-        prompt, steps, finish = self.plan(request)
-        continuation = None
-        if prefix is not None:
-            continuation, steps = _continue(prompt, steps, prefix)
-        self.generations += 1
-        yield Start(tuple(prompt), continuation)
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
-        for step in steps:
-            if self.token_latency_s:
-                await asyncio.sleep(self.token_latency_s)
-            self.tokens_generated += len(step.ids)
-            yield step
-        yield End(finish, None)
-
-
-def _partial_delta(delta: dict[str, Any], ids: tuple[int, ...]) -> dict[str, Any]:
-    text = tok.decode(ids)
-    if "content" in delta:
-        return {"content": text}
-    if delta.get("tool_calls") and "arguments" in (delta["tool_calls"][0].get("function") or {}) and len(delta["tool_calls"][0]["function"]) == 1:
-        return {"tool_calls": [{"index": delta["tool_calls"][0]["index"], "function": {"arguments": text}}]}
-    return dict(delta)
-
-
-def _continue(prompt: list[int], steps: list[Step], prefix: Prefix) -> tuple[dict[str, Any], list[Step]]:
-    """A deterministic backend continues a prefix by regenerating and checking it is a prefix of the
-    same generation at a step boundary; if it is not (another policy, another prompt), it regenerates."""
-    n, covered, k = len(prefix.ids), 0, 0
-    while k < len(steps) and covered < n:
-        covered += len(steps[k].ids)
-        k += 1
-    flat = tuple(i for s in steps[:k] for i in s.ids)
-    if tuple(prompt) == prefix.prompt_token_ids and covered == n and flat == prefix.ids:
-        return {"mode": "continued", "prefix_tokens": n}, steps[k:]
-    return {"mode": "regenerated", "reason": "the stored prefix is not a prefix of this generation"}, steps
 
 
 # ---- an OpenAI-compatible upstream (vLLM) -------------------------------------------------------
@@ -286,6 +187,13 @@ class OpenAICompatibleBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
+    @classmethod
+    def from_settings(cls, s: BackendSettings) -> OpenAICompatibleBackend:
+        if not s.url:
+            raise ConfigError("the openai_compatible backend has no url",
+                              "set url in [servers.model] to the upstream's base URL, e.g. http://vllm:8000/v1")
+        return cls(s.url, api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version)
+
     @property
     def session(self) -> aiohttp.ClientSession:
         # Created lazily inside the running loop: a session is bound to the loop that made it.
@@ -328,7 +236,7 @@ class OpenAICompatibleBackend:
                 body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": prefix.message.get("content") or ""}]
                 body.update(continue_final_message=True, add_generation_prompt=False,
                             required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
-                limit = _max_tokens(request)
+                limit = max_tokens(request)
                 if limit is not None:
                     body.pop("max_completion_tokens", None)
                     body["max_tokens"] = max(1, limit - len(prefix.ids))

@@ -14,7 +14,11 @@ from typing import Any
 
 import aiohttp
 
-from engine.errors import RollbookError
+from engine.errors import ParticipantUnavailable, RollbookError
+
+# The paths every server mounts (participants.control_plane) and every client calls.
+PREFIX = "/rollbook/v1"
+CONTROL = f"{PREFIX}/control"
 
 
 class RemoteError(RollbookError):
@@ -24,12 +28,6 @@ class RemoteError(RollbookError):
         super().__init__(detail, **context)
         self.code = code
         self.status = status
-
-
-class ParticipantUnavailable(RollbookError):
-    """The other server did not answer at all (refused, reset, gone)."""
-
-    code = "participant_unavailable"
 
 
 def error_classes() -> dict[str, type[RollbookError]]:

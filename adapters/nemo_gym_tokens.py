@@ -48,8 +48,9 @@ from adapters import database
 from adapters.export import call_tokens
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
+from engine import catalog as ev
 from engine import token_capture as tc
-from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_RETIRED
+from engine.catalog import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_RETIRED
 from engine.checkpoint import effective_history
 from engine.errors import InvalidCheckpointState, InvalidPayload, StaleAttempt, VersionConflict
 from engine.events import AppendRequest, NewEvent, canonical_json
@@ -228,7 +229,7 @@ class RollbookTokenCapture(_Client):
 
         def events(state: tc.CaptureState, rollout_id: str, attempt: int) -> list[NewEvent]:
             receipts = {"receipt": receipt.to_json(), "prompt_receipt": prompt_receipt.to_json()}
-            out = [NewEvent(capture_stream(rollout_id, attempt), tc.CAPTURE_ENTRY_PUT,
+            out = [NewEvent(capture_stream(rollout_id, attempt), ev.CAPTURE_ENTRY_PUT,
                             {"model_call_id": model_call_id, "call_id": call_id, "entry_digest": digest,
                              "entry": meta, **receipts}, rollout_id, attempt)]
             if model_call_id not in state.intents:  # begin_call accepted it already
@@ -237,7 +238,7 @@ class RollbookTokenCapture(_Client):
                          "disposition": "captured", "entry_digest": digest, "policy_version": None, "source": SOURCE}
             if parent:
                 completed["parent_call_id"] = tc.captured_call_id(rollout_id, attempt, parent)
-            out.append(NewEvent(call_stream(call_id), "call_completed", completed, rollout_id, attempt))
+            out.append(NewEvent(call_stream(call_id), ev.CALL_COMPLETED, completed, rollout_id, attempt))
             return out
 
         await self._write(key, lambda s: tc.decide_put(s, key, model_call_id, digest), events, state)
@@ -249,7 +250,7 @@ class RollbookTokenCapture(_Client):
         def events(state: tc.CaptureState, rid: str, attempt: int) -> list[NewEvent]:
             call_id = tc.captured_call_id(rid, attempt, model_call_id)
             return [
-                NewEvent(capture_stream(rid, attempt), tc.CAPTURE_CALL_BEGUN,
+                NewEvent(capture_stream(rid, attempt), ev.CAPTURE_CALL_BEGUN,
                          {"model_call_id": model_call_id, "call_id": call_id}, rid, attempt),
                 _accepted(call_id, model_call_id, rid, attempt, None),
             ]
@@ -262,13 +263,13 @@ class RollbookTokenCapture(_Client):
             validate_id(model_call_id, "model call id")
 
         def events(state: tc.CaptureState, rid: str, attempt: int) -> list[NewEvent]:
-            out = [NewEvent(capture_stream(rid, attempt), tc.CAPTURE_INCOMPLETE,
+            out = [NewEvent(capture_stream(rid, attempt), ev.CAPTURE_INCOMPLETE,
                             {"model_call_id": model_call_id, "reason": "capture_failed"}, rid, attempt)]
             if model_call_id and model_call_id not in state.entries:
                 call_id = tc.captured_call_id(rid, attempt, model_call_id)
                 if model_call_id not in state.intents:
                     out.append(_accepted(call_id, model_call_id, rid, attempt, None))
-                out.append(NewEvent(call_stream(call_id), "call_failed", {
+                out.append(NewEvent(call_stream(call_id), ev.CALL_FAILED, {
                     "call_id": call_id, "model_call_id": model_call_id, "source": SOURCE,
                     "error": {"code": "capture_incomplete", "detail": "the call's tokens were not captured"},
                 }, rid, attempt))
@@ -290,7 +291,7 @@ class RollbookTokenCapture(_Client):
 
         def events(state: tc.CaptureState, rid: str, attempt: int) -> list[NewEvent]:
             digests = sorted([c.model_call_id, c.entry_digest] for c in state.entries.values())
-            return [NewEvent(capture_stream(rid, attempt), tc.CAPTURE_FROZEN, {
+            return [NewEvent(capture_stream(rid, attempt), ev.CAPTURE_FROZEN, {
                 "entries": len(digests), "digest": hashlib.sha256(canonical_json(digests).encode()).hexdigest(),
             }, rid, attempt)]
 
@@ -359,7 +360,7 @@ class RollbookTokenCapture(_Client):
             return False
         if decision is tc.Decision.NOTHING:
             return True
-        event = NewEvent(stream, tc.CAPTURE_RETIRED, {"snapshot_id": snapshot_id, "version": version}, rid, attempt)
+        event = NewEvent(stream, ev.CAPTURE_RETIRED, {"snapshot_id": snapshot_id, "version": version}, rid, attempt)
         try:
             # Conditional on the capture stream being where the trainer froze it: a write that lands first wins.
             await self.store.append(AppendRequest((event,), {stream: state.version}))
@@ -397,7 +398,7 @@ class RollbookLineageStore(_Client):
         # Only what was appended since this client last looked; a put that returned is in it.
         for e in await self.store.read_stream(capture_stream(rid, attempt), after_version=version):
             version = e.stream_version
-            if e.kind == tc.CAPTURE_ENTRY_PUT:
+            if e.kind == ev.CAPTURE_ENTRY_PUT:
                 call = tc.CapturedCall(e.data["model_call_id"], e.data["entry_digest"], e.data, e.position)
                 calls[call.model_call_id] = call
                 lineage.add_entry(_metadata_entry(call), store_tokens=False)
@@ -433,7 +434,7 @@ class RollbookLineageStore(_Client):
 
 def _accepted(call_id: str, model_call_id: str, rollout_id: str, attempt: int, parent: str | None) -> NewEvent:
     parent_call_id = tc.captured_call_id(rollout_id, attempt, parent) if parent else None
-    return NewEvent(call_stream(call_id), "call_accepted", {
+    return NewEvent(call_stream(call_id), ev.CALL_ACCEPTED, {
         "call_id": call_id, "model_call_id": model_call_id, "parent_call_id": parent_call_id,
         "policy_version": None, "source": SOURCE,
     }, rollout_id, attempt)

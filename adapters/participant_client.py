@@ -7,10 +7,8 @@ from typing import Any
 
 import aiohttp
 
-from adapters.http_client import error_from_reply
+from adapters.http_client import CONTROL, error_from_reply
 from engine.errors import DeadlineExceeded
-
-CONTROL = "/rollbook/v1/control"
 
 
 class HttpParticipant:

@@ -447,15 +447,6 @@ class PostgresEventStore:
             rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
             return [_row_to_event(r) for r in rows]
 
-    async def iterate(self, after: int = 0, to: int | None = None, page: int = 1000) -> AsyncIterator[RecordedEvent]:
-        while True:
-            batch = await self.read_all(after, page, to)
-            for e in batch:
-                yield e
-            if len(batch) < page:
-                return
-            after = batch[-1].position
-
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
         """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
         conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True)
@@ -530,26 +521,6 @@ class PostgresEventStore:
             return {(r.r, r.a): r.b for r in rows if r.b is not None}
 
     @retrying("reading stream heads")
-    async def stream_heads_at(self, cuts: dict[tuple[str, int], int]) -> dict[tuple[str, int], list[tuple[str, int, bytes]]]:
-        """Each attempt's streams at their last version at or below its boundary; reads no event data."""
-        if not cuts:
-            return {}
-        out: dict[tuple[str, int], list[tuple[str, int, bytes]]] = {k: [] for k in cuts}
-        async with self.engine.connect() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT DISTINCT ON (e.rollout_id, e.attempt, e.stream) e.rollout_id, e.attempt, e.stream, "
-                    "e.stream_version, e.hash FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) "
-                    "AS k(r, a, b) JOIN rollbook.events e ON e.rollout_id = k.r AND e.attempt = k.a AND e.position <= k.b "
-                    "ORDER BY e.rollout_id, e.attempt, e.stream, e.stream_version DESC"
-                ),
-                {"rs": [r for r, _ in cuts], "as_": [a for _, a in cuts], "bs": list(cuts.values())},
-            )
-            for r in rows:
-                out[(r.rollout_id, r.attempt)].append((r.stream, r.stream_version, bytes(r.hash)))
-        return out
-
-    @retrying("reading stream heads")
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
         """Each rollout's streams at their last version at or below `position`; reads no event data
         (the hash of a stream's head covers every earlier event of that stream)."""
@@ -579,6 +550,13 @@ class PostgresEventStore:
             return [r for (r,) in rows]
 
     @retrying("reading a retire mark")
+    async def session_revision(self, rollout_id: str, attempt: int) -> int | None:
+        """The revision the session projection records for an attempt (None: it never opened one)."""
+        async with self.engine.connect() as conn:
+            return (await conn.execute(
+                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
+                {"r": rollout_id, "a": attempt})).scalar()
+
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (

@@ -1,12 +1,12 @@
 """A small deterministic tokenizer and output distribution for the scripted policy.
 
-The scripted policy (adapters.scripted_policy) decides *what* to say; this module decides how a
+The scripted policy (participants.scripted_model) decides *what* to say; this module decides how a
 model would emit it, so the scripted backend produces real integer token ids and logprobs, the
 way a vLLM server does:
 
 - Vocabulary: ids 0-255 are raw bytes (a byte-level fallback, so any text encodes and decodes
   exactly), then five special tokens, then a few hundred common words with and without a
-  leading space. Text is split into pieces (scripted_policy.scripted_tokens); a piece in the
+  leading space. Text is split into pieces (scripted_tokens); a piece in the
   vocabulary is one id, any other piece is its UTF-8 bytes.
 - Chat template: ChatML (`<|im_start|>role\\n ... <|im_end|>\\n`), tools in a system block, and the
   assistant's tool calls written as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
@@ -27,8 +27,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.scripted_policy import scripted_tokens
-
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 _WORDS = (
     "the a an and or of to in on for with is are was be it this that you I we they he she not no yes "
@@ -48,6 +46,14 @@ _PIECE_ID = {p: BYTE_TOKENS + i for i, p in enumerate(VOCAB)}
 VOCAB_SIZE = BYTE_TOKENS + len(VOCAB)
 EOS = SPECIAL_ID["<|im_end|>"]
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+
+
+_TOKEN = re.compile(r"\s*(?:[A-Za-z]+|\d{1,3}|[^\sA-Za-z\d])|\s+")
+
+
+def scripted_tokens(text: str | None) -> list[str]:
+    """Token-like pieces (a word or up to 3 digits with its leading space); they join back to ``text``."""
+    return _TOKEN.findall(text or "")
 
 
 def encode(text: str) -> list[int]:

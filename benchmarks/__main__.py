@@ -5,7 +5,7 @@
 Everything runs on one throwaway embedded PostgreSQL (fsync on), each part in a fresh migrated
 database, the peers in this same process (benchmarks/peers.py; `pip install -e '.[bench]'`):
 
-- a rollout collection on the four servers as real processes (the demo's setup, adapters/demo.py):
+- a rollout collection on the four servers as real processes (the demo's setup, apps/demo.py):
   rollouts/s with a checkpoint every 5 s and every 1 s against none; each checkpoint's prepare
   (with the collection's rollouts in flight) and publish, by its index in the run;
 - a full restore of 20 episodes in fresh server processes, against one SELECT of their events
@@ -47,11 +47,11 @@ if str(ROOT) not in sys.path:
 import aiohttp  # noqa: E402
 import psycopg  # noqa: E402
 
-from adapters import config as cfg  # noqa: E402
-from adapters.collection import Collection  # noqa: E402
 from adapters.database import libpq_dsn  # noqa: E402
 from adapters.postgres import _COLUMNS, PostgresEventStore  # noqa: E402
-from adapters.processes import ServerProcesses, free_port  # noqa: E402
+from apps import config as cfg  # noqa: E402
+from apps.collection import Collection  # noqa: E402
+from apps.processes import ServerProcesses, free_port  # noqa: E402
 from benchmarks import append as bappend  # noqa: E402
 from benchmarks import commit as bcommit  # noqa: E402
 from benchmarks import peers  # noqa: E402

@@ -6,7 +6,7 @@
 The design says commit copies no session state, so its cost must grow with the number of
 episodes in scope, never with their size. Two worlds of `--episodes` episodes each, one with 1 KB
 sessions and one with 1 MB sessions, are built in their own fresh, migrated databases on a
-throwaway embedded PostgreSQL (started as tests/pg.py does, deleted at the end). Each episode is:
+throwaway embedded PostgreSQL (adapters.embedded.throwaway, deleted at the end). Each episode is:
 
     attempt_started (rollout:eN, attempt 0)
     session_opened + 4 x mutation_applied on session:eN:0, whose data totals the session size
@@ -54,13 +54,12 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 
 from adapters import embedded  # noqa: E402
-from adapters.database import libpq_dsn  # noqa: E402
+from adapters.database import drop_database, libpq_dsn, scratch_database  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.checkpoint import make_cut, validate_cut  # noqa: E402
 from engine.events import AppendRequest, NewEvent, canonical_json  # noqa: E402
 from engine.identity import agent_stream, rollout_stream, session_stream  # noqa: E402
-from tests import pg  # noqa: E402
 
 SIZES = {"1kb": 1024, "1mb": 1024 * 1024}
 MUTATIONS = 4  # per session; their data totals the session size
@@ -131,9 +130,9 @@ async def elapsed_ms(call: Awaitable[Any]) -> float:
 
 
 async def build(
-    server: pg.Server, size: str, args: argparse.Namespace
+    admin_dsn: str, size: str, args: argparse.Namespace
 ) -> tuple[str, PostgresEventStore, dict[str, Any]]:
-    url = server.new_database()
+    url = scratch_database(admin_dsn, f"rollbook_commit_{size}")
     store = PostgresEventStore.connect(url, writer="bench")
     progress(f"{size}: loading {args.episodes} episodes")
     loaded = await load(store, args.episodes, SIZES[size], seed=len(size) + SIZES[size])
@@ -149,14 +148,14 @@ async def build(
     return url, store, loaded
 
 
-async def measure(server: pg.Server, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+async def measure(admin_dsn: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Both worlds exist at once; the repeats go round-robin over them so noise hits neither alone."""
     worlds: dict[str, tuple[str, PostgresEventStore, dict[str, Any]]] = {}
     scope = [(f"e{i:05d}", 0) for i in range(args.episodes)]
     runs: dict[str, dict[str, Any]] = {}
     try:
         for size in args.sizes:
-            worlds[size] = await build(server, size, args)
+            worlds[size] = await build(admin_dsn, size, args)
         cuts = {}
         for size, (_, store, loaded) in worlds.items():
             cuts[size] = await make_cut(store, "warmup", scope, [])  # untimed: connections and plans warm
@@ -176,13 +175,9 @@ async def measure(server: pg.Server, args: argparse.Namespace) -> dict[str, dict
     finally:
         for url, store, _ in worlds.values():
             await store.close()
-            server.drop_database(url)
+            drop_database(url)
 
 
-def start_server() -> pg.Server:
-    progress("starting a throwaway embedded PostgreSQL")
-    admin, cleanup = embedded.throwaway("rbcommit-")
-    return pg.Server("embedded", admin, stop=[cleanup])
 
 
 def median_ms(values: list[float]) -> float:
@@ -190,12 +185,13 @@ def median_ms(values: list[float]) -> float:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    server = start_server()
+    progress("starting a throwaway embedded PostgreSQL")
+    admin, cleanup = embedded.throwaway("rbcommit-")
     began = time.perf_counter()
     try:
-        runs = await measure(server, args)
+        runs = await measure(admin, args)
     finally:
-        server.close()
+        cleanup()
     commit = {size: median_ms(r["make_cut_ms"]) for size, r in runs.items()}
     validate = {size: median_ms(r["validate_cut_ms"]) for size, r in runs.items()}
     result: dict[str, Any] = {

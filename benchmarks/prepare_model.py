@@ -37,7 +37,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from adapters import database, embedded  # noqa: E402
-from adapters.generation import OpenAICompatibleBackend, ScriptedBackend  # noqa: E402
+from adapters.generation import OpenAICompatibleBackend  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
@@ -46,6 +46,7 @@ from engine.identity import rollout_stream  # noqa: E402
 from participants.control_plane import CONTROL, PARTICIPANT  # noqa: E402
 from participants.guard import Credentials  # noqa: E402
 from participants.model_server import build_model_app  # noqa: E402
+from participants.scripted_model import ScriptedBackend  # noqa: E402
 
 CREDS = Credentials(control="bench-control", data="bench-data")
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step

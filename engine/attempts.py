@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.catalog import (
+    ATTEMPT_FENCED,
+    ATTEMPT_FINISHED,
+    ATTEMPT_STARTED,
+    ROLLOUT_FORGOTTEN,
+    ROLLOUT_RETIRED,
+)
 from engine.errors import InvalidIdentifier, StaleAttempt, UnknownAttempt
 from engine.events import NewEvent
-
-ATTEMPT_STARTED = "attempt_started"
-ATTEMPT_FENCED = "attempt_fenced"
-ATTEMPT_FINISHED = "attempt_finished"
-ROLLOUT_RETIRED = "rollout_retired"
-ROLLOUT_FORGOTTEN = "rollout_forgotten"
 
 # "retired" in the projection mirrors the rollout's retire mark, and the mark alone refuses: forget
 # clears it, and a late writer of a forgotten rollout is admitted as before its retire.

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from engine import attempts as A
+from engine import catalog as ev
 from engine.errors import InvalidCheckpointState, RestartInScope, UnknownCheckpoint
 from engine.events import (
     GENESIS_HASH,
@@ -29,13 +29,12 @@ from engine.events import (
     encode_payload,
     has_large_float,
 )
-from engine.identity import checkpoint_stream, rollout_stream
+from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
-BOUNDARY_KINDS = ("attempt_started", "episode_step", "agent_boundary")
+BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 
 
 class CutStore(EventStore, Protocol):
@@ -56,6 +55,15 @@ class CutStore(EventStore, Protocol):
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[Key, dict[str, Any]]: ...
 
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
+
+
+class ParticipantStore(CutStore, Protocol):
+    """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
+    are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
+
+    async def retired_through(self, rollout_id: str) -> int: ...
+
+    async def session_revision(self, rollout_id: str, attempt: int) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,7 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], re
 
 
 def committed_event(cut: Cut) -> NewEvent:
-    return NewEvent(checkpoint_stream(cut.checkpoint_id), "checkpoint_committed", cut.to_json())
+    return NewEvent(checkpoint_stream(cut.checkpoint_id), ev.CHECKPOINT_COMMITTED, cut.to_json())
 
 
 async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
@@ -195,12 +203,12 @@ async def load_cut(store: CutStore, checkpoint_id: str) -> tuple[Cut, str]:
     events = await store.read_stream(checkpoint_stream(checkpoint_id))
     if not events:
         raise UnknownCheckpoint(f"no checkpoint {checkpoint_id}", checkpoint_id=checkpoint_id)
-    committed = [e for e in events if e.kind == "checkpoint_committed"]
+    committed = [e for e in events if e.kind == ev.CHECKPOINT_COMMITTED]
     phase = events[-1].kind.removeprefix("checkpoint_")
     if not committed:
         raise InvalidCheckpointState(f"checkpoint {checkpoint_id} was never committed (phase {phase})")
     _rechain(events)  # the checkpoint's own record (its lists, its digest) is as tamper-evident as the rest
-    refs = {k: v for e in events if e.kind == "checkpoint_published" for k, v in e.data.items() if k.endswith("_ref")}
+    refs = {k: v for e in events if e.kind == ev.CHECKPOINT_PUBLISHED for k, v in e.data.items() if k.endswith("_ref")}
     return Cut.from_json(committed[-1].data, refs), phase
 
 
@@ -280,7 +288,7 @@ class CutHistory:
     def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
         """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
         own = self.attempt(rollout_id, attempt, to)
-        start = next((e for e in own if e.kind == A.ATTEMPT_STARTED), None)
+        start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
         if start is None or start.data.get("origin_attempt") is None:
             return own
         return self.effective(rollout_id, start.data["origin_attempt"], start.data["origin_position"]) + own
@@ -337,15 +345,15 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
     """The boundary's model calls must be durable by P, and the resources revisions it saw must be the
     revisions the sessions had at the boundary: otherwise components would resume from different moments."""
     boundary = next(e for e in history if e.position == s.boundary)
-    completed = {e.data["call_id"] for e in upto_cut if e.kind == "call_completed"}
+    completed = {e.data["call_id"] for e in upto_cut if e.kind == ev.CALL_COMPLETED}
     for call_id in boundary.data.get("calls", []):
         if call_id not in completed:
             raise InvalidCheckpointState(f"{s.rollout_id}: boundary depends on model call {call_id}, not completed by the cut")
     revisions: dict[str, int] = {}
     for e in history:
-        if e.kind == "mutation_applied":
+        if e.kind == ev.MUTATION_APPLIED:
             revisions[e.stream] = e.data["revision"]
-        elif e.kind == "session_opened":  # a restored session opens at the revision it carried over
+        elif e.kind == ev.SESSION_OPENED:  # a restored session opens at the revision it carried over
             revisions[e.stream] = e.data.get("revision", 0)
     for stream, revision in boundary.data.get("revisions", {}).items():
         if revisions.get(stream, 0) != revision:
@@ -376,7 +384,7 @@ def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = ()) 
         events += _fence_and_start(s.rollout_id, n, cut.checkpoint_id, origin={"attempt": s.attempt, "position": s.boundary})
     for r, a in [*cut.fresh, *late]:
         events += _fence_and_start(r, latest.get(r, a), cut.checkpoint_id, origin=None)
-    events.append(NewEvent(f"restore:{cut.checkpoint_id}", "restore_installed", {"checkpoint_id": cut.checkpoint_id,
+    events.append(NewEvent(restore_stream(cut.checkpoint_id), ev.RESTORE_INSTALLED, {"checkpoint_id": cut.checkpoint_id,
                                                                                  "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh)}))
     return AppendRequest(tuple(events))
 
@@ -384,10 +392,10 @@ def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = ()) 
 def _fence_and_start(rollout_id: str, live: int, checkpoint_id: str, origin: dict[str, int] | None) -> list[NewEvent]:
     stream = rollout_stream(rollout_id)
     return [
-        NewEvent(stream, A.ATTEMPT_FENCED, {"reason": "restore", "checkpoint_id": checkpoint_id}, rollout_id, live),
+        NewEvent(stream, ev.ATTEMPT_FENCED, {"reason": "restore", "checkpoint_id": checkpoint_id}, rollout_id, live),
         NewEvent(
             stream,
-            A.ATTEMPT_STARTED,
+            ev.ATTEMPT_STARTED,
             {
                 "parent_attempt": live,
                 "restored_from": checkpoint_id,
@@ -405,7 +413,7 @@ async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: 
     """An attempt's history as its participants replay it: its origin's events up to the origin
     boundary (recursively), then its own. A fresh dispatch has no origin and starts from input."""
     own = await store.read_rollout(rollout_id, attempt, to)
-    start = next((e for e in own if e.kind == A.ATTEMPT_STARTED), None)
+    start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
     if start is None or start.data.get("origin_attempt") is None:
         return own
     inherited = await effective_history(store, rollout_id, start.data["origin_attempt"], start.data["origin_position"])

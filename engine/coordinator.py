@@ -54,10 +54,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine import catalog as ev
 from engine.checkpoint import (
     Cut,
     CutStore,
-    Key,
     committed_event,
     install_request,
     load_cut,
@@ -67,7 +67,7 @@ from engine.checkpoint import (
 )
 from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
 from engine.events import AppendRequest, RecordedEvent
-from engine.identity import checkpoint_stream
+from engine.identity import Key, checkpoint_stream
 from engine.phases import (
     CHECKPOINT_LEASE_GRACE_S,
     OPEN_CHECKPOINT_PHASES,
@@ -184,8 +184,8 @@ class Coordinator:
     async def _restarts_of(self, checkpoint_id: str) -> list[Key]:
         if checkpoint_id in self.restarts:
             return self.restarts[checkpoint_id]
-        events = await self.store.read_stream(f"checkpoint:{checkpoint_id}")
-        return [(k[0], k[1]) for e in events if e.kind == "checkpoint_prepared" for k in e.data.get("restarts", [])]
+        events = await self.store.read_stream(checkpoint_stream(checkpoint_id))
+        return [(k[0], k[1]) for e in events if e.kind == ev.CHECKPOINT_PREPARED for k in e.data.get("restarts", [])]
 
     async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None,
                      rollouts: Sequence[str] | None = None) -> Cut:
@@ -309,7 +309,7 @@ async def _checkpoint(store: CutStore, checkpoint_id: str) -> tuple[CheckpointPh
 def _lease_expired(events: Sequence[RecordedEvent], now: float, grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
     if not events:
         return False
-    deadline = events[0].data.get("deadline") if events[0].kind == "checkpoint_started" else None
+    deadline = events[0].data.get("deadline") if events[0].kind == ev.CHECKPOINT_STARTED else None
     return checkpoint_lease_expired(events[-1].kind.removeprefix("checkpoint_"), deadline, now, grace)
 
 

@@ -1,7 +1,10 @@
-"""The exception hierarchy: one root, one stable code per failure.
+"""Every error rollbook raises: one root, one stable code per failure, and its HTTP status.
 
-Callers catch what they mean; the HTTP layer maps each code to one status in one place
-(`participants.http_errors`). The codes are part of the public contract.
+Callers catch what they mean. Each class carries its `code` (part of the public contract) and the
+`status` a server answers it with; `STATUS` below is built from these classes and is what the
+HTTP layer (`participants.http_errors`) and the OpenAPI document read. No other module defines a
+code (tests/test_errors.py checks it). `ConfigError` is the one exception outside the root: a
+mistake in what a command was given, printed as one line, never an HTTP answer.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any
 
 class RollbookError(Exception):
     code: str = "rollbook_error"
+    status: int = 500
 
     def __init__(self, detail: str, **context: Any) -> None:
         super().__init__(detail)
@@ -21,56 +25,76 @@ class RollbookError(Exception):
         return {"error": {"code": self.code, "detail": self.detail, **({"context": self.context} if self.context else {})}}
 
 
+class ConfigError(Exception):
+    """A mistake in what the user gave a command (a DSN, a config file, a tasks line): not a protocol
+    error and never an HTTP answer, so not a RollbookError. The command prints it as one line naming
+    the cause and then the fix, and exits 2."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(f"{cause}; {fix}")
+        self.cause, self.fix = cause, fix
+
+
 class InvalidPayload(RollbookError):
     """An event's data is not plain JSON, carries a NUL, or is over the size limit."""
 
     code = "invalid_payload"
+    status = 400
 
 
 class PayloadTooLarge(InvalidPayload):
     code = "payload_too_large"
+    status = 413
 
 
 class VersionConflict(RollbookError):
     """Optimistic concurrency: the stream is not at the version the writer expected."""
 
     code = "version_conflict"
+    status = 409
 
 
 class StaleAttempt(RollbookError):
     """The attempt is fenced, retired or below the rollout's retire mark: nothing of it may land."""
 
     code = "stale_attempt"
+    status = 409
 
 
 class UnknownAttempt(RollbookError):
     code = "unknown_attempt"
+    status = 409
 
 
 class RolloutIdRequired(RollbookError):
     code = "rollout_id_required"
+    status = 400
 
 
 class InvalidIdentifier(RollbookError):
     code = "invalid_identifier"
+    status = 400
 
 
 class InvalidRequest(RollbookError):
     """A request that does not parse or does not validate: refused before anything changes."""
 
     code = "invalid_request"
+    status = 400
 
 
 class InvalidJson(InvalidRequest):
     """A body that is not UTF-8 JSON within the limits (depth, integer size, finite numbers)."""
 
     code = "invalid_json"
+    status = 400
 
 
 class Unauthorized(RollbookError):
     """No credential, or not one this server knows."""
 
     code = "unauthorized"
+    status = 401
 
 
 class Forbidden(RollbookError):
@@ -78,74 +102,94 @@ class Forbidden(RollbookError):
     or something the configuration switched off (the sandbox)."""
 
     code = "forbidden"
+    status = 403
 
 
 class NotFound(RollbookError):
+    """No such route, or no such session of a live attempt."""
+
     code = "not_found"
+    status = 404
+
+
+class MethodNotAllowed(RollbookError):
+    """A known route asked with a method it does not take."""
+
+    code = "method_not_allowed"
+    status = 405
 
 
 class RequestConflict(RollbookError):
     """An identifier reused for a different request (a call id with another body)."""
 
     code = "conflict"
+    status = 409
 
 
 class InvalidPhase(RollbookError):
     """An illegal phase transition: refused loudly, never a silent no-op."""
 
     code = "invalid_phase"
+    status = 409
 
 
 class CheckpointConflict(RollbookError):
     code = "checkpoint_conflict"
+    status = 409
 
 
 class StaleCheckpoint(RollbookError):
     code = "stale_checkpoint"
+    status = 409
 
 
 class UnknownCheckpoint(RollbookError):
     code = "unknown_checkpoint"
+    status = 404
 
 
 class DeadlineExceeded(RollbookError):
     code = "deadline_exceeded"
+    status = 408
 
 
 class InvalidDeadline(RollbookError):
     """A deadline that is not a finite number of seconds since the epoch (NaN, infinity)."""
 
     code = "invalid_deadline"
+    status = 400
 
 
 class RestartInScope(RollbookError):
     code = "restart_in_scope"
+    status = 409
 
 
 class AdmissionClosed(RollbookError):
     code = "admission_closed"
+    status = 409
 
 
 class ActivationOutOfOrder(RollbookError):
     code = "activation_out_of_order"
+    status = 409
 
 
 class InvalidCheckpointState(RollbookError):
     """A cut that does not validate: a missing event, a digest mismatch, lineage that disagrees."""
 
     code = "invalid_checkpoint_state"
-
-
-class ProcessAlreadyServed(RollbookError):
-    code = "process_already_served"
+    status = 422
 
 
 class SchemaMismatch(RollbookError):
     code = "schema_mismatch"
+    status = 500
 
 
 class ReplayDivergence(RollbookError):
     code = "replay_divergence"
+    status = 500
 
 
 class DatabaseUnavailable(RollbookError):
@@ -153,6 +197,7 @@ class DatabaseUnavailable(RollbookError):
     Nothing was written that the caller cannot find again: appends carry an idempotency key."""
 
     code = "database_unavailable"
+    status = 503
 
 
 class AttemptLost(RollbookError):
@@ -160,21 +205,91 @@ class AttemptLost(RollbookError):
     died with a server). The attempt's driver restarts that rollout alone under a new attempt."""
 
     code = "attempt_lost"
+    status = 409
 
 
 class TokenEntryConflict(RollbookError):
     """A captured model call was put again with a different payload; the first one stands."""
 
     code = "token_entry_conflict"
+    status = 409
 
 
 class CaptureFrozen(RollbookError):
     """The rollout's token capture is frozen: a trainer holds its snapshot, no entry may join it."""
 
     code = "capture_frozen"
+    status = 409
 
 
 class CaptureRetired(RollbookError):
     """The rollout's token capture was retired after its snapshot was consumed."""
 
     code = "capture_retired"
+    status = 409
+
+
+class UnsupportedParameter(InvalidPayload):
+    """A sampling parameter this server or its backend cannot honour: refused, never dropped."""
+
+    code = "unsupported_parameter"
+    status = 400
+
+
+class TaskConflict(RollbookError):
+    """A rollout id of a taskset already recorded with another task: two runs share a taskset name."""
+
+    code = "task_conflict"
+    status = 409
+
+
+class ToolCallRefused(RollbookError):
+    """An environment refused a call (bad arguments, unknown tool, a finished game): nothing changed."""
+
+    code = "tool_error"
+    status = 422
+
+
+class EpisodeFailed(RollbookError):
+    """The episode of a flat row ended in a handled failure (its reason, kind and stage in context)."""
+
+    code = "episode_failed"
+    status = 500
+
+
+class GenerationFailed(RollbookError):
+    """The model backend could not produce a reply (upstream error, malformed stream, bad output):
+    the upstream failed, not rollbook, hence a gateway error."""
+
+    code = "generation_failed"
+    status = 502
+
+
+class InternalError(RollbookError):
+    """A bug in a server: still a JSON answer with a stable code, its detail naming only the
+    exception's type, never a secret."""
+
+    code = "internal_error"
+    status = 500
+
+
+class ParticipantUnavailable(RollbookError):
+    """The other server did not answer at all (refused, reset, gone)."""
+
+    code = "participant_unavailable"
+    status = 503
+
+
+def _codes() -> dict[str, int]:
+    out: dict[str, int] = {}
+    stack: list[type[RollbookError]] = [RollbookError]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if cls.__module__ == __name__:  # a relay of a remote code (adapters.http_client) is not a code of ours
+            out[cls.code] = cls.status
+    return dict(sorted(out.items()))
+
+
+# Every code and its HTTP status, from the classes above: the one table.
+STATUS: dict[str, int] = _codes()

@@ -10,6 +10,8 @@ import re
 
 from engine.errors import InvalidIdentifier, RolloutIdRequired
 
+Key = tuple[str, int]  # an execution: (rollout_id, attempt)
+
 # The one identifier alphabet (NeMo Gym's EpisodeId uses the same): ASCII only, so an id is one
 # spelling in paths, logs, file names and SQL.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -67,6 +69,11 @@ def session_stream(rollout_id: str, attempt: int) -> str:
     return f"session:{rollout_id}:{attempt}"
 
 
+def is_session_stream(stream: str, rollout_id: str | None = None) -> bool:
+    """Whether `stream` is a session stream (of `rollout_id`, any attempt, when given)."""
+    return stream.startswith(f"session:{rollout_id}:" if rollout_id is not None else "session:")
+
+
 def call_stream(call_id: str) -> str:
     return f"call:{call_id}"
 
@@ -82,3 +89,13 @@ def checkpoint_stream(checkpoint_id: str) -> str:
 
 def participant_stream(kind: str, instance: str) -> str:
     return f"participant:{kind}:{instance}"
+
+
+def restore_stream(checkpoint_id: str) -> str:
+    """The record of one installed restore of a checkpoint."""
+    return f"restore:{checkpoint_id}"
+
+
+def policy_stream() -> str:
+    """One stream for the whole deployment: the order of policy versions is its order."""
+    return "policy"

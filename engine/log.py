@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine import catalog
 from engine.attempts import RolloutState, admit
 from engine.errors import RollbookError, VersionConflict
 from engine.events import (
@@ -66,6 +67,7 @@ def plan_request(request: AppendRequest, state: LogState, writer: str, limit: in
     planned: list[PlannedEvent] = []
     position = state.position
     for event in request.events:
+        catalog.check(event)  # a cataloged kind goes to its stream with the fields it must carry
         payload = encode_payload(event.data, limit)
         if event.rollout_id is not None or event.attempt is not None:
             key = event.rollout_id or ""

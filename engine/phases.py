@@ -15,6 +15,7 @@ from typing import Any
 
 from transitions import Machine, MachineError
 
+from engine import catalog as ev
 from engine.errors import DeadlineExceeded, InvalidDeadline, InvalidPhase
 from engine.events import NewEvent
 from engine.identity import checkpoint_stream, participant_stream
@@ -77,7 +78,7 @@ class ParticipantPhases(_Phases):
         self.checkpoint_id = None if self.state == "idle" else checkpoint_id
         return NewEvent(
             participant_stream(self.kind, self.instance),
-            f"participant_{trigger}",
+            ev.participant_phase_kind(trigger),
             {"checkpoint_id": checkpoint_id, "from": before, "to": self.state, **data},
         )
 
@@ -90,12 +91,12 @@ class CheckpointPhases(_Phases):
     def fire(self, trigger: str, **data: Any) -> NewEvent:
         self._move(trigger)
         return NewEvent(
-            checkpoint_stream(self.checkpoint_id), f"checkpoint_{self.state}", {"checkpoint_id": self.checkpoint_id, **data}
+            checkpoint_stream(self.checkpoint_id), ev.checkpoint_phase_kind(self.state), {"checkpoint_id": self.checkpoint_id, **data}
         )
 
 
 def checkpoint_started(checkpoint_id: str, **data: Any) -> NewEvent:
-    return NewEvent(checkpoint_stream(checkpoint_id), "checkpoint_started", {"checkpoint_id": checkpoint_id, **data})
+    return NewEvent(checkpoint_stream(checkpoint_id), ev.CHECKPOINT_STARTED, {"checkpoint_id": checkpoint_id, **data})
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine import attempts as A
+from engine import catalog as ev
 from engine.events import RecordedEvent
 
 
@@ -44,7 +44,7 @@ def _attempt_key(e: RecordedEvent) -> dict[str, Any]:
 def changes_for(e: RecordedEvent) -> list[Change]:
     k = e.kind
     d = e.data
-    if k == A.ATTEMPT_STARTED:
+    if k == ev.ATTEMPT_STARTED:
         return [
             Change(
                 "attempt_state",
@@ -59,9 +59,9 @@ def changes_for(e: RecordedEvent) -> list[Change]:
             ),
             Change("rollout_state", {"rollout_id": e.rollout_id}, {"latest_attempt": e.attempt}),
         ]
-    if k == A.ATTEMPT_FENCED:
+    if k == ev.ATTEMPT_FENCED:
         return [Change("attempt_state", _attempt_key(e), {"status": "fenced", "ended_position": e.position})]
-    if k == A.ATTEMPT_FINISHED:
+    if k == ev.ATTEMPT_FINISHED:
         return [
             Change(
                 "attempt_state",
@@ -69,28 +69,28 @@ def changes_for(e: RecordedEvent) -> list[Change]:
                 {"status": "finished", "ended_position": e.position, "reward": d.get("reward")},
             )
         ]
-    if k == A.ROLLOUT_RETIRED:
+    if k == ev.ROLLOUT_RETIRED:
         # A retired attempt has ended: it must leave `live`, or later cuts would include (and fence) it.
         return [
             Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": d["through"]}),
             Change("attempt_state", {"rollout_id": e.rollout_id, "attempt": d["through"]},
                    {"status": "retired", "ended_position": e.position}, guard="live_through"),
         ]
-    if k == A.ROLLOUT_FORGOTTEN:
+    if k == ev.ROLLOUT_FORGOTTEN:
         return [Change("rollout_state", {"rollout_id": e.rollout_id}, {"retired_through": -1})]
     if k.startswith("episode_"):
         values: dict[str, Any] = {"status": d.get("status", k.removeprefix("episode_")), "updated_position": e.position}
         for col in ("env", "task_id", "step", "reward"):
             if col in d:
                 values[col] = d[col]
-        if k == "episode_started":
+        if k == ev.EPISODE_STARTED:
             values["started_position"] = e.position
         return [Change("episode_state", _attempt_key(e), values)]
-    if k.startswith("session_") or k == "mutation_applied":
+    if k.startswith("session_") or k == ev.MUTATION_APPLIED:
         values = {"updated_position": e.position, "stream_version": e.stream_version}
-        if k == "session_opened":
+        if k == ev.SESSION_OPENED:
             values.update(status="open", env=d.get("env"), revision=d.get("revision", 0))
-        elif k == "mutation_applied":
+        elif k == ev.MUTATION_APPLIED:
             values["revision"] = d["revision"]
         else:
             values["status"] = k.removeprefix("session_")
@@ -99,7 +99,7 @@ def changes_for(e: RecordedEvent) -> list[Change]:
         # Every custody event names the rollout: a call refused before it was accepted has a row too.
         values = {"status": k.removeprefix("call_"), "updated_position": e.position,
                   "rollout_id": e.rollout_id, "attempt": e.attempt}
-        if k == "call_accepted":
+        if k == ev.CALL_ACCEPTED:
             values.update(
                 parent_call_id=d.get("parent_call_id"),
                 policy_version=d.get("policy_version"),
@@ -108,17 +108,17 @@ def changes_for(e: RecordedEvent) -> list[Change]:
         for col in ("receipt", "tokens", "disposition"):
             if col in d:
                 values[col] = d[col]
-        if k == "call_completed" and d.get("parent_call_id"):
+        if k == ev.CALL_COMPLETED and d.get("parent_call_id"):
             # A captured call's parent is known only when its record lands (it was resolved after acceptance).
             values["parent_call_id"] = d["parent_call_id"]
         return [Change("model_call_state", {"call_id": d["call_id"]}, values)]
     if k.startswith("checkpoint_"):
         values = {"phase": k.removeprefix("checkpoint_"), "updated_position": e.position}
-        if k == "checkpoint_started":
+        if k == ev.CHECKPOINT_STARTED:
             values["started_position"] = e.position
-        if k == "checkpoint_committed":
+        if k == ev.CHECKPOINT_COMMITTED:
             values.update(position=d["position"], scope_size=len(d["scope"]), digest=d["digest"])
-        if k == "checkpoint_published":
+        if k == ev.CHECKPOINT_PUBLISHED:
             values["published_position"] = e.position
         return [Change("checkpoint_state", {"checkpoint_id": d["checkpoint_id"]}, values)]
     return []

@@ -27,14 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine import attempts as A
+from engine import catalog as ev
+from engine.catalog import ACTIVATION_COMPLETED, AGENT_BOUNDARY, ROLLOUT_RECOVERED
 from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import rollout_stream
-
-ROLLOUT_RECOVERED = "rollout_recovered"
-AGENT_BOUNDARY = "agent_boundary"
-ACTIVATION_COMPLETED = "agent_activation_completed"
+from engine.identity import is_session_stream, rollout_stream
 
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
 # What the caller knows is gone: the live process of a restart-only session, or a model call that
@@ -65,13 +62,13 @@ def open_session_mode(history: Sequence[RecordedEvent]) -> str | None:
     mode: str | None = None
     seeded: str | None = None
     for e in history:
-        if e.kind == "episode_step" and e.data.get("step") == "seed":
+        if e.kind == ev.EPISODE_STEP and e.data.get("step") == "seed":
             seeded = e.data.get("state_mode")
-        if not e.stream.startswith("session:"):
+        if not is_session_stream(e.stream):
             continue
-        if e.kind == "session_opened":
+        if e.kind == ev.SESSION_OPENED:
             mode = e.data.get("state_mode") or seeded or "exported"
-        elif e.kind == "session_closed":
+        elif e.kind == ev.SESSION_CLOSED:
             mode = None
     return mode
 
@@ -79,7 +76,7 @@ def open_session_mode(history: Sequence[RecordedEvent]) -> str | None:
 def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lost: Lost | None = None) -> Recovery:
     """One disposition for one attempt, from its effective history (its origins' events up to the
     boundary it continued from, then its own) and what the caller knows was lost."""
-    if any(e.kind == A.ATTEMPT_FINISHED and e.attempt == attempt for e in history):
+    if any(e.kind == ev.ATTEMPT_FINISHED and e.attempt == attempt for e in history):
         return Recovery(rollout_id, attempt, "finished", None, False, "its result is in the log")
     boundary = latest_boundary(history)
     at = boundary.position if boundary is not None else None
@@ -105,8 +102,8 @@ def recovery_request(r: Recovery) -> AppendRequest:
     origin = r.attempt if r.disposition == "continue" else None
     return AppendRequest((
         NewEvent(stream, ROLLOUT_RECOVERED, r.to_json(), r.rollout_id, r.attempt),
-        NewEvent(stream, A.ATTEMPT_FENCED, {"reason": "recovery", "disposition": r.disposition}, r.rollout_id, r.attempt),
-        NewEvent(stream, A.ATTEMPT_STARTED, {
+        NewEvent(stream, ev.ATTEMPT_FENCED, {"reason": "recovery", "disposition": r.disposition}, r.rollout_id, r.attempt),
+        NewEvent(stream, ev.ATTEMPT_STARTED, {
             "parent_attempt": r.attempt, "restored_from": None, "recovered": True,
             "origin_attempt": origin, "origin_position": r.boundary if origin is not None else None,
             "disposition": r.disposition,
@@ -129,7 +126,7 @@ def tool_call_outcomes(history: Iterable[RecordedEvent]) -> dict[str, dict[str, 
     """Tool calls whose effect is in the log, by the caller's key: asked again, they get the
     recorded answer and change nothing (a mutation is applied once per session, whoever asks)."""
     return {str(e.data["tool_call"]): e.data for e in history
-            if e.kind == "mutation_applied" and e.data.get("tool_call") is not None}
+            if e.kind == ev.MUTATION_APPLIED and e.data.get("tool_call") is not None}
 
 
 def call_lost(status: str | None, served_here: bool) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from engine import attempts as A
+from engine import catalog as ev
 from engine.checkpoint import BOUNDARY_KINDS
 from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
@@ -65,7 +65,7 @@ def latest_boundary(history: Sequence[RecordedEvent]) -> int | None:
 
 def restart_only_session(history: Sequence[RecordedEvent]) -> bool:
     """Whether the episode seeded a `restart_only` session (a live process no log can rebuild)."""
-    return any(e.kind == "episode_step" and e.data.get("step") == "seed" and e.data.get("state_mode") == "restart_only"
+    return any(e.kind == ev.EPISODE_STEP and e.data.get("step") == "seed" and e.data.get("state_mode") == "restart_only"
                for e in history)
 
 
@@ -81,8 +81,8 @@ def takeover_request(t: Takeover, reason: str) -> AppendRequest:
     stream = rollout_stream(t.rollout_id)
     origin = t.attempt if t.disposition == "continue" and t.origin_position is not None else None
     return AppendRequest((
-        NewEvent(stream, A.ATTEMPT_FENCED, {"reason": reason, "disposition": t.disposition}, t.rollout_id, t.attempt),
-        NewEvent(stream, A.ATTEMPT_STARTED, {
+        NewEvent(stream, ev.ATTEMPT_FENCED, {"reason": reason, "disposition": t.disposition}, t.rollout_id, t.attempt),
+        NewEvent(stream, ev.ATTEMPT_STARTED, {
             "parent_attempt": t.attempt, "restored_from": None, "origin_attempt": origin,
             "origin_position": t.origin_position if origin is not None else None, "disposition": t.disposition,
             "reason": reason,

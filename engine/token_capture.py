@@ -26,15 +26,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from engine import catalog as ev
+from engine.catalog import (
+    CAPTURE_CALL_BEGUN,
+    CAPTURE_ENTRY_PUT,
+    CAPTURE_FROZEN,
+    CAPTURE_INCOMPLETE,
+    CAPTURE_RETIRED,
+)
 from engine.errors import CaptureFrozen, CaptureRetired, InvalidIdentifier, TokenEntryConflict
 from engine.events import RecordedEvent
 from engine.identity import validate_id
 
-CAPTURE_CALL_BEGUN = "capture_call_begun"
-CAPTURE_ENTRY_PUT = "capture_entry_put"
-CAPTURE_INCOMPLETE = "capture_incomplete"
-CAPTURE_FROZEN = "capture_frozen"
-CAPTURE_RETIRED = "capture_retired"
 CAPTURE_KINDS = (CAPTURE_CALL_BEGUN, CAPTURE_ENTRY_PUT, CAPTURE_INCOMPLETE, CAPTURE_FROZEN, CAPTURE_RETIRED)
 
 # NeMo Gym names a re-dispatched attempt N >= 1 of rollout R "R-aN" (its EpisodeId.capture_key and
@@ -200,7 +203,7 @@ def decide_retire(
 # not fenced by a freeze, so a served call's custody event after it is a write that raced the freeze:
 # it counts into the snapshot's version, and a retirement at the frozen version fails.
 
-CALL_KINDS = ("call_accepted", "call_completed", "call_cut", "call_failed")
+CALL_KINDS = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED)
 
 
 @dataclass(frozen=True)
@@ -231,14 +234,14 @@ def served_snapshot(history: list[RecordedEvent], frozen_position: int, captured
         if e.position > frozen_position:
             late += 1
             continue
-        if e.kind == "call_accepted":
+        if e.kind == ev.CALL_ACCEPTED:
             accepted.setdefault(e.data["call_id"], e.data)
         last[e.data["call_id"]] = e
-    done = [e for e in last.values() if e.kind == "call_completed" and "prompt_receipt" in e.data]
+    done = [e for e in last.values() if e.kind == ev.CALL_COMPLETED and "prompt_receipt" in e.data]
     calls = tuple(
         ServedCall(e.data["call_id"], accepted.get(e.data["call_id"], {}), e.data, e.position, e.attempt or 0)
         for e in sorted(done, key=lambda e: e.position)
     )
     # A completion without prompt ids (a record from before token-id custody) cannot be trained on either.
-    missing = tuple(sorted(c for c, e in last.items() if e.kind != "call_completed" or "prompt_receipt" not in e.data))
+    missing = tuple(sorted(c for c, e in last.items() if e.kind != ev.CALL_COMPLETED or "prompt_receipt" not in e.data))
     return ServedSnapshot(calls, missing, late)

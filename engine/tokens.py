@@ -94,14 +94,3 @@ class TokenSource(Protocol):
         """The stored tokens; raises InvalidCheckpointState if missing or not matching their digest."""
         ...
 
-
-class LineageStore(Protocol):
-    async def snapshot(self, checkpoint_id: str, blob_ids: list[str], parent: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Pin the blobs a checkpoint needs; returns {"checkpoint_id", "snapshot_id", "digest"}. With
-        `parent` (an earlier published snapshot) `blob_ids` are only those added since its cut."""
-        ...
-
-    async def validate(self, ref: dict[str, Any], checkpoint_id: str, deep: bool = False) -> None:
-        """Raise InvalidCheckpointState unless `ref` is an intact snapshot of `checkpoint_id`: every blob
-        it lists re-hashed, its parent's digest as recorded (`deep`: every blob of the chain re-hashed)."""
-        ...

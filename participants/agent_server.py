@@ -31,19 +31,21 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
-from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut, effective_history, read_cut
+from adapters.http_client import JsonClient, data_url
+from engine.catalog import ACTIVATION_COMPLETED
+from engine.catalog import AGENT_BOUNDARY as BOUNDARY
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
     DatabaseUnavailable,
     InvalidRequest,
+    ParticipantUnavailable,
     RestartInScope,
     RollbookError,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import ATTEMPT_PATTERN, agent_stream, parse_attempt, session_stream
+from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
 from engine.recovery import resume_point
 from participants.control_plane import (
     PARTICIPANT,
@@ -59,10 +61,7 @@ from participants.environments import ENVIRONMENTS, get_environment
 from participants.guard import Body, Credentials, Header, Int64, Route
 from participants.openai_wire import ToolSpec
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 ACTIVATION_HEADER = "X-Rollbook-Activation"
-BOUNDARY = "agent_boundary"
-ACTIVATION_COMPLETED = "agent_activation_completed"
 RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
 PEER_PATIENCE_S = 120.0  # how long a session waits for a server (or the database) that does not answer
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
@@ -205,7 +204,7 @@ class AgentParticipant(Participant):
         super().__init_subclass__(**kw)
         cls.checkpoint_mode = "native" if cls.supports_continuation else "restart_only"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "agent-0", data_token: str | None = None,
+    def __init__(self, store: ParticipantStore, instance: str = "agent-0", data_token: str | None = None,
                  model_url: str = "", resources_url: str = "") -> None:
         super().__init__(store, instance)
         # The data credential goes only to the configured model and resources servers.
@@ -481,7 +480,7 @@ class AgentParticipant(Participant):
         await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
 
 
-def build_agent_app(store: PostgresEventStore, credentials: Credentials, model_url: str, resources_url: str,
+def build_agent_app(store: ParticipantStore, credentials: Credentials, model_url: str, resources_url: str,
                     instance: str = "agent-0", participant_cls: type[AgentParticipant] = AgentParticipant,
                     environment_url: str | None = None) -> web.Application:
     """Outgoing addresses come from here (the configuration), never from a request."""

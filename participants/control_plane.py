@@ -17,9 +17,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from adapters.database import code_revision
-from adapters.postgres import PostgresEventStore
+from adapters.http_client import CONTROL, PREFIX
 from engine import attempts as A
-from engine.checkpoint import Cut, load_cut
+from engine import catalog as ev
+from engine.checkpoint import Cut, ParticipantStore, load_cut
 from engine.coordinator import abort_if_expired
 from engine.errors import (
     CheckpointConflict,
@@ -48,8 +49,6 @@ from participants.http_errors import error_response, errors_as_json
 
 log = logging.getLogger(__name__)
 
-PREFIX = "/rollbook/v1"
-CONTROL = f"{PREFIX}/control"
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 MAX_BLOCKERS = 20
 MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
@@ -164,7 +163,7 @@ class Participant:
     checkpoint_mode: ClassVar[Literal["native", "restart_only"]] = "native"
     concurrency: ClassVar[str] = "sessions serialized per rollout attempt; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str) -> None:
+    def __init__(self, store: ParticipantStore, instance: str) -> None:
         self.store = store
         self.instance = instance
         self.served_sessions = False
@@ -232,7 +231,6 @@ class ControlPlane:
         self.finished: set[str] = set()  # checkpoint ids resumed or aborted here
         self.replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.lock = asyncio.Lock()
-        self._watch: asyncio.Task[None] | None = None
         self._unrecorded: list[NewEvent] = []  # deferred transitions, appended with the next one
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -389,7 +387,7 @@ class ControlPlane:
         if len({r.rollout_id for r in req.rollouts}) != len(req.rollouts):
             raise InvalidRequest("each rollout may be named once in a retire")
         marks = {r.rollout_id: await self.p.store.retired_through(r.rollout_id) for r in req.rollouts}
-        events = tuple(NewEvent(rollout_stream(r.rollout_id), A.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through)
+        events = tuple(NewEvent(rollout_stream(r.rollout_id), ev.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through)
                        for r in req.rollouts if r.through > marks[r.rollout_id])
         if events:
             await self.p.store.append(AppendRequest(events))
@@ -402,7 +400,7 @@ class ControlPlane:
         """All or nothing: every id is checked by the body model before one append clears the marks."""
         ids = list(dict.fromkeys(req.rollout_ids))
         marks = {rid: await self.p.store.retired_through(rid) for rid in ids}
-        events = tuple(NewEvent(rollout_stream(rid), A.ROLLOUT_FORGOTTEN, {}, rid, marks[rid]) for rid in ids if marks[rid] >= 0)
+        events = tuple(NewEvent(rollout_stream(rid), ev.ROLLOUT_FORGOTTEN, {}, rid, marks[rid]) for rid in ids if marks[rid] >= 0)
         if events:
             await self.p.store.append(AppendRequest(events))
         for rid in ids:

@@ -26,11 +26,10 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, ParticipantUnavailable, data_url
-from adapters.postgres import PostgresEventStore
-from engine import attempts as A
+from adapters.http_client import JsonClient, data_url
+from engine import catalog as ev
 from engine import recovery
-from engine.checkpoint import Cut, effective_history, read_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -38,6 +37,7 @@ from engine.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    ParticipantUnavailable,
     RequestConflict,
     StaleAttempt,
 )
@@ -112,12 +112,12 @@ def episode_from_history(rollout_id: str, attempt: int, inputs: list[RecordedEve
 
     The input never changes, so it may come from past the boundary (attempt_started is a boundary
     and episode_started lands right after it); the steps come only from up to the boundary."""
-    started = next((e for e in inputs if e.kind == "episode_started"), None)
+    started = next((e for e in inputs if e.kind == ev.EPISODE_STARTED), None)
     if started is None:
         return None
     d = started.data
     ep = Episode(rollout_id, attempt, Task.from_json(d["task"]), int(d.get("seed", 0)), int(d.get("max_steps", 16)))
-    ep.done = [dict(e.data) for e in upto if e.kind == "episode_step"]
+    ep.done = [dict(e.data) for e in upto if e.kind == ev.EPISODE_STEP]
     return ep
 
 
@@ -125,7 +125,7 @@ class EnvironmentParticipant(Participant):
     kind: ClassVar[str] = "environment"
     concurrency: ClassVar[str] = "steps serialized per episode; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str, data_token: str | None, agent_url: str,
+    def __init__(self, store: ParticipantStore, instance: str, data_token: str | None, agent_url: str,
                  resources_url: str, environments: frozenset[str] = enabled_environments(sandbox=False)) -> None:
         super().__init__(store, instance)
         # The data credential goes only to the agent and resources servers of the configuration.
@@ -192,13 +192,13 @@ class EnvironmentParticipant(Participant):
     async def _open_episode(self, rid: str, task: Task, seed: int, max_steps: int) -> Episode:
         """Start attempt 0, or pick up the rollout's live attempt where its log leaves it."""
         rows = await self.store.attempt_rows([rid])
-        started = NewEvent(episode_stream(rid, 0), "episode_started", {
+        started = NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, {
             "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps,
             "status": "running"}, rid, 0)
         if not rows:
             # One request: the attempt never exists without its episode's input.
             await self.store.append(AppendRequest((
-                NewEvent(rollout_stream(rid), A.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0), started)))
+                NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0), started)))
             return Episode(rid, 0, task, seed, max_steps)
         attempt = max(a for _, a in rows)
         if rows[(rid, attempt)]["status"] != "live":
@@ -251,14 +251,14 @@ class EnvironmentParticipant(Participant):
         ep.attempt += 1
         if decision.disposition == "fresh_dispatch":
             ep.done = []
-            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_started", {
+            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_STARTED, {
                 "env": ep.task.env, "task_id": ep.task.task_id, "task": ep.task.to_json(), "seed": ep.seed,
                 "max_steps": ep.max_steps, "status": "running"}, rid, ep.attempt),)))
         else:
             inherited = await effective_history(self.store, rid, ep.attempt)
-            ep.done = [dict(e.data) for e in inherited if e.kind == "episode_step"]
+            ep.done = [dict(e.data) for e in inherited if e.kind == ev.EPISODE_STEP]
             nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
-            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_continued", {
+            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_CONTINUED, {
                 "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": decision.attempt, "next_step": nxt,
                 "recovered": True, "status": "running"}, rid, ep.attempt),)))
 
@@ -270,10 +270,10 @@ class EnvironmentParticipant(Participant):
             ep.step = step
             data = {"step": step, **await getattr(self, f"_{step}")(ep)}
             data["status"] = "finished" if step == "close" else "running"
-            events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), "episode_step", data, ep.rollout_id, ep.attempt)]
+            events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), ev.EPISODE_STEP, data, ep.rollout_id, ep.attempt)]
             if step == "close":
                 # Atomic with the close step: the result is accepted exactly when the episode is done.
-                events.append(NewEvent(rollout_stream(ep.rollout_id), A.ATTEMPT_FINISHED, {"reward": ep.reward},
+                events.append(NewEvent(rollout_stream(ep.rollout_id), ev.ATTEMPT_FINISHED, {"reward": ep.reward},
                                        ep.rollout_id, ep.attempt))
             await self.store.append(AppendRequest(tuple(events)))
             ep.done.append(data)
@@ -322,7 +322,7 @@ class EnvironmentParticipant(Participant):
         # The whole conversation, as the agent recorded it when its activation completed (read from the
         # log, so a verify after a restart sends the same).
         history = await effective_history(self.store, ep.rollout_id, ep.attempt)
-        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == "agent_activation_completed"), {})
+        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == ev.ACTIVATION_COMPLETED), {})
         out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"),
                                {"final_answer": answer, "messages": reply.get("messages") or []})
         return {"reward": float(out["reward"])}
@@ -403,7 +403,7 @@ class EnvironmentParticipant(Participant):
                     continue
                 origin, ep.attempt = ep.attempt, max(live)
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
-                await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), "episode_continued", {
+                await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_CONTINUED, {
                     "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,
                     "restored_from": checkpoint_id, "status": "running"}, rid, ep.attempt),)))
                 self._launch(ep)
@@ -446,7 +446,7 @@ def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:
         raise RequestConflict(f"rollout {rid} was started with another task; a rollout id names one task")
 
 
-def build_environment_app(store: PostgresEventStore, credentials: Credentials, agent_url: str, resources_url: str,
+def build_environment_app(store: ParticipantStore, credentials: Credentials, agent_url: str, resources_url: str,
                           instance: str = "environment-0",
                           environments: frozenset[str] = enabled_environments(sandbox=False)) -> web.Application:
     """Outgoing addresses come from here (the configuration), never from a request."""

@@ -34,9 +34,17 @@ from typing import TYPE_CHECKING, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from engine import catalog as ev
 from engine import retry
+from engine.catalog import ACTIVATION_COMPLETED
 from engine.checkpoint import effective_history
-from engine.errors import RollbookError, RolloutIdRequired, StaleAttempt
+from engine.errors import (
+    EpisodeFailed,
+    InvalidRequest,
+    RolloutIdRequired,
+    StaleAttempt,
+    TaskConflict,
+)
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import MAX_ID_LENGTH, episode_stream, rollout_stream
 from participants.environments import Task, ToolError, get_environment
@@ -52,23 +60,6 @@ STAGE_OF_STEP: dict[str, FailureStage] = {"seed": "seed", "agent": "agent", "ver
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 TASKSET_SLUG_LENGTH = 40
 TASKSET_HASH_LENGTH = 12
-ACTIVATION_COMPLETED = "agent_activation_completed"
-
-
-class InvalidRequest(RollbookError):
-    code = "invalid_request"
-
-
-class TaskConflict(RollbookError):
-    """A rollout id of a taskset already recorded with another task: two runs share a taskset name."""
-
-    code = "task_conflict"
-
-
-class EpisodeFailed(RollbookError):
-    """The episode of a flat row ended in a handled failure (its reason, kind and stage in context)."""
-
-    code = "episode_failed"
 
 
 # ---- the 0.7.0 models -------------------------------------------------------------------------
@@ -371,7 +362,7 @@ def aggregate_route() -> Route:
 def _gym_record(events: list[RecordedEvent]) -> dict[str, Any] | None:
     """The caller identity most recently recorded for a rollout (on episode_started / _continued)."""
     return next((e.data["gym"] for e in reversed(events)
-                 if e.kind in ("episode_started", "episode_continued") and isinstance(e.data.get("gym"), dict)), None)
+                 if e.kind in (ev.EPISODE_STARTED, ev.EPISODE_CONTINUED) and isinstance(e.data.get("gym"), dict)), None)
 
 
 class EnvironmentFront:
@@ -397,7 +388,7 @@ class EnvironmentFront:
         async with p.locks.setdefault(rid, asyncio.Lock()):
             events = await p.store.read_rollout(rid)
             recorded = _gym_record(events)
-            started = next((e for e in events if e.kind == "episode_started"), None)
+            started = next((e for e in events if e.kind == ev.EPISODE_STARTED), None)
             # Checked before anything is answered: another task's result is never handed out under this id.
             if started is not None and started.data.get("task") != task.to_json():
                 raise TaskConflict(f"rollout {req.episode_id.rollout_id} of taskset {req.task.task_id.taskset!r} "
@@ -457,13 +448,13 @@ class EnvironmentFront:
     def _result(self, req: EpisodeRequest, rid: str, done: dict[str, Any]) -> EpisodeResponse:
         history: list[RecordedEvent] = done["history"]
         reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == ACTIVATION_COMPLETED), {})
-        started = next((e for e in history if e.kind == "attempt_started"), None)
+        started = next((e for e in history if e.kind == ev.ATTEMPT_STARTED), None)
         created = started.recorded_at.timestamp() if started is not None and started.recorded_at else time.time()
         result = {
             "reward": done["reward"],
             "response": responses_object(rid, list(reply.get("messages") or []), dict(reply.get("usage") or {}), created),
             "rollbook": {"rollout_id": rid, "attempt": done["attempt"],
-                         "steps": [e.data["step"] for e in history if e.kind == "episode_step"]},
+                         "steps": [e.data["step"] for e in history if e.kind == ev.EPISODE_STEP]},
         }
         return EpisodeResponse(episode_id=req.episode_id, task_id=req.task.task_id, result=result)
 
@@ -473,17 +464,16 @@ class EnvironmentFront:
 
     def _started(self, rid: str, attempt: int, req: EpisodeRequest, task: Task) -> NewEvent:
         ti = req.task.task_input
-        return NewEvent(episode_stream(rid, attempt), "episode_started", {
+        return NewEvent(episode_stream(rid, attempt), ev.EPISODE_STARTED, {
             "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": ti.seed,
             "max_steps": ti.max_steps, "status": "running", "gym": self._gym(req)}, rid, attempt)
 
     async def _start(self, rid: str, req: EpisodeRequest, task: Task) -> Episode:
-        from engine import attempts as A
         from participants.environment_server import Episode
 
         # One request: the attempt never exists without its episode's input and its caller's identity.
         await self.p.store.append(AppendRequest((
-            NewEvent(rollout_stream(rid), A.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
+            NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
             self._started(rid, 0, req, task))))
         return Episode(rid, 0, task, req.task.task_input.seed, req.task.task_input.max_steps)
 
@@ -503,9 +493,9 @@ class EnvironmentFront:
             await store.append(AppendRequest((self._started(rid, t.new_attempt, req, task),)))
             return ep
         inherited = await effective_history(store, rid, t.new_attempt)
-        ep.done = [dict(e.data) for e in inherited if e.kind == "episode_step"]
+        ep.done = [dict(e.data) for e in inherited if e.kind == ev.EPISODE_STEP]
         nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
-        await store.append(AppendRequest((NewEvent(episode_stream(rid, t.new_attempt), "episode_continued", {
+        await store.append(AppendRequest((NewEvent(episode_stream(rid, t.new_attempt), ev.EPISODE_CONTINUED, {
             "env": task.env, "task_id": task.task_id, "origin_attempt": current, "next_step": nxt,
             "status": "running", "gym": self._gym(req)}, rid, t.new_attempt),)))
         return ep

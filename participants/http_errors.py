@@ -1,8 +1,9 @@
-"""Every error the servers return: one JSON shape, one HTTP status per code, mapped here only.
+"""Every error the servers return: one JSON shape, one HTTP status per code.
 
 The shape is `{"error": {"code", "detail", "message", "type"}}` (plus `context` when there is some):
 `code` and `detail` are rollbook's; `message` and `type` are OpenAI's, so an OpenAI SDK pointed at
-the model server shows the message. Anything unforeseen is a JSON `internal_error`, never a page.
+the model server shows the message. The status of each code is the one engine/errors.py declares.
+Anything unforeseen is a JSON `internal_error`, never a page.
 """
 
 from __future__ import annotations
@@ -13,50 +14,9 @@ import logging
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.errors import RollbookError
+from engine.errors import STATUS, RollbookError
 
 log = logging.getLogger("rollbook.http")
-
-STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "invalid_json": 400,
-    "invalid_identifier": 400,
-    "invalid_payload": 400,
-    "unsupported_parameter": 400,
-    "invalid_deadline": 400,
-    "payload_too_large": 413,
-    "rollout_id_required": 400,
-    "unauthorized": 401,
-    "forbidden": 403,
-    "unknown_checkpoint": 404,
-    "not_found": 404,
-    "method_not_allowed": 405,
-    "deadline_exceeded": 408,
-    "conflict": 409,
-    "stale_checkpoint": 409,
-    "checkpoint_conflict": 409,
-    "invalid_phase": 409,
-    "stale_attempt": 409,
-    "unknown_attempt": 409,
-    "restart_in_scope": 409,
-    "admission_closed": 409,
-    "activation_out_of_order": 409,
-    "attempt_lost": 409,
-    "version_conflict": 409,
-    "token_entry_conflict": 409,
-    "capture_frozen": 409,
-    "capture_retired": 409,
-    "task_conflict": 409,
-    "invalid_checkpoint_state": 422,
-    "tool_error": 422,
-    "episode_failed": 500,
-    "schema_mismatch": 500,
-    "replay_divergence": 500,
-    "participant_unavailable": 503,
-    "generation_failed": 502,
-    "internal_error": 500,
-    "database_unavailable": 503,
-}
 
 # OpenAI's error `type` by status, so its SDKs raise the matching exception class.
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

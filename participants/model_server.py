@@ -38,18 +38,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from adapters.generation import (
     End,
     GenerationBackend,
-    GenerationFailed,
     Prefix,
     Start,
     Step,
     final_message,
     merge_delta,
 )
-from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut, read_cut
+from engine import catalog as ev
+from engine.catalog import POLICY_VERSION_CHANGED
+from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
+    GenerationFailed,
     InvalidIdentifier,
     InvalidPhase,
     RequestConflict,
@@ -58,7 +59,7 @@ from engine.errors import (
     StaleAttempt,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
-from engine.identity import ID_PATTERN, call_stream, validate_id
+from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
 from engine.recovery import call_lost
 from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.control_plane import (
@@ -92,12 +93,11 @@ REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 COMPLETIONS = "/v1/chat/completions"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
-POLICY_STREAM = "policy"  # one stream for the whole deployment: the order of versions is its order
-POLICY_VERSION_CHANGED = "policy_version_changed"
+POLICY_STREAM = policy_stream()
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
-CUSTODY = ("call_accepted", "call_completed", "call_cut", "call_failed", "call_excluded")
+CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
 
 
 class TokenStore(TokenSink, TokenSource, Protocol):
@@ -123,9 +123,9 @@ def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
             continue
         cid = e.data["call_id"]
         prior = out.get(cid)
-        if e.kind == "call_excluded" and prior is not None and prior.status in ("cut", "completed"):
+        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status in ("cut", "completed"):
             continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
-        accepted = e.data if e.kind == "call_accepted" else (prior.accepted if prior else {})
+        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
         out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
     return out
 
@@ -200,7 +200,7 @@ class ModelParticipant(Participant):
     kind = "model"
     concurrency = "calls run concurrently; one call id is accepted once; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
+    def __init__(self, store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
         self._open = asyncio.Event()
         super().__init__(store, instance)  # sets admission_open = True through the property below
         self.backend = backend
@@ -405,7 +405,7 @@ class ModelParticipant(Participant):
                 if call_lost(record.status, served_here=False):
                     failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
                               "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
-                    await self._append(NewEvent(call_stream(call_id), "call_failed", failed, rollout_id, attempt))
+                    await self._append(NewEvent(call_stream(call_id), ev.CALL_FAILED, failed, rollout_id, attempt))
                     raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
                                       f"never recorded; the rollout continues under a new attempt",
                                       rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
@@ -420,7 +420,7 @@ class ModelParticipant(Participant):
             await self.adopt_policy_version()
         if not self.admission_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
-            await self._append(NewEvent(stream_name, "call_excluded", excluded, rollout_id, attempt))
+            await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
         call = _Call(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
@@ -454,7 +454,7 @@ class ModelParticipant(Participant):
                 call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
                 accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
                 call.extra["prefix_tokens"] = len(generated.ids)
-            await self._append(NewEvent(stream_name, "call_accepted", accepted, rollout_id, attempt))
+            await self._append(NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt))
         except BaseException as exc:
             if reserved is not None and self.replacements.get(reserved) == call_id:
                 del self.replacements[reserved]
@@ -470,7 +470,7 @@ class ModelParticipant(Participant):
         key = (replaces, attempt)
         if self.replacements.get(key, call_id) == call_id:
             for e in await self.store.read_rollout(rollout_id, attempt):
-                if e.kind == "call_accepted" and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
+                if e.kind == ev.CALL_ACCEPTED and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
                     self.replacements.setdefault(key, e.data["call_id"])
         holder = self.replacements.setdefault(key, call_id)  # no await between this check and the claim
         if holder != call_id:
@@ -497,8 +497,8 @@ class ModelParticipant(Participant):
                      "tokens": old.data["receipt"]["tokens"], "policy_version": accepted["policy_version"]}
         stream = call_stream(call.call_id)
         await self.store.append(AppendRequest((
-            NewEvent(stream, "call_accepted", accepted, call.rollout_id, call.attempt),
-            NewEvent(stream, "call_completed", completed, call.rollout_id, call.attempt),
+            NewEvent(stream, ev.CALL_ACCEPTED, accepted, call.rollout_id, call.attempt),
+            NewEvent(stream, ev.CALL_COMPLETED, completed, call.rollout_id, call.attempt),
         )))
         await self._finish(call, "completed", result=completed)
         return call
@@ -508,9 +508,9 @@ class ModelParticipant(Participant):
     async def _run(self, call: _Call) -> None:
         try:
             if await self._pump(call):
-                await self._record_outcome(call, "call_cut", {"tokens": len(call.ids), "partial": call.message})
+                await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
             else:
-                await self._record_outcome(call, "call_completed", {
+                await self._record_outcome(call, ev.CALL_COMPLETED, {
                     "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
                     "finish_reason": call.finish_reason, "usage": usage(len(call.prompt_ids), len(call.ids)),
                     "upstream_usage": call.upstream_usage, **call.extra})
@@ -524,7 +524,7 @@ class ModelParticipant(Participant):
             error = exc if isinstance(exc, RollbookError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
             failed = {"call_id": call.call_id, "error": {"code": error.code, "detail": error.detail}, "tokens": len(call.ids)}
             try:
-                await self._append(NewEvent(call_stream(call.call_id), "call_failed", failed, call.rollout_id, call.attempt))
+                await self._append(NewEvent(call_stream(call.call_id), ev.CALL_FAILED, failed, call.rollout_id, call.attempt))
             except StaleAttempt as stale:
                 error = stale
             finally:
@@ -706,7 +706,7 @@ class PolicyVersionRequest(BaseModel):
 
 
 def build_model_app(
-    store: PostgresEventStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
+    store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
     instance: str = "model-0",
 ) -> web.Application:
     participant = ModelParticipant(store, backend, token_store, instance)

@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from adapters.generation import UnsupportedParameter
-from engine.errors import RollbookError
+from engine.errors import RollbookError, UnsupportedParameter
 
 SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
             "response_format", "presence_penalty", "frequency_penalty")

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from engine.errors import STATUS
 from participants.guard import PATH_PARAMETERS, Route
-from participants.http_errors import STATUS
 
 # Every operation may answer these: a bad credential, a body over the limit or not JSON, a body that
 # does not validate, a server that is not ready; `default` documents any other error status.

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.postgres import PostgresEventStore
-from engine import token_capture as TC
-from engine.checkpoint import effective_history
+from engine import catalog as ev
+from engine.checkpoint import ParticipantStore, effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
 from engine.identity import session_stream
@@ -76,7 +75,7 @@ def _divergence(e: RecordedEvent, what: str) -> ReplayDivergence:
 def apply(state: ReplayState, e: RecordedEvent) -> str:
     """Advance the replayed state by one event; return what changed. Raises on divergence."""
     d = e.data
-    if e.kind == "session_opened":
+    if e.kind == ev.SESSION_OPENED:
         task = Task.from_json(d["task"])
         if d.get("restored_from") or d.get("recovered"):  # reopened under a new attempt: it carries its origin's state
             if d.get("revision", 0) != state.revision:
@@ -85,7 +84,7 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
             return f"session restored from {where} at revision {state.revision}"
         state.task, state.env_state, state.revision = task, get_environment(task.env).initial_state(task), 0
         return f"session opened: {task.env} task {task.task_id}"
-    if e.kind == "mutation_applied":
+    if e.kind == ev.MUTATION_APPLIED:
         if d["revision"] != state.revision + 1:
             raise _divergence(e, f"revision {d['revision']} follows {state.revision}")
         assert state.task is not None
@@ -96,19 +95,19 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
         before, state.env_state = state.env_state, env.apply(state.env_state, d["effect"])
         state.revision += 1
         return f"r{d['revision']} {d.get('tool')}({_short(d.get('arguments'))}): " + "; ".join(diff(before, state.env_state))
-    if e.kind == "agent_boundary":
+    if e.kind == ev.AGENT_BOUNDARY:
         seen = d.get("revisions", {}).get(session_stream(e.rollout_id or "", e.attempt or 0))
         if seen is not None and seen != state.revision:
             raise _divergence(e, f"agent boundary saw revision {seen}, replay has {state.revision}")
         state.turn, state.messages = d.get("turn", state.turn), len(d.get("messages", []))
         return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
-    if e.kind == "agent_activation_completed":
+    if e.kind == ev.ACTIVATION_COMPLETED:
         state.conversation = list((d.get("reply") or {}).get("messages") or [])
         return e.kind.replace("_", " ")
-    if e.kind in ("call_completed", "call_cut"):
+    if e.kind in (ev.CALL_COMPLETED, ev.CALL_CUT):
         state.calls.append(d["call_id"])
         return f"model call {d['call_id']} {e.kind.removeprefix('call_')} ({d.get('disposition', '')})"
-    if e.kind == "session_verified":
+    if e.kind == ev.SESSION_VERIFIED:
         if state.task is not None and "final_answer" in d and get_environment(state.task.env).verification == "replay":
             env = get_environment(state.task.env)
             again = float(env.verify(state.task, state.env_state, Trajectory(state.conversation, d["final_answer"])))
@@ -119,29 +118,29 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
     if e.kind.startswith("episode_"):
         state.step = d.get("step", e.kind.removeprefix("episode_"))
         return f"episode {state.step}"
-    if e.kind == "attempt_finished":
+    if e.kind == ev.ATTEMPT_FINISHED:
         state.reward = d.get("reward")
         return f"attempt finished, reward {d.get('reward')}"
-    if e.kind in TC.CAPTURE_KINDS:
+    if e.kind in ev.CAPTURE_KINDS:
         return _capture_change(e)
     return e.kind.replace("_", " ")
 
 
 def _capture_change(e: RecordedEvent) -> str:
     d = e.data
-    if e.kind == TC.CAPTURE_ENTRY_PUT:
+    if e.kind == ev.CAPTURE_ENTRY_PUT:
         return (f"token capture: call {d['model_call_id']} recorded, {d['prompt_receipt']['tokens']} prompt + "
                 f"{d['receipt']['tokens']} generated tokens")
-    if e.kind == TC.CAPTURE_CALL_BEGUN:
+    if e.kind == ev.CAPTURE_CALL_BEGUN:
         return f"token capture: call {d['model_call_id']} dispatched"
-    if e.kind == TC.CAPTURE_INCOMPLETE:
+    if e.kind == ev.CAPTURE_INCOMPLETE:
         return f"token capture incomplete: call {d.get('model_call_id') or '?'} was not captured"
-    if e.kind == TC.CAPTURE_FROZEN:
+    if e.kind == ev.CAPTURE_FROZEN:
         return f"token capture frozen for a trainer, {d.get('entries')} calls"
     return f"token capture retired: snapshot {d.get('snapshot_id')} consumed at version {d.get('version')}"
 
 
-async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
+async def replay(store: ParticipantStore, rollout_id: str, attempt: int, to: int | None = None) -> tuple[list[Step], ReplayState]:
     rows = await store.attempt_rows([rollout_id])
     if (rollout_id, attempt) not in rows:
         raise UnknownAttempt(f"rollout {rollout_id} has no attempt {attempt}", rollout_id=rollout_id, attempt=attempt)
@@ -149,18 +148,13 @@ async def replay(store: PostgresEventStore, rollout_id: str, attempt: int, to: i
     for e in await effective_history(store, rollout_id, attempt, to):
         steps.append(Step(e.position, e.attempt or 0, e.kind, apply(state, e)))
     if to is None:
-        async with store.engine.connect() as conn:
-            from sqlalchemy import text
-
-            recorded = (await conn.execute(
-                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
-                {"r": rollout_id, "a": attempt})).scalar()
+        recorded = await store.session_revision(rollout_id, attempt)
         if recorded is not None and recorded != state.revision:
             raise ReplayDivergence(f"the session projection records revision {recorded}, the replay reaches {state.revision}")
     return steps, state
 
 
-async def history(store: PostgresEventStore, rollout_id: str) -> dict[str, Any]:
+async def history(store: ParticipantStore, rollout_id: str) -> dict[str, Any]:
     rows = await store.attempt_rows([rollout_id])
     events = await store.read_rollout(rollout_id)
     attempts = []
@@ -171,8 +165,8 @@ async def history(store: PostgresEventStore, rollout_id: str) -> dict[str, Any]:
             "restored_from": row["restored_from"], "origin_position": row["origin_position"],
             "started_position": row["started_position"], "ended_position": row["ended_position"], "reward": row["reward"],
             "events": len(own),
-            "model_calls": sum(e.kind == "call_completed" for e in own),
-            "mutations": sum(e.kind == "mutation_applied" for e in own),
+            "model_calls": sum(e.kind == ev.CALL_COMPLETED for e in own),
+            "mutations": sum(e.kind == ev.MUTATION_APPLIED for e in own),
         })
     timeline = [{"position": e.position, "attempt": e.attempt, "kind": e.kind, "stream": e.stream} for e in events]
     return {"rollout_id": rollout_id, "attempts": attempts, "timeline": timeline}

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.postgres import PostgresEventStore
-from engine.checkpoint import Cut, effective_history, read_cut
+from engine import catalog as ev
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -37,9 +37,10 @@ from engine.errors import (
     RestartInScope,
     RollbookError,
     RolloutIdRequired,
+    ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import ID_PATTERN, session_stream
+from engine.identity import ID_PATTERN, Key, is_session_stream, session_stream
 from engine.recovery import open_session_mode, tool_call_outcomes
 from participants.control_plane import (
     PARTICIPANT,
@@ -56,20 +57,9 @@ from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
 
-Key = tuple[str, int]  # (rollout_id, attempt)
 # The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
 # whose mutation the log already holds under this key is answered from the log, never applied again.
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
-
-
-class ToolCallRefused(RollbookError):
-    """An environment refused a call (bad arguments, unknown tool, a finished game): nothing changed."""
-
-    code = "tool_error"
-
-
-class SessionNotFound(NotFound):
-    pass
 
 
 def refused(exc: ToolError) -> ToolCallRefused:
@@ -165,10 +155,10 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
     revision = 0
     where = f"{rollout_id} attempt {attempt}"
     for e in history:
-        if not e.stream.startswith("session:"):
+        if not is_session_stream(e.stream):
             continue
         try:
-            if e.kind == "session_opened":
+            if e.kind == ev.SESSION_OPENED:
                 if e.data.get("restored_from") is not None or e.data.get("recovered"):
                     # A restored session continues its origin's replay; it must agree with it.
                     if env is None or task is None or e.data.get("revision") != revision or e.data.get("env") != env.name:
@@ -179,7 +169,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
                 env = get_environment(e.data["env"])
                 task = Task.from_json(e.data["task"])
                 state, revision = env.initial_state(task), 0
-            elif e.kind == "mutation_applied":
+            elif e.kind == ev.MUTATION_APPLIED:
                 if env is None:
                     raise InvalidCheckpointState(f"{where}: {e.stream} has a mutation before any session_opened")
                 if e.data.get("revision") != revision + 1:
@@ -188,7 +178,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
                 if env.state_mode == "restart_only":
                     continue  # its effects are records, not state; refused below
                 state, revision = env.apply(state, e.data["effect"]), revision + 1
-            elif e.kind == "session_closed":
+            elif e.kind == ev.SESSION_CLOSED:
                 env, task, state, revision = None, None, None, 0
         except RollbookError:
             raise
@@ -202,7 +192,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
     at = next((e for e in history if e.position == boundary), None)
     seen = (at.data.get("revisions") or {}) if at is not None else {}
     for stream, rev in seen.items():
-        if stream.startswith(f"session:{rollout_id}:") and rev != revision:
+        if is_session_stream(stream, rollout_id) and rev != revision:
             raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {rev}, the replay reaches {revision}")
     return Staged(rollout_id, attempt, env.name, task, state, revision)
 
@@ -211,7 +201,7 @@ class ResourcesParticipant(Participant):
     kind: ClassVar[str] = "resources"
     concurrency: ClassVar[str] = "mutations serialized per (rollout_id, attempt) session; control operations serialized"
 
-    def __init__(self, store: PostgresEventStore, instance: str = "resources-0", sandbox: SandboxLimits | None = None) -> None:
+    def __init__(self, store: ParticipantStore, instance: str = "resources-0", sandbox: SandboxLimits | None = None) -> None:
         super().__init__(store, instance)
         self.sandbox = sandbox  # None: the sandbox environment is off (the default)
         self.sessions: dict[Key, Session] = {}
@@ -241,7 +231,7 @@ class ResourcesParticipant(Participant):
     async def _session(self, key: Key) -> Session:
         s = self.sessions.get(key) or await self._recover(key)
         if s is None or not s.opened:
-            raise SessionNotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
+            raise NotFound(f"no open session for rollout {key[0]} attempt {key[1]}", rollout_id=key[0], attempt=key[1])
         return s
 
     async def _recover(self, key: Key) -> Session | None:
@@ -273,11 +263,11 @@ class ResourcesParticipant(Participant):
             s = Session(key[0], key[1], get_environment(staged.env_name), staged.task, staged.state, staged.revision,
                         stream_version=own[-1].stream_version if own else 0, opened=True)
             s.tool_calls = tool_call_outcomes(history)
-            verified = [e for e in own if e.kind == "session_verified"]
+            verified = [e for e in own if e.kind == ev.SESSION_VERIFIED]
             s.verify_status = verified[-1].data.get("status") if verified else None
             if not own:  # inherited from the boundary this attempt continues: reopen it under this attempt
-                origin = next((e.attempt for e in reversed(history) if e.stream.startswith("session:")), None)
-                await self._append(s, "session_opened", {
+                origin = next((e.attempt for e in reversed(history) if is_session_stream(e.stream)), None)
+                await self._append(s, ev.SESSION_OPENED, {
                     "env": s.env.name, "task": s.task.to_json(), "state_mode": s.env.state_mode, "revision": s.revision,
                     "origin_attempt": origin, "recovered": True})
             self.sessions[key] = s
@@ -325,7 +315,7 @@ class ResourcesParticipant(Participant):
                         s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
                     except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
                         raise refused(exc) from exc
-                await self._append(s, "session_opened", {"env": env.name, "task": task.to_json(),
+                await self._append(s, ev.SESSION_OPENED, {"env": env.name, "task": task.to_json(),
                                                          "state_mode": env.state_mode})
             except BaseException:
                 self.sessions.pop(key, None)
@@ -349,7 +339,7 @@ class ResourcesParticipant(Participant):
         admitted = self.admission_open
         async with s.lock:
             if self.sessions.get(key) is not s:
-                raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
+                raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
             recorded = s.tool_calls.get(call_key) if call_key else None
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
@@ -379,7 +369,7 @@ class ResourcesParticipant(Participant):
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
                     "tool_call": call_key, "output": outcome.output, "done": outcome.done}
-            await self._append(s, "mutation_applied", data)
+            await self._append(s, ev.MUTATION_APPLIED, data)
             s.state, s.revision = new_state, revision
             if call_key:
                 s.tool_calls[call_key] = data
@@ -392,7 +382,7 @@ class ResourcesParticipant(Participant):
             # A passed verify retires its session; a caller that crashed before it heard the answer
             # asks again and gets the recorded verification, not a second one.
             verified = [e for e in await effective_history(self.store, *key)
-                        if e.kind == "session_verified" and e.stream == session_stream(*key)]
+                        if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
             if verified:
                 d = verified[-1].data
                 if d.get("final_answer") != body.final_answer:
@@ -415,12 +405,12 @@ class ResourcesParticipant(Participant):
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
             async with s.lock:
                 if self.sessions.get(key) is not s:
-                    raise SessionNotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
+                    raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
                 data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
                                         "final_answer": body.final_answer}
                 if error is not None:
                     data["error"] = error
-                await self._append(s, "session_verified", data)
+                await self._append(s, ev.SESSION_VERIFIED, data)
                 s.verify_status = status
                 if status == "passed":
                     # A successful terminal session is retired; a failed one keeps its state to inspect or retry.
@@ -439,10 +429,10 @@ class ResourcesParticipant(Participant):
         if s is None:
             # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
             # the session's own stream or, for a restored attempt, its origin's up to the boundary.
-            history = [e for e in await effective_history(self.store, *key) if e.stream.startswith("session:")]
-            if history and history[-1].kind == "session_closed":
+            history = [e for e in await effective_history(self.store, *key) if is_session_stream(e.stream)]
+            if history and history[-1].kind == ev.SESSION_CLOSED:
                 return web.json_response({})
-            raise SessionNotFound(f"no session for rollout {key[0]} attempt {key[1]}")
+            raise NotFound(f"no session for rollout {key[0]} attempt {key[1]}")
         self._refuse_when_closed("closing a session")
         async with s.lock:
             if self.sessions.get(key) is s:
@@ -451,7 +441,7 @@ class ResourcesParticipant(Participant):
 
     async def _retire_session(self, s: Session, data: dict[str, Any]) -> None:
         """Under the session's lock: record the close, then free the session."""
-        await self._append(s, "session_closed", {**data, "revision": s.revision})
+        await self._append(s, ev.SESSION_CLOSED, {**data, "revision": s.revision})
         self.sessions.pop((s.rollout_id, s.attempt), None)
         await self._close_live(s)
 
@@ -550,7 +540,7 @@ class ResourcesParticipant(Participant):
             env = get_environment(st.env_name)
             fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
         events = tuple(
-            s.event("session_opened", {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
+            s.event(ev.SESSION_OPENED, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
                                        "revision": s.revision, "origin_attempt": old})
             for old, s in fresh
         )
@@ -576,7 +566,7 @@ class ResourcesParticipant(Participant):
 
 
 
-def build_resources_app(store: PostgresEventStore, credentials: Credentials, instance: str = "resources-0",
+def build_resources_app(store: ParticipantStore, credentials: Credentials, instance: str = "resources-0",
                         sandbox: SandboxLimits | None = None) -> web.Application:
     """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection.
     The sandbox environment is served only when `sandbox` gives its limits."""
@@ -584,4 +574,4 @@ def build_resources_app(store: PostgresEventStore, credentials: Credentials, ins
     return build_app(participant, credentials)
 
 
-__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild", "ToolCallRefused", "SessionNotFound"]
+__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild"]

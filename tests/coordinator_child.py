@@ -2,7 +2,7 @@
 
     python -m tests.coordinator_child --config FILE --run-id ID --rollouts N --checkpoint CK --deadline-s S
 
-It does what `rollbook run` does at each checkpoint (adapters.collection.Collection.checkpoint:
+It does what `rollbook run` does at each checkpoint (apps.collection.Collection.checkpoint:
 prepare, commit, publish, resume) for the run's rollouts. It prints `ready` once it is connected
 and waits for a line on stdin before it starts, so the kill lands inside the checkpoint and not
 inside Python's start-up; at the end it prints the checkpoint's result as one JSON line.
@@ -17,9 +17,9 @@ import sys
 
 import aiohttp
 
-from adapters import config as cfg
-from adapters.collection import Collection
 from adapters.postgres import PostgresEventStore
+from apps import config as cfg
+from apps.collection import Collection
 from participants.environments.tasks import make_tasks
 
 

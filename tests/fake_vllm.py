@@ -31,7 +31,8 @@ from typing import Any
 from aiohttp import web
 
 from adapters import scripted_tokenizer as tok
-from adapters.generation import ScriptedBackend, Step
+from adapters.generation import Step
+from participants.scripted_model import ScriptedBackend
 
 MODEL = "fake-policy"
 

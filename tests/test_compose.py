@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from adapters import config as cfg
+from apps import config as cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_the_image_installs_the_package_at_build_time_and_no_container_installs_
     dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
     copied = [line.split()[1] for line in dockerfile if line.startswith("COPY ")]
     assert all((ROOT / c).exists() for c in copied), copied
-    assert {"engine", "participants", "adapters", "migrations", "pyproject.toml"} <= set(copied)
+    assert {"engine", "participants", "adapters", "apps", "migrations", "pyproject.toml"} <= set(copied)
     assert any(line.startswith("RUN pip install") and " . " in line + " " for line in dockerfile)
     assert dockerfile[-1] == "USER rollbook"
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from adapters import config as cfg
 from adapters.database import sibling_url
-from adapters.processes import free_port
+from apps import config as cfg
+from apps.processes import free_port
 from participants.environments.tasks import make_tasks
 
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 
 
 @dataclass
@@ -103,6 +103,20 @@ def unknown_environment_in_tasks(work: Path, dsn: str) -> Case:
     return Case(["run", "--config", str(write_config(work, dsn, tasks=str(tasks)))], {})
 
 
+def model_section(work: Path, dsn: str, lines: str) -> Path:
+    path = write_config(work, dsn)
+    path.write_text(path.read_text().replace("[servers.model]\n", f"[servers.model]\n{lines}"))
+    return path
+
+
+def unknown_generation_backend(work: Path, dsn: str) -> Case:
+    return Case(["serve", "model", "--config", str(model_section(work, dsn, 'backend = "gpt5"\n'))], {})
+
+
+def upstream_backend_without_url(work: Path, dsn: str) -> Case:
+    return Case(["serve", "model", "--config", str(model_section(work, dsn, 'backend = "openai_compatible"\n'))], {})
+
+
 # (the bad input, words the one line must say: the cause first, then where the fix goes)
 CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
     (wrong_dsn_unreachable, ["cannot connect to PostgreSQL", "Connection refused", "ROLLBOOK_DSN"]),
@@ -117,6 +131,9 @@ CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
     (port_in_use, ["already in use", "[servers.model] port"]),
     (unreachable_servers, ["cannot reach the environment server", "rollbook serve environment"]),
     (unknown_environment_in_tasks, ["bad-tasks.jsonl:2", "unknown environment 'chess'", "math"]),
+    (unknown_generation_backend, ["servers.model.backend", "'gpt5' is not a registered generation backend",
+                                  "openai_compatible, scripted"]),
+    (upstream_backend_without_url, ["openai_compatible backend has no url", "[servers.model]"]),
 ]
 
 

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from adapters.demo import REPEATED_CALLS, REPEATED_MUTATIONS
-from adapters.generation import Event, OpenAICompatibleBackend, Prefix, ScriptedBackend
+from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
+from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from engine.checkpoint import Cut, effective_history
 from engine.events import RecordedEvent
 from participants import agent_server, model_server
@@ -38,6 +38,7 @@ from participants.agent_server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
 from participants.environments.tasks import make_task
+from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
 from tests.stack import Stack, of, start_stack, turn_of
 

@@ -14,10 +14,9 @@ from adapters.database import code_revision
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
-from engine.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
+from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
 from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
 from participants.guard import Credentials
-from participants.http_errors import STATUS
 
 CREDS = Credentials(control="s3cret-control", data="s3cret-data")
 TOKEN = CREDS.control

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from adapters.database import sqlalchemy_url
 from adapters.postgres import PostgresEventStore
-from adapters.processes import free_port
+from apps.processes import free_port
 from engine.errors import DatabaseUnavailable
 from engine.events import AppendRequest, NewEvent
 from participants.control_plane import CONTROL

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 from gymnasium.envs.toy_text import blackjack as gym_blackjack
 
-from adapters.scripted_policy import scripted_reply, scripted_tokens
+from adapters.scripted_tokenizer import scripted_tokens
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
 from participants.environments.base import Trajectory, canonical, roundtrip
 from participants.environments.blackjack import export_rng, import_rng, restore_env
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.environments.tasks import make_tasks
+from participants.scripted_model import scripted_reply
 
 REPLAYABLE = sorted(n for n, cls in ENVIRONMENTS.items() if cls.state_mode in ("stateless", "exported"))
 TASKS_PER_ENV = {"workplace": 20, "blackjack": 20, "math": 4, "string_match": 4}

@@ -27,8 +27,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from adapters import config as cfg
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 from participants.control_plane import CONTROL, OPENAPI_PATH
 
 # Bounded by the examples per operation (about 1,400 requests over the four servers); the timeout is

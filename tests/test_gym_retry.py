@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from participants.gym_wire import scoped_rollout_id
+from participants.scripted_model import ScriptedBackend
 from tests.e2e.test_nemo_gym import REPEATED_CALLS, REPEATED_MUTATIONS
 from tests.stack import start_stack
 from tests.test_gym_wire import BLACKJACK, episode, post, rows, scalar

@@ -20,17 +20,17 @@ import aiohttp
 import pytest
 from sqlalchemy import text
 
-from adapters.generation import ScriptedBackend
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.run import load_tasks
+from apps.run import load_tasks
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
 from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
+from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, TOKEN, Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 
 
 @contextlib.asynccontextmanager

@@ -20,10 +20,8 @@ from adapters import scripted_tokenizer as tok
 from adapters.export import call_tokens
 from adapters.generation import (
     End,
-    GenerationFailed,
     OpenAICompatibleBackend,
     Prefix,
-    ScriptedBackend,
     Start,
     Step,
     final_message,
@@ -33,12 +31,14 @@ from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut
+from engine.errors import GenerationFailed
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
 from participants.control_plane import CONTROL
 from participants.guard import Credentials
 from participants.model_server import build_model_app
+from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="secret-control", data="secret-data")
@@ -277,6 +277,19 @@ async def test_model_server_records_the_upstream_prompt_ids_generated_ids_and_lo
 
 
 # ---- the model server -----------------------------------------------------------------------
+
+
+async def test_a_call_whose_upstream_breaks_off_is_answered_502_generation_failed(store, tokens) -> None:
+    await start_attempt(store, "gf")
+    async with FakeVLLM() as fake:
+        fake.fail_after = 2  # the upstream's stream breaks off after two chunks
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        async with model_server(store, backend, tokens) as client:
+            resp = await client.post(url("gf"), json=MATH, headers=call_headers("gf.0.t0"))
+            body = await resp.json()
+        await backend.close()
+    assert (resp.status, body["error"]["code"]) == (502, "generation_failed"), body
+    assert await kinds(store, "gf.0.t0") == ["call_accepted", "call_failed"]
 
 
 async def test_non_streaming_call_completes_with_custody_events(store, tokens) -> None:

@@ -36,6 +36,7 @@ from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry
 
 from adapters.nemo_gym_tokens import RollbookLineageStore, RollbookTokenCapture  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from engine import catalog as ev  # noqa: E402
 from engine.errors import (  # noqa: E402
     CaptureFrozen,
     CaptureRetired,
@@ -49,6 +50,7 @@ from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from engine.token_capture import split_capture_key  # noqa: E402
 from participants.replay import history, replay  # noqa: E402
+from tests.stack import all_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,6 +102,11 @@ async def test_nemo_gym_conformance_passes_every_check_with_fresh_clients_in_one
         lambda: RollbookTokenCapture(dsn), lambda: RollbookTokenCapture(dsn), lambda: RollbookLineageStore(dsn)
     )
     assert passed == CHECKS
+    store = PostgresEventStore.connect(dsn, writer="catalog-check")
+    try:  # every event the capture wrote is as engine/catalog.py (and so docs/events.md) says
+        assert sorted({p for e in await all_events(store) for p in ev.problems(e)}) == []
+    finally:
+        await store.close()
 
 
 class _RemoteError(Exception):

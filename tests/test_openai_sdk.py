@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from adapters.generation import OpenAICompatibleBackend, ScriptedBackend
+from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.attempts import ATTEMPT_STARTED
@@ -23,6 +23,7 @@ from engine.identity import call_stream, rollout_stream
 from participants.control_plane import CONTROL
 from participants.guard import Credentials
 from participants.model_server import build_model_app
+from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")

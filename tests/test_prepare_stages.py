@@ -7,8 +7,8 @@ import asyncio
 import time
 from typing import Any
 
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from participants.scripted_model import ScriptedBackend
 from tests.stack import start_stack
 
 

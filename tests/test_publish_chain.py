@@ -1,4 +1,4 @@
-"""A run's checkpoints chain their token snapshots: each lists only what its cut added (adapters.collection)."""
+"""A run's checkpoints chain their token snapshots: each lists only what its cut added (apps.collection)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import asyncio
 
 from sqlalchemy import text
 
-from adapters import config as cfg
-from adapters.collection import Collection
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
+from apps import config as cfg
+from apps.collection import Collection
 from participants.environments.tasks import make_tasks
+from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, start_stack
 
 

@@ -9,7 +9,7 @@ import sys
 import psycopg
 import pytest
 
-ROLLBOOK = [sys.executable, "-m", "adapters.cli"]
+ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 
 
 @pytest.fixture

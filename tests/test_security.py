@@ -17,7 +17,6 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from sqlalchemy import text
 
-from adapters.generation import ScriptedBackend
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
@@ -27,6 +26,7 @@ from participants.environment_server import build_environment_app
 from participants.environments.tasks import make_task
 from participants.guard import MAX_BODY_BYTES
 from participants.resources_server import build_resources_app
+from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, Stack, start_stack
 
 DATA = {"Authorization": f"Bearer {CREDS.data}"}

@@ -1,6 +1,6 @@
 """The crash suite's harness: four server processes on a fresh database, SIGKILL, and the invariants.
 
-A `Cluster` is the four servers of adapters.processes (each its own process group, so a crash is a
+A `Cluster` is the four servers of apps.processes (each its own process group, so a crash is a
 real SIGKILL of everything a server started) on the `dsn` fixture's database, plus the driver's
 own event store and HTTP session. Crash points are picked by a seeded random.Random per test: the
 seed is printed, and ROLLBOOK_E2E_SEED=<seed> replays the same choices.
@@ -27,11 +27,11 @@ import aiohttp
 import pytest
 from sqlalchemy import text
 
-from adapters import config as cfg
-from adapters.collection import Collection
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.collection import Collection
+from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
 
@@ -271,7 +271,7 @@ WITH RECURSIVE origin AS (
 )
 """
 
-# adapters.demo.REPEATED_CALLS, over the whole ancestry instead of the direct origin only (after two
+# apps.demo.REPEATED_CALLS, over the whole ancestry instead of the direct origin only (after two
 # restores, the origin's origin also completed turns the newest attempt must not generate again).
 REPEATED_CALLS = LINEAGE + """
 SELECT b.rollout_id, b.data->>'call_id' AS call_id, a.data->>'call_id' AS earlier
@@ -281,7 +281,7 @@ JOIN rollbook.episode_history a ON a.rollout_id = l.rollout_id AND a.attempt = l
   AND a.position <= l.{upto} AND split_part(a.data->>'call_id', '.t', 2) = split_part(b.data->>'call_id', '.t', 2)
 WHERE b.kind = 'call_completed' AND coalesce(b.data->>'disposition', 'generated') = 'generated'
 """
-# adapters.demo.REPEATED_MUTATIONS, over the whole ancestry.
+# apps.demo.REPEATED_MUTATIONS, over the whole ancestry.
 REPEATED_MUTATIONS = LINEAGE + """
 SELECT b.rollout_id, b.attempt, (b.data->>'revision')::int AS revision
 FROM rollbook.episode_history b

@@ -1,7 +1,7 @@
 """SIGKILL at every step of the checkpoint protocol, then restore, resume and finish.
 
-Each test runs the four servers as real processes (adapters.processes), dispatches a handful of
-rollouts the way a framework does (adapters.collection), kills the servers' process groups at one
+Each test runs the four servers as real processes (apps.processes), dispatches a handful of
+rollouts the way a framework does (apps.collection), kills the servers' process groups at one
 point of the protocol, starts fresh processes, restores, dispatches every unfinished rollout again
 and then checks every invariant through the public SQL views (conftest.assert_invariants). Where a
 crash point is a race (a model call or a tool call in flight), the test waits for it and checks
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from adapters.collection import Collection
-from adapters.config import KINDS
+from apps.collection import Collection
+from apps.config import KINDS
 from engine.checkpoint import load_cut
 from engine.coordinator import PREPARE_ORDER, Coordinator, abort_expired
 from engine.errors import InvalidCheckpointState

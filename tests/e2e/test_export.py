@@ -13,16 +13,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from adapters import cli
-from adapters import config as cfg
 from adapters.export import read
-from adapters.processes import ServerProcesses, free_port
+from apps import cli
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 from tests.e2e.test_run_command import Run
 
 
 def export(dsn: str, run_id: str, out: Path) -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", "adapters.cli", "export", "--run", run_id, "--out", str(out), "--dsn", dsn],
+    done = subprocess.run([sys.executable, "-m", "apps.cli", "export", "--run", run_id, "--out", str(out), "--dsn", dsn],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from adapters.processes import free_port
+from apps.processes import free_port
 from tests.e2e.conftest import Cluster
 
 pytestmark = pytest.mark.timeout(1500)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import psycopg
 
-from adapters import config as cfg
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 from tests import nemo_gym_env
 from tests.e2e.test_export import export

@@ -21,7 +21,7 @@ import time
 import pytest
 from sqlalchemy import text
 
-from adapters.config import KINDS
+from apps.config import KINDS
 from engine.coordinator import Coordinator
 from engine.errors import InvalidCheckpointState, InvalidPhase, StaleCheckpoint
 from participants.environments.tasks import make_tasks
@@ -112,7 +112,7 @@ async def test_checkpoint_status_aborts_an_expired_checkpoint_when_no_server_is_
     await c.kill()  # coordinator and servers all gone before the lease ran out
     await asyncio.sleep(max(0.0, deadline + 2.5 - time.time()))  # past the deadline and its 2 s grace
     assert await c.phase("gone-ck1") == "prepared"
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "adapters.cli", "checkpoint", "status",
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "apps.cli", "checkpoint", "status",
                                                    "--dsn", c.config.dsn or ""], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["aborted_expired"] == ["gone-ck1"]

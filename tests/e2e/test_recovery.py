@@ -24,9 +24,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters import config as cfg
 from adapters import database
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 
 from .conftest import AFTER_FENCE, ENDINGS, Cluster
@@ -268,7 +268,7 @@ def test_a_postgresql_restart_mid_run_is_ridden_out_without_a_traceback(restarta
     procs.start()
     try:
         with open(work / "run.log", "wb") as out:
-            run = subprocess.Popen([sys.executable, "-m", "adapters.cli", "run", "--config", str(work / "rollbook.toml")],
+            run = subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--config", str(work / "rollbook.toml")],
                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             with psycopg.connect(url, autocommit=True) as conn:
                 deadline = time.time() + 60

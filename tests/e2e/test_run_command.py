@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psycopg
 
-from adapters import config as cfg
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 
 
@@ -25,7 +25,7 @@ class Run:
     """`rollbook run` in a subprocess whose JSON lines we read as they come."""
 
     def __init__(self, config_path: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "adapters.cli", "run", "--config", str(config_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--config", str(config_path)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

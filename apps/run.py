@@ -22,11 +22,12 @@ import aiohttp
 from sqlalchemy import text
 
 from adapters import database
-from adapters.collection import Collection
-from adapters.config import KINDS, Config, ConfigError
 from adapters.postgres import PostgresEventStore, retrying
+from apps.collection import Collection
+from apps.config import KINDS, Config
+from engine import catalog as ev
 from engine.coordinator import abort_expired
-from engine.errors import RollbookError
+from engine.errors import ConfigError, RollbookError
 from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
@@ -86,7 +87,7 @@ async def check_servers(config: Config, session: aiohttp.ClientSession) -> None:
 
 async def run_collection(config: Config) -> int:
     if config.run is None:
-        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (adapters/config.py)")
+        raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (apps/config.py)")
     run = config.run
     tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
     async with aiohttp.ClientSession() as probe:
@@ -104,7 +105,7 @@ async def run_collection(config: Config) -> int:
     try:
         async with aiohttp.ClientSession() as session:
             for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
-                say(event="checkpoint_aborted", checkpoint_id=ck, reason="lease expired")
+                say(event=ev.CHECKPOINT_ABORTED, checkpoint_id=ck, reason="lease expired")
             ids = [collection.rollout_id(i) for i in range(len(tasks))]
             where = run_dispositions(await store.attempt_rows(ids), ids)
             if any(d != "not_started" for d in where.values()):

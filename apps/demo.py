@@ -24,11 +24,12 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
-from adapters import config as cfg
 from adapters import database
-from adapters.collection import Collection
 from adapters.postgres import PostgresEventStore
-from adapters.processes import ServerProcesses, free_port
+from apps import config as cfg
+from apps.collection import Collection
+from apps.processes import ServerProcesses, free_port
+from engine import catalog as ev
 from participants.environments.tasks import make_tasks
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
@@ -134,8 +135,8 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
 async def _mutations(store: PostgresEventStore, run: str) -> int:
     async with store.engine.connect() as conn:
         return int((await conn.execute(text(
-            "SELECT count(*) FROM rollbook.events WHERE kind = 'mutation_applied' AND rollout_id LIKE :p"),
-            {"p": f"{run}-%"})).scalar_one())
+            "SELECT count(*) FROM rollbook.events WHERE kind = :mutation AND rollout_id LIKE :p"),
+            {"p": f"{run}-%", "mutation": ev.MUTATION_APPLIED})).scalar_one())
 
 
 async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any], n: int) -> dict[str, Any]:
@@ -179,27 +180,27 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
 
 # A generated model call of a later attempt whose turn an earlier attempt had already completed
 # before the boundary the later one continued from.
-REPEATED_CALLS = """
+REPEATED_CALLS = f"""
 SELECT count(*) FROM rollbook.episode_history b
 JOIN rollbook.attempts t ON t.rollout_id = b.rollout_id AND t.attempt = b.attempt AND t.origin_position IS NOT NULL
-JOIN rollbook.episode_history a ON a.rollout_id = b.rollout_id AND a.attempt < b.attempt AND a.kind = 'call_completed'
+JOIN rollbook.episode_history a ON a.rollout_id = b.rollout_id AND a.attempt < b.attempt AND a.kind = '{ev.CALL_COMPLETED}'
   AND a.position <= t.origin_position AND split_part(a.data->>'call_id', '.t', 2) = split_part(b.data->>'call_id', '.t', 2)
-WHERE b.rollout_id LIKE :p AND b.kind = 'call_completed' AND coalesce(b.data->>'disposition', 'generated') = 'generated'
+WHERE b.rollout_id LIKE :p AND b.kind = '{ev.CALL_COMPLETED}' AND coalesce(b.data->>'disposition', 'generated') = 'generated'
 """
 # A mutation of a later attempt at a revision an earlier attempt had already applied before its boundary.
-REPEATED_MUTATIONS = """
+REPEATED_MUTATIONS = f"""
 SELECT count(*) FROM rollbook.episode_history b
 JOIN rollbook.attempts t ON t.rollout_id = b.rollout_id AND t.attempt = b.attempt AND t.origin_position IS NOT NULL
-JOIN rollbook.episode_history a ON a.rollout_id = b.rollout_id AND a.attempt < b.attempt AND a.kind = 'mutation_applied'
+JOIN rollbook.episode_history a ON a.rollout_id = b.rollout_id AND a.attempt < b.attempt AND a.kind = '{ev.MUTATION_APPLIED}'
   AND a.position <= t.origin_position AND (a.data->>'revision') = (b.data->>'revision')
-WHERE b.rollout_id LIKE :p AND b.kind = 'mutation_applied'
+WHERE b.rollout_id LIKE :p AND b.kind = '{ev.MUTATION_APPLIED}'
 """
 # A tool call applied a second time within one attempt: the agent names every tool call (activation,
 # turn, index in the reply), so two mutations of one attempt with one name are one call done twice.
-REPEATED_MUTATIONS_WITHIN = """
+REPEATED_MUTATIONS_WITHIN = f"""
 SELECT coalesce(sum(n - 1), 0) FROM (
   SELECT count(*) AS n FROM rollbook.episode_history
-  WHERE rollout_id LIKE :p AND kind = 'mutation_applied' AND data->>'tool_call' IS NOT NULL
+  WHERE rollout_id LIKE :p AND kind = '{ev.MUTATION_APPLIED}' AND data->>'tool_call' IS NOT NULL
   GROUP BY rollout_id, attempt, data->>'tool_call' HAVING count(*) > 1) t
 """
 

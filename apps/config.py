@@ -6,7 +6,9 @@
 
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
-    backend = "scripted"                      # or "openai_compatible" with url, model, api_key
+    backend = "scripted"                      # a registered generation backend (entry point group
+                                              # rollbook.generation_backends): "scripted", or
+                                              # "openai_compatible" with url, model, api_key
     policy_version = "step-0"                 # the version every call is stamped with until the framework
                                               # sets another (POST /rollbook/v1/control/policy_version)
     token_latency_s = 0.0
@@ -40,22 +42,16 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from adapters.generation import backend_names
+from engine.errors import ConfigError
 from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
 
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
-
-
-class ConfigError(Exception):
-    """A mistake in what the user gave us: printed as one line naming the cause and the fix, exit 2."""
-
-    def __init__(self, cause: str, fix: str) -> None:
-        super().__init__(f"{cause}; {fix}")
-        self.cause, self.fix = cause, fix
 
 
 class Strict(BaseModel):
@@ -67,7 +63,7 @@ class ServerConfig(Strict):
     bind: str | None = None  # the address it listens on when not `host` (e.g. 0.0.0.0 in a container)
     port: int = Field(ge=0, le=65535)
     # model server only
-    backend: Literal["scripted", "openai_compatible"] = "scripted"
+    backend: str = "scripted"  # checked against the registry below, so a plugin's backend needs no edit here
     url: str | None = None
     model: str | None = None
     api_key: str | None = None
@@ -76,6 +72,14 @@ class ServerConfig(Strict):
     token_latency_s: float = 0.0
     token_store: Literal["postgres", "filesystem"] = "postgres"
     token_store_root: str | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:
+        names = backend_names()
+        if name not in names:
+            raise ValueError(f"{name!r} is not a registered generation backend (one of {', '.join(names)})")
+        return name
 
     @property
     def base_url(self) -> str:
@@ -154,11 +158,11 @@ def config_problem(exc: ValidationError, path: str | Path) -> ConfigError:
     where = ".".join(str(p) for p in err["loc"]) or "(top level)"
     if err["type"] == "extra_forbidden":
         return ConfigError(f"unknown key {where!r} in {path}",
-                           "remove it or fix its spelling (adapters/config.py lists every key)")
+                           "remove it or fix its spelling (apps/config.py lists every key)")
     if err["type"] == "missing":
-        return ConfigError(f"missing key {where!r} in {path}", "add it (adapters/config.py lists every key)")
+        return ConfigError(f"missing key {where!r} in {path}", "add it (apps/config.py lists every key)")
     return ConfigError(f"bad value for {where!r} in {path}: {err['msg']}",
-                       "fix it (adapters/config.py documents every key)")
+                       "fix it (apps/config.py documents every key)")
 
 
 def write(config: Config, path: str | Path) -> None:

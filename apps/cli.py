@@ -9,8 +9,7 @@ import json
 import sys
 
 from adapters import database, embedded
-from adapters.config import ConfigError
-from engine.errors import RollbookError
+from engine.errors import ConfigError, RollbookError
 
 
 def _db(args: argparse.Namespace) -> int:
@@ -29,7 +28,7 @@ def _db(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from adapters.demo import run_demo
+    from apps.demo import run_demo
 
     return asyncio.run(run_demo(args))
 
@@ -81,7 +80,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from adapters import config, serve
+    from apps import config, serve
 
     loaded = config.load(args.config)
     if args.kind not in loaded.servers:
@@ -98,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from adapters import config, run
+    from apps import config, run
 
     return run.main(config.load(args.config))
 
@@ -143,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="start one server: environment, model, agent or resources")
     srv.add_argument("kind", choices=["environment", "model", "agent", "resources"])
-    srv.add_argument("--config", required=True, help="the TOML config file (see adapters/config.py)")
+    srv.add_argument("--config", required=True, help="the TOML config file (see apps/config.py)")
     srv.set_defaults(func=_serve)
 
     runp = sub.add_parser("run", help="run a rollout collection from a JSONL of tasks, with checkpoints")
@@ -156,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dsn")
     exp.set_defaults(func=_export)
 
-    from adapters import checkpoint_cli
+    from apps import checkpoint_cli
 
     checkpoint_cli.add_parser(sub)
-    from adapters import gym_tasks
+    from apps import gym_tasks
 
     gym_tasks.add_parser(sub)
     return parser

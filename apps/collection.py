@@ -23,10 +23,11 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
-from adapters.config import KINDS, Config
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
+from apps.config import KINDS, Config
+from engine import catalog as ev
 from engine.coordinator import Coordinator, abort_expired
 from participants.environments.base import Task
 
@@ -141,9 +142,9 @@ class Collection:
             # of this one, so publish costs what this cut added, not the length of the run.
             blobs = [b for (b,) in await conn.execute(text(
                 "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
-                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN ('call_completed', 'call_cut') AND b IS NOT NULL "
+                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN (:completed, :cut) AND b IS NOT NULL "
                 "AND position > :since AND position <= :p AND rollout_id LIKE :r"),
-                {"since": since, "p": cut.position, "r": f"{self.run_id}-%"})]
+                {"since": since, "p": cut.position, "r": f"{self.run_id}-%", "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
         token_ref = await tokens.snapshot(checkpoint_id, blobs, parent=parent_ref)
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}

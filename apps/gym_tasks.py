@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.errors import RollbookError
+from engine.errors import InvalidRequest, RollbookError
 from participants.environments import Task
-from participants.gym_wire import GymTaskInput, InvalidRequest, TaskId, flat_row_task, task_for
+from participants.gym_wire import GymTaskInput, TaskId, flat_row_task, task_for
 
 
 def task_from_row(row: Any) -> Task:

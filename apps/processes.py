@@ -14,9 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters.config import KINDS, Config
-
-CONTROL_STATUS = "/rollbook/v1/control/status"
+from adapters.http_client import CONTROL
+from apps.config import KINDS, Config
 
 
 def free_port() -> int:
@@ -39,7 +38,7 @@ class ServerProcesses:
         for kind in kinds:
             log = open(self.log_dir / f"{kind}-{self.generation}.log", "wb")  # noqa: SIM115  (the child owns it)
             self.procs[kind] = subprocess.Popen(
-                [sys.executable, "-m", "adapters.cli", "serve", kind, "--config", str(self.config_path)],
+                [sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         deadline = time.time() + timeout
@@ -53,7 +52,7 @@ class ServerProcesses:
                 time.sleep(0.1)
 
     def _answers(self, kind: str) -> bool:
-        req = urllib.request.Request(self.config.url(kind) + CONTROL_STATUS,  # type: ignore[arg-type]
+        req = urllib.request.Request(self.config.url(kind) + f"{CONTROL}/status",  # type: ignore[arg-type]
                                      headers={"Authorization": f"Bearer {self.config.control_token}"})
         try:
             with urllib.request.urlopen(req, timeout=1) as resp:

@@ -8,25 +8,22 @@ import socket
 from aiohttp import web
 
 from adapters import database
-from adapters.config import Config, Kind
 from adapters.postgres import PostgresEventStore
+from apps.config import Config, Kind
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
     store = PostgresEventStore.connect(dsn, writer=instance)
     if kind == "model":
-        from adapters.generation import OpenAICompatibleBackend, ScriptedBackend
+        from adapters.generation import BackendSettings, make_backend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
         from participants.model_server import build_model_app
 
         s = config.servers["model"]
-        backend = (
-            OpenAICompatibleBackend(s.url or "", api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version)
-            if s.backend == "openai_compatible"
-            else ScriptedBackend(latency_s=s.latency_s, token_latency_s=s.token_latency_s,
-                                 policy_version=s.policy_version or "scripted-v1")
-        )
+        backend = make_backend(s.backend, BackendSettings(url=s.url, model=s.model, api_key=s.api_key,
+                                                          policy_version=s.policy_version, latency_s=s.latency_s,
+                                                          token_latency_s=s.token_latency_s))
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":

@@ -1,0 +1,68 @@
+"""The layers point one way: apps -> participants -> adapters -> engine, and the engine imports no
+HTTP or SQL library. The contracts are in pyproject.toml ([tool.importlinter]); import-linter checks
+them here, so CI does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(config: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LINT), "--config", str(config), "--no-cache"], cwd=cwd, capture_output=True,
+                          text=True, timeout=60, env={"PYTHONPATH": str(cwd), "PATH": str(LINT.parent)})
+
+
+def test_the_import_layers_of_the_package_hold() -> None:
+    done = lint(ROOT / "pyproject.toml", ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 kept, 0 broken" in done.stdout
+
+
+def contracts_section() -> str:
+    """The [tool.importlinter] tables of pyproject.toml, as written there."""
+    out, inside = [], False
+    for line in (ROOT / "pyproject.toml").read_text().splitlines():
+        if line.startswith("["):
+            inside = line.strip("[]").startswith("tool.importlinter")
+        if inside:
+            out.append(line)
+    assert tomllib.loads("\n".join(out))["tool"]["importlinter"]["contracts"]
+    return "\n".join(out) + "\n"
+
+
+def fake_house(tmp_path: Path, offender: str, imports: str) -> Path:
+    """The four packages, empty but for one module that imports what it must not, under the
+    project's own contracts."""
+    for pkg in ("engine", "participants", "adapters", "apps"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "adapters" / "postgres.py").write_text("")
+    (tmp_path / offender / "bad.py").write_text(f"import {imports}\n")
+    (tmp_path / "pyproject.toml").write_text(contracts_section())
+    return tmp_path / "pyproject.toml"
+
+
+def test_a_driver_importing_a_participant_breaks_the_layers(tmp_path: Path) -> None:
+    done = lint(fake_house(tmp_path, "adapters", "participants"), tmp_path)
+    assert done.returncode == 1 and "adapters.bad -> participants" in done.stdout, done.stdout
+
+
+def test_a_participant_importing_an_application_breaks_the_layers(tmp_path: Path) -> None:
+    done = lint(fake_house(tmp_path, "participants", "apps"), tmp_path)
+    assert done.returncode == 1 and "participants.bad -> apps" in done.stdout, done.stdout
+
+
+def test_the_engine_importing_aiohttp_breaks_its_contract(tmp_path: Path) -> None:
+    done = lint(fake_house(tmp_path, "engine", "aiohttp"), tmp_path)
+    assert done.returncode == 1 and "engine.bad -> aiohttp" in done.stdout, done.stdout
+
+
+def test_a_server_importing_the_postgres_store_breaks_its_contract(tmp_path: Path) -> None:
+    done = lint(fake_house(tmp_path, "participants", "adapters.postgres"), tmp_path)
+    assert done.returncode == 1 and "participants.bad -> adapters.postgres" in done.stdout, done.stdout
