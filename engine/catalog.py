@@ -278,6 +278,8 @@ CALL_ACCEPTED = _kind(
     may("stream", "boolean", "streamed to the client"), may("replaces", "string", "the cut call it replaces"),
     may("continues", "object", "the cut call whose tokens it continues: call_id, receipt"),
     may("model_call_id", "string", "captured: the trainer's id"), may("source", "string", "captured: nemo_gym"),
+    may("request_digest", "string", "sha256 of the request but its presentation options: the same call id "
+        "with another request is a conflict"),
 )
 CALL_COMPLETED = _kind(
     "call_completed", CALL, f"{_MODEL}; {_CAPTURE}",
