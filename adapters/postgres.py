@@ -557,6 +557,7 @@ class PostgresEventStore:
                 text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
                 {"r": rollout_id, "a": attempt})).scalar()
 
+    @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (
