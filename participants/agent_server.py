@@ -325,10 +325,12 @@ class AgentParticipant(Participant):
             raise exc
         await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
 
-    async def _wait_closed(self, tries: int) -> None:
+    async def _wait_closed(self, tries: int, at_boundary: bool) -> None:
         # Another server refused new work for a checkpoint: the refused call changed nothing, so ask
-        # again later (backing off: each refusal of a model call is a `call_excluded` event).
-        if self._open.is_set():
+        # again later (backing off: each refusal of a model call is a `call_excluded` event). A session
+        # at its boundary may wait for this server's own resume instead; one inside a tool round may
+        # not, since this server's prepare waits for that round to end.
+        if self._open.is_set() or not at_boundary:
             await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
         else:
             await self._open.wait()
@@ -351,7 +353,7 @@ class AgentParticipant(Participant):
                     out = await self.client.post(url, body, headers)
                     break
                 except AdmissionClosed:
-                    await self._wait_closed(tries)
+                    await self._wait_closed(tries, at_boundary=True)
                 except (ParticipantUnavailable, DatabaseUnavailable) as exc:
                     await self._wait_unavailable(tries, since, exc)
         finally:
@@ -376,7 +378,7 @@ class AgentParticipant(Participant):
                 out = await self.client.post(url, {"arguments": args}, {TOOL_CALL_HEADER: call_key})
                 break
             except AdmissionClosed:
-                await self._wait_closed(tries)
+                await self._wait_closed(tries, at_boundary=False)
             except (ParticipantUnavailable, DatabaseUnavailable) as exc:
                 await self._wait_unavailable(tries, since, exc)
             except RollbookError as exc:

@@ -167,6 +167,40 @@ async def test_prepare_parks_a_running_episode_and_resume_finishes_it(dsn: str, 
     assert last.position < of(events, "agent_boundary")[-1].position
 
 
+async def test_a_tool_round_refused_by_a_closed_resources_server_still_ends_while_the_agent_prepares(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    """The agent's prepare waits for every tool round to end. A round whose tool call the resources
+    server refuses (its admission closed) must keep asking, not wait for the agent's own resume:
+    that wait and the prepare would each wait for the other until the deadline."""
+    async with stack(dsn, "round", latency=0.2) as s:  # a reply takes about 2 s: time to close resources first
+        agent, resources = (HttpParticipant(k, k, s.url(k), TOKEN, s.session) for k in ("agent", "resources"))  # type: ignore[arg-type]
+        participant = s.participant("agent")
+        refused_while_preparing = asyncio.Event()
+        wait_closed = participant._wait_closed  # type: ignore[attr-defined]
+
+        async def noting(*args: Any, **kw: Any) -> None:
+            if not participant._open.is_set():  # type: ignore[attr-defined]
+                refused_while_preparing.set()
+            await wait_closed(*args, **kw)
+
+        participant._wait_closed = noting  # type: ignore[attr-defined]
+        running = asyncio.create_task(s.episode(WORKPLACE, "round-1"))
+        # Turns 0 and 1 look things up (read-only tools pass a closed admission); turn 2 sends the email.
+        await wait_for(store, "round-1", "call_accepted", 3)  # turn 2's reply is under way
+        await resources.call("prepare", {"checkpoint_id": "round-hold", "deadline": time.time() + 60})
+        await wait_for(store, "round-1", "call_completed", 3)  # it asks to send: that round is refused
+        assert not of(await store.read_rollout("round-1"), "mutation_applied")
+        preparing = asyncio.create_task(agent.call("prepare", {"checkpoint_id": "round-ck", "deadline": time.time() + 30}))
+        await asyncio.wait_for(refused_while_preparing.wait(), 20)  # the round was refused after the agent closed
+        await resources.call("resume", {"checkpoint_id": "round-hold", "deadline": time.time() + 10})
+        report = await asyncio.wait_for(preparing, 40)
+        assert report["ready"] and not report["blockers"], report
+        await agent.call("resume", {"checkpoint_id": "round-ck", "deadline": time.time() + 10})
+        assert (await asyncio.wait_for(running, 30))["reward"] == 1.0
+    assert of(await store.read_rollout("round-1"), "mutation_applied")  # the refused round ran once resources opened
+
+
 async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating_work(
     dsn: str, store: PostgresEventStore
 ) -> None:
