@@ -8,6 +8,7 @@ fence itself, so a fence and an in-flight append of the same attempt cannot inte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.catalog import (
     ATTEMPT_FENCED,
@@ -18,6 +19,7 @@ from engine.catalog import (
 )
 from engine.errors import InvalidIdentifier, StaleAttempt, UnknownAttempt
 from engine.events import NewEvent
+from engine.identity import Key
 
 # "retired" in the projection mirrors the rollout's retire mark, and the mark alone refuses: forget
 # clears it, and a late writer of a forgotten rollout is admitted as before its retire.
@@ -83,3 +85,61 @@ def admit(event: NewEvent, rollout: RolloutState | None) -> RolloutState | None:
     if event.kind == ATTEMPT_FINISHED:
         return RolloutState({**state.attempts, n: "finished"}, state.retired_through)
     return state
+
+
+# The kinds after which an attempt that was live may no longer be: its fence, or a retire mark that
+# reaches it. Every other event leaves a live attempt live (`attempt_finished` keeps it admissible).
+FENCE_KINDS = frozenset({ATTEMPT_FENCED, ROLLOUT_RETIRED})
+
+
+def check_current(rollout_id: str, attempt: int, status: str | None, retired_through: int) -> None:
+    """The check every data request makes before it does anything: the same rule as `admit`, on the
+    attempt's projected status and its rollout's retire mark. Raises StaleAttempt."""
+    if status is None or status not in LIVE_STATUSES or attempt <= retired_through:
+        why = "unknown" if status is None else ("retired" if attempt <= retired_through else status)
+        raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is {why}", rollout_id=rollout_id, attempt=attempt)
+
+
+class AttemptStore(Protocol):
+    """What the attempt check reads (adapters.postgres.PostgresEventStore implements it)."""
+
+    async def fence_position(self) -> int:
+        """The log position of the latest event of FENCE_KINDS (0: none), as of now."""
+        ...
+
+    async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
+        """The attempt's projected status (None: never started) and its rollout's retire mark (-1: none)."""
+        ...
+
+
+class AttemptGate:
+    """The attempt check of every request, answered from memory while no fence has landed.
+
+    An attempt found live while the log's fence position was F is still live while it is F: only
+    an event of FENCE_KINDS ends a live attempt, and the append that writes one moves the position in
+    the same transaction. So each check reads the fence position first (one single-row read) and
+    reads the attempt itself only when the position moved since it last found that attempt live. A
+    fence committed by any server before a request arrives has moved the position that request
+    reads: the stale attempt is refused on its very next request, exactly as without the cache.
+    Reading the position *before* the attempt keeps a fence that lands between the two reads from
+    being cached under the older position. Refusals are never cached (`forget` can lift them)."""
+
+    def __init__(self, store: AttemptStore, max_entries: int = 65_536) -> None:
+        self._store = store
+        self._max = max_entries
+        self._fence = -1  # the fence position the entries below were found live at
+        self._live: set[Key] = set()
+
+    async def check(self, rollout_id: str, attempt: int) -> None:
+        fence = await self._store.fence_position()
+        key = (rollout_id, attempt)
+        if fence == self._fence and key in self._live:
+            return
+        status, mark = await self._store.attempt_status(rollout_id, attempt)
+        check_current(rollout_id, attempt, status, mark)
+        if fence > self._fence:  # a fence landed: every attempt found live before it must be read again
+            self._fence, self._live = fence, set()
+        if fence == self._fence:
+            if len(self._live) >= self._max:
+                self._live.clear()
+            self._live.add(key)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine import catalog as ev
+from engine.attempts import AttemptStore
 from engine.errors import InvalidCheckpointState, RestartInScope, UnknownCheckpoint
 from engine.events import (
     GENESIS_HASH,
@@ -57,7 +58,7 @@ class CutStore(EventStore, Protocol):
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
 
 
-class ParticipantStore(CutStore, Protocol):
+class ParticipantStore(CutStore, AttemptStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
     are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
 

@@ -28,7 +28,6 @@ from engine.errors import (
     InvalidPhase,
     InvalidRequest,
     RollbookError,
-    StaleAttempt,
     StaleCheckpoint,
 )
 from engine.events import AppendRequest, NewEvent
@@ -166,6 +165,7 @@ class Participant:
     def __init__(self, store: ParticipantStore, instance: str) -> None:
         self.store = store
         self.instance = instance
+        self.attempts = A.AttemptGate(store)
         self.served_sessions = False
         self.admission_open = True
 
@@ -203,13 +203,9 @@ class Participant:
         return []
 
     async def check_attempt(self, rollout_id: str, attempt: int) -> None:
-        """Fencing lives in the database, so every server refuses the same attempts at once."""
-        rows = await self.store.attempt_rows([rollout_id])
-        row = rows.get((rollout_id, attempt))
-        mark = await self.store.retired_through(rollout_id)
-        if row is None or row["status"] not in A.LIVE_STATUSES or attempt <= mark:
-            why = "unknown" if row is None else ("retired" if attempt <= mark else row["status"])
-            raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is {why}", rollout_id=rollout_id, attempt=attempt)
+        """Fencing lives in the database, so every server refuses the same attempts at once; the
+        gate answers from memory while no fence has landed (engine.attempts.AttemptGate)."""
+        await self.attempts.check(rollout_id, attempt)
 
 
 def identity(request: web.Request) -> tuple[str, int]:
