@@ -374,6 +374,16 @@ def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
     )
 
 
+def restored_attempt(rows: dict[Key, dict[str, Any]], rollout_id: str, origin: int, checkpoint_id: str) -> int | None:
+    """The attempt a restore of `checkpoint_id` installed for `rollout_id` over `origin` (None: none
+    is live). Participants staged state at restore and hand it to this attempt at resume: only a
+    live attempt above the origin whose start names this checkpoint qualifies; the latest, if a
+    second restore from the same checkpoint fenced the first one's replacement."""
+    live = [a for (r, a), row in rows.items()
+            if r == rollout_id and a > origin and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
+    return max(live, default=None)
+
+
 def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = ()) -> AppendRequest:
     """One atomic request: fence each rollout's live attempt and start the next one.
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from engine import catalog as ev
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -529,12 +529,11 @@ class ResourcesParticipant(Participant):
         rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
         targets: dict[Key, int] = {}
         for rid, old in self.staged:
-            live = [a for (r, a), row in rows.items()
-                    if r == rid and a > old and row["status"] == "live" and row["restored_from"] == checkpoint_id]
-            if not live:
+            target = restored_attempt(rows, rid, old, checkpoint_id)
+            if target is None:
                 raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is not installed: rollout {rid} has no live "
                                              f"attempt restored from it", rollout_id=rid)
-            targets[(rid, old)] = max(live)
+            targets[(rid, old)] = target
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():
             env = get_environment(st.env_name)
