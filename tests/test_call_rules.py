@@ -17,7 +17,8 @@ from engine.identity import call_stream
 
 def accepted(call_id: str, replaces: str | None, kind: str = CALL_ACCEPTED) -> RecordedEvent:
     return RecordedEvent(position=1, stream=call_stream(call_id), stream_version=1, kind=kind,
-                         data={"call_id": call_id, "replaces": replaces}, rollout_id="r", attempt=1, hash=GENESIS_HASH)
+                         data={"call_id": call_id, "replaces": replaces}, rollout_id="r", attempt=1, schema_version=1,
+                         writer="t", hash=GENESIS_HASH)
 
 
 def test_a_call_id_belongs_to_the_attempt_that_first_used_it() -> None:
