@@ -32,6 +32,7 @@ from engine.events import (
 )
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
+from engine.sessions import boundary_disagreement, session_revisions
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -350,17 +351,9 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
     for call_id in boundary.data.get("calls", []):
         if call_id not in completed:
             raise InvalidCheckpointState(f"{s.rollout_id}: boundary depends on model call {call_id}, not completed by the cut")
-    revisions: dict[str, int] = {}
-    for e in history:
-        if e.kind == ev.MUTATION_APPLIED:
-            revisions[e.stream] = e.data["revision"]
-        elif e.kind == ev.SESSION_OPENED:  # a restored session opens at the revision it carried over
-            revisions[e.stream] = e.data.get("revision", 0)
-    for stream, revision in boundary.data.get("revisions", {}).items():
-        if revisions.get(stream, 0) != revision:
-            raise InvalidCheckpointState(
-                f"{s.rollout_id}: boundary saw {stream} at revision {revision}, the log has {revisions.get(stream, 0)}"
-            )
+    wrong = boundary_disagreement(boundary.data, session_revisions(history))  # the session rules: engine.sessions
+    if wrong is not None:
+        raise InvalidCheckpointState(f"{s.rollout_id}: boundary saw {wrong[0]} at revision {wrong[1]}, the log has {wrong[2]}")
 
 
 def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
