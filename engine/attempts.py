@@ -38,6 +38,13 @@ class RolloutState:
         return max(self.attempts, default=-1)
 
 
+def not_live(attempt: int, status: str, retired_through: int) -> str | None:
+    """Why a started attempt may write nothing ("retired", "fenced"), or None while it is live."""
+    if attempt <= retired_through:
+        return "retired"
+    return None if status in LIVE_STATUSES else status
+
+
 def admit(event: NewEvent, rollout: RolloutState | None) -> RolloutState | None:
     """Check one event against its rollout's state; return the state after it (for the next
     event of the same batch). Raises StaleAttempt / UnknownAttempt and changes nothing."""
@@ -73,8 +80,8 @@ def admit(event: NewEvent, rollout: RolloutState | None) -> RolloutState | None:
         raise UnknownAttempt(
             f"attempt {n} of rollout {event.rollout_id} was never started", rollout_id=event.rollout_id, attempt=n
         )
-    if status not in LIVE_STATUSES or n <= state.retired_through:
-        why = "retired" if n <= state.retired_through else status
+    why = not_live(n, status, state.retired_through)
+    if why is not None:
         raise StaleAttempt(
             f"attempt {n} of rollout {event.rollout_id} is {why}; nothing of it may be written",
             rollout_id=event.rollout_id,
@@ -93,10 +100,10 @@ FENCE_KINDS = frozenset({ATTEMPT_FENCED, ROLLOUT_RETIRED})
 
 
 def check_current(rollout_id: str, attempt: int, status: str | None, retired_through: int) -> None:
-    """The check every data request makes before it does anything: the same rule as `admit`, on the
-    attempt's projected status and its rollout's retire mark. Raises StaleAttempt."""
-    if status is None or status not in LIVE_STATUSES or attempt <= retired_through:
-        why = "unknown" if status is None else ("retired" if attempt <= retired_through else status)
+    """The check every data request makes before it does anything: the rule `admit` applies to
+    every append, on the attempt's projected status and its rollout's retire mark. Raises StaleAttempt."""
+    why = "unknown" if status is None else not_live(attempt, status, retired_through)
+    if why is not None:
         raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is {why}", rollout_id=rollout_id, attempt=attempt)
 
 
