@@ -565,23 +565,20 @@ class PostgresEventStore:
     @retrying("reading the fence position")
     async def fence_position(self) -> int:
         """engine.attempts.AttemptStore: one single-row read, no lock (an append in flight has not
-        fenced anything yet; once it commits, this read sees it)."""
-        async with self._driver_connection() as conn:
-            row = await (await conn.execute("SELECT fence_position FROM rollbook.log_head WHERE id = 1")).fetchone()
-            await conn.rollback()
-            return int(row[0]) if row is not None else 0
+        fenced anything yet; once it commits, this read sees it). Autocommit: no BEGIN, no ROLLBACK."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return int((await conn.execute(text("SELECT fence_position FROM rollbook.log_head WHERE id = 1"))).scalar() or 0)
 
     @retrying("reading an attempt")
     async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
-        """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one query."""
-        async with self._driver_connection() as conn:
-            row = await (await conn.execute(
-                "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = %(r)s AND attempt = %(a)s), "
-                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)",
-                {"r": rollout_id, "a": attempt})).fetchone()
-            await conn.rollback()
-            status, mark = row if row is not None else (None, None)
-            return status, -1 if mark is None else int(mark)
+        """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one statement."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = (await conn.execute(text(
+                "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
+                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
+            return row[0], -1 if row[1] is None else int(row[1])
 
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:

@@ -7,6 +7,7 @@ fence itself, so a fence and an in-flight append of the same attempt cannot inte
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,16 +130,44 @@ class AttemptGate:
     fence committed by any server before a request arrives has moved the position that request
     reads: the stale attempt is refused on its very next request, exactly as without the cache.
     Reading the position *before* the attempt keeps a fence that lands between the two reads from
-    being cached under the older position. Refusals are never cached (`forget` can lift them)."""
+    being cached under the older position. Refusals are never cached (`forget` can lift them).
+
+    Concurrent checks share one read of the fence position, as long as that read began after each
+    of them arrived (a read already under way may predate a fence they must see): a check that
+    arrives during a read waits for the next one, which serves every check that arrived meanwhile."""
 
     def __init__(self, store: AttemptStore, max_entries: int = 65_536) -> None:
         self._store = store
         self._max = max_entries
         self._fence = -1  # the fence position the entries below were found live at
         self._live: set[Key] = set()
+        self._waiting: asyncio.Future[int] | None = None  # the checks that arrived since the last read began
+        self._reader: asyncio.Task[None] | None = None
+
+    async def fence_position(self) -> int:
+        """The fence position, read after this call began."""
+        if self._waiting is None:
+            self._waiting = asyncio.get_running_loop().create_future()
+            # A waiter that went away leaves a result (or an error) no one reads: that is fine.
+            self._waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+        waiting = self._waiting
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        return await asyncio.shield(waiting)
+
+    async def _read(self) -> None:
+        while self._waiting is not None:
+            batch, self._waiting = self._waiting, None  # everyone in it arrived before this read begins
+            try:
+                batch.set_result(await self._store.fence_position())
+            except asyncio.CancelledError:
+                batch.cancel()
+                raise
+            except Exception as exc:  # every check of the batch hears why (e.g. database_unavailable)
+                batch.set_exception(exc)
 
     async def check(self, rollout_id: str, attempt: int) -> None:
-        fence = await self._store.fence_position()
+        fence = await self.fence_position()
         key = (rollout_id, attempt)
         if fence == self._fence and key in self._live:
             return

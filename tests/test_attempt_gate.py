@@ -3,12 +3,15 @@ lands: the rule, the cache's invalidation, the fence position in PostgreSQL, and
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import pytest
 
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, AttemptGate, check_current
 from engine.catalog import EPISODE_STEP, ROLLOUT_FORGOTTEN, ROLLOUT_RETIRED
-from engine.errors import StaleAttempt
+from engine.errors import DatabaseUnavailable, StaleAttempt
 from engine.events import AppendRequest, NewEvent
 from engine.identity import episode_stream, rollout_stream
 from engine.retry import Takeover, takeover_request
@@ -137,3 +140,75 @@ async def test_a_fence_by_one_server_is_refused_by_the_other_on_its_very_next_re
         status, reply = await call(http_b, "GET", f"{prefix('g2', 0)}/state")
         assert (status, reply["error"]["code"]) == (409, "stale_attempt")
         assert reads == 1
+
+
+class SlowFence(FakeAttempts):
+    """Each fence read waits until the test lets it finish, and answers the position at its start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fence_reads = 0
+        self.gates: list[asyncio.Event] = []
+
+    async def fence_position(self) -> int:
+        self.fence_reads += 1
+        at = self.fence
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        return at
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(10_000):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def test_concurrent_checks_share_one_fence_read_that_began_after_they_arrived() -> None:
+    store = SlowFence()
+    store.status[("r", 0)] = "live"
+    gate = AttemptGate(store)
+    first = asyncio.ensure_future(gate.check("r", 0))
+    await until(lambda: len(store.gates) == 1)  # the first read is under way
+    later = [asyncio.ensure_future(gate.check("r", 0)) for _ in range(5)]
+    await asyncio.sleep(0)
+    store.gates[0].set()
+    await first
+    await until(lambda: len(store.gates) == 2)  # one more read serves the five that came during the first
+    store.gates[1].set()
+    await asyncio.gather(*later)
+    assert store.fence_reads == 2
+
+
+async def test_a_check_that_arrives_during_a_fence_read_waits_for_the_next_read() -> None:
+    store = SlowFence()
+    store.status[("r", 0)] = "live"
+    gate = AttemptGate(store)
+    primed = asyncio.ensure_future(gate.check("r", 0))  # attempt 0 found live at fence position 0
+    await until(lambda: len(store.gates) == 1)
+    store.gates[0].set()
+    await primed
+    first = asyncio.ensure_future(gate.check("r", 0))
+    await until(lambda: len(store.gates) == 2)  # its read is under way and will answer position 0
+    # The fence lands now; a check that arrives after it must not take the answer of a read that began before.
+    store.fence, store.status[("r", 0)] = 3, "fenced"
+    second = asyncio.ensure_future(gate.check("r", 0))
+    store.gates[1].set()
+    await first  # arrived before the fence: admitted from memory, as it may be
+    await until(lambda: len(store.gates) == 3)
+    store.gates[2].set()
+    with pytest.raises(StaleAttempt):
+        await second
+
+
+async def test_a_failed_fence_read_fails_each_check_waiting_on_it() -> None:
+    class Down(FakeAttempts):
+        async def fence_position(self) -> int:
+            raise DatabaseUnavailable("the database did not answer")
+
+    gate = AttemptGate(Down())
+    for outcome in await asyncio.gather(gate.check("r", 0), gate.check("r", 0), return_exceptions=True):
+        assert isinstance(outcome, DatabaseUnavailable)
