@@ -83,9 +83,16 @@ def counters(admin: str, dbname: str) -> dict[str, int]:
 
 
 def is_check(query: str) -> bool:
-    """A statement of a request's attempt check (not the append's own check, which reads by ANY)."""
-    return "fence_position FROM" in query or (
-        any(t in query for t in ("attempt_state", "rollout_state")) and "ANY" not in query and "INSERT" not in query)
+    """A statement of a request's attempt check, as written before the attempt cache (the attempt's
+    rows, then the retire mark) or since (the fence position, then the attempt and mark in one). The
+    append's own check reads by `ANY` inside its transaction and is not counted here; BEGIN and
+    ROLLBACK cannot be told apart by query and are not counted either."""
+    return query.startswith((
+        "SELECT fence_position FROM rollbook.log_head",
+        "SELECT (SELECT status FROM rollbook.attempt_state",
+        "SELECT * FROM rollbook.attempt_state WHERE rollout_id = ANY",
+        "SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = $1",
+    ))
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
