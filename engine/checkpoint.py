@@ -290,10 +290,8 @@ class CutHistory:
     def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
         """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
         own = self.attempt(rollout_id, attempt, to)
-        start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
-        if start is None or start.data.get("origin_attempt") is None:
-            return own
-        return self.effective(rollout_id, start.data["origin_attempt"], start.data["origin_position"]) + own
+        origin = origin_of(own)
+        return own if origin is None else self.effective(rollout_id, *origin) + own
 
 
 async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
@@ -417,8 +415,15 @@ async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: 
     """An attempt's history as its participants replay it: its origin's events up to the origin
     boundary (recursively), then its own. A fresh dispatch has no origin and starts from input."""
     own = await store.read_rollout(rollout_id, attempt, to)
+    origin = origin_of(own)
+    return own if origin is None else await effective_history(store, rollout_id, *origin) + own
+
+
+def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:
+    """Where an attempt's lineage continues: (origin attempt, its boundary position; None: all of it)
+    from the attempt's own `attempt_started`; None for attempt 0 and a fresh dispatch, which start
+    from input."""
     start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
     if start is None or start.data.get("origin_attempt") is None:
-        return own
-    inherited = await effective_history(store, rollout_id, start.data["origin_attempt"], start.data["origin_position"])
-    return inherited + own
+        return None
+    return start.data["origin_attempt"], start.data.get("origin_position")

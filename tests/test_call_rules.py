@@ -1,5 +1,5 @@
-"""The model-call identity and replacement rules (engine.calls) and the lookup of the attempt a
-restore installed (engine.checkpoint.restored_attempt), without HTTP or a database."""
+"""The model-call identity and replacement rules (engine.calls), the lookup of the attempt a restore
+installed and an attempt's lineage (engine.checkpoint), without HTTP or a database."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
-from engine.catalog import CALL_ACCEPTED, CALL_COMPLETED
-from engine.checkpoint import restored_attempt
+from engine.catalog import ATTEMPT_STARTED, CALL_ACCEPTED, CALL_COMPLETED, EPISODE_STEP
+from engine.checkpoint import Cut, CutHistory, origin_of, restored_attempt
 from engine.errors import InvalidIdentifier, InvalidPhase, RequestConflict
 from engine.events import GENESIS_HASH, RecordedEvent
 from engine.identity import call_stream
@@ -85,3 +85,31 @@ def test_the_attempt_a_restore_installed_is_the_latest_live_one_above_the_origin
     assert restored_attempt(rows, "s", 0, "ck") is None  # restored from another checkpoint
     assert restored_attempt(rows, "t", 0, "ck") is None  # not live
     assert restored_attempt(rows, "u", 0, "ck") is None
+
+
+def started(attempt: int, position: int, **data: Any) -> RecordedEvent:
+    return RecordedEvent(position=position, stream="rollout:r", stream_version=attempt + 1, kind=ATTEMPT_STARTED,
+                         data=data, rollout_id="r", attempt=attempt, schema_version=1, writer="t", hash=GENESIS_HASH)
+
+
+def step(attempt: int, position: int) -> RecordedEvent:
+    return RecordedEvent(position=position, stream=f"episode:r:{attempt}", stream_version=position, kind=EPISODE_STEP,
+                         data={"step": "seed"}, rollout_id="r", attempt=attempt, schema_version=1, writer="t",
+                         hash=GENESIS_HASH)
+
+
+def test_an_attempts_lineage_continues_from_its_origins_boundary_or_starts_from_input() -> None:
+    assert origin_of([started(0, 1, parent_attempt=None)]) is None
+    assert origin_of([started(1, 5, parent_attempt=0, origin_attempt=None, origin_position=None)]) is None  # fresh dispatch
+    assert origin_of([started(1, 5, origin_attempt=0, origin_position=3)]) == (0, 3)
+    assert origin_of([started(1, 5, origin_attempt=0)]) == (0, None)  # no boundary yet: all of the origin
+    assert origin_of([step(1, 6)]) is None
+
+
+def test_the_effective_history_is_the_origins_events_up_to_its_boundary_then_the_attempts_own() -> None:
+    events = (started(0, 1, parent_attempt=None), step(0, 2), step(0, 3), step(0, 4),
+              started(1, 5, origin_attempt=0, origin_position=3), step(1, 6),
+              started(2, 7, origin_attempt=1, origin_position=6), step(2, 8))
+    read = CutHistory(Cut("ck", 8, (), (), (), ""), {"r": events}, ())
+    assert [e.position for e in read.effective("r", 2)] == [1, 2, 3, 5, 6, 7, 8]
+    assert [e.position for e in read.effective("r", 1, to=5)] == [1, 2, 3, 5]
