@@ -580,6 +580,7 @@ class PostgresEventStore:
                 "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
             return row[0], -1 if row[1] is None else int(row[1])
 
+    @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (
