@@ -63,6 +63,6 @@ def open_from_log(data: Mapping[str, Any]) -> tuple[Environment, Task, JSON]:
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "open_from_log", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
-    "Trajectory", "Verification", "enabled_environments", "get_environment", "registered_environments",
+    "ENTRY_POINT_GROUP", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
+    "Trajectory", "Verification", "enabled_environments", "get_environment", "open_from_log", "registered_environments",
 ]
