@@ -40,7 +40,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import libpq_dsn, sqlalchemy_url
-from engine.attempts import RolloutState
+from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import DatabaseUnavailable, RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
 from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
@@ -352,16 +352,21 @@ class PostgresEventStore:
     @staticmethod
     async def _advance_heads(conn: psycopg.AsyncConnection[Any], written: list[RecordedEvent], state: LogState) -> None:
         heads = {e.stream: state.streams[e.stream] for e in written}
+        # A fence or a retire mark moves the fence position in the same transaction: the attempt
+        # checks that servers answer from memory (engine.attempts.AttemptGate) are invalid from here.
+        fence = max((e.position for e in written if e.kind in FENCE_KINDS), default=0)
         await conn.execute(
             "WITH sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
             "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
             "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash) "
-            "UPDATE rollbook.log_head SET position = %(head)s WHERE id = 1",
+            "UPDATE rollbook.log_head SET position = %(head)s, fence_position = greatest(fence_position, %(fence)s) "
+            "WHERE id = 1",
             {
                 "hs": list(heads),
                 "hv": [h.version for h in heads.values()],
                 "hh": [h.hash for h in heads.values()],
                 "head": state.position,
+                "fence": fence,
             },
         )
 
@@ -556,6 +561,24 @@ class PostgresEventStore:
             return (await conn.execute(
                 text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
                 {"r": rollout_id, "a": attempt})).scalar()
+
+    @retrying("reading the fence position")
+    async def fence_position(self) -> int:
+        """engine.attempts.AttemptStore: one single-row read, no lock (an append in flight has not
+        fenced anything yet; once it commits, this read sees it). Autocommit: no BEGIN, no ROLLBACK."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return int((await conn.execute(text("SELECT fence_position FROM rollbook.log_head WHERE id = 1"))).scalar() or 0)
+
+    @retrying("reading an attempt")
+    async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
+        """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one statement."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = (await conn.execute(text(
+                "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
+                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
+            return row[0], -1 if row[1] is None else int(row[1])
 
     @retrying("reading sessions")
     async def open_sessions(self) -> dict[tuple[str, int], str]:

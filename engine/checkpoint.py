@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine import catalog as ev
+from engine.attempts import AttemptStore
 from engine.errors import InvalidCheckpointState, RestartInScope, UnknownCheckpoint
 from engine.events import (
     GENESIS_HASH,
@@ -31,6 +32,7 @@ from engine.events import (
 )
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
+from engine.sessions import boundary_disagreement, session_revisions
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -57,7 +59,7 @@ class CutStore(EventStore, Protocol):
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
 
 
-class ParticipantStore(CutStore, Protocol):
+class ParticipantStore(CutStore, AttemptStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
     are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
 
@@ -290,10 +292,8 @@ class CutHistory:
     def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
         """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
         own = self.attempt(rollout_id, attempt, to)
-        start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
-        if start is None or start.data.get("origin_attempt") is None:
-            return own
-        return self.effective(rollout_id, start.data["origin_attempt"], start.data["origin_position"]) + own
+        origin = origin_of(own)
+        return own if origin is None else self.effective(rollout_id, *origin) + own
 
 
 async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
@@ -351,17 +351,9 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
     for call_id in boundary.data.get("calls", []):
         if call_id not in completed:
             raise InvalidCheckpointState(f"{s.rollout_id}: boundary depends on model call {call_id}, not completed by the cut")
-    revisions: dict[str, int] = {}
-    for e in history:
-        if e.kind == ev.MUTATION_APPLIED:
-            revisions[e.stream] = e.data["revision"]
-        elif e.kind == ev.SESSION_OPENED:  # a restored session opens at the revision it carried over
-            revisions[e.stream] = e.data.get("revision", 0)
-    for stream, revision in boundary.data.get("revisions", {}).items():
-        if revisions.get(stream, 0) != revision:
-            raise InvalidCheckpointState(
-                f"{s.rollout_id}: boundary saw {stream} at revision {revision}, the log has {revisions.get(stream, 0)}"
-            )
+    wrong = boundary_disagreement(boundary.data, session_revisions(history))  # the session rules: engine.sessions
+    if wrong is not None:
+        raise InvalidCheckpointState(f"{s.rollout_id}: boundary saw {wrong[0]} at revision {wrong[1]}, the log has {wrong[2]}")
 
 
 def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
@@ -373,6 +365,16 @@ def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
         if row["status"] in ("live", "finished") and (row["started_position"] or 0) > cut.position
         and k[0] not in known and (cut.rollouts is None or k[0] in cut.rollouts)
     )
+
+
+def restored_attempt(rows: dict[Key, dict[str, Any]], rollout_id: str, origin: int, checkpoint_id: str) -> int | None:
+    """The attempt a restore of `checkpoint_id` installed for `rollout_id` over `origin` (None: none
+    is live). Participants staged state at restore and hand it to this attempt at resume: only a
+    live attempt above the origin whose start names this checkpoint qualifies; the latest, if a
+    second restore from the same checkpoint fenced the first one's replacement."""
+    live = [a for (r, a), row in rows.items()
+            if r == rollout_id and a > origin and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
+    return max(live, default=None)
 
 
 def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = ()) -> AppendRequest:
@@ -415,8 +417,15 @@ async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: 
     """An attempt's history as its participants replay it: its origin's events up to the origin
     boundary (recursively), then its own. A fresh dispatch has no origin and starts from input."""
     own = await store.read_rollout(rollout_id, attempt, to)
+    origin = origin_of(own)
+    return own if origin is None else await effective_history(store, rollout_id, *origin) + own
+
+
+def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:
+    """Where an attempt's lineage continues: (origin attempt, its boundary position; None: all of it)
+    from the attempt's own `attempt_started`; None for attempt 0 and a fresh dispatch, which start
+    from input."""
     start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
     if start is None or start.data.get("origin_attempt") is None:
-        return own
-    inherited = await effective_history(store, rollout_id, start.data["origin_attempt"], start.data["origin_position"])
-    return inherited + own
+        return None
+    return start.data["origin_attempt"], start.data.get("origin_position")

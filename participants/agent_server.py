@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, data_url
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
@@ -455,10 +455,9 @@ class AgentParticipant(Participant):
         if restored and self.staged_from == checkpoint_id and self.staged:
             rows = await self.store.attempt_rows(sorted(self.staged))
             for rid, (origin, data) in self.staged.items():
-                live = [a for (r, a), row in rows.items()
-                        if r == rid and a > origin and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
-                if live:  # otherwise /run still finds the boundary in the log once the attempt is installed
-                    self.restored[(rid, max(live))] = data
+                target = restored_attempt(rows, rid, origin, checkpoint_id)
+                if target is not None:  # otherwise /run still finds the boundary in the log once the attempt is installed
+                    self.restored[(rid, target)] = data
                     attached += 1
             self.staged, self.staged_from = {}, None
         self.admission_open = True

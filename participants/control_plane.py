@@ -19,21 +19,16 @@ from pydantic import BaseModel, Field, field_validator
 from adapters.database import code_revision
 from adapters.http_client import CONTROL, PREFIX
 from engine import attempts as A
-from engine import catalog as ev
+from engine import control as C
 from engine.checkpoint import Cut, ParticipantStore, load_cut
 from engine.coordinator import abort_if_expired
 from engine.errors import (
-    CheckpointConflict,
     DeadlineExceeded,
-    InvalidPhase,
-    InvalidRequest,
     RollbookError,
-    StaleAttempt,
-    StaleCheckpoint,
 )
 from engine.events import AppendRequest, NewEvent
-from engine.identity import parse_attempt, rollout_stream, validate_id
-from engine.phases import Lease, ParticipantPhases, check_deadline
+from engine.identity import parse_attempt, validate_id
+from engine.phases import Lease, ParticipantPhases
 from participants.guard import (
     MAX_BODY_BYTES,
     AttemptIndex,
@@ -166,6 +161,7 @@ class Participant:
     def __init__(self, store: ParticipantStore, instance: str) -> None:
         self.store = store
         self.instance = instance
+        self.attempts = A.AttemptGate(store)
         self.served_sessions = False
         self.admission_open = True
 
@@ -203,13 +199,9 @@ class Participant:
         return []
 
     async def check_attempt(self, rollout_id: str, attempt: int) -> None:
-        """Fencing lives in the database, so every server refuses the same attempts at once."""
-        rows = await self.store.attempt_rows([rollout_id])
-        row = rows.get((rollout_id, attempt))
-        mark = await self.store.retired_through(rollout_id)
-        if row is None or row["status"] not in A.LIVE_STATUSES or attempt <= mark:
-            why = "unknown" if row is None else ("retired" if attempt <= mark else row["status"])
-            raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is {why}", rollout_id=rollout_id, attempt=attempt)
+        """Fencing lives in the database, so every server refuses the same attempts at once; the
+        gate answers from memory while no fence has landed (engine.attempts.AttemptGate)."""
+        await self.attempts.check(rollout_id, attempt)
 
 
 def identity(request: web.Request) -> tuple[str, int]:
@@ -260,18 +252,12 @@ class ControlPlane:
         return web.json_response(body)
 
     def _guard(self, op: str, req: ControlRequest, *, needs_active: bool = True) -> web.Response | None:
-        """Repeats get the same reply; another checkpoint is a conflict; a finished one is stale."""
-        if req.checkpoint_id in self.finished:
-            raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
+        """Repeats get the same reply; the rest is engine.control.check_operation."""
         cached = self.replies.get((op, req.checkpoint_id))
-        if cached is not None:
+        if C.check_operation(op, req.checkpoint_id, req.deadline, time.time(), active=self.phases.checkpoint_id,
+                             phase=self.phases.phase, finished=self.finished, repeated=cached is not None,
+                             needs_active=needs_active):
             return web.json_response(cached)
-        active = self.phases.checkpoint_id
-        if active is not None and active != req.checkpoint_id:
-            raise CheckpointConflict(f"checkpoint {active} is active ({self.phases.phase}); {req.checkpoint_id} must wait")
-        if needs_active and active is None:
-            raise InvalidPhase(f"cannot {op} checkpoint {req.checkpoint_id} while idle", phase="idle", operation=op)
-        check_deadline(req.deadline, time.time(), f"{op} for {req.checkpoint_id}")  # before any state changes
         return None
 
     # ---- operations -----------------------------------------------------------------------
@@ -325,11 +311,7 @@ class ControlPlane:
 
     async def renew(self, request: web.Request, req: ControlRequest) -> web.Response:
         async with self.lock:
-            if req.checkpoint_id in self.finished:
-                raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already been resumed here")
-            if self.phases.checkpoint_id != req.checkpoint_id:
-                raise CheckpointConflict(f"checkpoint {req.checkpoint_id} is not the active one")
-            check_deadline(req.deadline, time.time(), f"renew for {req.checkpoint_id}")
+            C.check_renew(req.checkpoint_id, req.deadline, time.time(), active=self.phases.checkpoint_id, finished=self.finished)
             self.lease = Lease(req.deadline, self.grace)
             return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
                                                     detail={"lease_deadline": req.deadline}).model_dump())
@@ -338,8 +320,7 @@ class ControlPlane:
         async with self.lock:
             if (early := self._guard("commit", req)) is not None:
                 return early
-            if not self.phases.can("commit"):
-                raise InvalidPhase(f"cannot commit while {self.phases.phase}", phase=self.phases.phase, operation="commit")
+            C.check_transition(self.phases, "commit")
             detail = await self.p.commit(req.checkpoint_id, req.scope)
             await self._record("commit", req.checkpoint_id, scope=len(req.scope))
             body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()
@@ -349,11 +330,7 @@ class ControlPlane:
         async with self.lock:
             if (early := self._guard("restore", req, needs_active=False)) is not None:
                 return early
-            if self.p.served_sessions:
-                raise InvalidPhase("restore refused: this process has already served sessions; start a fresh one",
-                                   phase=self.phases.phase, operation="restore")
-            if not self.phases.can("restore"):
-                raise InvalidPhase(f"cannot restore while {self.phases.phase}", phase=self.phases.phase, operation="restore")
+            C.check_restore(self.phases, self.p.served_sessions)
             cut, _phase = await load_cut(self.p.store, req.checkpoint_id)
             detail = await self.p.restore(cut)  # validates and stages; raises before any phase change
             await self._record("restore", req.checkpoint_id)
@@ -366,12 +343,7 @@ class ControlPlane:
             cached = self.replies.get(("resume", req.checkpoint_id))
             if cached is not None:
                 return web.json_response(cached)
-            if self.phases.checkpoint_id != req.checkpoint_id:
-                if req.checkpoint_id in self.finished:
-                    raise StaleCheckpoint(f"checkpoint {req.checkpoint_id} has already ended here")
-                if self.phases.checkpoint_id is None:
-                    raise InvalidPhase(f"cannot resume {req.checkpoint_id} while idle", phase="idle", operation="resume")
-                raise CheckpointConflict(f"checkpoint {self.phases.checkpoint_id} is active, not {req.checkpoint_id}")
+            C.check_resume(req.checkpoint_id, active=self.phases.checkpoint_id, finished=self.finished)
             restored = self.phases.phase == "restored"
             detail = await self.p.resume(req.checkpoint_id, restored)
             await self._record("resume", req.checkpoint_id)
@@ -384,11 +356,10 @@ class ControlPlane:
         """All or nothing: every retire mark in one append, and only the marks that move.
 
         A repeat (or a mark already at or above `through`) appends nothing and answers the same."""
-        if len({r.rollout_id for r in req.rollouts}) != len(req.rollouts):
-            raise InvalidRequest("each rollout may be named once in a retire")
+        retirements = [(r.rollout_id, r.through) for r in req.rollouts]
+        C.check_retirements(retirements)  # before anything is read
         marks = {r.rollout_id: await self.p.store.retired_through(r.rollout_id) for r in req.rollouts}
-        events = tuple(NewEvent(rollout_stream(r.rollout_id), ev.ROLLOUT_RETIRED, {"through": r.through}, r.rollout_id, r.through)
-                       for r in req.rollouts if r.through > marks[r.rollout_id])
+        events = C.retire_events(retirements, marks)
         if events:
             await self.p.store.append(AppendRequest(events))
         for r in req.rollouts:
@@ -400,7 +371,7 @@ class ControlPlane:
         """All or nothing: every id is checked by the body model before one append clears the marks."""
         ids = list(dict.fromkeys(req.rollout_ids))
         marks = {rid: await self.p.store.retired_through(rid) for rid in ids}
-        events = tuple(NewEvent(rollout_stream(rid), ev.ROLLOUT_FORGOTTEN, {}, rid, marks[rid]) for rid in ids if marks[rid] >= 0)
+        events = C.forget_events(ids, marks)
         if events:
             await self.p.store.append(AppendRequest(events))
         for rid in ids:
@@ -420,18 +391,15 @@ class ControlPlane:
         record it (the database is down) is retried on the next tick: the watcher never dies."""
         while True:
             await asyncio.sleep(0.2)
-            if self.lease is None or not self.lease.expired(time.time()):
+            if not C.lease_abort_due(self.lease, self.phases.checkpoint_id, self.phases.phase, time.time()):
                 continue
             try:
-                async with self.lock:
+                async with self.lock:  # the same rule again, under the lock: a resume may have ended it meanwhile
                     ck = self.phases.checkpoint_id
-                    if ck is not None and self.lease is not None and self.lease.expired(time.time()):
-                        if self.phases.phase == "restored":
-                            continue  # a restored process waits for its resume: it has nothing to go back to
-                        await self._abort(ck, reason="lease expired")
-                        expired_checkpoint = ck
-                    else:
+                    if ck is None or not C.lease_abort_due(self.lease, ck, self.phases.phase, time.time()):
                         continue
+                    await self._abort(ck, reason="lease expired")
+                    expired_checkpoint = ck
             except Exception as exc:  # e.g. the database is down: not recorded, so not done; try again
                 log.warning("could not record the lease abort (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(1.0)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, data_url
 from engine import catalog as ev
 from engine import recovery
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -397,11 +397,10 @@ class EnvironmentParticipant(Participant):
         if restored and self.staged_from == checkpoint_id and self.staged:
             rows = await self.store.attempt_rows(sorted(self.staged))
             for rid, ep in self.staged.items():
-                live = [a for (r, a), row in rows.items()
-                        if r == rid and a > ep.attempt and row["status"] == "live" and row.get("restored_from") == checkpoint_id]
-                if not live:
+                target = restored_attempt(rows, rid, ep.attempt, checkpoint_id)
+                if target is None:
                     continue
-                origin, ep.attempt = ep.attempt, max(live)
+                origin, ep.attempt = ep.attempt, target
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
                 await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_CONTINUED, {
                     "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,

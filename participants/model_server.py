@@ -45,15 +45,13 @@ from adapters.generation import (
     merge_delta,
 )
 from engine import catalog as ev
+from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
 from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
     GenerationFailed,
-    InvalidIdentifier,
-    InvalidPhase,
-    RequestConflict,
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
@@ -209,7 +207,7 @@ class ModelParticipant(Participant):
         self.consumers: Counter[_Call] = Counter()  # calls a handler is waiting to deliver
         self.staged: dict[str, _Record] = {}
         self.staged_rollouts: set[str] = set()
-        self.replacements: dict[tuple[str, int], str] = {}  # (replaced call, attempt) -> the call that replaced it
+        self.replacements = Replacements()  # (replaced call, attempt) -> the call that replaced it (engine.calls)
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
@@ -393,13 +391,13 @@ class ModelParticipant(Participant):
             digest = request_digest(payload.backend_request())
             live = self.calls.get(call_id)
             if live is not None:
-                _check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
-                _check_same(call_id, live.digest or None, digest)
+                check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
+                check_same_request(call_id, live.digest or None, digest)
                 return live
             record = _records(await self.store.read_stream(call_stream(call_id))).get(call_id)
             if record is not None:
-                _check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
-                _check_same(call_id, record.accepted.get("request_digest"), digest)
+                check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
+                check_same_request(call_id, record.accepted.get("request_digest"), digest)
                 if record.status == "completed":
                     return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
                 if call_lost(record.status, served_here=False):
@@ -456,8 +454,8 @@ class ModelParticipant(Participant):
                 call.extra["prefix_tokens"] = len(generated.ids)
             await self._append(NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt))
         except BaseException as exc:
-            if reserved is not None and self.replacements.get(reserved) == call_id:
-                del self.replacements[reserved]
+            if reserved is not None:
+                self.replacements.release(reserved, call_id)
             await self._finish(call, "stale" if isinstance(exc, StaleAttempt) else "failed",
                                error=exc if isinstance(exc, RollbookError) else None)
             raise
@@ -466,28 +464,18 @@ class ModelParticipant(Participant):
         return call
 
     async def _reserve_replacement(self, replaces: str, call_id: str, rollout_id: str, attempt: int) -> tuple[str, int]:
-        """One call per attempt may replace a given call: a restored agent continues once."""
-        key = (replaces, attempt)
-        if self.replacements.get(key, call_id) == call_id:
-            for e in await self.store.read_rollout(rollout_id, attempt):
-                if e.kind == ev.CALL_ACCEPTED and e.data.get("replaces") == replaces and e.data["call_id"] != call_id:
-                    self.replacements.setdefault(key, e.data["call_id"])
-        holder = self.replacements.setdefault(key, call_id)  # no await between this check and the claim
-        if holder != call_id:
-            raise InvalidPhase(f"call {replaces} was already linked to call {holder} of attempt {attempt}",
-                               replaces=replaces, linked_to=holder)
-        return key
+        """One call per attempt may replace a given call (engine.calls.Replacements)."""
+        if self.replacements.needs_log(replaces, attempt, call_id):
+            self.replacements.learn(replaces, attempt, call_id, await self.store.read_rollout(rollout_id, attempt))
+        return self.replacements.claim(replaces, attempt, call_id)  # no await between the learning and the claim
 
     async def _replaced(self, old_id: str, rollout_id: str, attempt: int) -> _Record | None:
         if rollout_id in self.staged_rollouts:
             old = self.staged.get(old_id)  # restored: only what the checkpoint holds
         else:
             old = _records(await self.store.read_stream(call_stream(old_id))).get(old_id)
-        if old is not None and (old.rollout_id != rollout_id or (old.attempt or 0) > attempt):
-            raise InvalidIdentifier(
-                f"call {old_id} belongs to rollout {old.rollout_id} attempt {old.attempt}; "
-                f"it cannot be replaced from rollout {rollout_id} attempt {attempt}"
-            )
+        if old is not None:
+            check_replaceable(old_id, old.rollout_id, old.attempt, rollout_id, attempt)
         return old
 
     async def _link(self, call: _Call, accepted: dict[str, Any], old: _Record) -> _Call:
@@ -681,22 +669,9 @@ def request_digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(same).encode()).hexdigest()
 
 
-def _check_same(call_id: str, recorded: object, digest: str) -> None:
-    if recorded is not None and recorded != digest:
-        raise RequestConflict(f"call id {call_id} was already used for a different request; name a new call")
-
-
 def _optional_id(request: web.Request, header: str) -> str | None:
     value = request.headers.get(header)
     return validate_id(value, f"{header} header") if value else None
-
-
-def _check_owner(call_id: str, have_rollout: str | None, have_attempt: int | None, rollout_id: str, attempt: int) -> None:
-    if (have_rollout, have_attempt) != (rollout_id, attempt):
-        raise InvalidIdentifier(
-            f"call id {call_id} belongs to rollout {have_rollout} attempt {have_attempt}, "
-            f"not rollout {rollout_id} attempt {attempt}; name the new call anew and replace the old one",
-        )
 
 
 class PolicyVersionRequest(BaseModel):

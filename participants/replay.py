@@ -16,16 +16,14 @@ from engine import catalog as ev
 from engine.checkpoint import ParticipantStore, effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
-from engine.identity import session_stream
-from participants.environments import get_environment
+from engine.sessions import SessionReplay, boundary_disagreement
+from participants.environments import get_environment, open_from_log
 from participants.environments.base import Task, Trajectory
 
 
 @dataclass
 class ReplayState:
-    task: Task | None = None
-    env_state: Any = None
-    revision: int = 0
+    session: SessionReplay = field(default_factory=lambda: SessionReplay(open_from_log))  # engine.sessions
     turn: int = 0
     messages: int = 0
     calls: list[str] = field(default_factory=list)
@@ -33,6 +31,18 @@ class ReplayState:
     reward: float | None = None
     final_answer: str | None = None
     conversation: list[dict[str, Any]] = field(default_factory=list)  # the last completed activation's messages
+
+    @property
+    def task(self) -> Task | None:
+        return self.session.task  # type: ignore[no-any-return]
+
+    @property
+    def env_state(self) -> Any:
+        return self.session.state
+
+    @property
+    def revision(self) -> int:
+        return self.session.revision
 
 
 @dataclass(frozen=True)
@@ -75,30 +85,26 @@ def _divergence(e: RecordedEvent, what: str) -> ReplayDivergence:
 def apply(state: ReplayState, e: RecordedEvent) -> str:
     """Advance the replayed state by one event; return what changed. Raises on divergence."""
     d = e.data
-    if e.kind == ev.SESSION_OPENED:
-        task = Task.from_json(d["task"])
-        if d.get("restored_from") or d.get("recovered"):  # reopened under a new attempt: it carries its origin's state
-            if d.get("revision", 0) != state.revision:
-                raise _divergence(e, f"restored session claims revision {d.get('revision')}, replay has {state.revision}")
-            where = d.get("restored_from") or f"the log (recovered from attempt {d.get('origin_attempt')})"
-            return f"session restored from {where} at revision {state.revision}"
-        state.task, state.env_state, state.revision = task, get_environment(task.env).initial_state(task), 0
-        return f"session opened: {task.env} task {task.task_id}"
-    if e.kind == ev.MUTATION_APPLIED:
-        if d["revision"] != state.revision + 1:
-            raise _divergence(e, f"revision {d['revision']} follows {state.revision}")
+    before = state.session.state
+    try:
+        what = state.session.apply(e)  # the session's rules: engine.sessions
+    except ReplayDivergence as exc:
+        raise _divergence(e, exc.detail) from None
+    if what == "opened":
         assert state.task is not None
-        env = get_environment(state.task.env)
-        if env.state_mode != "exported":
-            state.revision += 1
-            return f"r{d['revision']} {d.get('tool')}: live effect, not replayable ({env.state_mode})"
-        before, state.env_state = state.env_state, env.apply(state.env_state, d["effect"])
-        state.revision += 1
+        return f"session opened: {state.task.env} task {state.task.task_id}"
+    if what == "restored":
+        where = d.get("restored_from") or f"the log (recovered from attempt {d.get('origin_attempt')})"
+        return f"session restored from {where} at revision {state.revision}"
+    if what == "mutated":
+        assert state.session.env is not None
+        if state.session.env.state_mode != "exported":
+            return f"r{d['revision']} {d.get('tool')}: live effect, not replayable ({state.session.env.state_mode})"
         return f"r{d['revision']} {d.get('tool')}({_short(d.get('arguments'))}): " + "; ".join(diff(before, state.env_state))
     if e.kind == ev.AGENT_BOUNDARY:
-        seen = d.get("revisions", {}).get(session_stream(e.rollout_id or "", e.attempt or 0))
-        if seen is not None and seen != state.revision:
-            raise _divergence(e, f"agent boundary saw revision {seen}, replay has {state.revision}")
+        wrong = boundary_disagreement(d, state.session.revisions)
+        if wrong is not None:
+            raise _divergence(e, f"agent boundary saw {wrong[0]} at revision {wrong[1]}, replay has {wrong[2]}")
         state.turn, state.messages = d.get("turn", state.turn), len(d.get("messages", []))
         return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
     if e.kind == ev.ACTIVATION_COMPLETED:

@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from engine import catalog as ev
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -33,15 +33,16 @@ from engine.errors import (
     InvalidCheckpointState,
     InvalidRequest,
     NotFound,
+    ReplayDivergence,
     RequestConflict,
     RestartInScope,
-    RollbookError,
     RolloutIdRequired,
     ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ID_PATTERN, Key, is_session_stream, session_stream
 from engine.recovery import open_session_mode, tool_call_outcomes
+from engine.sessions import SessionReplay, boundary_disagreement
 from participants.control_plane import (
     PARTICIPANT,
     Execution,
@@ -52,7 +53,14 @@ from participants.control_plane import (
     data_path,
     identity,
 )
-from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
+from participants.environments import (
+    ENVIRONMENTS,
+    Environment,
+    Task,
+    ToolError,
+    get_environment,
+    open_from_log,
+)
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
@@ -144,57 +152,30 @@ class Staged:
 
 
 def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent]) -> Staged | None:
-    """A session's state at a boundary from the log alone; None when no session was open there.
+    """A session's state at a boundary from the log alone (engine.sessions); None when no session
+    was open there.
 
     `history` is the attempt's effective history (its origins' events first), so a session restored
     earlier continues from its origin's replay. Raises InvalidCheckpointState on anything that does
     not add up, RestartInScope for a live session whose state cannot be rebuilt at all."""
-    env: Environment | None = None
-    task: Task | None = None
-    state: JSON = None
-    revision = 0
     where = f"{rollout_id} attempt {attempt}"
-    for e in history:
-        if not is_session_stream(e.stream):
-            continue
-        try:
-            if e.kind == ev.SESSION_OPENED:
-                if e.data.get("restored_from") is not None or e.data.get("recovered"):
-                    # A restored session continues its origin's replay; it must agree with it.
-                    if env is None or task is None or e.data.get("revision") != revision or e.data.get("env") != env.name:
-                        raise InvalidCheckpointState(
-                            f"{where}: {e.stream} says it was restored at revision {e.data.get('revision')}, "
-                            f"the replay of its origin is at {revision if env else 'no session'}")
-                    continue
-                env = get_environment(e.data["env"])
-                task = Task.from_json(e.data["task"])
-                state, revision = env.initial_state(task), 0
-            elif e.kind == ev.MUTATION_APPLIED:
-                if env is None:
-                    raise InvalidCheckpointState(f"{where}: {e.stream} has a mutation before any session_opened")
-                if e.data.get("revision") != revision + 1:
-                    raise InvalidCheckpointState(
-                        f"{where}: {e.stream} jumps from revision {revision} to {e.data.get('revision')}")
-                if env.state_mode == "restart_only":
-                    continue  # its effects are records, not state; refused below
-                state, revision = env.apply(state, e.data["effect"]), revision + 1
-            elif e.kind == ev.SESSION_CLOSED:
-                env, task, state, revision = None, None, None, 0
-        except RollbookError:
-            raise
-        except Exception as exc:  # whatever a reducer raises, this log does not replay
-            raise InvalidCheckpointState(f"{where}: {e.stream}@{e.stream_version} does not replay: {exc}") from exc
-    if env is None or task is None:
+    replay = SessionReplay(open_from_log)
+    try:
+        for e in history:
+            replay.apply(e)
+    except ReplayDivergence as exc:
+        raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
+    if not replay.open or replay.env is None:
         return None
-    if env.state_mode == "restart_only":
-        raise RestartInScope(f"{where} holds a live {env.name} session, which cannot be rebuilt",
+    if replay.env.state_mode == "restart_only":
+        raise RestartInScope(f"{where} holds a live {replay.env.name} session, which cannot be rebuilt",
                              executions=[[rollout_id, attempt]])
     at = next((e for e in history if e.position == boundary), None)
-    seen = (at.data.get("revisions") or {}) if at is not None else {}
-    for stream, rev in seen.items():
-        if is_session_stream(stream, rollout_id) and rev != revision:
-            raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {rev}, the replay reaches {revision}")
-    return Staged(rollout_id, attempt, env.name, task, state, revision)
+    wrong = boundary_disagreement(at.data, replay.revisions) if at is not None else None
+    if wrong is not None:
+        stream, seen, logged = wrong
+        raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {seen}, the replay reaches {logged}")
+    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision)
 
 
 def restart_only(env_name: str | None) -> bool:
@@ -539,12 +520,11 @@ class ResourcesParticipant(Participant):
         rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
         targets: dict[Key, int] = {}
         for rid, old in self.staged:
-            live = [a for (r, a), row in rows.items()
-                    if r == rid and a > old and row["status"] == "live" and row["restored_from"] == checkpoint_id]
-            if not live:
+            target = restored_attempt(rows, rid, old, checkpoint_id)
+            if target is None:
                 raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is not installed: rollout {rid} has no live "
                                              f"attempt restored from it", rollout_id=rid)
-            targets[(rid, old)] = max(live)
+            targets[(rid, old)] = target
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():
             env = get_environment(st.env_name)

@@ -28,7 +28,9 @@ def servers(dsn: str):
 
 def checkpoint(config: cfg.Config, *args: str) -> tuple[int, dict]:
     participants = [a for k in cfg.KINDS for a in ("--participant", f"{k}={config.url(k)}")]
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "checkpoint", *args, *participants,
+    # A lease as long as the test may take: each command is a fresh Python process, and on a loaded
+    # machine the four of them between prepare and resume took longer than the default 30 s lease.
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "checkpoint", *args, *participants, "--deadline-seconds", "600",
                           "--control-token", config.control_token, "--dsn", config.dsn or ""], capture_output=True, text=True, timeout=60)
     text = out.stdout if out.returncode == 0 else out.stderr
     return out.returncode, json.loads(text.strip().splitlines()[-1])

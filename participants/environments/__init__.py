@@ -10,7 +10,9 @@ suite all see it:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from typing import Any
 
 from .base import JSON, Environment, StateMode, Task, ToolError, ToolOutcome, Trajectory, Verification
 
@@ -53,7 +55,14 @@ def get_environment(name: str) -> Environment:
         raise ToolError("unknown_environment", f"no environment named {name!r}; known: {sorted(ENVIRONMENTS)}") from None
 
 
+def open_from_log(data: Mapping[str, Any]) -> tuple[Environment, Task, JSON]:
+    """engine.sessions.Opener: a `session_opened` event's environment, task and initial state."""
+    env = get_environment(data["env"])
+    task = Task.from_json(data["task"])
+    return env, task, env.initial_state(task)
+
+
 __all__ = [
     "ENTRY_POINT_GROUP", "ENVIRONMENTS", "JSON", "Environment", "StateMode", "Task", "ToolError", "ToolOutcome",
-    "Trajectory", "Verification", "enabled_environments", "get_environment", "registered_environments",
+    "Trajectory", "Verification", "enabled_environments", "get_environment", "open_from_log", "registered_environments",
 ]
