@@ -35,9 +35,9 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, data_url
+from engine.boundaries import boundary_messages, full_boundary
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
-from engine.boundaries import boundary_messages, full_boundary
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut
 from engine.errors import (
     ActivationOutOfOrder,

@@ -19,6 +19,7 @@ import pytest
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from engine.boundaries import with_messages
 from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
@@ -222,6 +223,8 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
             assert first.get("prefix_tokens") == 0 or (first.get("continuation") or {}).get("mode") == "continued"
         else:
             assert first["disposition"] == "linked"
+    whole = {e.position: e for e in with_messages(events)}  # boundaries store deltas: the whole lists, rebuilt
+    first_new, origin = whole[first_new.position], whole[origin.position]
     assert first_new.data["messages"][: len(origin.data.get("messages", []))] == origin.data.get("messages", [])
     # Every boundary after a model reply names the policy version that produced it.
     after = [e for e in of(events, "agent_boundary") if e.data["state"] == "after_turn"]
