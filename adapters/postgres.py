@@ -375,8 +375,9 @@ class PostgresEventStore:
         async def notify() -> None:
             try:
                 async with self.engine.connect() as conn:
+                    # Autocommit: one statement, not BEGIN, NOTIFY, COMMIT, for a hint sent after every append.
+                    await conn.execution_options(isolation_level="AUTOCOMMIT")
                     await conn.execute(text(f"NOTIFY {CHANNEL}"))
-                    await conn.commit()
             except Exception:  # a lost hint only delays readers until their poll
                 log.debug("notify failed", exc_info=True)
             finally:

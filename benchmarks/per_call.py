@@ -10,7 +10,10 @@ per call, not per batch). One warm-up episode runs first and is not counted.
 
 The counts come from the database itself: `pg_stat_statements` (the throwaway embedded server is
 restarted once with it preloaded; with --dsn the server must preload it) counts every statement
-the servers sent, BEGIN and COMMIT included, so transactions are its BEGINs. Append requests
+the servers sent, BEGIN and COMMIT included; `pg_stat_database` counts every transaction (explicit
+ones, and single statements in autocommit). The warm-up runs on its own servers, closed before the
+counters are reset; the measured servers are closed before they are read, so everything they sent
+is counted, their connections' setup included. Append requests
 (what a server asked to append atomically) are counted in process. The log's bytes per rollout
 are the JSON text of every event of the measured rollouts (`octet_length(data::text)`), and the
 share of `agent_boundary` events in them.
@@ -123,14 +126,18 @@ def verb(query: str) -> str:
 
 
 async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str], float, tuple[int, int]]:
+    warmup = await start_stack(dsn, "warmup", ScriptedBackend())
+    try:
+        await warmup.episode(make_tasks(1, TASK_SEED + 1, ENVS)[0], "warmup-0")
+    finally:
+        await warmup.close()  # its server processes end, so their statistics are in before the reset
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_statements_reset()")
+        conn.execute("SELECT pg_stat_reset()")
     stack = await start_stack(dsn, "percall", ScriptedBackend())
     try:
-        warm = make_tasks(1, TASK_SEED + 1, ENVS)[0]
-        await stack.episode(warm, "warmup-0")
         tasks = make_tasks(rollouts, TASK_SEED, ENVS)
         ids = [f"percall-{i:03d}" for i in range(rollouts)]
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_stat_statements_reset()")
         gate = asyncio.Semaphore(concurrency)
 
         async def one(task: Any, rid: str) -> None:
@@ -153,6 +160,10 @@ async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str]
 def measure(dsn: str, ids: list[str], appends: tuple[int, int]) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         stmts = statements(conn)
+        # Every transaction, explicit or a single autocommit statement; the servers' connections have
+        # ended, so their counts are flushed. This connection's own statements come later.
+        xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+                             ).fetchone()[0]
         ours = "percall-%"
         count = dict(conn.execute(
             "SELECT kind, count(*) FROM rollbook.events WHERE rollout_id LIKE %s GROUP BY kind", (ours,)).fetchall())
@@ -181,10 +192,11 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int]) -> dict[str, Any
         "rollouts": len(ids), "finished": int(finished), "model_calls": model_calls, "tool_calls": tool_calls,
         "events": event_count, "events_by_kind": dict(sorted(count.items())),
         "append_requests": appends[0], "append_transactions": inserts,
-        "transactions": by_verb.get("BEGIN", 0), "statements": total, "statements_by_verb": dict(sorted(by_verb.items())),
+        "transactions_begin": by_verb.get("BEGIN", 0), "transactions": int(xacts), "statements": total, "statements_by_verb": dict(sorted(by_verb.items())),
         "per_model_call": {
             "events": round(event_count / n, 2), "append_requests": round(appends[0] / n, 2),
-            "append_transactions": round(inserts / n, 2), "transactions": round(by_verb.get("BEGIN", 0) / n, 2),
+            "append_transactions": round(inserts / n, 2), "transactions": round(int(xacts) / n, 2),
+            "transactions_begin": round(by_verb.get("BEGIN", 0) / n, 2),
             "statements": round(total / n, 2),
         },
         "log_bytes_per_rollout": round(size[0] / max(len(ids), 1)),
@@ -204,7 +216,8 @@ def table(r: dict[str, Any]) -> str:
         ("events per model call", p["events"]),
         ("append requests per model call", p["append_requests"]),
         ("append transactions per model call", p["append_transactions"]),
-        ("transactions (BEGIN) per model call", p["transactions"]),
+        ("transactions per model call (pg_stat_database)", p["transactions"]),
+        ("  of which explicit (BEGIN)", p["transactions_begin"]),
         ("statements per model call", p["statements"]),
         ("log bytes per rollout (JSON text)", r["log_bytes_per_rollout"]),
         ("  of which agent_boundary", f"{r['agent_boundary_bytes_per_rollout']} ({r['agent_boundary_share']})"),
