@@ -40,6 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
+import sqlalchemy  # noqa: E402
+from sqlalchemy.pool import Pool  # noqa: E402
 
 from adapters import database  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
@@ -85,12 +87,18 @@ def preloaded_server() -> tuple[str, Any]:
 
 
 class AppendCounter:
-    """Counts append requests (and their events) made through any PostgresEventStore of this process."""
+    """Counts append requests (and their events) made through any PostgresEventStore of this process,
+    and connection checkouts from any SQLAlchemy pool (each one a pre-ping round trip: an empty
+    statement that pg_stat_statements does not list but pg_stat_database counts as a transaction)."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.events = 0
+        self.checkouts = 0
         self._original = PostgresEventStore.append
+
+    def _checkout(self, *args: object) -> None:
+        self.checkouts += 1
 
     def __enter__(self) -> AppendCounter:
         counter, original = self, self._original
@@ -101,10 +109,12 @@ class AppendCounter:
             return await original(store, request)
 
         PostgresEventStore.append = counted  # type: ignore[method-assign]
+        sqlalchemy.event.listen(Pool, "checkout", self._checkout)
         return self
 
     def __exit__(self, *exc: object) -> None:
         PostgresEventStore.append = self._original  # type: ignore[method-assign]
+        sqlalchemy.event.remove(Pool, "checkout", self._checkout)
 
 
 def statements(conn: psycopg.Connection[Any]) -> dict[str, int]:
@@ -125,7 +135,7 @@ def verb(query: str) -> str:
     return head
 
 
-async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str], float, tuple[int, int]]:
+async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str], float, tuple[int, int, int]]:
     warmup = await start_stack(dsn, "warmup", ScriptedBackend())
     try:
         await warmup.episode(make_tasks(1, TASK_SEED + 1, ENVS)[0], "warmup-0")
@@ -151,13 +161,13 @@ async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str]
             # Closing the stack ends every pooled connection: whatever they still had to send is in.
             await stack.close()
         stack = None
-        return ids, elapsed, (counter.requests, counter.events)
+        return ids, elapsed, (counter.requests, counter.events, counter.checkouts)
     finally:
         if stack is not None:
             await stack.close()
 
 
-def measure(dsn: str, ids: list[str], appends: tuple[int, int]) -> dict[str, Any]:
+def measure(dsn: str, ids: list[str], appends: tuple[int, int, int]) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         stmts = statements(conn)
         # Every transaction, explicit or a single autocommit statement; the servers' connections have
@@ -191,20 +201,20 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int]) -> dict[str, Any
     return {
         "rollouts": len(ids), "finished": int(finished), "model_calls": model_calls, "tool_calls": tool_calls,
         "events": event_count, "events_by_kind": dict(sorted(count.items())),
-        "append_requests": appends[0], "append_transactions": inserts,
+        "append_requests": appends[0], "append_transactions": inserts, "pool_checkouts": appends[2],
         "transactions_begin": by_verb.get("BEGIN", 0), "transactions": int(xacts), "statements": total, "statements_by_verb": dict(sorted(by_verb.items())),
         "per_model_call": {
             "events": round(event_count / n, 2), "append_requests": round(appends[0] / n, 2),
             "append_transactions": round(inserts / n, 2), "transactions": round(int(xacts) / n, 2),
             "transactions_begin": round(by_verb.get("BEGIN", 0) / n, 2),
-            "statements": round(total / n, 2),
+            "statements": round(total / n, 2), "pool_checkouts": round(appends[2] / n, 2),
         },
         "log_bytes_per_rollout": round(size[0] / max(len(ids), 1)),
         "agent_boundary_bytes_per_rollout": round(size[1] / max(len(ids), 1)),
         "agent_boundary_share": round(size[1] / size[0], 3) if size[0] else None,
         "stored_bytes_per_rollout": round(size[2] / max(len(ids), 1)),
         "top_statements": sorted(({"calls": c, "query": q[:160]} for q, c in stmts.items()
-                                  if "pg_stat_statements" not in q), key=lambda r: -r["calls"])[:25],
+                                  if "pg_stat_statements" not in q), key=lambda r: -r["calls"])[:40],
     }
 
 
@@ -219,6 +229,7 @@ def table(r: dict[str, Any]) -> str:
         ("transactions per model call (pg_stat_database)", p["transactions"]),
         ("  of which explicit (BEGIN)", p["transactions_begin"]),
         ("statements per model call", p["statements"]),
+        ("pool checkouts (pre-pings) per model call", p["pool_checkouts"]),
         ("log bytes per rollout (JSON text)", r["log_bytes_per_rollout"]),
         ("  of which agent_boundary", f"{r['agent_boundary_bytes_per_rollout']} ({r['agent_boundary_share']})"),
         ("stored bytes per rollout (pg_column_size)", r["stored_bytes_per_rollout"]),
