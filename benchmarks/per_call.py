@@ -1,6 +1,7 @@
 """What one model call costs the database: events, appends, transactions and statements.
 
-    .venv/bin/python benchmarks/per_call.py [--rollouts 12] [--concurrency 1] [--dsn ADMIN_DSN] [--out PATH]
+    .venv/bin/python benchmarks/per_call.py [--rollouts 12] [--concurrency 1] [--envs workplace,blackjack,math]
+                                            [--dsn ADMIN_DSN] [--out PATH]
 
 A fixed, deterministic workload: the four servers of tests/stack.py (real aiohttp servers on
 127.0.0.1, each with its own event-store connection, the scripted policy as the model) run
@@ -135,10 +136,10 @@ def verb(query: str) -> str:
     return head
 
 
-async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str], float, tuple[int, int, int]]:
+async def workload(dsn: str, rollouts: int, concurrency: int, envs: list[str]) -> tuple[list[str], float, tuple[int, int, int]]:
     warmup = await start_stack(dsn, "warmup", ScriptedBackend())
     try:
-        await warmup.episode(make_tasks(1, TASK_SEED + 1, ENVS)[0], "warmup-0")
+        await warmup.episode(make_tasks(1, TASK_SEED + 1, envs)[0], "warmup-0")
     finally:
         await warmup.close()  # its server processes end, so their statistics are in before the reset
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -146,7 +147,7 @@ async def workload(dsn: str, rollouts: int, concurrency: int) -> tuple[list[str]
         conn.execute("SELECT pg_stat_reset()")
     stack = await start_stack(dsn, "percall", ScriptedBackend())
     try:
-        tasks = make_tasks(rollouts, TASK_SEED, ENVS)
+        tasks = make_tasks(rollouts, TASK_SEED, envs)
         ids = [f"percall-{i:03d}" for i in range(rollouts)]
         gate = asyncio.Semaphore(concurrency)
 
@@ -247,10 +248,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         dsn = database.scratch_database(admin, f"rollbook_percall_{int(time.time())}")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        ids, elapsed, appends = await workload(dsn, args.rollouts, args.concurrency)
+        ids, elapsed, appends = await workload(dsn, args.rollouts, args.concurrency, args.envs.split(","))
         result = measure(dsn, ids, appends)
         result.update({"concurrency": args.concurrency, "workload_s": round(elapsed, 2),
-                       "envs": ENVS, "task_seed": TASK_SEED, "python": platform.python_version()})
+                       "envs": args.envs.split(","), "task_seed": TASK_SEED, "python": platform.python_version()})
         database.drop_database(dsn)
         return result
     finally:
@@ -262,6 +263,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--envs", default=",".join(ENVS), help="comma-separated environments the tasks cycle through")
     parser.add_argument("--dsn", default=None, help="an admin DSN of a server that preloads pg_stat_statements")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "per_call.json"))
     args = parser.parse_args()
