@@ -52,6 +52,16 @@ CHANNEL = "rollbook_events"
 # Every append takes this lock first; so do a rebuild (no append may interleave) and head() (it
 # waits for an append in flight, so the head it returns counts that append).
 LOCK_LOG_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
+# What an append plans from, read in one statement once the log head is locked: the requests' keys
+# already recorded (k), the streams' heads (h), the rollouts' retire marks (r) and attempts (a).
+READ_HEADS = (
+    "SELECT 'k', key, first_position, last_position, NULL::text, NULL::bytea FROM rollbook.append_keys "
+    "WHERE key = ANY(%s) "
+    "UNION ALL SELECT 'h', stream, version, NULL, NULL, hash FROM rollbook.stream_heads WHERE stream = ANY(%s) "
+    "UNION ALL SELECT 'r', rollout_id, retired_through, NULL, NULL, NULL FROM rollbook.rollout_state "
+    "WHERE rollout_id = ANY(%s) "
+    "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)"
+)
 MAX_GROUP_EVENTS = 2000
 # Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
 # appends is one statement), few enough that the server has rows to write while the next are planned.
@@ -247,28 +257,26 @@ class PostgresEventStore:
         # below fetch, so they still wait for the lock before the heads are read.
         async with self._driver_connection() as conn, conn.pipeline(), conn.transaction():
             lock = await conn.execute(LOCK_LOG_HEAD)
-            seen = await conn.execute("SELECT key, first_position, last_position FROM rollbook.append_keys WHERE key = ANY(%s)",
-                                      (keys,))
-            heads = await conn.execute("SELECT stream, version, hash FROM rollbook.stream_heads WHERE stream = ANY(%s)", (streams,))
-            if rollouts:
-                retired = await conn.execute(
-                    "SELECT rollout_id, retired_through FROM rollbook.rollout_state WHERE rollout_id = ANY(%s)", (rollouts,)
-                )
-                attempts = await conn.execute(
-                    "SELECT rollout_id, attempt, status FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)", (rollouts,)
-                )
+            # Everything else the plan depends on, in one statement: its own snapshot is taken after
+            # the lock above is granted, so it sees every append committed before this one.
+            heads = await conn.execute(READ_HEADS, (keys, streams, rollouts, rollouts))
             head = await lock.fetchone()
             if head is None:
                 raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
             state = LogState(position=head[0])
-            for stream, version, digest in await heads.fetchall():
-                state.streams[stream] = StreamHead(version, bytes(digest))
-            if rollouts:
-                for rollout_id, mark in await retired.fetchall():
-                    state.rollouts[rollout_id] = RolloutState({}, mark if mark is not None else -1)
-                for rollout_id, attempt, status in await attempts.fetchall():
-                    state.rollouts.setdefault(rollout_id, RolloutState({})).attempts[attempt] = status
-            done = {key: (first, last) for key, first, last in await seen.fetchall()}
+            done: dict[str, tuple[int, int]] = {}
+            marks: list[tuple[str, int | None]] = []
+            for what, name, n, m, status, digest in await heads.fetchall():
+                if what == "k":
+                    done[name] = (n, m)
+                elif what == "h":
+                    state.streams[name] = StreamHead(n, bytes(digest))
+                elif what == "r":
+                    marks.append((name, n))
+                else:
+                    state.rollouts.setdefault(name, RolloutState({})).attempts[n] = status
+            for rollout_id, mark in marks:
+                state.rollouts.setdefault(rollout_id, RolloutState({})).retired_through = mark if mark is not None else -1
             # A request whose key is recorded committed on an earlier try: its events, not a second copy.
             earlier: dict[str, list[RecordedEvent]] = {}
             if done:
@@ -293,14 +301,10 @@ class PostgresEventStore:
                 await self._insert_events(conn, unsent)
             written = [pe.event for o in planned if isinstance(o, list) for pe in o]
             if written:
-                await self._advance_heads(conn, written, state)
-                await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
                 landed = [(r.key, o[0].event.position, o[-1].event.position)
                           for r, o in zip(todo, planned, strict=True) if isinstance(o, list) and o and r.key is not None]
-                await conn.execute(
-                    "INSERT INTO rollbook.append_keys (key, first_position, last_position) "
-                    "SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[])",
-                    ([k for k, _, _ in landed], [f for _, f, _ in landed], [t for _, _, t in landed]))
+                await self._advance_heads(conn, written, state, landed)
+                await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
         fresh = iter(planned)
         outcomes: list[list[RecordedEvent] | RollbookError] = []
         for r in requests:
@@ -350,7 +354,9 @@ class PostgresEventStore:
         )
 
     @staticmethod
-    async def _advance_heads(conn: psycopg.AsyncConnection[Any], written: list[RecordedEvent], state: LogState) -> None:
+    async def _advance_heads(conn: psycopg.AsyncConnection[Any], written: list[RecordedEvent], state: LogState,
+                             landed: list[tuple[str | None, int, int]]) -> None:
+        """Move the stream heads and the log head, and record each request's idempotency key: one statement."""
         heads = {e.stream: state.streams[e.stream] for e in written}
         # A fence or a retire mark moves the fence position in the same transaction: the attempt
         # checks that servers answer from memory (engine.attempts.AttemptGate) are invalid from here.
@@ -358,13 +364,18 @@ class PostgresEventStore:
         await conn.execute(
             "WITH sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
             "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
-            "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash) "
+            "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash), "
+            "ak AS (INSERT INTO rollbook.append_keys (key, first_position, last_position) "
+            "SELECT * FROM unnest(%(kk)s::text[], %(kf)s::bigint[], %(kl)s::bigint[])) "
             "UPDATE rollbook.log_head SET position = %(head)s, fence_position = greatest(fence_position, %(fence)s) "
             "WHERE id = 1",
             {
                 "hs": list(heads),
                 "hv": [h.version for h in heads.values()],
                 "hh": [h.hash for h in heads.values()],
+                "kk": [k for k, _, _ in landed],
+                "kf": [f for _, f, _ in landed],
+                "kl": [t for _, _, t in landed],
                 "head": state.position,
                 "fence": fence,
             },
@@ -380,8 +391,9 @@ class PostgresEventStore:
         async def notify() -> None:
             try:
                 async with self.engine.connect() as conn:
+                    # Autocommit: one statement, not BEGIN, NOTIFY, COMMIT, for a hint sent after every append.
+                    await conn.execution_options(isolation_level="AUTOCOMMIT")
                     await conn.execute(text(f"NOTIFY {CHANNEL}"))
-                    await conn.commit()
             except Exception:  # a lost hint only delays readers until their poll
                 log.debug("notify failed", exc_info=True)
             finally:

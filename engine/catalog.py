@@ -216,8 +216,13 @@ EPISODE_STEP = _kind(
 _AGENT = "agent server (participants/agent_server.py)"
 AGENT_BOUNDARY = _kind(
     "agent_boundary", AGENT, _AGENT,
-    "The agent's whole state after a turn: a restore or a restart continues from the latest one.",
-    need("turn", "integer", "turns taken"), need("messages", "array", "the conversation so far"),
+    "The agent's whole state at a boundary: a restore or a restart continues from the latest one. The conversation "
+    "is the whole list (`messages`) on the first boundary of the stream and of an activation; later boundaries hold "
+    "what changed since the boundary before them in the stream (`messages_kept`, `messages_added`): the "
+    "`episode_history` view and every reader rebuild the whole list (engine/boundaries.py).",
+    need("turn", "integer", "turns taken"), may("messages", "array", "the conversation so far (whole list)"),
+    may("messages_kept", "integer", "a delta: how many messages of the stream's previous boundary it keeps"),
+    may("messages_added", "array", "a delta: the messages that follow them"),
     may("usage", "object", "token usage so far"), may("cookies", "object", "the agent's cookies"),
     may("last_call_id", "string|null", "the latest model call"),
     may("pending_call_id", "string|null", "a model call asked for and not yet answered"),

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from engine import catalog as ev
 from engine.attempts import AttemptStore
+from engine.boundaries import with_messages
 from engine.errors import InvalidCheckpointState, RestartInScope, UnknownCheckpoint
 from engine.events import (
     GENESIS_HASH,
@@ -328,6 +329,7 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
             if not any(e.position == s.boundary for e in history):
                 raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
             _check_lineage(s, history, cut.position, mine)
+            with_messages(history)  # every agent boundary's conversation rebuilds from its deltas, or the cut is refused
             items.append(RestoreItem(s, tuple(history)))
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine import catalog as ev
+from engine.boundaries import full_boundary
 from engine.catalog import ACTIVATION_COMPLETED, AGENT_BOUNDARY, ROLLOUT_RECOVERED
 from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
@@ -113,13 +114,14 @@ def recovery_request(r: Recovery) -> AppendRequest:
 
 def resume_point(history: Sequence[RecordedEvent], activation: int) -> RecordedEvent | None:
     """The agent boundary an activation goes on from: the last boundary of `activation` in the
-    attempt's effective history, if that activation had not completed. None: start it afresh."""
+    attempt's effective history, if that activation had not completed. None: start it afresh.
+    Its data holds the whole conversation, rebuilt from the deltas before it (engine.boundaries)."""
     if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == activation for e in history):
         return None
     last = next((e for e in reversed(history) if e.kind == AGENT_BOUNDARY), None)
     if last is None or last.data.get("activation", 0) != activation:
         return None
-    return last
+    return full_boundary(history, last)
 
 
 def tool_call_outcomes(history: Iterable[RecordedEvent]) -> dict[str, dict[str, Any]]:

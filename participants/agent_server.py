@@ -3,7 +3,10 @@
 A session alternates model calls and tool rounds. Before each model call and after each completed
 turn it appends an `agent_boundary` event holding everything needed to go on from there (the
 conversation, usage, the call it is about to make, the resources revision it saw), so a restore
-reads the session back from the log instead of from this process. A session is `idle` (restored,
+reads the session back from the log instead of from this process. The conversation is stored as
+what changed since the previous boundary (engine.boundaries). A turn's end and the next turn's
+start are one moment, so their two boundaries go in one append; so do the last turn's end and the
+activation's completion. A session is `idle` (restored,
 waiting for its activation), `running`, or `at_boundary` (parked, or waiting on the model, which
 counts as a boundary: the model server cuts or drains its calls during prepare). Activations are
 idempotent by index: the completed index gets its stored reply again (read from the log), any
@@ -32,6 +35,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, data_url
+from engine.boundaries import boundary_messages, full_boundary
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
@@ -123,14 +127,18 @@ class Session:
     state: str = "running"
     policy_version: str | None = None  # of the latest reply: every boundary says which policy brought it there
     resumed: bool = False  # goes on from a boundary of its own attempt, already in the log: not recorded again
+    recorded: int | None = None  # messages in the stream's latest boundary (None: none yet): the next one is a delta on it
 
     @property
     def key(self) -> Key:
         return (self.rollout_id, self.attempt)
 
     def boundary_data(self, state: str, turn: int, pending: str | None) -> dict[str, Any]:
+        """The boundary's data; from now on the session counts it as the latest boundary of its stream."""
+        messages = boundary_messages(self.messages, self.recorded)
+        self.recorded = len(self.messages)
         return {
-            "turn": turn, "messages": self.messages, "usage": self.usage, "cookies": {}, "last_call_id": self.last_call_id,
+            "turn": turn, **messages, "usage": self.usage, "cookies": {}, "last_call_id": self.last_call_id,
             "pending_call_id": pending, "replaces_call_id": self.replaces if pending else None, "calls": self.calls,
             "revisions": self.revisions, "revision_seen": self.revision_seen, "state": state, "activation": self.index,
             "done": self.done, "finished": self.finished, "final_answer": self.final_answer,
@@ -177,6 +185,7 @@ def resumed_session(key: Key, index: int, req: RunRequest, boundary: dict[str, A
     # The pending call is asked for again under its own id, with the chain it was first sent with.
     s.replaces = boundary.get("replaces_call_id") if boundary["state"] == "before_model" else None
     s.resumed = boundary["state"] == "before_model"
+    s.recorded = len(s.messages)  # that boundary is the latest of this attempt's stream
     return s
 
 
@@ -186,7 +195,7 @@ def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
     last = next((e for e in reversed(history) if e.kind == BOUNDARY), None)
     if last is None or last.data.get("activation", 0) in completed:
         return None
-    return last
+    return full_boundary(history, last)
 
 
 def activation_index(request: web.Request) -> int:
@@ -273,9 +282,9 @@ class AgentParticipant(Participant):
     async def _drive(self, s: Session) -> dict[str, Any]:
         while not s.finished and s.turn < s.request.max_steps:
             t = s.turn
-            call_id = f"{s.rollout_id}.{s.attempt}.t{t}"
+            call_id = self._call_id(s, t)
             if s.resumed:
-                s.resumed = False  # this boundary is the one in the log it goes on from
+                s.resumed = False  # this boundary is in the log already (a restart, or the previous turn's append)
                 await self._park(s)
             else:
                 await self._boundary(s, "before_model", t, call_id)
@@ -298,16 +307,34 @@ class AgentParticipant(Participant):
                     s.messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": content})
                     s.done = s.done or done
             s.turn = t + 1
-            await self._boundary(s, "after_turn", t, None)
+            after = self._event(s, BOUNDARY, s.boundary_data("after_turn", t, None))
+            if s.finished or s.turn >= s.request.max_steps:
+                body = s.reply()
+                # The last turn's end is the activation's end: one append, so no boundary is left without it.
+                await self._record(s, after, self._event(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body}))
+                return body
+            # Nothing happens between this turn's end and the next turn's start: both boundaries in one
+            # append, and the next turn parks at the second as it would at one it had just recorded.
+            await self._record(s, after, self._event(s, BOUNDARY, s.boundary_data("before_model", s.turn,
+                                                                                   self._call_id(s, s.turn))))
+            s.resumed = True
         body = s.reply()
-        await self._append(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body})
+        await self._record(s, self._event(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body}))
         return body
 
-    async def _append(self, s: Session, kind: str, data: dict[str, Any]) -> None:
-        await self.store.append(AppendRequest((NewEvent(agent_stream(*s.key), kind, data, *s.key),)))
+    @staticmethod
+    def _call_id(s: Session, turn: int) -> str:
+        return f"{s.rollout_id}.{s.attempt}.t{turn}"
+
+    @staticmethod
+    def _event(s: Session, kind: str, data: dict[str, Any]) -> NewEvent:
+        return NewEvent(agent_stream(*s.key), kind, data, *s.key)
+
+    async def _record(self, s: Session, *events: NewEvent) -> None:
+        await self.store.append(AppendRequest(events))
 
     async def _boundary(self, s: Session, state: str, turn: int, pending: str | None) -> None:
-        await self._append(s, BOUNDARY, s.boundary_data(state, turn, pending))
+        await self._record(s, self._event(s, BOUNDARY, s.boundary_data(state, turn, pending)))
         await self._park(s)
 
     async def _park(self, s: Session) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import catalog as ev
+from engine.boundaries import with_messages
 from engine.checkpoint import ParticipantStore, effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
@@ -151,7 +152,7 @@ async def replay(store: ParticipantStore, rollout_id: str, attempt: int, to: int
     if (rollout_id, attempt) not in rows:
         raise UnknownAttempt(f"rollout {rollout_id} has no attempt {attempt}", rollout_id=rollout_id, attempt=attempt)
     state, steps = ReplayState(), []
-    for e in await effective_history(store, rollout_id, attempt, to):
+    for e in with_messages(await effective_history(store, rollout_id, attempt, to)):  # whole conversations, not deltas
         steps.append(Step(e.position, e.attempt or 0, e.kind, apply(state, e)))
     if to is None:
         recorded = await store.session_revision(rollout_id, attempt)

@@ -19,6 +19,7 @@ import pytest
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from engine.boundaries import with_messages
 from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
@@ -260,6 +261,8 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
         else:  # the agent had recorded its boundary but its call had not reached the model before prepare
             accepted = {e.data["call_id"] for e in of(events, "call_accepted", 0) if e.position <= cut.position}
             assert pending not in accepted and first["disposition"] == "generated"
+    whole = {e.position: e for e in with_messages(events)}  # boundaries store deltas: the whole lists, rebuilt
+    first_new, origin = whole[first_new.position], whole[origin.position]
     assert first_new.data["messages"][: len(origin.data.get("messages", []))] == origin.data.get("messages", [])
     # Every boundary after a model reply names the policy version that produced it.
     after = [e for e in of(events, "agent_boundary") if e.data["state"] == "after_turn"]

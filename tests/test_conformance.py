@@ -32,7 +32,7 @@ from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from engine.checkpoint import Cut, effective_history
-from engine.events import RecordedEvent
+from engine.events import NewEvent, RecordedEvent
 from participants import agent_server, model_server
 from participants.agent_server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
@@ -95,11 +95,12 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
     class Pinned(agent_cls):  # type: ignore[valid-type, misc]
         pin: ClassVar[Pin | None] = None
 
-        async def _append(self, s: agent_server.Session, kind: str, data: dict[str, Any]) -> None:
-            await super()._append(s, kind, data)
+        async def _record(self, s: agent_server.Session, *events: NewEvent) -> None:
+            await super()._record(s, *events)
             pin = self.pin
-            if (pin is not None and kind == agent_server.BOUNDARY and s.key == (pin.rollout_id, 0)
-                    and pin.state == "after_turn" and (data["state"], data["turn"]) == (pin.state, pin.turn)):
+            if (pin is not None and s.key == (pin.rollout_id, 0) and pin.state == "after_turn"
+                    and any(e.kind == agent_server.BOUNDARY and (e.data["state"], e.data["turn"]) == (pin.state, pin.turn)
+                            for e in events)):
                 pin.reached.set()
                 while self._open.is_set():  # until prepare closes this agent; then it parks right here
                     await asyncio.sleep(0.002)
@@ -253,13 +254,19 @@ async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
         cut, result = await checkpoint_at(dsn, store, task, rid, Pin(rid, k, state, turn), agent_cls)
         events = await store.read_rollout(rid)
 
-        # The checkpoint landed exactly at boundary k of attempt 0: nothing of attempt 0 went past it.
+        # The checkpoint landed exactly at the append holding boundary k of attempt 0: nothing of attempt 0
+        # went past it. A turn's end is appended with the next turn's start (the cut's boundary is then the
+        # latter), and the last turn's end with the activation's completion.
         mine = of(events, "agent_boundary", 0)
-        assert len(mine) == k + 1, f"{where}: attempt 0 recorded {len(mine)} boundaries"
-        at = mine[k]
-        assert (at.data["state"], at.data["turn"]) == (state, turn) and at.position <= cut.position, where
+        last_turn = state == "after_turn" and turn == turns - 1
+        landed = k + 1 if state == "after_turn" and not last_turn else k
+        assert len(mine) == landed + 1, f"{where}: attempt 0 recorded {len(mine)} boundaries"
+        at = mine[landed]
+        assert (mine[k].data["state"], mine[k].data["turn"]) == (state, turn) and at.position <= cut.position, where
+        assert at.position - mine[k].position == landed - k, f"{where}: the two boundaries were not one append"
         assert not [e for e in events if e.attempt == 0 and e.position > at.position
-                    and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed")], where
+                    and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed")
+                    and not (last_turn and e.kind == "agent_activation_completed" and e.position == at.position + 1)], where
         covered.append((state, turn))
 
         (started,) = of(events, "attempt_started", 1)
@@ -267,9 +274,14 @@ async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
         got = await outcome(store, rid, 1)
         assert got.reward == result["reward"], where
         if continues:
-            assert [(s.rollout_id, s.attempt, s.boundary) for s in cut.scope] == [(rid, 0, at.position)], where
+            # The activation completed with the last turn's end, so the environment may have recorded its agent
+            # step before the cut: the rollout then resumes from that step, past the agent's boundary.
+            allowed = {at.position} | ({e.position for e in of(events, "episode_step", 0) if e.data["step"] == "agent"}
+                                       if last_turn else set())
+            assert [(s.rollout_id, s.attempt) for s in cut.scope] == [(rid, 0)] and cut.scope[0].boundary in allowed, where
             assert cut.fresh == (), where
-            assert started.data["disposition"] == "continue" and started.data["origin_position"] == at.position, where
+            assert started.data["disposition"] == "continue", where
+            assert started.data["origin_position"] == cut.scope[0].boundary, where
             reopened = of(events, "session_opened", 1)
             assert [e.data["restored_from"] for e in reopened] == [f"ck-{rid}"], f"{where}: {reopened}"
             # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
