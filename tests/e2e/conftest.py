@@ -34,11 +34,12 @@ from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
 SEED_VARIABLE = "ROLLBOOK_E2E_SEED"
-POLL_S = 0.005
+POLL_CAP_S = 0.02  # short enough to catch a model call of a few tokens in flight
 
 
 # ---- seeds -------------------------------------------------------------------------------------
@@ -159,15 +160,10 @@ class Cluster:
 
     async def wait_for(self, what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
         """Poll until `probe` returns something truthy; TimeoutError naming `what` if it never does
-        (not an AssertionError: a scenario that never set up is not an invariant that broke)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            got = await probe()
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(POLL_S)
+        (not an AssertionError: a scenario that never set up is not an invariant that broke).
+        tests/waiting.py's loop: at once, then backing off from 5 ms to POLL_CAP_S, so a long wait
+        does not query the database 200 times a second beside the servers it waits on."""
+        return await eventually(what, probe, timeout, cap=POLL_CAP_S)
 
     async def count(self, prefix: str, kind: str, after: int = 0, attempt: int | None = None) -> int:
         return int(await self.scalar(
