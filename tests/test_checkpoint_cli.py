@@ -38,7 +38,8 @@ def test_checkpoint_by_hand_prints_json_at_every_step(servers: cfg.Config) -> No
     rc, status = checkpoint(servers, "status")
     assert rc == 0 and {s["kind"]: s["phase"] for k, s in status.items() if k in cfg.KINDS} == dict.fromkeys(cfg.KINDS, "idle")
     assert status["aborted_expired"] == []
-    rc, prepared = checkpoint(servers, "prepare", "ck-cli")
+    # a lease that outlasts the three commands to come, each a fresh Python process (slow on a loaded machine)
+    rc, prepared = checkpoint(servers, "prepare", "ck-cli", "--deadline-seconds", "600")
     assert rc == 0 and prepared["ready"] and set(prepared["reports"]) == set(cfg.KINDS)
     rc, status = checkpoint(servers, "status")
     assert {s["checkpoint_id"] for k, s in status.items() if k in cfg.KINDS} == {"ck-cli"}
