@@ -28,7 +28,9 @@ def servers(dsn: str):
 
 def checkpoint(config: cfg.Config, *args: str) -> tuple[int, dict]:
     participants = [a for k in cfg.KINDS for a in ("--participant", f"{k}={config.url(k)}")]
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "checkpoint", *args, *participants,
+    # A lease (prepare's, then commit's) that outlasts the commands after it, each a fresh Python
+    # process: on a loaded machine 30 s ran out between commit and resume.
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "checkpoint", *args, *participants, "--deadline-seconds", "600",
                           "--control-token", config.control_token, "--dsn", config.dsn or ""], capture_output=True, text=True, timeout=60)
     text = out.stdout if out.returncode == 0 else out.stderr
     return out.returncode, json.loads(text.strip().splitlines()[-1])
@@ -38,8 +40,7 @@ def test_checkpoint_by_hand_prints_json_at_every_step(servers: cfg.Config) -> No
     rc, status = checkpoint(servers, "status")
     assert rc == 0 and {s["kind"]: s["phase"] for k, s in status.items() if k in cfg.KINDS} == dict.fromkeys(cfg.KINDS, "idle")
     assert status["aborted_expired"] == []
-    # a lease that outlasts the three commands to come, each a fresh Python process (slow on a loaded machine)
-    rc, prepared = checkpoint(servers, "prepare", "ck-cli", "--deadline-seconds", "600")
+    rc, prepared = checkpoint(servers, "prepare", "ck-cli")
     assert rc == 0 and prepared["ready"] and set(prepared["reports"]) == set(cfg.KINDS)
     rc, status = checkpoint(servers, "status")
     assert {s["checkpoint_id"] for k, s in status.items() if k in cfg.KINDS} == {"ck-cli"}
