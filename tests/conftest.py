@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+
 import pytest
 
 from adapters.postgres import PostgresEventStore
 from tests import pg
+from tests.pg import DemoRun
 
 SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
 _started: dict[str, pg.Server] = {}
@@ -34,6 +39,28 @@ def any_dsn(request: pytest.FixtureRequest) -> str:
     """An isolated, migrated database on every server the fixture can reach (conformance tests)."""
     server = _server(request.param)
     url = server.new_database()
+    yield url
+    server.drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def demo_run() -> Iterator[DemoRun]:
+    """The finished demo, shared: it takes a minute on a loaded machine, and the tests that use it only
+    read it (`demo_db` gives a test a copy it may edit)."""
+    server = _server("primary")
+    url = server.new_database()
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "demo", "--dsn", url, "--rollouts", "12", "--json"],
+                         capture_output=True, text=True, timeout=240)
+    yield DemoRun(url, out.returncode, out.stdout, out.stderr)
+    server.drop_database(url)
+
+
+@pytest.fixture
+def demo_db(demo_run: DemoRun) -> Iterator[str]:
+    """A copy of the finished demo's database, this test's own to read and edit."""
+    assert demo_run.returncode == 0, demo_run.stderr[-2000:]
+    server = _server("primary")
+    url = server.clone_database(demo_run.dsn)
     yield url
     server.drop_database(url)
 

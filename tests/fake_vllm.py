@@ -11,13 +11,15 @@ replies are deterministic, but everything on the wire is vLLM's:
 - response: chat.completion.chunk events, one per step, `[DONE]` at the end; non-streaming
   replies carry `prompt_token_ids` and `choices[0].token_ids` too.
 
-Knobs for tests: `token_latency_s`; `stall_after` (stop sending after N steps and hang),
-`fail_after` (drop the connection after N steps); `continuation`: "exact" (honour
+Knobs for tests: `token_latency_s`; `stall_after` (stop sending after N steps of a stream and
+hang until `unstall()`: a call the test knows is in flight, for as long as it needs), `fail_after`
+(drop the connection after N steps); `continuation`: "exact" (honour
 required_prefix_token_ids), "drift" (report other prompt ids, as a server that retokenized the
 partial text differently would), "refuse" (answer 400 to a continuation). `requests` keeps every
 body received.
 
-Run alone: `python -m tests.fake_vllm --port 8000` (the e2e suite starts it as a process).
+Run alone: `python -m tests.fake_vllm --port 8000` (the e2e suite starts it as a process; there
+`POST /fake/stall` stalls every stream before its next step and `POST /fake/unstall` lets them all go).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FakeVLLM:
         self.token_latency_s = token_latency_s
         self.continuation = continuation
         self.stall_after: int | None = None
+        self._unstalled = asyncio.Event()
         self.fail_after: int | None = None
         self.requests: list[dict[str, Any]] = []
         self.steps_sent = 0
@@ -56,7 +59,23 @@ class FakeVLLM:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/fake/stall", self._stall)
+        app.router.add_post("/fake/unstall", self._unstall)
         return app
+
+    def unstall(self) -> None:
+        """Every stalled stream goes on; streams started from now on do not stall."""
+        self.stall_after = None
+        self._unstalled.set()
+
+    async def _stall(self, request: web.Request) -> web.Response:
+        self._unstalled.clear()
+        self.stall_after = 0
+        return web.json_response({"stall_after": 0})
+
+    async def _unstall(self, request: web.Request) -> web.Response:
+        self.unstall()
+        return web.json_response({"stall_after": None})
 
     async def start(self, port: int = 0) -> str:
         self.runner = web.AppRunner(self.app())
@@ -66,6 +85,7 @@ class FakeVLLM:
         return self.url
 
     async def stop(self) -> None:
+        self.unstall()  # a stalled handler must not hold up the runner's shutdown
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -184,7 +204,7 @@ class FakeVLLM:
         await send(first)
         for n, s in enumerate(steps):
             if self.stall_after is not None and n >= self.stall_after:
-                await asyncio.sleep(3600)  # hangs until the client goes away
+                await self._unstalled.wait()  # hangs until the test lets it go
             if self.fail_after is not None and n >= self.fail_after:
                 assert request.transport is not None
                 request.transport.close()  # the connection drops mid-stream
@@ -212,7 +232,8 @@ def main() -> None:
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     args = parser.parse_args()
     fake = FakeVLLM(token_latency_s=args.token_latency_s)
-    web.run_app(fake.app(), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    # A short shutdown: a test that stops this process must not wait a minute for a stalled stream.
+    web.run_app(fake.app(), host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,17 @@ from adapters import database, embedded
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 _counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """`rollbook demo --rollouts 12 --json`, run once for the whole session on a database of its own
+    (tests/conftest.py `demo_run`)."""
+
+    dsn: str
+    returncode: int
+    stdout: str
+    stderr: str
 
 
 @dataclass
@@ -36,6 +48,24 @@ class Server:
         name = f"rollbook_t{os.getpid()}_{next(_counter)}"
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
+        return database.sibling_url(self.admin_dsn, name)
+
+    def clone_database(self, url: str) -> str:
+        """A new database with everything `url`'s holds (CREATE DATABASE ... TEMPLATE: a file copy),
+        for a test that edits what an expensive shared fixture built. Nobody may be connected to
+        `url` meanwhile; a backend still exiting after its client left is waited for."""
+        source = psycopg.conninfo.conninfo_to_dict(database.libpq_dsn(url))["dbname"]
+        name = f"rollbook_t{os.getpid()}_{next(_counter)}"
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            for attempt in range(50):
+                try:
+                    conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
+                    break
+                except psycopg.errors.ObjectInUse:  # "source database is being accessed by other users"
+                    if attempt == 49:
+                        raise
+                    conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (source,))
+                    time.sleep(0.1)
         return database.sibling_url(self.admin_dsn, name)
 
     def drop_database(self, url: str) -> None:

@@ -47,14 +47,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
 from apps import config as cfg
 from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
-from engine.errors import RollbookError
 from engine.phases import CHECKPOINT_LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
+from tests.checkpoint_rules import CheckpointRules
 from tests.e2e.conftest import REPEATED_CALLS
 from tests.e2e.test_recovery import REGENERATED_ACROSS, REPEATED_MUTATIONS, REPEATED_TURNS
 from tests.stateful_control import (
@@ -131,7 +130,11 @@ class _Collection(Collection):
         return [i for i in await super().unfinished() if self.rollout_id(i) not in self.retired]
 
 
-class FaultMachine(RuleBasedStateMachine):
+class FaultMachine(CheckpointRules, RuleBasedStateMachine):
+    # dispatch, prepare, commit, publish and resume: tests/checkpoint_rules.py
+    CHECKPOINT_TAG = "m"
+    START_TIMEOUT_S = 60.0
+    tally = TALLY
     world: World  # set by the test or the soak before running
     progress: Any = None  # called with TALLY after each checked sequence (benchmarks/soak.py)
 
@@ -191,72 +194,11 @@ class FaultMachine(RuleBasedStateMachine):
         self.coll.retired = set()
         _count("sequences")
         self.dispatch()
-        self.run(self._wait_started())
-
-    async def _wait_started(self) -> None:
-        deadline = time.monotonic() + 60
-        while len(await self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p")) < ROLLOUTS:
-            assert time.monotonic() < deadline, f"the rollouts never started: {self.steps}"
-            await asyncio.sleep(0.02)
-
-    @rule()
-    def dispatch(self) -> None:
-        if self.dispatching is None or self.dispatching.done():
-            assert self.coll is not None and self.session is not None
-            self.dispatching = self.loop.create_task(self.coll.dispatch(self.session))
-        self.run(asyncio.sleep(0.05))
-        self.steps.append("dispatch")
-        _count("dispatch")
+        self.run(self._wait_started(ROLLOUTS))
 
     @rule(wait=st.sampled_from([0.0, 0.2, 0.5]))
     def let_time_pass(self, wait: float) -> None:
         self.run(asyncio.sleep(wait))
-
-    @rule()
-    def prepare(self) -> None:
-        if self.active is not None:
-            return
-        ck = f"{self.run_id}-m{next(self.counter)}"
-        reply = self.run(self.coordinator().prepare(ck, time.time() + DEADLINE_S))
-        self.steps.append(f"prepare {ck} ready={reply['ready']}")
-        _count("prepare" if reply["ready"] else "prepare_not_ready")
-        if reply["ready"]:
-            self.active, self.phase = ck, "prepared"
-
-    @rule()
-    def commit(self) -> None:
-        if self.active is None or self.phase != "prepared":
-            return
-        assert self.coll is not None
-        ours = [self.coll.rollout_id(i) for i in range(ROLLOUTS)]
-        try:
-            self.run(self.coordinator().commit(self.active, time.time() + DEADLINE_S, None, rollouts=ours))
-            self.phase = "committed"
-            self.restorable.append(self.active)
-        except RollbookError:  # refused (a participant was killed since prepare): aborted and resumed
-            self.active, self.phase = None, "idle"
-        self.steps.append(f"commit -> {self.phase}")
-        _count("commit" if self.phase == "committed" else "commit_aborted")
-
-    @rule()
-    def publish(self) -> None:
-        if self.active is None or self.phase != "committed":
-            return
-        tokens = PostgresTokenStore(self.store.engine)
-        ref = self.run(tokens.snapshot(self.active, []))
-        self.run(self.coordinator().publish(self.active, {"checkpoint_id": self.active}, ref, tokens))
-        self.phase = "published"
-        self.steps.append("publish")
-        _count("publish")
-
-    @rule()
-    def resume(self) -> None:
-        if self.active is None:
-            return
-        self.run(self.coordinator().resume(self.active))  # a participant restarted since says so; the rest reopen
-        self.active, self.phase = None, "idle"
-        self.steps.append("resume")
-        _count("resume")
 
     @rule(i=st.integers(0, ROLLOUTS - 1))
     def retire(self, i: int) -> None:

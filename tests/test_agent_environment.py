@@ -20,7 +20,7 @@ from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from engine.boundaries import with_messages
-from engine.errors import ActivationOutOfOrder, InvalidIdentifier, RestartInScope
+from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
 from participants.control_plane import CONTROL
@@ -28,6 +28,7 @@ from participants.environments.base import Task
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
 from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,16 +148,27 @@ async def test_prepare_parks_a_running_episode_and_resume_finishes_it(dsn: str, 
         report = await agent.call("prepare", {"checkpoint_id": "park-a", "deadline": time.time() + 10})
         assert report["ready"] and report["counts"] == {"sessions": 1, "parked": 1}, report
         held = progress(await store.read_rollout("park-1"))
-        await asyncio.sleep(0.5)  # three model latencies: an unparked session would have moved on
+        pending = of(await store.read_rollout("park-1"), "agent_boundary")[-1].data.get("pending_call_id")
+
+        async def parked() -> bool:
+            """Parked for sure: its pending call was never sent, or its reply is in hand (the moment an
+            unparked session moves on), and the agent says the session waits at its boundary (between
+            the reply and the park it is `running` for a moment)."""
+            calls = {e.kind for e in await store.read_rollout("park-1") if e.data.get("call_id") == pending}
+            if "call_accepted" in calls and "call_completed" not in calls:
+                return False
+            return [x["state"] for x in (await s.client.get(f"{s.url('agent')}/sessions"))["sessions"]] == ["at_boundary"]
+        await eventually("the session parked at its boundary", parked)
         assert progress(await store.read_rollout("park-1")) == held
-        assert [x["state"] for x in (await s.client.get(f"{s.url('agent')}/sessions"))["sessions"]] == ["at_boundary"]
         last = of(await store.read_rollout("park-1"), "agent_boundary")[-1]
         await agent.call("resume", {"checkpoint_id": "park-a", "deadline": time.time() + 10})
 
         report = await env.call("prepare", {"checkpoint_id": "park-b", "deadline": time.time() + 10})
         assert report["ready"] and report["counts"] == {"episodes": 1, "parked": 1, "in_agent": 1}, report
         await wait_for(store, "park-1", "episode_step", 1, step="agent")  # the agent step still finishes
-        await asyncio.sleep(0.3)
+        with pytest.raises(AdmissionClosed):  # the environment is prepared: a new episode is refused...
+            await s.episode(WORKPLACE, "park-2")
+        assert await store.read_rollout("park-2") == []  # ...with nothing written for it
         assert [e.data["step"] for e in of(await store.read_rollout("park-1"), "episode_step")] == ["seed", "agent"]
         assert (await s.client.get(f"{s.url('environment')}/episodes/park-1"))["status"] == "parked"
         assert not running.done()

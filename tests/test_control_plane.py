@@ -17,6 +17,7 @@ from engine.coordinator import Coordinator
 from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
 from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
 from participants.guard import Credentials
+from tests.waiting import eventually
 
 CREDS = Credentials(control="s3cret-control", data="s3cret-data")
 TOKEN = CREDS.control
@@ -26,17 +27,21 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class Recorder(Participant):
     """A participant whose hooks only record that they ran, in one list shared by all of them."""
 
-    def __init__(self, store: PostgresEventStore, kind: str, calls: list[str], ready: bool = True, delay: float = 0.0) -> None:
+    def __init__(self, store: PostgresEventStore, kind: str, calls: list[str], ready: bool = True, delay: float = 0.0,
+                 hold: asyncio.Event | None = None) -> None:
         super().__init__(store, f"{kind}-0")
         self.kind = kind  # type: ignore[misc]
         self.calls = calls
         self.ready = ready
         self.delay = delay
+        self.hold = hold  # prepare answers only once it is set
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         self.calls.append(f"prepare:{self.kind}")
         self.admission_open = False
         await asyncio.sleep(self.delay)
+        if self.hold is not None:
+            await self.hold.wait()
         return PrepareReport(ready=self.ready, blockers=[] if self.ready else ["x"] * 30)
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
@@ -134,12 +139,14 @@ async def test_illegal_transitions_are_409_invalid_phase(one, op) -> None:
 
 async def test_commit_before_prepared_is_invalid_phase(store) -> None:
     calls: list[str] = []
-    server, _ = await serve(store, "agent", calls, delay=1.0)
+    hold = asyncio.Event()
+    server, _ = await serve(store, "agent", calls, hold=hold)
     async with aiohttp.ClientSession(base_url=str(server.make_url(""))) as http:
         preparing = asyncio.create_task(post(http, "prepare", body()))
-        await asyncio.sleep(0.3)
+        await eventually("the prepare hook to run", lambda: calls == ["prepare:agent"])  # preparing, not prepared
         status, reply = await post(http, "commit", body(scope=[]))
         assert (status, reply["error"]["code"]) == (409, "invalid_phase")
+        hold.set()
         assert (await preparing)[0] == 200
     await server.close()
 
@@ -153,13 +160,11 @@ async def test_a_passed_deadline_is_408(one) -> None:
 
 async def test_an_expired_lease_resumes_by_itself_recorded_as_an_abort(one, store) -> None:
     http, participant, calls = one
-    await post(http, "prepare", body(deadline=time.time() + 0.3))
-    assert not participant.admission_open
-    for _ in range(50):
-        await asyncio.sleep(0.1)
-        if participant.admission_open:
-            break
-    assert participant.admission_open and calls == ["prepare:model", "resume:model"]
+    # A deadline the prepare surely meets, even on a loaded machine; the lease then runs out (+0.1 s grace).
+    status, reply = await post(http, "prepare", body(deadline=time.time() + 1.0))
+    assert status == 200 and reply["ready"], reply
+    await eventually("the expired lease to reopen admission", lambda: participant.admission_open)
+    assert calls == ["prepare:model", "resume:model"]
     async with http.get(f"{CONTROL}/status", headers=AUTH) as resp:
         assert (await resp.json())["phase"] == "idle"
     kinds = [e.kind for e in await store.read_stream("participant:model:model-0")]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
+from collections.abc import Awaitable
 
 import aiohttp
 import psycopg
@@ -19,6 +20,7 @@ from engine.events import AppendRequest, NewEvent
 from participants.control_plane import CONTROL
 from participants.guard import Credentials
 from participants.resources_server import build_resources_app
+from tests.waiting import eventually
 
 CREDS = Credentials(control="db-control-token", data="db-data-token")
 TOKEN = CREDS.control
@@ -85,7 +87,8 @@ async def test_a_database_that_does_not_answer_is_database_unavailable_after_the
         started = time.monotonic()
         with pytest.raises(DatabaseUnavailable) as err:
             await store.append(AppendRequest((NewEvent("s", "noted", {}),)))
-        assert err.value.code == "database_unavailable" and time.monotonic() - started < 5
+        # its own patience, not the default 20 s (bounded loosely: a loaded machine is slow, not wrong)
+        assert err.value.code == "database_unavailable" and time.monotonic() - started < 10
         with pytest.raises(DatabaseUnavailable):
             await store.read_stream("s")
     finally:
@@ -107,7 +110,12 @@ async def test_a_server_answers_503_database_unavailable_while_the_database_is_d
         await store.close()
 
 
-async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) -> None:
+async def _phase_is(status: Awaitable[dict], phase: str) -> bool:
+    return (await status)["phase"] == phase
+
+
+async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="participants.control_plane")
     store = PostgresEventStore.connect(dsn, writer="lease", patience_s=0.2)
     server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
     await server.start_server()
@@ -123,17 +131,17 @@ async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str) 
                 async with http.get(server.make_url(f"{CONTROL}/status"), headers=AUTH) as resp:
                     return dict(await resp.json())
 
-            assert (await control("prepare", time.time() + 0.5))["ready"]
+            assert (await control("prepare", time.time() + 1.0))["ready"]
             store.engine = create_async_engine(sqlalchemy_url(dead_dsn()))  # the database goes away
-            await asyncio.sleep(0.5 + 2.0 + 1.5)  # past deadline + grace: the abort fails, more than once
+
+            def failed_aborts() -> int:
+                return sum("could not record the lease abort" in r.getMessage() for r in caplog.records)
+            # past deadline + grace the watcher tries to record the abort, and fails, more than once
+            await eventually("two failed attempts to record the abort", lambda: failed_aborts() >= 2)
             assert (await status())["phase"] == "prepared"  # not recorded, so not done
             await store.engine.dispose()
             store.engine = healthy  # the database is back
-            for _ in range(100):
-                if (await status())["phase"] == "idle":
-                    break
-                await asyncio.sleep(0.1)
-            assert (await status())["phase"] == "idle"
+            await eventually("the participant to reopen", lambda: _phase_is(status(), "idle"))
         aborts = [e for e in await store.read_all() if e.kind == "participant_abort"]
         assert len(aborts) == 1 and aborts[0].data["reason"] == "lease expired"
     finally:

@@ -20,15 +20,27 @@ from tests.test_gym_wire import BLACKJACK, episode, post, rows, scalar
 
 
 class HoldAt(ScriptedBackend):
-    """Holds the n-th generation until released: a rollout is then mid-episode, its model call in flight."""
+    """Holds the n-th generation, and every one that arrives while it is held (the counter only moves
+    past a released generation), until released: a rollout is then mid-episode, its model call in flight.
+    `held` counts the generations waiting; `arrived` is set each time one more arrives."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
         self.n, self.reached, self.release = n, asyncio.Event(), asyncio.Event()
+        self.held, self.arrived = 0, asyncio.Event()
+
+    async def wait_held(self, count: int, timeout: float = 60.0) -> None:
+        async def until() -> None:
+            while self.held < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+        await asyncio.wait_for(until(), timeout)
 
     async def generate(self, request: dict[str, Any], prefix_tokens: list[str]) -> AsyncIterator[str]:
-        if self.generations == self.n:
+        if self.generations == self.n and not self.release.is_set():
+            self.held += 1
             self.reached.set()
+            self.arrived.set()
             await self.release.wait()
         async for token in super().generate(request, prefix_tokens):
             yield token
@@ -45,7 +57,11 @@ async def test_a_newer_attempt_fences_the_running_one_and_continues_from_its_bou
         rid = scoped_rollout_id("blackjack:train", "0-0")
         before = await store.read_rollout(rid)
         retry = asyncio.create_task(post(f"{s.url('environment')}/run", {**body, "episode_id": {"rollout_id": "0-0", "attempt": 1}}))
-        await asyncio.sleep(0.5)  # the takeover fences attempt 0 while its call is still held
+        # Attempt 1's own first call (turn 2 again) held as well proves the takeover fenced attempt 0
+        # and went on from its boundary; both calls are held, so nothing else writes to the log now.
+        await backend.wait_held(2)
+        assert await scalar(store, "SELECT status FROM rollbook.attempts WHERE rollout_id = :r AND attempt = 0",
+                            r=rid) == "fenced"
         head = await store.head()
         stale_status, refused = await post(f"{s.url('environment')}/run", body)  # attempt 0 while 1 is under way
         assert (stale_status, refused["error"]["code"]) == (409, "stale_attempt")

@@ -12,6 +12,7 @@ from engine.errors import InvalidPayload, PayloadTooLarge, StaleAttempt, Unknown
 from engine.events import AppendRequest, NewEvent
 from engine.identity import episode_stream, rollout_stream
 from engine.log import append_one
+from tests.waiting import eventually
 
 
 def ev(stream: str, kind: str = "noted", rollout: str | None = None, attempt: int | None = None, **data) -> NewEvent:
@@ -165,16 +166,16 @@ async def test_subscription_catches_up_then_follows(any_store: PostgresEventStor
     got: list[int] = []
 
     async def follow() -> None:
-        async for e in any_store.subscribe(after=1, poll_seconds=5):
+        async for e in any_store.subscribe(after=1, poll_seconds=3600):
             got.append(e.data["n"])
             if len(got) == 3:
                 return
 
     follower = asyncio.create_task(follow())
-    await asyncio.sleep(0.3)
+    await eventually("the follower to catch up", lambda: len(got) == 2)  # now it waits for what comes next
     await append_one(any_store, ev("sub", n=3))
-    # 5 s poll: finishing well before it shows the NOTIFY hint woke the reader.
-    await asyncio.wait_for(follower, timeout=3)
+    # An hour's poll: only the NOTIFY hint can wake the reader within the (generous) timeout.
+    await asyncio.wait_for(follower, timeout=60)
     assert got == [1, 2, 3]
 
 

@@ -35,11 +35,12 @@ from engine.errors import GenerationFailed
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
-from participants.control_plane import CONTROL
+from participants.control_plane import CONTROL, PARTICIPANT
 from participants.guard import Credentials
 from participants.model_server import build_model_app
 from participants.scripted_model import ScriptedBackend
 from tests.fake_vllm import FakeVLLM
+from tests.waiting import eventually
 
 CREDS = Credentials(control="secret-control", data="secret-data")
 TOKEN = CREDS.control
@@ -47,6 +48,25 @@ DATA = {"Authorization": f"Bearer {CREDS.data}"}
 MATH = {"messages": [{"role": "user", "content": "What is 12 + 30?"}], "seed": 3}
 TOOLS = [{"type": "function", "function": {"name": n}} for n in ("look", "hit", "stand")]
 BLACKJACK = {"messages": [{"role": "user", "content": "Play a hand of blackjack."}], "tools": TOOLS, "seed": 1}
+
+
+class HeldAfter(ScriptedBackend):
+    """Its first generation stops after `steps` steps until `release` is set (a cut cancels the wait):
+    a call the test knows is in flight, with a known prefix, for as long as it needs."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.holding, self.release = steps, asyncio.Event(), asyncio.Event()
+
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None):  # type: ignore[override]
+        first, sent = self.generations == 0, 0
+        async for event in super().generate(request, prefix):
+            yield event
+            if first and isinstance(event, Step):
+                sent += 1
+                if sent == self.steps:  # before the next step is even generated
+                    self.holding.set()
+                    await self.release.wait()
 
 
 @pytest.fixture
@@ -385,17 +405,15 @@ async def test_streaming_call_is_cut_during_prepare_and_its_replacement_finishes
 
 async def test_a_non_streaming_call_is_cut_by_prepare_without_waiting_and_continues_under_its_own_id(store, tokens) -> None:
     await start_attempt(store, "r4b")
-    backend = ScriptedBackend(token_latency_s=0.2)  # about 5 s for the whole reply
+    backend = HeldAfter(2)  # the generation stops after two steps until released: it cannot end by itself
     _, full, full_lps = planned(backend, MATH)
     async with model_server(store, backend, tokens) as client:
         pending = asyncio.ensure_future(client.post(url("r4b"), json=MATH, headers=call_headers("r4b.0.t0")))
-        while backend.tokens_generated < 2:
-            await asyncio.sleep(0.02)
-        started = time.monotonic()
-        prepared = await control(client, "prepare", "ck-nb")
-        took = time.monotonic() - started
+        await asyncio.wait_for(backend.holding.wait(), 30)
+        prepared = await control(client, "prepare", "ck-nb")  # answers although the generation never ends
         refused = await pending
-        assert prepared["ready"] and prepared["counts"]["cut"] == 1 and took < 1.0
+        assert prepared["ready"] and prepared["counts"]["cut"] == 1
+        assert backend.tokens_generated < len(full)  # cut where it stood, not finished first
         assert (refused.status, (await refused.json())["error"]["code"]) == (409, "admission_closed")
         await control(client, "resume", "ck-nb")
         body = await (await client.post(url("r4b"), json={**MATH, "logprobs": True}, headers=call_headers("r4b.0.t0"))).json()
@@ -416,7 +434,8 @@ async def test_a_stored_reply_asked_for_during_a_checkpoint_is_held_until_resume
         # A repeat of the stored reply, whole or streamed, is held: its end would let the agent move on.
         pending = asyncio.ensure_future(client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0")))
         repeat = asyncio.ensure_future(stream_all(client, url("r5"), {**MATH, "stream": True}, call_headers("r5.0.t0")))
-        await asyncio.sleep(0.2)
+        participant = client.server.app[PARTICIPANT]
+        await eventually("both repeats held by the server", lambda: participant.held() == 2)
         assert not pending.done() and not repeat.done(), "a reply was delivered while admission was closed"
         resumed = await control(client, "resume", "ck-held")
         resp = await asyncio.wait_for(pending, 5)
@@ -505,20 +524,23 @@ async def test_a_completed_call_converts_to_a_nemo_gym_token_entry_without_loss(
 async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_continued_or_regenerated(
         store, tokens, upstream: str | None) -> None:
     await start_attempt(store, "rs")
-    fake = FakeVLLM(token_latency_s=0.05, continuation=upstream) if upstream else None
-    backend: Any = ScriptedBackend(token_latency_s=0.05)
+    # The first generation stops after 3 steps until the test lets it go: a few tokens in, surely unfinished.
+    fake = FakeVLLM(continuation=upstream) if upstream else None
+    backend: Any = HeldAfter(3)
     if fake is not None:
+        fake.stall_after = 3
         await fake.start()
         backend = OpenAICompatibleBackend(fake.url, model="m1")
     _, full, full_lps = planned(ScriptedBackend(), MATH)
     try:
         async with model_server(store, backend, tokens) as client:
             pending = asyncio.ensure_future(client.post(url("rs"), json=MATH, headers=call_headers("rs.0.t0")))
-            while not [e for e in await store.read_stream(call_stream("rs.0.t0")) if e.kind == "call_accepted"]:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # a few tokens in
+            calls = client.server.app[PARTICIPANT].calls  # type: ignore[attr-defined]
+            await eventually("3 steps of the call received", lambda: "rs.0.t0" in calls and len(calls["rs.0.t0"].steps) >= 3)
             await control(client, "prepare", "ck-rs")
             assert (await pending).status == 409
+            if fake is not None:
+                fake.unstall()  # the repeat below streams to its end
             await control(client, "resume", "ck-rs")
             events = await stream_all(client, url("rs"), {**MATH, "stream": True, "logprobs": True}, call_headers("rs.0.t0"))
     finally:

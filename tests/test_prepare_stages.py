@@ -46,13 +46,21 @@ async def test_environment_model_and_agent_prepare_at_once_and_resources_only_af
     stack = await start_stack(dsn, "stages", ScriptedBackend())
     try:
         seen: list[tuple[str, str]] = []
+        first_stage: set[str] = set()
+        all_started = asyncio.Event()
         for kind in stack.servers:
             participant = stack.participant(kind)
             inner = participant.prepare
 
             async def prepare(checkpoint_id: str, deadline: float, inner: Any = inner, kind: str = kind) -> Any:
                 seen.append(("start", kind))
-                await asyncio.sleep(0.2)  # long enough that a sequential prepare could not overlap them
+                if kind != "resources":
+                    # none of the first stage ends before all three started: a sequential prepare would
+                    # wait here for good (and fail on the timeout) instead of merely not overlapping
+                    first_stage.add(kind)
+                    if len(first_stage) == 3:
+                        all_started.set()
+                    await asyncio.wait_for(all_started.wait(), 30)
                 report = await inner(checkpoint_id, deadline)
                 seen.append(("end", kind))
                 return report

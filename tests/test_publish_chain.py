@@ -12,6 +12,14 @@ from apps.collection import Collection
 from participants.environments.tasks import make_tasks
 from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, start_stack
+from tests.waiting import eventually
+
+
+async def _replied_after(store: PostgresEventStore, position: int) -> bool:
+    async with store.engine.connect() as conn:
+        return bool((await conn.execute(text(
+            "SELECT count(*) FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE 'pc-%' "
+            "AND position > :p"), {"p": position})).scalar())
 
 
 async def test_each_publish_of_a_run_snapshots_only_the_blobs_its_cut_added(dsn: str, store: PostgresEventStore) -> None:
@@ -20,9 +28,11 @@ async def test_each_publish_of_a_run_snapshots_only_the_blobs_its_cut_added(dsn:
         servers = {k: cfg.ServerConfig(port=stack.servers[k].port) for k in cfg.KINDS}
         coll = Collection(cfg.Config(control_token=CREDS.control, data_token=CREDS.data, servers=servers), store, "pc", make_tasks(6, 3, ["math", "workplace"]))
         dispatch = asyncio.create_task(coll.dispatch(stack.session))
-        published = []
+        published: list[dict] = []
         for k in (1, 2, 3):
-            await asyncio.sleep(0.3)
+            # each checkpoint's part of the log holds a reply, however slowly the run goes
+            after = published[-1]["position"] if published else 0
+            await eventually(f"a reply after checkpoint {k - 1}", lambda a=after: _replied_after(store, a), timeout=60)
             result = await coll.checkpoint(stack.session, f"pc-ck{k}")
             assert result["published"], result
             published.append(result)

@@ -1,4 +1,6 @@
-"""`rollbook history` and `rollbook replay` on the database a demo leaves behind, with no server running."""
+"""`rollbook history` and `rollbook replay` on the database a demo leaves behind, with no server running.
+
+The demo runs once per session (tests/conftest.py `demo_run`); each test reads its own copy (`demo_db`)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,8 @@ import subprocess
 import sys
 
 import psycopg
-import pytest
 
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]
-
-
-@pytest.fixture
-def demo_db(dsn: str) -> str:
-    subprocess.run([*ROLLBOOK, "demo", "--dsn", dsn, "--rollouts", "12", "--json"], check=True, capture_output=True, timeout=240)
-    return dsn
 
 
 # The first mutation in a continued rollout's replayed history: attempt 0's up to the boundary, then attempt 1's.

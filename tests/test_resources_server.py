@@ -26,6 +26,7 @@ from participants.environments.sandbox import SandboxLimits
 from participants.environments.tasks import make_task
 from participants.guard import Credentials
 from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
+from tests.waiting import QueuedLock, eventually
 
 CREDS = Credentials(control="res-control-token", data="res-data-token")
 AUTH = {"Authorization": f"Bearer {CREDS.control}"}
@@ -180,10 +181,10 @@ async def test_a_mutation_whose_event_cannot_land_leaves_the_session_unchanged(
     await start(store, "w7")
     await open_session(http, "w7", "workplace", 4)
     before = await state(http, "w7")
-    lock = participant.sessions[("w7", 0)].lock
+    lock = participant.sessions[("w7", 0)].lock = QueuedLock()
     await lock.acquire()  # the call is admitted and waits its turn while another writer gets in first
     calling = asyncio.ensure_future(tool(http, "w7", "update_deal", {"deal_id": "D-101", "seats": 77}))
-    await asyncio.sleep(0.2)
+    await lock.queued(1)
     await store.append(AppendRequest((NewEvent(session_stream("w7", 0), "session_note", {}, "w7", 0),)))
     lock.release()
     status, reply = await calling
@@ -199,11 +200,11 @@ async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_read
     await start(store, "w3")
     await start(store, "w4")
     await open_session(http, "w3", "workplace", 5)
-    lock = participant.sessions[("w3", 0)].lock
+    lock = participant.sessions[("w3", 0)].lock = QueuedLock()
     await lock.acquire()  # a mutation in flight: prepare must not report ready before it finishes
     preparing = asyncio.ensure_future(control(http, "prepare"))
-    await asyncio.sleep(0.3)
-    assert not preparing.done()
+    await lock.queued(1)  # prepare waits for the session's lock, so it cannot have answered yet
+    assert not preparing.done() and not participant.admission_open
     lock.release()
     status, report = await preparing
     assert status == 200 and report["ready"] and report["phase"] == "prepared"
@@ -277,13 +278,13 @@ async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_
     await start(store, "sbv")
     await open_session(http, "sbv", "sandbox", 6)  # sandbox verification is `wait`
     verify_path = f"{prefix('sbv', 0)}/verify"
-    lock = participant.sessions[("sbv", 0)].lock
+    lock = participant.sessions[("sbv", 0)].lock = QueuedLock()
     try:
         await lock.acquire()  # holds the verify before it records its result
         verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "no idea"}))
-        await asyncio.sleep(0.2)
+        await lock.queued(1)  # the verify is in progress, waiting to record its result
         status, report = await call(http, "POST", f"{CONTROL}/prepare",
-                                    {"checkpoint_id": "ck1", "deadline": time.time() + 1.0}, AUTH)
+                                    {"checkpoint_id": "ck1", "deadline": time.time() + 2.0}, AUTH)
         assert status == 200 and not report["ready"] and report["blockers"] == ["sbv:0 verify in progress"]
         lock.release()
         assert (await verifying)[1]["status"] == "failed"  # a failed verify keeps the session
@@ -291,9 +292,10 @@ async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_
 
         await lock.acquire()
         verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "still no idea"}))
-        await asyncio.sleep(0.2)
+        await lock.queued(1)
         preparing = asyncio.ensure_future(control(http, "prepare", "ck2"))
-        await asyncio.sleep(0.3)
+        # prepare has closed admission while the verify is held: it can only answer once the verify ends
+        await eventually("prepare to close admission", lambda: not participant.admission_open)
         assert not preparing.done()
         lock.release()
         status, report = await preparing

@@ -34,11 +34,12 @@ from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
 SEED_VARIABLE = "ROLLBOOK_E2E_SEED"
-POLL_S = 0.005
+POLL_CAP_S = 0.02  # short enough to catch a model call of a few tokens in flight
 
 
 # ---- seeds -------------------------------------------------------------------------------------
@@ -91,6 +92,13 @@ class Cluster:
     work: Path
     crashes: int = 0
     started: list[float] = field(default_factory=list)
+    upstream: str | None = None  # the fake vLLM's base URL (tests/fake_vllm.py) when the model server has one
+
+    async def upstream_stall(self, stalled: bool) -> None:
+        """Stall every stream of the upstream before its next step (no call can complete), or let them go."""
+        assert self.upstream is not None, "a cluster made with upstream=True"
+        async with self.session.post(f"{self.upstream}/fake/{'stall' if stalled else 'unstall'}") as resp:
+            assert resp.status == 200, await resp.text()
 
     async def start(self) -> None:
         """Fresh processes of all four kinds (a restored process must never have served sessions)."""
@@ -152,15 +160,10 @@ class Cluster:
 
     async def wait_for(self, what: str, probe: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
         """Poll until `probe` returns something truthy; TimeoutError naming `what` if it never does
-        (not an AssertionError: a scenario that never set up is not an invariant that broke)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            got = await probe()
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(POLL_S)
+        (not an AssertionError: a scenario that never set up is not an invariant that broke).
+        tests/waiting.py's loop: at once, then backing off from 5 ms to POLL_CAP_S, so a long wait
+        does not query the database 200 times a second beside the servers it waits on."""
+        return await eventually(what, probe, timeout, cap=POLL_CAP_S)
 
     async def count(self, prefix: str, kind: str, after: int = 0, attempt: int | None = None) -> int:
         return int(await self.scalar(
@@ -207,6 +210,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
     async def make(token_latency_s: float = 0.006, upstream: bool = False) -> Cluster:
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                    for k in cfg.KINDS}
+        upstream_url = None
         if upstream:
             # The model server in front of a vLLM-style upstream (tests/fake_vllm.py) in its own process,
             # which outlives the crashes as a real inference server would.
@@ -214,6 +218,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
             upstreams.append(subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(port),
                                                "--token-latency-s", str(token_latency_s)], cwd=ROOT))
             await _wait_listening(port)
+            upstream_url = f"http://127.0.0.1:{port}"
             servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1")
@@ -223,7 +228,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")
         cluster = Cluster(config, ServerProcesses(config, work / "rollbook.toml", work),
-                          PostgresEventStore.connect(dsn, writer="e2e-driver"), aiohttp.ClientSession(), work)
+                          PostgresEventStore.connect(dsn, writer="e2e-driver"), aiohttp.ClientSession(), work,
+                          upstream=upstream_url)
         made.append(cluster)
         print(f"server logs: {work}")
         await cluster.start()

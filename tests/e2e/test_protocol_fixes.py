@@ -139,12 +139,20 @@ ORDER BY e.position LIMIT 1
 
 
 async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
-    """A checkpoint taken while model calls are in flight: prepare cuts them (or one completes as it
-    begins), so their custody event lands after their agent's before_model boundary and before P."""
+    """A checkpoint taken while a model call is in flight: prepare cuts it, so its custody event
+    (call_cut) lands after its agent's before_model boundary and before P.
+
+    In flight for sure: the upstream (a fake vLLM) is stalled first, and the call awaited is one
+    accepted after that, which therefore cannot complete before prepare cuts it."""
     coll, run = await launch(c, prefix, n=8)
     await c.wait_count(prefix, "call_completed", 3)
-    await c.call_in_flight(prefix)
-    ck = await coll.checkpoint(c.session, f"{prefix}-ck1")
+    await c.upstream_stall(True)
+    stalled_at = await c.head()
+    await c.call_in_flight(prefix, after=stalled_at)
+    try:
+        ck = await coll.checkpoint(c.session, f"{prefix}-ck1")
+    finally:
+        await c.upstream_stall(False)
     assert ck["published"], ck
     cut = (await c.rows("SELECT data FROM rollbook.events WHERE kind = 'checkpoint_committed' "
                         "AND data->>'checkpoint_id' = :c", c=f"{prefix}-ck1"))[0].data
@@ -165,7 +173,7 @@ async def refused_with_nothing_installed(c: Cluster, coll, checkpoint_id: str, e
 
 
 async def test_an_edited_reply_between_a_boundary_and_the_cut_is_refused_at_restore(cluster_factory) -> None:
-    c = await cluster_factory(token_latency_s=0.02)
+    c = await cluster_factory(token_latency_s=0.02, upstream=True)
     coll, cut = await checkpoint_with_a_reply_after_a_boundary(c, "tam")
     victim = await c.scalar(REPLY_AFTER_BOUNDARY, scope=json.dumps(cut["scope"]), p=cut["position"])
     assert victim is not None, "no call completed or was cut between a boundary and the cut in this run"

@@ -287,7 +287,9 @@ def test_a_postgresql_restart_mid_run_is_ridden_out_without_a_traceback(restarta
     done = [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"done"' in line]
     assert done and done[-1]["finished"] == done[-1]["rollouts"] == len(tasks), log[-2000:]
     assert not (found := tracebacks(work)), "\n".join(found)
-    assert outage < 15, f"the restart took {outage:.1f} s"
+    # The scenario is a short outage that the servers ride out; only a restart that took most of the
+    # servers' patience would make it another scenario (a loaded machine restarts slowly, not wrongly).
+    assert outage < 60, f"the restart took {outage:.1f} s"
 
     async def check() -> None:
         from adapters.postgres import PostgresEventStore
