@@ -12,6 +12,7 @@ document like every other route.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -74,9 +75,11 @@ def _instrument(route: Route, telemetry: Telemetry) -> Route:
     handler = route.handler
 
     async def observed(request: web.Request, body: Any) -> web.StreamResponse:
-        attrs = _attributes(request, body)
-        if header and (value := request.headers.get(header)):
-            attrs[attribute] = value[:200]
+        attrs: dict[str, Any] = {}
+        if telemetry.tracer is not None:  # attributes only for a span: metrics carry no per-rollout labels
+            attrs = _attributes(request, body)
+            if header and (value := request.headers.get(header)):
+                attrs[attribute] = value[:200]
         with telemetry.operation(category, op, attrs):
             return await handler(request, body)
 
@@ -119,7 +122,8 @@ def observe(app: web.Application, routes: list[Route], participant: Any, phases:
         return web.Response(body=encode(telemetry.registry), headers={"Content-Type": content_type})
 
     async def shutdown(app: web.Application) -> None:
-        telemetry.shutdown()
+        # In a thread: flushing to a collector that does not answer blocks for the exporter's timeout.
+        await asyncio.to_thread(telemetry.shutdown)
 
     app.on_cleanup.append(shutdown)
     return [*(_instrument(r, telemetry) for r in routes),
