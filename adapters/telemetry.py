@@ -69,6 +69,8 @@ class Telemetry:
         for error in ("connection_lost", "database_unavailable"):
             self.database_errors.labels(error)  # present at 0 from the first scrape, so rate() works
         self._calls: dict[str, _CallMetrics] = {}
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._phases: dict[str, Any] = {}
         self.provider: TracerProvider | None = None
         self.tracer: Tracer | None = None  # None: spans are off (no exporter configured)
 
@@ -102,45 +104,48 @@ class Telemetry:
     @contextlib.contextmanager
     def operation(self, category: Category, operation: str, attributes: Mapping[str, Any]) -> Iterator[Span | None]:
         """Time one operation into its histogram, count its outcome, and wrap it in a span (when spans are on)."""
-        self.track(category)
+        if category != "phase" and category not in self._calls:
+            self.track(category)
         calls = self._calls.get(category)
         if calls is not None:
             calls.in_flight.inc()
         started = time.perf_counter()
         outcome = "ok"
-        name = f"rollbook.checkpoint.{operation}" if category == "phase" else f"rollbook.{category}"
-        span_cm: contextlib.AbstractContextManager[Span | None] = contextlib.nullcontext(None)
-        if self.tracer is not None:
-            span_cm = self.tracer.start_as_current_span(
-                name, kind=SpanKind.SERVER, attributes={"rollbook.server.kind": self.kind, **attributes},
-                record_exception=False, set_status_on_exception=False)
         try:
-            with span_cm as span:
+            if self.tracer is None:  # the common case: no span, nothing to set up
+                yield None
+                return
+            name = f"rollbook.checkpoint.{operation}" if category == "phase" else f"rollbook.{category}"
+            with self.tracer.start_as_current_span(
+                    name, kind=SpanKind.SERVER, attributes={"rollbook.server.kind": self.kind, **attributes},
+                    record_exception=False, set_status_on_exception=False) as span:
                 try:
                     yield span
-                except RollbookError as exc:
-                    outcome = exc.code
-                    raise
-                except asyncio.CancelledError:
-                    outcome = "cancelled"
-                    raise
-                except Exception as exc:  # an HTTP exception by its status, anything else by its type
-                    status = getattr(exc, "status", None)
-                    outcome = f"http_{status}" if isinstance(status, int) else type(exc).__name__
+                except BaseException as exc:
+                    outcome = _outcome(exc)
                     raise
                 finally:
-                    if span is not None:
-                        span.set_attribute("rollbook.outcome", outcome)
-                        if outcome != "ok":
-                            span.set_status(Status(StatusCode.ERROR, outcome))
+                    span.set_attribute("rollbook.outcome", outcome)
+                    if outcome != "ok":
+                        span.set_status(Status(StatusCode.ERROR, outcome))
+        except BaseException as exc:
+            outcome = _outcome(exc)
+            raise
         finally:
             elapsed = time.perf_counter() - started
-            self.operations.labels(operation, outcome).inc()
+            # Children cached: labels() takes a lock and a lookup, a few microseconds on every call.
+            counter = self._counters.get((operation, outcome))
+            if counter is None:
+                counter = self._counters[(operation, outcome)] = self.operations.labels(operation, outcome)
+            counter.inc()
             if calls is not None:
                 calls.in_flight.dec()
                 calls.seconds.observe(elapsed)
             else:
-                self.phase_seconds.labels(operation).observe(elapsed)
+                histogram = self._phases.get(operation)
+                if histogram is None:
+                    histogram = self._phases[operation] = self.phase_seconds.labels(operation)
+                histogram.observe(elapsed)
 
     # ---- spans -------------------------------------------------------------------------------
 
@@ -156,6 +161,16 @@ class Telemetry:
         """Flush and stop the exporters (at the server's cleanup)."""
         if self.provider is not None:
             self.provider.shutdown()
+
+
+def _outcome(exc: BaseException) -> str:
+    """An operation's outcome label: the error code, `cancelled`, an HTTP status, or the exception's type."""
+    if isinstance(exc, RollbookError):
+        return exc.code
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    status = getattr(exc, "status", None)  # an aiohttp HTTPException
+    return f"http_{status}" if isinstance(status, int) else type(exc).__name__
 
 
 def configure_tracing(telemetry: Telemetry, otlp_endpoint: str | None, exporter: SpanExporter | None = None) -> bool:

@@ -91,19 +91,24 @@ async def one_run(dsn: str, store: PostgresEventStore, mode: str, tag: str, epis
     return {"episodes_per_s": episodes / elapsed, "checkpoint_ms": checkpoint * 1000}
 
 
-def per_operation_us(spans: bool, n: int = 20000) -> float:
-    t = Telemetry("model", "bench")
-    if spans:
-        t.export_spans(Dropping())
+def per_operation_us(n: int = 20000) -> dict[str, float]:
+    """The instrumentation alone, best of 5 x `n`: one wrapped operation, one append reported."""
+    plain, traced = Telemetry("model", "bench"), Telemetry("model", "bench")
+    traced.export_spans(Dropping())
     attrs = {"rollbook.rollout_id": "r-1", "rollbook.attempt": 0, "rollbook.call_id": "r-1.0.t0"}
 
-    def op() -> None:
-        with t.operation("model_call", "chat_completions", attrs):
-            pass
+    def call(t: Telemetry, category: Any, op: str) -> Any:
+        def run() -> None:
+            with t.operation(category, op, attrs):
+                pass
+        return run
 
-    best = min(timeit.repeat(op, number=n, repeat=5)) / n * 1e6
-    t.shutdown()
-    return round(best, 2)
+    cases = {"model_call": call(plain, "model_call", "chat_completions"), "phase": call(plain, "phase", "prepare"),
+             "append_observed": lambda: plain.appended(4, 0.002),
+             "model_call_with_span": call(traced, "model_call", "chat_completions")}
+    out = {name: round(min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6, 2) for name, fn in cases.items()}
+    traced.shutdown()
+    return out
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +141,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python benchmarks/telemetry.py " + " ".join(sys.argv[1:]),
         "episodes": args.episodes, "concurrency": args.concurrency, "repeats": args.repeats,
         "median": summary,
-        "per_operation_us": {"metrics": per_operation_us(False), "metrics_and_spans": per_operation_us(True)},
+        "per_operation_us": per_operation_us(),
         "runs": runs,
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
     }
