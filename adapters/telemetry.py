@@ -92,8 +92,13 @@ class Telemetry:
 
     # ---- operations: checkpoint phases, model calls, tool calls -------------------------------
 
-    def track(self, category: Category) -> None:
-        """Register the metrics of a kind of call this server serves (a model server has no tool calls)."""
+    def track(self, category: Category, operation: str | None = None) -> None:
+        """Register the metrics of an operation this server serves (a model server has no tool calls), so
+        they are scraped at 0 before the first one (a dashboard's rate() needs the series to exist)."""
+        if operation is not None:
+            self._counters.setdefault((operation, "ok"), self.operations.labels(operation, "ok"))
+            if category == "phase":
+                self._phases.setdefault(operation, self.phase_seconds.labels(operation))
         if category != "phase" and category not in self._calls:
             name, what = category.removesuffix("_call"), _CALL_HELP[category]
             self._calls[category] = _CallMetrics(

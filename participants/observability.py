@@ -71,7 +71,7 @@ def _instrument(route: Route, telemetry: Telemetry) -> Route:
         category, header, attribute = CALLS[op]
     else:
         return route
-    telemetry.track(category)
+    telemetry.track(category, op)
     handler = route.handler
 
     async def observed(request: web.Request, body: Any) -> web.StreamResponse:

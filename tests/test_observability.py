@@ -124,7 +124,8 @@ async def test_an_episode_and_a_checkpoint_move_the_counts_histograms_and_gauges
         for kind in KINDS:
             assert value(before[kind], "rollbook_admission_open") == 1
             assert value(before[kind], "rollbook_checkpoint_phase", phase="idle") == 1
-            assert value(before[kind], "rollbook_checkpoint_phase_seconds_count", phase="prepare") == 0
+            for phase in ("prepare", "commit", "restore", "resume"):  # scraped at 0 before the first one
+                assert before[kind][("rollbook_checkpoint_phase_seconds_count", (("phase", phase),))] == 0
         result = await s.episode(WORKPLACE, "m-1")
         assert result["reward"] == 1.0
         events = await all_events(store)
