@@ -12,7 +12,9 @@ resume). Three modes, interleaved within each repeat so a noisy moment does not 
 - spans: metrics and spans, through a BatchSpanProcessor whose exporter drops them (the SDK's cost,
   not a collector's).
 
-Also the cost of one instrumented operation alone (`Telemetry.operation`), in microseconds. Prints one
+Reported per mode (medians): episodes/s (wall clock), the servers' CPU time per episode (this process's
+CPU time: steadier than the wall clock on a shared machine) and the checkpoint's wall time. Also the
+cost of one instrumented operation alone (`Telemetry.operation`), in microseconds. Prints one
 JSON object and writes it to benchmarks/results/telemetry.json. Nothing asserts a time.
 """
 
@@ -77,9 +79,18 @@ async def one_run(dsn: str, store: PostgresEventStore, mode: str, tag: str, epis
                 result = await s.episode(TASK, f"{tag}-{i}")
                 assert result["reward"] == 1.0, result
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(episode(i) for i in range(episodes)))
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        # How many times the instrumentation ran (read from the servers' own registries, metrics modes only).
+        counted = {"operations": 0.0, "appends": 0.0}
+        for srv in s.servers.values():
+            for metric in srv.app[TELEMETRY].registry.collect():
+                for sample in metric.samples:
+                    if sample.name == "rollbook_operations_total":
+                        counted["operations"] += sample.value
+                    elif sample.name == "rollbook_appends_total":
+                        counted["appends"] += sample.value
         coordinator = s.coordinator(store)
         began = time.perf_counter()
         assert (await coordinator.prepare(f"{tag}-ck", time.time() + 60))["ready"]
@@ -88,7 +99,11 @@ async def one_run(dsn: str, store: PostgresEventStore, mode: str, tag: str, epis
         checkpoint = time.perf_counter() - began
     finally:
         await s.close()
-    return {"episodes_per_s": episodes / elapsed, "checkpoint_ms": checkpoint * 1000}
+    # CPU time of this process (the four servers; PostgreSQL is another process) is what the instrumentation
+    # adds to; on a shared machine it is much steadier than the wall clock.
+    return {"episodes_per_s": episodes / elapsed, "server_cpu_ms_per_episode": cpu * 1000 / episodes,
+            "checkpoint_ms": checkpoint * 1000, "operations_per_episode": counted["operations"] / episodes,
+            "appends_per_episode": counted["appends"] / episodes}
 
 
 def per_operation_us(n: int = 20000) -> dict[str, float]:
@@ -134,14 +149,27 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     def median(mode: str, key: str) -> float:
         return round(statistics.median(x[key] for x in runs[mode]), 2)
 
-    summary = {m: {"episodes_per_s": median(m, "episodes_per_s"), "checkpoint_ms": median(m, "checkpoint_ms")} for m in MODES}
+    keys = ("episodes_per_s", "server_cpu_ms_per_episode", "checkpoint_ms")
+    summary: dict[str, dict[str, float]] = {m: {k: median(m, k) for k in keys} for m in MODES}
     for m in ("metrics", "spans"):
         summary[m]["throughput_vs_off"] = round(summary[m]["episodes_per_s"] / summary["off"]["episodes_per_s"], 3)
+        summary[m]["cpu_vs_off"] = round(summary[m]["server_cpu_ms_per_episode"] / summary["off"]["server_cpu_ms_per_episode"], 3)
+    # The instrumentation's own cost per episode: what ran (counted) times what each costs (timed alone),
+    # against the servers' CPU time per episode with it off. A bound the noisy end-to-end figures cannot give.
+    ops, appends = median("metrics", "operations_per_episode"), median("metrics", "appends_per_episode")
+    unit = per_operation_us()
+    metrics_ms = (ops * unit["model_call"] + appends * unit["append_observed"]) / 1000
+    spans_ms = metrics_ms + ops * (unit["model_call_with_span"] - unit["model_call"]) / 1000
+    cpu_off = summary["off"]["server_cpu_ms_per_episode"]
+    estimate = {"operations_per_episode": ops, "appends_per_episode": appends,
+                "metrics_ms_per_episode": round(metrics_ms, 3), "metrics_share_of_cpu": round(metrics_ms / cpu_off, 5),
+                "spans_ms_per_episode": round(spans_ms, 3), "spans_share_of_cpu": round(spans_ms / cpu_off, 5)}
     return {
         "command": "python benchmarks/telemetry.py " + " ".join(sys.argv[1:]),
         "episodes": args.episodes, "concurrency": args.concurrency, "repeats": args.repeats,
         "median": summary,
-        "per_operation_us": per_operation_us(),
+        "per_operation_us": unit,
+        "instrumentation_cost": estimate,
         "runs": runs,
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
     }
