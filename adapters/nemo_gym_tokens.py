@@ -46,7 +46,7 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.export import call_tokens
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
 from engine import token_capture as tc
@@ -114,6 +114,7 @@ class _Client:
 
     # ---- token blobs ---------------------------------------------------------------------------
 
+    @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
     async def _put_blobs(self, arrays: list[tuple[list[int], list[float] | None]]) -> list[Receipt]:
         """Content-addressed rows, one transaction. Committed without waiting for the disk on purpose:
         nothing points at them until the event holding their receipts commits, and that commit
@@ -141,6 +142,7 @@ class _Client:
     async def _put_blob(self, ids: list[int], logprobs: list[float] | None) -> Receipt:
         return (await self._put_blobs([(ids, logprobs)]))[0]
 
+    @retrying("the token store")
     async def _get_blobs(self, blob_ids: list[str]) -> dict[str, tuple[list[int], list[float] | None]]:
         """Each blob re-hashed on read: a trainer never gets tokens that are not what was put."""
         wanted = sorted(set(blob_ids))

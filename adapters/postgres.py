@@ -588,6 +588,16 @@ class PostgresEventStore:
                 text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
                 {"r": rollout_id, "a": attempt})).scalar()
 
+    @retrying("reading sessions")
+    async def open_sessions(self) -> dict[tuple[str, int], str]:
+        """The environment of each live attempt's open resources session, as the log records it."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text(
+                "SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
+                "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'"))
+            return {(r.rollout_id, r.attempt): r.env for r in rows}
+
+    @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:
         async with self.engine.connect() as conn:
             mark = (

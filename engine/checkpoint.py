@@ -65,6 +65,8 @@ class ParticipantStore(CutStore, Protocol):
 
     async def session_revision(self, rollout_id: str, attempt: int) -> int | None: ...
 
+    async def open_sessions(self) -> dict[tuple[str, int], str]: ...
+
 
 @dataclass(frozen=True)
 class ScopeEntry:

@@ -52,7 +52,7 @@ from participants.control_plane import (
     data_path,
     identity,
 )
-from participants.environments import Environment, Task, ToolError, get_environment
+from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
@@ -195,6 +195,11 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
         if is_session_stream(stream, rollout_id) and rev != revision:
             raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {rev}, the replay reaches {revision}")
     return Staged(rollout_id, attempt, env.name, task, state, revision)
+
+
+def restart_only(env_name: str | None) -> bool:
+    env = ENVIRONMENTS.get(env_name or "")
+    return env is not None and env.state_mode == "restart_only"
 
 
 class ResourcesParticipant(Participant):
@@ -500,8 +505,13 @@ class ResourcesParticipant(Participant):
         counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0}
         for s in sessions:
             counts[s.env.state_mode] += 1
-        restarts = [Execution(rollout_id=s.rollout_id, attempt=s.attempt) for s in sessions
-                    if s.env.state_mode == "restart_only"]
+        # A restart-only session a killed predecessor of this process held is in the log, not in memory:
+        # its live process died with it, so it is reported too, or the framework would scope it and
+        # its restore would be refused (`restart_in_scope`).
+        lost = {key for key, env in (await self.store.open_sessions()).items()
+                if key not in self.sessions and restart_only(env)}
+        restarts = [Execution(rollout_id=r, attempt=a) for r, a in sorted(
+            lost | {(s.rollout_id, s.attempt) for s in sessions if s.env.state_mode == "restart_only"})]
         return PrepareReport(ready=not blockers, blockers=blockers, counts=counts, restarts=restarts)
 
     async def restore(self, cut: Cut) -> dict[str, Any]:

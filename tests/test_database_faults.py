@@ -166,3 +166,32 @@ async def test_a_resume_that_could_not_be_recorded_is_503_and_can_be_repeated(ds
         store.engine = healthy
         await server.close()
         await store.close()
+
+
+# Every read a server makes of the store, with arguments of the right shape. A read that reaches the
+# database outside `with_retry` turns a database restart into a traceback and a 500 (CI saw
+# `retired_through`, which every attempt check calls, do exactly that).
+READS = {
+    "head": (), "read_stream": ("s",), "read_all": (), "read_rollout": ("r", 0), "read_rollouts": (["r"],),
+    "stream_hashes": ([("s", 1)],), "attempt_rows": (["r"],), "live_attempts": (),
+    "latest_boundaries": ([("r", 0)], 1, ["agent_boundary"]), "rollout_heads_at": (["r"], 1),
+    "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
+    "open_sessions": (),
+}
+NOT_READS = {"append", "close", "subscribe", "rebuild_projections", "connect"}
+
+
+def test_the_list_of_reads_covers_every_public_method_of_the_store() -> None:
+    public = {name for name in dir(PostgresEventStore) if not name.startswith("_")
+              and callable(getattr(PostgresEventStore, name))}
+    assert public - NOT_READS == set(READS), "a new read of the store: add it to READS"
+
+
+@pytest.mark.parametrize("name", sorted(READS))
+async def test_every_read_of_the_store_waits_out_a_lost_database_then_says_database_unavailable(name: str) -> None:
+    store = PostgresEventStore.connect(dead_dsn(), writer="dead", patience_s=0.3)
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            await getattr(store, name)(*READS[name])
+    finally:
+        await store.close()

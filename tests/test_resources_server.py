@@ -248,6 +248,28 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
     assert await kinds(store, session_stream("sb", 0)) == ["session_opened", "mutation_applied", "session_closed"]
 
 
+async def test_a_fresh_process_reports_the_sandbox_sessions_its_dead_predecessor_held_as_restarts(
+    dsn: str, store: PostgresEventStore
+) -> None:
+    # A killed resources server takes its live shells with it; the log still has their sessions open.
+    # Its successor never held them, yet a checkpoint must not scope them: their restore is refused.
+    for rid in ("sb", "m"):
+        await start(store, rid)
+    async with serving(dsn, "resources-a") as (http, first):
+        await open_session(http, "sb", "sandbox", 1)
+        await open_session(http, "m", "math", 3)
+        for s in first.sessions.values():
+            await first._close_live(s)  # what the SIGKILL did to the shell; nothing reaches the log
+    async with serving(dsn, "resources-b") as (http, second):
+        status, report = await control(http, "prepare")
+        assert status == 200 and report["ready"], report
+        assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]  # the math session rebuilds: not a restart
+        assert second.sessions == {}
+        await control(http, "resume")
+        status, reply = await tool(http, "sb", "run", {"command": "true"})
+        assert (status, reply["error"]["code"]) == (409, "attempt_lost")
+
+
 async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_at_the_deadline(
     served: Served, store: PostgresEventStore
 ) -> None:

@@ -18,7 +18,7 @@ from apps import cli
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
-from tests.e2e.test_run_command import Run
+from tests.e2e.test_run_command import Run, wait_for_a_generation_under_way
 
 
 def export(dsn: str, run_id: str, out: Path) -> list[dict]:
@@ -44,9 +44,11 @@ def test_a_run_crashed_and_restored_mid_generation_exports_what_an_uninterrupted
     work = Path(tempfile.mkdtemp(prefix="rbexport-"))
     tasks = make_tasks(4, seed=5, envs=["blackjack", "math", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0) for k in cfg.KINDS}
     paths = {}
-    for run_id in ("ref", "crash"):
+    # The reference runs on fast tokens; the crashed run on slow ones (about 2 s a reply), which keep each
+    # generation in flight well past the stop, so the stop lands mid-generation. Latency changes no token.
+    for run_id, latency in (("ref", 0.01), ("crash", 0.2)):
+        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=latency if k == "model" else 0.0) for k in cfg.KINDS}
         config = cfg.Config(dsn=dsn, control_token="c0ntrol-t0ken", data_token="data-t0ken", servers=servers, run=cfg.RunConfig(
             run_id=run_id, tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600, concurrency=4))
         paths[run_id] = work / f"{run_id}.toml"
@@ -57,10 +59,18 @@ def test_a_run_crashed_and_restored_mid_generation_exports_what_an_uninterrupted
         ref = Run(paths["ref"])
         ref.wait_for("done", timeout=120)
         assert ref.proc.wait(timeout=30) == 0
+    finally:
+        procs.stop()
+    procs = ServerProcesses(cfg.load(paths["crash"]), paths["crash"], work)
+    procs.start()
+    try:
         crash = Run(paths["crash"])
         crash.wait_for("finished")  # the others are mid-turn, most of them mid-generation
+        wait_for_a_generation_under_way(dsn)
         crash.proc.send_signal(signal.SIGTERM)  # checkpoint and stop: prepare cuts every generation in flight
-        crash.wait_for("stopped")
+        seen = crash.wait_for("stopped")
+        stopped_at = [e for e in seen if e.get("event") == "checkpoint"]
+        assert stopped_at and stopped_at[-1]["published"], stopped_at  # one refused at prepare cuts nothing
         assert crash.proc.wait(timeout=30) == 0
         procs.kill()  # SIGKILL every server
         procs.start()

@@ -13,7 +13,6 @@ import asyncio
 import json
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
@@ -23,7 +22,7 @@ from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 from tests import nemo_gym_env
 from tests.e2e.test_export import export
-from tests.e2e.test_run_command import Run
+from tests.e2e.test_run_command import Run, wait_for_a_generation_under_way
 
 nemo_gym_env.ensure()
 
@@ -39,24 +38,6 @@ async def freeze_all(dsn: str, keys: list[str]) -> list:
         return [await capture.freeze(k) for k in keys]
     finally:
         await capture.close()
-
-
-def wait_for_a_generation_under_way(dsn: str, timeout: float = 60) -> None:
-    """Until some call has streamed for a while with no outcome: stopping now cuts it with tokens in it.
-
-    Waiting on the log rather than on a fixed delay is what keeps this test true on a loaded machine."""
-    end = time.time() + timeout
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.time() < end:
-            under_way = conn.execute(
-                "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
-                "AND a.recorded_at < now() - interval '300 milliseconds' AND NOT EXISTS ("
-                "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
-            ).fetchone()[0]
-            if under_way:
-                return
-            time.sleep(0.02)
-    raise AssertionError(f"no generation under way within {timeout} s")
 
 
 def test_export_and_nemo_gym_token_source_agree_token_for_token_after_a_crash(dsn: str) -> None:

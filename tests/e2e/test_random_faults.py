@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, seed, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from adapters import database
@@ -50,8 +50,11 @@ def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(wo
     print(f"random faults: seed {chosen}, {EXAMPLES} sequences of up to {STEPS} steps "
           f"(replay: ROLLBOOK_STATEFUL_SEED={chosen})")
     machine = seed(chosen)(type("Faults", (FaultMachine,), {"world": world}))
+    # No shrinking: real processes under real faults do not replay a sequence exactly, so shrinking ends
+    # in hypothesis' Flaky error and hides the failure it set out to shrink. The printed steps say what ran.
     run_state_machine_as_test(machine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None, print_blob=True,
+        phases=(Phase.explicit, Phase.generate),
         suppress_health_check=list(HealthCheck)))
     print(f"random faults: operations that took effect: {dict(sorted(TALLY.items()))}")
     # Issue 9, item 3: no server prints a traceback for any of these faults (a database outage included).

@@ -48,6 +48,24 @@ class Run:
         return seen
 
 
+def wait_for_a_generation_under_way(dsn: str, timeout: float = 60) -> None:
+    """Until some call has streamed for a while with no outcome: stopping now cuts it with tokens in it.
+
+    Waiting on the log rather than on a fixed delay is what keeps this test true on a loaded machine."""
+    end = time.time() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.time() < end:
+            under_way = conn.execute(
+                "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
+                "AND a.recorded_at < now() - interval '300 milliseconds' AND NOT EXISTS ("
+                "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
+            ).fetchone()[0]
+            if under_way:
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no generation under way within {timeout} s")
+
+
 def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="rbrun-"))
     tasks = make_tasks(8, seed=3, envs=["workplace", "blackjack", "math"])
