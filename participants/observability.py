@@ -58,7 +58,7 @@ def _attributes(request: web.Request, body: Any) -> dict[str, Any]:
         except RollbookError:
             pass
     if "name" in request.match_info:
-        attrs["rollbook.tool"] = request.match_info["name"]
+        attrs["rollbook.tool"] = request.match_info["name"][:200]
     return attrs
 
 
