@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import ast
-import operator
 import random
 import re
 from typing import ClassVar
 
 from . import players
+from .arithmetic import evaluate
 from .base import JSON, StatelessEnvironment, Task, Trajectory
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def evaluate(expression: str) -> int:
-    """Integer arithmetic with + - * only; never eval(), the text may come from a model."""
-
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](walk(node.left), walk(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        raise ValueError(f"unsupported expression: {expression!r}")
-
-    return walk(ast.parse(expression, mode="eval"))
 
 
 def last_number(text: str | None) -> float | None:

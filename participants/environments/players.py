@@ -10,21 +10,20 @@ replayed or resumed rollout gets byte-identical replies.
 
 from __future__ import annotations
 
-import ast
 import datetime as dt
 import hashlib
 import json
-import operator
 import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .arithmetic import evaluate
+
 MATH_SLIP = 0.2
 STRING_SLIP = 0.1
 WORKPLACE_SLIP = 0.12
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 @dataclass(frozen=True)
@@ -110,22 +109,9 @@ def _blackjack(history: list[Step]) -> Call | Answer:
 # -- single-turn tasks ---------------------------------------------------------------
 
 
-def _evaluate(expression: str) -> int:
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](walk(node.left), walk(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        raise ValueError("unsupported expression")
-
-    return walk(ast.parse(expression.strip(), mode="eval").body)
-
-
 def _math(expression: str, chance: float) -> Answer:
     try:
-        value = _evaluate(expression)
+        value = evaluate(expression)
     except (ValueError, SyntaxError):
         return Answer("I cannot work that out.")
     if chance < MATH_SLIP:
