@@ -28,9 +28,10 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 import sqlalchemy.exc
@@ -72,6 +73,16 @@ DEFAULT_PATIENCE_S = float(os.environ.get("ROLLBOOK_DB_PATIENCE_S") or 20.0)
 _T = TypeVar("_T")
 
 
+class StoreObserver(Protocol):
+    """Told of appends and database faults (adapters.telemetry.Telemetry is one): plain calls, made on
+    the event loop, that must not block or raise."""
+
+    def appended(self, events: int, seconds: float) -> None: ...
+    def append_failed(self, code: str) -> None: ...
+    def connection_lost(self, what: str) -> None: ...
+    def database_unavailable(self, what: str) -> None: ...
+
+
 def connection_lost(exc: BaseException) -> bool:
     """Whether `exc` says the database connection failed (retry), not that the statement was wrong."""
     if isinstance(exc, sqlalchemy.exc.DBAPIError):
@@ -85,14 +96,17 @@ def retrying(what: str) -> Callable[[Callable[..., Awaitable[_T]]], Callable[...
     def wrap(fn: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
         @functools.wraps(fn)
         async def retried(self: Any, *args: Any, **kw: Any) -> _T:
-            return await with_retry(lambda: fn(self, *args, **kw), getattr(self, "patience_s", DEFAULT_PATIENCE_S), what)
+            return await with_retry(lambda: fn(self, *args, **kw), getattr(self, "patience_s", DEFAULT_PATIENCE_S), what,
+                                    getattr(self, "observers", ()))
         return retried
     return wrap
 
 
-async def with_retry(op: Callable[[], Awaitable[_T]], patience_s: float = DEFAULT_PATIENCE_S, what: str = "a query") -> _T:
+async def with_retry(op: Callable[[], Awaitable[_T]], patience_s: float = DEFAULT_PATIENCE_S, what: str = "a query",
+                     observers: Sequence[StoreObserver] = ()) -> _T:
     """Run `op`, again after a lost connection, with backoff, for up to `patience_s` seconds.
-    `op` must be safe to repeat (a read, or an append with its idempotency key)."""
+    `op` must be safe to repeat (a read, or an append with its idempotency key). `observers` hear of
+    each lost connection and of giving up."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + patience_s
     delay = 0.05
@@ -103,8 +117,12 @@ async def with_retry(op: Callable[[], Awaitable[_T]], patience_s: float = DEFAUL
             if not connection_lost(exc):
                 raise
             if loop.time() + delay > deadline:
+                for o in observers:
+                    o.database_unavailable(what)
                 raise DatabaseUnavailable(f"the database did not answer {what} for {patience_s:g} s: "
                                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+            for o in observers:
+                o.connection_lost(what)
             log.warning("database connection lost during %s; retrying in %.2f s", what, delay)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
@@ -188,6 +206,7 @@ class PostgresEventStore:
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._notify_pending = False
+        self.observers: list[StoreObserver] = []  # told of every append and database fault (a server's metrics)
 
     @classmethod
     def connect(cls, dsn: str, writer: str, pool_size: int = 5, **kw: Any) -> PostgresEventStore:
@@ -218,7 +237,18 @@ class PostgresEventStore:
         self._wakeup.set()
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._run_worker())
-        return await pending.future
+        if not self.observers:
+            return await pending.future
+        started = time.perf_counter()
+        try:
+            written = await pending.future
+        except Exception as exc:
+            for o in self.observers:
+                o.append_failed(exc.code if isinstance(exc, RollbookError) else type(exc).__name__)
+            raise
+        for o in self.observers:
+            o.appended(len(request.events), time.perf_counter() - started)
+        return written
 
     async def _run_worker(self) -> None:
         while True:
@@ -233,7 +263,8 @@ class PostgresEventStore:
                 requests = [p.request for p in group]
                 try:
                     # A lost connection is retried: the keys make a retry of a committed group return it.
-                    outcomes = await with_retry(lambda r=requests: self._commit_group(r), self.patience_s, "an append")  # type: ignore[misc]
+                    outcomes = await with_retry(lambda r=requests: self._commit_group(r), self.patience_s, "an append",  # type: ignore[misc]
+                                                self.observers)
                 except Exception as exc:  # the whole transaction failed: every caller in it hears why
                     for p in group:
                         if not p.future.done():

@@ -31,7 +31,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import sqlalchemy_url
-from adapters.postgres import retrying
+from adapters.postgres import StoreObserver, retrying
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
@@ -203,6 +203,7 @@ class PostgresTokenStore(_TokenStore):
             self.engine = engine_or_dsn
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self.observers: list[StoreObserver] = []  # told of lost connections (`retrying` reads this)
 
     async def close(self) -> None:
         if self._owns_engine:

@@ -28,6 +28,9 @@
     output_bytes = 8000
     timeout_s = 10.0
 
+    [telemetry]                               # optional; GET /metrics is always served (control credential)
+    otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
+
     [run]
     run_id = "eval-1"
     tasks = "tasks.jsonl"                     # one task per line: {"env", "task_id", "prompt", "params"}
@@ -108,6 +111,11 @@ class SandboxConfig(Strict):
         return SandboxLimits(**self.model_dump())
 
 
+class TelemetryConfig(Strict):
+    # The only address spans are sent to: from this file, never from a request.
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+(/[^\s]*)?$", max_length=2000)
+
+
 class Config(Strict):
     dsn: str | None = None
     # Never in a repr or a log line: pydantic leaves repr=False fields out.
@@ -115,6 +123,7 @@ class Config(Strict):
     data_token: str = Field(min_length=8, repr=False)
     servers: dict[Kind, ServerConfig]
     sandbox: SandboxConfig | None = None  # absent: the sandbox environment is off
+    telemetry: TelemetryConfig | None = None  # absent: metrics only, no spans exported
     run: RunConfig | None = None
 
     @model_validator(mode="after")
@@ -180,6 +189,8 @@ def write(config: Config, path: str | Path) -> None:
         lines.append("\n[sandbox]")
         for key, value in config.sandbox.model_dump().items():
             lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
+    if config.telemetry and config.telemetry.otlp_endpoint:
+        lines.append(f"\n[telemetry]\notlp_endpoint = {_q(config.telemetry.otlp_endpoint)}")
     if config.run:
         lines.append("\n[run]")
         for key, value in config.run.model_dump().items():

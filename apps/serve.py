@@ -9,7 +9,9 @@ from aiohttp import web
 
 from adapters import database
 from adapters.postgres import PostgresEventStore
+from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
+from participants.observability import TELEMETRY
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
@@ -44,6 +46,9 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
 
         app = build_environment_app(store, config.credentials, config.url("agent"), config.url("resources"),
                                     instance=instance, environments=config.environments())
+
+    # Spans only where the config names an OTLP endpoint; /metrics is served either way.
+    configure_tracing(app[TELEMETRY], config.telemetry.otlp_endpoint if config.telemetry else None)
 
     async def close_store(app: web.Application) -> None:
         await store.close()

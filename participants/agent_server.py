@@ -421,6 +421,9 @@ class AgentParticipant(Participant):
             s.revision_seen = revision
         return json.dumps(out.get("output"), sort_keys=True), bool(out.get("done"))
 
+    def in_flight(self) -> int:
+        return sum(1 for _, task in self.running.values() if not task.done())
+
     async def list_sessions(self, request: web.Request, _body: None) -> web.Response:
         rows = [{"rollout_id": s.rollout_id, "attempt": s.attempt, "activation": s.index, "state": s.state, "turn": s.turn}
                 for s in self.sessions.values()]

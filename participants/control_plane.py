@@ -194,6 +194,10 @@ class Participant:
     async def forget(self, rollout_id: str) -> None:
         return None
 
+    def in_flight(self) -> int:
+        """Rollout attempts with work in progress here (the `rollbook_rollouts_in_flight` gauge)."""
+        return 0
+
     def routes(self) -> list[Route]:
         """The server's data routes (participants.guard.Route): mounted and documented alike."""
         return []
@@ -434,6 +438,7 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
 
     Every route, the document included, needs a credential (participants.guard)."""
+    from participants.observability import observe
     from participants.openapi import document
 
     plane = ControlPlane(participant, grace)
@@ -443,8 +448,10 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     async def openapi(request: web.Request, _body: None) -> web.Response:
         return web.json_response(doc)
 
-    routes = [*plane.routes(), *participant.routes(),
-              Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")]
+    # Metrics and spans (participants.observability): phases and calls wrapped, GET /metrics added.
+    routes = observe(app, [*plane.routes(), *participant.routes(),
+                           Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")],
+                     participant, plane.phases)
     doc = document(f"rollbook {participant.kind} server", routes)
     app.add_routes([r.mount() for r in routes])
 

@@ -344,6 +344,9 @@ class EnvironmentParticipant(Participant):
         status = {"finished": "finished", "live": "not_running"}.get(row["status"], row["status"])
         return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
 
+    def in_flight(self) -> int:
+        return sum(1 for task in self.tasks.values() if not task.done())
+
     def routes(self) -> list[Route]:
         from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
 

@@ -206,6 +206,7 @@ class Route:
     stream: bool = False  # the 200 reply may also be text/event-stream
     name: str = ""
     basic: bool = False  # also HTTP Basic with the credential as password (clients that can only set a URL)
+    media: tuple[str, ...] = ()  # the 200 reply is text in one of these media types, not JSON (GET /metrics)
 
     @property
     def operation_id(self) -> str:

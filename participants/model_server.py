@@ -283,6 +283,9 @@ class ModelParticipant(Participant):
     def held(self) -> int:
         return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)
 
+    def in_flight(self) -> int:
+        return len({(c.rollout_id, c.attempt) for c in self.calls.values() if not c.done.is_set()})
+
     def routes(self) -> list[Route]:
         headers = (
             Header(CALL_ID_HEADER, ID_PATTERN, description="the call's id: a repeat with the same body gets the same reply"),

@@ -39,7 +39,8 @@ def document(title: str, routes: list[Route]) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for r in routes:
         ok_schema = _ref(r.reply) if r.reply is not None else {"type": "object"}
-        content: dict[str, Any] = {"application/json": {"schema": ok_schema}}
+        content: dict[str, Any] = ({m: {"schema": {"type": "string"}} for m in r.media} if r.media
+                                   else {"application/json": {"schema": ok_schema}})
         if r.stream:
             content["text/event-stream"] = {"schema": {"type": "string"}}
         responses: dict[str, Any] = {"200": {"description": "ok", "content": content}}

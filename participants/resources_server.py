@@ -444,6 +444,9 @@ class ResourcesParticipant(Participant):
     async def no_identity(self, request: web.Request, _body: Any) -> web.Response:
         raise RolloutIdRequired("data routes live under /rollouts/{rollout_id}/attempts/{attempt}/")
 
+    def in_flight(self) -> int:
+        return len(self.sessions)  # open sessions: their rollouts are under way
+
     def routes(self) -> list[Route]:
         session = ("stale_attempt", "invalid_identifier", "not_found", "admission_closed", "tool_error")
         routes = [

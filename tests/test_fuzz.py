@@ -30,6 +30,7 @@ from schemathesis.specs.openapi.checks import (
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from participants.control_plane import CONTROL, OPENAPI_PATH
+from participants.observability import METRICS_PATH
 
 # Bounded by the examples per operation (about 1,400 requests over the four servers); the timeout is
 # the backstop that keeps a slow machine from holding CI.
@@ -72,7 +73,7 @@ def fuzz(kind: str, config: cfg.Config, http: requests.Session) -> dict[str, int
     for result in schema.get_all_operations():
         op = result.ok()
         counts["operations"] += 1
-        right = control if op.path.startswith(CONTROL) else data
+        right = control if op.path.startswith(CONTROL) or op.path == METRICS_PATH else data
         wrong = [{}, {"Authorization": "Bearer not-a-credential"}] + ([] if op.path == OPENAPI_PATH else [
             data if right is control else control])
         for mode, n in EXAMPLES.items():
