@@ -57,7 +57,6 @@ from benchmarks import commit as bcommit  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
-from tests import pg  # noqa: E402
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
 
@@ -110,7 +109,7 @@ async def _round_trip_ms(session: aiohttp.ClientSession, config: cfg.Config) -> 
     return total
 
 
-async def collection_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+async def collection_part(server: bappend.Server, args: argparse.Namespace) -> dict[str, Any]:
     url = server.new_database()
     work = Path(tempfile.mkdtemp(prefix="rb-bench-"))
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
@@ -225,14 +224,14 @@ async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, stor
 # ---- restore's check against one SELECT -------------------------------------------------------------
 
 
-async def restore_check_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+async def restore_check_part(server: bappend.Server, args: argparse.Namespace) -> dict[str, Any]:
     ns = argparse.Namespace(episodes=args.episodes)
     worlds: dict[str, tuple[str, PostgresEventStore, dict[str, Any]]] = {}
     scope = [(f"e{i:05d}", 0) for i in range(args.episodes)]
     runs: dict[str, dict[str, list[float]]] = {}
     try:
         for size in ("1kb", "1mb"):
-            worlds[size] = await bcommit.build(server, size, ns)
+            worlds[size] = await bcommit.build(server.admin_dsn, size, ns)
         cuts = {size: await make_cut(store, "warmup", scope, []) for size, (_, store, _) in worlds.items()}
         for size in worlds:
             runs[size] = {"validate_ms": [], "select_ms": [], "make_cut_ms": []}
@@ -257,7 +256,7 @@ async def restore_check_part(server: pg.Server, args: argparse.Namespace) -> dic
 # ---- appends and peers ------------------------------------------------------------------------------
 
 
-def append_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
+def append_part(server: bappend.Server, args: argparse.Namespace) -> dict[str, Any]:
     w, s = args.warmup, args.seconds
     runs: dict[str, list[float]] = {k: [] for k in ("batched_8", "copy_8", "single_64", "raw_64", "eventsourcing_64", "dbos_64")}
     notes: dict[str, str] = {}
@@ -298,7 +297,7 @@ def append_part(server: pg.Server, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def export_part(server: pg.Server, args: argparse.Namespace, restore_check: dict[str, Any] | None) -> dict[str, Any]:
+def export_part(server: bappend.Server, args: argparse.Namespace, restore_check: dict[str, Any] | None) -> dict[str, Any]:
     runs = [peers.file_export(args.export_sessions)["ms"] for _ in range(args.repeats)]
     out = {"sessions": args.export_sessions, "session_bytes": 350 * 1024, "file_export_ms": med(runs), "runs_ms": runs}
     if restore_check and "1mb" in restore_check:
@@ -407,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     only = set(filter(None, args.only.split(","))) or {"collection", "restore_check", "appends", "export"}
     began = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
-    server = bcommit.start_server()
+    server = bappend.start_server(None)
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
 

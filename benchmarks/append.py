@@ -76,12 +76,17 @@ class Server:
     cleanup: Any = None
     databases: list[str] = field(default_factory=list)
 
-    def new_database(self, migrate: bool) -> str:
+    def new_database(self, migrate: bool = True) -> str:
         name = f"rollbook_bench_{os.getpid()}_{next(_dbcounter)}"
         with contextlib.redirect_stdout(sys.stderr):
             url = scratch_database(self.admin_dsn, name, migrate=migrate)
         self.databases.append(url)
         return url
+
+    def drop_database(self, url: str) -> None:
+        if url in self.databases:  # one made elsewhere on this server (benchmarks/commit.py) is dropped too
+            self.databases.remove(url)
+        drop_database(url)
 
     def close(self) -> None:
         for url in self.databases:
