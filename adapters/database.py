@@ -7,18 +7,19 @@ or ahead and names the command to run. The embedded default upgrades itself.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from adapters import embedded
 from engine.errors import ConfigError, SchemaMismatch
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -35,6 +36,8 @@ def resolve_dsn(dsn: str | None = None) -> tuple[str, bool]:
     if chosen:
         check_dsn_form(chosen)
         return chosen, False
+    from adapters import embedded
+
     return embedded.start(), True
 
 
@@ -66,40 +69,68 @@ def libpq_dsn(dsn: str) -> str:
 
 
 def _alembic_config(dsn: str) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(dsn).replace("%", "%%"))
     return cfg
 
 
+_REVISION_LINE = re.compile(r"^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+)$", re.MULTILINE)
+
+
+@functools.cache
+def known_revisions() -> tuple[str, frozenset[str]]:
+    """(the newest revision, every revision) of this code's migrations, read from the files' own
+    `revision` and `down_revision` lines. Every server start and every status answer checks the
+    schema; loading Alembic for that cost 0.4 s of CPU per process, and the suite starts hundreds.
+    tests/test_schema.py holds the answer equal to Alembic's."""
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    for path in (MIGRATIONS / "versions").glob("*.py"):
+        lines = dict(_REVISION_LINE.findall(path.read_text()))
+        revisions.add(ast.literal_eval(lines["revision"]))
+        down = ast.literal_eval(lines["down_revision"])
+        parents.update([down] if isinstance(down, str) else down or ())
+    heads = revisions - parents
+    if len(heads) != 1:
+        raise RuntimeError(f"the migrations in {MIGRATIONS} have {len(heads)} heads ({sorted(heads)}), not one")
+    return heads.pop(), frozenset(revisions)
+
+
 def code_revision() -> str:
-    head = ScriptDirectory.from_config(_alembic_config("postgresql://x/y")).get_current_head()
-    assert head is not None
-    return head
+    return known_revisions()[0]
 
 
 def database_revision(dsn: str) -> str | None:
-    engine = create_engine(sqlalchemy_url(dsn))
-    try:
-        with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"version_table_schema": "rollbook"})
-            return ctx.get_current_revision()
-    finally:
-        engine.dispose()
+    """The revision the database's schema is at (None: never migrated)."""
+    import psycopg
+
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        try:
+            rows = conn.execute("SELECT version_num FROM rollbook.alembic_version").fetchall()
+        except psycopg.errors.UndefinedTable:
+            return None
+    if len(rows) > 1:
+        raise SchemaMismatch(f"the database schema is at {len(rows)} revisions at once ({sorted(r[0] for r in rows)})",
+                             database=",".join(sorted(r[0] for r in rows)), code=code_revision())
+    return rows[0][0] if rows else None
 
 
 def upgrade(dsn: str) -> str:
+    from alembic import command
+
     command.upgrade(_alembic_config(dsn), "head")
     return code_revision()
 
 
 def check_schema(dsn: str) -> None:
     """Refuse to run against a schema this code does not match."""
-    have, want = database_revision(dsn), code_revision()
+    have = database_revision(dsn)
+    want, known = known_revisions()
     if have == want:
         return
-    scripts = ScriptDirectory.from_config(_alembic_config(dsn))
-    known = {rev.revision for rev in scripts.walk_revisions()}
     if have is not None and have not in known:
         raise SchemaMismatch(
             f"the database schema is at revision {have}, ahead of this code ({want}); "
@@ -118,7 +149,7 @@ def check_schema(dsn: str) -> None:
 def prepare_database(dsn: str | None = None) -> str:
     """Resolve the DSN and make sure its schema is usable; return the DSN."""
     chosen, is_embedded = resolve_dsn(dsn)
-    if is_embedded:
+    if is_embedded and database_revision(chosen) != code_revision():
         upgrade(chosen)
     else:
         check_schema(chosen)

@@ -8,7 +8,7 @@ import errno
 import json
 import sys
 
-from adapters import database, embedded
+from adapters import database
 from engine.errors import ConfigError, RollbookError
 
 
@@ -20,9 +20,13 @@ def _db(args: argparse.Namespace) -> int:
         rev = database.upgrade(dsn)
         print(json.dumps({"dsn": database.libpq_dsn(dsn), "revision": rev}))
     elif args.action == "stop":
+        from adapters import embedded
+
         stopped = embedded.stop()
         print("stopped the embedded PostgreSQL" if stopped else "the embedded PostgreSQL was not running")
     elif args.action == "status":
+        from adapters import embedded
+
         print(json.dumps({"home": str(embedded.home()), "embedded_dsn": embedded.running_dsn()}))
     return 0
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import compileall
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from adapters.postgres import PostgresEventStore
 from tests import pg
 from tests.pg import DemoRun
 
+ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
 _started: dict[str, pg.Server] = {}
 
@@ -18,6 +21,14 @@ def _server(name: str) -> pg.Server:
     if name not in _started:
         _started[name] = pg.primary_server() if name == "primary" else pg.pg15_server()
     return _started[name]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the project's modules once, before any server process starts. Where
+    PYTHONDONTWRITEBYTECODE is set (this machine kind sets it), no process writes bytecode, so each of
+    the hundreds of servers the suite starts would compile them again: 0.45 s of CPU apiece."""
+    for package in ("engine", "participants", "adapters", "apps", "migrations", "tests"):
+        compileall.compile_dir(ROOT / package, quiet=2)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

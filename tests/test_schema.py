@@ -27,3 +27,14 @@ def test_schema_ahead_refuses(dsn: str) -> None:
     with pytest.raises(SchemaMismatch) as err:
         database.check_schema(dsn)
     assert "ahead" in err.value.detail
+
+
+def test_the_revisions_read_from_the_migration_files_are_alembics() -> None:
+    """Servers check the schema without loading Alembic (adapters.database.known_revisions reads the
+    files' revision lines); Alembic's own reading of the same files must agree."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(database._alembic_config("postgresql://x/y"))
+    head, known = database.known_revisions()
+    assert head == scripts.get_current_head()
+    assert known == {rev.revision for rev in scripts.walk_revisions()}
