@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -17,11 +18,36 @@ from pathlib import Path
 from adapters.http_client import CONTROL
 from apps.config import KINDS, Config
 
+PORT_MARKS = Path(tempfile.gettempdir()) / f"rollbook-ports-{os.getuid()}"
+PORT_HELD_S = 600.0  # far longer than any server takes to bind the port it was handed
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 that nothing listens on and that no rollbook process on this machine was
+    handed in the last ten minutes. The kernel may give one free port to two processes that ask before
+    either binds it (two demos at once, the parallel test workers); a mark file, created exclusively,
+    settles which one gets it."""
+    PORT_MARKS.mkdir(exist_ok=True)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        mark = PORT_MARKS / str(port)
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return port
+        except FileExistsError:
+            _forget_stale_marks()
+
+
+def _forget_stale_marks() -> None:
+    now = time.time()
+    for mark in PORT_MARKS.iterdir():
+        try:
+            if now - mark.stat().st_mtime > PORT_HELD_S:
+                mark.unlink()
+        except FileNotFoundError:
+            pass  # another process forgot it first
 
 
 @dataclass

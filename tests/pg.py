@@ -82,6 +82,16 @@ class Server:
             fn()
 
 
+def forgetful(admin_dsn: str) -> None:
+    """No fsync on a test server of our own: it is deleted at the end, and nothing here survives an
+    operating-system crash, only killed processes and restarts, which lose nothing either way. A
+    commit then waits about 0.1 ms instead of 0.4 ms."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+            conn.execute(f"ALTER SYSTEM SET {setting} = off")
+        conn.execute("SELECT pg_reload_conf()")
+
+
 def _docker_answers() -> bool:
     if shutil.which("docker") is None:
         return False
@@ -105,6 +115,7 @@ def primary_server() -> Server:
         container = PostgresContainer("postgres:17", driver=None).start()
         return Server("docker", container.get_connection_url(), stop=[container.stop])
     admin, cleanup = embedded.throwaway("rbt-")
+    forgetful(admin)
     return Server("embedded", admin, stop=[cleanup])
 
 
@@ -135,7 +146,9 @@ def pg15_server() -> Server:
         subprocess.run([PG15_BIN / "pg_ctl", "-D", data, "-w", "-m", "immediate", "stop"], capture_output=True, user=user)
         shutil.rmtree(root, ignore_errors=True)
 
-    return Server("pg15", f"postgresql://postgres@/postgres?host={root}", stop=[stop])
+    admin = f"postgresql://postgres@/postgres?host={root}"
+    forgetful(admin)
+    return Server("pg15", admin, stop=[stop])
 
 
 def restartable_server() -> tuple[Server, Callable[[], None]]:
@@ -164,4 +177,5 @@ def restartable_server() -> tuple[Server, Callable[[], None]]:
         server.cleanup()
         shutil.rmtree(data.parent, ignore_errors=True)
 
+    forgetful(server.get_uri("postgres"))
     return Server("restartable", server.get_uri("postgres"), stop=[stop]), restart
