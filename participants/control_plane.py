@@ -9,6 +9,7 @@ for a given server is its `Participant` subclass's business.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, ClassVar, Literal
@@ -445,14 +446,18 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     app = web.Application(middlewares=[errors_as_json, authenticate(credentials)], client_max_size=MAX_BODY_BYTES)
     app[PARTICIPANT] = participant
 
+    @functools.cache
+    def doc() -> dict[str, Any]:
+        # Built on first request: pydantic's schemas take 40 ms of CPU, at every start of every server.
+        return document(f"rollbook {participant.kind} server", routes)
+
     async def openapi(request: web.Request, _body: None) -> web.Response:
-        return web.json_response(doc)
+        return web.json_response(doc())
 
     # Metrics and spans (participants.observability): phases and calls wrapped, GET /metrics added.
     routes = observe(app, [*plane.routes(), *participant.routes(),
                            Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")],
                      participant, plane.phases)
-    doc = document(f"rollbook {participant.kind} server", routes)
     app.add_routes([r.mount() for r in routes])
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
