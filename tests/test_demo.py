@@ -1,6 +1,9 @@
-"""`rollbook history` and `rollbook replay` on the database a demo leaves behind, with no server running.
+"""The finished demo: what it reports, then `rollbook history` and `rollbook replay` on the database it
+leaves behind, with no server running.
 
-The demo runs once per session (tests/conftest.py `demo_run`); each test reads its own copy (`demo_db`)."""
+The demo runs once per session (tests/conftest.py `demo_run`); each test that edits reads its own copy
+(`demo_db`). Every test that needs the demo lives in this file: the suite's workers take a file each, so
+the demo runs on one worker only."""
 
 from __future__ import annotations
 
@@ -10,7 +13,20 @@ import sys
 
 import psycopg
 
+from tests.pg import DemoRun
+
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]
+
+
+def test_demo_continues_rollouts_without_repeating_work(demo_run: DemoRun) -> None:
+    assert demo_run.returncode == 0, demo_run.stderr[-2000:]  # the session's one demo (tests/conftest.py)
+    s = json.loads(demo_run.stdout)
+    assert s["continued"] > 0
+    assert s["completed_before_checkpoint"] + s["continued"] + s["restarted"] == s["rollouts"] == 12
+    assert s["repeated_model_calls"] == 0 and s["repeated_mutations"] == 0 and s["repeated_mutations_within_attempt"] == 0
+    assert s["unfinished"] == 0 and s["finished_twice"] == 0
+    # The scripted policy is deterministic, so continuing must not change any reward.
+    assert s["mean_reward_checkpointed"] == s["mean_reward_uninterrupted"]
 
 
 # The first mutation in a continued rollout's replayed history: attempt 0's up to the boundary, then attempt 1's.
