@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -51,6 +52,7 @@ from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
+    DatabaseUnavailable,
     GenerationFailed,
     RollbookError,
     RolloutIdRequired,
@@ -84,6 +86,8 @@ from participants.openai_wire import (
     usage_chunk,
     whole_delta,
 )
+
+log = logging.getLogger(__name__)
 
 CALL_ID_HEADER = "X-Rollbook-Call-Id"
 PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
@@ -518,6 +522,11 @@ class ModelParticipant(Participant):
                 await self._append(NewEvent(call_stream(call.call_id), ev.CALL_FAILED, failed, call.rollout_id, call.attempt))
             except StaleAttempt as stale:
                 error = stale
+            except DatabaseUnavailable as lost:
+                # Neither the outcome nor the failure could be written. The log holds the call as accepted
+                # with no outcome, which is what a crash here would leave, and what recovery and a retry expect.
+                log.warning("call %s: could not record its outcome: %s", call.call_id, lost.detail)
+                error = lost
             finally:
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -203,3 +204,38 @@ async def test_every_read_of_the_store_waits_out_a_lost_database_then_says_datab
             await getattr(store, name)(*READS[name])
     finally:
         await store.close()
+
+
+async def test_a_call_whose_outcome_cannot_be_recorded_is_503_and_its_generation_ends_without_an_error(
+        dsn: str) -> None:
+    """The bad input: the database goes away while a reply is being generated and stays away past the
+    store's patience, so neither the reply nor the failure can be recorded. The caller is told
+    database_unavailable; the generation's task ends without an exception (an escaped one is a traceback
+    in the server's log); the log holds the call as accepted with no outcome, as a crash would leave it."""
+    from adapters.token_store import PostgresTokenStore
+    from participants.control_plane import PARTICIPANT
+    from tests.test_model_server import MATH, HeldAfter, call_headers, kinds, model_server, start_attempt, url
+
+    store = PostgresEventStore.connect(dsn, writer="model-db", patience_s=0.2)
+    tokens = PostgresTokenStore(dsn)
+    healthy = store.engine
+    try:
+        await start_attempt(store, "rdb")
+        backend = HeldAfter(2)  # in flight until released
+        async with model_server(store, backend, tokens) as client:
+            pending = asyncio.ensure_future(client.post(url("rdb"), json=MATH, headers=call_headers("rdb.0.t0")))
+            await asyncio.wait_for(backend.holding.wait(), 30)
+            generation = client.server.app[PARTICIPANT].calls["rdb.0.t0"].task
+            store.engine = create_async_engine(sqlalchemy_url(dead_dsn()))  # the database goes away
+            backend.release.set()
+            reply = await pending
+            assert (reply.status, (await reply.json())["error"]["code"]) == (503, "database_unavailable")
+            await asyncio.wait({generation}, timeout=30)
+            assert generation.done() and generation.exception() is None, generation
+            await store.engine.dispose()
+            store.engine = healthy  # the database is back
+        assert await kinds(store, "rdb.0.t0") == ["call_accepted"]
+    finally:
+        store.engine = healthy
+        await store.close()
+        await tokens.close()
