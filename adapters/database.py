@@ -113,8 +113,9 @@ def database_revision(dsn: str) -> str | None:
         except psycopg.errors.UndefinedTable:
             return None
     if len(rows) > 1:
-        raise SchemaMismatch(f"the database schema is at {len(rows)} revisions at once ({sorted(r[0] for r in rows)})",
-                             database=",".join(sorted(r[0] for r in rows)), code=code_revision())
+        at = ",".join(sorted(r[0] for r in rows))
+        raise SchemaMismatch(f"the database schema is at {len(rows)} revisions at once ({at})", database=at,
+                             code=code_revision())
     return rows[0][0] if rows else None
 
 

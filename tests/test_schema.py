@@ -29,6 +29,16 @@ def test_schema_ahead_refuses(dsn: str) -> None:
     assert "ahead" in err.value.detail
 
 
+def test_a_schema_at_two_revisions_at_once_refuses(dsn: str) -> None:
+    """The bad input: a second row in the version table, as two half-applied branches would leave it."""
+    head = database.code_revision()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO rollbook.alembic_version VALUES ('0001_other_branch')")
+    with pytest.raises(SchemaMismatch) as err:
+        database.check_schema(dsn)
+    assert f"2 revisions at once (0001_other_branch,{head})" in err.value.detail
+
+
 def test_the_revisions_read_from_the_migration_files_are_alembics() -> None:
     """Servers check the schema without loading Alembic (adapters.database.known_revisions reads the
     files' revision lines); Alembic's own reading of the same files must agree."""
