@@ -541,7 +541,9 @@ class PostgresEventStore:
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[tuple[str, int], dict[str, Any]]:
         async with self.engine.connect() as conn:
             rows = await conn.execute(
-                text("SELECT * FROM rollbook.attempt_state WHERE rollout_id = ANY(:r)"), {"r": list(rollout_ids)}
+                text("SELECT a.*, r.retired_through FROM rollbook.attempt_state a "
+                     "LEFT JOIN rollbook.rollout_state r USING (rollout_id) WHERE a.rollout_id = ANY(:r)"),
+                {"r": list(rollout_ids)},
             )
             return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
 

@@ -8,7 +8,9 @@ framework just dispatches every unfinished rollout again.
 
 A dispatch refused because admission is closed (a checkpoint is in progress) or because the
 database is briefly unavailable is not an answer: it waits and asks again until the checkpoint
-ends, so no rollout is dropped across a checkpoint.
+ends, so no rollout is dropped across a checkpoint. Each wait is an engine.patience.Patience: it
+says in the log when it has gone on too long, and a database that stays away past PEER_PATIENCE_S
+ends that rollout's dispatch with `refused[rollout] = "database_unavailable"`.
 """
 
 from __future__ import annotations
@@ -29,12 +31,17 @@ from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
 from engine import catalog as ev
 from engine.coordinator import Coordinator, abort_expired
+from engine.patience import PEER_PATIENCE_S, Patience
 from participants.environments.base import Task
 
 # Refusals that mean "not now": a checkpoint holds admission closed, or the database is restarting.
 RETRY_CODES = frozenset({"admission_closed", "database_unavailable"})
-RETRY_FIRST_S = 0.05
-RETRY_MAX_S = 1.0
+
+
+class NotNow(Exception):
+    def __init__(self, detail: str, code: str) -> None:
+        super().__init__(detail)
+        self.code = code
 
 
 async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
@@ -90,8 +97,8 @@ class Collection:
             body = {"rollout_id": rid, "task": self.tasks[i].to_json(), "seed": self.seed * 100_000 + i,
                     "max_steps": self.max_steps}
             async with gate:
-                wait = RETRY_FIRST_S
-                waiting = False
+                waits = {code: Patience(f"dispatch of {rid}", limit_s=None if code == "admission_closed" else PEER_PATIENCE_S)
+                         for code in RETRY_CODES}
                 while True:
                     try:
                         async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
@@ -104,12 +111,16 @@ class Collection:
                                 return None
                     except (aiohttp.ClientError, OSError):
                         return None  # the server died under us; the log knows where this rollout stands
-                    if not waiting:
-                        waiting = True
+                    wait = waits[str(code)]
+                    if wait.tries == 0:
                         self.on_wait(rid, str(code))
+                    try:
+                        delay = wait.next_delay(NotNow(f"the environment server answers {code}", code=str(code)))
+                    except NotNow:  # the database stayed away past its patience: this dispatch says so and ends
+                        self.refused[rid] = str(code)
+                        return None
                     self.retries += 1
-                    await asyncio.sleep(wait * (0.5 + random.random()))  # jittered: a resume must not meet a stampede
-                    wait = min(RETRY_MAX_S, wait * 2)
+                    await asyncio.sleep(delay * (0.5 + random.random()))  # jittered: a resume must not meet a stampede
             if rid not in self.finished:
                 self.finished.add(rid)
                 self.on_finish(rid)

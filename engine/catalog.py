@@ -380,6 +380,7 @@ CHECKPOINT_ABORTED = _kind("checkpoint_aborted", CHECKPOINT, f"{_COORDINATOR}; a
 RESTORE_INSTALLED = _kind(
     "restore_installed", RESTORE, _RESTORE, "A restore was installed (in one append with every fence and start).",
     _CK, need("continued", "integer", "attempts continued"), need("fresh_dispatch", "integer", "attempts restarted from input"),
+    may("left_retired", "array", "rollouts of the cut retired since it was taken: left retired, nothing installed"),
 )
 
 _PHASE = (_CK, need("from", "string", "the participant's phase before"), need("to", "string", "its phase after"))

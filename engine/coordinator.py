@@ -62,6 +62,7 @@ from engine.checkpoint import (
     install_request,
     load_cut,
     make_cut,
+    retired_since,
     started_after,
     validate_cut,
 )
@@ -284,10 +285,13 @@ class Coordinator:
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)
-        await self.store.append(install_request(cut, latest, late))
+        install = install_request(cut, latest, late, retired_since(rows))
+        await self.store.append(install)
         self.timing.record("restore", started)
-        return {"checkpoint_id": checkpoint_id, "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh) + len(late),
-                "completed": len(cut.completed)}
+        installed = install.events[-1].data
+        return {"checkpoint_id": checkpoint_id, "continued": installed["continued"],
+                "fresh_dispatch": (len(install.events) - 1) // 2 - installed["continued"],
+                "completed": len(cut.completed), "left_retired": installed["left_retired"]}
 
     async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:
         body = self._body(checkpoint_id, time.time() + 30, rollouts=[{"rollout_id": r, "through": t} for r, t in rollouts])

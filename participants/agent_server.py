@@ -18,14 +18,13 @@ calls before it are not redone, the pending model call is asked for again under 
 model server delivers a recorded reply, or joins the generation it is still running), and each tool
 call carries a key (X-Rollbook-Tool-Call) so the resources server answers a call it already applied
 from the log. Another server that does not answer, or a database that is restarting, is waited
-for (PEER_PATIENCE_S); a part that is gone for good (`attempt_lost`) ends the activation, and the
+for (engine.patience); a part that is gone for good (`attempt_lost`) ends the activation, and the
 environment server restarts that rollout under a new attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
+from engine.patience import Patience
 from engine.recovery import resume_point
 from participants.control_plane import (
     PARTICIPANT,
@@ -66,8 +66,6 @@ from participants.guard import Body, Credentials, Header, Int64, Route
 from participants.openai_wire import ToolSpec
 
 ACTIVATION_HEADER = "X-Rollbook-Activation"
-RETRY_SECONDS = 0.05  # how often a session waiting on another server's closed admission asks again
-PEER_PATIENCE_S = 120.0  # how long a session waits for a server (or the database) that does not answer
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
@@ -345,20 +343,13 @@ class AgentParticipant(Participant):
         await self._open.wait()
         s.state = "running"
 
-    @staticmethod
-    async def _wait_unavailable(tries: int, since: float, exc: RollbookError) -> None:
-        # A server restarting, or the database: what was refused changed nothing, so ask again.
-        if time.monotonic() - since > PEER_PATIENCE_S:
-            raise exc
-        await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
-
-    async def _wait_closed(self, tries: int, at_boundary: bool) -> None:
+    async def _wait_closed(self, closed: Patience, exc: RollbookError, at_boundary: bool) -> None:
         # Another server refused new work for a checkpoint: the refused call changed nothing, so ask
         # again later (backing off: each refusal of a model call is a `call_excluded` event). A session
         # at its boundary may wait for this server's own resume instead; one inside a tool round may
         # not, since this server's prepare waits for that round to end.
         if self._open.is_set() or not at_boundary:
-            await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
+            await asyncio.sleep(closed.next_delay(exc))
         else:
             await self._open.wait()
 
@@ -373,16 +364,16 @@ class AgentParticipant(Participant):
                 **s.request.task.sampling, "stream": False}
         url = data_url(self.model_url, *s.key, "/v1/chat/completions")
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
-        since = time.monotonic()
+        closed, unavailable = Patience(f"model call {call_id}", limit_s=None), Patience(f"model call {call_id}")
         try:
-            for tries in itertools.count():
+            while True:
                 try:
                     out = await self.client.post(url, body, headers)
                     break
-                except AdmissionClosed:
-                    await self._wait_closed(tries, at_boundary=True)
+                except AdmissionClosed as exc:
+                    await self._wait_closed(closed, exc, at_boundary=True)
                 except (ParticipantUnavailable, DatabaseUnavailable) as exc:
-                    await self._wait_unavailable(tries, since, exc)
+                    await asyncio.sleep(unavailable.next_delay(exc))
         finally:
             s.state = "running"
         message = dict(out["choices"][0]["message"])
@@ -399,15 +390,15 @@ class AgentParticipant(Participant):
         if not isinstance(args, dict):
             return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
         url = data_url(self.resources_url, *s.key, f"/tools/{name}")
-        since = time.monotonic()
-        for tries in itertools.count():
+        closed, unavailable = Patience(f"tool call {call_key}", limit_s=None), Patience(f"tool call {call_key}")
+        while True:
             try:
                 out = await self.client.post(url, {"arguments": args}, {TOOL_CALL_HEADER: call_key})
                 break
-            except AdmissionClosed:
-                await self._wait_closed(tries, at_boundary=False)
+            except AdmissionClosed as exc:
+                await self._wait_closed(closed, exc, at_boundary=False)
             except (ParticipantUnavailable, DatabaseUnavailable) as exc:
-                await self._wait_unavailable(tries, since, exc)
+                await asyncio.sleep(unavailable.next_delay(exc))
             except RollbookError as exc:
                 if exc.code != "tool_error":
                     raise

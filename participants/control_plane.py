@@ -350,7 +350,14 @@ class ControlPlane:
                 return web.json_response(cached)
             C.check_resume(req.checkpoint_id, active=self.phases.checkpoint_id, finished=self.finished)
             restored = self.phases.phase == "restored"
-            detail = await self.p.resume(req.checkpoint_id, restored)
+            try:
+                detail = await self.p.resume(req.checkpoint_id, restored)
+            except Exception as exc:
+                # Admission stays closed until a resume succeeds: say so here, not only to the caller,
+                # or every session waiting on this server waits without a word.
+                log.error("resume of checkpoint %s failed (%s: %s); admission stays closed until a resume succeeds",
+                          req.checkpoint_id, type(exc).__name__, exc)
+                raise
             await self._record("resume", req.checkpoint_id)
             self.finished.add(req.checkpoint_id)
             self.lease = None
@@ -394,9 +401,16 @@ class ControlPlane:
     async def watch_lease(self) -> None:
         """An expired lease resumes the participant by itself, recorded as an abort. A failure to
         record it (the database is down) is retried on the next tick: the watcher never dies."""
+        stranded: str | None = None  # a restored checkpoint whose lease ran out with no resume, said once
         while True:
             await asyncio.sleep(0.2)
             if not C.lease_abort_due(self.lease, self.phases.checkpoint_id, self.phases.phase, time.time()):
+                ck = self.phases.checkpoint_id
+                if (self.phases.phase == "restored" and self.lease is not None and self.lease.expired(time.time())
+                        and ck != stranded):
+                    stranded = ck
+                    log.warning("restored from checkpoint %s, its lease has run out and no resume came: admission "
+                                "stays closed until `rollbook checkpoint resume %s` (or a new restore)", ck, ck)
                 continue
             try:
                 async with self.lock:  # the same rule again, under the lock: a resume may have ended it meanwhile

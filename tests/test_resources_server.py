@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestServer
 from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
-from engine.checkpoint import Cut, committed_event, install_request, make_cut
+from engine.checkpoint import Cut, committed_event, install_request, make_cut, retired_since
+from engine.control import retire_events
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.phases import checkpoint_started
@@ -495,3 +496,53 @@ async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_c
         assert (await control(http, "resume", "ckv"))[0] == 200
         status, reply = await call(http, "POST", f"{prefix('rv', 1)}/close", {})
         assert (status, reply) == (200, {})
+
+
+async def retire(store: PostgresEventStore, rid: str, through: int) -> None:
+    await store.append(AppendRequest(retire_events([(rid, through)], {})))
+
+
+@pytest.mark.parametrize("retired_when", ["before the install", "between the install and the resume"])
+async def test_a_restore_leaves_a_rollout_retired_since_its_cut_retired_and_installs_the_rest(
+    dsn: str, store: PostgresEventStore, retired_when: str
+) -> None:
+    """A rollout the framework retired after the cut has no attempt restored from it: the install
+    (engine.checkpoint.install_request) leaves it as it is, and the resume installs every other
+    session and opens. It used to refuse the whole resume and stay closed, so the rollouts it did
+    hold waited for a resume that never succeeded."""
+    async with serving(dsn, "resources-a") as (http, _):
+        for rid in ("kept", "gone"):
+            await start(store, rid)
+            await open_session(http, rid, "workplace", 11)
+        cut = await checkpoint(store, "ck1", {"kept": 0, "gone": 0})
+    async with serving(dsn, "resources-b") as (http, participant):
+        assert (await control(http, "restore"))[1]["detail"] == {"staged": 2, "scope": 2}
+        if retired_when == "before the install":
+            await retire(store, "gone", 0)
+            rows = await store.attempt_rows(["kept", "gone"])
+            await store.append(install_request(cut, latest={"kept": 0, "gone": 0}, retired=retired_since(rows)))
+            assert await kinds(store, rollout_stream("gone")) == ["attempt_started", "rollout_retired"]
+        else:
+            await store.append(install_request(cut, latest={"kept": 0, "gone": 0}))
+            await retire(store, "gone", 1)
+        status, reply = await control(http, "resume")
+        assert (status, reply["detail"]) == (200, {"installed": 1}), reply
+        assert participant.admission_open and participant.sessions.keys() == {("kept", 1)}
+        assert (await tool(http, "kept", "get_deal", {"deal_id": "D-103"}, attempt=1))[0] == 200
+
+
+async def test_a_resume_without_the_install_is_refused_and_stays_closed(
+    dsn: str, store: PostgresEventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Staged sessions are handed over only once the coordinator has installed the cut; the refusal
+    is said in the server's log too, since every session waiting on this server waits for it."""
+    async with serving(dsn, "resources-a") as (http, _):
+        await start(store, "r1")
+        await open_session(http, "r1", "workplace", 11)
+        await checkpoint(store, "ck1", {"r1": 0})
+    async with serving(dsn, "resources-b") as (http, participant):
+        assert (await control(http, "restore"))[0] == 200
+        status, reply = await control(http, "resume")
+        assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state"), reply
+        assert not participant.admission_open
+        assert "admission stays closed until a resume succeeds" in caplog.text

@@ -1,4 +1,5 @@
-"""Issue 9, item 6: control operations and real faults in random order against real processes.
+"""Control operations and real faults in random order against real processes, and the sequences
+that random order once found broken, replayed as fixed tests.
 
 tests/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
 coordinator process mid-checkpoint, a PostgreSQL restart and dropped connections, mixed with
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from adapters import database
+from apps import config as cfg
 from tests import pg
 from tests.e2e.test_recovery import tracebacks
 from tests.stateful_processes import TALLY, FaultMachine, World, start_world
@@ -32,8 +34,10 @@ EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def world() -> Iterator[World]:
+    """One database and one set of server processes for the file: each sequence works under its own
+    run prefix and leaves every server idle (tests/stateful_processes.py)."""
     server, restart = pg.restartable_server()
     work = Path(tempfile.mkdtemp(prefix="rbfaults-"))
     print(f"server logs: {work}")
@@ -59,3 +63,45 @@ def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(wo
     print(f"random faults: operations that took effect: {dict(sorted(TALLY.items()))}")
     # Issue 9, item 3: no server prints a traceback for any of these faults (a database outage included).
     assert not (found := tracebacks(world.procs.log_dir)), "\n".join(found)
+
+
+def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None]]]) -> None:
+    """Run one fixed sequence as hypothesis would: boot, each step followed by the invariants, teardown
+    (every rollout not retired finishes exactly once, every server idle, lineage checked)."""
+    machine = type("Fixed", (FaultMachine,), {"world": world})()
+    try:
+        machine.boot()
+        for step in steps(machine):
+            step()
+            machine.the_log_stays_honest()
+    finally:
+        machine.teardown()
+    assert not (found := tracebacks(world.procs.log_dir)), "\n".join(found)
+
+
+ALL = set(cfg.KINDS)
+
+
+def test_retired_rollouts_then_a_crash_and_a_restore_of_a_cut_that_holds_them(world: World) -> None:
+    """Shrunk from seed 991880827: three rollouts are retired after the cut that continued them, then
+    everything is killed and that cut restored again. The restore used to fence the retired attempts
+    (refused: stale_attempt), and once that was mended the resources server's resume refused to
+    install the cut (no live attempt for a retired rollout), stayed closed, and the last rollout
+    waited for it forever without a word. Retired rollouts stay retired; the rest finish."""
+    _replay(world, lambda m: [
+        lambda: m.kill_servers({"agent"}, 0.0), m.crash_and_restore, lambda: m.retire(2), lambda: m.retire(3),
+        lambda: m.retire(0), lambda: m.kill_servers(ALL, 0.0), m.crash_and_restore])
+
+
+def test_retire_restart_postgres_kill_the_coordinator_then_crash_and_restore(world: World) -> None:
+    """The second sequence the same seed shrank to: a retire after a restore, a PostgreSQL restart, a
+    coordinator killed early in its checkpoint, every server killed, then a restore. It failed where
+    the killed coordinator left nothing restorable, so the restore went back to the first cut, which
+    holds the retired rollout; the kill comes at once here (the drawn 0.1 s may let it publish), and
+    the test says which cut it restored."""
+    def no_new_cut(m: FaultMachine) -> None:
+        m.kill_coordinator(0.0)
+        assert len(m.restorable) == 1, f"the killed coordinator committed its cut: {m.steps}"
+    _replay(world, lambda m: [
+        m.crash_and_restore, lambda: m.retire(2), m.restart_postgres, m.dispatch, lambda: no_new_cut(m),
+        lambda: m.kill_servers(ALL, 0.0), m.commit, m.crash_and_restore])

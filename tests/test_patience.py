@@ -1,0 +1,41 @@
+"""engine.patience: a wait on another party backs off, is heard in the log, and ends where it has a limit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine.errors import AdmissionClosed, DatabaseUnavailable
+from engine.patience import RETRY_FIRST_S, RETRY_MAX_S, Patience
+
+
+def test_it_backs_off_to_its_ceiling() -> None:
+    wait = Patience("w", since=0.0)
+    delays = [wait.next_delay(AdmissionClosed("closed"), now=1.0) for _ in range(8)]
+    assert delays[0] == RETRY_FIRST_S and delays == sorted(delays) and delays[-1] == RETRY_MAX_S
+    fixed = Patience("w", since=0.0, max_delay_s=RETRY_FIRST_S)
+    assert {fixed.next_delay(AdmissionClosed("closed"), now=1.0) for _ in range(8)} == {RETRY_FIRST_S}
+
+
+def test_a_limited_wait_raises_the_last_refusal_past_its_limit_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    wait = Patience("model call r.0.t3", limit_s=120.0, since=0.0)
+    refusal = DatabaseUnavailable("the database does not answer")
+    wait.next_delay(refusal, now=119.0)
+    with caplog.at_level(logging.ERROR, "rollbook.wait"), pytest.raises(DatabaseUnavailable) as raised:
+        wait.next_delay(refusal, now=120.5)
+    assert raised.value is refusal
+    assert "model call r.0.t3: gave up after 120 s of database_unavailable" in caplog.text
+
+
+def test_an_unlimited_wait_never_raises_but_speaks_once_past_its_threshold_then_every_reminder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wait = Patience("dispatch of r-0001", limit_s=None, speak_after_s=15.0, remind_s=60.0, since=0.0)
+    with caplog.at_level(logging.WARNING, "rollbook.wait"):
+        for now in (1.0, 14.0, 16.0, 30.0, 75.0, 77.0, 140.0, 10_000.0):
+            wait.next_delay(AdmissionClosed("a checkpoint is in progress"), now=now)
+    spoken = [r.getMessage() for r in caplog.records]
+    assert len(spoken) == 4, spoken  # at 16 s, 77 s (60 s later), 140 s and 10,000 s
+    assert spoken[0].startswith("dispatch of r-0001: still waiting after 16 s (admission_closed:")
+    assert spoken[0].endswith("asking again without a limit")
