@@ -22,6 +22,16 @@ ATTEMPT_MAX = 2**31 - 1
 # Plain ASCII decimal, no sign, no leading zero, no spaces or underscores: one spelling per attempt.
 ATTEMPT_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
 _ATTEMPT = re.compile(ATTEMPT_PATTERN.strip("^$"))
+# A tool call's key within its session (activation, turn, index), as the agent server derives it;
+# the session (rollout, attempt) comes from the request's path, never from the key.
+TOOL_CALL_KEY_PATTERN = r"^a(0|[1-9][0-9]{0,8})\.t(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})$"
+_TOOL_CALL_KEY = re.compile(TOOL_CALL_KEY_PATTERN.strip("^$"))
+
+
+def validate_tool_call_key(value: str) -> str:
+    if not _TOOL_CALL_KEY.fullmatch(value):
+        raise InvalidIdentifier(f"tool-call key {value[:40]!r} must be a<activation>.t<turn>.<index>")
+    return value
 
 
 def validate_id(value: object, what: str) -> str:

@@ -29,6 +29,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 from aiohttp import web
 from pydantic import BaseModel, Field
@@ -145,6 +146,18 @@ class Session:
 
     def reply(self) -> dict[str, Any]:
         return {"final_answer": self.final_answer, "messages": self.messages, "usage": self.usage, "turns": self.turn}
+
+
+def tool_call_key(activation: int, turn: int, index: int) -> str:
+    """A tool call's key within its session: the agent derives it from where the call stands, never
+    from anything the model said, and the resources server accepts no other shape (TOOL_CALL_KEY)."""
+    return f"a{activation}.t{turn}.{index}"
+
+
+def offered_tools(tools: list[dict[str, Any]]) -> set[str]:
+    """The names of the function tools a session offers its model (the only ones it may call)."""
+    return {str(t["function"]["name"]) for t in tools
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")}
 
 
 def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
@@ -301,7 +314,8 @@ class AgentParticipant(Participant):
                 s.finished, s.final_answer = True, reply.get("content")
             else:
                 for i, tc in enumerate(tool_calls):
-                    content, done = await self._tool(s, tc, f"a{s.index}.t{t}.{i}")
+                    tc = tc if isinstance(tc, dict) else {}
+                    content, done = await self._tool(s, tc, tool_call_key(s.index, t, i))
                     s.messages.append({"role": "tool", "tool_call_id": tc.get("id"), "content": content})
                     s.done = s.done or done
             s.turn = t + 1
@@ -381,15 +395,22 @@ class AgentParticipant(Participant):
         return message, dict(out.get("usage") or {})
 
     async def _tool(self, s: Session, tc: dict[str, Any], call_key: str) -> tuple[str, bool]:
-        fn = tc.get("function") or {}
-        name = str(fn.get("name") or "")
+        # Everything in `tc` is the model's output, and the model is the adversary: the name is only
+        # ever compared with the names offered, and only an offered name reaches a URL, as one escaped
+        # segment (a name like "../../rollouts/<other>/..." once reached another rollout's shell).
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+        name = fn.get("name")
+        if not isinstance(name, str) or name not in offered_tools(s.tools):
+            shown = repr(name)[:80] if isinstance(name, str) else type(name).__name__
+            return json.dumps({"error": "unknown_tool", "message": f"no tool named {shown} was offered; the tools are "
+                               f"{', '.join(sorted(offered_tools(s.tools)))}"}), False
         try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except json.JSONDecodeError as exc:
-            args = exc
+            args = json.loads(fn.get("arguments") or "{}") if isinstance(fn.get("arguments") or "{}", str) else None
+        except (json.JSONDecodeError, RecursionError):
+            args = None
         if not isinstance(args, dict):
             return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
-        url = data_url(self.resources_url, *s.key, f"/tools/{name}")
+        url = data_url(self.resources_url, *s.key, "/tools/" + quote(name, safe=""))
         closed, unavailable = Patience(f"tool call {call_key}", limit_s=None), Patience(f"tool call {call_key}")
         while True:
             try:

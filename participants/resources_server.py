@@ -40,7 +40,13 @@ from engine.errors import (
     ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import ID_PATTERN, Key, is_session_stream, session_stream
+from engine.identity import (
+    TOOL_CALL_KEY_PATTERN,
+    Key,
+    is_session_stream,
+    session_stream,
+    validate_tool_call_key,
+)
 from engine.recovery import open_session_mode, tool_call_outcomes
 from engine.sessions import SessionReplay, boundary_disagreement
 from participants.control_plane import (
@@ -319,6 +325,8 @@ class ResourcesParticipant(Participant):
         key = await self._enter(request)
         name = request.match_info["name"]
         call_key = request.headers.get(TOOL_CALL_HEADER) or None
+        if call_key is not None:
+            validate_tool_call_key(call_key)
         s = await self._session(key)
         # Taken right before the lock: work admitted here and queued on the lock is in flight,
         # and prepare, queued behind it, waits for it.
@@ -452,7 +460,7 @@ class ResourcesParticipant(Participant):
         routes = [
             Route("POST", data_path("/session"), self.open_session, OpenRequest, SessionReply, session),
             Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
-                  headers=(Header(TOOL_CALL_HEADER, ID_PATTERN, required=False,
+                  headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
                                   description="the call's key: a repeat gets the recorded outcome"),)),
             Route("POST", data_path("/verify"), self.verify, VerifyRequest, VerifyReply, session),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),

@@ -546,3 +546,19 @@ async def test_a_resume_without_the_install_is_refused_and_stays_closed(
         assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state"), reply
         assert not participant.admission_open
         assert "admission stays closed until a resume succeeds" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["../a0.t0.0", "victim.0.a0.t3.0", "a0.t0", "a01.t0.0", "a0.t0.0\u00e9", "x" * 200])
+async def test_a_tool_call_key_of_any_other_shape_is_refused_before_anything_runs(
+    served: Served, store: PostgresEventStore, key: str
+) -> None:
+    """The key names a call within the session the path names (a<activation>.t<turn>.<index>, as the
+    agent derives it); anything else is refused, so no key can speak for another session's calls."""
+    http, _ = served
+    await start(store, "k1")
+    await open_session(http, "k1", "workplace", 11)
+    status, reply = await call(http, "POST", f"{prefix('k1', 0)}/tools/update_deal",
+                               {"arguments": {"deal_id": "D-101", "seats": 3}},
+                               {"X-Rollbook-Tool-Call": key.encode("utf-8").decode("latin-1")})
+    assert (status, reply["error"]["code"]) == (400, "invalid_identifier"), reply
+    assert await kinds(store, session_stream("k1", 0)) == ["session_opened"]

@@ -1,0 +1,101 @@
+"""The policy is untrusted: attacks a model can emit, each refused with nothing written for another rollout.
+
+Each test runs a hostile rollout (tests/hostile_policy.py: the model's replies are the attack) beside
+an ordinary one on the four servers in process, then checks through the log that the ordinary
+rollout did exactly what it does alone, that the attacker saw the refusal as a tool error, and that
+no server raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from adapters.postgres import PostgresEventStore
+from engine.identity import session_stream
+from participants.environments.tasks import make_task
+from tests.hostile_policy import HostileBackend, hostile_task, tool_call
+from tests.stack import Stack, all_events, start_stack
+
+VICTIM = make_task("workplace", 11)
+ATTACKER = make_task("workplace", 12)
+
+
+@pytest.fixture
+async def stack(dsn: str) -> AsyncIterator[Stack]:
+    s = await start_stack(dsn, "hostile", HostileBackend())
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def mutations(store: PostgresEventStore, rollout_id: str) -> list[tuple[str, Any]]:
+    return [(e.data["tool"], e.data["arguments"]) for e in await store.read_stream(session_stream(rollout_id, 0))
+            if e.kind == "mutation_applied"]
+
+
+async def attack(stack: Stack, store: PostgresEventStore, name: str, replies: list[dict[str, Any]],
+                 caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """Run the victim alone, then again beside the attack; return the attacker's tool replies."""
+    await stack.episode(VICTIM, f"alone-{name}")
+    with caplog.at_level(logging.ERROR):
+        await asyncio.gather(stack.episode(VICTIM, f"victim-{name}"),
+                             stack.episode(hostile_task(ATTACKER, replies), f"attacker-{name}"))
+    for rid in (f"victim-{name}", f"attacker-{name}"):
+        assert (status := await stack.wait_finished(rid))["status"] == "finished", (rid, status)
+    assert await mutations(store, f"victim-{name}") == await mutations(store, f"alone-{name}")
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    completed = [e for e in await all_events(store)
+                 if e.rollout_id == f"attacker-{name}" and e.kind == "agent_activation_completed"]
+    messages = completed[-1].data["reply"]["messages"]
+    return [json.loads(m["content"]) for m in messages if m.get("role") == "tool"]
+
+
+@pytest.mark.parametrize("name,tool", [
+    ("traversal-to-another-rollout", "../../../../../rollouts/victim-traversal-to-another-rollout/attempts/0/tools/send_email"),
+    ("traversal-to-close", "../close"),
+    ("dot-dot", ".."),
+    ("encoded-traversal", "..%2F..%2Fclose"),
+    ("not-offered", "drop_all_tables"),
+    ("empty", ""),
+])
+async def test_a_tool_name_the_agent_did_not_offer_is_a_tool_error_and_reaches_no_server(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture, name: str, tool: str
+) -> None:
+    """A tool name is data: compared with the names offered, never put into a URL unless it is one.
+    `../../../../../rollouts/<other>/attempts/0/tools/send_email` once wrote into another rollout's
+    session, and `../close` closed sessions."""
+    args = json.dumps({"to": "attacker@evil.example", "subject": "pwned", "body": "x"})
+    replies = await attack(stack, store, name, [tool_call(tool, args)], caplog)
+    assert [r["error"] for r in replies] == ["unknown_tool"]
+    assert await mutations(store, f"attacker-{name}") == []
+
+
+@pytest.mark.parametrize("name,call", [
+    ("name-is-a-number", {"id": "c", "type": "function", "function": {"name": 7, "arguments": "{}"}}),
+    ("name-is-null", {"id": "c", "type": "function", "function": {"name": None, "arguments": "{}"}}),
+])
+async def test_a_tool_call_of_the_wrong_shape_is_a_tool_error(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture, name: str, call: Any
+) -> None:
+    replies = await attack(stack, store, name, [{"role": "assistant", "content": None, "tool_calls": [call]}], caplog)
+    assert [r["error"] for r in replies] == ["unknown_tool"]
+
+
+@pytest.mark.parametrize("name,arguments", [
+    ("nested-100000-deep", "[" * 100_000 + "]" * 100_000),
+    ("not-json", "{'to': 1"),
+    ("a-list", "[1, 2]"),
+])
+async def test_arguments_that_are_not_a_json_object_are_a_tool_error(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture, name: str, arguments: str
+) -> None:
+    """Arguments nested 100,000 deep once raised an uncaught RecursionError in the agent."""
+    replies = await attack(stack, store, name, [tool_call("send_email", arguments)], caplog)
+    assert [r["error"] for r in replies] == ["bad_arguments"]
