@@ -43,7 +43,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from adapters.database import libpq_dsn, sqlalchemy_url
 from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import DatabaseUnavailable, RollbookError
-from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
+from engine.events import (
+    DEFAULT_PAYLOAD_LIMIT,
+    AppendRequest,
+    RecordedEvent,
+    escape_strings,
+    load_stored_json,
+)
 from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
 from engine.projections import TABLES, Change, changes_for
 
@@ -164,7 +170,10 @@ async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Ch
     groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for ch in merge_changes(changes):
         cols = tuple(sorted(ch.values))
-        row = {**ch.key, **{c: Jsonb(v) if isinstance(v, dict | list) else v for c, v in ch.values.items()}}
+        # Projected values come from event data: stored in the same escaped spelling as the events
+        # (engine.events.escape_strings), or a NUL in a task id would fail the whole group's transaction.
+        values = escape_strings({**ch.key, **ch.values})
+        row = {c: Jsonb(v) if isinstance(v, dict | list) else v for c, v in values.items()}
         groups.setdefault((ch.table, cols), []).append(row)
     async with conn.cursor() as cur:
         for (table, cols), rows in groups.items():
@@ -211,7 +220,8 @@ class PostgresEventStore:
     @classmethod
     def connect(cls, dsn: str, writer: str, pool_size: int = 5, **kw: Any) -> PostgresEventStore:
         # pre-ping: a connection the server dropped (a restart) is replaced at checkout, not used and failed.
-        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=True,
+                                     json_deserializer=load_stored_json)
         return cls(engine, dsn, writer, **kw)
 
     async def close(self) -> None:

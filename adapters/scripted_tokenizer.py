@@ -69,7 +69,7 @@ def encode(text: str) -> list[int]:
 
 def _piece_ids(piece: str) -> list[int]:
     known = _PIECE_ID.get(piece)
-    return [known] if known is not None and piece not in SPECIAL_ID else list(piece.encode("utf-8"))
+    return [known] if known is not None and piece not in SPECIAL_ID else list(piece.encode("utf-8", "surrogatepass"))
 
 
 def decode(ids: list[int] | tuple[int, ...]) -> str:
@@ -78,10 +78,16 @@ def decode(ids: list[int] | tuple[int, ...]) -> str:
         if 0 <= i < BYTE_TOKENS:
             out.append(i)
         elif BYTE_TOKENS <= i < VOCAB_SIZE:
-            out.extend(VOCAB[i - BYTE_TOKENS].encode("utf-8"))
+            out.extend(VOCAB[i - BYTE_TOKENS].encode("utf-8", "surrogatepass"))
         else:
             raise ValueError(f"token id {i} is not in the scripted vocabulary (size {VOCAB_SIZE})")
-    return out.decode("utf-8", errors="replace")
+    # A model's text may hold a lone surrogate (a misbehaving upstream's "\ud800"): its bytes come
+    # back as the same code point, so decode(encode(text)) == text for any text. A prefix cut inside
+    # a character still decodes, with a replacement character.
+    try:
+        return out.decode("utf-8", errors="surrogatepass")
+    except UnicodeDecodeError:
+        return out.decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from engine.events import (
     chain_hash,
     encode_payload,
     has_large_float,
+    stored_text,
 )
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
@@ -252,12 +253,12 @@ def _rechain(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]
 
 
 def recorded_chain_hash(previous: bytes, e: RecordedEvent) -> bytes:
-    """engine.events.chain_hash of an event as read back, without the append's checks (size limit,
-    NUL characters: what was stored passed them): restore runs this once per event in scope."""
+    """engine.events.chain_hash of an event as read back, without the append's checks (size limit:
+    what was stored passed it): restore runs this once per event in scope."""
     text = canonical_json(e.data)
     if "e+" in text and has_large_float(e.data):  # the writer hashed them as PostgreSQL hands them back
         text = encode_payload(e.data, limit=1 << 62)
-    return chain_hash(previous, e.stream, e.stream_version, e, text)
+    return chain_hash(previous, e.stream, e.stream_version, e, stored_text(e.data, text))
 
 
 def _recorded_heads(events: Sequence[RecordedEvent], start: dict[str, tuple[int, bytes]] | None = None) -> list[tuple[str, int, bytes]]:

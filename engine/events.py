@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -66,18 +67,87 @@ def canonical_json(value: Any) -> str:
     return _CANONICAL.encode(value)
 
 
+# PostgreSQL's JSONB holds neither U+0000 nor a lone surrogate, and a tool or a model produces both
+# (`printf '\0'`, an upstream's "\ud800"). A string holding one is stored with each of them, and the
+# escape character itself, spelt as STORE_ESCAPE and a code; every reader of the store decodes it
+# (`load_stored_json`), so what comes back is exactly what was produced. STORE_ESCAPE is a
+# private-use character, so ordinary text is stored as it is and reads the same in SQL.
+STORE_ESCAPE = "\ue000"
+_ESCAPED = re.compile("[\x00\ue000\ud800-\udfff]")
+_CODED = re.compile("\ue000(e|0|s[0-9a-f]{4})")
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    return STORE_ESCAPE + ("e" if c == STORE_ESCAPE else "0" if c == "\x00" else f"s{ord(c):04x}")
+
+
+def _unescape_code(m: re.Match[str]) -> str:
+    code = m.group(1)
+    return STORE_ESCAPE if code == "e" else "\x00" if code == "0" else chr(int(code[1:], 16))
+
+
+def escape_strings(value: Any) -> Any:
+    """`value` with every string (keys too) in its stored spelling."""
+    if isinstance(value, str):
+        return _ESCAPED.sub(_escape_char, value)
+    if isinstance(value, dict):
+        return {escape_strings(k): escape_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escape_strings(v) for v in value]
+    return value
+
+
+def unescape_strings(value: Any) -> Any:
+    """The inverse of escape_strings."""
+    if isinstance(value, str):
+        return _CODED.sub(_unescape_code, value) if STORE_ESCAPE in value else value
+    if isinstance(value, dict):
+        return {unescape_strings(k): unescape_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unescape_strings(v) for v in value]
+    return value
+
+
+def load_stored_json(raw: str | bytes) -> Any:
+    """How the store's reads turn JSONB text into values: only text that holds the escape is walked."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    value = json.loads(text)
+    return unescape_strings(value) if STORE_ESCAPE in text else value
+
+
+def stored_text(data: Any, text: str | None = None) -> str:
+    """The canonical JSON text PostgreSQL is given for `data` (and that the chain hash covers):
+    canonical_json, with strings escaped where they must be. `text` is canonical_json(data) if known."""
+    text = canonical_json(data) if text is None else text
+    if text.isascii():
+        if "\\u0000" not in text:
+            return text
+    elif STORE_ESCAPE not in text and "\\u0000" not in text and _encodable(text):
+        return text
+    return canonical_json(escape_strings(data))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
-    """Validate that data is plain JSON a JSONB column can hold, within the size limit."""
+    """Validate that data is plain JSON within the size limit; return its stored text (stored_text)."""
     if not isinstance(data, dict):
         raise InvalidPayload(f"event data must be a JSON object, got {type(data).__name__}")
     try:
         text = canonical_json(data)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidPayload(f"event data is not plain JSON: {exc}") from exc
     if "e+" in text and has_large_float(data):  # only large floats are spelt with a positive exponent
-        text = canonical_json(_as_postgres_reads(data))
-    if "\\u0000" in text:
-        raise InvalidPayload("event data contains a NUL character, which PostgreSQL JSONB cannot store")
+        data = _as_postgres_reads(data)
+        text = canonical_json(data)
+    text = stored_text(data, text)
     size = len(text) if text.isascii() else len(text.encode())
     if size > limit:
         raise PayloadTooLarge(

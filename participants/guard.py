@@ -12,7 +12,9 @@ aiohttp turns `http://rollbook:<data credential>@host:port` into `Authorization:
 
 Bodies. Read whole up to MAX_BODY_BYTES (`payload_too_large`, 413), then decoded as strict UTF-8 and
 parsed as JSON within bounds (`invalid_json`, 400): nesting at most MAX_DEPTH, integers within 64
-bits, finite numbers, strings without NUL or lone surrogates (PostgreSQL stores neither). Then the
+bits, finite numbers. Strings may hold any code point, NUL and lone surrogates included: a tool's
+output or a model's text holds them, the next hop must carry them, and the log stores them (in an
+escaped spelling, engine.events.escape_strings) and gives them back. Then the
 route's pydantic model validates it in strict mode, unknown fields refused (`invalid_request`).
 Only then does the handler run, so a refused request has changed nothing.
 
@@ -129,15 +131,6 @@ def _constant(text: str) -> Any:
     raise InvalidJson(f"{text} is not JSON")
 
 
-def _check_string(s: str) -> None:
-    if "\x00" in s:
-        raise InvalidJson("strings must not contain U+0000")
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidJson("strings must not contain lone surrogates (\\ud800-\\udfff)") from None
-
-
 def parse_json(raw: bytes) -> Any:
     """Strict UTF-8 JSON within the bounds above, or InvalidJson."""
     try:
@@ -153,14 +146,10 @@ def parse_json(raw: bytes) -> Any:
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, str):
-            _check_string(item)
-        elif isinstance(item, dict | list):
+        if isinstance(item, dict | list):
             if depth >= MAX_DEPTH:
                 raise InvalidJson(f"the body is nested more than {MAX_DEPTH} levels deep")
             if isinstance(item, dict):
-                for k in item:
-                    _check_string(k)
                 stack.extend((v, depth + 1) for v in item.values())
             else:
                 stack.extend((v, depth + 1) for v in item)

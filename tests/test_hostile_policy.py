@@ -99,3 +99,27 @@ async def test_arguments_that_are_not_a_json_object_are_a_tool_error(
     """Arguments nested 100,000 deep once raised an uncaught RecursionError in the agent."""
     replies = await attack(stack, store, name, [tool_call("send_email", arguments)], caplog)
     assert [r["error"] for r in replies] == ["bad_arguments"]
+
+
+ODD = "NUL \x00, lone \ud800, the six characters \\u0000, the store's escape \ue000 and \ue0000"
+
+
+async def test_any_code_point_in_arguments_and_text_is_stored_and_given_back_exactly(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NUL or a lone surrogate in a model's text or a tool's arguments used to be refused (the
+    rollout failed, and its retry ran the command again) or to fail every append of its batch; the
+    six characters `\\u0000` were mistaken for a NUL. Each is now one rollout's data, stored in an
+    escaped spelling and read back exactly as produced."""
+    args = json.dumps({"deal_id": "D-101", "notes": ODD})
+    replies = await attack(stack, store, "odd-strings", [tool_call("update_deal", args),
+                                                         {"role": "assistant", "content": ODD}], caplog)
+    assert "error" not in replies[0], replies
+    (applied,) = [e for e in await store.read_stream(session_stream("attacker-odd-strings", 0))
+                  if e.kind == "mutation_applied"]
+    assert applied.data["arguments"]["notes"] == ODD
+    final = await stack.client.get(f"{stack.url('environment')}/episodes/attacker-odd-strings")
+    assert final["status"] == "finished"
+    completed = [e for e in await all_events(store)
+                 if e.rollout_id == "attacker-odd-strings" and e.kind == "agent_activation_completed"]
+    assert completed[-1].data["reply"]["final_answer"] == ODD
