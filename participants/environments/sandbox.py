@@ -133,6 +133,8 @@ def build_root(root):
     # Mounted by PID 1 of the new PID namespace: it lists the session's processes only.
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.chdir(root)
+    if platform.machine() not in PIVOT_ROOT:
+        raise OSError("pivot_root: no system call number known for %s" % platform.machine())
     ok(libc.syscall(PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
     ok(libc.umount2(b".", 2), "umount the host's root")  # MNT_DETACH: the host's tree leaves this namespace
     os.chdir("/")
