@@ -21,12 +21,18 @@
     [servers.environment]
     port = 8104
 
-    [sandbox]                                 # only with this table is the sandbox environment served
-    user = "nobody"                           # the server must run as root to drop to this user
-    cpu_s = 10
-    memory_mb = 512
+    [sandbox]                                 # only with this table is the sandbox environment served;
+                                              # the server must run as root to build its jails (docs/sandbox.md)
+    cpu_s = 10                                # per process
+    memory_mb = 512                           # address space per process
+    max_processes = 64                        # per session
+    disk_mb = 128                             # all a session writes, together (tmpfs: memory)
+    uid_base = 200000                         # sessions run as uids uid_base .. uid_base + uids - 1
+    uids = 1000
     output_bytes = 8000
-    timeout_s = 10.0
+    command_bytes = 65536
+    timeout_s = 10.0                          # per command; past it the session ends
+    idle_s = 1800.0                           # a shell unused this long is ended
 
     [telemetry]                               # optional; GET /metrics is always served (control credential)
     otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
@@ -99,13 +105,25 @@ class RunConfig(Strict):
 
 
 class SandboxConfig(Strict):
-    user: str = "nobody"
+    user: str = "nobody"  # accepted from older files; sessions now run as uids of their own
     cpu_s: int = Field(default=10, ge=1, le=3600)
     memory_mb: int = Field(default=512, ge=16, le=1 << 20)
     max_processes: int = Field(default=64, ge=1, le=1 << 16)
     file_mb: int = Field(default=64, ge=1, le=1 << 20)
     output_bytes: int = Field(default=8000, ge=256, le=1 << 20)
     timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # Below 1000 are the system's own accounts; a uid of the range that an account owns is skipped.
+    uid_base: int = Field(default=200_000, ge=1000, le=(1 << 32) - 2)
+    uids: int = Field(default=1000, ge=1, le=1 << 20)
+    disk_mb: int = Field(default=128, ge=1, le=1 << 20)
+    command_bytes: int = Field(default=65_536, ge=256, le=1 << 24)
+    idle_s: float = Field(default=1800.0, gt=0, le=7 * 86400)
+
+    @model_validator(mode="after")
+    def _uids_fit(self) -> SandboxConfig:
+        if self.uid_base + self.uids > (1 << 32) - 1:  # (uid_t)-1 means "no change" to setuid
+            raise ValueError("uid_base + uids must stay below 4294967295")
+        return self
 
     def limits(self) -> SandboxLimits:
         return SandboxLimits(**self.model_dump())

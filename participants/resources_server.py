@@ -314,6 +314,10 @@ class ResourcesParticipant(Participant):
                 await self._close_live(s)
                 raise
             s.opened = True
+        # A rollout's new attempt exists only once its older ones are fenced: their live shells can never
+        # be used again, and nothing else would end them (a failed rollout restarts without closing).
+        for older in [k for k, o in self.sessions.items() if k[0] == key[0] and k[1] < key[1] and o.live is not None]:
+            await self._close_live(self.sessions.pop(older))
         return web.json_response(self._describe(s))
 
     @staticmethod

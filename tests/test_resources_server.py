@@ -325,6 +325,22 @@ async def test_retire_drops_sessions_and_stops_live_shells(served: Served, store
     assert (status, reply["error"]["code"]) == (409, "stale_attempt")
 
 
+async def test_a_new_attempt_ends_the_live_shell_of_the_attempt_it_replaces(served: Served, store: PostgresEventStore) -> None:
+    """A rollout that failed and restarts under a new attempt never closes its old session: the old
+    attempt's shell (and whatever it left running) ends when the new attempt opens its session."""
+    http, participant = served
+    await start(store, "rf")
+    await open_session(http, "rf", "sandbox", 9)
+    old = participant.sessions[("rf", 0)].live.process
+    await store.append(AppendRequest((NewEvent(rollout_stream("rf"), ATTEMPT_FENCED, {"reason": "test"}, "rf", 0),
+                                      NewEvent(rollout_stream("rf"), ATTEMPT_STARTED, {"parent_attempt": 0}, "rf", 1))))
+    await open_session(http, "rf", "sandbox", 9, attempt=1)
+    try:
+        assert old.poll() is not None and set(participant.sessions) == {("rf", 1)}
+    finally:
+        await call(http, "POST", f"{prefix('rf', 1)}/close")
+
+
 async def checkpoint(store: PostgresEventStore, ck: str, revisions: dict[str, int], attempt: int = 0) -> Cut:
     """An agent boundary per rollout (with the session revision it saw), then a committed cut."""
     for rid, rev in revisions.items():

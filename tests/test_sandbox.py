@@ -1,14 +1,20 @@
-"""The sandbox's jail, one limit at a time, on real processes: off unless configured; when on, an
-unprivileged user, no network, CPU time, memory, output size and wall clock each bounded."""
+"""The sandbox's jail, one limit at a time, on real processes and the real kernel: off unless
+configured; when on, an unprivileged user, no network, CPU time, memory, output size and wall clock
+each bounded; and each session alone in its jail, attacked the ways a hostile policy would: signals,
+files, processes, forks, disk, leftovers and oversized commands aimed at another session or the host."""
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from participants.environments import ToolError
+from participants.environments import sandbox as sandbox_module
 from participants.environments.sandbox import LiveShell, SandboxEnvironment, SandboxLimits
 from participants.environments.tasks import make_task
 
@@ -39,7 +45,7 @@ def test_without_limits_the_sandbox_opens_no_shell() -> None:
 def test_commands_run_as_an_unprivileged_user_without_supplementary_groups(jailed) -> None:
     env, shell = jailed
     out = run(env, shell, "id -u; id -G; touch /root/x 2>&1; echo $?")["output"].split("\n")
-    assert out[0] == "65534" and out[1] == "65534" and out[-2] != "0"
+    assert out[0] == out[1] == str(shell.uid) and shell.uid >= SandboxLimits.uid_base and out[-2] != "0"
 
 
 def test_commands_have_no_network_not_even_this_machines_loopback(jailed) -> None:
@@ -87,9 +93,196 @@ def test_wall_clock_ends_the_session() -> None:
 
 
 def test_a_jail_that_cannot_drop_privileges_opens_no_shell() -> None:
+    # A uid range that names only an existing account (nobody's) leaves no uid for a session.
     with pytest.raises(ToolError) as err:
-        SandboxEnvironment(SandboxLimits(user="root")).open_live(TASK)
-    assert err.value.code == "sandbox_unavailable"
+        SandboxEnvironment(SandboxLimits(uid_base=65534, uids=1)).open_live(TASK)
+    assert err.value.code == "sandbox_unavailable" and "in use" in err.value.message
+
+
+# -- one session against another, the host and the server ------------------------------------
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[SandboxEnvironment, LiveShell, LiveShell]]:
+    """Two sessions open at once, as two rollouts of one run: the attacker and its victim."""
+    env = SandboxEnvironment(SandboxLimits(max_processes=16, disk_mb=8, timeout_s=30))
+    attacker = env.open_live(TASK)
+    victim = env.open_live(TASK)
+    yield env, attacker, victim
+    env.close_live(attacker)
+    env.close_live(victim)
+
+
+def attack(env: SandboxEnvironment, shell: LiveShell, command: str) -> str:
+    """The attacker's command; its own session may die of it, which is its own loss."""
+    try:
+        return run(env, shell, command)["output"]
+    except ToolError as exc:
+        assert exc.code == "session_lost", exc
+        return ""
+
+
+def host_processes_with(token: str) -> list[int]:
+    """Pids, as the host sees them, of processes whose command line holds `token`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass  # exited while we looked
+    return found
+
+
+def host_processes_of(uid: int) -> list[int]:
+    """Pids, as the host sees them, of processes whose real uid is `uid`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:")):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_each_session_has_its_own_uid_and_no_way_to_gain_privileges(pair) -> None:
+    """Attack: a session acting as another (same uid: its files, its signals, its process count),
+    or running a setuid binary to become root."""
+    env, attacker, victim = pair
+    ids = [run(env, s, "id -u; id -g; grep NoNewPrivs /proc/self/status")["output"].split() for s in (attacker, victim)]
+    assert ids[0][0] != ids[1][0] and "0" not in (ids[0][0], ids[1][0]), ids
+    assert all(i[0] == i[1] and i[-1] == "1" for i in ids), ids
+
+
+def test_kill_all_from_one_session_leaves_another_sessions_shell_alive(pair) -> None:
+    """Attack: `kill -9 -1` in one session, which as a shared user killed every other session's shell."""
+    env, attacker, victim = pair
+    job = run(env, victim, "sleep 60 & echo $!")["output"].strip()
+    attack(env, attacker, "kill -9 -1")
+    assert run(env, victim, f"kill -0 {job} && echo alive")["output"] == "alive\n"
+
+
+def test_tmp_var_tmp_and_dev_shm_are_private_to_each_session(pair) -> None:
+    """Attack: a file planted in a shared /tmp, /var/tmp or /dev/shm for a later or concurrent session to
+    read or trip over (and the reverse: reading what another session left there)."""
+    env, attacker, victim = pair
+    planted = attack(env, attacker, "for d in /tmp /var/tmp /dev/shm; do echo x > $d/planted-rb && echo ok; done")
+    assert planted.split() == ["ok", "ok", "ok"]
+    seen = run(env, victim, "ls -A /tmp /var/tmp /dev/shm; cat /tmp/planted-rb 2>/dev/null || echo unread")["output"]
+    assert "planted" not in seen and seen.endswith("unread\n"), seen
+
+
+def test_a_session_sees_and_reaches_only_its_own_processes(pair) -> None:
+    """Attack: `ps` or /proc to find another session's processes (and from there its files, environment
+    or a pid to signal); also the server's and the host's."""
+    env, attacker, victim = pair
+    run(env, victim, "sleep 4242 &")
+    seen = attack(env, attacker, "ps -eo pid,args; cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    assert "4242" not in seen and "postgres" not in seen and "pytest" not in seen, seen
+    pids = attack(env, attacker, "ls /proc | grep -c '^[0-9]'").strip()
+    assert int(pids) <= 5, pids  # init, the shell, the pipeline
+    assert "sleep 4242" in run(env, victim, "ps -eo args")["output"]
+
+
+def test_a_session_sees_no_host_files_and_can_write_none() -> None:
+    """Attack: reading the host's files (a world-readable file, the server's configuration and code,
+    /run and its sockets) or filling the disk the host and PostgreSQL use."""
+    folder = tempfile.mkdtemp()
+    os.chmod(folder, 0o755)
+    secret = os.path.join(folder, "host-secret")
+    with open(secret, "w") as f:
+        f.write("host secret\n")
+    os.chmod(secret, 0o644)
+    env = SandboxEnvironment(SandboxLimits(timeout_s=30))
+    shell = env.open_live(TASK)
+    try:
+        out = run(env, shell, f"cat {secret} {__file__} 2>&1; ls /; ls -d /run /var/lib 2>&1")["output"]
+        assert "host secret" not in out and "def test_" not in out, out
+        assert out.split("\n")[2:13] == ["bin", "dev", "etc", "home", "lib", "lib64", "proc", "sbin", "tmp", "usr", "var"]
+        writes = run(env, shell, "for p in /x /usr/x /etc/x /var/x /proc/x /dev/x; do touch $p 2>/dev/null && echo $p; done")
+        assert writes["output"] == "", writes
+    finally:
+        env.close_live(shell)
+        os.unlink(secret)
+        os.rmdir(folder)
+
+
+def test_a_fork_bomb_in_one_session_does_not_stop_another_from_forking(pair) -> None:
+    """Attack: use up the process limit (per uid; one uid for all sessions starved every other
+    session's shell, which died on "Cannot fork")."""
+    env, attacker, victim = pair
+    # The loop's shell dies at the first fork refused, leaving the attacker's uid one process short of its limit.
+    attack(env, attacker, "sh -c 'i=0; while [ $i -lt 40 ]; do sleep 60 & i=$((i + 1)); done' 2>/dev/null")
+    assert len(host_processes_of(attacker.uid)) >= 15  # its shell and 14 sleeps: max_processes is 16
+    assert run(env, victim, "sh -c '/bin/echo forked; /bin/echo twice'")["output"] == "forked\ntwice\n"
+
+
+def test_disk_quota_covers_all_a_session_writes_and_only_that_session() -> None:
+    """Attack: fill the disk (the old file limit was per file: many files filled the host's disk).
+    The quota is one total for the working dir, /tmp, /var/tmp and /dev/shm together."""
+    env = SandboxEnvironment(SandboxLimits(disk_mb=8, file_mb=64, timeout_s=30))
+    attacker, victim = env.open_live(TASK), env.open_live(TASK)
+    try:
+        write = "head -c 3000000 /dev/zero 2>&1 >{}/fill; echo rc=$?"
+        out = [attack(env, attacker, write.format(d)) for d in ("~", "/tmp", "/dev/shm")]
+        assert "rc=0" in out[0] and "rc=0" in out[1] and "No space left" in out[2] and "rc=1" in out[2], out
+        assert "rc=0" in run(env, victim, write.format("/tmp"))["output"]
+        assert "rc=0" in run(env, victim, write.format("/var/tmp"))["output"]
+    finally:
+        env.close_live(attacker)
+        env.close_live(victim)
+
+
+def test_every_process_of_a_session_ends_when_it_closes() -> None:
+    """Attack: outlive the session with a `setsid` loop (a new session and process group) and a loop
+    that ignores SIGTERM and SIGHUP, to tamper with later sessions or the host."""
+    env = SandboxEnvironment(SandboxLimits(timeout_s=30))
+    shell = env.open_live(TASK)
+    tokens = ["rb-setsid-" + os.urandom(4).hex(), "rb-trap-" + os.urandom(4).hex()]
+    run(env, shell, f"setsid sh -c 'while :; do sleep 1; done' {tokens[0]} & "
+                    f"sh -c 'trap \"\" TERM HUP INT; while :; do sleep 1; done' {tokens[1]} &")
+    time.sleep(0.3)
+    assert all(host_processes_with(t) for t in tokens)
+    closed = time.monotonic()
+    env.close_live(shell)
+    while any(host_processes_with(t) for t in tokens) and time.monotonic() - closed < 2.0:
+        time.sleep(0.05)
+    assert not any(host_processes_with(t) for t in tokens)
+
+
+def test_a_command_longer_than_the_limit_is_a_tool_error_and_the_session_goes_on(jailed) -> None:
+    """Attack: a 900 KB command, which as one argv string of the syntax check failed with E2BIG and
+    came back as a server error with a traceback. Commands up to the limit go through stdin."""
+    env, shell = jailed
     with pytest.raises(ToolError) as err:
-        SandboxEnvironment(SandboxLimits(user="no-such-user-rb")).open_live(TASK)
-    assert err.value.code == "sandbox_unavailable"
+        run(env, shell, "echo " + "x" * 900_000)
+    assert err.value.code == "command_too_long"
+    assert run(env, shell, "printf %s " + "y" * 60_000 + " | wc -c")["output"].strip() == "60000"
+    assert run(env, shell, "if then fi")["exit_code"] == 2  # a syntax error is the command's outcome
+    assert run(env, shell, "echo next")["output"] == "next\n"
+
+
+@pytest.mark.parametrize("shell_path", ["/bin/false", "/no/such/shell"])
+def test_a_shell_that_does_not_start_is_a_start_failure_not_a_session(monkeypatch, shell_path: str) -> None:
+    """Attack surface: the jail said ready before exec, so a shell that never ran was handed out as a
+    session and its first command scored as the model's failure."""
+    monkeypatch.setattr(sandbox_module, "SHELL", shell_path)
+    with pytest.raises(ToolError) as err:
+        SandboxEnvironment(SandboxLimits()).open_live(TASK)
+    assert err.value.code == "sandbox_unavailable" and "could not start" in err.value.message
+
+
+def test_a_shell_left_idle_is_ended() -> None:
+    """Attack: a rollout that fails (or whose caller goes away) without closing its session kept its
+    shell, and whatever it left running, for as long as the server ran."""
+    env = SandboxEnvironment(SandboxLimits(idle_s=1.0))
+    shell = env.open_live(TASK)
+    run(env, shell, "sleep 600 &")
+    shell.ended.wait(5.0)
+    assert shell.process.poll() is not None
+    with pytest.raises(ToolError) as err:
+        run(env, shell, "echo late")
+    assert err.value.code == "session_lost"

@@ -5,19 +5,36 @@ in JSON, so this environment cannot be rebuilt from the event log: a crashed
 session restarts from scratch. It says so through ``state_mode`` and by
 refusing ``apply``; the engine talks to it through the ``*_live`` methods.
 
-It runs whatever command a model (or whoever holds the data credential) sends, so it is off
-unless the configuration gives it `SandboxLimits`, and then each shell starts through a small
-jail (`_JAIL`, run by the server, which must be root for it): a new network namespace with no
-interface but a down loopback (unshare(CLONE_NEWNET)), resource limits (RLIMIT_CPU, RLIMIT_AS,
-RLIMIT_NPROC, RLIMIT_FSIZE, no core files), supplementary groups dropped, then the uid and gid of
-an unprivileged user (default `nobody`), a private working directory and an environment of PATH,
-HOME and LC_ALL only. The shell is exec'ed only after every step succeeded and said so; any
-failure ends the session before a command runs. The server adds a wall-clock timeout per command
-(the session ends when one passes it) and keeps at most `output_bytes` of each command's output.
+It runs whatever command a model (or whoever holds the data credential) sends, and the model is
+trained to find whatever raises its reward, so the shell is treated as hostile. The environment is
+off unless the configuration gives it `SandboxLimits`; then every session gets a jail of its own
+(`_JAIL`, run by the server, which must be root for it; docs/sandbox.md says what a session can
+and cannot do):
+
+- its own uid and gid, claimed from the range `uid_base` .. `uid_base + uids - 1` for as long as the
+  session lives, so the per-user process limit (`max_processes`) counts this session alone and no
+  other session's processes can be signalled or their files read;
+- new PID, mount, network, IPC, UTS and cgroup namespaces. The jail's init is PID 1 of its PID
+  namespace, root-owned, and the shell is its child: `kill -9 -1` reaches only the session's own
+  processes, and when init dies the kernel kills every process left in the namespace;
+- a root of its own: one size-limited tmpfs (`disk_mb`, shared by the working directory, /tmp,
+  /var/tmp and /dev/shm) with the host's /usr, /etc and the /bin, /lib, /sbin links bound read-only,
+  a few device nodes and a /proc that lists only the session's processes. Nothing else of the host
+  (its disk, /tmp, /run and the sockets in it, the server's files) is there;
+- no network interface but a down loopback; rlimits per process (CPU, address space, file size, no
+  core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it.
+
+The session is ready only when the shell itself has printed the ready line, as its first command:
+a jail or shell that fails to start is a start failure, never a session. Closing a session (or the
+server dying) kills the namespace's init, and with it every process the session left, however it
+detached or whatever signals it ignores. The server adds a wall-clock timeout per command (the
+session ends when one passes it), keeps at most `output_bytes` of each command's output, refuses
+commands over `command_bytes`, and ends a shell no command has used for `idle_s`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -26,12 +43,13 @@ import random
 import re
 import secrets
 import select
-import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from . import players
@@ -52,46 +70,146 @@ from .math_env import last_number
 SHELL = "/bin/sh"
 READY = b"rollbook-sandbox-ready\n"
 FAILED = b"rollbook-sandbox-failed"
-CLONE_NEWNET = 0x40000000
-# Run by a fresh interpreter (-I -S: no site, no user paths) as root, it jails itself and becomes the shell.
-_JAIL = """
-import ctypes, json, os, resource, sys
+HOME = "/home/sandbox"  # the session's working directory, inside its own root
+PATH = "/usr/local/bin:/usr/bin:/bin"  # inside the jail: the server's own PATH may name folders the jail lacks
+# Bound read-only into each session's root; a path that is a symbolic link on the host (merged /usr)
+# is recreated as the same link.
+SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+# The shell's first command: the session is ready once the shell itself has run it.
+_READY_COMMAND = b"printf '%s\\n' rollbook-sandbox-ready\n"
+
+# Run as root by a fresh interpreter (-I -S: no site, no user paths). Three processes:
+#  - this one (the server's child) unshares the namespaces, forks init, and stays outside them to
+#    end the session: on SIGTERM, or when the server is gone, it SIGKILLs init and waits for it;
+#  - init, PID 1 of the new PID namespace, builds the session's root and pivots into it, forks the
+#    shell and reaps whatever is orphaned to it; when the shell exits, so does init, and the kernel
+#    kills everything left in the namespace before init's parent sees it exit;
+#  - the shell, forked by init: limits, then the session's uid and gid, no_new_privs, exec.
+_JAIL = r"""
+import ctypes, json, os, platform, resource, signal, sys
 a = json.loads(sys.argv[1])
-try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(a["clone_newnet"]) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000  # mount cgroup uts ipc pid net
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217, "armv7l": 218, "i686": 217}
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+def fail(exc):
+    os.write(1, ("rollbook-sandbox-failed %s\n" % (exc,)).encode(errors="replace"))
+    os._exit(126)
+
+def ok(rc, what):
+    if rc != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, "%s: %s" % (what, os.strerror(errno)))
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    ok(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), "mount %s" % target)
+
+def build_root(root):
+    # One tmpfs holds everything the session may write, so disk_mb is a quota for all of it together.
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dk,nr_inodes=%d,mode=755" % (a["disk_kb"], a["inodes"]))
+    for path in a["system"]:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.isdir(path):
+            os.mkdir(root + path)
+            mount(path, root + path, None, MS_BIND | MS_REC)
+            mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for folder, mode in (("/dev", 0o755), ("/dev/shm", 0o1777), ("/tmp", 0o1777), ("/var", 0o755), ("/var/tmp", 0o1777),
+                         ("/proc", 0o555), ("/home", 0o755), (a["home"], 0o700)):
+        os.mkdir(root + folder)
+        os.chmod(root + folder, mode)
+    os.chown(root + a["home"], a["uid"], a["gid"])
+    for name in a["devices"]:
+        open(root + "/dev/" + name, "w").close()
+        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    # Mounted by PID 1 of the new PID namespace: it lists the session's processes only.
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    if platform.machine() not in PIVOT_ROOT:
+        raise OSError("pivot_root: no system call number known for %s" % platform.machine())
+    ok(libc.syscall(PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
+    ok(libc.umount2(b".", 2), "umount the host's root")  # MNT_DETACH: the host's tree leaves this namespace
+    os.chdir("/")
+
+def shell():
     for name, soft, hard in a["limits"]:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     os.setgroups([])
     os.setgid(a["gid"])
     os.setuid(a["uid"])
-    if os.getuid() != a["uid"] or os.geteuid() != a["uid"] or os.getgid() != a["gid"]:
+    if os.getuid() != a["uid"] or os.geteuid() != a["uid"] or os.getgid() != a["gid"] or os.getgroups():
         raise OSError("the user did not change")
-    os.chdir(a["cwd"])
+    ok(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    os.chdir(a["home"])
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # python ignores it, and an ignored signal survives exec
+    os.execve(a["shell"], [a["shell"]], a["env"])
+
+def init():
+    try:
+        ok(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        build_root("/tmp")  # a mount point this namespace alone sees; after the pivot it is the root
+        ok(libc.sethostname(b"sandbox", 7), "sethostname")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                shell()
+            except Exception as exc:
+                fail(exc)
+    except Exception as exc:
+        fail(exc)
+    while True:
+        reaped, status = os.wait()  # orphans of the session are reparented here
+        if reaped == pid:
+            os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+try:
+    ok(libc.unshare(NAMESPACES), "unshare")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted from here on reaches the host
 except Exception as exc:
-    sys.stdout.write("rollbook-sandbox-failed %s\\n" % (exc,))
-    sys.stdout.flush()
-    os._exit(126)
-sys.stdout.write("rollbook-sandbox-ready\\n")
-sys.stdout.flush()
-os.execve(a["shell"], [a["shell"]], a["env"])
+    fail(exc)
+watched = {signal.SIGCHLD, signal.SIGTERM}
+signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+child = os.fork()
+if child == 0:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+    init()
+while True:
+    got = signal.sigtimedwait(watched, 1.0)
+    if (got is not None and got.si_signo == signal.SIGTERM) or os.getppid() != a["server"]:
+        os.kill(child, signal.SIGKILL)
+    done, status = os.waitpid(child, os.WNOHANG)
+    if done:
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 """
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper"]
 _HEX64 = re.compile(r"\b[0-9a-f]{64}\b")
+_UID_LOCKS = os.path.join(tempfile.gettempdir(), "rollbook-sandbox-uids")
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What a sandbox shell may use; given by the configuration's [sandbox] table."""
+    """What a sandbox session may use; given by the configuration's [sandbox] table."""
 
-    user: str = "nobody"
+    user: str = "nobody"  # no longer used: each session runs as a uid of its own (uid_base, uids)
     cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)
     memory_mb: int = 512  # address space per process (RLIMIT_AS)
-    max_processes: int = 64  # processes of the sandbox user (RLIMIT_NPROC)
+    max_processes: int = 64  # processes of one session (RLIMIT_NPROC, per uid, and each session has its own)
     file_mb: int = 64  # largest file a command may write (RLIMIT_FSIZE)
     output_bytes: int = 8_000  # output kept per command; the rest is counted and dropped
     timeout_s: float = 10.0  # wall clock per command; past it the session ends
+    uid_base: int = 200_000  # sessions run as uid = gid = uid_base + n, n < uids; no account may own these
+    uids: int = 1_000  # at most this many sessions at once on this machine (all servers together)
+    disk_mb: int = 128  # all a session may write: its working dir, /tmp, /var/tmp and /dev/shm together (tmpfs: RAM)
+    command_bytes: int = 65_536  # the longest command accepted
+    idle_s: float = 1_800.0  # a shell no command has used for this long is ended
 
     def rlimits(self) -> list[tuple[str, int, int]]:
         mb = 1024 * 1024
@@ -100,11 +218,47 @@ class SandboxLimits:
                 ("RLIMIT_CORE", 0, 0)]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class LiveShell:
+    """One session's jail: `process` is the jail's outer process; the shell runs inside it as `uid`."""
+
     process: subprocess.Popen
-    workdir: str
+    uid: int
+    uid_lock: int  # an fd holding the lock on `uid` while the session lives
     task_id: str
+    closed: bool = False
+    busy: bool = False  # a command is running: the idle watch leaves the session alone
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    ended: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+def _claim_uid(limits: SandboxLimits) -> tuple[int, int]:
+    """A uid of the range that no other session on this machine holds, and the fd that holds it.
+
+    An flock on a file per uid, so servers sharing the machine (and the range) never share a uid,
+    and a server that dies releases its uids with its processes (its jails die with it)."""
+    os.makedirs(_UID_LOCKS, mode=0o700, exist_ok=True)
+    info = os.lstat(_UID_LOCKS)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+        raise ToolError("sandbox_unavailable", f"{_UID_LOCKS} must be a folder only root can use")
+    start = secrets.randbelow(limits.uids)
+    for n in range(limits.uids):
+        uid = limits.uid_base + (start + n) % limits.uids
+        try:
+            pwd.getpwuid(uid)
+            continue  # an account's files and processes: never a session's
+        except KeyError:
+            pass
+        fd = os.open(os.path.join(_UID_LOCKS, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise ToolError("sandbox_unavailable", f"all {limits.uids} sandbox uids from {limits.uid_base} are in use "
+                                           "(the [sandbox] table's uid_base and uids)")
 
 
 def make_task(seed: int) -> Task:
@@ -161,34 +315,38 @@ class SandboxEnvironment(Environment):
         limits = self.limits
         if limits is None:
             raise ToolError("sandbox_disabled", "the sandbox environment is off in this configuration")
-        try:
-            user = pwd.getpwnam(limits.user)
-        except KeyError:
-            raise ToolError("sandbox_unavailable", f"no user named {limits.user!r} for the sandbox") from None
-        if user.pw_uid == 0:
-            raise ToolError("sandbox_unavailable", "the sandbox user must not be root")
         if os.geteuid() != 0:
-            raise ToolError("sandbox_unavailable", "the sandbox needs a server started as root, to drop to its user")
-        workdir = tempfile.mkdtemp(prefix="rollbook-sandbox-")
-        os.chown(workdir, user.pw_uid, user.pw_gid)
-        args = {"clone_newnet": CLONE_NEWNET, "limits": limits.rlimits(), "uid": user.pw_uid, "gid": user.pw_gid,
-                "cwd": workdir, "shell": SHELL,
-                "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "LC_ALL": "C"}}
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _JAIL, json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, cwd="/", env={}, start_new_session=True,
-        )
-        handle = LiveShell(process=process, workdir=workdir, task_id=task.task_id)
+            raise ToolError("sandbox_unavailable", "the sandbox needs a server started as root, to build its jails")
+        uid, uid_lock = _claim_uid(limits)
+        args = {"server": os.getpid(), "uid": uid, "gid": uid, "limits": limits.rlimits(), "shell": SHELL,
+                "home": HOME, "system": SYSTEM_PATHS, "devices": DEVICES, "disk_kb": limits.disk_mb * 1024,
+                "inodes": max(1024, limits.disk_mb * 256), "env": {"PATH": PATH, "HOME": HOME, "LC_ALL": "C"}}
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _JAIL, json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, cwd="/", env={}, start_new_session=True,
+            )
+        except BaseException:
+            os.close(uid_lock)
+            raise
+        handle = LiveShell(process=process, uid=uid, uid_lock=uid_lock, task_id=task.task_id)
+        assert process.stdin is not None
+        try:
+            process.stdin.write(_READY_COMMAND)
+            process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the jail is gone already; what it said is on stdout
         said = self._read_line(handle, deadline=time.monotonic() + 10.0)
         if said != READY:
             self.close_live(handle)
-            why = said.removeprefix(FAILED).strip().decode(errors="replace") or "the jail exited"
+            why = said.removeprefix(FAILED).strip().decode(errors="replace") or "the shell exited before it was ready"
             raise ToolError("sandbox_unavailable", f"the sandbox could not start: {why}")
+        threading.Thread(target=self._watch_idle, args=(handle,), name=f"sandbox-idle-{uid}", daemon=True).start()
         return handle
 
     @staticmethod
     def _read_line(handle: LiveShell, deadline: float) -> bytes:
-        """The jail's one line, read byte by byte so nothing of the shell's later output is taken."""
+        """The first line, read byte by byte so nothing of the shell's later output is taken."""
         assert handle.process.stdout is not None
         fd, line = handle.process.stdout.fileno(), b""
         while not line.endswith(b"\n") and len(line) < 4096:
@@ -203,37 +361,81 @@ class SandboxEnvironment(Environment):
 
     def call_live(self, handle: LiveShell, name: str, arguments: dict) -> ToolOutcome:
         command = self._check(name, arguments)
-        if handle.process.poll() is not None:
-            raise ToolError("session_lost", f"the shell exited with status {handle.process.returncode}")
-        # A non-interactive sh exits on a syntax error, which would end the session; check first.
-        check = subprocess.run([SHELL, "-n", "-c", command], capture_output=True, text=True, timeout=self.timeout_s)
-        if check.returncode != 0:
-            return self._outcome(command, (check.stdout + check.stderr).strip(), check.returncode)
+        cap = self.limits.command_bytes if self.limits is not None else SandboxLimits.command_bytes
+        size = len(command.encode())
+        if size > cap:
+            raise ToolError("command_too_long", f"the command is {size} bytes; the sandbox takes at most {cap}")
+        with handle.lock:
+            if handle.closed or handle.process.poll() is not None:
+                raise ToolError("session_lost", "the session's shell has ended")
+            handle.busy = True
+        try:
+            # A non-interactive sh exits on a syntax error, which would end the session: the command is
+            # parsed first by `sh -n` inside the jail, reading it from a here-document (never argv,
+            # which caps one argument at 128 KiB). The random delimiter cannot occur in the command.
+            end = f"__rollbook_{secrets.token_hex(8)}__"
+            check = f"sh -n 2>&1 <<'{end}'\n{command}\n{end}\n"
+            output, code, dropped = self._send(handle, check)
+            if code != 0:
+                return self._outcome(command, output, code, dropped)
+            # stdin from /dev/null: otherwise a command like `cat` would swallow the marker line.
+            output, code, dropped = self._send(handle, f"{{ {command}\n}} </dev/null 2>&1\n")
+            return self._outcome(command, output, code, dropped)
+        finally:
+            handle.busy, handle.last_used = False, time.monotonic()
+
+    def _send(self, handle: LiveShell, script: str) -> tuple[str, int, int]:
         marker = f"__rollbook_{secrets.token_hex(8)}__"
-        # stdin from /dev/null: otherwise a command like `cat` would swallow the marker line.
-        script = f"{{ {command}\n}} </dev/null 2>&1\nprintf '\\n{marker} %s\\n' \"$?\"\n"
         assert handle.process.stdin is not None
-        handle.process.stdin.write(script.encode())
-        handle.process.stdin.flush()
-        output, code, dropped = self._read_until(handle, marker)
-        return self._outcome(command, output, code, dropped)
+        try:
+            handle.process.stdin.write(f"{script}printf '\\n{marker} %s\\n' \"$?\"\n".encode())
+            handle.process.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            self.close_live(handle)
+            raise ToolError("session_lost", "the shell exited") from None
+        return self._read_until(handle, marker)
 
     def close_live(self, handle: LiveShell) -> None:
+        with handle.lock:
+            if handle.closed:
+                return
+            handle.closed = True
+        self._end(handle)
+
+    def _end(self, handle: LiveShell) -> None:
+        """Ends the session: every process in its PID namespace is gone when this returns."""
         process = handle.process
         if process.poll() is None:
-            try:
-                os.killpg(process.pid, 15)
-            except ProcessLookupError:
-                pass
+            # The jail's outer process SIGKILLs init and waits for it; the kernel has killed the rest by then.
+            process.terminate()
             try:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
+                process.kill()  # init dies of its parent-death signal, and the namespace with it
                 process.wait()
         for stream in (process.stdin, process.stdout):
             if stream is not None:
-                stream.close()
-        shutil.rmtree(handle.workdir, ignore_errors=True)
+                try:
+                    stream.close()
+                except BrokenPipeError:
+                    pass
+        os.close(handle.uid_lock)
+        handle.ended.set()
+
+    def _watch_idle(self, handle: LiveShell) -> None:
+        """Ends a shell no command has used for `idle_s`: a rollout that failed, or whose caller went
+        away without closing its session, does not keep its jail for good."""
+        idle_s = self.limits.idle_s if self.limits is not None else SandboxLimits.idle_s
+        while True:
+            with handle.lock:
+                if handle.closed:
+                    return
+                left = idle_s - (time.monotonic() - handle.last_used)
+                if not handle.busy and left <= 0:
+                    handle.closed = True
+                    break
+            handle.ended.wait(max(left, 1.0))
+        self._end(handle)
 
     # -- helpers -----------------------------------------------------------------
 
@@ -280,6 +482,7 @@ class SandboxEnvironment(Environment):
             if ready:
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    self.close_live(handle)
                     raise ToolError("session_lost", "the shell exited")
                 buf += chunk
 
