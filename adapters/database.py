@@ -160,15 +160,20 @@ def prepare_database(dsn: str | None = None) -> str:
 def sibling_url(dsn: str, dbname: str) -> str:
     """The URL of database `dbname` on the server `dsn` names (URL or key=value form): a
     postgresql:// URL, which both SQLAlchemy and psycopg read."""
+    from urllib.parse import quote
+
     import psycopg
 
     info = psycopg.conninfo.conninfo_to_dict(psycopg.conninfo.make_conninfo(libpq_dsn(dsn) if "://" in dsn else dsn))
     host, user = info.get("host", ""), info.get("user", "postgres")
     pw = f":{info['password']}" if info.get("password") else ""
     port = f":{info['port']}" if info.get("port") else ""
+    # The rest (the embedded server's passfile, sslmode, ...) applies to every database of the server.
+    params = [f"{k}={quote(str(v), safe='/')}" for k, v in info.items()
+              if k not in ("host", "user", "password", "port", "dbname") and v is not None]
     if host.startswith("/"):
-        return f"postgresql://{user}{pw}@{port}/{dbname}?host={host}"
-    return f"postgresql://{user}{pw}@{host}{port}/{dbname}"
+        return f"postgresql://{user}{pw}@{port}/{dbname}?" + "&".join([f"host={host}", *params])
+    return f"postgresql://{user}{pw}@{host}{port}/{dbname}" + ("?" + "&".join(params) if params else "")
 
 
 def scratch_database(dsn: str, name: str, migrate: bool = True) -> str:

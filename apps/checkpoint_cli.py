@@ -13,8 +13,25 @@ import aiohttp
 from adapters import database
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from adapters.secret_files import read_private
 from engine.coordinator import Coordinator, abort_expired
-from engine.errors import RollbookError
+from engine.errors import ConfigError, RollbookError
+
+TOKEN_FIX = "set ROLLBOOK_CONTROL_TOKEN or pass --control-token-file PATH (a file only you can read: chmod 600)"
+
+
+def control_token(args: argparse.Namespace) -> str:
+    """The control credential from a file or the environment, never from the command line."""
+    if args.control_token is not None:
+        raise ConfigError("--control-token puts the control credential on the command line, where every local "
+                          "user can read it (/proc/PID/cmdline), so it is refused and should be changed",
+                          TOKEN_FIX)
+    if args.control_token_file:
+        token = read_private(args.control_token_file, "control token file").strip()
+        if not token:
+            raise ConfigError(f"control token file {args.control_token_file} is empty", "write the control credential in it")
+        return token
+    return os.environ.get("ROLLBOOK_CONTROL_TOKEN", "")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,8 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint_id", nargs="?", default=None)
     p.add_argument("--participant", action="append", default=[], metavar="KIND=URL",
                    help="a participant's base URL, e.g. model=http://127.0.0.1:8101 (repeat for each)")
-    p.add_argument("--control-token", default=os.environ.get("ROLLBOOK_CONTROL_TOKEN", ""),
-                   help="the control credential (default ROLLBOOK_CONTROL_TOKEN)")
+    p.add_argument("--control-token-file", metavar="PATH",
+                   help="a file (mode 0600) holding the control credential (default: ROLLBOOK_CONTROL_TOKEN)")
+    # Kept only to refuse it by name: a credential on the command line is in /proc/PID/cmdline,
+    # which every local user reads (and without it argparse would take `--control-token X` as an
+    # abbreviation of --control-token-file).
+    p.add_argument("--control-token", help=argparse.SUPPRESS)
     p.add_argument("--dsn")
     p.add_argument("--deadline-seconds", type=float, default=30.0)
     p.add_argument("--scope", help="JSON list of [rollout_id, attempt] to continue (commit; default: every live attempt)")
@@ -42,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    token = control_token(args)
+    if args.participant and not token:
+        raise ConfigError("no control credential for the participants", TOKEN_FIX)
     dsn = database.prepare_database(args.dsn)
     store = PostgresEventStore.connect(dsn, writer="coordinator-cli")
     deadline = time.time() + args.deadline_seconds
@@ -49,7 +73,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         clients = []
         for spec in args.participant:
             kind, _, url = spec.partition("=")
-            clients.append(HttpParticipant(kind, kind, url, args.control_token, session))
+            clients.append(HttpParticipant(kind, kind, url, token, session))
         coordinator = Coordinator(store, clients)
         ck = args.checkpoint_id
         try:

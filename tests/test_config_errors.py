@@ -117,6 +117,24 @@ def upstream_backend_without_url(work: Path, dsn: str) -> Case:
     return Case(["serve", "model", "--config", str(model_section(work, dsn, 'backend = "openai_compatible"\n'))], {})
 
 
+def config_open_to_others(work: Path, dsn: str) -> Case:
+    path = write_config(work, dsn)
+    path.chmod(0o640)  # what `cp` or an editor under umask 022 leaves: the group reads both credentials
+    return Case(["serve", "model", "--config", str(path)], {})
+
+
+def control_token_on_the_command_line(work: Path, dsn: str) -> Case:
+    return Case(["checkpoint", "status", "--dsn", dsn, "--control-token", "control-t0k"], {})
+
+
+def control_token_file_open_to_others(work: Path, dsn: str) -> Case:
+    token = work / "control-token"
+    token.write_text("control-t0k\n")
+    token.chmod(0o644)
+    return Case(["checkpoint", "status", "--dsn", dsn, "--control-token-file", str(token),
+                 "--participant", f"model=http://127.0.0.1:{free_port()}"], {})
+
+
 # (the bad input, words the one line must say: the cause first, then where the fix goes)
 CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
     (wrong_dsn_unreachable, ["cannot connect to PostgreSQL", "Connection refused", "ROLLBOOK_DSN"]),
@@ -134,6 +152,12 @@ CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
     (unknown_generation_backend, ["servers.model.backend", "'gpt5' is not a registered generation backend",
                                   "openai_compatible, scripted"]),
     (upstream_backend_without_url, ["openai_compatible backend has no url", "[servers.model]"]),
+    (config_open_to_others, ["rollbook.toml holds a credential", "open to group or others (mode 0640)",
+                             "chmod 600 /", "rollbook.toml"]),
+    (control_token_on_the_command_line, ["--control-token puts the control credential on the command line",
+                                         "ROLLBOOK_CONTROL_TOKEN", "--control-token-file PATH"]),
+    (control_token_file_open_to_others, ["control token file", "open to group or others (mode 0644)",
+                                         "chmod 600 /"]),
 ]
 
 

@@ -329,5 +329,6 @@ def test_a_telemetry_endpoint_that_is_not_an_http_url_is_refused(tmp_path: Path)
     path = tmp_path / "rollbook.toml"
     path.write_text('control_token = "control-secret"\ndata_token = "data-secret!"\n[servers.model]\nport = 1\n'
                     '[telemetry]\notlp_endpoint = "file:///etc/passwd"\n')
+    path.chmod(0o600)  # it holds credentials
     with pytest.raises(ConfigError, match="telemetry.otlp_endpoint"):
         cfg.load(path)
