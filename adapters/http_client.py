@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from engine.capability import capability
 from engine.errors import ParticipantUnavailable, RollbookError
 
 # The paths every server mounts (participants.control_plane) and every client calls.
@@ -103,6 +104,12 @@ class JsonClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def as_attempt(secret: str | None, rollout_id: str, attempt: int) -> dict[str, str]:
+    """The Authorization header of a request that speaks for one attempt only (engine.capability):
+    the server it reaches refuses it anywhere but that attempt's routes. None without a secret."""
+    return {"Authorization": f"Bearer {capability(secret, rollout_id, attempt)}"} if secret else {}
 
 
 def data_url(base: str, rollout_id: str, attempt: int, suffix: str) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.catalog import AGENT_BOUNDARY
+from engine.catalog import ACTIVATION_COMPLETED, AGENT_BOUNDARY
 from engine.errors import InvalidCheckpointState
 from engine.events import RecordedEvent
 
@@ -95,3 +95,21 @@ def _rebuild(e: RecordedEvent, previous: tuple[RecordedEvent, list[dict[str, Any
             f"{where} keeps {kept} messages of the boundary before it ({before.stream}@{before.stream_version}), "
             f"which has {len(messages)}")
     return messages[:kept] + added
+
+
+def completed_activations(history: Sequence[RecordedEvent]) -> dict[int, dict[str, Any]]:
+    """Each completed activation's reply by index, its `messages` the conversation of the latest
+    boundary recorded before it. A completion stores no conversation of its own (one past the event
+    size limit would fail its last append on every retry); one written before that rule keeps the
+    messages it has. `history` is one lineage in log order, its agent streams from their start (an
+    effective history: a continued attempt's own boundaries follow its origin's)."""
+    latest: list[dict[str, Any]] = []
+    out: dict[int, dict[str, Any]] = {}
+    for e in with_messages(history):
+        if e.kind == AGENT_BOUNDARY and FULL in e.data:
+            latest = e.data[FULL]
+        elif e.kind == ACTIVATION_COMPLETED:
+            reply = dict(e.data["reply"])
+            reply.setdefault(FULL, latest)
+            out[int(e.data["index"])] = reply
+    return out

@@ -236,7 +236,8 @@ AGENT_BOUNDARY = _kind(
 ACTIVATION_COMPLETED = _kind(
     "agent_activation_completed", AGENT, _AGENT,
     "An activation of the agent is over; asking for it again returns this reply.",
-    need("index", "integer", "the activation index"), need("reply", "object", "final_answer, messages, usage, turns"),
+    need("index", "integer", "the activation index"), need("reply", "object", "final_answer, usage, turns; the conversation is the agent boundary appended with it "
+                                    "(engine.boundaries.completed_activations; events written before that hold messages)"),
 )
 
 # ---- an attempt's session (resources server) ---------------------------------------------------

@@ -34,8 +34,8 @@ from urllib.parse import quote
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, data_url
-from engine.boundaries import boundary_messages, full_boundary
+from adapters.http_client import JsonClient, as_attempt, data_url
+from engine.boundaries import boundary_messages, completed_activations, full_boundary
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
@@ -147,6 +147,13 @@ class Session:
     def reply(self) -> dict[str, Any]:
         return {"final_answer": self.final_answer, "messages": self.messages, "usage": self.usage, "turns": self.turn}
 
+    def completed(self) -> NewEvent:
+        """The activation's completion: its reply less the conversation, which is the boundary appended
+        just before it (engine.boundaries.completed_activations), so no conversation is ever stored
+        whole in one event, however long it grows."""
+        reply = {k: v for k, v in self.reply().items() if k != "messages"}
+        return NewEvent(agent_stream(*self.key), ACTIVATION_COMPLETED, {"index": self.index, "reply": reply}, *self.key)
+
 
 def tool_call_key(activation: int, turn: int, index: int) -> str:
     """A tool call's key within its session: the agent derives it from where the call stands, never
@@ -229,6 +236,7 @@ class AgentParticipant(Participant):
         super().__init__(store, instance)
         # The data credential goes only to the configured model and resources servers.
         self.client = JsonClient(data_token)
+        self.secret = data_token  # each request for a session carries that attempt's capability, not this
         self.model_url, self.resources_url = model_url, resources_url
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
@@ -254,7 +262,7 @@ class AgentParticipant(Participant):
                 task = current[1]  # a repeat of the running activation waits for the same result
             else:
                 history = await effective_history(self.store, *key)
-                completed = {e.data["index"]: e.data["reply"] for e in history if e.kind == ACTIVATION_COMPLETED}
+                completed = completed_activations(history)
                 last = max(completed, default=-1)
                 if index == last and last >= 0:
                     return web.json_response(completed[index])
@@ -323,7 +331,7 @@ class AgentParticipant(Participant):
             if s.finished or s.turn >= s.request.max_steps:
                 body = s.reply()
                 # The last turn's end is the activation's end: one append, so no boundary is left without it.
-                await self._record(s, after, self._event(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body}))
+                await self._record(s, after, s.completed())
                 return body
             # Nothing happens between this turn's end and the next turn's start: both boundaries in one
             # append, and the next turn parks at the second as it would at one it had just recorded.
@@ -331,7 +339,7 @@ class AgentParticipant(Participant):
                                                                                    self._call_id(s, s.turn))))
             s.resumed = True
         body = s.reply()
-        await self._record(s, self._event(s, ACTIVATION_COMPLETED, {"index": s.index, "reply": body}))
+        await self._record(s, s.completed())
         return body
 
     @staticmethod
@@ -368,7 +376,7 @@ class AgentParticipant(Participant):
             await self._open.wait()
 
     async def _model(self, s: Session, call_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        headers = {"X-Rollbook-Call-Id": call_id}
+        headers = {"X-Rollbook-Call-Id": call_id, **as_attempt(self.secret, *s.key)}
         if s.last_call_id:
             headers["X-Rollbook-Parent-Call-Id"] = s.last_call_id
         if s.replaces:
@@ -414,7 +422,8 @@ class AgentParticipant(Participant):
         closed, unavailable = Patience(f"tool call {call_key}", limit_s=None), Patience(f"tool call {call_key}")
         while True:
             try:
-                out = await self.client.post(url, {"arguments": args}, {TOOL_CALL_HEADER: call_key})
+                out = await self.client.post(url, {"arguments": args},
+                                             {TOOL_CALL_HEADER: call_key, **as_attempt(self.secret, *s.key)})
                 break
             except AdmissionClosed as exc:
                 await self._wait_closed(closed, exc, at_boundary=False)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, data_url
+from adapters.http_client import JsonClient, as_attempt, data_url
 from engine import catalog as ev
 from engine import recovery
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
@@ -129,6 +129,7 @@ class EnvironmentParticipant(Participant):
         super().__init__(store, instance)
         # The data credential goes only to the agent and resources servers of the configuration.
         self.client = JsonClient(data_token)
+        self.secret = data_token  # each step's request carries its attempt's capability, not this
         self.agent_url, self.resources_url = agent_url, resources_url
         self.environments = environments
         self.episodes: dict[str, Episode] = {}
@@ -285,7 +286,8 @@ class EnvironmentParticipant(Participant):
         await self._open.wait()
         ep.status = "running"
 
-    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    async def _post(self, ep: Episode, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        headers = {**(headers or {}), **as_attempt(self.secret, ep.rollout_id, ep.attempt)}
         # A peer's checkpoint ends by its own lease, and asking often costs it nothing but a refusal.
         closed = Patience(f"POST {url}", limit_s=None, max_delay_s=RETRY_FIRST_S)
         unavailable = Patience(f"POST {url}")  # restarting: every step's request is idempotent
@@ -298,7 +300,7 @@ class EnvironmentParticipant(Participant):
                 await asyncio.sleep(unavailable.next_delay(exc))
 
     async def _seed(self, ep: Episode) -> dict[str, Any]:
-        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),
+        out = await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),
                                {"env": ep.task.env, "task": ep.task.to_json()})
         return {"state_mode": out.get("state_mode"), "verification": out.get("verification"),
                 "revision": out.get("revision", 0), "tools": out.get("tools")}
@@ -308,23 +310,18 @@ class EnvironmentParticipant(Participant):
         index = sum(1 for d in ep.done if d["step"] == "agent")
         seeded = ep.recorded("seed") or {}
         body = {"task": ep.task.to_json(), "max_steps": ep.max_steps, "seed": ep.seed, "tools": seeded.get("tools")}
-        out = await self._post(data_url(self.agent_url, ep.rollout_id, ep.attempt, "/run"), body,
+        out = await self._post(ep, data_url(self.agent_url, ep.rollout_id, ep.attempt, "/run"), body,
                                {ACTIVATION_HEADER: str(index)})
         return {"activation": index, "final_answer": out.get("final_answer"), "turns": out.get("turns"),
                 "usage": out.get("usage")}
 
     async def _verify(self, ep: Episode) -> dict[str, Any]:
-        answer = (ep.recorded("agent") or {}).get("final_answer")
-        # The whole conversation, as the agent recorded it when its activation completed (read from the
-        # log, so a verify after a restart sends the same).
-        history = await effective_history(self.store, ep.rollout_id, ep.attempt)
-        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == ev.ACTIVATION_COMPLETED), {})
-        out = await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"),
-                               {"final_answer": answer, "messages": reply.get("messages") or []})
+        # The resources server reads the answer and the conversation from the log itself.
+        out = await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {})
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
-        await self._post(data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
+        await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
         return {"reward": ep.reward}
 
     async def episode_status(self, request: web.Request, _body: None) -> web.Response:

@@ -37,6 +37,8 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.capability import PREFIX as CAPABILITY
+from engine.capability import capability_opens
 from engine.errors import Forbidden, InvalidJson, PayloadTooLarge, Unauthorized
 from engine.identity import ATTEMPT_MAX, ATTEMPT_PATTERN, ID_PATTERN, MAX_ID_LENGTH
 
@@ -90,10 +92,13 @@ def _basic_as_bearer(header: str) -> str:
     return f"Bearer {password}" if colon and password else ""
 
 
-def check_credential(header: str | None, creds: Credentials, scope: Scope, basic: bool = False) -> None:
+def check_credential(header: str | None, creds: Credentials, scope: Scope, basic: bool = False,
+                     identity: tuple[str | None, str | None] = (None, None)) -> None:
     """Raise unless the Authorization header carries a credential that opens `scope`.
 
-    `basic`: the route also takes the credential as the password of HTTP Basic (the NeMo Gym fronts)."""
+    `basic`: the route also takes the credential as the password of HTTP Basic (the NeMo Gym fronts).
+    `identity`: the (rollout, attempt) the route's path names, if any: a capability for exactly that
+    attempt (engine.capability) opens the data plane there, and only there."""
     header = header or ""
     if basic and header[:6].lower() == "basic ":
         header = _basic_as_bearer(header)
@@ -101,11 +106,24 @@ def check_credential(header: str | None, creds: Credentials, scope: Scope, basic
     # Both compared every time, so the time taken says nothing about which one nearly matched.
     control, data = _matches(given, creds.control), _matches(given, creds.data)
     if not (control or data):
+        token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if token.startswith(CAPABILITY):
+            if scope == "data" and capability_opens(token, creds.data, *identity):
+                return
+            if _capability_is_ours(token, creds.data):
+                raise Forbidden("a capability opens only the data routes of its own rollout and attempt")
         raise Unauthorized("a valid bearer credential is required")
     if scope == "control" and not control:
         raise Forbidden("the control plane needs the control credential")
     if scope == "data" and not data:
         raise Forbidden("the data plane needs the data credential")
+
+
+def _capability_is_ours(token: str, secret: str) -> bool:
+    """A well-made capability used outside its attempt is forbidden (403); a forged one is unknown (401)."""
+    named, _, _mac = token[len(CAPABILITY):].rpartition(".")
+    rollout_id, _, attempt = named.rpartition(".")
+    return bool(rollout_id) and capability_opens(token, secret, rollout_id, attempt)
 
 
 # ---- bodies ------------------------------------------------------------------------------------
@@ -220,7 +238,8 @@ def authenticate(creds: Credentials) -> Any:
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         scope = getattr(request.match_info.handler, "rollbook_scope", "any")
         basic = getattr(request.match_info.handler, "rollbook_basic", False)
-        check_credential(request.headers.get("Authorization"), creds, scope, basic)
+        identity = (request.match_info.get("rollout_id"), request.match_info.get("attempt"))
+        check_credential(request.headers.get("Authorization"), creds, scope, basic, identity)
         return await handler(request)
 
     return middleware

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from engine import catalog as ev
 from engine import retry
-from engine.catalog import ACTIVATION_COMPLETED
+from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.errors import (
     EpisodeFailed,
@@ -447,7 +447,8 @@ class EnvironmentFront:
 
     def _result(self, req: EpisodeRequest, rid: str, done: dict[str, Any]) -> EpisodeResponse:
         history: list[RecordedEvent] = done["history"]
-        reply = next((e.data.get("reply") or {} for e in reversed(history) if e.kind == ACTIVATION_COMPLETED), {})
+        replies = completed_activations(history)
+        reply = replies[max(replies)] if replies else {}
         started = next((e for e in history if e.kind == ev.ATTEMPT_STARTED), None)
         created = started.recorded_at.timestamp() if started is not None and started.recorded_at else time.time()
         result = {

@@ -32,6 +32,7 @@ class ReplayState:
     reward: float | None = None
     final_answer: str | None = None
     conversation: list[dict[str, Any]] = field(default_factory=list)  # the last completed activation's messages
+    latest: list[dict[str, Any]] = field(default_factory=list)  # the latest boundary's conversation
 
     @property
     def task(self) -> Task | None:
@@ -106,10 +107,12 @@ def apply(state: ReplayState, e: RecordedEvent) -> str:
         wrong = boundary_disagreement(d, state.session.revisions)
         if wrong is not None:
             raise _divergence(e, f"agent boundary saw {wrong[0]} at revision {wrong[1]}, replay has {wrong[2]}")
-        state.turn, state.messages = d.get("turn", state.turn), len(d.get("messages", []))
+        state.latest = list(d.get("messages") or [])
+        state.turn, state.messages = d.get("turn", state.turn), len(state.latest)
         return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
     if e.kind == ev.ACTIVATION_COMPLETED:
-        state.conversation = list((d.get("reply") or {}).get("messages") or [])
+        # A completion stores no conversation: it is the boundary's recorded with it (engine.boundaries).
+        state.conversation = list((d.get("reply") or {}).get("messages") or state.latest)
         return e.kind.replace("_", " ")
     if e.kind in (ev.CALL_COMPLETED, ev.CALL_CUT):
         state.calls.append(d["call_id"])

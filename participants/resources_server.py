@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from engine import catalog as ev
+from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_targets
 from engine.errors import (
     AdmissionClosed,
@@ -87,11 +88,6 @@ class OpenRequest(Body):
 
 class ToolRequest(Body):
     arguments: dict[str, Any] = {}
-
-
-class VerifyRequest(Body):
-    final_answer: str | None = None
-    messages: list[dict[str, Any]] = Field(default_factory=list, description="the whole conversation, for the verifier")
 
 
 class SessionReply(BaseModel):
@@ -373,21 +369,27 @@ class ResourcesParticipant(Participant):
                 s.tool_calls[call_key] = data
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
-    async def verify(self, request: web.Request, body: VerifyRequest) -> web.Response:
+    async def verify(self, request: web.Request, _body: Empty) -> web.Response:
+        """Verify the session against the answer the log holds: the last completed agent activation
+        of this attempt (its lineage included), never an answer a request brings, which anyone
+        holding the data credential could forge."""
         key = await self._enter(request)
         s = self.sessions.get(key) or await self._recover(key)
+        history = await effective_history(self.store, *key)
         if s is None:
             # A passed verify retires its session; a caller that crashed before it heard the answer
             # asks again and gets the recorded verification, not a second one.
-            verified = [e for e in await effective_history(self.store, *key)
-                        if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
+            verified = [e for e in history if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
             if verified:
                 d = verified[-1].data
-                if d.get("final_answer") != body.final_answer:
-                    raise RequestConflict(f"rollout {key[0]} attempt {key[1]} was verified with another answer")
                 return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
                                           "repeated": True})
             s = await self._session(key)  # raises not_found
+        replies = completed_activations(history)
+        if not replies:
+            raise RequestConflict(f"no agent activation of rollout {key[0]} attempt {key[1]} has completed: "
+                                  "there is no answer to verify yet")
+        answer = replies[max(replies)]
         self._refuse_when_closed("verify")
         s.verifying += 1
         s.verify_idle.clear()
@@ -396,7 +398,7 @@ class ResourcesParticipant(Participant):
             error: str | None = None
             try:
                 # A verifier may be slow (a judge, a subprocess); a thread keeps the loop serving.
-                trajectory = Trajectory(body.messages, body.final_answer)
+                trajectory = Trajectory(list(answer.get("messages") or []), answer.get("final_answer"))
                 reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
                 status = "passed" if reward > 0 else "failed"
             except Exception as exc:  # any verifier failure is recorded, then reported
@@ -405,7 +407,7 @@ class ResourcesParticipant(Participant):
                 if self.sessions.get(key) is not s:
                     raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
                 data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
-                                        "final_answer": body.final_answer}
+                                        "final_answer": answer.get("final_answer")}
                 if error is not None:
                     data["error"] = error
                 await self._append(s, ev.SESSION_VERIFIED, data)
@@ -466,7 +468,7 @@ class ResourcesParticipant(Participant):
             Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
                   headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
                                   description="the call's key: a repeat gets the recorded outcome"),)),
-            Route("POST", data_path("/verify"), self.verify, VerifyRequest, VerifyReply, session),
+            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, "conflict")),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),
         ]

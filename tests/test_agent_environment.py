@@ -19,7 +19,7 @@ import pytest
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from engine.boundaries import with_messages
+from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
@@ -49,8 +49,8 @@ async def stack(dsn: str, tag: str, latency: float = 0.0) -> AsyncIterator[Stack
 
 
 def final_reply(events: list[RecordedEvent], attempt: int) -> dict[str, Any]:
-    (done,) = of(events, "agent_activation_completed", attempt)
-    return done.data["reply"]
+    (reply,) = completed_activations([e for e in events if e.attempt == attempt]).values()
+    return reply
 
 
 def mutations(events: list[RecordedEvent]) -> list[tuple[str, Any, Any]]:

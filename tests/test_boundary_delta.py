@@ -13,7 +13,7 @@ from sqlalchemy import text
 from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
-from engine.boundaries import boundary_messages, full_boundary, with_messages
+from engine.boundaries import boundary_messages, completed_activations, full_boundary, with_messages
 from engine.checkpoint import committed_event, make_cut
 from engine.coordinator import Coordinator
 from engine.errors import InvalidCheckpointState
@@ -137,8 +137,11 @@ async def test_the_agent_writes_deltas_and_appends_a_turns_end_with_the_next_sta
     # Only the stream's first boundary holds the whole list; the rebuilt lists end in the activation's reply.
     assert "messages" in bounds[0].data and all("messages" not in b.data and "messages_kept" in b.data for b in bounds[1:])
     rebuilt = of(with_messages(events), ev.AGENT_BOUNDARY)
-    assert rebuilt[-1].data["messages"] == done.data["reply"]["messages"]
-    assert all(b.data["messages"] == done.data["reply"]["messages"][:len(b.data["messages"])] for b in rebuilt)
+    # The completion stores no conversation: it is the last boundary's, which the reply readers rebuild.
+    assert "messages" not in done.data["reply"]
+    conversation = completed_activations(events)[0]["messages"]
+    assert rebuilt[-1].data["messages"] == conversation
+    assert all(b.data["messages"] == conversation[:len(b.data["messages"])] for b in rebuilt)
     # Each after_turn lands in one append with what follows it: the next before_model, or the completion.
     span = {p: (first, last) for first, last in appends for p in range(first, last + 1)}
     for b in bounds:

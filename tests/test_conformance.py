@@ -31,6 +31,7 @@ from sqlalchemy import text
 from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
+from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, effective_history
 from engine.events import NewEvent, RecordedEvent
 from participants import agent_server, model_server
@@ -184,8 +185,7 @@ class Outcome:
 async def outcome(store: PostgresEventStore, rid: str, attempt: int) -> Outcome:
     history = await effective_history(store, rid, attempt)
     (finished,) = of(history, "attempt_finished", attempt)
-    (done,) = of(history, "agent_activation_completed")  # exactly one activation completed in the episode
-    reply = done.data["reply"]
+    (reply,) = completed_activations(history).values()  # exactly one activation completed in the episode
     return Outcome(float(finished.data["reward"]), reply["messages"],
                    [m["content"] for m in reply["messages"] if m.get("role") == "tool"], reply["final_answer"],
                    final_state(history), mutations(history))

@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 
 from adapters.postgres import PostgresEventStore
+from engine.boundaries import completed_activations
+from engine.checkpoint import effective_history
 from engine.identity import session_stream
 from participants.environments.tasks import make_task
 from tests.hostile_policy import HostileBackend, hostile_task, tool_call
-from tests.stack import Stack, all_events, start_stack
+from tests.stack import Stack, start_stack
 
 VICTIM = make_task("workplace", 11)
 ATTACKER = make_task("workplace", 12)
@@ -40,6 +42,11 @@ async def mutations(store: PostgresEventStore, rollout_id: str) -> list[tuple[st
             if e.kind == "mutation_applied"]
 
 
+async def final_reply(store: PostgresEventStore, rollout_id: str) -> dict[str, Any]:
+    replies = completed_activations(await effective_history(store, rollout_id, 0))
+    return replies[max(replies)]
+
+
 async def attack(stack: Stack, store: PostgresEventStore, name: str, replies: list[dict[str, Any]],
                  caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     """Run the victim alone, then again beside the attack; return the attacker's tool replies."""
@@ -51,9 +58,7 @@ async def attack(stack: Stack, store: PostgresEventStore, name: str, replies: li
         assert (status := await stack.wait_finished(rid))["status"] == "finished", (rid, status)
     assert await mutations(store, f"victim-{name}") == await mutations(store, f"alone-{name}")
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
-    completed = [e for e in await all_events(store)
-                 if e.rollout_id == f"attacker-{name}" and e.kind == "agent_activation_completed"]
-    messages = completed[-1].data["reply"]["messages"]
+    messages = (await final_reply(store, f"attacker-{name}"))["messages"]
     return [json.loads(m["content"]) for m in messages if m.get("role") == "tool"]
 
 
@@ -120,6 +125,4 @@ async def test_any_code_point_in_arguments_and_text_is_stored_and_given_back_exa
     assert applied.data["arguments"]["notes"] == ODD
     final = await stack.client.get(f"{stack.url('environment')}/episodes/attacker-odd-strings")
     assert final["status"] == "finished"
-    completed = [e for e in await all_events(store)
-                 if e.rollout_id == "attacker-odd-strings" and e.kind == "agent_activation_completed"]
-    assert completed[-1].data["reply"]["final_answer"] == ODD
+    assert (await final_reply(store, "attacker-odd-strings"))["final_answer"] == ODD

@@ -29,6 +29,7 @@ from adapters.telemetry import Telemetry, configure_tracing
 from apps import config as cfg
 from apps import serve
 from apps.processes import free_port
+from engine.boundaries import completed_activations
 from engine.errors import ConfigError
 from participants.environments.tasks import make_task
 from participants.observability import METRICS_PATH, TELEMETRY
@@ -91,8 +92,9 @@ async def checkpoint(s: Stack, store: PostgresEventStore, checkpoint_id: str) ->
 
 def tool_calls(events: list[Any], rollout_id: str) -> int:
     """How many tool calls the agent made: one tool message each in its final reply."""
-    (done,) = of([e for e in events if e.rollout_id == rollout_id], "agent_activation_completed")
-    return sum(1 for m in done.data["reply"]["messages"] if m.get("role") == "tool")
+    replies = completed_activations([e for e in events if e.rollout_id == rollout_id])
+    (reply,) = replies.values()
+    return sum(1 for m in reply["messages"] if m.get("role") == "tool")
 
 
 # ---- /metrics ---------------------------------------------------------------------------------

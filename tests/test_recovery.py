@@ -13,6 +13,7 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
 from participants.environments.tasks import make_task
 from participants.replay import replay
+from tests.answers import answered
 
 from .test_resources_server import call, email_seed, kinds, open_session, prefix, serving, start, state
 
@@ -164,9 +165,10 @@ async def test_a_verify_asked_again_after_it_passed_gets_the_recorded_verificati
         await open_session(http, "rq", "workplace", seed)
         await call(http, "POST", f"{prefix('rq', 0)}/tools/send_email",
                    {"arguments": {"to": goal["to"], "subject": goal["subject"], "body": "hi"}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
-        status, passed = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+        await answered(store, "rq", "sent")
+        status, passed = await call(http, "POST", f"{prefix('rq', 0)}/verify", {})
         assert status == 200 and passed["status"] == "passed"
     async with serving(dsn, "resources-b") as (http, _):
-        status, again = await call(http, "POST", f"{prefix('rq', 0)}/verify", {"final_answer": "sent"})
+        status, again = await call(http, "POST", f"{prefix('rq', 0)}/verify", {})
     assert status == 200 and (again["reward"], again["status"], again["revision"]) == (1.0, "passed", 1)
     assert (await kinds(store, session_stream("rq", 0))).count("session_verified") == 1

@@ -27,6 +27,7 @@ from participants.environments.sandbox import SandboxLimits
 from participants.environments.tasks import make_task
 from participants.guard import Credentials
 from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
+from tests.answers import answered
 from tests.waiting import QueuedLock, eventually
 
 CREDS = Credentials(control="res-control-token", data="res-data-token")
@@ -119,7 +120,8 @@ async def test_open_tool_verify_close_record_one_event_per_change(served: Served
     status, upd = await tool(http, "w1", "update_deal", args)
     assert status == 200 and upd["revision"] == 1
     # Verify before the goal is met: it fails, and the failed session keeps its state.
-    status, failed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {"final_answer": "done"})
+    await answered(store, "w1", "done")
+    status, failed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {})
     assert status == 200 and failed["reward"] == 0.0 and failed["status"] == "failed"
     assert (await state(http, "w1"))[0] == 200
 
@@ -135,7 +137,7 @@ async def test_open_tool_verify_close_record_one_event_per_change(served: Served
     mutation = events[1].data
     assert (mutation["revision"], mutation["tool"], mutation["arguments"]) == (1, "update_deal", args)
 
-    status, passed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {"final_answer": "sent"})
+    status, passed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {})
     assert status == 200 and passed == {"reward": 1.0, "status": "passed", "revision": 2}
     # A passed verify retires the session; an explicit close afterwards is a harmless repeat.
     assert (await state(http, "w1"))[0] == 404
@@ -279,10 +281,11 @@ async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_
     await start(store, "sbv")
     await open_session(http, "sbv", "sandbox", 6)  # sandbox verification is `wait`
     verify_path = f"{prefix('sbv', 0)}/verify"
+    await answered(store, "sbv", "no idea")
     lock = participant.sessions[("sbv", 0)].lock = QueuedLock()
     try:
         await lock.acquire()  # holds the verify before it records its result
-        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "no idea"}))
+        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {}))
         await lock.queued(1)  # the verify is in progress, waiting to record its result
         status, report = await call(http, "POST", f"{CONTROL}/prepare",
                                     {"checkpoint_id": "ck1", "deadline": time.time() + 2.0}, AUTH)
@@ -292,7 +295,7 @@ async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_
         assert (await control(http, "resume"))[0] == 200
 
         await lock.acquire()
-        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {"final_answer": "still no idea"}))
+        verifying = asyncio.ensure_future(call(http, "POST", verify_path, {}))
         await lock.queued(1)
         preparing = asyncio.ensure_future(control(http, "prepare", "ck2"))
         # prepare has closed admission while the verify is held: it can only answer once the verify ends
@@ -502,7 +505,8 @@ async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_c
         goal = task.params["goal"]
         status, _ = await tool(http, "rv", "send_email", {"to": goal["to"], "subject": goal["subject"], "body": "hi"})
         assert status == 200
-        status, reply = await call(http, "POST", f"{prefix('rv', 0)}/verify", {"final_answer": "done"})
+        await answered(store, "rv", "done")
+        status, reply = await call(http, "POST", f"{prefix('rv', 0)}/verify", {})
         assert status == 200 and reply["reward"] > 0
         assert (await kinds(store, session_stream("rv", 0)))[-1] == "session_closed"  # a passing verify retires it
         cut = await checkpoint(store, "ckv", {"rv": 1})

@@ -19,14 +19,16 @@ from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_STARTED
+from engine.capability import capability
 from engine.events import AppendRequest, NewEvent
-from engine.identity import rollout_stream
+from engine.identity import rollout_stream, session_stream
 from participants.control_plane import CONTROL, OPENAPI_PATH
 from participants.environment_server import build_environment_app
 from participants.environments.tasks import make_task
 from participants.guard import MAX_BODY_BYTES
 from participants.resources_server import build_resources_app
 from participants.scripted_model import ScriptedBackend
+from tests.answers import answered
 from tests.stack import CREDS, Stack, start_stack
 
 DATA = {"Authorization": f"Bearer {CREDS.data}"}
@@ -291,15 +293,34 @@ async def test_a_repeated_passed_verify_answers_the_same_and_appends_nothing(sta
     task = make_task("string_match", 0)
     await start(store, "vv")
     assert (await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/session", {"env": task.env, "task": task.to_json()}))[0] == 200
-    answer = {"final_answer": task.params["expected"]}
-    first = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", answer)
+    await answered(store, "vv", task.params["expected"])
+    first = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", {})
     assert first[0] == 200 and first[1]["status"] == "passed"
     written = await events(store)
-    again = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", answer)
-    assert again == (200, {**first[1], "repeated": True})  # the recorded answer, marked as a repeat
-    status, reply = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", {"final_answer": "other"})
-    assert (status, reply["error"]["code"]) == (409, "conflict")
+    again = await send(stack, "resources", "POST", "/rollouts/vv/attempts/0/verify", {})
+    assert again == (200, {**first[1], "repeated": True})  # the recorded verification, marked as a repeat
     assert await events(store) == written
+
+
+async def test_a_verify_takes_its_answer_from_the_log_never_from_the_request(stack: Stack, store) -> None:
+    """The reward could be forged: verify took the final answer from its body, so anyone holding the
+    data credential could verify a session with the expected answer. A body that brings an answer is
+    refused; with no completed agent activation there is nothing to verify; the answer the agent gave
+    is what is verified, and the log says so."""
+    task = make_task("string_match", 0)
+    await start(store, "vf")
+    assert (await send(stack, "resources", "POST", "/rollouts/vf/attempts/0/session", {"env": task.env, "task": task.to_json()}))[0] == 200
+    written = await events(store)
+    forged = await send(stack, "resources", "POST", "/rollouts/vf/attempts/0/verify", {"final_answer": task.params["expected"]})
+    assert (forged[0], forged[1]["error"]["code"]) == (400, "invalid_request")
+    early = await send(stack, "resources", "POST", "/rollouts/vf/attempts/0/verify", {})
+    assert (early[0], early[1]["error"]["code"]) == (409, "conflict")
+    assert await events(store) == written
+    await answered(store, "vf", "not what was asked")
+    status, reply = await send(stack, "resources", "POST", "/rollouts/vf/attempts/0/verify", {})
+    assert (status, reply["status"], reply["reward"]) == (200, "failed", 0.0)
+    (verified,) = [e for e in await store.read_stream(session_stream("vf", 0)) if e.kind == "session_verified"]
+    assert verified.data["final_answer"] == "not what was asked"
 
 
 async def test_a_rollout_id_reused_for_another_task_is_a_conflict_and_a_repeat_appends_nothing(stack: Stack, store) -> None:
@@ -311,4 +332,40 @@ async def test_a_rollout_id_reused_for_another_task_is_a_conflict_and_a_repeat_a
     other = {**MATH.to_json(), "prompt": "another question"}
     status, reply = await send(stack, "environment", "POST", "/episodes", {"rollout_id": "one-task", "task": other})
     assert (status, reply["error"]["code"]) == (409, "conflict")
+    assert await events(store) == written
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_a_capability_opens_its_own_attempt_and_nothing_else(stack: Stack, store: PostgresEventStore) -> None:
+    """Nothing bound a request to the rollout it speaks for: any holder of the data credential could
+    close or verify any session. The servers now act for an attempt with its capability
+    (engine.capability), and a capability is refused (403) on another rollout's routes, on another
+    attempt of its own rollout (a later attempt would fence it), on routes of no attempt and on the
+    control plane; a forged or edited one is not a credential at all (401)."""
+    task = make_task("string_match", 0)
+    for rid in ("mine", "theirs"):
+        await start(store, rid)
+    mine = bearer(capability(CREDS.data, "mine", 0))
+    body = {"env": task.env, "task": task.to_json()}
+    status, _ = await send(stack, "resources", "POST", "/rollouts/mine/attempts/0/session", body, mine)
+    assert status == 200
+    written = await events(store)
+    for what, path, headers, code in [
+        ("another rollout", "/rollouts/theirs/attempts/0/session", mine, (403, "forbidden")),
+        ("another attempt", "/rollouts/mine/attempts/1/session", mine, (403, "forbidden")),
+        ("the attempt spelt another way", "/rollouts/mine/attempts/00/session", mine, (403, "forbidden")),
+        ("a forged mac", "/rollouts/theirs/attempts/0/session", bearer(capability("not-the-secret", "theirs", 0)),
+         (401, "unauthorized")),
+        ("a capability renamed", "/rollouts/theirs/attempts/0/session",
+         bearer(capability(CREDS.data, "mine", 0).replace("mine", "theirs")), (401, "unauthorized")),
+    ]:
+        status, reply = await send(stack, "resources", "POST", path, body, headers)
+        assert (status, reply["error"]["code"]) == code, what
+    status, reply = await send(stack, "environment", "POST", "/episodes", {"rollout_id": "x", "task": task.to_json()}, mine)
+    assert (status, reply["error"]["code"]) == (403, "forbidden")
+    status, reply = await send(stack, "resources", "GET", "/rollbook/v1/control/status", None, mine)
+    assert (status, reply["error"]["code"]) == (403, "forbidden")
     assert await events(store) == written

@@ -415,7 +415,9 @@ def trajectory_breaks(events: list[Ev], finished_attempt: int | None) -> list[st
                 problems.append(f"{rid} attempt {s.attempt} finished without continuing its agent from @{ob.position}")
             continue
         first = own[0]
-        messages = first.data["messages"] if first.kind == "agent_boundary" else first.data["reply"]["messages"]
+        # A completion stores no conversation (engine.boundaries.completed_activations): an attempt that
+        # completed at once holds its origin boundary's.
+        messages = first.data["messages"] if first.kind == "agent_boundary" else ob.data["messages"]
         if messages[:len(ob.data["messages"])] != ob.data["messages"]:
             problems.append(f"{rid} attempt {s.attempt}: does not begin with the messages of its origin boundary "
                             f"@{ob.position}")
@@ -429,7 +431,8 @@ def trajectory_breaks(events: list[Ev], finished_attempt: int | None) -> list[st
         eff = effective(events, finished_attempt)
         final = [e for e in eff if e.kind == "agent_activation_completed"]
         if final:
-            said = _assistant(final[-1].data["reply"]["messages"])
+            before = [e for e in eff if e.kind == "agent_boundary" and e.position < final[-1].position]
+            said = _assistant(final[-1].data["reply"].get("messages") or before[-1].data["messages"])
             if said != _replies_by_turn(eff):
                 problems.append(f"{rid}: the final conversation ({len(said)} replies) is not the recorded replies "
                                 f"of its lineage ({len(_replies_by_turn(eff))})")
