@@ -195,3 +195,10 @@ def drop_database(dsn: str) -> None:
     name = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))["dbname"]
     with psycopg.connect(sibling_url(dsn, "postgres"), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern matching the strings that start with `prefix`, and only those: `_` and `%` in
+    the prefix are literal (a run `a_b` must not take in run `a-b`'s rollouts). The backslash is
+    PostgreSQL's default LIKE escape, so no ESCAPE clause is needed."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"

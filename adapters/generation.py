@@ -89,6 +89,8 @@ class BackendSettings:
     policy_version: str | None = None
     latency_s: float = 0.0
     token_latency_s: float = 0.0
+    connect_s: float = 10.0  # to open a connection to the upstream
+    silence_s: float = 900.0  # the longest the upstream may say nothing mid-reply ([limits] reply_s)
 
 
 def backend_names() -> list[str]:
@@ -178,13 +180,17 @@ class OpenAICompatibleBackend:
         api_key: str | None = None,
         model: str = "default",
         policy_version: str | None = None,
-        timeout_s: float = 600.0,
+        connect_s: float = 10.0,
+        silence_s: float = 900.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
         self.policy_version = policy_version or model
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # A generation may stream for as long as it has tokens to give, so nothing bounds the whole
+        # reply; an upstream that accepts the request and then says nothing for `silence_s` (before
+        # its first chunk or between two) is failed with generation_failed.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=silence_s)
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -192,7 +198,8 @@ class OpenAICompatibleBackend:
         if not s.url:
             raise ConfigError("the openai_compatible backend has no url",
                               "set url in [servers.model] to the upstream's base URL, e.g. http://vllm:8000/v1")
-        return cls(s.url, api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version)
+        return cls(s.url, api_key=s.api_key, model=s.model or "default", policy_version=s.policy_version,
+                   connect_s=s.connect_s, silence_s=s.silence_s)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -219,8 +226,8 @@ class OpenAICompatibleBackend:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             resp = await self.session.post(f"{self.base_url}/chat/completions", json=body, headers=headers)
-        except aiohttp.ClientError as exc:
-            raise GenerationFailed(f"the upstream model server did not answer: {exc}") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise GenerationFailed(f"the upstream model server did not answer: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
             detail = (await resp.text())[:300]
             resp.release()
@@ -274,7 +281,10 @@ class OpenAICompatibleBackend:
         started, finish, usage = False, None, None
         async with resp:
             if resp.content_type == "application/json":  # an upstream that answers whole, streamed or not
-                body = await resp.json()
+                try:
+                    body = await resp.json()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise GenerationFailed(f"the upstream's reply broke off: {exc or type(exc).__name__}") from exc
                 choice = next((c for c in body.get("choices") or [] if c.get("index", 0) == 0), None)
                 if not isinstance(choice, dict):
                     raise GenerationFailed("the upstream's reply has no choice 0")
@@ -301,8 +311,9 @@ class OpenAICompatibleBackend:
                         if step is not None:
                             yield step
                         finish = choice.get("finish_reason") or finish
-            except aiohttp.ClientPayloadError as exc:
-                raise GenerationFailed(f"the upstream stream broke off: {exc}") from exc
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                # A silent upstream (sock_read) lands here too: the call fails, the server stays up.
+                raise GenerationFailed(f"the upstream stream broke off: {exc or type(exc).__name__}") from exc
         if not started:
             raise GenerationFailed("the upstream stream ended before its first chunk")
         if finish is None:

@@ -4,13 +4,22 @@ A participant's error reply `{"error": {"code", "detail"}}` comes back as the en
 of the same code, so a caller handles a remote `admission_closed` or `stale_attempt` exactly as
 it would a local one; the code -> class map is built from the RollbookError tree itself, so a
 new error class is understood here without being listed.
+
+Every request is bounded (`PeerTimeouts`): a peer that accepts the connection and never answers
+fails the call with `participant_unavailable` after the timeout, and the caller's `Patience` decides
+whether to ask again. The bound is on silence, not on the whole reply: a read waits at most `reply_s`
+for the next bytes. A reply that legitimately takes as long as the work behind it (an agent's
+activation, an episode: `/run`, `/episodes`) is sent whole at the end, so its silence lasts that long and it gets
+`work_s` instead.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -20,6 +29,42 @@ from engine.errors import ParticipantUnavailable, RollbookError
 # The paths every server mounts (participants.control_plane) and every client calls.
 PREFIX = "/rollbook/v1"
 CONTROL = f"{PREFIX}/control"
+
+
+
+
+@dataclass(frozen=True)
+class PeerTimeouts:
+    """How long a server waits on another server ([limits] in the config; apps/config.py)."""
+
+    connect_s: float = 10.0  # to open the TCP connection
+    # Silence while waiting for a reply's next bytes: a model generation, a tool call (above the
+    # sandbox's timeout_s), a resources step, a checkpoint operation's answer.
+    reply_s: float = 900.0
+    # Silence on the routes whose reply is sent when the work ends (LONG_REPLY_PATHS): an activation or
+    # an episode may run for hours; a peer hung this long is reported rather than waited on forever.
+    work_s: float = 86400.0
+
+    def for_url(self, url: str) -> aiohttp.ClientTimeout:
+        read = self.work_s if urlsplit(url).path.rstrip("/").endswith(LONG_REPLY_PATHS) else self.reply_s
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=read)
+
+
+# The agent's activation (environment -> agent) and a NeMo Gym episode (agent -> environment) end in
+# /run, a framework's dispatch (`rollbook run` -> environment) in /episodes: each reply comes only when
+# the activation or the episode is over.
+LONG_REPLY_PATHS = ("/run", "/episodes")
+_default_timeouts = PeerTimeouts()
+
+
+def set_default_timeouts(timeouts: PeerTimeouts) -> None:
+    """The process's bounds for clients built without their own (`rollbook serve` sets the config's)."""
+    global _default_timeouts
+    _default_timeouts = timeouts
+
+
+def default_timeouts() -> PeerTimeouts:
+    return _default_timeouts
 
 
 class RemoteError(RollbookError):
@@ -63,9 +108,9 @@ def error_from_reply(status: int, body: Any) -> RollbookError:
 class JsonClient:
     """POST/GET JSON with an optional bearer token; errors raise, successes return the body."""
 
-    def __init__(self, token: str | None = None, timeout: float | None = None) -> None:
+    def __init__(self, token: str | None = None, timeouts: PeerTimeouts | None = None) -> None:
         self.token = token
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
 
     def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -77,12 +122,17 @@ class JsonClient:
     def session(self) -> aiohttp.ClientSession:
         # Created lazily inside the running loop: aiohttp sessions are bound to the loop that made them.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = aiohttp.ClientSession()
         return self._session
+
+    @property
+    def timeouts(self) -> PeerTimeouts:
+        return self._timeouts or default_timeouts()
 
     async def request(self, method: str, url: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
         try:
-            async with self.session.request(method, url, json=body, headers=self._headers(headers)) as resp:
+            async with self.session.request(method, url, json=body, headers=self._headers(headers),
+                                            timeout=self.timeouts.for_url(url)) as resp:
                 raw = await resp.text()
                 try:
                     data = json.loads(raw) if raw else None
@@ -91,8 +141,10 @@ class JsonClient:
                 if resp.status >= 400:
                     raise error_from_reply(resp.status, data)
                 return data
-        except aiohttp.ClientConnectionError as exc:
-            raise ParticipantUnavailable(f"{method} {url} got no answer: {exc}") from exc
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            # A timeout is a peer that did not answer in time: the caller's Patience may ask again.
+            said = str(exc) or type(exc).__name__
+            raise ParticipantUnavailable(f"{method} {url} got no answer: {said}") from exc
 
     async def post(self, url: str, body: Any = None, headers: Mapping[str, str] | None = None) -> Any:
         return await self.request("POST", url, {} if body is None else body, headers)

@@ -46,7 +46,7 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.export import call_tokens
-from adapters.postgres import PostgresEventStore, retrying
+from adapters.postgres import PoolLimits, PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
 from engine import token_capture as tc
@@ -100,7 +100,8 @@ class _Client:
 
     def __init__(self, dsn: str | None = None, *, writer: str | None = None) -> None:
         self.dsn = _checked(dsn)
-        self.store = PostgresEventStore.connect(self.dsn, writer or f"nemo-gym-tokens-{os.getpid()}", pool_size=2)
+        self.store = PostgresEventStore.connect(self.dsn, writer or f"nemo-gym-tokens-{os.getpid()}",
+                                                 pool=PoolLimits(size=2))
         self._closed = False
         self._started: set[tuple[str, int]] = set()  # attempts known to exist: an attempt never un-starts
 

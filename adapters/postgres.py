@@ -18,6 +18,11 @@ to `patience_s` (a restart of a few seconds is ridden out), then fails with `dat
 A retried append is safe even when its first try did commit and only the answer was lost: every
 request carries an idempotency key, checked and recorded in the append transaction
 (`rollbook.append_keys`), so a retry returns the events the first try wrote.
+
+Bounds: each process holds at most `PoolLimits.size + overflow` connections, and an operation that
+waits longer than `timeout_s` for one is treated as a database that does not answer (retried
+within the patience, then `database_unavailable`, a 503), never a 500. A group of appends stops
+taking requests once its payloads reach MAX_GROUP_BYTES.
 """
 
 from __future__ import annotations
@@ -70,13 +75,46 @@ READ_HEADS = (
     "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)"
 )
 MAX_GROUP_EVENTS = 2000
+# A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
+# group stops taking requests once it reaches it (one request is atomic, so it is never split).
+MAX_GROUP_BYTES = 8 * 1024 * 1024
 # Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
 # appends is one statement), few enough that the server has rows to write while the next are planned.
 INSERT_CHUNK_EVENTS = 100
 # How long an operation keeps retrying a database that does not answer before it reports
 # `database_unavailable`: long enough for a restart of a few seconds.
 DEFAULT_PATIENCE_S = float(os.environ.get("ROLLBOOK_DB_PATIENCE_S") or 20.0)
+# How long an append's idempotency key is kept (`rollbook db prune-keys`). A key is only ever looked
+# up by a retry of the same append, and the store retries an append only within its patience
+# (DEFAULT_PATIENCE_S, seconds) of the first try: the key is made per call of `append`, never handed
+# to a caller, so no retry can come later. A day is that window many thousand times over.
+DEFAULT_KEY_RETENTION_S = 86400.0
+# The shortest retention `prune_append_keys` accepts: well past any patience a store is given.
+MIN_KEY_RETENTION_S = 600.0
 _T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLimits:
+    """One process's database connections ([limits] in the config; README "Sizing PostgreSQL").
+    The defaults let four servers, two workers each, and a `rollbook run` (9 processes, 90
+    connections at most) fit PostgreSQL's default max_connections = 100 with its reserved slots."""
+
+    size: int = 5  # kept open
+    overflow: int = 5  # opened under load, closed when returned
+    timeout_s: float = 10.0  # waiting for a free connection; past it the wait counts as an outage
+
+    @property
+    def most(self) -> int:
+        return self.size + self.overflow
+
+
+def make_engine(dsn: str, pool: PoolLimits | None = None) -> AsyncEngine:
+    """The one way a process opens its pool: bounded, and pre-pinged (a connection the server dropped,
+    as in a restart, is replaced at checkout rather than used and failed)."""
+    pool = pool or PoolLimits()
+    return create_async_engine(sqlalchemy_url(dsn), pool_size=pool.size, max_overflow=pool.overflow,
+                               pool_timeout=pool.timeout_s, pool_pre_ping=True, json_deserializer=load_stored_json)
 
 
 class StoreObserver(Protocol):
@@ -91,6 +129,8 @@ class StoreObserver(Protocol):
 
 def connection_lost(exc: BaseException) -> bool:
     """Whether `exc` says the database connection failed (retry), not that the statement was wrong."""
+    if isinstance(exc, sqlalchemy.exc.TimeoutError):
+        return True  # no pooled connection came free in time: nothing ran, so asking again is safe
     if isinstance(exc, sqlalchemy.exc.DBAPIError):
         return bool(exc.connection_invalidated) or isinstance(exc.orig, psycopg.OperationalError | psycopg.InterfaceError)
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError | sqlalchemy.exc.InterfaceError
@@ -218,11 +258,8 @@ class PostgresEventStore:
         self.observers: list[StoreObserver] = []  # told of every append and database fault (a server's metrics)
 
     @classmethod
-    def connect(cls, dsn: str, writer: str, pool_size: int = 5, **kw: Any) -> PostgresEventStore:
-        # pre-ping: a connection the server dropped (a restart) is replaced at checkout, not used and failed.
-        engine = create_async_engine(sqlalchemy_url(dsn), pool_size=pool_size, max_overflow=20, pool_pre_ping=True,
-                                     json_deserializer=load_stored_json)
-        return cls(engine, dsn, writer, **kw)
+    def connect(cls, dsn: str, writer: str, pool: PoolLimits | None = None, **kw: Any) -> PostgresEventStore:
+        return cls(make_engine(dsn, pool), dsn, writer, **kw)
 
     async def close(self) -> None:
         if self._worker is not None:
@@ -280,8 +317,10 @@ class PostgresEventStore:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
+                # Requests past the group's byte bound were not planned: first in line for the next group.
+                self._queue[:0] = [p for p, outcome in zip(group, outcomes, strict=True) if outcome is None]
                 for p, outcome in zip(group, outcomes, strict=True):
-                    if p.future.done():
+                    if p.future.done() or outcome is None:
                         continue
                     if isinstance(outcome, RollbookError):
                         p.future.set_exception(outcome)
@@ -289,7 +328,9 @@ class PostgresEventStore:
                         p.future.set_result(outcome)
                 self._schedule_notify()
 
-    async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[RecordedEvent] | RollbookError]:
+    async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[list[RecordedEvent] | RollbookError | None]:
+        """Each request's events or refusal; None for a request left for the next group (the group's
+        payloads had reached MAX_GROUP_BYTES before it)."""
         keys = [r.key for r in requests if r.key is not None]
         streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
         rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
@@ -331,29 +372,35 @@ class PostgresEventStore:
             todo = [r for r in requests if r.key not in done]
             planned: list[list[PlannedEvent] | RollbookError] = []
             unsent: list[PlannedEvent] = []
+            size = 0
+            # Sized as planned (the payload is encoded once, here): the group stops once it holds
+            # MAX_GROUP_BYTES, and the requests after that point wait for the next transaction.
             for outcome in plan_batch(todo, state, self.writer, self.payload_limit):
                 planned.append(outcome)
                 if isinstance(outcome, list):
                     unsent.extend(outcome)
+                    size += sum(len(pe.payload) for pe in outcome)
                 if len(unsent) >= INSERT_CHUNK_EVENTS:
                     await self._insert_events(conn, unsent)
                     unsent = []
+                if size >= MAX_GROUP_BYTES:
+                    break
             if unsent:
                 await self._insert_events(conn, unsent)
             written = [pe.event for o in planned if isinstance(o, list) for pe in o]
             if written:
                 landed = [(r.key, o[0].event.position, o[-1].event.position)
-                          for r, o in zip(todo, planned, strict=True) if isinstance(o, list) and o and r.key is not None]
+                          for r, o in zip(todo[:len(planned)], planned, strict=True) if isinstance(o, list) and o and r.key is not None]
                 await self._advance_heads(conn, written, state, landed)
                 await apply_changes(conn, (ch for e in written for ch in changes_for(e)))
         fresh = iter(planned)
-        outcomes: list[list[RecordedEvent] | RollbookError] = []
+        outcomes: list[list[RecordedEvent] | RollbookError | None] = []
         for r in requests:
             if r.key in done:
                 outcomes.append(earlier[r.key])  # type: ignore[index]
             else:
-                o = next(fresh)
-                outcomes.append(o if isinstance(o, RollbookError) else [pe.event for pe in o])
+                o = next(fresh, None)
+                outcomes.append(o if o is None or isinstance(o, RollbookError) else [pe.event for pe in o])
         return outcomes
 
     @contextlib.asynccontextmanager
@@ -441,6 +488,29 @@ class PostgresEventStore:
                 self._notify_pending = False
 
         asyncio.get_running_loop().create_task(notify())
+
+    async def prune_append_keys(self, older_than_s: float = DEFAULT_KEY_RETENTION_S, batch: int = 10_000) -> int:
+        """Delete the idempotency keys of appends committed more than `older_than_s` ago; the count.
+        Safe while servers write: a key is read only by a retry of its own append, which comes within
+        the writer's patience (see DEFAULT_KEY_RETENTION_S), and the deletes take no lock an append
+        waits for (not the log head; only the old rows, in short batches)."""
+        if older_than_s < max(MIN_KEY_RETENTION_S, self.patience_s):
+            raise ValueError(f"a retention of {older_than_s:g} s is shorter than a writer may retry an append "
+                             f"(at least {max(MIN_KEY_RETENTION_S, self.patience_s):g} s)")
+        removed = 0
+        while True:
+            n = await self._prune_batch(older_than_s, batch)
+            removed += n
+            if n < batch:
+                return removed
+
+    @retrying("pruning append keys")  # deleting by age is safe to repeat
+    async def _prune_batch(self, older_than_s: float, batch: int) -> int:
+        async with self.engine.begin() as conn:
+            return int((await conn.execute(text(
+                "DELETE FROM rollbook.append_keys WHERE key IN (SELECT key FROM rollbook.append_keys "
+                "WHERE recorded_at < now() - make_interval(secs => :s) LIMIT :n)"),
+                {"s": older_than_s, "n": batch})).rowcount)
 
     # ---- reading --------------------------------------------------------------------------
 

@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from adapters.database import sqlalchemy_url
-from adapters.postgres import StoreObserver, retrying
+from adapters.postgres import PoolLimits, StoreObserver, make_engine, retrying
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
-from engine.events import canonical_json, load_stored_json
+from engine.events import canonical_json
 from engine.identity import validate_id
 from engine.tokens import Receipt, TokenArray, f32
 
@@ -198,8 +197,7 @@ class PostgresTokenStore(_TokenStore):
     def __init__(self, engine_or_dsn: AsyncEngine | str) -> None:
         self._owns_engine = isinstance(engine_or_dsn, str)
         if isinstance(engine_or_dsn, str):
-            self.engine = create_async_engine(sqlalchemy_url(engine_or_dsn), pool_size=2, max_overflow=8, pool_pre_ping=True,
-                                              json_deserializer=load_stored_json)
+            self.engine = make_engine(engine_or_dsn, PoolLimits(size=2, overflow=8))
         else:
             self.engine = engine_or_dsn
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from sqlalchemy import text
 
+from adapters.database import like_prefix
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
@@ -82,7 +83,7 @@ class Collection:
         async with self.store.engine.connect() as conn:
             done = {r for (r,) in await conn.execute(
                 text("SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE :p"),
-                {"p": f"{self.run_id}-%"})}
+                {"p": like_prefix(f"{self.run_id}-")})}
         self.finished |= done
         return [i for i in range(len(self.tasks)) if self.rollout_id(i) not in done]
 
@@ -91,6 +92,8 @@ class Collection:
         gate = asyncio.Semaphore(self.concurrency)
         url = self.config.url("environment") + "/episodes"
         headers = {"Authorization": f"Bearer {self.config.data_token}"}  # dispatch is data-plane work
+        # An episode's reply comes when it ends: bounded by the config's work_s of silence, not by its length.
+        timeout = self.config.limits.peer_timeouts().for_url(url)
 
         async def one(i: int) -> dict[str, Any] | None:
             rid = self.rollout_id(i)
@@ -101,7 +104,7 @@ class Collection:
                          for code in RETRY_CODES}
                 while True:
                     try:
-                        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                        async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                             if resp.status == 200:
                                 result = dict(await resp.json())
                                 break
@@ -155,7 +158,7 @@ class Collection:
                 "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
                 "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN (:completed, :cut) AND b IS NOT NULL "
                 "AND position > :since AND position <= :p AND rollout_id LIKE :r"),
-                {"since": since, "p": cut.position, "r": f"{self.run_id}-%", "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
+                {"since": since, "p": cut.position, "r": like_prefix(f"{self.run_id}-"), "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
         token_ref = await tokens.snapshot(checkpoint_id, blobs, parent=parent_ref)
         framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "finished": len(self.finished)}
@@ -181,7 +184,7 @@ class Collection:
                 "SELECT c.position, p.data->'token_snapshot_ref' AS ref FROM rollbook.checkpoint_state c "
                 "JOIN rollbook.events p ON p.position = c.published_position WHERE c.phase = 'published' "
                 "AND c.checkpoint_id LIKE :p AND c.position < :b ORDER BY c.position DESC LIMIT 1"),
-                {"p": f"{self.run_id}-ck%", "b": before})).first()
+                {"p": like_prefix(f"{self.run_id}-ck"), "b": before})).first()
         if row is None or not isinstance(row.ref, dict):
             return None, 0
         return dict(row.ref), int(row.position)
@@ -191,4 +194,4 @@ class Collection:
         async with self.store.engine.connect() as conn:
             return (await conn.execute(text(
                 "SELECT checkpoint_id FROM rollbook.checkpoints WHERE phase = 'published' AND checkpoint_id LIKE :p "
-                "ORDER BY log_position DESC LIMIT 1"), {"p": f"{self.run_id}-ck%"})).scalar()
+                "ORDER BY log_position DESC LIMIT 1"), {"p": like_prefix(f"{self.run_id}-ck")})).scalar()

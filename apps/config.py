@@ -36,6 +36,20 @@
     timeout_s = 10.0                          # per command; past it the session ends
     idle_s = 1800.0                           # a shell unused this long is ended
 
+    [limits]                                  # optional; every key has the default shown (README: "Bounds")
+    connect_s = 10.0                          # calling another server or the upstream model: to connect
+    reply_s = 900.0                           # ... the longest silence while its reply is awaited (a
+                                              # generation, a tool call: keep it above sandbox timeout_s)
+    work_s = 86400.0                          # ... the same for replies sent when an activation or an
+                                              # episode ends (POST .../run, /run, /episodes)
+    head_s = 15.0                             # serving: a request's head must arrive within this
+    body_s = 60.0                             # ... and its body within this of its head
+    max_connections = 512                     # ... open connections per server; past it 503, ask again
+    pool_size = 5                             # database connections a process keeps open
+    max_overflow = 5                          # ... and may open beyond them under load
+    pool_timeout_s = 10.0                     # waiting for a free one; past it, database_unavailable (503)
+    append_key_retention_s = 86400.0          # `rollbook db prune-keys` drops append keys older than this
+
     [telemetry]                               # optional; GET /metrics is always served (control credential)
     otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
 
@@ -61,6 +75,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from adapters.generation import backend_names
+from adapters.http_client import PeerTimeouts
+from adapters.http_server import ServerLimits
+from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PoolLimits
 from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from participants.environments import enabled_environments
@@ -137,6 +154,30 @@ class SandboxConfig(Strict):
         return SandboxLimits(**self.model_dump())
 
 
+class LimitsConfig(Strict):
+    """Every bound of a process on what it waits for and what it holds (the [limits] table)."""
+
+    connect_s: float = Field(default=10.0, gt=0, le=3600)
+    reply_s: float = Field(default=900.0, gt=0, le=7 * 86400)
+    work_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
+    head_s: float = Field(default=15.0, gt=0, le=3600)
+    body_s: float = Field(default=60.0, gt=0, le=3600)
+    max_connections: int = Field(default=512, ge=8, le=1 << 20)
+    pool_size: int = Field(default=5, ge=1, le=1000)
+    max_overflow: int = Field(default=5, ge=0, le=1000)
+    pool_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    append_key_retention_s: float = Field(default=DEFAULT_KEY_RETENTION_S, ge=MIN_KEY_RETENTION_S)
+
+    def peer_timeouts(self) -> PeerTimeouts:
+        return PeerTimeouts(connect_s=self.connect_s, reply_s=self.reply_s, work_s=self.work_s)
+
+    def server_limits(self) -> ServerLimits:
+        return ServerLimits(head_s=self.head_s, body_s=self.body_s, max_connections=self.max_connections)
+
+    def pool(self) -> PoolLimits:
+        return PoolLimits(size=self.pool_size, overflow=self.max_overflow, timeout_s=self.pool_timeout_s)
+
+
 class TelemetryConfig(Strict):
     # The only address spans are sent to: from this file, never from a request.
     otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+(/[^\s]*)?$", max_length=2000)
@@ -150,12 +191,17 @@ class Config(Strict):
     servers: dict[Kind, ServerConfig]
     sandbox: SandboxConfig | None = None  # absent: the sandbox environment is off
     telemetry: TelemetryConfig | None = None  # absent: metrics only, no spans exported
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     run: RunConfig | None = None
 
     @model_validator(mode="after")
     def _distinct_tokens(self) -> Config:
         if self.control_token == self.data_token:
             raise ValueError("control_token and data_token must differ: each opens one plane")
+        if self.sandbox is not None and self.limits.reply_s <= self.sandbox.timeout_s:
+            # The agent would give up on a tool call the sandbox is still allowed to run.
+            raise ValueError(f"limits.reply_s ({self.limits.reply_s:g}) must exceed sandbox.timeout_s "
+                             f"({self.sandbox.timeout_s:g})")
         return self
 
     def url(self, kind: Kind) -> str:
@@ -244,6 +290,10 @@ def write(config: Config, path: str | Path) -> None:
         lines.append("\n[sandbox]")
         for key, value in config.sandbox.model_dump().items():
             lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
+    limits = config.limits.model_dump(exclude_defaults=True)
+    if limits:
+        lines.append("\n[limits]")
+        lines.extend(f"{key} = {value}" for key, value in limits.items())
     if config.telemetry and config.telemetry.otlp_endpoint:
         lines.append(f"\n[telemetry]\notlp_endpoint = {_q(config.telemetry.otlp_endpoint)}")
     if config.run:

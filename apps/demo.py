@@ -25,6 +25,7 @@ import aiohttp
 from sqlalchemy import text
 
 from adapters import database
+from adapters.database import like_prefix
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
@@ -136,7 +137,7 @@ async def _mutations(store: PostgresEventStore, run: str) -> int:
     async with store.engine.connect() as conn:
         return int((await conn.execute(text(
             "SELECT count(*) FROM rollbook.events WHERE kind = :mutation AND rollout_id LIKE :p"),
-            {"p": f"{run}-%", "mutation": ev.MUTATION_APPLIED})).scalar_one())
+            {"p": like_prefix(f"{run}-"), "mutation": ev.MUTATION_APPLIED})).scalar_one())
 
 
 async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any], n: int) -> dict[str, Any]:
@@ -147,19 +148,19 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
         async def rewards(prefix: str) -> list[float]:
             rows = await conn.execute(text(
                 "SELECT rollout_id, reward FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE :p "
-                "ORDER BY rollout_id"), {"p": prefix + "-%"})
+                "ORDER BY rollout_id"), {"p": like_prefix(prefix + "-")})
             return [float(r.reward or 0.0) for r in rows]
 
         c, u = await rewards(f"{run}-c"), await rewards(f"{run}-u")
-        repeated_calls = await scalar(REPEATED_CALLS, p=f"{run}-c-%")
-        repeated_mutations = await scalar(REPEATED_MUTATIONS, p=f"{run}-c-%")
-        repeated_within = await scalar(REPEATED_MUTATIONS_WITHIN, p=f"{run}-%")
+        repeated_calls = await scalar(REPEATED_CALLS, p=like_prefix(f"{run}-c-"))
+        repeated_mutations = await scalar(REPEATED_MUTATIONS, p=like_prefix(f"{run}-c-"))
+        repeated_within = await scalar(REPEATED_MUTATIONS_WITHIN, p=like_prefix(f"{run}-"))
         completed_before = await scalar(
             "SELECT count(*) FROM rollbook.attempts a JOIN rollbook.checkpoints c ON c.checkpoint_id = :ck "
             "WHERE a.rollout_id LIKE :p AND a.status = 'finished' AND a.ended_position <= c.log_position",
-            ck=crashed["checkpoint_id"], p=f"{run}-c-%")
+            ck=crashed["checkpoint_id"], p=like_prefix(f"{run}-c-"))
         twice = await scalar("SELECT count(*) FROM (SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' "
-                             "AND rollout_id LIKE :p GROUP BY rollout_id HAVING count(*) > 1) t", p=f"{run}-%")
+                             "AND rollout_id LIKE :p GROUP BY rollout_id HAVING count(*) > 1) t", p=like_prefix(f"{run}-"))
     return {
         "rollouts": n,
         "completed_before_checkpoint": completed_before,

@@ -22,6 +22,7 @@ import aiohttp
 from sqlalchemy import text
 
 from adapters import database
+from adapters.database import like_prefix
 from adapters.postgres import PostgresEventStore, retrying
 from apps.collection import Collection
 from apps.config import KINDS, Config
@@ -146,7 +147,7 @@ async def run_collection(config: Config) -> int:
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
     async with store.engine.connect() as conn:
         n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),
-                                {"p": f"{run_id}-ck%"})).scalar_one()
+                                {"p": like_prefix(f"{run_id}-ck")})).scalar_one()
     return f"{run_id}-ck{int(n) + 1}"
 
 

@@ -8,6 +8,8 @@ import socket
 from aiohttp import web
 
 from adapters import database
+from adapters.http_client import set_default_timeouts
+from adapters.http_server import run_bounded
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
@@ -16,7 +18,9 @@ from participants.observability import TELEMETRY
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
-    store = PostgresEventStore.connect(dsn, writer=instance)
+    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.limits.pool())
+    # Every client this server builds to call its peers waits on them within these bounds.
+    set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
         from adapters.generation import BackendSettings, make_backend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
@@ -25,7 +29,9 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
         s = config.servers["model"]
         backend = make_backend(s.backend, BackendSettings(url=s.url, model=s.model, api_key=s.api_key,
                                                           policy_version=s.policy_version, latency_s=s.latency_s,
-                                                          token_latency_s=s.token_latency_s))
+                                                          token_latency_s=s.token_latency_s,
+                                                          connect_s=config.limits.connect_s,
+                                                          silence_s=config.limits.reply_s))
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":
@@ -60,4 +66,4 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
 def serve(kind: Kind, config: Config) -> None:
     dsn = database.prepare_database(config.dsn)
     s = config.servers[kind]
-    web.run_app(build(kind, config, dsn), host=s.bind or s.host, port=s.port, print=None, access_log=None)
+    run_bounded(build(kind, config, dsn), s.bind or s.host, s.port, config.limits.server_limits())

@@ -45,6 +45,7 @@ import sqlalchemy  # noqa: E402
 from sqlalchemy.pool import Pool  # noqa: E402
 
 from adapters import database  # noqa: E402
+from adapters.database import like_prefix  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
@@ -175,7 +176,7 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int, int]) -> dict[str
         # ended, so their counts are flushed. This connection's own statements come later.
         xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
                              ).fetchone()[0]
-        ours = "percall-%"
+        ours = like_prefix("percall-")
         count = dict(conn.execute(
             "SELECT kind, count(*) FROM rollbook.events WHERE rollout_id LIKE %s GROUP BY kind", (ours,)).fetchall())
         size = conn.execute(
