@@ -11,8 +11,9 @@ connections) holds a file descriptor, a task and a parser each, indefinitely. He
 - past `max_connections` open connections, a new one is answered 503 `participant_unavailable`
   (which every rollbook client treats as "ask again") and closed.
 
-An idle keep-alive connection between two requests is aiohttp's own `keepalive_timeout`, set to
-`head_s` as well, so a connection that says nothing at all is closed as one that says half a line.
+An idle keep-alive connection between two requests is aiohttp's own `keepalive_timeout` (75 s, its
+default): longer than a client keeps an idle connection (aiohttp's client: 15 s), so a client never
+sends a request on a connection the server is closing, which fails it ("Server disconnected").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("rollbook.http")
+KEEPALIVE_S = 75.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class _BoundedHandler(RequestHandler):
         if self._refused:
             return
         loop = self._loop
-        if self._body is None and self._head_deadline is None:
+        # aiohttp calls this with b"" itself between requests (to parse what it buffered): no new head.
+        if data and self._body is None and self._head_deadline is None:
             self._head_deadline = loop.time() + self._limits.head_s
             loop.call_at(self._head_deadline, self._check)
         before = self._request_count
@@ -120,7 +123,7 @@ class BoundedAppRunner(web.AppRunner):
     """web.AppRunner whose connections are bounded by `limits`."""
 
     def __init__(self, app: web.Application, limits: ServerLimits, **kwargs: Any) -> None:
-        kwargs.setdefault("keepalive_timeout", limits.head_s)
+        kwargs.setdefault("keepalive_timeout", KEEPALIVE_S)
         super().__init__(app, **kwargs)
         self._limits = limits
 

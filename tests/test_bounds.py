@@ -149,8 +149,14 @@ async def _bounded_server(limits: ServerLimits) -> tuple[BoundedAppRunner, int, 
         reached.set()
         return web.json_response(await request.json())
 
+    async def slow(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(float(body["seconds"]))
+        return web.json_response(body)
+
     app = web.Application(middlewares=[errors_as_json])
     app.router.add_post("/echo", echo)
+    app.router.add_post("/slow", slow)
     runner = BoundedAppRunner(app, limits, handler_cancellation=False)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -376,3 +382,18 @@ async def test_prune_keys_drops_old_append_keys_keeps_new_ones_and_a_kept_key_st
         assert await asyncio.to_thread(cli.main, ["db", "prune-keys", "--dsn", dsn, "--older-than-s", "5"]) == 2
     finally:
         await store.close()
+
+
+async def test_a_request_whose_work_outlasts_the_head_and_body_bounds_is_answered_and_its_connection_reused() -> None:
+    """The bounds are on what the client sends, never on how long the server works: an agent's /run or
+    an environment's /episodes lasts as long as the episode. aiohttp feeds the protocol b"" between
+    requests; that empty read once started a head deadline, and every request that outlasted head_s
+    was cut off ("Server disconnected"), a restored run's rollouts among them."""
+    runner, port, _ = await _bounded_server(ServerLimits(head_s=0.3, body_s=0.3, max_connections=8))
+    try:
+        async with aiohttp.ClientSession() as client:
+            for _ in range(2):  # the second on the same kept-alive connection
+                async with client.post(f"http://127.0.0.1:{port}/slow", json={"seconds": 1.0}) as resp:
+                    assert resp.status == 200 and (await resp.json()) == {"seconds": 1.0}
+    finally:
+        await runner.cleanup()
