@@ -538,13 +538,16 @@ async def test_a_resolved_parent_carries_tokens_read_back_from_the_store(dsn: st
 
 
 
-# ---- the README's instructions, run as written ------------------------------------------------------
+# ---- the manual's instructions (docs/nemo-gym.md), run as written ------------------------------------
 
 
 def _readme_blocks(lang: str) -> list[str]:
-    """The fenced blocks of one language in the README's NeMo Gym section, unindented."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## NeMo Gym token capture"):text.index("## The checkpoint protocol")]
+    """The fenced blocks of one language in the "NeMo Gym token capture" section of docs/nemo-gym.md,
+    unindented."""
+    text = (REPO / "docs" / "nemo-gym.md").read_text()
+    start = text.index("\n## NeMo Gym token capture\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end != -1 else len(text)]
     blocks: list[tuple[str, list[str]]] = []
     current: tuple[str, list[str]] | None = None
     for line in section.splitlines():

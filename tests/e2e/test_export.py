@@ -85,7 +85,7 @@ def test_a_run_crashed_and_restored_mid_generation_exports_what_an_uninterrupted
                                "AND rollout_id LIKE 'crash-%'").fetchone()[0]
         continued = conn.execute("SELECT count(*) FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE "
                                  "'crash-%' AND data->'continuation'->>'mode' = 'continued'").fetchone()[0]
-    # The rerun continues every unfinished rollout from the log (README, "What happens after a crash"),
+    # The rerun continues every unfinished rollout from the log (docs/protocol.md, "What happens after a crash"),
     # in its own attempt where it can, so what shows it ran is its recovery line and what it finished.
     recovered = [e for e in events if e.get("event") == "recovery"]
     finished_after = sum(1 for e in events if e.get("event") == "finished")

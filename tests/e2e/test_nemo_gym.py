@@ -38,7 +38,7 @@ from tests.e2e.conftest import Cluster
 
 pytestmark = pytest.mark.timeout(1500)
 
-# The smallest install that runs `ng_collect_rollouts` and legacy_agent (README, "NeMo Gym"): nemo-gym
+# The smallest install that runs `ng_collect_rollouts` and legacy_agent (docs/nemo-gym.md): nemo-gym
 # without its dependencies, then exactly what its import chain and legacy_agent's Ray start need, each
 # without dependencies of its own. The full dependency set (about 1.4 GB: MLflow, datasets, pyarrow,
 # ray[default], ...) is never imported by these two.
@@ -94,7 +94,7 @@ ROLLBOOK_HOST = '"rollbook:${oc.env:ROLLBOOK_DATA_TOKEN}@127.0.0.1"'
 
 
 def gym_config(cluster: Cluster, head_port: int, legacy_port: int, host: str = ROLLBOOK_HOST) -> str:
-    """What a NeMo Gym user adds to an existing config to point it at rollbook (README, "NeMo Gym")."""
+    """What a NeMo Gym user adds to an existing config to point it at rollbook (docs/nemo-gym.md)."""
     return f"""
 head_server:
   host: 127.0.0.1
