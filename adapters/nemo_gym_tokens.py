@@ -3,7 +3,7 @@
 `RollbookTokenCapture` is a `TokenSink` (put, mark_incomplete, and the optional `begin_call`) and a
 `TokenSource` (freeze, drop); `RollbookLineageStore` is a `LineageResolver`. Install them in place
 of Gym's file store with `install_token_sink` / `install_token_source` / `install_lineage_store`
-(README, "NeMo Gym token capture"). Every instance is its own client: its own connections to the one
+(docs/nemo-gym.md, "NeMo Gym token capture"). Every instance is its own client: its own connections to the one
 PostgreSQL database that all workers share.
 
 Where a `TokenEntry` goes. Its three token arrays go to the token store (rollbook.token_blobs):

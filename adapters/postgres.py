@@ -96,7 +96,7 @@ _T = TypeVar("_T")
 
 @dataclasses.dataclass(frozen=True)
 class PoolLimits:
-    """One process's database connections ([limits] in the config; README "Sizing PostgreSQL").
+    """One process's database connections ([limits] in the config; docs/operations.md, "Bounds, and sizing PostgreSQL").
     The defaults let four servers, two workers each, and a `rollbook run` (9 processes, 90
     connections at most) fit PostgreSQL's default max_connections = 100 with its reserved slots."""
 

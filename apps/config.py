@@ -36,7 +36,7 @@
     timeout_s = 10.0                          # per command; past it the session ends
     idle_s = 1800.0                           # a shell unused this long is ended
 
-    [limits]                                  # optional; every key has the default shown (README: "Bounds")
+    [limits]                                  # optional; every key has the default shown (docs/operations.md: "Bounds")
     connect_s = 10.0                          # calling another server or the upstream model: to connect
     reply_s = 900.0                           # ... the longest silence while its reply is awaited (a
                                               # generation, a tool call: keep it above sandbox timeout_s)

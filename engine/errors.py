@@ -13,6 +13,8 @@ from typing import Any
 
 
 class RollbookError(Exception):
+    """The root of every error with a stable code: the servers answer it as JSON with its HTTP status."""
+
     code: str = "rollbook_error"
     status: int = 500
 
@@ -43,6 +45,8 @@ class InvalidPayload(RollbookError):
 
 
 class PayloadTooLarge(InvalidPayload):
+    """An event's data or a request body over its size limit."""
+
     code = "payload_too_large"
     status = 413
 
@@ -62,16 +66,22 @@ class StaleAttempt(RollbookError):
 
 
 class UnknownAttempt(RollbookError):
+    """An append for an attempt that was never started."""
+
     code = "unknown_attempt"
     status = 409
 
 
 class RolloutIdRequired(RollbookError):
+    """A request that belongs to a rollout named none."""
+
     code = "rollout_id_required"
     status = 400
 
 
 class InvalidIdentifier(RollbookError):
+    """An id (rollout, checkpoint, call, tool-call key) outside its pattern or length."""
+
     code = "invalid_identifier"
     status = 400
 
@@ -134,21 +144,29 @@ class InvalidPhase(RollbookError):
 
 
 class CheckpointConflict(RollbookError):
+    """Another checkpoint is active on this participant."""
+
     code = "checkpoint_conflict"
     status = 409
 
 
 class StaleCheckpoint(RollbookError):
+    """The checkpoint has already ended here (resumed or aborted)."""
+
     code = "stale_checkpoint"
     status = 409
 
 
 class UnknownCheckpoint(RollbookError):
+    """No checkpoint with this id is in the log."""
+
     code = "unknown_checkpoint"
     status = 404
 
 
 class DeadlineExceeded(RollbookError):
+    """The operation's deadline has passed; nothing changed."""
+
     code = "deadline_exceeded"
     status = 408
 
@@ -161,16 +179,22 @@ class InvalidDeadline(RollbookError):
 
 
 class RestartInScope(RollbookError):
+    """A commit scope names an execution that a participant reported restart-only."""
+
     code = "restart_in_scope"
     status = 409
 
 
 class AdmissionClosed(RollbookError):
+    """A checkpoint holds this server's admission closed: the request changed nothing; ask again after resume."""
+
     code = "admission_closed"
     status = 409
 
 
 class ActivationOutOfOrder(RollbookError):
+    """An agent activation index other than the completed one (its recorded reply) or the next one."""
+
     code = "activation_out_of_order"
     status = 409
 
@@ -183,11 +207,15 @@ class InvalidCheckpointState(RollbookError):
 
 
 class SchemaMismatch(RollbookError):
+    """The database's schema is not the one this code was built for."""
+
     code = "schema_mismatch"
     status = 500
 
 
 class ReplayDivergence(RollbookError):
+    """Replaying recorded events did not give back the recorded outcome."""
+
     code = "replay_divergence"
     status = 500
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.errors import InvalidPayload, PayloadTooLarge
 
-# Documented in the README: one event's data, as canonical JSON, may not exceed this.
+# Documented in docs/sql.md ("The log"): one event's data, as canonical JSON, may not exceed this.
 DEFAULT_PAYLOAD_LIMIT = 1024 * 1024
 SCHEMA_VERSION = 1
 GENESIS_HASH = b"\x00" * 32
