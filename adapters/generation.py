@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from adapters.http_client import unpooled_session
 from engine.errors import ConfigError, GenerationFailed
 from engine.tokens import f32
 
@@ -205,7 +206,7 @@ class OpenAICompatibleBackend:
     def session(self) -> aiohttp.ClientSession:
         # Created lazily inside the running loop: a session is bound to the loop that made it.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            self._session = unpooled_session(timeout=self.timeout)  # one connection per call in flight
         return self._session
 
     async def close(self) -> None:

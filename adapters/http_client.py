@@ -105,6 +105,14 @@ def error_from_reply(status: int, body: Any) -> RollbookError:
     return RemoteError(code, detail, status, **context)
 
 
+def unpooled_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """A client session with no cap on its connections. aiohttp caps a session at 100, and a hop that
+    holds a connection for a whole episode or activation (dispatch, /run) then queued the 101st
+    rollout, and any request behind it, for as long as one of the first hundred lasted: the callers'
+    own concurrency (the rollouts in flight) is the bound, and the callee caps what it accepts."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), **kwargs)
+
+
 class JsonClient:
     """POST/GET JSON with an optional bearer token; errors raise, successes return the body."""
 
@@ -122,7 +130,7 @@ class JsonClient:
     def session(self) -> aiohttp.ClientSession:
         # Created lazily inside the running loop: aiohttp sessions are bound to the loop that made them.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = unpooled_session()
         return self._session
 
     @property

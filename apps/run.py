@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.database import like_prefix
+from adapters.http_client import unpooled_session
 from adapters.postgres import PostgresEventStore, retrying
 from apps.collection import Collection
 from apps.config import KINDS, Config
@@ -104,7 +105,9 @@ async def run_collection(config: Config) -> int:
     loop.add_signal_handler(signal.SIGUSR1, wanted.set)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        async with aiohttp.ClientSession() as session:
+        # Dispatches hold a connection each for a whole episode; the checkpoint's control requests travel
+        # on a session of their own, so no number of rollouts in flight makes a prepare wait for one.
+        async with unpooled_session() as session, aiohttp.ClientSession() as control:
             for ck in await abort_expired(store):  # a coordinator killed mid-checkpoint left these open
                 say(event=ev.CHECKPOINT_ABORTED, checkpoint_id=ck, reason="lease expired")
             ids = [collection.rollout_id(i) for i in range(len(tasks))]
@@ -123,9 +126,9 @@ async def run_collection(config: Config) -> int:
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
                 try:
-                    result = await collection.checkpoint(session, ck, resume=not stop.is_set())
+                    result = await collection.checkpoint(control, ck, resume=not stop.is_set())
                 except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
-                    await collection.coordinator(session).resume(ck)
+                    await collection.coordinator(control).resume(ck)
                     result = {"checkpoint_id": ck, "published": False, "error": exc.to_json()["error"]}
                 say(event="checkpoint", **result)
                 wanted.clear()

@@ -397,3 +397,35 @@ async def test_a_request_whose_work_outlasts_the_head_and_body_bounds_is_answere
                     assert resp.status == 200 and (await resp.json()) == {"seconds": 1.0}
     finally:
         await runner.cleanup()
+
+
+async def test_a_server_to_server_client_holds_more_than_a_hundred_requests_at_once() -> None:
+    """aiohttp caps a client session at 100 connections. A hop holds one per rollout for the whole of
+    its episode or activation (dispatch, /run), so the 101st rollout, and a checkpoint's request
+    behind it, waited for one of the first hundred to end: a checkpoint with 120 rollouts in flight
+    failed at its deadline. 150 requests held open at once all reach the server."""
+    arrived, release = 0, asyncio.Event()
+
+    async def held(request: web.Request) -> web.Response:
+        nonlocal arrived
+        arrived += 1
+        await release.wait()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/held", held)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    client = JsonClient("token")
+    try:
+        calls = [asyncio.ensure_future(client.post(str(server.make_url("/held")), {})) for _ in range(150)]
+        deadline = time.monotonic() + 20
+        while arrived < 150 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert arrived == 150
+        release.set()
+        await asyncio.gather(*calls)
+    finally:
+        release.set()
+        await client.close()
+        await server.close()
