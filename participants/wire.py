@@ -23,16 +23,27 @@ MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit
 # 2100-01-01: a deadline is a wall-clock time, and a larger one only overflows the timers.
 MAX_DEADLINE = 4_102_444_800.0
 
-# The model call's id (a repeat with the same body gets the same reply), the call before it in the
-# rollout, and the calls it continues, newest first.
+# From the agent to the model server: the call's id (a repeat with the same body gets the same
+# reply), the call before it in the rollout, and the calls it continues, newest first.
 CALL_ID_HEADER = "X-Rollbook-Call-Id"
 PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
 REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
-# The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
-# whose mutation the log already holds under this key is answered from the log, never applied again.
+# From the agent to the resources server: its name for one tool call (activation, turn, index in the
+# reply). A call whose mutation the log already holds under this key is answered from the log, never
+# applied again.
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
-# The agent's activation index: 0, then one more each time.
+# From the environment server to the agent: the activation index, so a repeat is answered from the log.
 ACTIVATION_HEADER = "X-Rollbook-Activation"
+
+
+def identity(request: web.Request) -> tuple[str, int]:
+    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
+    rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
+    return rollout_id, parse_attempt(request.match_info.get("attempt"))
+
+
+def data_path(suffix: str) -> str:
+    return "/rollouts/{rollout_id}/attempts/{attempt}" + suffix
 
 
 TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
@@ -124,17 +135,6 @@ class ErrorBody(BaseModel):
 
 class ErrorReply(BaseModel):
     error: ErrorBody
-
-
-
-def identity(request: web.Request) -> tuple[str, int]:
-    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
-    rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
-    return rollout_id, parse_attempt(request.match_info.get("attempt"))
-
-
-def data_path(suffix: str) -> str:
-    return "/rollouts/{rollout_id}/attempts/{attempt}" + suffix
 
 
 __all__ = [
