@@ -24,7 +24,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     if kind == "model":
         from adapters.generation import BackendSettings, make_backend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
-        from participants.model_server import build_model_app
+        from participants.servers import build_model_app
 
         s = config.servers["model"]
         backend = make_backend(s.backend, BackendSettings(url=s.url, model=s.model, api_key=s.api_key,
@@ -35,12 +35,12 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":
-        from participants.resources_server import build_resources_app
+        from participants.servers import build_resources_app
 
         sandbox = config.sandbox.limits() if config.sandbox is not None else None
         app = build_resources_app(store, config.credentials, instance=instance, sandbox=sandbox)
     elif kind == "agent":
-        from participants.agent_server import build_agent_app
+        from participants.servers import build_agent_app
 
         # The agent calls these three and no other address: none comes from a request. The environment
         # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
@@ -48,7 +48,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
         app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
                               environment_url=env.base_url if env else None)
     else:
-        from participants.environment_server import build_environment_app
+        from participants.servers import build_environment_app
 
         app = build_environment_app(store, config.credentials, config.url("agent"), config.url("resources"),
                                     instance=instance, environments=config.environments())

@@ -43,10 +43,11 @@ from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
-from participants.control_plane import CONTROL, PARTICIPANT  # noqa: E402
+from participants.app import PARTICIPANT  # noqa: E402
 from participants.guard import Credentials  # noqa: E402
-from participants.model_server import build_model_app  # noqa: E402
 from participants.scripted_model import ScriptedBackend  # noqa: E402
+from participants.servers import build_model_app  # noqa: E402
+from participants.wire import CONTROL  # noqa: E402
 
 CREDS = Credentials(control="bench-control", data="bench-data")
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step

@@ -52,22 +52,21 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
 from engine.patience import Patience
 from engine.recovery import resume_point
-from participants.control_plane import (
-    PARTICIPANT,
+from participants.environments import ENVIRONMENTS, get_environment
+from participants.guard import Body, Header, Int64, Route
+from participants.openai_wire import ToolSpec
+from participants.participant import Participant, PrepareReport
+from participants.wire import (
+    ACTIVATION_HEADER,
+    CALL_ID_HEADER,
+    PARENT_HEADER,
+    REPLACES_HEADER,
+    TOOL_CALL_HEADER,
     Execution,
-    Participant,
-    PrepareReport,
     TaskBody,
-    build_app,
     data_path,
     identity,
 )
-from participants.environments import ENVIRONMENTS, get_environment
-from participants.guard import Body, Credentials, Header, Int64, Route
-from participants.openai_wire import ToolSpec
-
-ACTIVATION_HEADER = "X-Rollbook-Activation"
-TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
 
 
 class RunRequest(Body):
@@ -376,11 +375,11 @@ class AgentParticipant(Participant):
             await self._open.wait()
 
     async def _model(self, s: Session, call_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        headers = {"X-Rollbook-Call-Id": call_id, **as_attempt(self.secret, *s.key)}
+        headers = {CALL_ID_HEADER: call_id, **as_attempt(self.secret, *s.key)}
         if s.last_call_id:
-            headers["X-Rollbook-Parent-Call-Id"] = s.last_call_id
+            headers[PARENT_HEADER] = s.last_call_id
         if s.replaces:
-            headers["X-Rollbook-Replaces-Call-Id"] = s.replaces
+            headers[REPLACES_HEADER] = s.replaces
         # The task's sampling parameters ride on every call; the model server records them with the call.
         body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed,
                 **s.request.task.sampling, "stream": False}
@@ -453,15 +452,12 @@ class AgentParticipant(Participant):
         return web.json_response({"sessions": rows})
 
     def routes(self) -> list[Route]:
-        from participants.gym_wire import AgentFront  # NeMo Gym's flat rows, relayed by its legacy_agent
-
         activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")
         return [
             Route("POST", data_path("/run"), self.run, RunRequest, RunReply,
                   ("invalid_identifier", "stale_attempt", "activation_out_of_order", "admission_closed", "tool_error",
                    "participant_unavailable"), headers=(activation,)),
             Route("GET", "/sessions", self.list_sessions, None, SessionList),
-            *AgentFront(self).routes(),  # POST /run without an identity in its path is NeMo Gym's row
         ]
 
     # ---- control plane hooks --------------------------------------------------------------------
@@ -532,14 +528,4 @@ class AgentParticipant(Participant):
         await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
 
 
-def build_agent_app(store: ParticipantStore, credentials: Credentials, model_url: str, resources_url: str,
-                    instance: str = "agent-0", participant_cls: type[AgentParticipant] = AgentParticipant,
-                    environment_url: str | None = None) -> web.Application:
-    """Outgoing addresses come from here (the configuration), never from a request."""
-    participant = participant_cls(store, instance, credentials.data, model_url, resources_url)
-    participant.environment_url = environment_url
-    return build_app(participant, credentials)
-
-
-__all__ = ["AgentParticipant", "PARTICIPANT", "RunRequest", "Session", "build_agent_app", "ACTIVATION_HEADER", "BOUNDARY",
-           "ACTIVATION_COMPLETED"]
+__all__ = ["AgentParticipant", "RunRequest", "Session", "BOUNDARY", "ACTIVATION_COMPLETED"]

@@ -3,220 +3,42 @@
 One module for all four server kinds. The rules of phases live in engine.phases; this module
 authenticates, validates bodies (unknown fields refused), keeps the lease, makes repeats
 idempotent and records every phase transition in the log. What a prepare or restore *means*
-for a given server is its `Participant` subclass's business.
+for a given server is its `Participant` subclass's business (participants.participant).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
 
 from adapters.database import code_revision
-from adapters.http_client import CONTROL, PREFIX
-from engine import attempts as A
+from adapters.http_client import CONTROL
 from engine import control as C
-from engine.checkpoint import Cut, ParticipantStore, load_cut
+from engine.checkpoint import load_cut
 from engine.coordinator import abort_if_expired
-from engine.errors import (
-    DeadlineExceeded,
-    RollbookError,
-)
+from engine.errors import DeadlineExceeded, RollbookError
 from engine.events import AppendRequest, NewEvent
-from engine.identity import parse_attempt, validate_id
 from engine.phases import Lease, ParticipantPhases
-from participants.guard import (
-    MAX_BODY_BYTES,
-    AttemptIndex,
-    Body,
-    Credentials,
-    Empty,
-    Identifier,
-    Int64,
-    Route,
-    authenticate,
+from participants.guard import Body, Route
+from participants.participant import Participant, PrepareReport
+from participants.wire import (
+    CommitRequest,
+    ControlRequest,
+    ForgetRequest,
+    OperationReply,
+    PrepareReply,
+    RetireRequest,
+    Status,
 )
-from participants.http_errors import error_response, errors_as_json
 
 log = logging.getLogger(__name__)
 
-OPENAPI_PATH = f"{PREFIX}/openapi.json"
 MAX_BLOCKERS = 20
-MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
-# 2100-01-01: a deadline is a wall-clock time, and a larger one only overflows the timers.
-MAX_DEADLINE = 4_102_444_800.0
-
-
-TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
-                 "response_format", "presence_penalty", "frequency_penalty")
-
-
-class TaskBody(Body):
-    """A task on the wire (participants.environments.Task as JSON), shared by the data planes."""
-
-    env: Identifier
-    task_id: str = Field(max_length=256)
-    prompt: str
-    params: dict[str, Any] = Field(default_factory=dict)
-    sampling: dict[str, Any] = Field(default_factory=dict, description=(
-        "per-task sampling parameters the agent sends with every model call of the task: "
-        + ", ".join(TASK_SAMPLING)))
-
-    @field_validator("sampling")
-    @classmethod
-    def _known_sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(value) - set(TASK_SAMPLING))
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {list(TASK_SAMPLING)}")
-        return value
-
-
-class ControlRequest(Body):
-    checkpoint_id: Identifier
-    deadline: float = Field(gt=0, le=MAX_DEADLINE, description="absolute deadline, seconds since the Unix epoch")
-
-
-class Execution(Body):
-    rollout_id: Identifier
-    attempt: AttemptIndex
-
-
-class CommitRequest(ControlRequest):
-    scope: list[Execution] = Field(default_factory=list, max_length=MAX_ITEMS)
-
-
-class Retirement(Body):
-    rollout_id: Identifier
-    through: AttemptIndex
-
-
-class RetireRequest(ControlRequest):
-    rollouts: list[Retirement] = Field(max_length=MAX_ITEMS)
-
-
-class ForgetRequest(ControlRequest):
-    rollout_ids: list[Identifier] = Field(max_length=MAX_ITEMS)
-
-
-class Status(BaseModel):
-    kind: str
-    instance: str
-    checkpoint_mode: Literal["native", "restart_only"]
-    schema_version: str
-    concurrency: str
-    checkpoint_id: str | None
-    phase: str
-    lease_deadline: float | None
-    served_sessions: bool
-
-
-class PrepareReply(BaseModel):
-    checkpoint_id: str
-    phase: str
-    ready: bool
-    blockers: list[str]
-    blocker_count: int
-    counts: dict[str, int]
-    restarts: list[Execution]
-
-
-class OperationReply(BaseModel):
-    checkpoint_id: str
-    phase: str
-    detail: dict[str, Any] = Field(default_factory=dict)
-
-
-class ErrorBody(BaseModel):
-    code: str
-    detail: str
-    message: str = Field(description="the same as detail, where OpenAI's clients look for it")
-    type: str = Field(description="OpenAI's error type for the status")
-    context: dict[str, Any] | None = None
-
-
-class ErrorReply(BaseModel):
-    error: ErrorBody
-
-
-class PrepareReport(BaseModel):
-    """What a participant says after parking its work."""
-
-    ready: bool
-    blockers: list[str] = Field(default_factory=list)
-    counts: dict[str, int] = Field(default_factory=dict)
-    restarts: list[Execution] = Field(default_factory=list)
-
-
-class Participant:
-    """A server's part in a checkpoint. Subclasses override the hooks; defaults do nothing."""
-
-    kind: ClassVar[str] = "participant"
-    checkpoint_mode: ClassVar[Literal["native", "restart_only"]] = "native"
-    concurrency: ClassVar[str] = "sessions serialized per rollout attempt; control operations serialized"
-
-    def __init__(self, store: ParticipantStore, instance: str) -> None:
-        self.store = store
-        self.instance = instance
-        self.attempts = A.AttemptGate(store)
-        self.served_sessions = False
-        self.admission_open = True
-
-    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
-        return PrepareReport(ready=True)
-
-    async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
-        return {}
-
-    async def restore(self, cut: Cut) -> dict[str, Any]:
-        """Validate and stage the state of every execution in the cut; install nothing live."""
-        return {}
-
-    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
-        self.admission_open = True
-        return {}
-
-    async def retire(self, rollout_id: str, through: int) -> None:
-        return None
-
-    async def stop(self) -> None:
-        """At shutdown: cancel work in flight (the server waits for open handlers, which wait on it)."""
-        return None
-
-    async def close(self) -> None:
-        """At cleanup: release clients and connections the participant opened."""
-        return None
-
-    async def forget(self, rollout_id: str) -> None:
-        return None
-
-    def in_flight(self) -> int:
-        """Rollout attempts with work in progress here (the `rollbook_rollouts_in_flight` gauge)."""
-        return 0
-
-    def routes(self) -> list[Route]:
-        """The server's data routes (participants.guard.Route): mounted and documented alike."""
-        return []
-
-    async def check_attempt(self, rollout_id: str, attempt: int) -> None:
-        """Fencing lives in the database, so every server refuses the same attempts at once; the
-        gate answers from memory while no fence has landed (engine.attempts.AttemptGate)."""
-        await self.attempts.check(rollout_id, attempt)
-
-
-def identity(request: web.Request) -> tuple[str, int]:
-    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
-    rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
-    return rollout_id, parse_attempt(request.match_info.get("attempt"))
-
-
-def data_path(suffix: str) -> str:
-    return "/rollouts/{rollout_id}/attempts/{attempt}" + suffix
 
 
 class ControlPlane:
@@ -446,50 +268,4 @@ class ControlPlane:
         ]
 
 
-PARTICIPANT: web.AppKey[Participant] = web.AppKey("participant", Participant)
-
-
-def build_app(participant: Participant, credentials: Credentials, grace: float = 2.0) -> web.Application:
-    """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
-
-    Every route, the document included, needs a credential (participants.guard)."""
-    from participants.observability import observe
-    from participants.openapi import document
-
-    plane = ControlPlane(participant, grace)
-    app = web.Application(middlewares=[errors_as_json, authenticate(credentials)], client_max_size=MAX_BODY_BYTES)
-    app[PARTICIPANT] = participant
-
-    @functools.cache
-    def doc() -> dict[str, Any]:
-        # Built on first request: pydantic's schemas take 40 ms of CPU, at every start of every server.
-        return document(f"rollbook {participant.kind} server", routes)
-
-    async def openapi(request: web.Request, _body: None) -> web.Response:
-        return web.json_response(doc())
-
-    # Metrics and spans (participants.observability): phases and calls wrapped, GET /metrics added.
-    routes = observe(app, [*plane.routes(), *participant.routes(),
-                           Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")],
-                     participant, plane.phases)
-    app.add_routes([r.mount() for r in routes])
-
-    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
-        task = asyncio.get_running_loop().create_task(plane.watch_lease())
-        yield
-        task.cancel()
-
-    async def stop(app: web.Application) -> None:
-        await participant.stop()
-
-    async def close(app: web.Application) -> None:
-        await participant.close()
-
-    app.cleanup_ctx.append(lifecycle)
-    app.on_shutdown.append(stop)
-    app.on_cleanup.append(close)
-    return app
-
-
-__all__ = ["PARTICIPANT", "Participant", "TaskBody", "ControlPlane", "build_app", "identity", "data_path", "error_response", "PrepareReport",
-           "Execution", "CONTROL", "OPENAPI_PATH", "Body", "Empty", "Route", "Credentials", "Identifier", "AttemptIndex", "Int64"]
+__all__ = ["ControlPlane"]

@@ -44,10 +44,10 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
 from engine.patience import RETRY_FIRST_S, Patience
-from participants.agent_server import ACTIVATION_HEADER
-from participants.control_plane import PARTICIPANT, Participant, PrepareReport, TaskBody, build_app
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
-from participants.guard import Body, Credentials, Identifier, Int64, Route
+from participants.guard import Body, Identifier, Int64, Route
+from participants.participant import Participant, PrepareReport
+from participants.wire import ACTIVATION_HEADER, TaskBody
 
 STEPS = ("seed", "agent", "verify", "close")
 MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
@@ -341,13 +341,10 @@ class EnvironmentParticipant(Participant):
         return sum(1 for task in self.tasks.values() if not task.done())
 
     def routes(self) -> list[Route]:
-        from participants.gym_wire import EnvironmentFront  # NeMo Gym's episode protocol on POST /run
-
         return [
             Route("POST", "/episodes", self.start_episode, EpisodeRequest, EpisodeResult,
                   ("forbidden", "conflict", "admission_closed", "stale_attempt", "tool_error", "participant_unavailable")),
             Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, ("not_found",)),
-            *EnvironmentFront(self).routes(),
         ]
 
     # ---- control plane hooks --------------------------------------------------------------------
@@ -433,20 +430,10 @@ class EnvironmentParticipant(Participant):
         await asyncio.gather(*running, return_exceptions=True)
 
 
-
-
 def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:
     """A rollout id names one task: asking for it with another is a conflict, answered before any write."""
     if ep is not None and ep.task != requested:
         raise RequestConflict(f"rollout {rid} was started with another task; a rollout id names one task")
 
 
-def build_environment_app(store: ParticipantStore, credentials: Credentials, agent_url: str, resources_url: str,
-                          instance: str = "environment-0",
-                          environments: frozenset[str] = enabled_environments(sandbox=False)) -> web.Application:
-    """Outgoing addresses come from here (the configuration), never from a request."""
-    participant = EnvironmentParticipant(store, instance, credentials.data, agent_url, resources_url, environments)
-    return build_app(participant, credentials)
-
-
-__all__ = ["EnvironmentParticipant", "EpisodeRequest", "PARTICIPANT", "STEPS", "build_environment_app"]
+__all__ = ["EnvironmentParticipant", "Episode", "EpisodeRequest", "STEPS"]

@@ -19,7 +19,8 @@ Every one of these routes is a data-plane route behind the guard (participants.g
 credential, as a bearer token or, since NeMo Gym's client can set an address but no header, as the
 password of HTTP Basic (`http://rollbook:<data credential>@host:port` in NeMo Gym's config). The
 bodies are parsed by the models below before anything runs, and the environment a task names must
-be one this deployment serves (the sandbox only when configured).
+be one this deployment serves (the sandbox only when configured). The fronts are mounted beside each
+server's own routes by whoever builds its app (participants.servers).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import hashlib
 import re
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -47,13 +48,12 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import MAX_ID_LENGTH, episode_stream, rollout_stream
+from participants.agent_server import AgentParticipant
+from participants.environment_server import STEPS, EnvironmentParticipant, Episode
 from participants.environments import Task, ToolError, get_environment
 from participants.environments.base import canonical
+from participants.environments.tasks import make_task
 from participants.guard import Route
-
-if TYPE_CHECKING:
-    from participants.agent_server import AgentParticipant
-    from participants.environment_server import EnvironmentParticipant, Episode
 
 FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]
 STAGE_OF_STEP: dict[str, FailureStage] = {"seed": "seed", "agent": "agent", "verify": "verification", "close": "cleanup"}
@@ -230,8 +230,6 @@ def task_for(task_id: TaskId, task_input: GymTaskInput) -> Task:
     except ToolError as exc:
         raise InvalidRequest(f"task_input.env: {exc.message}") from exc
     if task_input.generate is not None:
-        from participants.environments.tasks import make_task
-
         generated = make_task(task_input.env, task_input.generate)
         return Task(task_input.env, task_id.task_id, generated.prompt, generated.params)
     return Task(task_input.env, task_id.task_id, task_input.prompt or "", dict(task_input.params or {}))
@@ -470,8 +468,6 @@ class EnvironmentFront:
             "max_steps": ti.max_steps, "status": "running", "gym": self._gym(req)}, rid, attempt)
 
     async def _start(self, rid: str, req: EpisodeRequest, task: Task) -> Episode:
-        from participants.environment_server import Episode
-
         # One request: the attempt never exists without its episode's input and its caller's identity.
         await self.p.store.append(AppendRequest((
             NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
@@ -480,8 +476,6 @@ class EnvironmentFront:
 
     async def _take_over(self, rid: str, req: EpisodeRequest, task: Task) -> Episode:
         """A newer caller attempt: fence rollbook's current attempt, continue under the next one."""
-        from participants.environment_server import STEPS, Episode
-
         store = self.p.store
         rows = await store.attempt_rows([rid])
         current = max(a for _, a in rows)

@@ -25,26 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.generation import (
-    End,
-    GenerationBackend,
-    Prefix,
-    Start,
-    Step,
-    final_message,
-    merge_delta,
-)
+from adapters.generation import GenerationBackend, Prefix, final_message
 from engine import catalog as ev
 from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
 from engine.catalog import POLICY_VERSION_CHANGED
@@ -58,40 +48,26 @@ from engine.errors import (
     RolloutIdRequired,
     StaleAttempt,
 )
-from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
+from engine.events import AppendRequest, NewEvent
 from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
 from engine.recovery import call_lost
-from engine.tokens import Receipt, TokenSink, TokenSource
-from participants.control_plane import (
+from engine.tokens import Receipt
+from participants.guard import Header, Route
+from participants.model_calls import CallRecord, LiveCall, TokenStore, call_records, request_digest
+from participants.model_replies import CallReplies
+from participants.openai_wire import ChatCompletion, ChatRequest, models_body, usage
+from participants.participant import Participant, PrepareReport
+from participants.wire import (
+    CALL_ID_HEADER,
     CONTROL,
-    PARTICIPANT,
-    Participant,
-    PrepareReport,
-    build_app,
+    PARENT_HEADER,
+    REPLACES_HEADER,
     data_path,
     identity,
-)
-from participants.guard import Credentials, Header, Route
-from participants.openai_wire import (
-    ChatCompletion,
-    ChatRequest,
-    chunk,
-    completion_body,
-    error_event,
-    logprob_entries,
-    models_body,
-    rollbook_info,
-    sse,
-    usage,
-    usage_chunk,
-    whole_delta,
 )
 
 log = logging.getLogger(__name__)
 
-CALL_ID_HEADER = "X-Rollbook-Call-Id"
-PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
-REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 COMPLETIONS = "/v1/chat/completions"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
@@ -99,104 +75,6 @@ POLICY_STREAM = policy_stream()
 # prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
 PREPARE_MARGIN_S = 0.05
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
-CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
-
-
-class TokenStore(TokenSink, TokenSource, Protocol):
-    """What the model server needs of adapters.token_store: put a call's tokens, get a prefix back."""
-
-
-@dataclass
-class _Record:
-    """A call as the log tells it: its last custody event and the acceptance before it."""
-
-    call_id: str
-    rollout_id: str | None
-    attempt: int | None
-    status: str  # accepted | completed | cut | failed | excluded
-    data: dict[str, Any]
-    accepted: dict[str, Any] = field(default_factory=dict)
-
-
-def _records(events: list[RecordedEvent]) -> dict[str, _Record]:
-    out: dict[str, _Record] = {}
-    for e in events:
-        if e.kind not in CUSTODY:
-            continue
-        cid = e.data["call_id"]
-        prior = out.get(cid)
-        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status in ("cut", "completed"):
-            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
-        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
-        out[cid] = _Record(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
-    return out
-
-
-@dataclass(eq=False)
-class _Call:
-    """A call this process is serving. Mutable on purpose: it is live state, never logged as such."""
-
-    call_id: str
-    rollout_id: str
-    attempt: int
-    stream: bool
-    request: dict[str, Any] = field(default_factory=dict)
-    policy_version: str | None = None
-    prefix: Prefix | None = None
-    prefix_segments: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
-    digest: str = ""  # request_digest of the body it was accepted with
-    state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
-    prompt_ids: tuple[int, ...] = ()
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[Any] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)  # what a streaming client is sent, in order
-    message: dict[str, Any] = field(default_factory=dict)  # the deltas so far, merged
-    finish_reason: str | None = None
-    upstream_usage: dict[str, Any] | None = None
-    continuation: dict[str, Any] | None = None
-    result: dict[str, Any] | None = None
-    error: RollbookError | None = None
-    delivered: bool = False
-    cut_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    task: asyncio.Task[None] | None = None
-
-    @classmethod
-    def stored(cls, record: _Record, stream: bool) -> _Call:
-        call = cls(record.call_id, record.rollout_id or "", record.attempt or 0, stream, state="completed", result=record.data)
-        call.done.set()
-        return call
-
-    def restart_from(self, prefix: Prefix | None) -> None:
-        """The tokens start over from `prefix` (none: from nothing)."""
-        self.prefix = prefix if prefix is not None and prefix.ids else None
-        p = self.prefix
-        self.ids = list(p.ids) if p else []
-        self.logprobs = list(p.logprobs) if p else []
-        self.tops = [()] * len(self.ids)
-        self.message = {k: (list(v) if isinstance(v, list) else v) for k, v in (p.message if p else {}).items()}
-        if p and p.message.get("tool_calls"):
-            self.message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in p.message["tool_calls"]]
-        self.steps = []  # the prefix joins them once the backend says it continues it (see _pump)
-        if not p:
-            self.prefix_segments = []
-
-    def segments(self) -> list[dict[str, Any]]:
-        """Which policy version produced which tokens: a call cut under one version and continued under
-        another records both, so staleness is known per token."""
-        prefix = self.prefix_segments if self.prefix else []
-        new = len(self.ids) - (len(self.prefix.ids) if self.prefix else 0)
-        out = [dict(x) for x in prefix]
-        if new or not out:
-            if out and out[-1]["policy_version"] == self.policy_version:
-                out[-1]["tokens"] += new
-            else:
-                out.append({"policy_version": self.policy_version, "tokens": new})
-        return out
-
 
 class ModelParticipant(Participant):
     kind = "model"
@@ -207,9 +85,10 @@ class ModelParticipant(Participant):
         super().__init__(store, instance)  # sets admission_open = True through the property below
         self.backend = backend
         self.token_store = token_store
-        self.calls: dict[str, _Call] = {}  # in flight here, not yet finished
-        self.consumers: Counter[_Call] = Counter()  # calls a handler is waiting to deliver
-        self.staged: dict[str, _Record] = {}
+        self.replies = CallReplies(token_store, self._open)
+        self.calls: dict[str, LiveCall] = {}  # in flight here, not yet finished
+        self.consumers: Counter[LiveCall] = Counter()  # calls a handler is waiting to deliver
+        self.staged: dict[str, CallRecord] = {}
         self.staged_rollouts: set[str] = set()
         self.replacements = Replacements()  # (replaced call, attempt) -> the call that replaced it (engine.calls)
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
@@ -258,11 +137,11 @@ class ModelParticipant(Participant):
         return {"released": held}
 
     async def restore(self, cut: Cut) -> dict[str, Any]:
-        staged: dict[str, _Record] = {}
+        staged: dict[str, CallRecord] = {}
         read = await read_cut(self.store, cut, rehash=False)  # one read for the whole scope, up to P
         for rollout_id in sorted({entry.rollout_id for entry in cut.scope}):
             # As of the cut: a call completed after P is not part of this checkpoint's history.
-            staged.update(_records(list(read.events[rollout_id])))
+            staged.update(call_records(list(read.events[rollout_id])))
         for record in staged.values():
             if record.status == "cut":  # the prefix must be there and intact before anything resumes from it
                 await self.token_store.get(Receipt.from_json(record.data["receipt"]).blob_id)
@@ -369,8 +248,8 @@ class ModelParticipant(Participant):
         try:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await self._stream_reply(request, call, model, bool(body.logprobs), include_usage)
-            return await self._json_reply(call, model, bool(body.logprobs))
+                return await self.replies.stream(request, call, model, bool(body.logprobs), include_usage)
+            return await self.replies.json(call, model, bool(body.logprobs))
         finally:
             self.consumers[call] -= 1
             if self.consumers[call] <= 0:
@@ -392,7 +271,7 @@ class ModelParticipant(Participant):
     async def _admit(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
         payload: ChatRequest, stream: bool,
-    ) -> _Call:
+    ) -> LiveCall:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
         async with self._locked(call_id):
             digest = request_digest(payload.backend_request())
@@ -401,12 +280,12 @@ class ModelParticipant(Participant):
                 check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
                 check_same_request(call_id, live.digest or None, digest)
                 return live
-            record = _records(await self.store.read_stream(call_stream(call_id))).get(call_id)
+            record = call_records(await self.store.read_stream(call_stream(call_id))).get(call_id)
             if record is not None:
                 check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
                 check_same_request(call_id, record.accepted.get("request_digest"), digest)
                 if record.status == "completed":
-                    return _Call.stored(record, stream)  # a repeat: the stored reply, no generation
+                    return LiveCall.stored(record, stream)  # a repeat: the stored reply, no generation
                 if call_lost(record.status, served_here=False):
                     failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
                               "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
@@ -418,8 +297,8 @@ class ModelParticipant(Participant):
 
     async def _accept(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: ChatRequest, stream: bool, own: _Record | None,
-    ) -> _Call:
+        payload: ChatRequest, stream: bool, own: CallRecord | None,
+    ) -> LiveCall:
         stream_name = call_stream(call_id)
         if not self._adopted:  # before the admission check: nothing may await between it and the registration
             await self.adopt_policy_version()
@@ -428,14 +307,14 @@ class ModelParticipant(Participant):
             await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
-        call = _Call(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
+        call = LiveCall(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
         call.digest = request_digest(call.request)
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
         try:
             accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent, "policy_version": call.policy_version,
                                         "stream": stream, "sampling": payload.sampling(), "request_digest": call.digest}
-            source: _Record | None = own if own is not None and own.status == "cut" else None
+            source: CallRecord | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
                 chain = replaces.split(",")
                 reserved = await self._reserve_replacement(chain[0], call_id, rollout_id, attempt)
@@ -476,16 +355,16 @@ class ModelParticipant(Participant):
             self.replacements.learn(replaces, attempt, call_id, await self.store.read_rollout(rollout_id, attempt))
         return self.replacements.claim(replaces, attempt, call_id)  # no await between the learning and the claim
 
-    async def _replaced(self, old_id: str, rollout_id: str, attempt: int) -> _Record | None:
+    async def _replaced(self, old_id: str, rollout_id: str, attempt: int) -> CallRecord | None:
         if rollout_id in self.staged_rollouts:
             old = self.staged.get(old_id)  # restored: only what the checkpoint holds
         else:
-            old = _records(await self.store.read_stream(call_stream(old_id))).get(old_id)
+            old = call_records(await self.store.read_stream(call_stream(old_id))).get(old_id)
         if old is not None:
             check_replaceable(old_id, old.rollout_id, old.attempt, rollout_id, attempt)
         return old
 
-    async def _link(self, call: _Call, accepted: dict[str, Any], old: _Record) -> _Call:
+    async def _link(self, call: LiveCall, accepted: dict[str, Any], old: CallRecord) -> LiveCall:
         """Deliver the replaced call's stored reply under the new id; both custody events in one append."""
         accepted["policy_version"] = old.accepted.get("policy_version", accepted["policy_version"])  # who served it
         completed = {**old.data, "call_id": call.call_id, "disposition": "linked", "replaces": old.call_id,
@@ -500,9 +379,9 @@ class ModelParticipant(Participant):
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def _run(self, call: _Call) -> None:
+    async def _run(self, call: LiveCall) -> None:
         try:
-            if await self._pump(call):
+            if await call.pump(self.backend):
                 await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
             else:
                 await self._record_outcome(call, ev.CALL_COMPLETED, {
@@ -530,55 +409,7 @@ class ModelParticipant(Participant):
             finally:
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
 
-    async def _pump(self, call: _Call) -> bool:
-        """Move steps from the backend into the call until it ends (False) or a cut lands (True).
-
-        A cut never splits a token: the pending step is cancelled, so the prefix is exactly the
-        tokens already received."""
-        if call.prefix is None:
-            call.restart_from(None)
-        gen = self.backend.generate(call.request, call.prefix)
-        cut_wait = asyncio.ensure_future(call.cut_requested.wait())
-        step: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(gen))
-                await asyncio.wait({step, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    return True
-                try:
-                    event = step.result()
-                except StopAsyncIteration:
-                    return False
-                if isinstance(event, Start):
-                    call.prompt_ids = event.prompt_token_ids
-                    if event.continuation is not None:
-                        call.continuation = call.extra["continuation"] = event.continuation
-                        if event.continuation.get("mode") != "continued":  # the prefix is dropped, and why is recorded
-                            call.restart_from(None)
-                        elif call.prefix is not None:
-                            # A streaming client gets one ordinary completion: the prefix as one delta, then the rest.
-                            p = call.prefix
-                            call.steps.append(Step(p.ids, p.logprobs, whole_delta(p.message) if p.message else {}))
-                    continue
-                if isinstance(event, End):
-                    call.finish_reason, call.upstream_usage = event.finish_reason, event.usage
-                    continue
-                call.ids.extend(event.ids)
-                call.logprobs.extend(event.logprobs)
-                call.tops.extend(event.top_logprobs or [()] * len(event.ids))
-                merge_delta(call.message, event.delta)
-                call.steps.append(event)
-                async with call.changed:
-                    call.changed.notify_all()
-        finally:
-            cut_wait.cancel()
-            if step is not None and not step.done():
-                step.cancel()
-                await asyncio.wait({step})  # the generator must settle before it can be closed
-            await gen.aclose()
-
-    async def _record_outcome(self, call: _Call, kind: str, data: dict[str, Any]) -> None:
+    async def _record_outcome(self, call: LiveCall, kind: str, data: dict[str, Any]) -> None:
         receipt, prompt = await asyncio.gather(self.token_store.put(call.ids, call.logprobs),
                                                self.token_store.put(list(call.prompt_ids)))
         full = {"call_id": call.call_id, "receipt": receipt.to_json(), "prompt_receipt": prompt.to_json(),
@@ -586,7 +417,7 @@ class ModelParticipant(Participant):
         await self._append(NewEvent(call_stream(call.call_id), kind, full, call.rollout_id, call.attempt))
         await self._finish(call, kind.removeprefix("call_"), result=full)
 
-    async def _finish(self, call: _Call, state: str, result: dict[str, Any] | None = None,
+    async def _finish(self, call: LiveCall, state: str, result: dict[str, Any] | None = None,
                       error: RollbookError | None = None) -> None:
         if state == "failed" and error is None:
             error = GenerationFailed(f"call {call.call_id} failed before it could be generated")
@@ -600,85 +431,6 @@ class ModelParticipant(Participant):
     async def _append(self, event: NewEvent) -> None:
         await self.store.append(AppendRequest((event,)))
 
-    # ---- replies ------------------------------------------------------------------------------
-
-    async def _logprobs(self, call: _Call, result: dict[str, Any]) -> list[dict[str, Any]]:
-        if call.ids and len(call.ids) == int(result.get("tokens") or 0):
-            return logprob_entries(call.ids, call.logprobs, call.tops)
-        stored = await self.token_store.get(Receipt.from_json(result["receipt"]).blob_id)  # a stored or linked reply
-        return logprob_entries(list(stored.ids), list(stored.logprobs or [0.0] * len(stored.ids)))
-
-    async def _json_reply(self, call: _Call, model: str, logprobs: bool) -> web.Response:
-        await call.done.wait()
-        if call.error is not None:
-            raise call.error
-        if call.state != "completed" or call.result is None:
-            raise AdmissionClosed(f"call {call.call_id} was cut at a token boundary for a checkpoint; repeat it after "
-                                  "resume and it continues from the cut")
-        await self._open.wait()  # held while a checkpoint is being taken
-        call.delivered = True
-        entries = await self._logprobs(call, call.result) if logprobs else None
-        return web.json_response(completion_body(call.call_id, model, call.result, entries))
-
-    async def _stream_reply(self, request: web.Request, call: _Call, model: str, logprobs: bool,
-                            include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        try:
-            await self._stream_events(resp, call, model, logprobs, include_usage)
-        except ConnectionResetError:
-            pass  # the client left; the call goes on and its outcome is in the log for a repeat
-        return resp
-
-    async def _stream_events(self, resp: web.StreamResponse, call: _Call, model: str, logprobs: bool,
-                             include_usage: bool) -> None:
-        created, sent = int(time.time()), 0
-        cid = call.call_id
-        await resp.write(sse(chunk(cid, model, created, {"role": "assistant", "content": ""})))
-        if call.result is not None and call.state == "completed" and not call.steps:
-            # A stored reply (a repeat, or linked to the call it replaces): it goes out whole.
-            entries = await self._logprobs(call, call.result) if logprobs else None
-            await resp.write(sse(chunk(cid, model, created, whole_delta(call.result["reply"]), None, entries)))
-        else:
-            while True:
-                async with call.changed:
-                    await call.changed.wait_for(lambda n=sent: len(call.steps) > n or call.done.is_set())
-                batch = call.steps[sent:]
-                for step in batch:
-                    if step.delta or logprobs:
-                        entries = logprob_entries(list(step.ids), list(step.logprobs), list(step.top_logprobs)) if logprobs else None
-                        await resp.write(sse(chunk(cid, model, created, step.delta, None, entries)))
-                sent += len(batch)
-                if call.done.is_set() and sent >= len(call.steps):
-                    break
-        if call.error is not None:
-            await resp.write(sse(error_event(call.error, call_id=cid)))
-        elif call.state == "cut" and call.result is not None:
-            cut = AdmissionClosed(f"call {cid} was cut after {call.result['tokens']} tokens for a checkpoint; repeat it "
-                                  "after resume and it continues from the cut")
-            await resp.write(sse(error_event(cut, cut=True, call_id=cid, tokens=call.result["tokens"],
-                                             receipt=call.result["receipt"])))
-        elif call.result is not None:
-            await self._open.wait()  # held: the client has the tokens but not the end of the reply
-            call.delivered = True
-            last = chunk(cid, model, created, {}, call.result.get("finish_reason") or "stop")
-            last["rollbook"] = rollbook_info(cid, call.result)
-            await resp.write(sse(last))
-            if include_usage:
-                await resp.write(sse(usage_chunk(cid, model, created, call.result)))
-            await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-
-
-# Options that choose how the reply is shown, not what is generated: a call cut by a checkpoint may be
-# asked again with them changed (streamed this time, with logprobs) and is still the same call.
-PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
-
-
-def request_digest(payload: dict[str, Any]) -> str:
-    """What makes two requests under one call id the same request: the body but its presentation options."""
-    same = {k: v for k, v in payload.items() if k not in PRESENTATION}
-    return hashlib.sha256(canonical_json(same).encode()).hexdigest()
 
 
 def _optional_id(request: web.Request, header: str) -> str | None:
@@ -692,12 +444,4 @@ class PolicyVersionRequest(BaseModel):
     source: str = Field(default="weight_sync", max_length=64)
 
 
-def build_model_app(
-    store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
-    instance: str = "model-0",
-) -> web.Application:
-    participant = ModelParticipant(store, backend, token_store, instance)
-    return build_app(participant, credentials)
-
-
-__all__ = ["PARTICIPANT", "ModelParticipant", "build_model_app"]
+__all__ = ["ModelParticipant", "PolicyVersionRequest"]

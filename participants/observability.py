@@ -28,8 +28,7 @@ from engine.errors import RollbookError
 from engine.identity import parse_attempt, validate_id
 from engine.phases import PARTICIPANT_PHASES, ParticipantPhases
 from participants.guard import Route
-from participants.model_server import CALL_ID_HEADER
-from participants.resources_server import TOOL_CALL_HEADER
+from participants.wire import CALL_ID_HEADER, TOOL_CALL_HEADER
 
 METRICS_PATH = "/metrics"
 TEXT_FORMAT = "text/plain"  # Prometheus' text exposition format; OpenMetrics when the scraper asks for it

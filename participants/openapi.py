@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 
 from engine.errors import STATUS
 from participants.guard import PATH_PARAMETERS, Route
+from participants.wire import ErrorReply
 
 # Every operation may answer these: a bad credential, a body over the limit or not JSON, a body that
 # does not validate, a server that is not ready; `default` documents any other error status.
@@ -28,8 +29,6 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def document(title: str, routes: list[Route]) -> dict[str, Any]:
-    from participants.control_plane import ErrorReply
-
     models: set[type[BaseModel]] = {ErrorReply}
     for r in routes:
         models |= {m for m in (r.body, r.reply) if m is not None}

@@ -50,16 +50,6 @@ from engine.identity import (
 )
 from engine.recovery import open_session_mode, tool_call_outcomes
 from engine.sessions import SessionReplay, boundary_disagreement
-from participants.control_plane import (
-    PARTICIPANT,
-    Execution,
-    Participant,
-    PrepareReport,
-    TaskBody,
-    build_app,
-    data_path,
-    identity,
-)
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -70,11 +60,9 @@ from participants.environments import (
 )
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.guard import Body, Credentials, Empty, Header, Identifier, Route
-
-# The caller's name for one tool call (the agent: activation, turn, index in the reply). A call
-# whose mutation the log already holds under this key is answered from the log, never applied again.
-TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
+from participants.guard import Body, Empty, Header, Identifier, Route
+from participants.participant import Participant, PrepareReport
+from participants.wire import TOOL_CALL_HEADER, Execution, TaskBody, data_path, identity
 
 
 def refused(exc: ToolError) -> ToolCallRefused:
@@ -566,14 +554,4 @@ class ResourcesParticipant(Participant):
         self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
 
 
-
-
-def build_resources_app(store: ParticipantStore, credentials: Credentials, instance: str = "resources-0",
-                        sandbox: SandboxLimits | None = None) -> web.Application:
-    """The resources server; `app[PARTICIPANT]` is its participant, for embedding and inspection.
-    The sandbox environment is served only when `sandbox` gives its limits."""
-    participant = ResourcesParticipant(store, instance, sandbox)
-    return build_app(participant, credentials)
-
-
-__all__ = ["PARTICIPANT", "ResourcesParticipant", "build_resources_app", "rebuild"]
+__all__ = ["ResourcesParticipant", "rebuild"]

@@ -23,16 +23,15 @@ from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator
 from engine.events import RecordedEvent
 from engine.log import EventStore
-from participants.agent_server import AgentParticipant, build_agent_app
-from participants.control_plane import PARTICIPANT, Participant
-from participants.environment_server import build_environment_app
+from participants.agent_server import AgentParticipant
+from participants.app import PARTICIPANT
 from participants.environments import enabled_environments
 from participants.environments.base import Task
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
-from participants.model_server import build_model_app
-from participants.resources_server import build_resources_app
+from participants.participant import Participant
 from participants.scripted_model import ScriptedBackend
+from participants.servers import build_agent_app, build_environment_app, build_model_app, build_resources_app
 
 CREDS = Credentials(control="stack-control-secret", data="stack-data-secret")
 TOKEN = CREDS.control  # the coordinator's

@@ -22,11 +22,11 @@ from adapters.postgres import PostgresEventStore
 from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
-from participants.agent_server import ACTIVATION_HEADER, AgentParticipant
-from participants.control_plane import CONTROL
+from participants.agent_server import AgentParticipant
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
+from participants.wire import ACTIVATION_HEADER, CONTROL
 from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 from tests.waiting import eventually
 

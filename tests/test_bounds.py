@@ -35,7 +35,7 @@ from engine.errors import DatabaseUnavailable, GenerationFailed, ParticipantUnav
 from engine.events import AppendRequest, NewEvent
 from participants.guard import Credentials
 from participants.http_errors import errors_as_json
-from participants.resources_server import build_resources_app
+from participants.servers import build_resources_app
 
 CREDS = Credentials(control="bounds-control-token", data="bounds-data-token")
 DATA = {"Authorization": f"Bearer {CREDS.data}"}

@@ -15,8 +15,10 @@ from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
 from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
-from participants.control_plane import CONTROL, OPENAPI_PATH, Participant, PrepareReport, build_app
+from participants.app import build_app
 from participants.guard import Credentials
+from participants.participant import Participant, PrepareReport
+from participants.wire import CONTROL, OPENAPI_PATH
 from tests.waiting import eventually
 
 CREDS = Credentials(control="s3cret-control", data="s3cret-data")

@@ -18,9 +18,9 @@ from adapters.postgres import PostgresEventStore
 from apps.processes import free_port
 from engine.errors import DatabaseUnavailable
 from engine.events import AppendRequest, NewEvent
-from participants.control_plane import CONTROL
 from participants.guard import Credentials
-from participants.resources_server import build_resources_app
+from participants.servers import build_resources_app
+from participants.wire import CONTROL
 from tests.waiting import eventually
 
 CREDS = Credentials(control="db-control-token", data="db-data-token")
@@ -214,7 +214,7 @@ async def test_a_call_whose_outcome_cannot_be_recorded_is_503_and_its_generation
     database_unavailable; the generation's task ends without an exception (an escaped one is a traceback
     in the server's log); the log holds the call as accepted with no outcome, as a crash would leave it."""
     from adapters.token_store import PostgresTokenStore
-    from participants.control_plane import PARTICIPANT
+    from participants.app import PARTICIPANT
     from tests.test_model_server import MATH, HeldAfter, call_headers, kinds, model_server, start_attempt, url
 
     store = PostgresEventStore.connect(dsn, writer="model-db", patience_s=0.2)

@@ -35,10 +35,11 @@ from engine.errors import GenerationFailed
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
-from participants.control_plane import CONTROL, PARTICIPANT
+from participants.app import PARTICIPANT
 from participants.guard import Credentials
-from participants.model_server import build_model_app
 from participants.scripted_model import ScriptedBackend
+from participants.servers import build_model_app
+from participants.wire import CONTROL
 from tests.fake_vllm import FakeVLLM
 from tests.waiting import eventually
 

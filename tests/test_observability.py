@@ -33,8 +33,8 @@ from engine.boundaries import completed_activations
 from engine.errors import ConfigError
 from participants.environments.tasks import make_task
 from participants.observability import METRICS_PATH, TELEMETRY
-from participants.resources_server import build_resources_app
 from participants.scripted_model import ScriptedBackend
+from participants.servers import build_resources_app
 from tests.stack import CREDS, Stack, all_events, of, start_stack
 
 pytestmark = pytest.mark.timeout(120)

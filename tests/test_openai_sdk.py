@@ -20,10 +20,10 @@ from adapters.token_store import PostgresTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
-from participants.control_plane import CONTROL
 from participants.guard import Credentials
-from participants.model_server import build_model_app
 from participants.scripted_model import ScriptedBackend
+from participants.servers import build_model_app
+from participants.wire import CONTROL
 from tests.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")

@@ -21,12 +21,14 @@ from engine.control import retire_events
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.phases import checkpoint_started
-from participants.control_plane import CONTROL
+from participants.app import PARTICIPANT
 from participants.environments import get_environment
 from participants.environments.sandbox import SandboxLimits
 from participants.environments.tasks import make_task
 from participants.guard import Credentials
-from participants.resources_server import PARTICIPANT, ResourcesParticipant, build_resources_app
+from participants.resources_server import ResourcesParticipant
+from participants.servers import build_resources_app
+from participants.wire import CONTROL
 from tests.answers import answered
 from tests.waiting import QueuedLock, eventually
 

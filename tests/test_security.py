@@ -22,12 +22,11 @@ from engine.attempts import ATTEMPT_STARTED
 from engine.capability import capability
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, session_stream
-from participants.control_plane import CONTROL, OPENAPI_PATH
-from participants.environment_server import build_environment_app
 from participants.environments.tasks import make_task
 from participants.guard import MAX_BODY_BYTES
-from participants.resources_server import build_resources_app
 from participants.scripted_model import ScriptedBackend
+from participants.servers import build_environment_app, build_resources_app
+from participants.wire import CONTROL, OPENAPI_PATH
 from tests.answers import answered
 from tests.stack import CREDS, Stack, start_stack
 

@@ -1,0 +1,182 @@
+"""A model call's custody: the call as the log tells it, and as this process serves it.
+
+`CallRecord` is a call's last custody event (and the acceptance before it), read back from its
+stream (engine.identity.call_stream). `LiveCall` is a call this process is generating: its tokens
+so far, what a streaming client has been sent, and its outcome once it has one; `pump` moves a
+generation backend's steps into it until the generation ends or a checkpoint cuts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from adapters.generation import End, GenerationBackend, Prefix, Start, Step, merge_delta
+from engine import catalog as ev
+from engine.errors import RollbookError
+from engine.events import RecordedEvent, canonical_json
+from engine.tokens import TokenSink, TokenSource
+from participants.openai_wire import whole_delta
+
+CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
+
+
+class TokenStore(TokenSink, TokenSource, Protocol):
+    """What the model server needs of adapters.token_store: put a call's tokens, get a prefix back."""
+
+
+@dataclass
+class CallRecord:
+    """A call as the log tells it: its last custody event and the acceptance before it."""
+
+    call_id: str
+    rollout_id: str | None
+    attempt: int | None
+    status: str  # accepted | completed | cut | failed | excluded
+    data: dict[str, Any]
+    accepted: dict[str, Any] = field(default_factory=dict)
+
+
+def call_records(events: list[RecordedEvent]) -> dict[str, CallRecord]:
+    out: dict[str, CallRecord] = {}
+    for e in events:
+        if e.kind not in CUSTODY:
+            continue
+        cid = e.data["call_id"]
+        prior = out.get(cid)
+        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status in ("cut", "completed"):
+            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
+        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
+        out[cid] = CallRecord(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
+    return out
+
+
+@dataclass(eq=False)
+class LiveCall:
+    """A call this process is serving. Mutable on purpose: it is live state, never logged as such."""
+
+    call_id: str
+    rollout_id: str
+    attempt: int
+    stream: bool
+    request: dict[str, Any] = field(default_factory=dict)
+    policy_version: str | None = None
+    prefix: Prefix | None = None
+    prefix_segments: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
+    digest: str = ""  # request_digest of the body it was accepted with
+    state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
+    prompt_ids: tuple[int, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[Any] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)  # what a streaming client is sent, in order
+    message: dict[str, Any] = field(default_factory=dict)  # the deltas so far, merged
+    finish_reason: str | None = None
+    upstream_usage: dict[str, Any] | None = None
+    continuation: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    error: RollbookError | None = None
+    delivered: bool = False
+    cut_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def stored(cls, record: CallRecord, stream: bool) -> LiveCall:
+        call = cls(record.call_id, record.rollout_id or "", record.attempt or 0, stream, state="completed", result=record.data)
+        call.done.set()
+        return call
+
+    def restart_from(self, prefix: Prefix | None) -> None:
+        """The tokens start over from `prefix` (none: from nothing)."""
+        self.prefix = prefix if prefix is not None and prefix.ids else None
+        p = self.prefix
+        self.ids = list(p.ids) if p else []
+        self.logprobs = list(p.logprobs) if p else []
+        self.tops = [()] * len(self.ids)
+        self.message = {k: (list(v) if isinstance(v, list) else v) for k, v in (p.message if p else {}).items()}
+        if p and p.message.get("tool_calls"):
+            self.message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in p.message["tool_calls"]]
+        self.steps = []  # the prefix joins them once the backend says it continues it (see pump)
+        if not p:
+            self.prefix_segments = []
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Which policy version produced which tokens: a call cut under one version and continued under
+        another records both, so staleness is known per token."""
+        prefix = self.prefix_segments if self.prefix else []
+        new = len(self.ids) - (len(self.prefix.ids) if self.prefix else 0)
+        out = [dict(x) for x in prefix]
+        if new or not out:
+            if out and out[-1]["policy_version"] == self.policy_version:
+                out[-1]["tokens"] += new
+            else:
+                out.append({"policy_version": self.policy_version, "tokens": new})
+        return out
+
+    async def pump(self, backend: GenerationBackend) -> bool:
+        """Move steps from the backend into the call until it ends (False) or a cut lands (True).
+
+        A cut never splits a token: the pending step is cancelled, so the prefix is exactly the
+        tokens already received."""
+        if self.prefix is None:
+            self.restart_from(None)
+        gen = backend.generate(self.request, self.prefix)
+        cut_wait = asyncio.ensure_future(self.cut_requested.wait())
+        step: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(gen))
+                await asyncio.wait({step, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    return True
+                try:
+                    event = step.result()
+                except StopAsyncIteration:
+                    return False
+                if isinstance(event, Start):
+                    self.prompt_ids = event.prompt_token_ids
+                    if event.continuation is not None:
+                        self.continuation = self.extra["continuation"] = event.continuation
+                        if event.continuation.get("mode") != "continued":  # the prefix is dropped, and why is recorded
+                            self.restart_from(None)
+                        elif self.prefix is not None:
+                            # A streaming client gets one ordinary completion: the prefix as one delta, then the rest.
+                            p = self.prefix
+                            self.steps.append(Step(p.ids, p.logprobs, whole_delta(p.message) if p.message else {}))
+                    continue
+                if isinstance(event, End):
+                    self.finish_reason, self.upstream_usage = event.finish_reason, event.usage
+                    continue
+                self.ids.extend(event.ids)
+                self.logprobs.extend(event.logprobs)
+                self.tops.extend(event.top_logprobs or [()] * len(event.ids))
+                merge_delta(self.message, event.delta)
+                self.steps.append(event)
+                async with self.changed:
+                    self.changed.notify_all()
+        finally:
+            cut_wait.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                await asyncio.wait({step})  # the generator must settle before it can be closed
+            await gen.aclose()
+
+
+
+# Options that choose how the reply is shown, not what is generated: a call cut by a checkpoint may be
+# asked again with them changed (streamed this time, with logprobs) and is still the same call.
+PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
+
+
+def request_digest(payload: dict[str, Any]) -> str:
+    """What makes two requests under one call id the same request: the body but its presentation options."""
+    same = {k: v for k, v in payload.items() if k not in PRESENTATION}
+    return hashlib.sha256(canonical_json(same).encode()).hexdigest()
+
+
+__all__ = ["CUSTODY", "CallRecord", "LiveCall", "TokenStore", "call_records", "request_digest"]

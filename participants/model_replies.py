@@ -1,0 +1,109 @@
+"""How a model call's reply goes out: one OpenAI chat completion, or a stream of its chunks.
+
+A reply that becomes ready while a checkpoint holds admission closed is HELD: the JSON reply, or the
+end of a stream, waits for resume, so no agent moves past the boundary the checkpoint is recording.
+A call cut at a token boundary ends its stream with a rollbook cut event (the client repeats it
+after resume and it continues from the cut); a stored reply (a repeat, or linked to the call it
+replaces) goes out whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+
+from engine.errors import AdmissionClosed
+from engine.tokens import Receipt
+from participants.model_calls import LiveCall, TokenStore
+from participants.openai_wire import (
+    chunk,
+    completion_body,
+    error_event,
+    logprob_entries,
+    rollbook_info,
+    sse,
+    usage_chunk,
+    whole_delta,
+)
+
+
+class CallReplies:
+    """The replies of one model server's calls: token-level logprobs come from the token store when
+    the call was not generated here; `admission` is set while the server admits work."""
+
+    def __init__(self, token_store: TokenStore, admission: asyncio.Event) -> None:
+        self.token_store = token_store
+        self.admission = admission
+
+    async def logprobs(self, call: LiveCall, result: dict[str, Any]) -> list[dict[str, Any]]:
+        if call.ids and len(call.ids) == int(result.get("tokens") or 0):
+            return logprob_entries(call.ids, call.logprobs, call.tops)
+        stored = await self.token_store.get(Receipt.from_json(result["receipt"]).blob_id)  # a stored or linked reply
+        return logprob_entries(list(stored.ids), list(stored.logprobs or [0.0] * len(stored.ids)))
+
+    async def json(self, call: LiveCall, model: str, logprobs: bool) -> web.Response:
+        await call.done.wait()
+        if call.error is not None:
+            raise call.error
+        if call.state != "completed" or call.result is None:
+            raise AdmissionClosed(f"call {call.call_id} was cut at a token boundary for a checkpoint; repeat it after "
+                                  "resume and it continues from the cut")
+        await self.admission.wait()  # held while a checkpoint is being taken
+        call.delivered = True
+        entries = await self.logprobs(call, call.result) if logprobs else None
+        return web.json_response(completion_body(call.call_id, model, call.result, entries))
+
+    async def stream(self, request: web.Request, call: LiveCall, model: str, logprobs: bool,
+                     include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await self._stream_events(resp, call, model, logprobs, include_usage)
+        except ConnectionResetError:
+            pass  # the client left; the call goes on and its outcome is in the log for a repeat
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, call: LiveCall, model: str, logprobs: bool,
+                             include_usage: bool) -> None:
+        created, sent = int(time.time()), 0
+        cid = call.call_id
+        await resp.write(sse(chunk(cid, model, created, {"role": "assistant", "content": ""})))
+        if call.result is not None and call.state == "completed" and not call.steps:
+            # A stored reply (a repeat, or linked to the call it replaces): it goes out whole.
+            entries = await self.logprobs(call, call.result) if logprobs else None
+            await resp.write(sse(chunk(cid, model, created, whole_delta(call.result["reply"]), None, entries)))
+        else:
+            while True:
+                async with call.changed:
+                    await call.changed.wait_for(lambda n=sent: len(call.steps) > n or call.done.is_set())
+                batch = call.steps[sent:]
+                for step in batch:
+                    if step.delta or logprobs:
+                        entries = logprob_entries(list(step.ids), list(step.logprobs), list(step.top_logprobs)) if logprobs else None
+                        await resp.write(sse(chunk(cid, model, created, step.delta, None, entries)))
+                sent += len(batch)
+                if call.done.is_set() and sent >= len(call.steps):
+                    break
+        if call.error is not None:
+            await resp.write(sse(error_event(call.error, call_id=cid)))
+        elif call.state == "cut" and call.result is not None:
+            cut = AdmissionClosed(f"call {cid} was cut after {call.result['tokens']} tokens for a checkpoint; repeat it "
+                                  "after resume and it continues from the cut")
+            await resp.write(sse(error_event(cut, cut=True, call_id=cid, tokens=call.result["tokens"],
+                                             receipt=call.result["receipt"])))
+        elif call.result is not None:
+            await self.admission.wait()  # held: the client has the tokens but not the end of the reply
+            call.delivered = True
+            last = chunk(cid, model, created, {}, call.result.get("finish_reason") or "stop")
+            last["rollbook"] = rollbook_info(cid, call.result)
+            await resp.write(sse(last))
+            if include_usage:
+                await resp.write(sse(usage_chunk(cid, model, created, call.result)))
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+
+__all__ = ["CallReplies"]

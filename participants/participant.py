@@ -1,0 +1,85 @@
+"""What a server is to a checkpoint: the `Participant` base class and the report of its prepare.
+
+The control plane (participants.control_plane) calls these hooks; each server kind overrides them
+with what a prepare, commit, restore or resume means for its own state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field
+
+from engine import attempts as A
+from engine.checkpoint import Cut, ParticipantStore
+from participants.guard import Route
+from participants.wire import Execution
+
+
+class PrepareReport(BaseModel):
+    """What a participant says after parking its work."""
+
+    ready: bool
+    blockers: list[str] = Field(default_factory=list)
+    counts: dict[str, int] = Field(default_factory=dict)
+    restarts: list[Execution] = Field(default_factory=list)
+
+
+class Participant:
+    """A server's part in a checkpoint. Subclasses override the hooks; defaults do nothing."""
+
+    kind: ClassVar[str] = "participant"
+    checkpoint_mode: ClassVar[Literal["native", "restart_only"]] = "native"
+    concurrency: ClassVar[str] = "sessions serialized per rollout attempt; control operations serialized"
+
+    def __init__(self, store: ParticipantStore, instance: str) -> None:
+        self.store = store
+        self.instance = instance
+        self.attempts = A.AttemptGate(store)
+        self.served_sessions = False
+        self.admission_open = True
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
+        self.admission_open = False
+        return PrepareReport(ready=True)
+
+    async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
+        return {}
+
+    async def restore(self, cut: Cut) -> dict[str, Any]:
+        """Validate and stage the state of every execution in the cut; install nothing live."""
+        return {}
+
+    async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        self.admission_open = True
+        return {}
+
+    async def retire(self, rollout_id: str, through: int) -> None:
+        return None
+
+    async def stop(self) -> None:
+        """At shutdown: cancel work in flight (the server waits for open handlers, which wait on it)."""
+        return None
+
+    async def close(self) -> None:
+        """At cleanup: release clients and connections the participant opened."""
+        return None
+
+    async def forget(self, rollout_id: str) -> None:
+        return None
+
+    def in_flight(self) -> int:
+        """Rollout attempts with work in progress here (the `rollbook_rollouts_in_flight` gauge)."""
+        return 0
+
+    def routes(self) -> list[Route]:
+        """The server's data routes (participants.guard.Route): mounted and documented alike."""
+        return []
+
+    async def check_attempt(self, rollout_id: str, attempt: int) -> None:
+        """Fencing lives in the database, so every server refuses the same attempts at once; the
+        gate answers from memory while no fence has landed (engine.attempts.AttemptGate)."""
+        await self.attempts.check(rollout_id, attempt)
+
+
+__all__ = ["Participant", "PrepareReport"]

@@ -1,0 +1,144 @@
+"""rollbook's own wire: the paths, headers and bodies the servers and their callers share.
+
+The control plane's requests and replies, a task as the data planes receive it, the error body
+every route answers with, and the headers one server sends and another reads (the agent sends
+the model's call ids and the resources server's tool call keys; the environment server sends the
+agent's activation index). The pydantic models here are the ones `participants.guard.read_body`
+validates with and the OpenAPI documents (participants.openapi) describe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, Field, field_validator
+
+from adapters.http_client import CONTROL, PREFIX
+from engine.identity import parse_attempt, validate_id
+from participants.guard import AttemptIndex, Body, Identifier
+
+OPENAPI_PATH = f"{PREFIX}/openapi.json"
+MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
+# 2100-01-01: a deadline is a wall-clock time, and a larger one only overflows the timers.
+MAX_DEADLINE = 4_102_444_800.0
+
+# From the agent to the model server: the call's id (a repeat with the same body gets the same
+# reply), the call before it in the rollout, and the calls it continues, newest first.
+CALL_ID_HEADER = "X-Rollbook-Call-Id"
+PARENT_HEADER = "X-Rollbook-Parent-Call-Id"
+REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
+# From the agent to the resources server: its name for one tool call (activation, turn, index in the
+# reply). A call whose mutation the log already holds under this key is answered from the log, never
+# applied again.
+TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
+# From the environment server to the agent: the activation index, so a repeat is answered from the log.
+ACTIVATION_HEADER = "X-Rollbook-Activation"
+
+
+def identity(request: web.Request) -> tuple[str, int]:
+    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
+    rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
+    return rollout_id, parse_attempt(request.match_info.get("attempt"))
+
+
+def data_path(suffix: str) -> str:
+    return "/rollouts/{rollout_id}/attempts/{attempt}" + suffix
+
+
+TASK_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "top_logprobs",
+                 "response_format", "presence_penalty", "frequency_penalty")
+
+
+class TaskBody(Body):
+    """A task on the wire (participants.environments.Task as JSON), shared by the data planes."""
+
+    env: Identifier
+    task_id: str = Field(max_length=256)
+    prompt: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] = Field(default_factory=dict, description=(
+        "per-task sampling parameters the agent sends with every model call of the task: "
+        + ", ".join(TASK_SAMPLING)))
+
+    @field_validator("sampling")
+    @classmethod
+    def _known_sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(TASK_SAMPLING))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {list(TASK_SAMPLING)}")
+        return value
+
+
+class ControlRequest(Body):
+    checkpoint_id: Identifier
+    deadline: float = Field(gt=0, le=MAX_DEADLINE, description="absolute deadline, seconds since the Unix epoch")
+
+
+class Execution(Body):
+    rollout_id: Identifier
+    attempt: AttemptIndex
+
+
+class CommitRequest(ControlRequest):
+    scope: list[Execution] = Field(default_factory=list, max_length=MAX_ITEMS)
+
+
+class Retirement(Body):
+    rollout_id: Identifier
+    through: AttemptIndex
+
+
+class RetireRequest(ControlRequest):
+    rollouts: list[Retirement] = Field(max_length=MAX_ITEMS)
+
+
+class ForgetRequest(ControlRequest):
+    rollout_ids: list[Identifier] = Field(max_length=MAX_ITEMS)
+
+
+class Status(BaseModel):
+    kind: str
+    instance: str
+    checkpoint_mode: Literal["native", "restart_only"]
+    schema_version: str
+    concurrency: str
+    checkpoint_id: str | None
+    phase: str
+    lease_deadline: float | None
+    served_sessions: bool
+
+
+class PrepareReply(BaseModel):
+    checkpoint_id: str
+    phase: str
+    ready: bool
+    blockers: list[str]
+    blocker_count: int
+    counts: dict[str, int]
+    restarts: list[Execution]
+
+
+class OperationReply(BaseModel):
+    checkpoint_id: str
+    phase: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    detail: str
+    message: str = Field(description="the same as detail, where OpenAI's clients look for it")
+    type: str = Field(description="OpenAI's error type for the status")
+    context: dict[str, Any] | None = None
+
+
+class ErrorReply(BaseModel):
+    error: ErrorBody
+
+
+__all__ = [
+    "ACTIVATION_HEADER", "CALL_ID_HEADER", "CONTROL", "OPENAPI_PATH", "PARENT_HEADER", "PREFIX", "REPLACES_HEADER",
+    "TOOL_CALL_HEADER", "CommitRequest", "ControlRequest", "ErrorReply", "Execution", "ForgetRequest",
+    "OperationReply", "PrepareReply", "RetireRequest", "Status", "TaskBody", "data_path", "identity",
+]
