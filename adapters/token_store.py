@@ -21,8 +21,6 @@ import asyncio
 import hashlib
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from adapters.postgres import PoolLimits, StoreObserver, make_engine, retrying
+from adapters.secret_files import write_private
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
@@ -322,16 +321,7 @@ class FilesystemTokenStore(_TokenStore):
 
     @staticmethod
     def _write(path: Path, value: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(value, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_private(path, json.dumps(value))  # atomic: a reader sees the old file or the whole new one
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any] | None:
