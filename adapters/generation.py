@@ -362,6 +362,28 @@ def _step(choice: dict[str, Any]) -> Step | None:
     return Step(ids, lps, delta, tops)
 
 
+MAX_SSE_LINE_BYTES = 64 * 1024 * 1024
+
+
+async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The response's lines. aiohttp's own line reader stops at 512 KiB, and one chunk of an upstream
+    may carry many tokens with their logprobs (vLLM batches what an engine step produced, and a long
+    tool argument is one delta): a line is refused only past MAX_SSE_LINE_BYTES."""
+    buffer = bytearray()
+    async for piece in resp.content.iter_any():
+        start = len(buffer)
+        buffer += piece
+        end = buffer.find(b"\n", start)
+        while end >= 0:
+            yield bytes(buffer[: end + 1])
+            del buffer[: end + 1]
+            end = buffer.find(b"\n")
+        if len(buffer) > MAX_SSE_LINE_BYTES:
+            raise GenerationFailed(f"the upstream sent a line over {MAX_SSE_LINE_BYTES} bytes")
+    if buffer:
+        yield bytes(buffer)
+
+
 async def _sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """Each chat.completion.chunk of a server-sent event stream, until [DONE]; an error event raises."""
     data: list[str] = []
@@ -377,7 +399,7 @@ async def _sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, A
             raise GenerationFailed(f"the upstream stream reported an error: {str(chunk['error'])[:300]}")
         return chunk
 
-    async for raw in resp.content:
+    async for raw in _lines(resp):
         line = raw.decode("utf-8").rstrip("\r\n")
         if line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))

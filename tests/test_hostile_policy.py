@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
+from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
 from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.identity import session_stream
 from participants.environments.tasks import make_task
+from tests.fake_vllm import MODEL, FakeVLLM
 from tests.hostile_policy import HostileBackend, hostile_task, tool_call
 from tests.stack import Stack, start_stack
 
@@ -28,13 +30,25 @@ VICTIM = make_task("workplace", 11)
 ATTACKER = make_task("workplace", 12)
 
 
-@pytest.fixture
-async def stack(dsn: str) -> AsyncIterator[Stack]:
-    s = await start_stack(dsn, "hostile", HostileBackend())
-    try:
-        yield s
-    finally:
-        await s.close()
+@pytest.fixture(params=["scripted", "vllm-upstream"])
+async def stack(dsn: str, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+    """The hostile model behind the model server as a backend in process, and as a vLLM-style upstream
+    over HTTP (tests/fake_vllm.py, its replies the attack), read by the openai_compatible backend: the
+    attack arrives in vLLM's wire format, "\\ud800" and "\\u0000" escapes included."""
+    if request.param == "scripted":
+        s = await start_stack(dsn, "hostile", HostileBackend())
+        try:
+            yield s
+        finally:
+            await s.close()
+        return
+    async with FakeVLLM() as upstream:
+        upstream.model = HostileBackend()
+        s = await start_stack(dsn, "hostile-up", OpenAICompatibleBackend(upstream.url, model=MODEL))  # type: ignore[arg-type]
+        try:
+            yield s
+        finally:
+            await s.close()
 
 
 async def mutations(store: PostgresEventStore, rollout_id: str) -> list[tuple[str, Any]]:
