@@ -70,7 +70,7 @@ from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint
 from engine.events import AppendRequest, RecordedEvent
 from engine.identity import Key, checkpoint_stream
 from engine.phases import (
-    CHECKPOINT_LEASE_GRACE_S,
+    LEASE_GRACE_S,
     OPEN_CHECKPOINT_PHASES,
     CheckpointPhases,
     check_deadline,
@@ -310,7 +310,7 @@ async def _checkpoint(store: CutStore, checkpoint_id: str) -> tuple[CheckpointPh
     return CheckpointPhases(checkpoint_id, phase), events
 
 
-def _lease_expired(events: Sequence[RecordedEvent], now: float, grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+def _lease_expired(events: Sequence[RecordedEvent], now: float, grace: float = LEASE_GRACE_S) -> bool:
     if not events:
         return False
     deadline = events[0].data.get("deadline") if events[0].kind == ev.CHECKPOINT_STARTED else None
@@ -331,7 +331,7 @@ async def abort_checkpoint(store: CutStore, checkpoint_id: str, reason: str) -> 
 
 
 async def abort_if_expired(store: CutStore, checkpoint_id: str, now: float | None = None,
-                           grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+                           grace: float = LEASE_GRACE_S) -> bool:
     """The lease rule, applied by whoever notices first (a server whose lease ran out, `rollbook run`,
     `rollbook checkpoint status`): a checkpoint still started or prepared past its deadline plus the
     grace is aborted in the log, so a coordinator killed after prepare never leaves it open forever."""

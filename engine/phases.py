@@ -99,12 +99,17 @@ def checkpoint_started(checkpoint_id: str, **data: Any) -> NewEvent:
     return NewEvent(checkpoint_stream(checkpoint_id), ev.CHECKPOINT_STARTED, {"checkpoint_id": checkpoint_id, **data})
 
 
+# The one grace past a checkpoint's deadline: a participant's lease runs out then and it aborts by
+# itself, and whoever reads the log (a coordinator, `rollbook checkpoint status`) records the abort.
+LEASE_GRACE_S = 2.0
+
+
 @dataclass(frozen=True)
 class Lease:
     """A participant's hold on its paused state: past deadline + grace it aborts by itself."""
 
     deadline: float  # absolute, seconds since the epoch
-    grace: float = 5.0
+    grace: float = LEASE_GRACE_S
 
     def expired(self, now: float) -> bool:
         return now > self.deadline + self.grace
@@ -121,13 +126,12 @@ def check_deadline(deadline: float, now: float, what: str) -> float:
     return float(deadline)
 
 
-# A checkpoint that is only started or prepared is held by a lease; past it (deadline + grace, the
-# grace the participants give) whoever notices first records the abort in the log.
+# A checkpoint that is only started or prepared is held by a lease; past it (deadline + LEASE_GRACE_S)
+# whoever notices first records the abort in the log.
 OPEN_CHECKPOINT_PHASES = ("started", "prepared")
-CHECKPOINT_LEASE_GRACE_S = 2.0
 
 
-def checkpoint_lease_expired(phase: str, deadline: float | None, now: float, grace: float = CHECKPOINT_LEASE_GRACE_S) -> bool:
+def checkpoint_lease_expired(phase: str, deadline: float | None, now: float, grace: float = LEASE_GRACE_S) -> bool:
     if phase not in OPEN_CHECKPOINT_PHASES or deadline is None:
         return False
     return not math.isfinite(deadline) or Lease(deadline, grace).expired(now)

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.phases import LEASE_GRACE_S
 from participants.control_plane import ControlPlane
 from participants.guard import MAX_BODY_BYTES, Credentials, Route, authenticate
 from participants.http_errors import errors_as_json
@@ -26,7 +27,7 @@ from participants.wire import OPENAPI_PATH
 PARTICIPANT: web.AppKey[Participant] = web.AppKey("participant", Participant)
 
 
-def build_app(participant: Participant, credentials: Credentials, grace: float = 2.0,
+def build_app(participant: Participant, credentials: Credentials, grace: float = LEASE_GRACE_S,
               fronts: Sequence[Route] = ()) -> web.Application:
     """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
 

@@ -23,7 +23,7 @@ from engine.checkpoint import load_cut
 from engine.coordinator import abort_if_expired
 from engine.errors import DeadlineExceeded, RollbookError
 from engine.events import AppendRequest, NewEvent
-from engine.phases import Lease, ParticipantPhases
+from engine.phases import LEASE_GRACE_S, Lease, ParticipantPhases
 from participants.guard import Body, Route
 from participants.participant import Participant, PrepareReport
 from participants.wire import (
@@ -42,7 +42,7 @@ MAX_BLOCKERS = 20
 
 
 class ControlPlane:
-    def __init__(self, participant: Participant, grace: float = 2.0) -> None:
+    def __init__(self, participant: Participant, grace: float = LEASE_GRACE_S) -> None:
         self.p = participant
         self.grace = grace
         self.phases = ParticipantPhases(participant.kind, participant.instance)

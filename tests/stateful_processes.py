@@ -51,7 +51,7 @@ from apps import config as cfg
 from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
-from engine.phases import CHECKPOINT_LEASE_GRACE_S
+from engine.phases import LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
 from tests.checkpoint_rules import CheckpointRules
 from tests.e2e.conftest import REPEATED_CALLS
@@ -268,7 +268,7 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         phase = phase[0].phase if phase else None
         if phase in ("committed", "published"):
             self.restorable.append(ck)  # its cut is whole in the log: restorable, whoever wrote it
-        self.lease_until = time.time() + COORDINATOR_DEADLINE_S + CHECKPOINT_LEASE_GRACE_S + 1.0
+        self.lease_until = time.time() + COORDINATOR_DEADLINE_S + LEASE_GRACE_S + 1.0
         self.steps.append(f"SIGKILL coordinator {delay} s into {ck} (left {phase})")
         _count("kill_coordinator")
         _count(f"kill_coordinator_left_{phase}")

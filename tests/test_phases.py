@@ -189,7 +189,7 @@ def test_lease_expires_only_after_deadline_plus_grace() -> None:
 
 
 def test_lease_default_grace_is_applied() -> None:
-    assert (Lease(100.0).expired(104.9), Lease(100.0).expired(105.1)) == (False, True)
+    assert (Lease(100.0).expired(101.9), Lease(100.0).expired(102.1)) == (False, True)  # LEASE_GRACE_S, the one grace
 
 
 @pytest.mark.parametrize("deadline", [float("nan"), float("inf"), float("-inf"), "soon", True])
