@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, as_attempt, data_url
 from engine import catalog as ev
 from engine import recovery
+from engine.capability import capability
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
     AdmissionClosed,
@@ -74,6 +75,10 @@ class EpisodeStatus(BaseModel):
     step: str | None = None
     steps: list[str] | None = None
     error: str | None = None
+    capability: str | None = Field(default=None, description=(
+        "the current attempt's capability (engine.capability): it opens that attempt's data routes and "
+        "nothing else, so a client that drives this rollout alone (an OpenAI SDK on the model server's "
+        "/rollouts/{rollout_id}/attempts/{attempt}/v1) need not hold the data credential"))
 
 
 @dataclass
@@ -328,14 +333,18 @@ class EnvironmentParticipant(Participant):
         rid = validate_id(request.match_info["rollout_id"], "rollout id")
         ep = self.episodes.get(rid)
         if ep is not None:
-            return web.json_response(ep.status_json())
+            return web.json_response({**ep.status_json(), **self._capability(rid, ep.attempt)})
         rows = await self.store.attempt_rows([rid])
         if not rows:
             raise NotFound(f"no episode for rollout {rid}")
         attempt = max(a for _, a in rows)
         row = rows[(rid, attempt)]
         status = {"finished": "finished", "live": "not_running"}.get(row["status"], row["status"])
-        return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"]})
+        return web.json_response({"status": status, "attempt": attempt, "reward": row["reward"],
+                                  **self._capability(rid, attempt)})
+
+    def _capability(self, rollout_id: str, attempt: int) -> dict[str, str]:
+        return {"capability": capability(self.secret, rollout_id, attempt)} if self.secret else {}
 
     def in_flight(self) -> int:
         return sum(1 for task in self.tasks.values() if not task.done())

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -21,7 +22,7 @@ from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.capability import capability
 from engine.events import AppendRequest, NewEvent
-from engine.identity import rollout_stream, session_stream
+from engine.identity import call_stream, rollout_stream, session_stream
 from participants.environments.tasks import make_task
 from participants.guard import MAX_BODY_BYTES
 from participants.scripted_model import ScriptedBackend
@@ -368,3 +369,32 @@ async def test_a_capability_opens_its_own_attempt_and_nothing_else(stack: Stack,
     status, reply = await send(stack, "resources", "GET", "/rollbook/v1/control/status", None, mine)
     assert (status, reply["error"]["code"]) == (403, "forbidden")
     assert await events(store) == written
+
+
+async def test_the_framework_hands_a_rollouts_capability_to_an_openai_sdk_that_drives_it_alone(
+    stack: Stack, store: PostgresEventStore
+) -> None:
+    """A client that drives one rollout need not hold the data credential: the episode's status gives
+    its current attempt's capability, which the OpenAI SDK takes as its api_key on the model server's
+    routes of that attempt, and which opens nothing of another rollout's."""
+    for rid in ("sdk-own", "sdk-other"):
+        await start(store, rid)
+    status, reply = await send(stack, "environment", "GET", "/episodes/sdk-own")
+    assert status == 200 and reply["capability"] == capability(CREDS.data, "sdk-own", 0)
+
+    def client(rid: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{stack.url('model')}/rollouts/{rid}/attempts/0/v1",
+                                  api_key=reply["capability"], max_retries=0)
+
+    own, other = client("sdk-own"), client("sdk-other")
+    try:
+        answer = await own.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                                   extra_headers={"X-Rollbook-Call-Id": "sdk-own.0.t0"})
+        assert answer.choices[0].message.content
+        with pytest.raises(openai.PermissionDeniedError):
+            await other.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                                extra_headers={"X-Rollbook-Call-Id": "sdk-other.0.t0"})
+    finally:
+        await own.close()
+        await other.close()
+    assert await store.read_stream(call_stream("sdk-other.0.t0")) == []
