@@ -426,11 +426,11 @@ def install_request(cut: Cut, latest: dict[str, int], late: Sequence[Key] = (),
         events += _fence_and_start(s.rollout_id, n, cut.checkpoint_id, origin={"attempt": s.attempt, "position": s.boundary})
     for r, a in fresh:
         events += _fence_and_start(r, latest.get(r, a), cut.checkpoint_id, origin=None)
+    named = [*(s.rollout_id for s in cut.scope), *(r for r, _ in [*cut.fresh, *late])]
     events.append(NewEvent(restore_stream(cut.checkpoint_id), ev.RESTORE_INSTALLED, {
         "checkpoint_id": cut.checkpoint_id, "continued": len(scope),
-        "fresh_dispatch": len([1 for r, _ in cut.fresh if r not in retired]),
-        "left_retired": sorted({r for r in [*(s.rollout_id for s in cut.scope), *(r for r, _ in [*cut.fresh, *late])]
-                                if r in retired})}))
+        "fresh_dispatch": sum(1 for r, _ in cut.fresh if r not in retired),
+        "left_retired": sorted({r for r in named if r in retired})}))
     return AppendRequest(tuple(events))
 
 

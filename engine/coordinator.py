@@ -285,12 +285,13 @@ class Coordinator:
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)
-        install = install_request(cut, latest, late, retired_since(rows))
+        retired = retired_since(rows)
+        install = install_request(cut, latest, late, retired)
         await self.store.append(install)
         self.timing.record("restore", started)
         installed = install.events[-1].data
         return {"checkpoint_id": checkpoint_id, "continued": installed["continued"],
-                "fresh_dispatch": (len(install.events) - 1) // 2 - installed["continued"],
+                "fresh_dispatch": sum(1 for r, _ in [*cut.fresh, *late] if r not in retired),
                 "completed": len(cut.completed), "left_retired": installed["left_retired"]}
 
     async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:

@@ -119,21 +119,21 @@ def load_stored_json(raw: str | bytes) -> Any:
 def stored_text(data: Any, text: str | None = None) -> str:
     """The canonical JSON text PostgreSQL is given for `data` (and that the chain hash covers):
     canonical_json, with strings escaped where they must be. `text` is canonical_json(data) if known."""
-    text = canonical_json(data) if text is None else text
+    return _stored(data, canonical_json(data) if text is None else text)[0]
+
+
+def _stored(data: Any, text: str) -> tuple[str, int]:
+    """stored_text and its size in UTF-8 bytes, encoding the text at most once on the usual path."""
     if text.isascii():
         if "\\u0000" not in text:
-            return text
-    elif STORE_ESCAPE not in text and "\\u0000" not in text and _encodable(text):
-        return text
-    return canonical_json(escape_strings(data))
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+            return text, len(text)
+    elif STORE_ESCAPE not in text and "\\u0000" not in text:
+        try:
+            return text, len(text.encode())
+        except UnicodeEncodeError:  # a lone surrogate
+            pass
+    text = canonical_json(escape_strings(data))
+    return text, len(text.encode())
 
 
 def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
@@ -147,8 +147,7 @@ def encode_payload(data: Any, limit: int = DEFAULT_PAYLOAD_LIMIT) -> str:
     if "e+" in text and has_large_float(data):  # only large floats are spelt with a positive exponent
         data = _as_postgres_reads(data)
         text = canonical_json(data)
-    text = stored_text(data, text)
-    size = len(text) if text.isascii() else len(text.encode())
+    text, size = _stored(data, text)
     if size > limit:
         raise PayloadTooLarge(
             f"event data is {size} bytes, over the {limit}-byte limit; store large blobs in a token or blob "

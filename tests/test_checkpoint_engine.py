@@ -19,12 +19,14 @@ from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.checkpoint import (
     Cut,
+    ScopeEntry,
     classify,
     committed_event,
     effective_history,
     install_request,
     load_cut,
     make_cut,
+    retired_since,
     validate_cut,
 )
 from engine.errors import InvalidCheckpointState, RestartInScope, StaleAttempt
@@ -486,3 +488,20 @@ async def test_an_open_checkpoint_past_its_lease_is_aborted_in_the_log_once(stor
     kinds = [e.kind for e in await store.read_stream("checkpoint:old")]
     assert kinds == ["checkpoint_started", "checkpoint_prepared", "checkpoint_aborted"]
     assert [e.kind for e in await store.read_stream("checkpoint:fresh")][-1] == "checkpoint_prepared"
+
+
+def test_an_install_leaves_every_rollout_retired_since_the_cut_as_it_is() -> None:
+    """Continued, restarted from input or started after the cut: a rollout retired since is neither
+    fenced (its retire mark refuses the write, which used to fail the whole restore) nor restarted;
+    the rest are, and the install names what it left."""
+    cut = Cut("ck", 10, (ScopeEntry("kept", 0, 5), ScopeEntry("gone-scoped", 0, 6)),
+              fresh=(("fresh", 0), ("gone-fresh", 0)), completed=(), digest="d")
+    rows = {(r, 0): {"retired_through": 0 if r.startswith("gone") else None} for r in
+            ("kept", "gone-scoped", "fresh", "gone-fresh", "gone-late")}
+    retired = retired_since(rows)
+    assert retired == {"gone-scoped", "gone-fresh", "gone-late"}
+    request = install_request(cut, {r: 0 for r, _ in rows}, late=[("gone-late", 0)], retired=retired)
+    touched = {e.rollout_id for e in request.events if e.rollout_id is not None}
+    assert touched == {"kept", "fresh"}
+    assert request.events[-1].data == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 1,
+                                       "left_retired": ["gone-fresh", "gone-late", "gone-scoped"]}
