@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,21 +24,47 @@ PORT_HELD_S = 600.0  # far longer than any server takes to bind the port it was 
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on and that no rollbook process on this machine was
-    handed in the last ten minutes. The kernel may give one free port to two processes that ask before
-    either binds it (two demos at once, the parallel test workers); a mark file, created exclusively,
-    settles which one gets it."""
+    """A port on 127.0.0.1 that nothing is bound to and that no rollbook process on this machine was
+    handed in the last ten minutes, outside the kernel's ephemeral range.
+
+    Outside that range because the kernel takes an outgoing connection's source port from it: a port
+    found free there (bind(0) answers from it) could become some client's source port before the
+    server binds it, and the server then failed with "already in use" (seen once in about a dozen
+    runs of the suite). Two processes may still draw one free port before either binds it (two demos
+    at once, the parallel test workers); a mark file, created exclusively, settles which one gets it."""
     PORT_MARKS.mkdir(exist_ok=True)
+    low, high = listening_range()
     while True:
+        port = _candidate(low, high)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # something holds it
         mark = PORT_MARKS / str(port)
         try:
             os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return port
         except FileExistsError:
             _forget_stale_marks()
+
+
+def listening_range() -> tuple[int, int]:
+    """[low, high) of ports to hand to servers: below the kernel's ephemeral range where there is room
+    (Linux's default range is 32768-60999), else above it, else any unprivileged port."""
+    try:
+        first, last = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        first, last = 32768, 60999
+    if first - 10_000 >= 2_000:
+        return 10_000, first
+    if 65_536 - (last + 1) >= 2_000:
+        return last + 1, 65_536
+    return 1_024, 65_536
+
+
+def _candidate(low: int, high: int) -> int:
+    return random.randrange(low, high)
 
 
 def _forget_stale_marks() -> None:
