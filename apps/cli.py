@@ -189,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     from apps import checkpoint_cli
 
     checkpoint_cli.add_parser(sub)
-    from apps import gym_tasks
+    from apps import nemo_gym_tasks
 
-    gym_tasks.add_parser(sub)
+    nemo_gym_tasks.add_parser(sub)
     return parser
 
 

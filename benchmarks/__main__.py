@@ -1,4 +1,4 @@
-"""The issue-14 table in one command: what a checkpoint costs the run, next to honest baselines.
+"""The benchmark table in one command: what a checkpoint costs the run, next to honest baselines.
 
     .venv/bin/python -m benchmarks [--quick] [--out PATH]
 

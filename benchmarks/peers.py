@@ -1,4 +1,4 @@
-"""The peers the issue compares rollbook with, run in the same process against the same server.
+"""The peers rollbook is compared with, run in the same process against the same server.
 
 - raw single-row autocommit INSERTs (psycopg 3, one connection per writer): the database's own limit
   for one-event transactions;

@@ -94,7 +94,7 @@ def main() -> int:
     finally:
         if world is not None:
             world.procs.stop()
-            # No server may print a traceback for any of these faults (issue 9, item 3).
+            # No server may print a traceback for any of these faults.
             from tests.e2e.test_recovery import tracebacks
 
             for found in tracebacks(world.procs.log_dir):

@@ -122,7 +122,7 @@ def may(name: str, type: str, doc: str) -> Field:
     return Field(name, type, doc)
 
 
-_ENV = "environment server (participants/environment_server.py, and NeMo Gym's episodes through participants/gym_wire.py)"
+_ENV = "environment server (participants/environment_server.py, and NeMo Gym's episodes through participants/nemo_gym_wire.py)"
 _RESTORE = "restore (engine/checkpoint.py install_request, appended by the coordinator's restore)"
 _RECOVERY = "recovery (engine/recovery.py, appended by the environment server or `rollbook run`)"
 _TAKEOVER = "a caller's retry (engine/retry.py, appended by the NeMo Gym episode front)"

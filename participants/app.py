@@ -32,7 +32,7 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
 
     `fronts` are routes that speak another framework's wire to the same participant (NeMo Gym's,
-    participants.gym_wire), mounted beside its own. Every route, the document included, needs a
+    participants.nemo_gym_wire), mounted beside its own. Every route, the document included, needs a
     credential (participants.guard)."""
     plane = ControlPlane(participant, grace)
     app = web.Application(middlewares=[errors_as_json, authenticate(credentials)], client_max_size=MAX_BODY_BYTES)

@@ -2,7 +2,7 @@
 
 The outgoing addresses (the model, resources, agent and environment servers a participant calls)
 come from here, from the configuration, never from a request. The agent and environment servers
-also speak NeMo Gym's wire (participants.gym_wire) on `POST /run`: its fronts are composed here,
+also speak NeMo Gym's wire (participants.nemo_gym_wire) on `POST /run`: its fronts are composed here,
 so a server module knows nothing of the frameworks that call it.
 """
 
@@ -18,9 +18,9 @@ from participants.environment_server import EnvironmentParticipant
 from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
-from participants.gym_wire import AgentFront, EnvironmentFront
 from participants.model_calls import TokenStore
 from participants.model_server import ModelParticipant
+from participants.nemo_gym_wire import AgentFront, EnvironmentFront
 from participants.resources_server import ResourcesParticipant
 
 

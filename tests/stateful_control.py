@@ -4,7 +4,7 @@ Rules: dispatch, prepare, commit, publish, resume, crash-and-restore, retire, fo
 hypothesis picks, against the four servers in process (tests/stack.py: real aiohttp servers on
 127.0.0.1, one real PostgreSQL). A "crash" closes the whole stack with no handover and starts a
 fresh one on the same database, then restores the latest committed or published checkpoint. The
-real-process faults of issue 9 (SIGKILL of a subset, a PostgreSQL restart, a dropped connection)
+real-process faults (SIGKILL of a subset, a PostgreSQL restart, a dropped connection)
 are not among the rules yet: in process they run in seconds, as processes they do not fit CI.
 
 After every step (invariant) and at the end (teardown), through rollbook.attempts,

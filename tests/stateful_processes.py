@@ -1,4 +1,4 @@
-"""Issue 9, item 6: control operations and real faults in random order, against real processes.
+"""Control operations and real faults in random order, against real processes.
 
 The four servers run as separate processes (apps.processes.ServerProcesses, each in its own
 process group) on a PostgreSQL server of the suite's own (tests.pg.restartable_server), so the

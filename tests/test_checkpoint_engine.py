@@ -432,7 +432,7 @@ async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_execution
     assert (set(cut.fresh), set(cut.completed)) == ({("r5", 0)}, set())
 
 
-# ---- issue 9: the digest covers everything up to P and the cut's lists -----------------------------
+# ---- the digest covers everything up to P and the cut's lists -----------------------------
 
 
 async def test_validate_refuses_an_edited_event_between_the_boundary_and_the_cut(

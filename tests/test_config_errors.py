@@ -1,4 +1,4 @@
-"""Every configuration mistake of issue 9 ends the command with one line naming the cause and the
+"""Every configuration mistake ends the command with one line naming the cause and the
 fix, exit code 2, and no traceback. Each case names the bad input it tried."""
 
 from __future__ import annotations

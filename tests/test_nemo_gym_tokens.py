@@ -54,7 +54,7 @@ from tests.stack import all_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Every check run_conformance (0.7.0) has, in its order. The issue counts nine: it names the two
+# Every check run_conformance (0.7.0) has, in its order. NeMo Gym counts nine: it names the two
 # lineage checks (an existing and a fresh resolver) as one, "lineage visibility across clients".
 CHECKS = [
     "put_then_freeze_visibility",

@@ -1,4 +1,4 @@
-"""The data plane lets no one in and fails closed on any input (issue 11), over real HTTP and a real PostgreSQL.
+"""The data plane lets no one in and fails closed on any input, over real HTTP and a real PostgreSQL.
 
 The two attacks that opened a deployment, then each bad input found by fuzzing, named. After every
 refused request the log is read back through SQL: a refusal writes nothing.

@@ -185,7 +185,7 @@ async def test_kill_during_prepare_restores_the_previous_published_checkpoint(cl
 async def test_kill_during_commit_leaves_no_committed_record_and_restores_the_previous_checkpoint(cluster_factory, rng) -> None:
     """Some participants have acknowledged the commit, the others not yet, when everything dies.
 
-    The commit is recorded only once every participant accepted it (issue 9: it used to be logged
+    The commit is recorded only once every participant accepted it (it used to be logged
     first), so the log still says `prepared`: the checkpoint cannot be restored, whoever notices its
     lease ran out aborts it, and the framework restores its previous published checkpoint."""
     c = await cluster_factory(token_latency_s=0.008)

@@ -61,7 +61,7 @@ def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(wo
         phases=(Phase.explicit, Phase.generate),
         suppress_health_check=list(HealthCheck)))
     print(f"random faults: operations that took effect: {dict(sorted(TALLY.items()))}")
-    # Issue 9, item 3: no server prints a traceback for any of these faults (a database outage included).
+    # No server prints a traceback for any of these faults (a database outage included).
     assert not (found := tracebacks(world.procs.log_dir)), "\n".join(found)
 
 

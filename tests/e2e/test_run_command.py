@@ -84,7 +84,7 @@ def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str)
 
 
 def test_run_with_frequent_checkpoints_and_small_concurrency_finishes_every_task(dsn: str) -> None:
-    """Issue 9: a dispatch refused with 409 admission_closed during a checkpoint was dropped, so a run
+    """A dispatch refused with 409 admission_closed during a checkpoint was dropped, so a run
     with frequent checkpoints ended with most tasks never started. Now it waits for the resume."""
     work = Path(tempfile.mkdtemp(prefix="rbrun-"))
     tasks = make_tasks(16, seed=11, envs=["math", "blackjack", "workplace"])
@@ -131,7 +131,7 @@ def _control(config: cfg.Config, kind: str, operation: str, checkpoint_id: str, 
 
 
 def test_run_waits_while_admission_is_held_closed_then_finishes_every_refused_task_once(dsn: str) -> None:
-    """Issue 9, item 2, forced: the environment server's admission is held closed (a checkpoint in
+    """Forced: the environment server's admission is held closed (a checkpoint in
     progress, prepared by hand) before `rollbook run` dispatches anything, so every first dispatch
     is refused with 409 admission_closed. The run must say it is waiting, start nothing while the
     hold lasts, and once admission reopens finish every one of those tasks exactly once."""

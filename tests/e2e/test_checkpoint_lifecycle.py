@@ -1,4 +1,4 @@
-"""The protocol fixes of issue 9, each as the scenario that found it, on the four servers as real processes.
+"""Checkpoint lifecycle scenarios that once broke, each as the scenario that found it, on the four servers as real processes.
 
 - a retire ends an attempt: the next checkpoint leaves it out, and restoring that checkpoint works;
 - commit is recorded only once every participant accepted it, else the checkpoint is aborted;

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from adapters.postgres import PostgresEventStore
-from participants.gym_wire import scoped_rollout_id
+from participants.nemo_gym_wire import scoped_rollout_id
 from participants.scripted_model import ScriptedBackend
 from tests.e2e.test_nemo_gym import REPEATED_CALLS, REPEATED_MUTATIONS
 from tests.stack import start_stack
-from tests.test_gym_wire import BLACKJACK, episode, post, rows, scalar
+from tests.test_nemo_gym_wire import BLACKJACK, episode, post, rows, scalar
 
 
 class HoldAt(ScriptedBackend):

@@ -25,7 +25,7 @@ from adapters.postgres import PostgresEventStore
 from apps.run import load_tasks
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
-from participants.gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
+from participants.nemo_gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
 from participants.scripted_model import ScriptedBackend
 from tests.stack import CREDS, TOKEN, Stack, start_stack
 

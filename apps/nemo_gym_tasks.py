@@ -1,8 +1,8 @@
 """`rollbook tasks from-gym IN.jsonl`: NeMo Gym rows to rollbook's task file (`rollbook run`'s `tasks`).
 
 A materialized row (`task_id: {taskset, task_id}` plus `task_input`) becomes the task its
-`task_input` names (participants.gym_wire.GymTaskInput); a flat row (`responses_create_params`, ...)
-becomes the task the per-row rule picks (participants.gym_wire.flat_row_task). One JSON task per
+`task_input` names (participants.nemo_gym_wire.GymTaskInput); a flat row (`responses_create_params`, ...)
+becomes the task the per-row rule picks (participants.nemo_gym_wire.flat_row_task). One JSON task per
 output line, in input order. A row no rule accepts stops the conversion with its line number and
 nothing is written.
 """
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from engine.errors import InvalidRequest, RollbookError
 from participants.environments import Task
-from participants.gym_wire import GymTaskInput, TaskId, flat_row_task, task_for
+from participants.nemo_gym_wire import GymTaskInput, TaskId, flat_row_task, task_for
 
 
 def task_from_row(row: Any) -> Task:
