@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import quote
@@ -35,6 +34,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, as_attempt, data_url
+from engine.admission import drain, retired
 from engine.boundaries import boundary_messages, completed_activations, full_boundary
 from engine.catalog import ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
@@ -243,8 +243,6 @@ class AgentParticipant(Participant):
         self.staged: dict[str, tuple[int, dict[str, Any]]] = {}  # rollout -> (origin attempt, boundary data)
         self.staged_from: str | None = None
         self.restored: dict[Key, dict[str, Any]] = {}  # new attempt -> the boundary it continues from
-        self._open = asyncio.Event()
-        self._open.set()
 
     # ---- data plane ---------------------------------------------------------------------------
 
@@ -270,8 +268,7 @@ class AgentParticipant(Participant):
                         f"activation {index} of {key[0]} attempt {key[1]}: completed is {last}"
                         + (f", {current[0]} is running" if current else f", so only {last + 1} may start"),
                         rollout_id=key[0], attempt=key[1], completed=last)
-                if not self.admission_open:
-                    raise AdmissionClosed("a checkpoint is in progress; new activations wait for resume")
+                self.admission.require_open("a new activation")
                 session = self._session_for(key, index, req, history)
                 task = asyncio.get_running_loop().create_task(self._drive(session))
                 self.sessions[key] = session
@@ -358,10 +355,10 @@ class AgentParticipant(Participant):
 
     async def _park(self, s: Session) -> None:
         """While a checkpoint is in progress a session waits here, at the boundary it just recorded."""
-        if self._open.is_set():
+        if self.admission.is_open:
             return
         s.state = "at_boundary"
-        await self._open.wait()
+        await self.admission.wait_open()
         s.state = "running"
 
     async def _wait_closed(self, closed: Patience, exc: RollbookError, at_boundary: bool) -> None:
@@ -369,10 +366,10 @@ class AgentParticipant(Participant):
         # again later (backing off: each refusal of a model call is a `call_excluded` event). A session
         # at its boundary may wait for this server's own resume instead; one inside a tool round may
         # not, since this server's prepare waits for that round to end.
-        if self._open.is_set() or not at_boundary:
+        if self.admission.is_open or not at_boundary:
             await asyncio.sleep(closed.next_delay(exc))
         else:
-            await self._open.wait()
+            await self.admission.wait_open()
 
     async def _model(self, s: Session, call_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
         headers = {CALL_ID_HEADER: call_id, **as_attempt(self.secret, *s.key)}
@@ -463,15 +460,9 @@ class AgentParticipant(Participant):
     # ---- control plane hooks --------------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
-        self._open.clear()
-        # Leave time to answer before the control plane's own deadline fires.
-        stop = deadline - min(0.25, max(0.0, deadline - time.time()) * 0.1)
-        while True:
-            blockers = [s for s in self.sessions.values() if s.state == "running" and self.supports_continuation]
-            if not blockers or time.time() >= stop:
-                break
-            await asyncio.sleep(0.005)
+        await super().prepare(checkpoint_id, deadline)
+        blockers = await drain(lambda: [s for s in self.sessions.values()
+                                        if s.state == "running" and self.supports_continuation], deadline)
         total = len(self.sessions) + len(self.restored)
         restarts = [] if self.supports_continuation else [
             Execution(rollout_id=r, attempt=a) for r, a in [*self.sessions, *self.restored]]
@@ -507,14 +498,14 @@ class AgentParticipant(Participant):
                     self.restored[(rid, target)] = data
                     attached += 1
             self.staged, self.staged_from = {}, None
-        self.admission_open = True
-        self._open.set()
+        await super().resume(checkpoint_id, restored)
         return {"attached": attached}
 
     async def retire(self, rollout_id: str, through: int) -> None:
-        for key in [k for k in self.running if k[0] == rollout_id and k[1] <= through]:
+        for key in retired(self.running, rollout_id, through):
             self.running[key][1].cancel()
-        self.restored = {k: v for k, v in self.restored.items() if not (k[0] == rollout_id and k[1] <= through)}
+        for key in retired(self.restored, rollout_id, through):
+            del self.restored[key]
 
     async def forget(self, rollout_id: str) -> None:
         self.locks = {k: v for k, v in self.locks.items() if k[0] != rollout_id or k in self.running}

@@ -19,7 +19,6 @@ continuing from N's latest boundary, or from its input when its state cannot be 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +28,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, as_attempt, data_url
 from engine import catalog as ev
 from engine import recovery
+from engine.admission import drain
 from engine.capability import capability
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
@@ -142,8 +142,6 @@ class EnvironmentParticipant(Participant):
         self.locks: dict[str, asyncio.Lock] = {}
         self.staged: dict[str, Episode] = {}
         self.staged_from: str | None = None
-        self._open = asyncio.Event()
-        self._open.set()
 
     # ---- data plane ---------------------------------------------------------------------------
 
@@ -175,8 +173,7 @@ class EnvironmentParticipant(Participant):
                 done = await self._from_log(rid, requested)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
-                if not self.admission_open:
-                    raise AdmissionClosed("a checkpoint is in progress; new episodes wait for resume")
+                self.admission.require_open("a new episode")
                 ep = await self._open_episode(rid, requested, req.seed, req.max_steps)
                 task = self._launch(ep)
         return web.json_response(await asyncio.shield(task))
@@ -285,10 +282,10 @@ class EnvironmentParticipant(Participant):
             ep.step = None
 
     async def _park(self, ep: Episode) -> None:
-        if self._open.is_set():
+        if self.admission.is_open:
             return
         ep.status = "parked"
-        await self._open.wait()
+        await self.admission.wait_open()
         ep.status = "running"
 
     async def _post(self, ep: Episode, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
@@ -363,15 +360,10 @@ class EnvironmentParticipant(Participant):
                 and rid in self.tasks and not self.tasks[rid].done()]
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
-        self._open.clear()
-        stop = deadline - min(0.25, max(0.0, deadline - time.time()) * 0.1)
-        while True:
-            # Inside the agent step counts as parked: the agent parks it at its own boundary.
-            blockers = [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"]
-            if not blockers or time.time() >= stop:
-                break
-            await asyncio.sleep(0.005)
+        await super().prepare(checkpoint_id, deadline)
+        # Inside the agent step counts as parked: the agent parks it at its own boundary.
+        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"],
+                               deadline)
         live = self._live()
         return PrepareReport(
             ready=not blockers,
@@ -410,8 +402,7 @@ class EnvironmentParticipant(Participant):
                 self._launch(ep)
                 continued += 1
             self.staged, self.staged_from = {}, None
-        self.admission_open = True
-        self._open.set()
+        await super().resume(checkpoint_id, restored)
         return {"continued": continued}
 
     async def retire(self, rollout_id: str, through: int) -> None:

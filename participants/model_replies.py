@@ -9,12 +9,12 @@ replaces) goes out whole.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 from aiohttp import web
 
+from engine.admission import Admission
 from engine.errors import AdmissionClosed
 from engine.tokens import Receipt
 from participants.model_calls import LiveCall, TokenStore
@@ -32,9 +32,9 @@ from participants.openai_wire import (
 
 class CallReplies:
     """The replies of one model server's calls: token-level logprobs come from the token store when
-    the call was not generated here; `admission` is set while the server admits work."""
+    the call was not generated here; `admission` is open while the server admits work."""
 
-    def __init__(self, token_store: TokenStore, admission: asyncio.Event) -> None:
+    def __init__(self, token_store: TokenStore, admission: Admission) -> None:
         self.token_store = token_store
         self.admission = admission
 
@@ -51,7 +51,7 @@ class CallReplies:
         if call.state != "completed" or call.result is None:
             raise AdmissionClosed(f"call {call.call_id} was cut at a token boundary for a checkpoint; repeat it after "
                                   "resume and it continues from the cut")
-        await self.admission.wait()  # held while a checkpoint is being taken
+        await self.admission.wait_open()  # held while a checkpoint is being taken
         call.delivered = True
         entries = await self.logprobs(call, call.result) if logprobs else None
         return web.json_response(completion_body(call.call_id, model, call.result, entries))
@@ -95,7 +95,7 @@ class CallReplies:
             await resp.write(sse(error_event(cut, cut=True, call_id=cid, tokens=call.result["tokens"],
                                              receipt=call.result["receipt"])))
         elif call.result is not None:
-            await self.admission.wait()  # held: the client has the tokens but not the end of the reply
+            await self.admission.wait_open()  # held: the client has the tokens but not the end of the reply
             call.delivered = True
             last = chunk(cid, model, created, {}, call.result.get("finish_reason") or "stop")
             last["rollbook"] = rollbook_info(cid, call.result)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.generation import GenerationBackend, Prefix, final_message
 from engine import catalog as ev
+from engine.admission import wait_for_all
 from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
 from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut, ParticipantStore, read_cut
@@ -72,8 +72,6 @@ COMPLETIONS = "/v1/chat/completions"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
 POLICY_STREAM = policy_stream()
-# prepare must answer before the control plane's own deadline timer fires, so it stops waiting a bit early
-PREPARE_MARGIN_S = 0.05
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 
 class ModelParticipant(Participant):
@@ -81,11 +79,10 @@ class ModelParticipant(Participant):
     concurrency = "calls run concurrently; one call id is accepted once; control operations serialized"
 
     def __init__(self, store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
-        self._open = asyncio.Event()
-        super().__init__(store, instance)  # sets admission_open = True through the property below
+        super().__init__(store, instance)
         self.backend = backend
         self.token_store = token_store
-        self.replies = CallReplies(token_store, self._open)
+        self.replies = CallReplies(token_store, self.admission)
         self.calls: dict[str, LiveCall] = {}  # in flight here, not yet finished
         self.consumers: Counter[LiveCall] = Counter()  # calls a handler is waiting to deliver
         self.staged: dict[str, CallRecord] = {}
@@ -95,33 +92,16 @@ class ModelParticipant(Participant):
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
 
-    @property
-    def admission_open(self) -> bool:  # type: ignore[override]
-        return self._open.is_set()
-
-    @admission_open.setter
-    def admission_open(self, value: bool) -> None:
-        # An event, not a flag: held replies wait on it and go out the moment resume sets it.
-        if value:
-            self._open.set()
-        else:
-            self._open.clear()
-
     # ---- control plane hooks ---------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
+        await super().prepare(checkpoint_id, deadline)
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
         for c in inflight:
             # Every generation is cut, streamed to its client or not: prepare waits for the cut to be
             # durable (a token-store put and an append), never for a generation to finish.
             c.cut_requested.set()
-        budget = deadline - time.time() - PREPARE_MARGIN_S
-        if inflight and budget > 0:
-            waiters = [asyncio.ensure_future(c.done.wait()) for c in inflight]
-            await asyncio.wait(waiters, timeout=budget)
-            for w in waiters:
-                w.cancel()
+        await wait_for_all([c.done for c in inflight], deadline)
         blockers = [c.call_id for c in inflight if not c.done.is_set()]
         counts = {
             "accepted": len(inflight),
@@ -133,7 +113,7 @@ class ModelParticipant(Participant):
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
         held = self.held()
-        self.admission_open = True
+        await super().resume(checkpoint_id, restored)  # held replies wait on the admission: they go out now
         return {"released": held}
 
     async def restore(self, cut: Cut) -> dict[str, Any]:
@@ -149,7 +129,7 @@ class ModelParticipant(Participant):
                     await self.token_store.get(Receipt.from_json(record.data["prompt_receipt"]).blob_id)
         self.staged = staged
         self.staged_rollouts = {s.rollout_id for s in cut.scope}
-        self.admission_open = False  # paused until resume
+        self.admission.close()  # paused until resume
         return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
 
     async def stop(self) -> None:
@@ -302,7 +282,7 @@ class ModelParticipant(Participant):
         stream_name = call_stream(call_id)
         if not self._adopted:  # before the admission check: nothing may await between it and the registration
             await self.adopt_policy_version()
-        if not self.admission_open:
+        if not self.admission.is_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
             await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from engine import attempts as A
+from engine.admission import Admission
 from engine.checkpoint import Cut, ParticipantStore
 from participants.guard import Route
 from participants.wire import Execution
@@ -37,10 +38,15 @@ class Participant:
         self.instance = instance
         self.attempts = A.AttemptGate(store)
         self.served_sessions = False
-        self.admission_open = True
+        self.admission = Admission()  # engine.admission: closed from prepare (or restore) until resume
+
+    @property
+    def admission_open(self) -> bool:
+        return self.admission.is_open
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
+        """Close admission and park what runs; subclasses close first, then drain their own work."""
+        self.admission.close()
         return PrepareReport(ready=True)
 
     async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
@@ -51,7 +57,7 @@ class Participant:
         return {}
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
-        self.admission_open = True
+        self.admission.open()
         return {}
 
     async def retire(self, rollout_id: str, through: int) -> None:

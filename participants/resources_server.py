@@ -17,7 +17,6 @@ nothing. A restart-only session whose live process died cannot be rebuilt: `atte
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from engine import catalog as ev
+from engine.admission import retired, wait_for_all
 from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_targets
 from engine.errors import (
@@ -257,8 +257,7 @@ class ResourcesParticipant(Participant):
         return recorded
 
     def _refuse_when_closed(self, what: str) -> None:
-        if not self.admission_open:
-            raise AdmissionClosed(f"{what} refused: a checkpoint is in progress; retry after it resumes")
+        self.admission.require_open(what)
 
     async def open_session(self, request: web.Request, body: OpenRequest) -> web.Response:
         identity(request)
@@ -468,7 +467,7 @@ class ResourcesParticipant(Participant):
     # ---- control plane hooks ----------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
-        self.admission_open = False
+        await super().prepare(checkpoint_id, deadline)
         sessions = list(self.sessions.values())
         for s in sessions:
             if s.env.state_mode != "restart_only":  # restarts never block: they start over anyway
@@ -476,12 +475,7 @@ class ResourcesParticipant(Participant):
                     pass
         # `wait` verification must finish before a checkpoint; `replay` may simply run again after a crash.
         waiting = [s for s in sessions if s.env.verification == "wait" and s.verifying]
-        if waiting:
-            budget = max(0.0, (deadline - time.time()) * 0.8)
-            waits = [asyncio.ensure_future(s.verify_idle.wait()) for s in waiting]
-            await asyncio.wait(waits, timeout=budget)
-            for w in waits:
-                w.cancel()
+        await wait_for_all([s.verify_idle for s in waiting], deadline)
         sessions = list(self.sessions.values())
         blockers = [f"{s.rollout_id}:{s.attempt} verify in progress" for s in sessions
                     if s.env.verification == "wait" and s.verifying]
@@ -509,16 +503,13 @@ class ResourcesParticipant(Participant):
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one
         self.staged, self.staged_from = staged, cut.checkpoint_id
-        self.admission_open = False  # a restored process stays paused until resume installs the sessions
+        self.admission.close()  # a restored process stays paused until resume installs the sessions
         return {"staged": len(staged), "scope": len(cut.scope)}
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
-        if restored and self.staged_from == checkpoint_id:
-            installed = await self._install(checkpoint_id)
-            self.admission_open = True
-            return {"installed": installed}
-        self.admission_open = True
-        return {}
+        installed = await self._install(checkpoint_id) if restored and self.staged_from == checkpoint_id else None
+        await super().resume(checkpoint_id, restored)
+        return {} if installed is None else {"installed": installed}
 
     async def _install(self, checkpoint_id: str) -> int:
         """Each staged session under its rollout's new attempt, all in one atomic append."""
@@ -546,12 +537,13 @@ class ResourcesParticipant(Participant):
         return len(fresh)
 
     async def retire(self, rollout_id: str, through: int) -> None:
-        for key in [k for k in self.sessions if k[0] == rollout_id and k[1] <= through]:
+        for key in retired(self.sessions, rollout_id, through):
             s = self.sessions[key]
             async with s.lock:  # let an accepted mutation finish (its append now fails: the attempt is retired)
                 self.sessions.pop(key, None)
                 await self._close_live(s)
-        self.staged = {k: v for k, v in self.staged.items() if not (k[0] == rollout_id and k[1] <= through)}
+        for key in retired(self.staged, rollout_id, through):
+            del self.staged[key]
 
 
 __all__ = ["ResourcesParticipant", "rebuild"]

@@ -193,7 +193,7 @@ async def test_a_tool_round_refused_by_a_closed_resources_server_still_ends_whil
         wait_closed = participant._wait_closed  # type: ignore[attr-defined]
 
         async def noting(*args: Any, **kw: Any) -> None:
-            if not participant._open.is_set():  # type: ignore[attr-defined]
+            if not participant.admission.is_open:
                 refused_while_preparing.set()
             await wait_closed(*args, **kw)
 

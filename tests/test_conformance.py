@@ -103,7 +103,7 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
                     and any(e.kind == agent_server.BOUNDARY and (e.data["state"], e.data["turn"]) == (pin.state, pin.turn)
                             for e in events)):
                 pin.reached.set()
-                while self._open.is_set():  # until prepare closes this agent; then it parks right here
+                while self.admission.is_open:  # until prepare closes this agent; then it parks right here
                     await asyncio.sleep(0.002)
 
     Pinned.__name__ = f"Pinned{agent_cls.__name__}"

@@ -40,7 +40,7 @@ class Recorder(Participant):
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         self.calls.append(f"prepare:{self.kind}")
-        self.admission_open = False
+        self.admission.close()
         await asyncio.sleep(self.delay)
         if self.hold is not None:
             await self.hold.wait()
@@ -48,7 +48,7 @@ class Recorder(Participant):
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
         self.calls.append(f"resume:{self.kind}")
-        self.admission_open = True
+        self.admission.open()
         return {}
 
 
