@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ from adapters import database
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import read_private
+from adapters.token_store import PostgresTokenStore
 from engine.coordinator import Coordinator, abort_expired
 from engine.errors import ConfigError, RollbookError
 
@@ -74,36 +76,55 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         for spec in args.participant:
             kind, _, url = spec.partition("=")
             clients.append(HttpParticipant(kind, kind, url, token, session))
-        coordinator = Coordinator(store, clients)
-        ck = args.checkpoint_id
         try:
             if args.action == "status":
-                # Looking is enough to end a checkpoint whose lease ran out (its coordinator died).
-                out: dict[str, Any] = {"aborted_expired": await abort_expired(store)}
-                for c in clients:
-                    try:
-                        out[c.name] = await c.call("status", {})
-                    except (RollbookError, OSError, aiohttp.ClientError) as exc:
-                        out[c.name] = {"error": {"code": "participant_unavailable", "detail": str(exc) or type(exc).__name__}}
-                return out
-            if args.action == "prepare":
-                return await coordinator.prepare(ck, deadline)
-            if args.action == "commit":
-                scope = [tuple(x) for x in json.loads(args.scope)] if args.scope else None
-                return (await coordinator.commit(ck, deadline, scope)).to_json()  # type: ignore[arg-type]
-            if args.action == "publish":
-                from adapters.token_store import PostgresTokenStore
-
-                tokens = PostgresTokenStore(store.engine)
-                return await coordinator.publish(ck, json.loads(args.framework_ref or "{}"), json.loads(args.token_ref or "{}"), tokens)
-            if args.action == "resume":
-                return await coordinator.resume(ck)
-            if args.action == "restore":
-                return await coordinator.restore(ck, deadline)
-            if args.action == "retire":
-                await coordinator.retire(ck, [tuple(x) for x in json.loads(args.rollouts or "[]")])  # type: ignore[misc]
-                return {"checkpoint_id": ck, "retired": json.loads(args.rollouts or "[]")}
-            await coordinator.forget(ck, json.loads(args.rollouts or "[]"))
-            return {"checkpoint_id": ck, "forgotten": json.loads(args.rollouts or "[]")}
+                return await _status(store, clients)
+            return await _ACTIONS[args.action](Coordinator(store, clients), store, args, deadline)
         finally:
             await store.close()
+
+
+async def _status(store: PostgresEventStore, clients: list[HttpParticipant]) -> dict[str, Any]:
+    # Looking is enough to end a checkpoint whose lease ran out (its coordinator died).
+    out: dict[str, Any] = {"aborted_expired": await abort_expired(store)}
+    for c in clients:
+        try:
+            out[c.name] = await c.call("status", {})
+        except (RollbookError, OSError, aiohttp.ClientError) as exc:
+            out[c.name] = {"error": {"code": "participant_unavailable", "detail": str(exc) or type(exc).__name__}}
+    return out
+
+
+async def _commit(c: Coordinator, store: PostgresEventStore, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    scope = [tuple(x) for x in json.loads(args.scope)] if args.scope else None
+    return (await c.commit(args.checkpoint_id, deadline, scope)).to_json()  # type: ignore[arg-type]
+
+
+async def _publish(c: Coordinator, store: PostgresEventStore, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    tokens = PostgresTokenStore(store.engine)
+    return await c.publish(args.checkpoint_id, json.loads(args.framework_ref or "{}"), json.loads(args.token_ref or "{}"),
+                           tokens)
+
+
+async def _retire(c: Coordinator, store: PostgresEventStore, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    rollouts = json.loads(args.rollouts or "[]")
+    await c.retire(args.checkpoint_id, [tuple(x) for x in rollouts])
+    return {"checkpoint_id": args.checkpoint_id, "retired": rollouts}
+
+
+async def _forget(c: Coordinator, store: PostgresEventStore, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    rollouts = json.loads(args.rollouts or "[]")
+    await c.forget(args.checkpoint_id, rollouts)
+    return {"checkpoint_id": args.checkpoint_id, "forgotten": rollouts}
+
+
+Action = Callable[[Coordinator, PostgresEventStore, argparse.Namespace, float], Awaitable[dict[str, Any]]]
+_ACTIONS: dict[str, Action] = {
+    "prepare": lambda c, _s, a, deadline: c.prepare(a.checkpoint_id, deadline),
+    "commit": _commit,
+    "publish": _publish,
+    "resume": lambda c, _s, a, _d: c.resume(a.checkpoint_id),
+    "restore": lambda c, _s, a, deadline: c.restore(a.checkpoint_id, deadline),
+    "retire": _retire,
+    "forget": _forget,
+}

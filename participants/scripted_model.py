@@ -102,41 +102,18 @@ class ScriptedBackend:
         ctx = tok.prompt_digest(prompt)
         pieces = tok.reply_pieces(message)
         finish = "tool_calls" if message.get("tool_calls") else "stop"
-        stops = _stops(request)
-        if stops and not message.get("tool_calls"):
-            content, cut_at = message.get("content") or "", None
-            found = [content.find(s) for s in stops if s in content]
-            if found:
-                cut_at, end, kept = min(found), 0, []
-                for p in pieces:
-                    end += len(p.delta.get("content", ""))
-                    if end > cut_at or not p.delta:
-                        break
-                    kept.append(p)
-                pieces = kept
+        if not message.get("tool_calls"):
+            pieces = _before_stop(pieces, message.get("content") or "", _stops(request))
         limit = max_tokens(request)
         if limit is not None and sum(len(p.ids) for p in pieces) > limit:
-            kept, n = [], 0
-            for p in pieces:
-                if n + len(p.ids) > limit:
-                    part = p.ids[: limit - n]
-                    if part:
-                        delta = _partial_delta(p.delta, part)
-                        kept.append(tok.Piece(part, delta))
-                    break
-                kept.append(p)
-                n += len(p.ids)
-            pieces, finish = kept, "length"
+            pieces, finish = _within(pieces, limit), "length"
         top = int(request.get("top_logprobs") or 0)
         steps, pos = [], 0
         for p in pieces:
-            lps, tops = [], []
-            for i in p.ids:
-                lp, alts = tok.token_logprobs(ctx, pos, i, top)
-                lps.append(f32(lp))
-                tops.append(tuple((a, f32(x)) for a, x in alts))
-                pos += 1
-            steps.append(Step(p.ids, tuple(lps), p.delta, tuple(tops)))
+            scored = [tok.token_logprobs(ctx, pos + j, i, top) for j, i in enumerate(p.ids)]
+            pos += len(p.ids)
+            steps.append(Step(p.ids, tuple(f32(lp) for lp, _ in scored), p.delta,
+                              tuple(tuple((a, f32(x)) for a, x in alts) for _, alts in scored)))
         return prompt, steps, finish
 
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
@@ -154,6 +131,35 @@ class ScriptedBackend:
             self.tokens_generated += len(step.ids)
             yield step
         yield End(finish, None)
+
+
+def _before_stop(pieces: list[tok.Piece], content: str, stops: list[str]) -> list[tok.Piece]:
+    """The pieces that end before the first stop sequence in the content (all of them if none)."""
+    found = [content.find(s) for s in stops if s in content]
+    if not found:
+        return pieces
+    cut_at, end, kept = min(found), 0, []
+    for p in pieces:
+        end += len(p.delta.get("content", ""))
+        if end > cut_at or not p.delta:
+            break
+        kept.append(p)
+    return kept
+
+
+def _within(pieces: list[tok.Piece], limit: int) -> list[tok.Piece]:
+    """The pieces that fit in `limit` tokens, the last one cut to fit."""
+    kept: list[tok.Piece] = []
+    n = 0
+    for p in pieces:
+        if n + len(p.ids) > limit:
+            part = p.ids[: limit - n]
+            if part:
+                kept.append(tok.Piece(part, _partial_delta(p.delta, part)))
+            break
+        kept.append(p)
+        n += len(p.ids)
+    return kept
 
 
 def _partial_delta(delta: dict[str, Any], ids: tuple[int, ...]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import random
+from collections.abc import Callable
 from typing import ClassVar
 
 from . import players
@@ -216,52 +217,10 @@ class WorkplaceEnvironment(Environment):
 
     def call_tool(self, state: JSON, name: str, arguments: dict) -> ToolOutcome:
         rows = {t: v["rows"] for t, v in state["tables"].items()}
-        if name == "search_directory":
-            a = read_args(arguments, {"query": ("str", True)})
-            found = _matches(rows["directory"], a["query"], ["name", "email", "title"])
-            found += [copy.deepcopy(r) for r in rows["directory"].values() if r["person_id"] == a["query"].strip()]
-            return ToolOutcome(output={"matches": found}, effect=None)
-        if name == "lookup_contact":
-            a = read_args(arguments, {"name": ("str", True)})
-            return ToolOutcome(output={"matches": _matches(rows["contacts"], a["name"], ["name", "company"])}, effect=None)
-        if name == "read_inbox":
-            a = read_args(arguments, {"unread_only": ("bool", False)})
-            msgs = [m for m in rows["inbox"].values() if not (a.get("unread_only") and m["read"])]
-            msgs.sort(key=lambda m: (m["received"], m["msg_id"]), reverse=True)
-            return ToolOutcome(output={"messages": copy.deepcopy(msgs)}, effect=None)
-        if name == "send_email":
-            a = read_args(arguments, {"to": ("str", True), "subject": ("str", True), "body": ("str", True),
-                                      "cc": ("str", False)})
-            if "@" not in a["to"]:
-                raise ToolError("bad_arguments", f"not an email address: {a['to']!r}")
-            # An omitted cc stays null; an explicit "" is kept as "", the two mean different things.
-            values = {"to": a["to"], "subject": a["subject"], "body": a["body"], "cc": a.get("cc")}
-            return _insert("sent", rows["sent"], "s", values)
-        if name == "list_calendar":
-            day = _date_arg(read_args(arguments, {"day": ("str", True)})["day"], "day")
-            events = [copy.deepcopy(e) for _, e in sorted(rows["calendar"].items()) if e["day"] == day]
-            return ToolOutcome(output={"day": day, "events": events}, effect=None)
-        if name == "create_event":
-            a = read_args(arguments, {"title": ("str", True), "day": ("str", True), "attendees": ("list[str]", True),
-                                      "location": ("str", False)})
-            values = {"title": a["title"], "day": _date_arg(a["day"], "day"),
-                      "attendees": ", ".join(a["attendees"]), "location": a.get("location")}
-            return _insert("calendar", rows["calendar"], "e", values)
-        if name == "get_deal":
-            deal_id = read_args(arguments, {"deal_id": ("str", True)})["deal_id"]
-            return ToolOutcome(output={"deal": copy.deepcopy(self._deal(rows, deal_id))}, effect=None)
-        if name == "update_deal":
-            a = read_args(arguments, {"deal_id": ("str", True), "stage": ("str", False), "amount": ("float", False),
-                                      "seats": ("int", False), "notes": ("str", False)})
-            self._deal(rows, a["deal_id"])
-            if "stage" in a and a["stage"] not in STAGES:
-                raise ToolError("bad_arguments", f"stage must be one of {STAGES}")
-            values = {k: v for k, v in a.items() if k != "deal_id"}
-            if not values:
-                raise ToolError("bad_arguments", "nothing to update")
-            return ToolOutcome(output={"ok": True, "deal_id": a["deal_id"], "updated": sorted(values)},
-                               effect={"op": "update", "table": "deals", "row": a["deal_id"], "values": values})
-        raise ToolError("unknown_tool", f"no tool named {name!r}")
+        tool = _TOOLS.get(name)
+        if tool is None:
+            raise ToolError("unknown_tool", f"no tool named {name!r}")
+        return tool(rows, arguments)
 
     @staticmethod
     def _deal(rows: dict[str, JSON], deal_id: str) -> JSON:
@@ -302,3 +261,79 @@ class WorkplaceEnvironment(Environment):
         else:
             ok = any(m["to"] == goal["to"] and m["subject"] == goal["subject"] for m in rows["sent"].values())
         return 1.0 if ok else 0.0
+
+
+# ---- the tools: each reads its arguments, checks them and says what it changes ----------------------
+
+
+def _search_directory(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"query": ("str", True)})
+    found = _matches(rows["directory"], a["query"], ["name", "email", "title"])
+    found += [copy.deepcopy(r) for r in rows["directory"].values() if r["person_id"] == a["query"].strip()]
+    return ToolOutcome(output={"matches": found}, effect=None)
+
+
+def _lookup_contact(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"name": ("str", True)})
+    return ToolOutcome(output={"matches": _matches(rows["contacts"], a["name"], ["name", "company"])}, effect=None)
+
+
+def _read_inbox(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"unread_only": ("bool", False)})
+    msgs = [m for m in rows["inbox"].values() if not (a.get("unread_only") and m["read"])]
+    msgs.sort(key=lambda m: (m["received"], m["msg_id"]), reverse=True)
+    return ToolOutcome(output={"messages": copy.deepcopy(msgs)}, effect=None)
+
+
+def _send_email(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"to": ("str", True), "subject": ("str", True), "body": ("str", True),
+                              "cc": ("str", False)})
+    if "@" not in a["to"]:
+        raise ToolError("bad_arguments", f"not an email address: {a['to']!r}")
+    # An omitted cc stays null; an explicit "" is kept as "", the two mean different things.
+    values = {"to": a["to"], "subject": a["subject"], "body": a["body"], "cc": a.get("cc")}
+    return _insert("sent", rows["sent"], "s", values)
+
+
+def _list_calendar(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    day = _date_arg(read_args(arguments, {"day": ("str", True)})["day"], "day")
+    events = [copy.deepcopy(e) for _, e in sorted(rows["calendar"].items()) if e["day"] == day]
+    return ToolOutcome(output={"day": day, "events": events}, effect=None)
+
+
+def _create_event(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"title": ("str", True), "day": ("str", True), "attendees": ("list[str]", True),
+                              "location": ("str", False)})
+    values = {"title": a["title"], "day": _date_arg(a["day"], "day"),
+              "attendees": ", ".join(a["attendees"]), "location": a.get("location")}
+    return _insert("calendar", rows["calendar"], "e", values)
+
+
+def _get_deal(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    deal_id = read_args(arguments, {"deal_id": ("str", True)})["deal_id"]
+    return ToolOutcome(output={"deal": copy.deepcopy(WorkplaceEnvironment._deal(rows, deal_id))}, effect=None)
+
+
+def _update_deal(rows: dict[str, JSON], arguments: dict) -> ToolOutcome:
+    a = read_args(arguments, {"deal_id": ("str", True), "stage": ("str", False), "amount": ("float", False),
+                              "seats": ("int", False), "notes": ("str", False)})
+    WorkplaceEnvironment._deal(rows, a["deal_id"])
+    if "stage" in a and a["stage"] not in STAGES:
+        raise ToolError("bad_arguments", f"stage must be one of {STAGES}")
+    values = {k: v for k, v in a.items() if k != "deal_id"}
+    if not values:
+        raise ToolError("bad_arguments", "nothing to update")
+    return ToolOutcome(output={"ok": True, "deal_id": a["deal_id"], "updated": sorted(values)},
+                       effect={"op": "update", "table": "deals", "row": a["deal_id"], "values": values})
+
+
+_TOOLS: dict[str, Callable[[dict[str, JSON], dict], ToolOutcome]] = {
+    "search_directory": _search_directory,
+    "lookup_contact": _lookup_contact,
+    "read_inbox": _read_inbox,
+    "send_email": _send_email,
+    "list_calendar": _list_calendar,
+    "create_event": _create_event,
+    "get_deal": _get_deal,
+    "update_deal": _update_deal,
+}
