@@ -357,6 +357,17 @@ def aggregate_route() -> Route:
 # ---- the environment server's /run -------------------------------------------------------------
 
 
+
+def _check_same_task(req: EpisodeRequest, rid: str, task: Task, events: list[RecordedEvent],
+                     recorded: dict[str, Any] | None) -> None:
+    """Checked before anything is answered: another task's result is never handed out under this id."""
+    started = next((e for e in events if e.kind == ev.EPISODE_STARTED), None)
+    if started is not None and started.data.get("task") != task.to_json():
+        raise TaskConflict(f"rollout {req.episode_id.rollout_id} of taskset {req.task.task_id.taskset!r} "
+                           "was recorded with a different task", rollout_id=rid)
+    if events and recorded is None:
+        raise TaskConflict(f"rollout {rid} was not started through NeMo Gym's /run", rollout_id=rid)
+
 def _gym_record(events: list[RecordedEvent]) -> dict[str, Any] | None:
     """The caller identity most recently recorded for a rollout (on episode_started / _continued)."""
     return next((e.data["gym"] for e in reversed(events)
@@ -386,37 +397,38 @@ class EnvironmentFront:
         async with p.locks.setdefault(rid, asyncio.Lock()):
             events = await p.store.read_rollout(rid)
             recorded = _gym_record(events)
-            started = next((e for e in events if e.kind == ev.EPISODE_STARTED), None)
-            # Checked before anything is answered: another task's result is never handed out under this id.
-            if started is not None and started.data.get("task") != task.to_json():
-                raise TaskConflict(f"rollout {req.episode_id.rollout_id} of taskset {req.task.task_id.taskset!r} "
-                                   "was recorded with a different task", rollout_id=rid)
-            if events and recorded is None:
-                raise TaskConflict(f"rollout {rid} was not started through NeMo Gym's /run", rollout_id=rid)
+            _check_same_task(req, rid, task, events, recorded)
             finished = await self._finished(rid)
-            if finished is None:
-                decision = retry.decide(rid, req.episode_id.attempt, None if recorded is None else recorded["attempt"],
-                                        finished=False)
-                if decision != "join" and not p.admission_open:
-                    return _failure(req, "a checkpoint is in progress; new work waits for resume",
-                                    "rollbook:admission_closed", "admission")
-                running = p.tasks.get(rid)
-                if running is not None and running.done():
-                    running = None
-                if decision == "start":
-                    running = p._launch(await self._start(rid, req, task))
-                elif decision == "takeover":
-                    if running is not None:
-                        running.cancel()
-                        await asyncio.gather(running, return_exceptions=True)
-                    running = p._launch(await self._take_over(rid, req, task))
-                elif running is None:
-                    # Asked again, and this process does not run it (it crashed, or another took over):
-                    # the live attempt goes on from where the log leaves it.
-                    running = p._launch(await p._open_episode(rid, task, req.task.task_input.seed,
-                                                              req.task.task_input.max_steps))
-        if finished is not None:
-            return self._result(req, rid, finished)
+            if finished is not None:
+                return self._result(req, rid, finished)
+            decision = retry.decide(rid, req.episode_id.attempt, None if recorded is None else recorded["attempt"],
+                                    finished=False)
+            if decision != "join" and not p.admission_open:
+                return _failure(req, "a checkpoint is in progress; new work waits for resume",
+                                "rollbook:admission_closed", "admission")
+            running = await self._running(rid, req, task, decision)
+        return await self._outcome(req, rid, running)
+
+    async def _running(self, rid: str, req: EpisodeRequest, task: Task, decision: str) -> asyncio.Task[Any]:
+        """The episode task this request waits for: a new one, a takeover, or the one already running."""
+        p = self.p
+        running = p.tasks.get(rid)
+        if running is not None and running.done():
+            running = None
+        if decision == "start":
+            return p._launch(await self._start(rid, req, task))
+        if decision == "takeover":
+            if running is not None:
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+            return p._launch(await self._take_over(rid, req, task))
+        if running is None:
+            # Asked again, and this process does not run it (it crashed, or another took over):
+            # the live attempt goes on from where the log leaves it.
+            return p._launch(await p._open_episode(rid, task, req.task.task_input.seed, req.task.task_input.max_steps))
+        return running
+
+    async def _outcome(self, req: EpisodeRequest, rid: str, running: asyncio.Task[Any]) -> EpisodeResponse:
         try:
             await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -426,7 +438,7 @@ class EnvironmentFront:
         except StaleAttempt as exc:
             return _failure(req, exc.detail, "rollbook:stale_attempt", None)
         except Exception as exc:  # noqa: BLE001 - every failure of the episode is the caller's to see, not a 500
-            ep = p.episodes.get(rid)
+            ep = self.p.episodes.get(rid)
             stage = STAGE_OF_STEP.get(ep.step or "") if ep is not None else None
             return _failure(req, f"{type(exc).__name__}: {exc}", "rollbook:episode_failed", stage)
         done = await self._finished(rid)
