@@ -43,10 +43,13 @@ from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
     DatabaseUnavailable,
+    InvalidIdentifier,
     InvalidRequest,
     ParticipantUnavailable,
     RestartInScope,
     RollbookError,
+    StaleAttempt,
+    ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
@@ -452,8 +455,7 @@ class AgentParticipant(Participant):
         activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")
         return [
             Route("POST", data_path("/run"), self.run, RunRequest, RunReply,
-                  ("invalid_identifier", "stale_attempt", "activation_out_of_order", "admission_closed", "tool_error",
-                   "participant_unavailable"), headers=(activation,)),
+                  (InvalidIdentifier, StaleAttempt, ActivationOutOfOrder, AdmissionClosed, ToolCallRefused, ParticipantUnavailable), headers=(activation,)),
             Route("GET", "/sessions", self.list_sessions, None, SessionList),
         ]
 

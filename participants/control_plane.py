@@ -21,7 +21,19 @@ from adapters.http_client import CONTROL
 from engine import control as C
 from engine.checkpoint import load_cut
 from engine.coordinator import abort_if_expired
-from engine.errors import DeadlineExceeded, RollbookError
+from engine.errors import (
+    CheckpointConflict,
+    DeadlineExceeded,
+    InvalidCheckpointState,
+    InvalidJson,
+    InvalidPhase,
+    InvalidRequest,
+    PayloadTooLarge,
+    RestartInScope,
+    RollbookError,
+    StaleCheckpoint,
+    UnknownCheckpoint,
+)
 from engine.events import AppendRequest, NewEvent
 from engine.phases import LEASE_GRACE_S, Lease, ParticipantPhases
 from participants.guard import Body, Route
@@ -251,21 +263,21 @@ class ControlPlane:
                 log.warning("could not record the abort of checkpoint %s: %s", expired_checkpoint, exc)
 
     def routes(self) -> list[Route]:
-        common = ("invalid_request", "invalid_json", "payload_too_large")
-        def op(name: str, body: type[Body], reply: type[BaseModel], *errors: str) -> Route:
+        common: tuple[type[RollbookError], ...] = (InvalidRequest, InvalidJson, PayloadTooLarge)
+
+        def op(name: str, body: type[Body], reply: type[BaseModel], *errors: type[RollbookError]) -> Route:
             return Route("POST", f"{CONTROL}/{name}", getattr(self, name), body, reply, (*common, *errors), "control")
         return [
             Route("GET", f"{CONTROL}/status", self.status, None, Status, (), "control"),
-            op("prepare", ControlRequest, PrepareReply, "checkpoint_conflict", "stale_checkpoint", "deadline_exceeded"),
-            op("renew", ControlRequest, OperationReply, "checkpoint_conflict", "stale_checkpoint"),
-            op("commit", CommitRequest, OperationReply, "checkpoint_conflict", "stale_checkpoint", "invalid_phase",
-               "restart_in_scope", "deadline_exceeded", "unknown_checkpoint", "invalid_checkpoint_state"),
-            op("restore", ControlRequest, OperationReply, "invalid_phase", "unknown_checkpoint", "invalid_checkpoint_state",
-               "stale_checkpoint", "checkpoint_conflict", "deadline_exceeded", "restart_in_scope"),
-            op("resume", ControlRequest, OperationReply, "invalid_phase", "checkpoint_conflict", "stale_checkpoint"),
+            op("prepare", ControlRequest, PrepareReply, CheckpointConflict, StaleCheckpoint, DeadlineExceeded),
+            op("renew", ControlRequest, OperationReply, CheckpointConflict, StaleCheckpoint),
+            op("commit", CommitRequest, OperationReply, CheckpointConflict, StaleCheckpoint, InvalidPhase,
+               RestartInScope, DeadlineExceeded, UnknownCheckpoint, InvalidCheckpointState),
+            op("restore", ControlRequest, OperationReply, InvalidPhase, UnknownCheckpoint, InvalidCheckpointState,
+               StaleCheckpoint, CheckpointConflict, DeadlineExceeded, RestartInScope),
+            op("resume", ControlRequest, OperationReply, InvalidPhase, CheckpointConflict, StaleCheckpoint),
             op("retire", RetireRequest, OperationReply),
             op("forget", ForgetRequest, OperationReply),
         ]
-
 
 __all__ = ["ControlPlane"]

@@ -41,6 +41,7 @@ from engine.errors import (
     ParticipantUnavailable,
     RequestConflict,
     StaleAttempt,
+    ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream, validate_id
@@ -349,8 +350,8 @@ class EnvironmentParticipant(Participant):
     def routes(self) -> list[Route]:
         return [
             Route("POST", "/episodes", self.start_episode, EpisodeRequest, EpisodeResult,
-                  ("forbidden", "conflict", "admission_closed", "stale_attempt", "tool_error", "participant_unavailable")),
-            Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, ("not_found",)),
+                  (Forbidden, RequestConflict, AdmissionClosed, StaleAttempt, ToolCallRefused, ParticipantUnavailable)),
+            Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, (NotFound,)),
         ]
 
     # ---- control plane hooks --------------------------------------------------------------------

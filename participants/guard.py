@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.capability import PREFIX as CAPABILITY
 from engine.capability import capability_opens
-from engine.errors import Forbidden, InvalidJson, PayloadTooLarge, Unauthorized
+from engine.errors import Forbidden, InvalidJson, PayloadTooLarge, RollbookError, Unauthorized
 from engine.identity import ATTEMPT_MAX, ATTEMPT_PATTERN, ID_PATTERN, MAX_ID_LENGTH
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -207,7 +207,7 @@ class Route:
     handler: Handler
     body: type[BaseModel] | None = None  # parses the request; None: the route takes no body
     reply: type[BaseModel] | None = None  # describes the 200 reply (None: any JSON object)
-    errors: tuple[str, ...] = ()
+    errors: tuple[type[RollbookError], ...] = ()  # what it may answer besides 200, for the OpenAPI document
     scope: Scope = "data"
     headers: tuple[Header, ...] = ()
     stream: bool = False  # the 200 reply may also be text/event-stream

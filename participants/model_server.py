@@ -44,6 +44,11 @@ from engine.errors import (
     AttemptLost,
     DatabaseUnavailable,
     GenerationFailed,
+    InvalidIdentifier,
+    InvalidJson,
+    InvalidPhase,
+    InvalidRequest,
+    RequestConflict,
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
@@ -158,13 +163,13 @@ class ModelParticipant(Participant):
         )
         return [
             Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
-                  ("invalid_identifier", "stale_attempt", "admission_closed", "conflict", "invalid_phase"),
+                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase),
                   headers=headers, stream=True),
-            Route("POST", COMPLETIONS, self._no_identity, None, None, ("rollout_id_required",), name="completions_without_identity"),
+            Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
             Route("GET", data_path(MODELS), self.models, None, None, (), name="list_models_of_attempt"),
             Route("POST", POLICY_VERSION, self.set_policy_version, PolicyVersionRequest, None,
-                  ("invalid_request", "invalid_json"), "control"),
+                  (InvalidRequest, InvalidJson), "control"),
             Route("GET", POLICY_VERSION, self.get_policy_version, None, None, (), "control"),
         ]
 

@@ -41,7 +41,9 @@ from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.errors import (
     EpisodeFailed,
+    Forbidden,
     InvalidRequest,
+    ParticipantUnavailable,
     RolloutIdRequired,
     StaleAttempt,
     TaskConflict,
@@ -382,7 +384,7 @@ class EnvironmentFront:
 
     def routes(self) -> list[Route]:
         return [Route("POST", "/run", self.run, EpisodeRequest, EpisodeResponse,
-                      ("task_conflict", "forbidden", "participant_unavailable"), basic=True, name="gym_episode"),
+                      (TaskConflict, Forbidden, ParticipantUnavailable), basic=True, name="gym_episode"),
                 aggregate_route()]
 
     async def run(self, request: web.Request, req: EpisodeRequest) -> web.Response:
@@ -525,7 +527,7 @@ class AgentFront:
 
     def routes(self) -> list[Route]:
         return [Route("POST", "/run", self.run, FlatRow, FlatRowReply,
-                      ("rollout_id_required", "task_conflict", "forbidden", "episode_failed", "participant_unavailable"),
+                      (RolloutIdRequired, TaskConflict, Forbidden, EpisodeFailed, ParticipantUnavailable),
                       basic=True, name="gym_flat_row"),
                 aggregate_route()]
 

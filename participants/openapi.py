@@ -14,13 +14,13 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from engine.errors import STATUS
+from engine.errors import Forbidden, InvalidJson, InvalidRequest, PayloadTooLarge, RollbookError, Unauthorized
 from participants.guard import PATH_PARAMETERS, Route
 from participants.wire import ErrorReply
 
 # Every operation may answer these: a bad credential, a body over the limit or not JSON, a body that
 # does not validate, a server that is not ready; `default` documents any other error status.
-ALWAYS = ("unauthorized", "forbidden", "invalid_request", "invalid_json", "payload_too_large")
+ALWAYS: tuple[type[RollbookError], ...] = (Unauthorized, Forbidden, InvalidRequest, InvalidJson, PayloadTooLarge)
 _SCOPE = {"control": "the control credential", "data": "the data credential", "any": "either credential"}
 
 
@@ -43,10 +43,11 @@ def document(title: str, routes: list[Route]) -> dict[str, Any]:
         if r.stream:
             content["text/event-stream"] = {"schema": {"type": "string"}}
         responses: dict[str, Any] = {"200": {"description": "ok", "content": content}}
-        for code in dict.fromkeys((*ALWAYS, *r.errors)):
-            if code in ("invalid_json", "payload_too_large", "invalid_request") and r.body is None:
+        for refusal in dict.fromkeys((*ALWAYS, *r.errors)):
+            code = refusal.code
+            if refusal in (InvalidRequest, InvalidJson, PayloadTooLarge) and r.body is None:  # no body to refuse
                 continue
-            status = str(STATUS[code])
+            status = str(refusal.status)
             entry = responses.setdefault(status, {"description": "", "content": error})
             entry["description"] = ", ".join(filter(None, [entry["description"], code]))
         responses["default"] = {"description": "any other error, with its stable code", "content": error}

@@ -32,12 +32,15 @@ from engine.errors import (
     AttemptLost,
     Forbidden,
     InvalidCheckpointState,
+    InvalidIdentifier,
     InvalidRequest,
     NotFound,
     ReplayDivergence,
     RequestConflict,
     RestartInScope,
+    RollbookError,
     RolloutIdRequired,
+    StaleAttempt,
     ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
@@ -449,19 +452,19 @@ class ResourcesParticipant(Participant):
         return len(self.sessions)  # open sessions: their rollouts are under way
 
     def routes(self) -> list[Route]:
-        session = ("stale_attempt", "invalid_identifier", "not_found", "admission_closed", "tool_error")
+        session: tuple[type[RollbookError], ...] = (StaleAttempt, InvalidIdentifier, NotFound, AdmissionClosed, ToolCallRefused)
         routes = [
             Route("POST", data_path("/session"), self.open_session, OpenRequest, SessionReply, session),
             Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
                   headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
                                   description="the call's key: a repeat gets the recorded outcome"),)),
-            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, "conflict")),
+            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, RequestConflict)),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),
         ]
-        bare = [Route("POST", p, self.no_identity, None, None, ("rollout_id_required",), name=f"{n}_without_identity")
+        bare = [Route("POST", p, self.no_identity, None, None, (RolloutIdRequired,), name=f"{n}_without_identity")
                 for n, p in (("session", "/session"), ("tool", "/tools/{name}"), ("verify", "/verify"), ("close", "/close"))]
-        return [*routes, *bare, Route("GET", "/state", self.no_identity, None, None, ("rollout_id_required",),
+        return [*routes, *bare, Route("GET", "/state", self.no_identity, None, None, (RolloutIdRequired,),
                                       name="state_without_identity")]
 
     # ---- control plane hooks ----------------------------------------------------------------
