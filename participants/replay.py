@@ -9,6 +9,7 @@ disagreement is a `replay_divergence`, reported as an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,54 +87,90 @@ def _divergence(e: RecordedEvent, what: str) -> ReplayDivergence:
 
 def apply(state: ReplayState, e: RecordedEvent) -> str:
     """Advance the replayed state by one event; return what changed. Raises on divergence."""
-    d = e.data
     before = state.session.state
     try:
         what = state.session.apply(e)  # the session's rules: engine.sessions
     except ReplayDivergence as exc:
         raise _divergence(e, exc.detail) from None
-    if what == "opened":
-        assert state.task is not None
-        return f"session opened: {state.task.env} task {state.task.task_id}"
-    if what == "restored":
-        where = d.get("restored_from") or f"the log (recovered from attempt {d.get('origin_attempt')})"
-        return f"session restored from {where} at revision {state.revision}"
-    if what == "mutated":
-        assert state.session.env is not None
-        if state.session.env.state_mode != "exported":
-            return f"r{d['revision']} {d.get('tool')}: live effect, not replayable ({state.session.env.state_mode})"
-        return f"r{d['revision']} {d.get('tool')}({_short(d.get('arguments'))}): " + "; ".join(diff(before, state.env_state))
-    if e.kind == ev.AGENT_BOUNDARY:
-        wrong = boundary_disagreement(d, state.session.revisions)
-        if wrong is not None:
-            raise _divergence(e, f"agent boundary saw {wrong[0]} at revision {wrong[1]}, replay has {wrong[2]}")
-        state.latest = list(d.get("messages") or [])
-        state.turn, state.messages = d.get("turn", state.turn), len(state.latest)
-        return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
-    if e.kind == ev.ACTIVATION_COMPLETED:
-        # A completion stores no conversation: it is the boundary's recorded with it (engine.boundaries).
-        state.conversation = list((d.get("reply") or {}).get("messages") or state.latest)
-        return e.kind.replace("_", " ")
-    if e.kind in (ev.CALL_COMPLETED, ev.CALL_CUT):
-        state.calls.append(d["call_id"])
-        return f"model call {d['call_id']} {e.kind.removeprefix('call_')} ({d.get('disposition', '')})"
-    if e.kind == ev.SESSION_VERIFIED:
-        if state.task is not None and "final_answer" in d and get_environment(state.task.env).verification == "replay":
-            env = get_environment(state.task.env)
-            again = float(env.verify(state.task, state.env_state, Trajectory(state.conversation, d["final_answer"])))
-            if abs(again - float(d["reward"])) > 1e-9:
-                raise _divergence(e, f"verify on the replayed state gives {again}, the log recorded {d['reward']}")
-        state.reward, state.final_answer = d.get("reward"), d.get("final_answer")
-        return f"verified: reward {d.get('reward')}"
+    if what in _SESSION_CHANGES:
+        return _SESSION_CHANGES[what](state, e, before)
+    by_kind = _BY_KIND.get(e.kind)
+    if by_kind is not None:
+        return by_kind(state, e)
     if e.kind.startswith("episode_"):
-        state.step = d.get("step", e.kind.removeprefix("episode_"))
+        state.step = e.data.get("step", e.kind.removeprefix("episode_"))
         return f"episode {state.step}"
-    if e.kind == ev.ATTEMPT_FINISHED:
-        state.reward = d.get("reward")
-        return f"attempt finished, reward {d.get('reward')}"
     if e.kind in ev.CAPTURE_KINDS:
         return _capture_change(e)
     return e.kind.replace("_", " ")
+
+
+def _opened(state: ReplayState, e: RecordedEvent, before: Any) -> str:
+    assert state.task is not None
+    return f"session opened: {state.task.env} task {state.task.task_id}"
+
+
+def _restored(state: ReplayState, e: RecordedEvent, before: Any) -> str:
+    where = e.data.get("restored_from") or f"the log (recovered from attempt {e.data.get('origin_attempt')})"
+    return f"session restored from {where} at revision {state.revision}"
+
+
+def _mutated(state: ReplayState, e: RecordedEvent, before: Any) -> str:
+    d = e.data
+    assert state.session.env is not None
+    if state.session.env.state_mode != "exported":
+        return f"r{d['revision']} {d.get('tool')}: live effect, not replayable ({state.session.env.state_mode})"
+    return f"r{d['revision']} {d.get('tool')}({_short(d.get('arguments'))}): " + "; ".join(diff(before, state.env_state))
+
+
+def _agent_boundary(state: ReplayState, e: RecordedEvent) -> str:
+    d = e.data
+    wrong = boundary_disagreement(d, state.session.revisions)
+    if wrong is not None:
+        raise _divergence(e, f"agent boundary saw {wrong[0]} at revision {wrong[1]}, replay has {wrong[2]}")
+    state.latest = list(d.get("messages") or [])
+    state.turn, state.messages = d.get("turn", state.turn), len(state.latest)
+    return f"agent boundary turn {state.turn} ({d.get('state', '')}), {state.messages} messages"
+
+
+def _activation_completed(state: ReplayState, e: RecordedEvent) -> str:
+    # A completion stores no conversation: it is the boundary's recorded with it (engine.boundaries).
+    state.conversation = list((e.data.get("reply") or {}).get("messages") or state.latest)
+    return e.kind.replace("_", " ")
+
+
+def _model_call(state: ReplayState, e: RecordedEvent) -> str:
+    state.calls.append(e.data["call_id"])
+    return f"model call {e.data['call_id']} {e.kind.removeprefix('call_')} ({e.data.get('disposition', '')})"
+
+
+def _verified(state: ReplayState, e: RecordedEvent) -> str:
+    d = e.data
+    if state.task is not None and "final_answer" in d and get_environment(state.task.env).verification == "replay":
+        env = get_environment(state.task.env)
+        again = float(env.verify(state.task, state.env_state, Trajectory(state.conversation, d["final_answer"])))
+        if abs(again - float(d["reward"])) > 1e-9:
+            raise _divergence(e, f"verify on the replayed state gives {again}, the log recorded {d['reward']}")
+    state.reward, state.final_answer = d.get("reward"), d.get("final_answer")
+    return f"verified: reward {d.get('reward')}"
+
+
+def _attempt_finished(state: ReplayState, e: RecordedEvent) -> str:
+    state.reward = e.data.get("reward")
+    return f"attempt finished, reward {e.data.get('reward')}"
+
+
+_SESSION_CHANGES: dict[str, Callable[[ReplayState, RecordedEvent, Any], str]] = {
+    "opened": _opened, "restored": _restored, "mutated": _mutated,
+}
+_BY_KIND: dict[str, Callable[[ReplayState, RecordedEvent], str]] = {
+    ev.AGENT_BOUNDARY: _agent_boundary,
+    ev.ACTIVATION_COMPLETED: _activation_completed,
+    ev.CALL_COMPLETED: _model_call,
+    ev.CALL_CUT: _model_call,
+    ev.SESSION_VERIFIED: _verified,
+    ev.ATTEMPT_FINISHED: _attempt_finished,
+}
 
 
 def _capture_change(e: RecordedEvent) -> str:
