@@ -46,6 +46,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from adapters.database import libpq_dsn, sqlalchemy_url
+from engine import catalog as ev
 from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import DatabaseUnavailable, RollbookError
 from engine.events import (
@@ -713,6 +714,26 @@ class PostgresEventStore:
                 "SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
                 "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'"))
             return {(r.rollout_id, r.attempt): r.env for r in rows}
+
+    @retrying("reading restart-only executions")
+    async def restart_only_at(self, keys: Sequence[tuple[str, int]], position: int) -> list[tuple[str, int]]:
+        if not keys:
+            return []
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text(
+                "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[])) AS k(r, a) WHERE EXISTS ("
+                " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = :opened"
+                " AND o.position <= :p AND o.data->>'state_mode' = 'restart_only' AND NOT EXISTS ("
+                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
+                "  AND c.position <= :p)"
+                ") OR EXISTS ("
+                " SELECT 1 FROM rollbook.events b WHERE b.rollout_id = k.r AND b.attempt = k.a AND b.kind = :boundary"
+                " AND b.position <= :p AND b.data->>'continuable' = 'false' AND NOT EXISTS ("
+                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :completed"
+                "  AND c.position > b.position AND c.position <= :p))"),
+                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "opened": ev.SESSION_OPENED,
+                 "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY, "completed": ev.ACTIVATION_COMPLETED})
+            return sorted((r.r, r.a) for r in rows)
 
     @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:

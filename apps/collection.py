@@ -31,6 +31,7 @@ from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
 from engine import catalog as ev
+from engine.checkpoint import Cut
 from engine.coordinator import Coordinator, abort_expired
 from engine.patience import PEER_PATIENCE_S, Patience
 from participants.environments.base import Task
@@ -143,10 +144,35 @@ class Collection:
             return {"checkpoint_id": checkpoint_id, "published": False, "prepare": prepared}
         # The framework names what it continues: its own live rollouts, less those reported restart-only.
         restarts = {tuple(k) for k in prepared["restarts"]}
-        ours = [self.rollout_id(i) for i in range(len(self.tasks))]
-        rows = await self.store.attempt_rows(ours)
+        rows = await self.store.attempt_rows(self._ours())
         scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
-        cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=ours)
+        cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=self._ours())
+        await self._publish(coordinator, cut)
+        if resume:
+            await coordinator.resume(checkpoint_id)
+        return self._report(coordinator, cut)
+
+    async def checkpoint_online(self, session: aiohttp.ClientSession, checkpoint_id: str,
+                                deadline_s: float = 30.0) -> dict[str, Any]:
+        """A checkpoint that pauses no one (engine.checkpoint.make_online_cut), then published like
+        any other. This framework's state is the log itself, so "as of P" needs no pause here."""
+        coordinator = self.coordinator(session)
+        await abort_expired(self.store)
+        cut = await coordinator.checkpoint_online(checkpoint_id, self._ours(), time.time() + deadline_s)
+        await self._publish(coordinator, cut)
+        return self._report(coordinator, cut)
+
+    def _ours(self) -> list[str]:
+        return [self.rollout_id(i) for i in range(len(self.tasks))]
+
+    @staticmethod
+    def _report(coordinator: Coordinator, cut: Cut) -> dict[str, Any]:
+        return {"checkpoint_id": cut.checkpoint_id, "published": True, "position": cut.position,
+                "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh), "completed": len(cut.completed),
+                "timings_ms": dict(coordinator.timing.ms)}
+
+    async def _publish(self, coordinator: Coordinator, cut: Cut) -> None:
+        """The framework's state and the token snapshot, both under the checkpoint's id."""
         publish_started = time.perf_counter()
         tokens = PostgresTokenStore(self.store.engine)
         parent_ref, since = await self._last_snapshot(cut.position)
@@ -159,15 +185,11 @@ class Collection:
                 "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN (:completed, :cut) AND b IS NOT NULL "
                 "AND position > :since AND position <= :p AND rollout_id LIKE :r"),
                 {"since": since, "p": cut.position, "r": like_prefix(f"{self.run_id}-"), "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
-        token_ref = await tokens.snapshot(checkpoint_id, blobs, parent=parent_ref)
-        framework_ref = {"checkpoint_id": checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
-                         "finished": len(self.finished)}
-        await coordinator.publish(checkpoint_id, framework_ref, token_ref, tokens)
+        token_ref = await tokens.snapshot(cut.checkpoint_id, blobs, parent=parent_ref)
+        framework_ref = {"checkpoint_id": cut.checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
+                         "position": cut.position}
+        await coordinator.publish(cut.checkpoint_id, framework_ref, token_ref, tokens)
         coordinator.timing.record("publish", publish_started)  # the snapshot, its validation and the append
-        if resume:
-            await coordinator.resume(checkpoint_id)
-        return {"checkpoint_id": checkpoint_id, "published": True, "position": cut.position, "continued": len(cut.scope),
-                "fresh_dispatch": len(cut.fresh), "completed": len(cut.completed), "timings_ms": dict(coordinator.timing.ms)}
 
     async def restore(self, session: aiohttp.ClientSession, checkpoint_id: str, deadline_s: float = 60.0) -> dict[str, Any]:
         coordinator = self.coordinator(session)

@@ -361,7 +361,8 @@ CAPTURE_KINDS = (CAPTURE_CALL_BEGUN, CAPTURE_ENTRY_PUT, CAPTURE_INCOMPLETE, CAPT
 
 _CK = need("checkpoint_id", "string", "the checkpoint")
 CHECKPOINT_STARTED = _kind("checkpoint_started", CHECKPOINT, _COORDINATOR, "A checkpoint begins.",
-                           _CK, may("deadline", "number", "seconds since the epoch"))
+                           _CK, may("deadline", "number", "seconds since the epoch"),
+                           may("mode", "string", "`online` for a checkpoint that pauses no one; absent: paused"))
 CHECKPOINT_PREPARED = _kind("checkpoint_prepared", CHECKPOINT, _COORDINATOR, "Every participant is prepared.",
                             _CK, may("restarts", "array", "[rollout_id, attempt] pairs that restart from their input"))
 CHECKPOINT_COMMITTED = _kind(

@@ -60,6 +60,13 @@ class CutStore(EventStore, Protocol):
 
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
 
+    async def restart_only_at(self, keys: Sequence[Key], position: int) -> list[Key]:
+        """Of these attempts, the ones that cannot be continued as of `position`: an open resources
+        session of a restart-only environment (`session_opened` records its state mode), or an
+        activation in progress on an agent that cannot continue one (its boundary says
+        `continuable: false`)."""
+        ...
+
 
 class ParticipantStore(CutStore, AttemptStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
@@ -183,12 +190,44 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], re
     position = await store.head()
     if rollouts is not None:  # participants report restart-only executions of every framework they serve
         restarts = [k for k in restarts if k[0] in set(rollouts)]
-    named = sorted({r for r, _ in [*scope, *restarts]} | set(rollouts or ()))
+    rows = await _attempts(store, sorted({r for r, _ in [*scope, *restarts]} | set(rollouts or ())), rollouts)
+    live, finished = attempts_at(rows, position)
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
+
+
+async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequence[str] | None = None) -> Cut:
+    """The cut of a checkpoint that pauses no one: P is the head of the log, and every attempt live
+    at P continues from its latest boundary at or below P, except the restart-only ones, which the
+    log knows (engine/checkpoint.py `restart_only_at`): they restart from their input.
+
+    Work done after an attempt's boundary and before P is not part of the cut: restore continues
+    from the boundary, and that work is done again under the new attempt (a model call in flight is
+    generated again, a tool call after the boundary is applied again to the state rebuilt at it)."""
+    position = await store.head()
+    rows = await _attempts(store, sorted(set(rollouts or ())), rollouts)
+    live, finished = attempts_at(rows, position)
+    running = sorted(set(live) - set(finished))
+    restarts = await store.restart_only_at(running, position)
+    scope = [k for k in running if k not in set(restarts)]
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
+
+
+async def _attempts(store: CutStore, named: Sequence[str], rollouts: Sequence[str] | None) -> dict[Key, dict[str, Any]]:
     rows = await store.attempt_rows(named)
-    all_rows = rows if rollouts is not None else {**await store.live_attempts(), **rows}
-    live = [k for k, row in all_rows.items() if row["status"] in ("live", "finished") and (row["started_position"] or 0) <= position]
-    finished = [k for k, row in all_rows.items() if row["status"] == "finished" and (row["ended_position"] or 0) <= position]
-    cls = classify(live, finished, scope, restarts)
+    return rows if rollouts is not None else {**await store.live_attempts(), **rows}
+
+
+def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Key], list[Key]]:
+    """The attempts started at or below `position` (live then, or finished since), and of those the
+    ones finished at or below it."""
+    live = [k for k, row in rows.items()
+            if row["status"] in ("live", "finished") and (row["started_position"] or 0) <= position]
+    finished = [k for k, row in rows.items() if row["status"] == "finished" and (row["ended_position"] or 0) <= position]
+    return live, finished
+
+
+async def _cut_at(store: CutStore, checkpoint_id: str, position: int, cls: Classification,
+                  rollouts: Sequence[str] | None) -> Cut:
     boundaries = await store.latest_boundaries(list(cls.continued), position, BOUNDARY_KINDS)
     missing = [k for k in cls.continued if k not in boundaries]
     if missing:

@@ -62,6 +62,7 @@ from engine.checkpoint import (
     install_request,
     load_cut,
     make_cut,
+    make_online_cut,
     retired_since,
     started_after,
     validate_cut,
@@ -82,6 +83,7 @@ PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent")
 PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
 RESUME_STAGES: tuple[tuple[str, ...], ...] = (("model", "resources"), ("agent",), ("environment",))
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
+ONLINE_LEASE_S = 30.0  # an online checkpoint takes a few reads and two appends; past this anyone may abort it
 
 
 class ParticipantClient(Protocol):
@@ -222,6 +224,30 @@ class Coordinator:
             await self.store.append(AppendRequest((committed_event(cut),), {checkpoint_stream(checkpoint_id): len(events)}))
         except VersionConflict as exc:
             await self._resume(checkpoint_id, self.participants)
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being committed") from exc
+        self.timing.record("commit", started)
+        return cut
+
+    async def checkpoint_online(self, checkpoint_id: str, rollouts: Sequence[str] | None = None,
+                                deadline: float | None = None) -> Cut:
+        """A checkpoint that pauses no one: the cut comes from the log alone (make_online_cut) and no
+        participant is asked anything. Started, then prepared and committed in one append; the lease
+        of `checkpoint_started` lets anyone abort it if this coordinator dies in between."""
+        started = time.perf_counter()
+        deadline = time.time() + ONLINE_LEASE_S if deadline is None else deadline
+        check_deadline(deadline, time.time(), f"online checkpoint {checkpoint_id}")
+        started_event = checkpoint_started(checkpoint_id, deadline=deadline, mode="online")
+        try:  # expecting an empty stream: a checkpoint id is used once
+            await self.store.append(AppendRequest((started_event,), {started_event.stream: 0}))
+        except VersionConflict as exc:
+            phase = (await self._phase(checkpoint_id)).phase
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
+        cut = await make_online_cut(self.store, checkpoint_id, rollouts)
+        phases = CheckpointPhases(checkpoint_id, "started")
+        prepared = phases.fire("prepared", restarts=[list(k) for k in cut.fresh])
+        try:  # expecting the stream as written: whoever aborted it meanwhile (an expired lease) wins
+            await self.store.append(AppendRequest((prepared, committed_event(cut)), {started_event.stream: 1}))
+        except VersionConflict as exc:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being committed") from exc
         self.timing.record("commit", started)
         return cut

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -350,6 +350,10 @@ class AgentParticipant(Participant):
         return NewEvent(agent_stream(*s.key), kind, data, *s.key)
 
     async def _record(self, s: Session, *events: NewEvent) -> None:
+        if not self.supports_continuation:
+            # An online checkpoint reads from the log which activations it must restart (engine.checkpoint).
+            events = tuple(replace(e, data={**e.data, "continuable": False}) if e.kind == BOUNDARY else e
+                           for e in events)
         await self.store.append(AppendRequest(events))
 
     async def _boundary(self, s: Session, state: str, turn: int, pending: str | None) -> None:
