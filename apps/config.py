@@ -57,6 +57,7 @@
     run_id = "eval-1"
     tasks = "tasks.jsonl"                     # one task per line: {"env", "task_id", "prompt", "params"}
     checkpoint_every_s = 60
+    checkpoint_mode = "online"                # or "paused": docs/protocol.md, "Online or paused"
     concurrency = 16
     max_steps = 12
 
@@ -124,6 +125,9 @@ class RunConfig(Strict):
     run_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     tasks: str
     checkpoint_every_s: float = 60.0
+    # online: the cut comes from the log and no server pauses (this run's own state is the log);
+    # paused: every server parks at a boundary first (docs/protocol.md says when to choose which)
+    checkpoint_mode: Literal["online", "paused"] = "online"
     concurrency: int = 16
     max_steps: int = 12
     seed: int = 0

@@ -126,7 +126,10 @@ async def run_collection(config: Config) -> int:
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
                 try:
-                    result = await collection.checkpoint(control, ck, resume=not stop.is_set())
+                    if run.checkpoint_mode == "online":
+                        result = await collection.checkpoint_online(control, ck)
+                    else:
+                        result = await collection.checkpoint(control, ck, resume=not stop.is_set())
                 except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
                     await collection.coordinator(control).resume(ck)
                     result = {"checkpoint_id": ck, "published": False, "error": exc.to_json()["error"]}

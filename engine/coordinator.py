@@ -33,17 +33,18 @@ abort); each participant writes its own `preparing`+`prepared` in one append, fr
 process (control_plane defers the first); `checkpoint_prepared` carries the restart-only list that
 a commit from another process (`rollbook checkpoint commit`) reads back.
 
-WHY ADMISSION STILL CLOSES (the pause-free option, not taken). A cut needs only each rollout's
-latest boundary at or below P, and lineage makes every boundary consistent with the sessions and
-model calls it names, so the log alone would give a consistent cut with every server running.
-What the pause buys is elsewhere: (1) the framework publishes its own state under the same id, and
-only a pause makes that state "as of P": without one, an episode can finish after P and before the
-framework snapshots, and restore would continue a rollout whose result the restored framework has
-already consumed; (2) restart-only executions are known to the servers holding them (prepare reports
-them) and are not yet recorded in the log; (3) the model's prepare turns every generation in flight
-into a durable prefix that restore continues, where an online cut would redo each from its
-boundary. Pause-free needs the framework to key its state by log position and the restart-only
-mode in the log; until then it is not the default.
+TWO MODES: PAUSED AND ONLINE. A cut needs only each rollout's latest boundary at or below P, and
+lineage makes every boundary consistent with the sessions and model calls it names, so the log
+alone gives a consistent cut with every server running: `checkpoint_online` asks no participant
+anything (engine.checkpoint.make_online_cut). What a pause still buys, and when to choose it:
+(1) a framework that publishes state of its own under the checkpoint's id (NeMo Gym's) needs that
+state to be "as of P": without a pause an episode can finish after P and before the framework
+snapshots, and restore would continue a rollout whose result the restored framework already
+consumed. A framework whose state is the log (`rollbook run`) reads it as of P and needs no pause.
+(2) The model's prepare turns every generation in flight into a durable prefix that restore
+continues; an online cut redoes each from its boundary, and redoes tool calls made after it.
+Restart-only executions are known either way: prepare reports them, and the log records them
+(`session_opened.state_mode`, an agent boundary's `continuable: false`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The checkpoint rules both stateful machines share: dispatch, prepare, commit, publish, resume.
+"""The checkpoint rules both stateful machines share: dispatch, prepare, commit, publish, resume, and an
+online checkpoint (the same cut from the log alone, with every server running).
 
 tests/stateful_control.py (in-process servers) and tests/stateful_processes.py (server processes,
 SIGKILL and database restarts) drive the same coordinator the same way; only their faults differ.
@@ -109,3 +110,20 @@ class CheckpointRules:
         self.active, self.phase = None, "idle"
         self.steps.append("resume")
         self._count("resume")
+
+    @rule()
+    def checkpoint_online(self) -> None:
+        """An online checkpoint, whatever else is going on: a paused one open, servers killed."""
+        assert self.coll is not None
+        ck = f"{self.run_id}-{self.CHECKPOINT_TAG}{next(self.counter)}"
+        ours = [self.coll.rollout_id(i) for i in range(len(self.coll.tasks))]
+        try:
+            self.run(self.coordinator().checkpoint_online(ck, ours, time.time() + DEADLINE_S))
+        except RollbookError as exc:  # only the database being away may refuse it
+            assert exc.code == "database_unavailable", exc
+            self.steps.append(f"online {ck} refused: {exc.code}")
+            self._count("online_refused")
+            return
+        self.restorable.append(ck)
+        self.steps.append(f"online {ck}")
+        self._count("online")
