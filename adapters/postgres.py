@@ -716,23 +716,26 @@ class PostgresEventStore:
             return {(r.rollout_id, r.attempt): r.env for r in rows}
 
     @retrying("reading restart-only executions")
-    async def restart_only_at(self, keys: Sequence[tuple[str, int]], position: int) -> list[tuple[str, int]]:
-        if not keys:
+    async def restart_only_at(self, boundaries: dict[tuple[str, int], int]) -> list[tuple[str, int]]:
+        if not boundaries:
             return []
+        keys = list(boundaries)
         async with self.engine.connect() as conn:
             rows = await conn.execute(text(
-                "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[])) AS k(r, a) WHERE EXISTS ("
+                "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) AS k(r, a, b)"
+                " WHERE EXISTS ("
                 " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = :opened"
-                " AND o.position <= :p AND o.data->>'state_mode' = 'restart_only' AND NOT EXISTS ("
+                " AND o.position <= k.b AND o.data->>'state_mode' = 'restart_only' AND NOT EXISTS ("
                 "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
-                "  AND c.position <= :p)"
+                "  AND c.position > o.position AND c.position <= k.b)"
                 ") OR EXISTS ("
-                " SELECT 1 FROM rollbook.events b WHERE b.rollout_id = k.r AND b.attempt = k.a AND b.kind = :boundary"
-                " AND b.position <= :p AND b.data->>'continuable' = 'false' AND NOT EXISTS ("
+                " SELECT 1 FROM rollbook.events g WHERE g.rollout_id = k.r AND g.attempt = k.a AND g.kind = :boundary"
+                " AND g.position <= k.b AND g.data->>'continuable' = 'false' AND NOT EXISTS ("
                 "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :completed"
-                "  AND c.position > b.position AND c.position <= :p))"),
-                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "opened": ev.SESSION_OPENED,
-                 "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY, "completed": ev.ACTIVATION_COMPLETED})
+                "  AND c.position > g.position AND c.position <= k.b))"),
+                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "bs": [boundaries[k] for k in keys],
+                 "opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
+                 "completed": ev.ACTIVATION_COMPLETED})
             return sorted((r.r, r.a) for r in rows)
 
     @retrying("reading a retire mark")

@@ -60,11 +60,11 @@ class CutStore(EventStore, Protocol):
 
     async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
 
-    async def restart_only_at(self, keys: Sequence[Key], position: int) -> list[Key]:
-        """Of these attempts, the ones that cannot be continued as of `position`: an open resources
-        session of a restart-only environment (`session_opened` records its state mode), or an
-        activation in progress on an agent that cannot continue one (its boundary says
-        `continuable: false`)."""
+    async def restart_only_at(self, boundaries: dict[Key, int]) -> list[Key]:
+        """Of these attempts, the ones that cannot be continued from the given boundary position: a
+        resources session of a restart-only environment open there (`session_opened` records its
+        state mode), or an activation in progress there on an agent that cannot continue one (its
+        boundary says `continuable: false`)."""
         ...
 
 
@@ -207,8 +207,9 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequenc
     rows = await _attempts(store, sorted(set(rollouts or ())), rollouts)
     live, finished = attempts_at(rows, position)
     running = sorted(set(live) - set(finished))
-    restarts = await store.restart_only_at(running, position)
-    scope = [k for k in running if k not in set(restarts)]
+    # What cannot be rebuilt at the boundary it would continue from restarts from its input instead.
+    restarts = set(await store.restart_only_at(await store.latest_boundaries(running, position, BOUNDARY_KINDS)))
+    scope = [k for k in running if k not in restarts]
     return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
 
 
