@@ -26,6 +26,7 @@ from sqlalchemy import text
 
 from adapters import database
 from adapters.database import like_prefix
+from adapters.http_client import unpooled_session
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
@@ -82,7 +83,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     progress = Progress(len(tasks), args.json)
     try:
         procs.start()
-        async with aiohttp.ClientSession() as session:
+        async with unpooled_session() as session:  # rollouts in flight are the bound, not aiohttp's 100
             crashed = await _checkpointed(session, config, store, procs, f"{run}-c", tasks, args.seed, progress)
             plain = Collection(config, store, f"{run}-u", tasks, seed=args.seed, on_finish=progress.tick)
             progress.phase("uninterrupted run")

@@ -48,6 +48,7 @@ import aiohttp  # noqa: E402
 import psycopg  # noqa: E402
 
 from adapters.database import libpq_dsn  # noqa: E402
+from adapters.http_client import unpooled_session  # noqa: E402
 from adapters.postgres import _COLUMNS, PostgresEventStore  # noqa: E402
 from apps import config as cfg  # noqa: E402
 from apps.collection import Collection  # noqa: E402
@@ -124,7 +125,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     out: dict[str, Any] = {"tasks": args.tasks, "in_flight": args.in_flight}
     try:
         procs.start()
-        async with aiohttp.ClientSession() as session:
+        async with unpooled_session() as session:  # 500 in flight are 500 in flight
             for rep in range(args.repeats):
                 for mode, every in modes:
                     run_id = f"b{rep}{mode.replace('_', '')}"
@@ -400,17 +401,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="every part shrunk: a few minutes in all")
     p.add_argument("--only", default="", help="comma list of parts: collection,restore_check,appends,export")
     p.add_argument("--repeats", type=int, help="override the mode's number of repeats")
+    p.add_argument("--tasks", type=int, help="override the collection's number of rollouts")
+    p.add_argument("--in-flight", type=int, help="override how many rollouts the collection keeps in flight")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
     args = p.parse_args(argv)
-    repeats = args.repeats
+    overrides = {k: getattr(args, k) for k in ("repeats", "tasks", "in_flight") if getattr(args, k)}
     full = {"tasks": 320, "in_flight": 80, "repeats": 3, "limit_factor": 3.0, "episodes": 1000, "seconds": 3.0, "warmup": 0.75,
             "export_sessions": 1000}
     quick = {"tasks": 120, "in_flight": 80, "repeats": 1, "limit_factor": 2.0, "episodes": 200, "seconds": 1.5, "warmup": 0.5,
              "export_sessions": 200}
     for k, v in (quick if args.quick else full).items():
         setattr(args, k, v)
-    if repeats:
-        args.repeats = repeats
+    for k, v in overrides.items():
+        setattr(args, k, v)
     return args
 
 
