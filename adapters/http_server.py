@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,11 @@ class BoundedAppRunner(web.AppRunner):
                               limits=self._limits, **plain._kwargs)
 
 
+# Run once the server listens, before it serves its first request: only then may a process claim an
+# address (a server recording itself before its bind could claim one another process holds).
+AFTER_BIND: web.AppKey[list[Callable[[], Awaitable[None]]]] = web.AppKey("after_bind", list)
+
+
 def run_bounded(app: web.Application, host: str, port: int, limits: ServerLimits) -> None:
     """web.run_app with the bounds above: until SIGINT or SIGTERM, then a graceful shutdown.
     Raises OSError (EADDRINUSE) when the port is taken, before serving anything."""
@@ -146,6 +152,8 @@ def run_bounded(app: web.Application, host: str, port: int, limits: ServerLimits
     async def start() -> None:
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
+        for hook in app.get(AFTER_BIND, []):
+            await hook()
 
     try:
         loop.run_until_complete(start())

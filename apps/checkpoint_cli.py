@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 
 from adapters import database
-from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import read_private
 from adapters.token_store import PostgresTokenStore
-from engine.coordinator import Coordinator, abort_expired
+from apps.participant_set import LoggedParticipants
+from engine.coordinator import Coordinator, ParticipantClient, abort_expired
 from engine.errors import ConfigError, RollbookError
 
 TOKEN_FIX = "set ROLLBOOK_CONTROL_TOKEN or pass --control-token-file PATH (a file only you can read: chmod 600)"
@@ -72,19 +72,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     store = PostgresEventStore.connect(dsn, writer="coordinator-cli")
     deadline = time.time() + args.deadline_seconds
     async with aiohttp.ClientSession() as session:
-        clients = []
-        for spec in args.participant:
-            kind, _, url = spec.partition("=")
-            clients.append(HttpParticipant(kind, kind, url, token, session))
+        # The participants named here and every live instance the log records (apps/participant_set.py).
+        members = LoggedParticipants(store, [(k, u) for k, _, u in (p.partition("=") for p in args.participant)],
+                                     token, session)
         try:
+            clients = list(await members.current())
             if args.action == "status":
                 return await _status(store, clients)
-            return await _ACTIONS[args.action](Coordinator(store, clients), store, args, deadline)
+            return await _ACTIONS[args.action](Coordinator(store, clients, members), store, args, deadline)
         finally:
             await store.close()
 
 
-async def _status(store: PostgresEventStore, clients: list[HttpParticipant]) -> dict[str, Any]:
+async def _status(store: PostgresEventStore, clients: list[ParticipantClient]) -> dict[str, Any]:
     # Looking is enough to end a checkpoint whose lease ran out (its coordinator died).
     out: dict[str, Any] = {"aborted_expired": await abort_expired(store)}
     for c in clients:

@@ -114,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     loaded = config.load(args.config)
     if args.kind not in loaded.servers:
         raise ConfigError(f"{args.config} has no [servers.{args.kind}] section", "add one with the port it listens on")
+    loaded = serve.with_address(loaded, args.kind, args.host, args.port)
     try:
         serve.serve(args.kind, loaded)
     except OSError as exc:
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="start one server: environment, model, agent or resources")
     srv.add_argument("kind", choices=["environment", "model", "agent", "resources"])
     srv.add_argument("--config", required=True, help="the TOML config file (see apps/config.py)")
+    srv.add_argument("--port", type=int, help="listen here instead of the config's port: another instance of KIND")
+    srv.add_argument("--host", help="the host the others reach this instance at (default: the config's)")
     srv.set_defaults(func=_serve)
 
     runp = sub.add_parser("run", help="run a rollout collection from a JSONL of tasks, with checkpoints")

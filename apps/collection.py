@@ -30,6 +30,7 @@ from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore, retrying
 from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
+from apps.participant_set import LoggedParticipants
 from engine import catalog as ev
 from engine.checkpoint import Cut
 from engine.coordinator import Coordinator, abort_expired
@@ -77,7 +78,9 @@ class Collection:
 
     def coordinator(self, session: aiohttp.ClientSession) -> Coordinator:
         clients = [HttpParticipant(k, k, self.config.url(k), self.config.control_token, session) for k in KINDS]
-        return Coordinator(self.store, clients)
+        # Prepare and restore drive every live instance the log records, these addresses included.
+        members = LoggedParticipants(self.store, [(k, self.config.url(k)) for k in KINDS], self.config.control_token, session)
+        return Coordinator(self.store, clients, members)
 
     @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
     async def unfinished(self) -> list[int]:

@@ -81,6 +81,7 @@ from adapters.http_server import ServerLimits
 from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PoolLimits
 from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
+from engine.membership import DEFAULT_LEASE_S
 from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
@@ -171,6 +172,9 @@ class LimitsConfig(Strict):
     max_overflow: int = Field(default=5, ge=0, le=1000)
     pool_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     append_key_retention_s: float = Field(default=DEFAULT_KEY_RETENTION_S, ge=MIN_KEY_RETENTION_S)
+    # How long a server instance stays a member without renewing (engine/membership.py): a SIGKILLed
+    # instance holds up checkpoints and keeps its work this long, unless one restarts at its address.
+    instance_lease_s: float = Field(default=DEFAULT_LEASE_S, ge=0.5, le=3600)
 
     def peer_timeouts(self) -> PeerTimeouts:
         return PeerTimeouts(connect_s=self.connect_s, reply_s=self.reply_s, work_s=self.work_s)

@@ -1,23 +1,31 @@
-"""`rollbook serve KIND --config FILE`: one server process on the shared database."""
+"""`rollbook serve KIND --config FILE [--port P] [--host H]`: one server process on the shared database.
+
+Any number of instances of a kind may serve against one database: each records itself in the log
+(adapters.membership) and owns the work it accepts (engine/ownership.py)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 
 from aiohttp import web
 
 from adapters import database
 from adapters.http_client import set_default_timeouts
-from adapters.http_server import run_bounded
+from adapters.http_server import AFTER_BIND, run_bounded
+from adapters.membership import Lease, MembershipReader, paused_checkpoint_open
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
+from participants.app import PARTICIPANT
+from participants.instances import Joining
 from participants.observability import TELEMETRY
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
-    instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    # Unique across hosts and restarts: a pid is reused, the random part is not.
+    instance = f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     store = PostgresEventStore.connect(dsn, writer=instance, pool=config.limits.pool())
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
@@ -60,7 +68,27 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
         await store.close()
 
     app.on_cleanup.append(close_store)
+    _record_instance(app, kind, instance, config, store)
     return app
+
+
+def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore) -> None:
+    """The instance joins the deployment once it listens (engine/membership.py), and leaves at shutdown."""
+    lease = Lease(store, kind, instance, config.url(kind), workers=1, lease_s=config.limits.instance_lease_s)
+    joining = Joining(app[PARTICIPANT], lease, MembershipReader(store), lambda: paused_checkpoint_open(store))
+    app.setdefault(AFTER_BIND, []).append(joining.join)
+
+    async def leave(app: web.Application) -> None:
+        await joining.leave()
+
+    app.on_shutdown.append(leave)
+
+
+def with_address(config: Config, kind: Kind, host: str | None, port: int | None) -> Config:
+    """The config with this instance's own address: another instance of a kind on another port or host."""
+    s = config.servers[kind]
+    update = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    return config.model_copy(update={"servers": {**config.servers, kind: s.model_copy(update=update)}})
 
 
 def serve(kind: Kind, config: Config) -> None:

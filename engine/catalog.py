@@ -56,6 +56,7 @@ CALL = Stream(identity.call_stream, ("call_id",), True)
 CAPTURE = Stream(identity.capture_stream, ("rollout_id", "attempt"), True)
 CHECKPOINT = Stream(identity.checkpoint_stream, ("checkpoint_id",), False)
 PARTICIPANT = Stream(identity.participant_stream, ("kind", "instance"), False)
+INSTANCE = Stream(identity.instance_stream, ("kind", "instance"), False)
 RESTORE = Stream(identity.restore_stream, ("checkpoint_id",), False)
 POLICY = Stream(identity.policy_stream, (), False)
 
@@ -251,6 +252,7 @@ SESSION_OPENED = _kind(
     may("restored_from", "string", "the checkpoint restored"),
     may("origin_attempt", "integer|null", "the attempt it carries over"),
     may("recovered", "boolean", "true when reopened from the log after a restart"),
+    may("instance", "string", "the resources server instance that holds the session (engine/ownership.py)"),
 )
 MUTATION_APPLIED = _kind(
     "mutation_applied", SESSION, _RESOURCES,
@@ -286,6 +288,7 @@ CALL_ACCEPTED = _kind(
     may("model_call_id", "string", "captured: the trainer's id"), may("source", "string", "captured: nemo_gym"),
     may("request_digest", "string", "sha256 of the request but its presentation options: the same call id "
         "with another request is a conflict"),
+    may("instance", "string", "the model server instance that owns the call (engine/ownership.py)"),
 )
 CALL_COMPLETED = _kind(
     "call_completed", CALL, f"{_MODEL}; {_CAPTURE}",
@@ -396,6 +399,24 @@ PARTICIPANT_RESTORE = _kind("participant_restore", PARTICIPANT, _CONTROL, "The p
 PARTICIPANT_RESUME = _kind("participant_resume", PARTICIPANT, _CONTROL, "The participant resumed work.", *_PHASE)
 PARTICIPANT_ABORT = _kind("participant_abort", PARTICIPANT, _CONTROL, "The participant abandoned the checkpoint.",
                           *_PHASE, may("reason", "string", "why (a lease that ran out)"))
+
+
+# ---- server instances (engine/membership.py) ------------------------------------------------------
+
+_INSTANCE_WRITER = "every server process (adapters/membership.py, started by `rollbook serve`)"
+INSTANCE_STARTED = _kind(
+    "instance_started", INSTANCE, _INSTANCE_WRITER,
+    "A server process is listening and joins the deployment; its lease starts now.",
+    need("kind", "string", "environment, agent, model or resources"), need("instance", "string", "its instance id"),
+    need("address", "string", "the base URL the others reach it at"), need("workers", "integer", "worker processes"),
+    need("lease_s", "number", "seconds its membership lasts without a renewal"),
+)
+INSTANCE_RENEWED = _kind("instance_renewed", INSTANCE, _INSTANCE_WRITER,
+                         "The instance is alive: its lease runs lease_s from this event's recorded_at.")
+INSTANCE_STOPPED = _kind("instance_stopped", INSTANCE, _INSTANCE_WRITER,
+                         "The instance shut down cleanly; its work is taken over at once, as a dead one's.",
+                         may("reason", "string", "why"))
+INSTANCE_KINDS = (INSTANCE_STARTED, INSTANCE_RENEWED, INSTANCE_STOPPED)
 
 
 def checkpoint_phase_kind(phase: str) -> str:

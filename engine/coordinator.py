@@ -94,6 +94,12 @@ class ParticipantClient(Protocol):
     async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
+class ParticipantSet(Protocol):
+    """Where the participants are: the live instances the log records (apps/participant_set.py)."""
+
+    async def current(self) -> Sequence[ParticipantClient]: ...
+
+
 class CheckpointStore(CutStore, Protocol):
     async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]: ...
 
@@ -138,9 +144,13 @@ async def _prepare_one(p: ParticipantClient, body: dict[str, Any], timing: StepT
 
 
 class Coordinator:
-    def __init__(self, store: CutStore, participants: Sequence[ParticipantClient]) -> None:
+    def __init__(self, store: CutStore, participants: Sequence[ParticipantClient], members: ParticipantSet | None = None) -> None:
         self.store = store
         self.participants = list(participants)
+        # Read again after checkpoint_started is in the log: an instance that records itself later
+        # sees the open checkpoint and stays closed (participants/instances.py), one recorded earlier
+        # is in this set and is prepared; either way no instance serves through the cut unseen.
+        self.members = members
         self.timing = StepTiming()
         self.restarts: dict[str, list[Key]] = {}
 
@@ -160,6 +170,8 @@ class Coordinator:
         except VersionConflict as exc:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
+        if self.members is not None:
+            self.participants = list(await self.members.current())
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
@@ -293,6 +305,8 @@ class Coordinator:
         await validate_cut(self.store, cut)
         self.timing.record("restore:validate", started)
         staging = time.perf_counter()
+        if self.members is not None:
+            self.participants = list(await self.members.current())
         body = self._body(checkpoint_id, deadline)
         results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
         failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}

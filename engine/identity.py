@@ -101,6 +101,11 @@ def participant_stream(kind: str, instance: str) -> str:
     return f"participant:{kind}:{instance}"
 
 
+def instance_stream(kind: str, instance: str) -> str:
+    """One server process's membership: its start, the renewals of its lease, its stop."""
+    return f"instance:{kind}:{instance}"
+
+
 def restore_stream(checkpoint_id: str) -> str:
     """The record of one installed restore of a checkpoint."""
     return f"restore:{checkpoint_id}"

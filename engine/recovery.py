@@ -33,6 +33,7 @@ from engine.catalog import ACTIVATION_COMPLETED, AGENT_BOUNDARY, ROLLOUT_RECOVER
 from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import is_session_stream, rollout_stream
+from engine.ownership import Verdict
 
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
 # What the caller knows is gone: the live process of a restart-only session, or a model call that
@@ -131,10 +132,11 @@ def tool_call_outcomes(history: Iterable[RecordedEvent]) -> dict[str, dict[str, 
             if e.kind == ev.MUTATION_APPLIED and e.data.get("tool_call") is not None}
 
 
-def call_lost(status: str | None, served_here: bool) -> bool:
-    """A model call the log says was accepted (never completed, cut or failed) that this server is
-    not serving was accepted by a process that is gone: its reply can never be recorded."""
-    return status == "accepted" and not served_here
+def call_lost(status: str | None, owner: Verdict) -> bool:
+    """A model call the log says was accepted (never completed, cut or failed) whose owner is gone
+    (engine.ownership: `orphaned`): its reply can never be recorded. One a live instance holds is
+    not lost, whichever instance is asked about it."""
+    return status == "accepted" and owner == "orphaned"
 
 
 def run_dispositions(rows: Mapping[tuple[str, int], Mapping[str, Any]], rollout_ids: Iterable[str]) -> dict[str, str]:

@@ -15,8 +15,10 @@ Checkpoint behaviour:
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
 
 After a crash: a call asked for again whose reply the log holds gets that reply, never a second
-generation. A call the log says was accepted that no process here is serving was lost with the
-server that accepted it (engine.recovery.call_lost): it is recorded `call_failed` (`call_lost`)
+generation. A call is owned by the instance that accepted it (engine.ownership: the acceptance is
+appended at the version read, so two model servers never both accept it); asked of another
+instance while its owner is live, the call's outcome is awaited in the log, never generated again.
+A call the log says was accepted whose owner is gone (engine.recovery.call_lost): it is recorded `call_failed` (`call_lost`)
 and refused with `attempt_lost`, and the environment server continues the rollout under a new
 attempt from the boundary before that call.
 """
@@ -27,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -52,15 +54,18 @@ from engine.errors import (
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
+    VersionConflict,
 )
-from engine.events import AppendRequest, NewEvent
+from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
+from engine.ownership import claim
 from engine.recovery import call_lost
 from engine.tokens import Receipt
 from participants.guard import Header, Route
 from participants.model_calls import CallRecord, LiveCall, TokenStore, call_records, request_digest
 from participants.model_replies import CallReplies
 from participants.openai_wire import ChatCompletion, ChatRequest, models_body, usage
+from participants.owners import owner_verdict, settled
 from participants.participant import Participant, PrepareReport
 from participants.wire import (
     CALL_ID_HEADER,
@@ -77,6 +82,7 @@ COMPLETIONS = "/v1/chat/completions"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
 POLICY_STREAM = policy_stream()
+CLAIM_TRIES = 8  # each conflict means another instance appended to the call: it cannot go on for long
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 
 class ModelParticipant(Participant):
@@ -265,24 +271,39 @@ class ModelParticipant(Participant):
                 check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
                 check_same_request(call_id, live.digest or None, digest)
                 return live
-            record = call_records(await self.store.read_stream(call_stream(call_id))).get(call_id)
-            if record is not None:
-                check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
-                check_same_request(call_id, record.accepted.get("request_digest"), digest)
-                if record.status == "completed":
-                    return LiveCall.stored(record, stream)  # a repeat: the stored reply, no generation
-                if call_lost(record.status, served_here=False):
-                    failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
-                              "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
-                    await self._append(NewEvent(call_stream(call_id), ev.CALL_FAILED, failed, rollout_id, attempt))
-                    raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
-                                      f"never recorded; the rollout continues under a new attempt",
-                                      rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
-            return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record)
+            for _ in range(CLAIM_TRIES):
+                try:
+                    return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest)
+                except VersionConflict:
+                    continue  # another instance claimed the call between our read and our append: read again
+            return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest)
+
+    async def _claim(
+        self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
+        payload: ChatRequest, stream: bool, digest: str,
+    ) -> LiveCall:
+        """Decide from the log, once no other live instance holds the call (engine.ownership)."""
+        events = await settled(self, call_stream(call_id), _holder(call_id))
+        seen = events[-1].stream_version if events else 0
+        record = call_records(events).get(call_id)
+        if record is not None:
+            check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
+            check_same_request(call_id, record.accepted.get("request_digest"), digest)
+            if record.status == "completed":
+                return LiveCall.stored(record, stream)  # a repeat: the stored reply, no generation
+            if call_lost(record.status, await owner_verdict(self, record.accepted.get("instance"), held_here=False)):
+                failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
+                          "that is gone; its reply was never recorded"}, "tokens": 0, "lost": True}
+                await self.store.append(claim((NewEvent(call_stream(call_id), ev.CALL_FAILED, failed, rollout_id, attempt),),
+                                              call_stream(call_id), seen))
+                raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
+                                  f"never recorded; the rollout continues under a new attempt",
+                                  rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
+        return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record, seen)
 
     async def _accept(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: ChatRequest, stream: bool, own: CallRecord | None,
+        payload: ChatRequest, stream: bool, own: CallRecord | None, seen: int,
     ) -> LiveCall:
         stream_name = call_stream(call_id)
         if not self._adopted:  # before the admission check: nothing may await between it and the registration
@@ -298,7 +319,8 @@ class ModelParticipant(Participant):
         reserved: tuple[str, int] | None = None
         try:
             accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent, "policy_version": call.policy_version,
-                                        "stream": stream, "sampling": payload.sampling(), "request_digest": call.digest}
+                                        "stream": stream, "sampling": payload.sampling(), "request_digest": call.digest,
+                                        "instance": self.instance}
             source: CallRecord | None = own if own is not None and own.status == "cut" else None
             if replaces is not None:
                 chain = replaces.split(",")
@@ -311,7 +333,7 @@ class ModelParticipant(Participant):
                     if old is not None and old.status in ("completed", "cut"):
                         break
                 if old is not None and old.status == "completed":
-                    return await self._link(call, accepted, old)
+                    return await self._link(call, accepted, old, seen)
                 if old is not None and old.status == "cut" and source is None:  # its own later cut is longer
                     source = old
             if source is not None:
@@ -323,7 +345,9 @@ class ModelParticipant(Participant):
                 call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
                 accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
                 call.extra["prefix_tokens"] = len(generated.ids)
-            await self._append(NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt))
+            # Taken at the version decided on: of two instances that decided alike, one appends, one re-reads.
+            await self.store.append(claim((NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt),),
+                                          stream_name, seen))
         except BaseException as exc:
             if reserved is not None:
                 self.replacements.release(reserved, call_id)
@@ -349,16 +373,16 @@ class ModelParticipant(Participant):
             check_replaceable(old_id, old.rollout_id, old.attempt, rollout_id, attempt)
         return old
 
-    async def _link(self, call: LiveCall, accepted: dict[str, Any], old: CallRecord) -> LiveCall:
+    async def _link(self, call: LiveCall, accepted: dict[str, Any], old: CallRecord, seen: int) -> LiveCall:
         """Deliver the replaced call's stored reply under the new id; both custody events in one append."""
         accepted["policy_version"] = old.accepted.get("policy_version", accepted["policy_version"])  # who served it
         completed = {**old.data, "call_id": call.call_id, "disposition": "linked", "replaces": old.call_id,
                      "tokens": old.data["receipt"]["tokens"], "policy_version": accepted["policy_version"]}
         stream = call_stream(call.call_id)
-        await self.store.append(AppendRequest((
+        await self.store.append(claim((
             NewEvent(stream, ev.CALL_ACCEPTED, accepted, call.rollout_id, call.attempt),
             NewEvent(stream, ev.CALL_COMPLETED, completed, call.rollout_id, call.attempt),
-        )))
+        ), stream, seen))
         await self._finish(call, "completed", result=completed)
         return call
 
@@ -416,6 +440,14 @@ class ModelParticipant(Participant):
     async def _append(self, event: NewEvent) -> None:
         await self.store.append(AppendRequest((event,)))
 
+
+
+def _holder(call_id: str) -> Callable[[Sequence[RecordedEvent]], str | None]:
+    """The instance that accepted the call while it has no outcome (participants.owners.settled)."""
+    def holder(events: Sequence[RecordedEvent]) -> str | None:
+        record = call_records(list(events)).get(call_id)
+        return record.accepted.get("instance") if record is not None and record.status == "accepted" else None
+    return holder
 
 
 def _optional_id(request: web.Request, header: str) -> str | None:

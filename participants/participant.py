@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from engine import attempts as A
 from engine.admission import Admission
 from engine.checkpoint import Cut, ParticipantStore
+from engine.ownership import LiveInstances
 from participants.guard import Route
 from participants.wire import Execution
 
@@ -39,6 +40,8 @@ class Participant:
         self.attempts = A.AttemptGate(store)
         self.served_sessions = False
         self.admission = Admission()  # engine.admission: closed from prepare (or restore) until resume
+        # Who else is live (engine.ownership): set where instances are recorded (`rollbook serve`).
+        self.members: LiveInstances | None = None
 
     @property
     def admission_open(self) -> bool:

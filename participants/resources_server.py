@@ -64,6 +64,7 @@ from participants.environments import (
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Empty, Header, Identifier, Route
+from participants.owners import orphaned_sessions
 from participants.participant import Participant, PrepareReport
 from participants.wire import TOOL_CALL_HEADER, Execution, TaskBody, data_path, identity
 
@@ -248,7 +249,7 @@ class ResourcesParticipant(Participant):
                 origin = next((e.attempt for e in reversed(history) if is_session_stream(e.stream)), None)
                 await self._append(s, ev.SESSION_OPENED, {
                     "env": s.env.name, "task": s.task.to_json(), "state_mode": s.env.state_mode, "revision": s.revision,
-                    "origin_attempt": origin, "recovered": True})
+                    "origin_attempt": origin, "recovered": True, "instance": self.instance})
             self.sessions[key] = s
         self._recovering.pop(key, None)
         return s
@@ -294,7 +295,7 @@ class ResourcesParticipant(Participant):
                     except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
                         raise refused(exc) from exc
                 await self._append(s, ev.SESSION_OPENED, {"env": env.name, "task": task.to_json(),
-                                                         "state_mode": env.state_mode})
+                                                         "state_mode": env.state_mode, "instance": self.instance})
             except BaseException:
                 self.sessions.pop(key, None)
                 await self._close_live(s)
@@ -485,11 +486,11 @@ class ResourcesParticipant(Participant):
         counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0}
         for s in sessions:
             counts[s.env.state_mode] += 1
-        # A restart-only session a killed predecessor of this process held is in the log, not in memory:
-        # its live process died with it, so it is reported too, or the framework would scope it and
-        # its restore would be refused (`restart_in_scope`).
-        lost = {key for key, env in (await self.store.open_sessions()).items()
-                if key not in self.sessions and restart_only(env)}
+        # A restart-only session a dead instance held is in the log, not in memory: its live process
+        # died with it, so it is reported too, or the framework would scope it and its restore would be
+        # refused (`restart_in_scope`). One another live instance holds is that instance's to report.
+        lost = await orphaned_sessions(self, [key for key, env in (await self.store.open_sessions()).items()
+                                              if key not in self.sessions and restart_only(env)])
         restarts = [Execution(rollout_id=r, attempt=a) for r, a in sorted(
             lost | {(s.rollout_id, s.attempt) for s in sessions if s.env.state_mode == "restart_only"})]
         return PrepareReport(ready=not blockers, blockers=blockers, counts=counts, restarts=restarts)
@@ -525,7 +526,7 @@ class ResourcesParticipant(Participant):
             fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
         events = tuple(
             s.event(ev.SESSION_OPENED, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
-                                       "revision": s.revision, "origin_attempt": old})
+                                       "revision": s.revision, "origin_attempt": old, "instance": self.instance})
             for old, s in fresh
         )
         # Expecting version 0: the new attempt's stream must be empty, or someone opened it already.

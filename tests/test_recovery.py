@@ -71,9 +71,10 @@ def test_resume_point_is_the_last_boundary_of_an_unfinished_activation_only() ->
 
 def test_tool_call_outcomes_name_each_applied_call_and_call_lost_needs_an_orphaned_acceptance() -> None:
     assert recovery.tool_call_outcomes(HISTORY) == {"a0.t0.0": HISTORY[4].data}
-    assert recovery.call_lost("accepted", served_here=False)
-    assert not recovery.call_lost("accepted", served_here=True)
-    assert not recovery.call_lost("completed", served_here=False)
+    assert recovery.call_lost("accepted", "orphaned")
+    assert not recovery.call_lost("accepted", "mine")
+    assert not recovery.call_lost("accepted", "held")  # another live instance serves it
+    assert not recovery.call_lost("completed", "orphaned")
 
 
 def test_run_dispositions_from_attempt_rows() -> None:

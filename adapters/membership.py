@@ -1,0 +1,109 @@
+"""Instances in the log: a server's lease on its membership, and who is live (engine/membership.py).
+
+`Lease` is held by one server process: it records the instance once the process listens, renews it
+every `lease_s * RENEW_SHARE` seconds from a background task and records the stop at a clean
+shutdown. `MembershipReader` answers who is in the deployment, from the instance streams and the
+database's clock, for the ownership rule (engine/ownership.py) and for the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import text
+
+from adapters.postgres import PostgresEventStore, retrying
+from engine import catalog as ev
+from engine import membership as M
+from engine.errors import RollbookError
+from engine.events import AppendRequest
+from engine.identity import checkpoint_stream
+
+log = logging.getLogger(__name__)
+
+_MEMBERS = text(
+    "SELECT st.position, st.data, extract(epoch FROM st.recorded_at) AS started_at, last.kind AS last_kind, "
+    "extract(epoch FROM last.recorded_at) AS last_at, extract(epoch FROM now()) AS now "
+    "FROM rollbook.events st JOIN rollbook.stream_heads h ON h.stream = st.stream "
+    "JOIN rollbook.events last ON last.stream = h.stream AND last.stream_version = h.version "
+    "WHERE st.kind = :started")
+
+
+class MembershipReader:
+    def __init__(self, store: PostgresEventStore) -> None:
+        self.store = store
+
+    @retrying("reading the deployment's instances")
+    async def members(self) -> list[M.Member]:
+        async with self.store.engine.connect() as conn:
+            rows = (await conn.execute(_MEMBERS, {"started": ev.INSTANCE_STARTED})).all()
+        now = float(rows[0].now) if rows else 0.0
+        return M.members((M.from_started(r.data, r.position, float(r.started_at), r.last_kind, float(r.last_at))
+                          for r in rows), now)
+
+    async def live(self, kind: str) -> frozenset[str]:
+        return M.live_ids(await self.members(), kind)
+
+    async def live_members(self, kinds: Sequence[str] | None = None) -> list[M.Instance]:
+        return [m.instance for m in await self.members() if m.live and (kinds is None or m.instance.kind in kinds)]
+
+
+class Lease:
+    """One server process's membership, from its first renewal to its stop."""
+
+    def __init__(self, store: PostgresEventStore, kind: str, instance: str, address: str, workers: int = 1,
+                 lease_s: float = M.DEFAULT_LEASE_S) -> None:
+        self.store, self.kind, self.instance = store, kind, instance
+        self.address, self.workers, self.lease_s = address, workers, lease_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Record the instance (its stream must be new: an instance id is used once) and keep it renewed."""
+        event = M.start_event(self.kind, self.instance, self.address, self.workers, self.lease_s)
+        await self.store.append(AppendRequest((event,), {event.stream: 0}))
+        self._task = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s * M.RENEW_SHARE)
+            try:
+                await self.store.append(AppendRequest((M.renew_event(self.kind, self.instance),)))
+            except RollbookError as exc:  # the database is away: the next renewal tries again
+                log.warning("instance %s: lease not renewed: %s", self.instance, exc.detail)
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        with contextlib.suppress(RollbookError):  # not recorded: the lease simply runs out
+            await self.store.append(AppendRequest((M.stop_event(self.kind, self.instance, reason),)))
+
+
+
+
+_PAUSED_OPEN = text(
+    "SELECT EXISTS (SELECT 1 FROM rollbook.checkpoint_state c JOIN rollbook.events e "
+    "ON e.stream = :prefix || c.checkpoint_id AND e.stream_version = 1 "
+    "WHERE c.phase = ANY(:open) AND e.data->>'mode' IS DISTINCT FROM 'online' "
+    "AND COALESCE((e.data->>'deadline')::double precision, 'infinity') > extract(epoch FROM now()) "
+    # A resume ends the pause for everyone, whether or not the commit was recorded.
+    "AND NOT EXISTS (SELECT 1 FROM rollbook.events r WHERE r.kind = :resumed AND r.data->>'checkpoint_id' = c.checkpoint_id))")
+
+
+@retrying("reading open checkpoints")
+async def paused_checkpoint_open(store: PostgresEventStore) -> bool:
+    """Whether a paused checkpoint is being prepared now (started or prepared, within its deadline,
+    no participant resumed from it yet): an instance that joins meanwhile stays closed until it ends."""
+    async with store.engine.connect() as conn:
+        return bool((await conn.execute(_PAUSED_OPEN, {"prefix": checkpoint_stream(""),
+                                                        "open": ["started", "prepared"],
+                                                        "resumed": ev.PARTICIPANT_RESUME})).scalar())
+
+
+__all__ = ["Lease", "MembershipReader", "paused_checkpoint_open"]

@@ -1,0 +1,102 @@
+"""Which server processes are in the deployment: each records itself in the log and keeps a lease.
+
+A server process (an *instance*) appends `instance_started` once it listens, naming its kind, its
+instance id, the address the others reach it at and its worker count, then `instance_renewed`
+every `lease_s * RENEW_SHARE` seconds. Its membership is one of:
+
+- `stopped`: its last event is `instance_stopped` (a clean shutdown);
+- `superseded`: a later instance of the same kind started at the same address. Only one process
+  can listen on an address at a time, so the earlier one is gone, whatever its lease says; this is
+  what lets a restarted server take over its predecessor's work at once instead of a lease later;
+- `live`: its last event was recorded less than `lease_s` ago (the database's clock, both ends);
+- `expired`: otherwise. An expired instance is dead to everyone: its work is taken over
+  (engine/ownership.py) and a checkpoint no longer waits for it.
+
+The `rollbook.participants` view shows the same states, computed by the same rule in SQL; a test
+holds the two to agreement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine import catalog as ev
+from engine.events import NewEvent
+from engine.identity import instance_stream
+
+State = Literal["live", "expired", "stopped", "superseded"]
+DEFAULT_LEASE_S = 10.0
+RENEW_SHARE = 1 / 3  # renewed three times a lease: two lost renewals in a row still leave it live
+
+
+@dataclass(frozen=True)
+class Instance:
+    kind: str
+    instance: str
+    address: str
+    workers: int
+    lease_s: float
+    position: int  # of its instance_started: a later start at its address supersedes it
+    started_at: float  # seconds since the epoch, the database's clock
+    renewed_at: float  # its latest event's recorded_at
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class Member:
+    instance: Instance
+    state: State
+
+    @property
+    def live(self) -> bool:
+        return self.state == "live"
+
+
+def start_event(kind: str, instance: str, address: str, workers: int, lease_s: float) -> NewEvent:
+    if lease_s <= 0:
+        raise ValueError(f"a lease must be positive, got {lease_s}")
+    return NewEvent(instance_stream(kind, instance), ev.INSTANCE_STARTED,
+                    {"kind": kind, "instance": instance, "address": address, "workers": workers, "lease_s": lease_s})
+
+
+def renew_event(kind: str, instance: str) -> NewEvent:
+    return NewEvent(instance_stream(kind, instance), ev.INSTANCE_RENEWED, {})
+
+
+def stop_event(kind: str, instance: str, reason: str) -> NewEvent:
+    return NewEvent(instance_stream(kind, instance), ev.INSTANCE_STOPPED, {"reason": reason})
+
+
+def from_started(data: dict[str, Any], position: int, started_at: float, last_kind: str, last_at: float) -> Instance:
+    """One instance from its instance_started event and the latest event of its stream."""
+    return Instance(str(data["kind"]), str(data["instance"]), str(data["address"]), int(data["workers"]),
+                    float(data["lease_s"]), position, started_at, last_at, last_kind == ev.INSTANCE_STOPPED)
+
+
+def members(instances: Iterable[Instance], now: float) -> list[Member]:
+    """Every recorded instance with its state at `now` (the database's clock), oldest first."""
+    ordered = sorted(instances, key=lambda i: i.position)
+    latest = {(i.kind, i.address): i.position for i in ordered}
+    out = []
+    for i in ordered:
+        state: State
+        if i.stopped:
+            state = "stopped"
+        elif latest[(i.kind, i.address)] != i.position:
+            state = "superseded"
+        elif i.renewed_at + i.lease_s > now:
+            state = "live"
+        else:
+            state = "expired"
+        out.append(Member(i, state))
+    return out
+
+
+def live_ids(found: Sequence[Member], kind: str | None = None) -> frozenset[str]:
+    return frozenset(m.instance.instance for m in found if m.live and (kind is None or m.instance.kind == kind))
+
+
+__all__ = ["DEFAULT_LEASE_S", "RENEW_SHARE", "Instance", "Member", "State", "from_started", "live_ids", "members",
+           "renew_event", "start_event", "stop_event"]

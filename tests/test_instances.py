@@ -1,0 +1,167 @@
+"""Several instances of a kind on one database, as real processes: each records itself in the log with
+a lease, a paused checkpoint closes every live instance, a SIGKILLed instance fails prepare closed
+until its lease runs out, and an instance that starts during a checkpoint stays closed until it ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
+from participants.wire import CONTROL
+
+from .test_checkpoint_cli import checkpoint
+
+LEASE_S = 2.0
+
+
+@dataclass
+class Deployment:
+    config: cfg.Config
+    path: Path
+    work: Path
+    extra: dict[int, subprocess.Popen[bytes]]
+
+    def serve(self, kind: str, port: int) -> None:
+        """`rollbook serve KIND --port P`: another instance of the kind, from the same config."""
+        log = open(self.work / f"{kind}-{port}.log", "wb")  # noqa: SIM115  (the child owns it)
+        self.extra[port] = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.path),
+                                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline = time.time() + 60
+        while status(self.config, port) is None:
+            assert self.extra[port].poll() is None, (self.work / f"{kind}-{port}.log").read_text()[-2000:]
+            assert time.time() < deadline, f"the {kind} instance on {port} did not answer"
+            time.sleep(0.1)
+
+    def kill(self, port: int) -> None:
+        os.killpg(self.extra[port].pid, signal.SIGKILL)
+        self.extra[port].wait()
+
+    def participants(self) -> dict[str, tuple[str, str]]:
+        """rollbook.participants: address -> (kind, state)."""
+        with psycopg.connect(self.config.dsn or "", autocommit=True) as conn:
+            rows = conn.execute("SELECT address, kind, state FROM rollbook.participants").fetchall()
+        return {a: (k, s) for a, k, s in rows}
+
+
+def status(config: cfg.Config, port: int) -> dict[str, Any] | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{CONTROL}/status",
+                                 headers={"Authorization": f"Bearer {config.control_token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return dict(json.loads(resp.read()))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def admitted(config: cfg.Config, port: int) -> tuple[int, str | None]:
+    """A model call to the instance on `port`, of an attempt that does not exist: refused either way,
+    with admission_closed while the instance is closed and with unknown_attempt once it is open."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/rollouts/nope/attempts/0/v1/chat/completions",
+                                 data=json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
+                                 headers={"Authorization": f"Bearer {config.data_token}", "Content-Type": "application/json",
+                                          "X-Rollbook-Call-Id": "probe-1"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]["code"]
+
+
+def address(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def deployment(dsn: str) -> Iterator[Deployment]:
+    work = Path(tempfile.mkdtemp(prefix="rbinst-"))
+    config = cfg.Config(dsn=dsn, control_token="inst-control-token", data_token="inst-data-token",
+                        servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS},
+                        limits=cfg.LimitsConfig(instance_lease_s=LEASE_S))
+    path = work / "rollbook.toml"
+    cfg.write(config, path)
+    procs = ServerProcesses(config, path, work)
+    procs.start()
+    d = Deployment(config, path, work, {})
+    try:
+        yield d
+    finally:
+        for p in d.extra.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=10)
+        procs.stop()
+
+
+def wait_until(what: str, probe: Any, timeout: float = 30.0) -> Any:
+    deadline = time.time() + timeout
+    while not (got := probe()):
+        assert time.time() < deadline, what
+        time.sleep(0.1)
+    return got
+
+
+def test_a_paused_checkpoint_closes_every_live_instance_and_a_killed_one_fails_it_closed_until_its_lease_runs_out(
+        deployment: Deployment) -> None:
+    d, config = deployment, deployment.config
+    second = free_port()
+    d.serve("model", second)
+    found = d.participants()
+    assert found[address(second)] == ("model", "live") and found[config.url("model")] == ("model", "live")
+    assert {k for k, s in found.values() if s == "live"} == set(cfg.KINDS)
+
+    rc, prepared = checkpoint(config, "prepare", "ck-both")
+    assert rc == 0 and prepared["ready"], prepared
+    model_reports = [n for n in prepared["reports"] if n.startswith("model")]
+    assert len(model_reports) == 2  # the configured model server and the one started with --port
+    assert status(config, second)["phase"] == "prepared"  # type: ignore[index]
+    assert admitted(config, second) == (503, "admission_closed") or admitted(config, second)[1] == "admission_closed"
+    rc, resumed = checkpoint(config, "resume", "ck-both")
+    assert rc == 0 and resumed["failures"] == {}, resumed
+    assert status(config, second)["phase"] == "idle"  # type: ignore[index]
+    assert admitted(config, second)[1] == "unknown_attempt"
+
+    d.kill(second)  # SIGKILL: no handler runs, its lease is still in the log
+    rc, refused = checkpoint(config, "prepare", "ck-killed")
+    assert rc == 0 and not refused["ready"] and refused["failed"].startswith("model:"), refused
+    wait_until("the killed instance's lease ran out", lambda: d.participants()[address(second)][1] == "expired")
+    rc, prepared = checkpoint(config, "prepare", "ck-without")
+    assert rc == 0 and prepared["ready"], prepared
+    assert [n for n in prepared["reports"] if n.startswith("model")] == ["model"]
+    rc, resumed = checkpoint(config, "resume", "ck-without")
+    assert rc == 0 and resumed["failures"] == {}, resumed
+
+
+def test_an_instance_that_starts_while_a_paused_checkpoint_is_open_stays_closed_until_it_ends(
+        deployment: Deployment) -> None:
+    d, config = deployment, deployment.config
+    rc, prepared = checkpoint(config, "prepare", "ck-open")
+    assert rc == 0 and prepared["ready"], prepared
+    late = free_port()
+    d.serve("model", late)
+    assert d.participants()[address(late)] == ("model", "live")
+    assert status(config, late)["phase"] == "idle"  # type: ignore[index]  # not part of the checkpoint...
+    assert admitted(config, late)[1] == "admission_closed"  # ...and still serving nothing through it
+    rc, resumed = checkpoint(config, "resume", "ck-open")
+    assert rc == 0
+    wait_until("the late instance opened", lambda: admitted(config, late)[1] == "unknown_attempt")
+    # Stopped cleanly, an instance leaves the deployment at once.
+    os.killpg(d.extra[late].pid, signal.SIGTERM)
+    d.extra[late].wait(timeout=20)
+    assert d.participants()[address(late)] == ("model", "stopped")
