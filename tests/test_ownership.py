@@ -200,3 +200,31 @@ async def tokens(dsn: str) -> AsyncIterator[Any]:
     s = PostgresTokenStore(dsn)
     yield s
     await s.close()
+
+
+# ---- the participant set a coordinator drives ------------------------------------------------------
+
+
+async def test_a_coordinator_drives_every_live_instance_and_the_configured_addresses_the_log_does_not_call_dead(
+        dsn: str, store: PostgresEventStore) -> None:
+    import aiohttp
+
+    from apps.participant_set import LoggedParticipants
+
+    configured = [("model", "http://m:1"), ("agent", "http://a:1/"), ("resources", "http://r:1")]
+    async with aiohttp.ClientSession() as session, \
+            leased(dsn, "model", "model-1", "http://m:1"), leased(dsn, "model", "model-2", "http://m:2"), \
+            leased(dsn, "resources", "resources-1", "http://r:1", lease_s=0.5):
+        stopped = Lease(store, "model", "model-3", "http://m:3")
+        await stopped.start()
+        await stopped.stop()
+        await asyncio.sleep(0.7)  # resources-1 was renewed every 0.17 s: still live
+        members = LoggedParticipants(store, configured, "token", session)
+        found = {(p.name, p.base_url) for p in await members.current()}  # type: ignore[attr-defined]
+        assert found == {("model", "http://m:1"), ("agent", "http://a:1"), ("resources", "http://r:1"),
+                         ("model:model-2", "http://m:2")}
+    # Every lease above has ended: the configured model and resources addresses are recorded as gone,
+    # the agent's was never recorded (a server that predates instance records is still driven).
+    async with aiohttp.ClientSession() as session:
+        found = {p.name for p in await LoggedParticipants(store, configured, "token", session).current()}
+    assert found == {"agent"}
