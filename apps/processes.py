@@ -109,7 +109,9 @@ class ServerProcesses:
                                      headers={"Authorization": f"Bearer {self.config.control_token}"})
         try:
             with urllib.request.urlopen(req, timeout=1) as resp:
-                return bool(json.loads(resp.read())["kind"] == kind)
+                body = json.loads(resp.read())
+                # Recorded in the log too: a checkpoint started from now on drives it (participants/instances.py).
+                return bool(body["kind"] == kind and body.get("joined", True))
         except (urllib.error.URLError, OSError, ValueError):
             return False
 

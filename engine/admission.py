@@ -27,21 +27,31 @@ ANSWER_MARGIN_S = 0.25  # at most this much of the time left is kept to answer t
 ANSWER_SHARE = 0.1  # ... and at most this share of it, so a short deadline still leaves time to drain
 
 
+CHECKPOINT = "checkpoint"  # the hold of prepare (or restore) until resume
+JOINING = "joining"  # an instance not yet recorded in the log, or one that joined during a paused checkpoint
+
+
 class Admission:
-    """Open or closed; work that reached a boundary waits on it."""
+    """Open or closed; work that reached a boundary waits on it. Each reason to close it is a hold of
+    its own, and it opens when the last hold is released: a resume does not open an instance that is
+    still joining, and its joining does not open one a checkpoint closed."""
 
     def __init__(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
+        self._holds: set[str] = set()
 
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    def open(self) -> None:
-        self._open.set()
+    def open(self, hold: str = CHECKPOINT) -> None:
+        self._holds.discard(hold)
+        if not self._holds:
+            self._open.set()
 
-    def close(self) -> None:
+    def close(self, hold: str = CHECKPOINT) -> None:
+        self._holds.add(hold)
         self._open.clear()
 
     async def wait_open(self) -> None:
@@ -84,4 +94,4 @@ def retired(keys: Collection[K], rollout_id: str, through: int) -> list[K]:
     return [k for k in keys if k[0] == rollout_id and k[1] <= through]
 
 
-__all__ = ["Admission", "drain", "drain_until", "retired", "wait_for_all"]
+__all__ = ["CHECKPOINT", "JOINING", "Admission", "drain", "drain_until", "retired", "wait_for_all"]

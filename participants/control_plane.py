@@ -113,6 +113,7 @@ class ControlPlane:
                 phase=self.phases.phase,
                 lease_deadline=self.lease.deadline if self.lease else None,
                 served_sessions=self.p.served_sessions,
+                joined=self.p.joined,
             ).model_dump()
         )
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from adapters.membership import Lease, MembershipReader
+from engine.admission import JOINING
 from participants.participant import Participant
 
 log = logging.getLogger(__name__)
@@ -21,27 +22,30 @@ POLL_S = 0.2
 
 
 class Joining:
-    """Admission stays closed from build until the instance is recorded and no paused checkpoint is open."""
+    """Admission holds closed (engine.admission.JOINING) from build until the instance is recorded and
+    no paused checkpoint is open; a checkpoint's own hold is apart from it."""
 
     def __init__(self, participant: Participant, lease: Lease, reader: MembershipReader,
                  checkpoint_open: Callable[[], Awaitable[bool]]) -> None:
         self.participant, self.lease, self.reader, self.checkpoint_open = participant, lease, reader, checkpoint_open
         self._waiter: asyncio.Task[None] | None = None
-        participant.admission.close()  # nothing is admitted before the instance that takes it is in the log
+        participant.admission.close(JOINING)  # nothing is admitted before the instance that takes it is in the log
         participant.members = reader
+        participant.joined = False
 
     async def join(self) -> None:
         await self.lease.start()
+        self.participant.joined = True
         if await self.checkpoint_open():
             log.info("instance %s joined while a paused checkpoint is open: closed until it ends", self.lease.instance)
             self._waiter = asyncio.get_running_loop().create_task(self._open_when_done())
         else:
-            self.participant.admission.open()
+            self.participant.admission.open(JOINING)
 
     async def _open_when_done(self) -> None:
         while await self.checkpoint_open():
             await asyncio.sleep(POLL_S)
-        self.participant.admission.open()
+        self.participant.admission.open(JOINING)
 
     async def leave(self) -> None:
         if self._waiter is not None:

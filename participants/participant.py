@@ -42,6 +42,7 @@ class Participant:
         self.admission = Admission()  # engine.admission: closed from prepare (or restore) until resume
         # Who else is live (engine.ownership): set where instances are recorded (`rollbook serve`).
         self.members: LiveInstances | None = None
+        self.joined = True  # False from build until `rollbook serve` has recorded the instance (participants/instances.py)
 
     @property
     def admission_open(self) -> bool:

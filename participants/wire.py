@@ -107,6 +107,8 @@ class Status(BaseModel):
     phase: str
     lease_deadline: float | None
     served_sessions: bool
+    # Recorded in the log as a member of the deployment (engine/membership.py); until then it admits nothing.
+    joined: bool = True
 
 
 class PrepareReply(BaseModel):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.admission import ANSWER_MARGIN_S, Admission, drain, drain_until, retired, wait_for_all
+from engine.admission import ANSWER_MARGIN_S, JOINING, Admission, drain, drain_until, retired, wait_for_all
 from engine.errors import AdmissionClosed
 
 
@@ -77,3 +77,20 @@ def test_a_retire_mark_ends_that_rollouts_attempts_at_or_below_it_and_nothing_el
         keys: list[tuple[str, int]], through: int) -> None:
     ended = retired(keys, "a", through)
     assert set(ended) == {k for k in keys if k[0] == "a" and k[1] <= through}
+
+
+async def test_admission_opens_only_when_every_hold_is_released() -> None:
+    a = Admission()
+    a.close(JOINING)  # not yet recorded in the log
+    a.close()  # a checkpoint prepares it meanwhile
+    a.open(JOINING)  # recorded: the checkpoint's hold still stands
+    assert not a.is_open
+    with pytest.raises(AdmissionClosed):
+        a.require_open("a model call")
+    a.open()  # resume
+    assert a.is_open
+    a.close(JOINING)
+    a.open()  # a resume does not open an instance that is still joining
+    assert not a.is_open
+    a.open(JOINING)
+    await asyncio.wait_for(a.wait_open(), 1)
