@@ -47,6 +47,9 @@ class MembershipReader:
     async def live(self, kind: str) -> frozenset[str]:
         return M.live_ids(await self.members(), kind)
 
+    async def live_addresses(self, kind: str) -> list[str]:
+        return [m.instance.address for m in await self.members() if m.live and m.instance.kind == kind]
+
     async def live_members(self, kinds: Sequence[str] | None = None) -> list[M.Instance]:
         return [m.instance for m in await self.members() if m.live and (kinds is None or m.instance.kind in kinds)]
 

@@ -21,6 +21,7 @@ from apps.config import Config, Kind
 from participants.app import PARTICIPANT
 from participants.instances import Joining
 from participants.observability import TELEMETRY
+from participants.routing import Peers
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
@@ -75,7 +76,11 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
 def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore) -> None:
     """The instance joins the deployment once it listens (engine/membership.py), and leaves at shutdown."""
     lease = Lease(store, kind, instance, config.url(kind), workers=1, lease_s=config.limits.instance_lease_s)
-    joining = Joining(app[PARTICIPANT], lease, MembershipReader(store), lambda: paused_checkpoint_open(store))
+    reader = MembershipReader(store)
+    joining = Joining(app[PARTICIPANT], lease, reader, lambda: paused_checkpoint_open(store))
+    peers = getattr(app[PARTICIPANT], "model_peers", None)
+    if isinstance(peers, Peers):  # the agent reaches every live model instance (participants/routing.py)
+        peers.source = lambda: reader.live_addresses("model")
     app.setdefault(AFTER_BIND, []).append(joining.join)
 
     async def leave(app: web.Application) -> None:

@@ -59,6 +59,7 @@ from participants.environments import ENVIRONMENTS, get_environment
 from participants.guard import Body, Header, Int64, Route
 from participants.openai_wire import ToolSpec
 from participants.participant import Participant, PrepareReport
+from participants.routing import Peers
 from participants.wire import (
     ACTIVATION_HEADER,
     CALL_ID_HEADER,
@@ -240,6 +241,7 @@ class AgentParticipant(Participant):
         self.client = JsonClient(data_token)
         self.secret = data_token  # each request for a session carries that attempt's capability, not this
         self.model_url, self.resources_url = model_url, resources_url
+        self.model_peers = Peers(model_url)  # any live model instance: a call is owned in the log, not by an address
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
         self.locks: dict[Key, asyncio.Lock] = {}
@@ -387,12 +389,12 @@ class AgentParticipant(Participant):
         # The task's sampling parameters ride on every call; the model server records them with the call.
         body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed,
                 **s.request.task.sampling, "stream": False}
-        url = data_url(self.model_url, *s.key, "/v1/chat/completions")
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
         closed, unavailable = Patience(f"model call {call_id}", limit_s=None), Patience(f"model call {call_id}")
         try:
             while True:
-                try:
+                try:  # asked again where the live instances say now: a dead one's calls are taken over there
+                    url = data_url(await self.model_peers.url(*s.key), *s.key, "/v1/chat/completions")
                     out = await self.client.post(url, body, headers)
                     break
                 except AdmissionClosed as exc:

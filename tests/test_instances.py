@@ -29,6 +29,7 @@ from apps.processes import ServerProcesses, free_port
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
+from participants.environments.tasks import make_tasks
 from participants.wire import CONTROL
 
 from .test_checkpoint_cli import checkpoint
@@ -190,3 +191,49 @@ def test_an_instance_that_starts_while_a_paused_checkpoint_is_open_stays_closed_
     os.killpg(d.extra[late].pid, signal.SIGTERM)
     d.extra[late].wait(timeout=20)
     assert d.participants()[address(late)] == ("model", "stopped")
+
+
+def test_a_run_reaches_both_model_instances_through_paused_checkpoints_and_finishes_every_rollout_once(dsn: str) -> None:
+    """The agent reaches every live model instance (participants/routing.py): two model processes on one
+    database serve one run with a paused checkpoint every 0.3 s, and every rollout finishes once with no
+    call accepted twice."""
+    from tests.run_process import Run
+
+    work = Path(tempfile.mkdtemp(prefix="rbinstrun-"))
+    tasks = make_tasks(12, seed=13, envs=["math", "blackjack", "workplace"])
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    config = cfg.Config(dsn=dsn, control_token="inst-control-token", data_token="inst-data-token",
+                        servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS},
+                        run=cfg.RunConfig(run_id="two", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=0.3,
+                                          checkpoint_mode="paused", concurrency=6))
+    path = work / "rollbook.toml"
+    cfg.write(config, path)
+    procs = ServerProcesses(config, path, work)
+    procs.start()
+    d = Deployment(config, path, work, {})
+    try:
+        d.serve("model", free_port())
+        run = Run(path)
+        events = run.wait_for("done", timeout=300)
+        assert run.proc.wait(timeout=30) == 0, events[-5:]
+    finally:
+        for p in d.extra.values():
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=20)
+        procs.stop()
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == len(tasks), done
+    assert [c for c in events if c.get("event") == "checkpoint" and c.get("published")], events[-5:]
+    with psycopg.connect(dsn) as conn:
+        owners = dict(conn.execute("SELECT data->>'instance', count(*) FROM rollbook.events WHERE kind = 'call_accepted' "
+                                   "AND rollout_id LIKE 'two-%' GROUP BY 1").fetchall())
+        twice = conn.execute("SELECT stream FROM rollbook.events WHERE kind = 'call_accepted' GROUP BY stream "
+                             "HAVING count(*) > 1").fetchall()
+        per_rollout = dict(conn.execute("SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') "
+                                        "FROM rollbook.attempts WHERE rollout_id LIKE 'two-%' GROUP BY 1").fetchall())
+        prepared = conn.execute("SELECT count(DISTINCT stream) FROM rollbook.events WHERE kind = 'participant_prepared' "
+                                "AND stream LIKE 'participant:model:%'").fetchone()
+    assert len(owners) == 2, owners  # both model instances generated calls of this run
+    assert twice == []
+    assert per_rollout == {f"two-{i:04d}": 1 for i in range(len(tasks))}, per_rollout
+    assert prepared == (2,)  # the paused checkpoints prepared both model instances
