@@ -51,7 +51,8 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     elif kind == "agent":
         from participants.servers import build_agent_app
 
-        # The agent calls these three and no other address: none comes from a request. The environment
+        # The agent calls these three and the model instances the log records, and no other address:
+        # none comes from a request. The environment
         # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
         env = config.servers.get("environment")
         app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
