@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from engine import catalog as ev
 from engine.checkpoint import Cut, CutHistory, lineage_origin
-from engine.errors import InvalidIdentifier, InvalidRequest, NotABoundary, RequestConflict, RestartOnlyBoundary, UnknownRollout
+from engine.errors import (
+    InvalidIdentifier,
+    InvalidRequest,
+    NotABoundary,
+    RequestConflict,
+    RestartOnlyBoundary,
+    UnknownRollout,
+)
 from engine.events import GENESIS_HASH, NewEvent, RecordedEvent
 from engine.forks import (
     MAX_FORKS,
