@@ -316,8 +316,8 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     for e in rows:
         if e.rollout_id in events:
             events[e.rollout_id].append(e)
-    await _read_fork_origins(store, events, None if beyond_cut else cut.position)
-    upto = {r: [e for e in evs if e.position <= cut.position] for r, evs in events.items() if r in by_rollout}
+    upto = {r: [e for e in events[r] if e.position <= cut.position] for r in by_rollout}
+    await _read_fork_origins(store, events, cut.position, beyond_cut)
     start = await _predecessors(store, upto)
     heads: dict[str, list[tuple[str, int, bytes]]] = {}
     items: list[RestoreItem] = []
@@ -347,7 +347,7 @@ async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
     return list((await read_cut(store, cut)).items)
 
 
-async def _read_fork_origins(store: CutStore, events: dict[str, list[RecordedEvent]], to: int | None) -> None:
+async def _read_fork_origins(store: CutStore, events: dict[str, list[RecordedEvent]], position: int, beyond_cut: bool) -> None:
     """Add to `events` the rollouts a scoped fork's lineage goes back to (a fork's origin, its origin's
     origin...), so each attempt's effective history comes from this read. They are history the fork
     only reads; the cut's digest covers the scoped rollouts themselves."""
@@ -358,7 +358,7 @@ async def _read_fork_origins(store: CutStore, events: dict[str, list[RecordedEve
             return
         for rollout_id in wanted:
             events[rollout_id] = []
-        for e in await store.read_rollouts(wanted, to):
+        for e in await store.read_rollouts(wanted, None if beyond_cut else position):
             if e.rollout_id in events:
                 events[e.rollout_id].append(e)
 
