@@ -81,7 +81,8 @@ async def check_shared_prefix(c: Cluster, fork_id: str) -> None:
     opened = await c.rows("SELECT data FROM rollbook.episode_history WHERE rollout_id = :f AND kind = 'session_opened' "
                           "ORDER BY position LIMIT 1", f=fork_id)
     if opened:  # the fork used a tool: its session was rebuilt from the origin's mutations
-        assert opened[0].data["revision"] == (revisions[-1] if revisions else 0) and opened[0].data["recovered"]
+        reopened = opened[0].data.get("recovered") or opened[0].data.get("restored_from")  # never a fresh session
+        assert opened[0].data["revision"] == (revisions[-1] if revisions else 0) and reopened, opened[0].data
     calls = await c.rows("SELECT call_id, parent_call_id FROM rollbook.model_calls WHERE rollout_id = :f "
                          "ORDER BY accepted_position", f=fork_id)
     assert calls and calls[0].parent_call_id == boundary.data["last_call_id"]
