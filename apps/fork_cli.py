@@ -4,7 +4,8 @@ The environment server owns dispatch, so the fork is its control operation (`POS
 /rollbook/v1/control/fork`, the control credential of the config): it checks the fork rule
 (engine/forks.py), records every fork in one append or refuses with nothing written, and drives
 each fork like a dispatched rollout. This command asks for it, prints the forks, and (unless
-`--no-wait`) waits for each to end and prints how. Asked again with the same origin and group, it
+`--no-wait`) waits for each to end and prints how; a refusal because a checkpoint holds admission
+closed is asked again until `--timeout-s`. Asked again with the same origin and group, it
 writes nothing and drives again the forks that are neither finished nor running: after a crash and
 a restart of the servers, the same command finishes them.
 """
@@ -18,7 +19,7 @@ import time
 from typing import Any
 
 from adapters.http_client import CONTROL, JsonClient
-from engine.errors import ParticipantUnavailable
+from engine.errors import AdmissionClosed, ParticipantUnavailable
 
 ENDED = ("finished", "failed")
 
@@ -55,10 +56,18 @@ async def fork(url: str, control_token: str, data_token: str, args: argparse.Nam
     if args.seed is not None:
         body["seed"] = args.seed
     control, data = JsonClient(control_token), JsonClient(data_token)
+    stop = time.monotonic() + args.timeout_s
     try:
-        reply = dict(await control.post(f"{url}{CONTROL}/fork", body))
+        while True:
+            try:
+                reply = dict(await control.post(f"{url}{CONTROL}/fork", body))
+                break
+            except AdmissionClosed:  # a checkpoint is in progress: the refusal wrote nothing, ask after it
+                if time.monotonic() > stop:
+                    raise
+                await asyncio.sleep(0.5)
         if not args.no_wait:
-            reply["forks"] = [await _wait(data, url, f, time.monotonic() + args.timeout_s) for f in reply["forks"]]
+            reply["forks"] = [await _wait(data, url, f, stop) for f in reply["forks"]]
         return reply
     finally:
         await control.close()

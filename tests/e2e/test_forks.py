@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from adapters.export import read
+from engine import catalog
 from engine.boundaries import with_messages
 from engine.checkpoint import effective_history
 from engine.coordinator import Coordinator
@@ -118,6 +119,14 @@ async def test_k_forks_of_a_mid_episode_boundary_each_finish_sharing_the_origins
     assert seeds and all(r.seed == r.own for r in seeds)
     for i in ids:
         await check_shared_prefix(c, i)
+    written = await c.store.read_rollouts(ids)
+    assert written and not [p for e in written for p in catalog.problems(e)]  # every fork event is as the catalog says
+    replayed = await asyncio.to_thread(rollbook, c, "replay", ids[0], "--attempt", "0", "--json", "--dsn", c.config.dsn)
+    assert replayed.returncode == 0, replayed.stderr  # the log alone rebuilds a fork: its origin's prefix, then its own
+    rebuilt = json.loads(replayed.stdout)
+    positions = [s["position"] for s in rebuilt["steps"]]
+    assert min(positions) < at and at in positions and max(positions) > at
+    assert rebuilt["reward"] == next(f["reward"] for f in out["forks"] if f["rollout_id"] == ids[0])
     # asked again, the same command names the same forks and writes nothing
     before = await log_size(c)
     again = await fork(c, origin, 0, at, 4, "--no-wait")
@@ -272,3 +281,9 @@ async def test_every_refused_fork_writes_nothing(cluster_factory) -> None:
         assert json.loads(done.stderr.strip().splitlines()[-1])["error"]["code"] == code, (code, done.stderr)
         assert await log_size(c) == before, f"a refused fork ({code}) wrote to the log"
     assert first["forks"][0]["status"] == "finished"
+    # the fork is a control operation: the data credential does not open it
+    async with c.session.post(c.config.url("environment") + "/rollbook/v1/control/fork",
+                              json={"rollout_id": origin, "attempt": 0, "position": at, "count": 2},
+                              headers={"Authorization": f"Bearer {c.config.data_token}"}) as resp:
+        assert resp.status == 403 and (await resp.json())["error"]["code"] == "forbidden"
+    assert await log_size(c) == before
