@@ -149,6 +149,12 @@ async def test_k_forks_of_a_mid_episode_boundary_each_finish_sharing_the_origins
         assert shared and all(set(t["loss_mask"]) == {0} for t in shared)
         own = r["turns"][len(shared):]
         assert own and all(1 in t["loss_mask"] and t["call_id"].startswith(i) for t in own)
+    done = await asyncio.to_thread(rollbook, c, "export", "--run", "fk", "--out", str(tmp_path / "fk.parquet"),
+                                   "--dsn", c.config.dsn)
+    assert done.returncode == 0, done.stderr
+    marks = ("rollout_id", "origin", "fork_group", "shared_prefix")
+    assert [{k: r[k] for k in marks} | {"shared": [t["shared"] for t in r["turns"]]} for r in read(tmp_path / "fk.parquet")] \
+        == [{k: r[k] for k in marks} | {"shared": [t["shared"] for t in r["turns"]]} for r in read(tmp_path / "fk.jsonl")]
 
 
 async def test_a_fork_of_a_fork_goes_back_through_both_origins(cluster_factory) -> None:
