@@ -216,9 +216,21 @@ async def test_forks_sigkilled_mid_episode_finish_exactly_once_when_the_same_com
     assert unfinished > 0, "every fork finished before the kill"
     await c.kill()
     await c.start()
+    # A framework dispatches one fork as any rollout (its origin's task); the same command drives the rest.
+    task = await c.scalar("SELECT data->'task' FROM rollbook.episode_history WHERE rollout_id = :r AND "
+                          "kind = 'episode_started'", r=origin)
+    async def dispatch() -> dict[str, Any]:
+        async with c.session.post(c.config.url("environment") + "/episodes", json={"rollout_id": ids[0], "task": task},
+                                  headers={"Authorization": f"Bearer {c.config.data_token}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+    dispatched = asyncio.create_task(dispatch())
     again = await fork(c, origin, 0, at, 3)
-    assert again["existing"] and again["launched"] == unfinished
+    assert again["existing"] and again["launched"] <= unfinished  # the dispatched one may be running already
     assert [f["status"] for f in again["forks"]] == ["finished"] * 3, again
+    result = await asyncio.wait_for(dispatched, 60)
+    assert (result["rollout_id"], result["attempt"], result["reward"]) == next(
+        (f["rollout_id"], f["attempt"], f["reward"]) for f in again["forks"] if f["rollout_id"] == ids[0])
     await exactly_once(c, ids)
     for i in ids:
         await check_shared_prefix(c, i)
