@@ -186,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dsn")
     exp.set_defaults(func=_export)
 
-    from apps import checkpoint_cli
+    from apps import checkpoint_cli, fork_cli
 
     checkpoint_cli.add_parser(sub)
+    fork_cli.add_parser(sub)
     from apps import nemo_gym_tasks
 
     nemo_gym_tasks.add_parser(sub)

@@ -122,6 +122,7 @@ def may(name: str, type: str, doc: str) -> Field:
     return Field(name, type, doc)
 
 
+_FORK = "a fork (engine/forks.py, appended by the environment server's control operation `fork`)"
 _ENV = "environment server (participants/environment_server.py, and NeMo Gym's episodes through participants/nemo_gym_wire.py)"
 _RESTORE = "restore (engine/checkpoint.py install_request, appended by the coordinator's restore)"
 _RECOVERY = "recovery (engine/recovery.py, appended by the environment server or `rollbook run`)"
@@ -134,13 +135,15 @@ _COORDINATOR = "the coordinator (engine/coordinator.py: `rollbook run`, `rollboo
 
 ATTEMPT_STARTED = _kind(
     "attempt_started", ROLLOUT,
-    f"{_ENV}; {_RESTORE}; {_RECOVERY}; {_TAKEOVER}; {_CAPTURE}",
+    f"{_ENV}; {_RESTORE}; {_RECOVERY}; {_TAKEOVER}; {_CAPTURE}; {_FORK}",
     "An attempt of the rollout begins; its events may land from now on (engine/attempts.py).",
     may("parent_attempt", "integer|null", "the attempt it follows (null for attempt 0)"),
     may("restored_from", "string|null", "the checkpoint whose restore started it"),
     may("origin_attempt", "integer|null", "the attempt whose history it continues (null: a fresh dispatch)"),
     may("origin_position", "integer|null", "the log position of the boundary it continues from"),
-    may("disposition", "string", "continue or fresh_dispatch"),
+    may("origin_rollout_id", "string", "a fork's origin rollout (absent: the origin attempt is of this rollout)"),
+    may("seed", "integer", "a fork's own sampling seed, in place of its origin episode's"),
+    may("disposition", "string", "continue, fresh_dispatch or fork"),
     may("recovered", "boolean", "true when recovery after a crash started it"),
     may("reason", "string", "why a caller's retry started it"),
     may("started_by", "string", "nemo_gym_token_capture for an attempt a trainer's capture opened"),
@@ -177,6 +180,18 @@ ROLLOUT_RECOVERED = _kind(
     need("reason", "string", "why (the lost call or session)"),
 )
 
+ROLLOUT_FORKED = _kind(
+    "rollout_forked", ROLLOUT, _FORK,
+    "A new rollout starts from a boundary of another rollout's attempt; in one append with its attempt 0's start.",
+    need("origin_rollout_id", "string", "the rollout it was forked from"),
+    need("origin_attempt", "integer", "the attempt of that rollout"),
+    need("origin_position", "integer", "the log position of the boundary it starts from"),
+    need("group", "string", "the fork group: every rollout forked by one request"),
+    need("index", "integer", "its place in the group (0 to count - 1)"),
+    need("count", "integer", "how many rollouts the request forked"),
+    need("seed", "integer", "its own sampling seed"),
+)
+
 # ---- an attempt's episode (environment server) -------------------------------------------------
 
 _EPISODE_STATUS = may("status", "string", "running, finished or failed (episode_state.status)")
@@ -196,9 +211,12 @@ EPISODE_CONTINUED = _kind(
     may("origin_attempt", "integer", "the attempt whose steps it inherits"),
     may("next_step", "string|null", "the first step not yet recorded"),
     may("restored_from", "string", "the checkpoint restored"), may("recovered", "boolean", "true after a crash"),
+    may("forked_from", "string", "a fork's origin rollout (its steps are the origin attempt's up to the boundary)"),
     _EPISODE_STATUS,
     may("gym", "object", "NeMo Gym's episode id and task id, when its collector asked"),
 )
+# The environment server's steps of an episode, in the order it runs them.
+EPISODE_STEPS = ("seed", "agent", "verify", "close")
 EPISODE_STEP = _kind(
     "episode_step", EPISODE, _ENV,
     "One step of the episode is done (seed, agent, verify, close): the environment server's boundary.",
