@@ -19,6 +19,7 @@ import pytest
 from adapters.http_client import data_url
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
+from apps.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
@@ -27,7 +28,6 @@ from participants.environments.base import Task
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
 from participants.wire import ACTIVATION_HEADER, CONTROL
-from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)

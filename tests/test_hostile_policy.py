@@ -18,13 +18,13 @@ import pytest
 
 from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
+from apps.stack import Stack, start_stack
 from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.identity import session_stream
 from participants.environments.tasks import make_task
 from tests.fake_vllm import MODEL, FakeVLLM
 from tests.hostile_policy import HostileBackend, hostile_task, tool_call
-from tests.stack import Stack, start_stack
 
 VICTIM = make_task("workplace", 11)
 ATTACKER = make_task("workplace", 12)
