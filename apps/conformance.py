@@ -115,7 +115,7 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
 
 
 class HoldingUpstream(OpenAICompatibleBackend):
-    """The same hold, in front of the fake vLLM server (tests/fake_vllm.py) instead of the scripted policy."""
+    """The same hold, in front of the fake vLLM server (testkit/fake_vllm.py) instead of the scripted policy."""
 
     def __init__(self, url: str, pin: Pin | None) -> None:
         super().__init__(url, model="fake-policy", policy_version="scripted-v1")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from adapters.postgres import PostgresEventStore
-from tests import pg
-from tests.pg import DemoRun
+from testkit import pg
+from testkit.pg import DemoRun
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
@@ -42,7 +42,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):
         return  # a parallel worker: the controller compiled them before it started the workers
     pg.ensure_unprivileged_user()
-    for package in ("engine", "participants", "adapters", "apps", "migrations", "tests"):
+    for package in ("engine", "participants", "adapters", "apps", "migrations", "testkit", "tests"):
         compileall.compile_dir(ROOT / package, quiet=2)
 
 

@@ -15,7 +15,7 @@ from apps.conformance import AGENTS, assert_conformant, check_environment, outco
 from participants.agent_server import AgentParticipant
 from participants.environments import ENVIRONMENTS
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
-from tests.fake_vllm import FakeVLLM
+from testkit.fake_vllm import FakeVLLM
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,7 +33,7 @@ async def test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end(
 async def test_every_boundary_conforms_through_a_vllm_style_upstream(
     dsn: str, store: PostgresEventStore, env_name: str
 ) -> None:
-    """The same check with the openai_compatible backend in front of tests/fake_vllm.py: token ids,
+    """The same check with the openai_compatible backend in front of testkit/fake_vllm.py: token ids,
     logprobs and cut prefixes come from vLLM's fields, and continuations go upstream."""
     async with FakeVLLM(token_latency_s=0.001) as fake:
         summary = await assert_conformant(dsn, store, env_name, AgentParticipant, f"{env_name}-up", upstream=fake.url)

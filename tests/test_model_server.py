@@ -1,6 +1,6 @@
 """The policy model server on real aiohttp servers and a real PostgreSQL log.
 
-The only fake is at the edge of the world: tests/fake_vllm.py, a vLLM-style upstream for the
+The only fake is at the edge of the world: testkit/fake_vllm.py, a vLLM-style upstream for the
 OpenAI-compatible backend, standing in for a model server we cannot run in a test.
 """
 
@@ -40,7 +40,7 @@ from participants.guard import Credentials
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_model_app
 from participants.wire import CONTROL
-from tests.fake_vllm import FakeVLLM
+from testkit.fake_vllm import FakeVLLM
 from tests.waiting import eventually
 
 CREDS = Credentials(control="secret-control", data="secret-data")

@@ -24,7 +24,7 @@ from participants.guard import Credentials
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_model_app
 from participants.wire import CONTROL
-from tests.fake_vllm import FakeVLLM
+from testkit.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")
 TOKEN = CREDS.control  # the control plane's; the SDK's api_key is the data credential

@@ -40,7 +40,7 @@ from apps.stack import CREDS, SEED, Stack, start_stack
 from engine.coordinator import Coordinator
 from participants.environments.tasks import make_tasks
 from participants.scripted_model import ScriptedBackend
-from tests.checkpoint_rules import CheckpointRules
+from testkit.checkpoint_rules import CheckpointRules
 
 ENVS = ["math", "blackjack", "workplace"]
 ROLLOUTS = 4
@@ -88,7 +88,7 @@ class _Collection(Collection):
 
 
 class ControlMachine(CheckpointRules, RuleBasedStateMachine):
-    # dispatch, prepare, commit, publish and resume: tests/checkpoint_rules.py
+    # dispatch, prepare, commit, publish and resume: testkit/checkpoint_rules.py
     CHECKPOINT_TAG = "ck"
     tally = TALLY
     dsn: str = ""  # set by the test or the soak before running
