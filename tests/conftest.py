@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from adapters.memory_store import MemoryEventStore, MemoryLog
 from adapters.postgres import PostgresEventStore
+from adapters.token_store import MemoryTokenStore
 from testkit import pg
 from testkit.pg import DemoRun
 
@@ -103,3 +105,15 @@ async def any_store(any_dsn: str) -> PostgresEventStore:
     s = PostgresEventStore.connect(any_dsn, writer="test")
     yield s
     await s.close()
+
+
+@pytest.fixture
+def memory_store() -> MemoryEventStore:
+    """A fresh log in memory (adapters.memory_store): for tests of rules and servers that promise no
+    durability. A module whose tests all qualify names it `store` (docs/testing.md lists them)."""
+    return MemoryLog().store("test")
+
+
+@pytest.fixture
+def memory_tokens() -> MemoryTokenStore:
+    return MemoryTokenStore()
