@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.memory_store import MemoryEventStore, MemoryLog
+from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import MemoryTokenStore
+from apps.stack import MemoryBacking
 from testkit import pg
 from testkit.pg import DemoRun
 
@@ -108,12 +109,18 @@ async def any_store(any_dsn: str) -> PostgresEventStore:
 
 
 @pytest.fixture
-def memory_store() -> MemoryEventStore:
-    """A fresh log in memory (adapters.memory_store): for tests of rules and servers that promise no
-    durability. A module whose tests all qualify names it `store` (docs/testing.md lists them)."""
-    return MemoryLog().store("test")
+def memory_database() -> MemoryBacking:
+    """A fresh log and token store in memory (adapters.memory_store): for tests of rules and servers that
+    promise no durability. A module whose tests all qualify names it `database` and its store `store`
+    (docs/testing.md lists them); apps.stack.start_stack takes it where it takes a DSN."""
+    return MemoryBacking()
 
 
 @pytest.fixture
-def memory_tokens() -> MemoryTokenStore:
-    return MemoryTokenStore()
+def memory_store(memory_database: MemoryBacking) -> MemoryEventStore:
+    return memory_database.log.store("test")
+
+
+@pytest.fixture
+def memory_tokens(memory_database: MemoryBacking) -> MemoryTokenStore:
+    return memory_database.token_store
