@@ -231,16 +231,25 @@ async def checkpoint_at(database: Backing, store: CheckpointStore, task: Task, r
     return cut, result
 
 
-async def assert_conformant(database: str | Backing, store: CheckpointStore, env_name: str,
-                            agent_cls: type[AgentParticipant], tag: str, upstream: str | None = None) -> dict[str, Any]:
-    """Raise AssertionError, naming the environment, the agent and the boundary, where `env_name` does
-    not end as an uninterrupted run; else a summary. `store` reads the log `database` holds; `upstream`
-    is the URL of a vLLM-style server to generate through instead of the scripted policy."""
-    database = backing_of(database)
-    task = make_task(env_name, ENVIRONMENTS[env_name].conformance_seed)
-    continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
+@dataclass(frozen=True)
+class Boundary:
+    """One checkpoint run of the suite: the k-th agent boundary of the reference run, and where it is told."""
 
-    ref_id = f"{tag}-ref"
+    rid: str
+    k: int
+    state: str
+    turn: int
+    turns: int  # of the whole episode
+    where: str
+
+    @property
+    def last_turn(self) -> bool:
+        return self.state == "after_turn" and self.turn == self.turns - 1
+
+
+async def reference_run(database: Backing, store: CheckpointStore, task: Task, agent_cls: type[AgentParticipant],
+                        ref_id: str, upstream: str | None) -> tuple[Outcome, list[tuple[str, int]], int]:
+    """The uninterrupted run: its outcome, its agent boundaries (state, turn) and its number of turns."""
     ref_stack = await start_conformance_stack(database, ref_id, agent_cls, upstream=upstream)
     try:
         ref_result = await asyncio.wait_for(ref_stack.episode(task, ref_id), 30)
@@ -253,75 +262,114 @@ async def assert_conformant(database: str | Backing, store: CheckpointStore, env
     boundaries = [(b.data["state"], b.data["turn"]) for b in of(ref_events, "agent_boundary")]
     turns = len(of(ref_events, "call_accepted"))
     assert boundaries == [(s, t) for t in range(turns) for s in ("before_model", "after_turn")]
+    return ref, boundaries, turns
+
+
+def assert_landed_at(b: Boundary, events: list[RecordedEvent], cut: Cut) -> RecordedEvent:
+    """The checkpoint landed exactly at the append holding boundary k of attempt 0: nothing of attempt 0
+    went past it. A turn's end is appended with the next turn's start (the cut's boundary is then the
+    latter), and the last turn's end with the activation's completion. Returns the boundary it landed on."""
+    mine = of(events, "agent_boundary", 0)
+    landed = b.k + 1 if b.state == "after_turn" and not b.last_turn else b.k
+    assert len(mine) == landed + 1, f"{b.where}: attempt 0 recorded {len(mine)} boundaries"
+    at = mine[landed]
+    assert (mine[b.k].data["state"], mine[b.k].data["turn"]) == (b.state, b.turn), b.where
+    assert at.position <= cut.position, b.where
+    assert at.position - mine[b.k].position == landed - b.k, f"{b.where}: the two boundaries were not one append"
+
+    def past(e: RecordedEvent) -> bool:
+        completes_last_turn = b.last_turn and e.kind == "agent_activation_completed" and e.position == at.position + 1
+        return (e.attempt == 0 and e.position > at.position and not completes_last_turn
+                and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed"))
+
+    assert not [e for e in events if past(e)], b.where
+    return at
+
+
+async def assert_continued(b: Boundary, events: list[RecordedEvent], cut: Cut, at: RecordedEvent, got: Outcome,
+                           store: CheckpointStore) -> None:
+    """A continued episode resumed from the cut's boundary and redid nothing done before it."""
+    # The activation completed with the last turn's end, so the environment may have recorded its agent
+    # step before the cut: the rollout then resumes from that step, past the agent's boundary.
+    allowed = {at.position} | ({e.position for e in of(events, "episode_step", 0) if e.data["step"] == "agent"}
+                               if b.last_turn else set())
+    (started,) = of(events, "attempt_started", 1)
+    assert [(s.rollout_id, s.attempt) for s in cut.scope] == [(b.rid, 0)], b.where
+    assert cut.scope[0].boundary in allowed and cut.fresh == (), b.where
+    assert started.data["disposition"] == "continue", b.where
+    assert started.data["origin_position"] == cut.scope[0].boundary, b.where
+    reopened = of(events, "session_opened", 1)
+    assert [e.data["restored_from"] for e in reopened] == [f"ck-{b.rid}"], f"{b.where}: {reopened}"
+    # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
+    generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
+                 if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
+    assert sorted(generated) == list(range(b.turns)), f"{b.where}: generated turns {generated}"
+    if b.state == "before_model":
+        assert_call_continued(b, events)
+    # No revision applied twice: attempt 0's up to its boundary, then attempt 1's, each once.
+    revisions = [m[0] for m in got.mutations]
+    assert revisions == list(range(1, len(revisions) + 1)), f"{b.where}: revisions {revisions}"
+    assert await repeated(store, b.rid) == (0, 0), b.where
+
+
+def assert_call_continued(b: Boundary, events: list[RecordedEvent]) -> None:
+    """The model call in flight at the cut was cut at a token boundary and is continued from there."""
+    first = of(events, "call_completed", 1)[0]
+    cut_calls = of(events, "call_cut", 0)
+    assert [e.data["call_id"] for e in cut_calls] == [f"{b.rid}.0.t{b.turn}"], f"{b.where}: {cut_calls}"
+    assert first.data["replaces"] == f"{b.rid}.0.t{b.turn}", b.where
+    assert first.data["prefix_tokens"] == cut_calls[0].data["tokens"], b.where
+
+
+def assert_restarted(b: Boundary, events: list[RecordedEvent], cut: Cut) -> None:
+    """A restart-only episode was dispatched fresh and ran again from its input."""
+    (started,) = of(events, "attempt_started", 1)
+    assert cut.scope == () and (b.rid, 0) in cut.fresh, f"{b.where}: {cut}"
+    assert started.data["disposition"] == "fresh_dispatch", b.where
+    assert started.data["origin_position"] is None, b.where
+    opened = of(events, "session_opened", 1)
+    assert len(opened) == 1 and opened[0].data.get("restored_from") is None, f"{b.where}: {opened}"
+    assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"], b.where
+    first = of(events, "agent_boundary", 1)[0]
+    assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None, b.where
+    assert sorted(turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1)
+                  if e.data["disposition"] == "generated") == list(range(b.turns)), b.where
+
+
+def assert_same_end(b: Boundary, got: Outcome, ref: Outcome) -> None:
+    assert got.messages == ref.messages, f"{b.where}: the trajectory differs"
+    assert got.tool_outputs == ref.tool_outputs, f"{b.where}: the tool outputs differ"
+    assert got.final_answer == ref.final_answer, b.where
+    assert got.state == ref.state, f"{b.where}: the final environment state differs"
+    assert [m[1:] for m in got.mutations] == [m[1:] for m in ref.mutations], f"{b.where}: the mutations differ"
+    assert got.reward == ref.reward, f"{b.where}: reward {got.reward} != {ref.reward}"
+
+
+async def assert_conformant(database: str | Backing, store: CheckpointStore, env_name: str,
+                            agent_cls: type[AgentParticipant], tag: str, upstream: str | None = None) -> dict[str, Any]:
+    """Raise AssertionError, naming the environment, the agent and the boundary, where `env_name` does
+    not end as an uninterrupted run; else a summary. `store` reads the log `database` holds; `upstream`
+    is the URL of a vLLM-style server to generate through instead of the scripted policy."""
+    database = backing_of(database)
+    task = make_task(env_name, ENVIRONMENTS[env_name].conformance_seed)
+    continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
+    ref, boundaries, turns = await reference_run(database, store, task, agent_cls, f"{tag}-ref", upstream)
 
     covered: list[tuple[str, int]] = []
     for k, (state, turn) in enumerate(boundaries):
-        rid = f"{tag}-k{k}"
-        where = f"{env_name}/{agent_cls.__name__} boundary {k} ({state} turn {turn})"
-        cut, result = await checkpoint_at(database, store, task, rid, Pin(rid, k, state, turn), agent_cls, upstream)
-        events = await store.read_rollout(rid)
-
-        # The checkpoint landed exactly at the append holding boundary k of attempt 0: nothing of attempt 0
-        # went past it. A turn's end is appended with the next turn's start (the cut's boundary is then the
-        # latter), and the last turn's end with the activation's completion.
-        mine = of(events, "agent_boundary", 0)
-        last_turn = state == "after_turn" and turn == turns - 1
-        landed = k + 1 if state == "after_turn" and not last_turn else k
-        assert len(mine) == landed + 1, f"{where}: attempt 0 recorded {len(mine)} boundaries"
-        at = mine[landed]
-        assert (mine[k].data["state"], mine[k].data["turn"]) == (state, turn) and at.position <= cut.position, where
-        assert at.position - mine[k].position == landed - k, f"{where}: the two boundaries were not one append"
-        assert not [e for e in events if e.attempt == 0 and e.position > at.position
-                    and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed")
-                    and not (last_turn and e.kind == "agent_activation_completed" and e.position == at.position + 1)], where
+        b = Boundary(f"{tag}-k{k}", k, state, turn, turns, f"{env_name}/{agent_cls.__name__} boundary {k} ({state} turn {turn})")
+        cut, result = await checkpoint_at(database, store, task, b.rid, Pin(b.rid, k, state, turn), agent_cls, upstream)
+        events = await store.read_rollout(b.rid)
+        at = assert_landed_at(b, events, cut)
         covered.append((state, turn))
-
-        (started,) = of(events, "attempt_started", 1)
-        assert result["attempt"] == 1, f"{where}: {result}"
-        got = await outcome(store, rid, 1)
-        assert got.reward == result["reward"], where
+        assert result["attempt"] == 1, f"{b.where}: {result}"
+        got = await outcome(store, b.rid, 1)
+        assert got.reward == result["reward"], b.where
         if continues:
-            # The activation completed with the last turn's end, so the environment may have recorded its agent
-            # step before the cut: the rollout then resumes from that step, past the agent's boundary.
-            allowed = {at.position} | ({e.position for e in of(events, "episode_step", 0) if e.data["step"] == "agent"}
-                                       if last_turn else set())
-            assert [(s.rollout_id, s.attempt) for s in cut.scope] == [(rid, 0)] and cut.scope[0].boundary in allowed, where
-            assert cut.fresh == (), where
-            assert started.data["disposition"] == "continue", where
-            assert started.data["origin_position"] == cut.scope[0].boundary, where
-            reopened = of(events, "session_opened", 1)
-            assert [e.data["restored_from"] for e in reopened] == [f"ck-{rid}"], f"{where}: {reopened}"
-            # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
-            generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
-                         if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
-            assert sorted(generated) == list(range(turns)), f"{where}: generated turns {generated}"
-            if state == "before_model":  # the call in flight was cut at a token boundary and is continued from there
-                first = of(events, "call_completed", 1)[0]
-                cut_calls = of(events, "call_cut", 0)
-                assert [e.data["call_id"] for e in cut_calls] == [f"{rid}.0.t{turn}"], f"{where}: {cut_calls}"
-                assert first.data["replaces"] == f"{rid}.0.t{turn}", where
-                assert first.data["prefix_tokens"] == cut_calls[0].data["tokens"], where
-            # No revision applied twice: attempt 0's up to its boundary, then attempt 1's, each once.
-            revisions = [m[0] for m in got.mutations]
-            assert revisions == list(range(1, len(revisions) + 1)), f"{where}: revisions {revisions}"
-            assert await repeated(store, rid) == (0, 0), where
+            await assert_continued(b, events, cut, at, got, store)
         else:
-            assert cut.scope == () and (rid, 0) in cut.fresh, f"{where}: {cut}"
-            assert started.data["disposition"] == "fresh_dispatch" and started.data["origin_position"] is None, where
-            opened = of(events, "session_opened", 1)
-            assert len(opened) == 1 and opened[0].data.get("restored_from") is None, f"{where}: {opened}"
-            assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"], where
-            first = of(events, "agent_boundary", 1)[0]
-            assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None, where
-            assert sorted(turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1)
-                          if e.data["disposition"] == "generated") == list(range(turns)), where
-        # Either way the episode ends as if nothing had happened.
-        assert got.messages == ref.messages, f"{where}: the trajectory differs"
-        assert got.tool_outputs == ref.tool_outputs, f"{where}: the tool outputs differ"
-        assert got.final_answer == ref.final_answer, where
-        assert got.state == ref.state, f"{where}: the final environment state differs"
-        assert [m[1:] for m in got.mutations] == [m[1:] for m in ref.mutations], f"{where}: the mutations differ"
-        assert got.reward == ref.reward, f"{where}: reward {got.reward} != {ref.reward}"
+            assert_restarted(b, events, cut)
+        assert_same_end(b, got, ref)  # either way the episode ends as if nothing had happened
     assert covered == boundaries  # every boundary was the cut's boundary once
     return {"boundaries": len(boundaries), "reward": ref.reward, "continues": continues}
 
