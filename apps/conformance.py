@@ -36,6 +36,7 @@ from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from apps.stack import Backing, MemoryBacking, Stack, backing_of, of, start_stack, turn_of
+from engine import catalog as ev
 from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, CutStore, effective_history
 from engine.coordinator import CheckpointStore
@@ -148,7 +149,7 @@ async def start_conformance_stack(database: Backing, tag: str, agent_cls: type[A
 
 
 def mutations(events: list[RecordedEvent]) -> list[tuple[int, str, Any, Any]]:
-    return [(e.data["revision"], e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
+    return [(e.data["revision"], e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, ev.MUTATION_APPLIED)]
 
 
 def final_state(history: list[RecordedEvent]) -> Any:
@@ -157,10 +158,10 @@ def final_state(history: list[RecordedEvent]) -> Any:
     state: Any = None
     records: list[Any] = []
     for e in history:
-        if e.kind == "session_opened" and e.data.get("restored_from") is None:
+        if e.kind == ev.SESSION_OPENED and e.data.get("restored_from") is None:
             env = GENUINE[e.data["env"]]()
             state, records = env.initial_state(Task.from_json(e.data["task"])), []
-        elif e.kind == "mutation_applied":
+        elif e.kind == ev.MUTATION_APPLIED:
             assert env is not None, "a mutation before any session"
             if env.state_mode == "restart_only":
                 records.append(e.data["effect"])  # a live shell: the effects are records, not state
@@ -183,7 +184,7 @@ class Outcome:
 
 async def outcome(store: CutStore, rid: str, attempt: int) -> Outcome:
     history = await effective_history(store, rid, attempt)
-    (finished,) = of(history, "attempt_finished", attempt)
+    (finished,) = of(history, ev.ATTEMPT_FINISHED, attempt)
     (reply,) = completed_activations(history).values()  # exactly one activation completed in the episode
     return Outcome(float(finished.data["reward"]), reply["messages"],
                    [m["content"] for m in reply["messages"] if m.get("role") == "tool"], reply["final_answer"],
@@ -259,8 +260,8 @@ async def reference_run(database: Backing, store: CheckpointStore, task: Task, a
     ref = await outcome(store, ref_id, 0)
     assert ref.reward == ref_result["reward"]
     ref_events = await store.read_rollout(ref_id)
-    boundaries = [(b.data["state"], b.data["turn"]) for b in of(ref_events, "agent_boundary")]
-    turns = len(of(ref_events, "call_accepted"))
+    boundaries = [(b.data["state"], b.data["turn"]) for b in of(ref_events, ev.AGENT_BOUNDARY)]
+    turns = len(of(ref_events, ev.CALL_ACCEPTED))
     assert boundaries == [(s, t) for t in range(turns) for s in ("before_model", "after_turn")]
     return ref, boundaries, turns
 
@@ -269,7 +270,7 @@ def assert_landed_at(b: Boundary, events: list[RecordedEvent], cut: Cut) -> Reco
     """The checkpoint landed exactly at the append holding boundary k of attempt 0: nothing of attempt 0
     went past it. A turn's end is appended with the next turn's start (the cut's boundary is then the
     latter), and the last turn's end with the activation's completion. Returns the boundary it landed on."""
-    mine = of(events, "agent_boundary", 0)
+    mine = of(events, ev.AGENT_BOUNDARY, 0)
     landed = b.k + 1 if b.state == "after_turn" and not b.last_turn else b.k
     assert len(mine) == landed + 1, f"{b.where}: attempt 0 recorded {len(mine)} boundaries"
     at = mine[landed]
@@ -278,9 +279,9 @@ def assert_landed_at(b: Boundary, events: list[RecordedEvent], cut: Cut) -> Reco
     assert at.position - mine[b.k].position == landed - b.k, f"{b.where}: the two boundaries were not one append"
 
     def past(e: RecordedEvent) -> bool:
-        completes_last_turn = b.last_turn and e.kind == "agent_activation_completed" and e.position == at.position + 1
+        completes_last_turn = b.last_turn and e.kind == ev.ACTIVATION_COMPLETED and e.position == at.position + 1
         return (e.attempt == 0 and e.position > at.position and not completes_last_turn
-                and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed"))
+                and e.kind in (ev.AGENT_BOUNDARY, ev.MUTATION_APPLIED, ev.ACTIVATION_COMPLETED))
 
     assert not [e for e in events if past(e)], b.where
     return at
@@ -291,17 +292,17 @@ async def assert_continued(b: Boundary, events: list[RecordedEvent], cut: Cut, a
     """A continued episode resumed from the cut's boundary and redid nothing done before it."""
     # The activation completed with the last turn's end, so the environment may have recorded its agent
     # step before the cut: the rollout then resumes from that step, past the agent's boundary.
-    allowed = {at.position} | ({e.position for e in of(events, "episode_step", 0) if e.data["step"] == "agent"}
+    allowed = {at.position} | ({e.position for e in of(events, ev.EPISODE_STEP, 0) if e.data["step"] == "agent"}
                                if b.last_turn else set())
-    (started,) = of(events, "attempt_started", 1)
+    (started,) = of(events, ev.ATTEMPT_STARTED, 1)
     assert [(s.rollout_id, s.attempt) for s in cut.scope] == [(b.rid, 0)], b.where
     assert cut.scope[0].boundary in allowed and cut.fresh == (), b.where
     assert started.data["disposition"] == "continue", b.where
     assert started.data["origin_position"] == cut.scope[0].boundary, b.where
-    reopened = of(events, "session_opened", 1)
+    reopened = of(events, ev.SESSION_OPENED, 1)
     assert [e.data["restored_from"] for e in reopened] == [f"ck-{b.rid}"], f"{b.where}: {reopened}"
     # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
-    generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
+    generated = [turn_of(e.data["call_id"]) for e in of(events, ev.CALL_COMPLETED)
                  if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
     assert sorted(generated) == list(range(b.turns)), f"{b.where}: generated turns {generated}"
     if b.state == "before_model":
@@ -314,8 +315,8 @@ async def assert_continued(b: Boundary, events: list[RecordedEvent], cut: Cut, a
 
 def assert_call_continued(b: Boundary, events: list[RecordedEvent]) -> None:
     """The model call in flight at the cut was cut at a token boundary and is continued from there."""
-    first = of(events, "call_completed", 1)[0]
-    cut_calls = of(events, "call_cut", 0)
+    first = of(events, ev.CALL_COMPLETED, 1)[0]
+    cut_calls = of(events, ev.CALL_CUT, 0)
     assert [e.data["call_id"] for e in cut_calls] == [f"{b.rid}.0.t{b.turn}"], f"{b.where}: {cut_calls}"
     assert first.data["replaces"] == f"{b.rid}.0.t{b.turn}", b.where
     assert first.data["prefix_tokens"] == cut_calls[0].data["tokens"], b.where
@@ -323,16 +324,16 @@ def assert_call_continued(b: Boundary, events: list[RecordedEvent]) -> None:
 
 def assert_restarted(b: Boundary, events: list[RecordedEvent], cut: Cut) -> None:
     """A restart-only episode was dispatched fresh and ran again from its input."""
-    (started,) = of(events, "attempt_started", 1)
+    (started,) = of(events, ev.ATTEMPT_STARTED, 1)
     assert cut.scope == () and (b.rid, 0) in cut.fresh, f"{b.where}: {cut}"
     assert started.data["disposition"] == "fresh_dispatch", b.where
     assert started.data["origin_position"] is None, b.where
-    opened = of(events, "session_opened", 1)
+    opened = of(events, ev.SESSION_OPENED, 1)
     assert len(opened) == 1 and opened[0].data.get("restored_from") is None, f"{b.where}: {opened}"
-    assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"], b.where
-    first = of(events, "agent_boundary", 1)[0]
+    assert [e.data["step"] for e in of(events, ev.EPISODE_STEP, 1)] == ["seed", "agent", "verify", "close"], b.where
+    first = of(events, ev.AGENT_BOUNDARY, 1)[0]
     assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None, b.where
-    assert sorted(turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1)
+    assert sorted(turn_of(e.data["call_id"]) for e in of(events, ev.CALL_COMPLETED, 1)
                   if e.data["disposition"] == "generated") == list(range(b.turns)), b.where
 
 
