@@ -1,8 +1,9 @@
 """Token stores: where the token arrays of model calls live, since the log only holds receipts.
 
-Two implementations with one behaviour (tests/test_token_store.py runs the same suite on both):
+Three implementations with one behaviour (tests/test_token_store.py runs the same suite on each):
 `PostgresTokenStore` uses the tables rollbook.token_blobs / rollbook.token_snapshots that the
-first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot.
+first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot, and
+`MemoryTokenStore` keeps them in dicts (beside adapters.memory_store's log: nothing durable).
 
 Encoding. A blob is a `TokenArray`: integer token ids (token_blobs.token_ids, integer[]) and, for
 generated tokens, the sampling logprob of each (token_blobs.logprobs, real[]; NULL for a prompt).
@@ -367,6 +368,33 @@ class FilesystemTokenStore(_TokenStore):
         parent = row.get("parent_snapshot_id")
         return SnapshotRow(str(row["checkpoint_id"]), list(row["blob_ids"]), str(row["digest"]),
                            None if parent is None else str(parent))
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoryTokenStore(_TokenStore):
+    """Blobs and snapshots in dicts, for a log in memory (adapters.memory_store): one instance is the
+    token database of every server that shares it, and outlives their crashes as a database would."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, tuple[TokenArray, str]] = {}
+        self.snapshots: dict[str, SnapshotRow] = {}
+
+    async def _save_blob(self, blob_id: str, arr: TokenArray, digest: str) -> None:
+        self.blobs.setdefault(blob_id, (arr, digest))
+
+    async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
+        return self.blobs.get(blob_id)
+
+    async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
+        return {b: self.blobs[b][1] for b in blob_ids if b in self.blobs}
+
+    async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
+        self.snapshots[snapshot_id] = row
+
+    async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        return self.snapshots.get(snapshot_id)
 
     async def close(self) -> None:
         return None

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from sqlalchemy import text
 
 from adapters import database
-from adapters.database import like_prefix
+from adapters.collection_store import CollectionStore
 from adapters.http_client import unpooled_session
-from adapters.postgres import PostgresEventStore, retrying
+from adapters.postgres import PostgresEventStore
 from apps.collection import Collection
 from apps.config import KINDS, Config
 from engine import catalog as ev
@@ -149,12 +148,8 @@ async def run_collection(config: Config) -> int:
         await store.close()
 
 
-@retrying("numbering the next checkpoint")
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
-    async with store.engine.connect() as conn:
-        n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),
-                                {"p": like_prefix(f"{run_id}-ck")})).scalar_one()
-    return f"{run_id}-ck{int(n) + 1}"
+    return f"{run_id}-ck{await CollectionStore(store).checkpoint_count(f'{run_id}-ck') + 1}"
 
 
 def main(config: Config) -> int:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/per_call.py [--rollouts 12] [--concurrency 1] [--envs workplace,blackjack,math]
                                             [--dsn ADMIN_DSN] [--out PATH]
 
-A fixed, deterministic workload: the four servers of tests/stack.py (real aiohttp servers on
+A fixed, deterministic workload: the four servers of apps/stack.py (real aiohttp servers on
 127.0.0.1, each with its own event-store connection, the scripted policy as the model) run
 `--rollouts` episodes over the workplace, blackjack and math environments (seed 3), `--concurrency`
 at a time (1: one after another, so no append groups two servers' requests and the figures are
@@ -47,10 +47,10 @@ from sqlalchemy.pool import Pool  # noqa: E402
 from adapters import database  # noqa: E402
 from adapters.database import like_prefix  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from apps.stack import start_stack  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
 from participants.scripted_model import ScriptedBackend  # noqa: E402
-from tests.stack import start_stack  # noqa: E402
 
 ENVS = ["workplace", "blackjack", "math"]
 TASK_SEED = 3

@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from adapters.postgres import PostgresEventStore
+from apps.stack import start_stack
 from participants.scripted_model import ScriptedBackend
-from tests.stack import start_stack
 
 
 def count_appends(store: PostgresEventStore, tally: list[str], name: str) -> None:
