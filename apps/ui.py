@@ -61,7 +61,7 @@ def _error(exc: Unauthorized | NotFound, request: web.Request) -> web.Response:
 
 @web.middleware
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    open_route = request.path in ("/login",) or request.path.startswith("/static/")
+    open_route = request.path in ("/login", "/favicon.ico") or request.path.startswith("/static/")
     try:
         if not open_route and not authorized(request, request.app[TOKEN]):
             raise Unauthorized("rollbook ui needs the control credential: sign in, or send Authorization: Bearer")
@@ -103,6 +103,10 @@ async def static(request: web.Request) -> web.Response:
         raise NotFound(f"no static file {name}")
     body = resources.files("apps").joinpath("ui_static", name).read_text(encoding="utf-8")
     return web.Response(text=body, content_type=STATIC[name], charset="utf-8")
+
+
+async def no_icon(request: web.Request) -> web.Response:
+    return web.Response(status=204)
 
 
 async def _runs(reads: UiReads, _: str) -> tuple[str, str]:
@@ -185,6 +189,7 @@ def build_app(dsn: str, token: str) -> web.Application:
     r.add_post("/login", login)
     r.add_post("/logout", logout)
     r.add_get("/static/{name}", static)
+    r.add_get("/favicon.ico", no_icon)
     r.add_get("/api/head", head)
     r.add_get("/api/runs", runs_json)
     r.add_get("/api/events", events)

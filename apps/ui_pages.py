@@ -6,6 +6,7 @@ Content-Security-Policy forbids both), only /static/ui.css and /static/ui.js.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
@@ -128,10 +129,15 @@ def rollout_fragment(r: Rollout) -> str:
           f'<a href="{href("/checkpoints", a["restored_from_checkpoint"])}">{e(a["restored_from_checkpoint"])}</a>'
           if a["restored_from_checkpoint"] else "-", e(a["origin_position"]), e(a["started_position"]),
           e(a["ended_position"]), num(a["reward"])] for a in r.attempts], "attempt-table")
+    calls = table(("turn", "model call", "attempt", "status", "duration ms", "tokens"),
+                  [[e(c.turn), _call_link(c.call_id), e(lane.attempt), e(c.status),
+                    num(c.duration_ms, 5), e(c.tokens)] for lane in ls for c in lane.calls],
+                  "call-table", [f'data-call="{e(c.call_id)}"' for lane in ls for c in lane.calls])
     events = table(("position", "attempt", "kind", "stream"),
                    [[e(ev["position"]), e(ev["attempt"]), e(ev["kind"]), e(ev["stream"])] for ev in r.events[-40:]],
                    "event-table", [f'data-position="{e(ev["position"])}"' for ev in r.events[-40:]])
     return (summary + "<h2>attempts on one time axis</h2>" + legend + ui_svg.timeline(ls, r.cuts) + attempts
+            + "<h2>model calls</h2>" + calls
             + "<h2>what each later attempt kept or redid</h2>"
             + ("".join(fates) or '<p class="empty">one attempt: nothing redone</p>')
             + _fork_tree(r.forks, r.rollout_id) + "<h2>latest events</h2>" + events)
@@ -160,7 +166,7 @@ def call_page_body(c: dict[str, Any]) -> str:
     return (dl + "<h2>logprobs of the generated tokens</h2>" + ui_svg.logprob_plot(c["generated"]["logprobs"], segments, cut_at)
             + "<h2>policy version per segment</h2>" + segs
             + f"<h2>generated tokens ({len(c['generated']['ids'])})</h2>" + gen
-            + (f'<h2>reply</h2><pre class="reply">{e(reply)}</pre>' if reply else "")
+            + (f'<h2>reply</h2><pre class="reply">{e(json.dumps(reply, indent=1, ensure_ascii=False))}</pre>' if reply else "")
             + f"<h2>prompt tokens ({len(c['prompt'])})</h2>" + _tokens(c["prompt"], None, "prompt")
             + "<h2>custody</h2>" + table(("position", "attempt", "kind", "recorded"),
                                          [[e(x["position"]), e(x["attempt"]), e(x["kind"]), e(x["recorded_at"])]

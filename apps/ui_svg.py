@@ -13,7 +13,7 @@ from typing import Any
 
 from apps.ui_lanes import Lane
 
-WIDTH, LEFT, RIGHT, LANE_H, TOP = 1100, 120, 20, 96, 34
+WIDTH, LEFT, RIGHT, LANE_H, TOP = 1100, 120, 60, 104, 44
 
 
 class Axis:
@@ -45,7 +45,7 @@ def _ticks(axis: Axis, height: float) -> list[str]:
 
 def _calls(lane: Lane, axis: Axis, y: float) -> list[str]:
     out = []
-    for c in lane.calls:
+    for i, c in enumerate(lane.calls):
         x0 = axis.x(c.start)
         w = max(axis.x(c.end) - x0, 4.0) if c.end else 8.0
         ms = f"{c.duration_ms:.0f} ms" if c.duration_ms is not None else "in flight"
@@ -54,7 +54,7 @@ def _calls(lane: Lane, axis: Axis, y: float) -> list[str]:
         out.append(f'<a href="/calls/{_a(c.call_id)}" class="call-link" data-call="{_a(c.call_id)}">'
                    f'<rect class="call {_a(c.status.replace(" ", "-"))}" x="{x0:.1f}" y="{y:.1f}" width="{w:.1f}" '
                    f'height="22" rx="3">{_title(tip)}</rect>'
-                   f'<text class="call-label" x="{x0 + 2:.1f}" y="{y + 36:.1f}">{_a(label)} · {_a(ms)}</text></a>')
+                   f'<text class="call-label" x="{x0 + 2:.1f}" y="{y - 9 if i % 2 else y + 34:.1f}">{_a(label)} · {_a(ms)}</text></a>')
     return out
 
 
@@ -86,14 +86,14 @@ def timeline(ls: list[Lane], cuts: Sequence[dict[str, Any]]) -> str:
     if not times:
         return '<p class="empty">no events yet</p>'
     axis = Axis(min(times), max(times))
-    height = TOP + LANE_H * len(ls) + 20
+    height = TOP + LANE_H * len(ls) + 28
     parts = [f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
              f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="attempts on one time axis">',
              '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
              '<line x1="0" y1="0" x2="0" y2="6" class="hatch"/></pattern>'
              '<marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto">'
              '<path d="M0 0 L10 5 L0 10 z" class="arrowhead"/></marker></defs>', *_ticks(axis, height - 10)]
-    row = {lane.attempt: TOP + LANE_H * i for i, lane in enumerate(ls)}
+    row = {lane.attempt: TOP + 8 + LANE_H * i for i, lane in enumerate(ls)}
     by = {lane.attempt: lane for lane in ls}
     for lane in ls:
         y = row[lane.attempt]
