@@ -68,7 +68,7 @@ class Lane:
 @dataclass
 class TurnFate:
     turn: int
-    fate: str  # kept, redone, dropped
+    fate: str  # kept, redone, dropped (a call not asked again), undone (a tool call past the boundary)
     detail: str
 
 
@@ -148,22 +148,31 @@ def lineage(ls: list[Lane]) -> list[Lineage]:
             out.append(Lineage(lane.attempt, None, None, "restarted from its input: nothing kept",
                                [TurnFate(t, "redone", "restarted from the input") for t in turns]))
             continue
-        mine = {c.turn: c for c in lane.calls}
-        fates: list[TurnFate] = []
-        for c in sorted(origin.calls, key=lambda c: c.accepted_position):
-            if c.accepted_position <= lane.origin_position:
-                fates.append(TurnFate(c.turn, "kept", f"{c.call_id} ({c.status}) kept"))
-            elif c.turn in mine:
-                again = mine[c.turn]
-                how = "its recorded reply delivered, nothing generated" if again.status == "linked" else (
-                    f"continued from the cut ({again.status})" if c.status == "cut" else f"generated again ({again.status})")
-                fates.append(TurnFate(c.turn, "redone", f"{c.call_id} ({c.status}) -> {again.call_id}: {how}"))
-            else:
-                fates.append(TurnFate(c.turn, "dropped", f"{c.call_id} ({c.status}) after the boundary, not asked again"))
-        dropped = [m for m in origin.marks if m.kind == "mutation" and m.position > lane.origin_position]
-        for m in dropped:
-            fates.append(TurnFate(m.turn, "redone", f"tool call {m.label} after the boundary: applied again"))
+        fates = _fates(origin, lane, lane.origin_position)
         how = (f"continued from attempt {origin.attempt}'s boundary at position {lane.origin_position}"
                + (f" (checkpoint {lane.restored_from})" if lane.restored_from else ""))
         out.append(Lineage(lane.attempt, origin.attempt, lane.origin_position, how, fates))
     return out
+
+
+def _fates(origin: Lane, lane: Lane, boundary: int) -> list[TurnFate]:
+    """Each model call of `origin`: kept (at or below the boundary `lane` continued from), redone by
+    `lane` (generated again, continued from its cut, or its recorded reply delivered), or dropped;
+    and each tool call of `origin` past the boundary, undone by the restore."""
+    mine = {c.turn: c for c in lane.calls}
+    fates: list[TurnFate] = []
+    for c in sorted(origin.calls, key=lambda c: c.accepted_position):
+        if c.accepted_position <= boundary:
+            fates.append(TurnFate(c.turn, "kept", f"{c.call_id} ({c.status}) kept"))
+        elif c.turn in mine:
+            again = mine[c.turn]
+            how = "its recorded reply delivered, nothing generated" if again.status == "linked" else (
+                f"continued from the cut ({again.status})" if c.status == "cut" else f"generated again ({again.status})")
+            fates.append(TurnFate(c.turn, "redone", f"{c.call_id} ({c.status}) -> {again.call_id}: {how}"))
+        else:
+            fates.append(TurnFate(c.turn, "dropped", f"{c.call_id} ({c.status}) after the boundary, not asked again"))
+    for m in origin.marks:
+        if m.kind == "mutation" and m.position > boundary:
+            fates.append(TurnFate(m.turn, "undone", f"tool call {m.label} after the boundary: undone, the session "
+                                                    "went back to the boundary's revision"))
+    return fates

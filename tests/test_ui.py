@@ -205,7 +205,7 @@ def test_a_rollout_with_a_crash_and_a_restore(demo: tuple[str, str], browser: An
         if a == 0:
             want = "kept" if accepted <= origin else "redone"
             assert any(f == want and w.startswith(call_id) for f, w in fates), (call_id, fates)
-    assert page.locator(f'#timeline g.lane[data-attempt="0"] rect.discarded').count() == 1
+    assert page.locator('#timeline g.lane[data-attempt="0"] rect.discarded').count() == 1
     assert page.locator("#forks").count() == 1  # the fork tree's place, empty without a forks view
     page.close()
 
