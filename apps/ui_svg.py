@@ -19,7 +19,7 @@ WIDTH, LEFT, RIGHT, LANE_H, TOP = 1100, 120, 60, 104, 44
 class Axis:
     def __init__(self, t0: datetime, t1: datetime) -> None:
         self.t0 = t0
-        self.span = max((t1 - t0).total_seconds(), 1e-3)
+        self.span = max((t1 - t0).total_seconds(), 0.01)
 
     def x(self, t: datetime) -> float:
         return LEFT + (t - self.t0).total_seconds() / self.span * (WIDTH - LEFT - RIGHT)
@@ -33,13 +33,17 @@ def _title(text: str) -> str:
     return f"<title>{_a(text)}</title>"
 
 
+def _seconds(s: float, span: float) -> str:
+    return f"{s * 1000:.0f} ms" if span < 2 else f"{s:.2f} s"
+
+
 def _ticks(axis: Axis, height: float) -> list[str]:
     out = []
     for i in range(6):
         s = axis.span * i / 5
         x = LEFT + (WIDTH - LEFT - RIGHT) * i / 5
         out.append(f'<line class="tick" x1="{x:.1f}" y1="{TOP - 6}" x2="{x:.1f}" y2="{height}"/>'
-                   f'<text class="axis" x="{x:.1f}" y="{TOP - 10}" text-anchor="middle">{s:.2f} s</text>')
+                   f'<text class="axis" x="{x:.1f}" y="{TOP - 10}" text-anchor="middle">{_seconds(s, axis.span)}</text>')
     return out
 
 
@@ -51,10 +55,12 @@ def _calls(lane: Lane, axis: Axis, y: float) -> list[str]:
         ms = f"{c.duration_ms:.0f} ms" if c.duration_ms is not None else "in flight"
         tip = f"model call {c.call_id}: turn {c.turn}, {c.status}, {ms}, {c.tokens if c.tokens is not None else '?'} tokens"
         label = f"t{c.turn} {c.tokens}tok" if c.tokens is not None else f"t{c.turn}"
+        # A label near the right edge ends at its call instead of running off the drawing.
+        anchor = f'x="{x0 + w:.1f}" text-anchor="end"' if x0 > WIDTH - RIGHT - 120 else f'x="{x0 + 2:.1f}"'
         out.append(f'<a href="/calls/{_a(c.call_id)}" class="call-link" data-call="{_a(c.call_id)}">'
                    f'<rect class="call {_a(c.status.replace(" ", "-"))}" x="{x0:.1f}" y="{y:.1f}" width="{w:.1f}" '
                    f'height="22" rx="3">{_title(tip)}</rect>'
-                   f'<text class="call-label" x="{x0 + 2:.1f}" y="{y - 9 if i % 2 else y + 34:.1f}">{_a(label)} · {_a(ms)}</text></a>')
+                   f'<text class="call-label" {anchor} y="{y - 9 if i % 2 else y + 34:.1f}">{_a(label)} · {_a(ms)}</text></a>')
     return out
 
 

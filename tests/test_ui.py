@@ -74,7 +74,8 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str
 
 def sql(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
-        return conn.execute(query, params).fetchall()
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +329,37 @@ def test_a_live_run_is_followed_without_a_reload(dsn: str, browser: Any) -> None
         assert page.locator("#last-position").inner_text() == str(last)
         screenshot(page, "live-rollout")
         page.close()
+
+
+def test_the_fork_tree_reads_the_forks_view_where_the_database_has_one(dsn: str, browser: Any) -> None:
+    origin, fork, fork_of_fork = "tree-1-0000", "tree-1-0001", "tree-1-0002"
+    for r in (origin, fork, fork_of_fork):
+        append(dsn, NewEvent(rollout_stream(r), ev.ATTEMPT_STARTED, {"parent_attempt": None}, r, 0),
+               NewEvent(episode_stream(r, 0), ev.EPISODE_STARTED, {"env": "math", "task_id": "t"}, r, 0))
+    with ui_server(dsn) as base:
+        page = signed_in(browser, base)
+        page.goto(f"{base}/rollouts/{origin}")
+        assert "no rollbook.forks view" in page.locator("#forks").inner_text()  # absent from the catalog: not queried
+        # The view as forks record them (rollout, origin rollout, origin attempt, origin position), here
+        # standing on fixed rows: this test's database is its own, so whatever forks view it had is replaced.
+        sql(dsn, "DROP VIEW IF EXISTS rollbook.forks")
+        sql(dsn, f"""CREATE VIEW rollbook.forks AS SELECT * FROM (VALUES ('{fork}', '{origin}', 0, 2::bigint),
+                     ('{fork_of_fork}', '{fork}', 0, 4::bigint)) v(rollout_id, origin_rollout_id, origin_attempt,
+                     origin_position)""")
+        page.goto(f"{base}/rollouts/{origin}")
+        assert page.locator(f'#forks li[data-fork="{fork}"] li[data-fork="{fork_of_fork}"]').count() == 1
+        assert "from attempt 0 at position 2" in page.locator(f'#forks li[data-fork="{fork}"]').inner_text()
+        screenshot(page, "fork-tree")
+        page.goto(f"{base}/rollouts/{fork_of_fork}")  # a fork's page shows where it came from
+        assert page.locator(f'#forks li[data-fork="{fork_of_fork}"]').count() == 1
+        page.close()
+
+
+def test_without_a_credential_rollbook_ui_does_not_start() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLBOOK_CONTROL_TOKEN"}
+    for extra, says in (([], "rollbook ui shows the log only to a holder of the control credential"),
+                        (["--control-token", "on-the-command-line"], "--control-token puts the control credential")):
+        done = subprocess.run([sys.executable, "-m", "apps.cli", "ui", "--dsn", "postgresql://nobody@127.0.0.1:1/x",
+                               *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert "ROLLBOOK_CONTROL_TOKEN" in done.stderr  # and it names where the credential goes
