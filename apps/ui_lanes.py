@@ -129,6 +129,10 @@ def lanes(r: Rollout) -> list[Lane]:
             m = _mark(e, t)
             if m is not None:
                 lane.marks.append(m)
+    for lane in out.values():
+        for c in lane.calls:
+            if c.status == "in flight" and lane.status != "live":
+                c.status = "lost"  # its attempt ended with no end of the call in the log
     return [out[k] for k in sorted(out)]
 
 

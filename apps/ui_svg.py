@@ -52,7 +52,7 @@ def _calls(lane: Lane, axis: Axis, y: float) -> list[str]:
     for i, c in enumerate(lane.calls):
         x0 = axis.x(c.start)
         w = max(axis.x(c.end) - x0, 4.0) if c.end else 8.0
-        ms = f"{c.duration_ms:.0f} ms" if c.duration_ms is not None else "in flight"
+        ms = f"{c.duration_ms:.0f} ms" if c.duration_ms is not None else c.status
         tip = f"model call {c.call_id}: turn {c.turn}, {c.status}, {ms}, {c.tokens if c.tokens is not None else '?'} tokens"
         label = f"t{c.turn} {c.tokens}tok" if c.tokens is not None else f"t{c.turn}"
         # A label near the right edge ends at its call instead of running off the drawing.
@@ -75,8 +75,10 @@ def _marks(lane: Lane, axis: Axis, y: float) -> list[str]:
         elif m.kind == "mutation":
             out.append(f'<path class="mutation" d="M{x:.1f} {y + 46} l6 7 l-6 7 l-6 -7 z">{tip}</path>')
         elif m.kind in ("fence", "recovered"):
+            ty = y + LANE_H - 18 if m.kind == "fence" else y + 6  # the two often fall at one instant
+            where = f'x="{x - 3:.1f}" text-anchor="end"' if x > WIDTH / 2 else f'x="{x + 3:.1f}"'
             out.append(f'<line class="{m.kind}" x1="{x:.1f}" y1="{y - 4}" x2="{x:.1f}" y2="{y + LANE_H - 16}">{tip}</line>'
-                       f'<text class="{m.kind}-label" x="{x + 3:.1f}" y="{y + LANE_H - 18}">{_a(m.label)}</text>')
+                       f'<text class="{m.kind}-label" {where} y="{ty}">{_a(m.label)}</text>')
         elif m.kind == "finished":
             out.append(f'<circle class="finished" cx="{x:.1f}" cy="{y + 66}" r="5">{tip}</circle>'
                        f'<text class="finished-label" x="{x - 4:.1f}" y="{y + 82}" text-anchor="end">{_a(m.label)}</text>')

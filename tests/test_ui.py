@@ -30,7 +30,7 @@ from apps.processes import free_port
 from apps.ui import COOKIE
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
-from engine.identity import call_stream, episode_stream, rollout_stream
+from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream
 from tests.browser import chromium, screenshot
 from tests.pg import DemoRun
 from tests.waiting import eventually_sync
@@ -328,6 +328,29 @@ def test_a_live_run_is_followed_without_a_reload(dsn: str, browser: Any) -> None
         (last,), = sql(dsn, "SELECT max(position) FROM rollbook.episode_history WHERE rollout_id = %s", r)
         assert page.locator("#last-position").inner_text() == str(last)
         screenshot(page, "live-rollout")
+
+        # The other rollout loses its server and recovery continues it from its boundary under attempt 1.
+        page.goto(f"{base}/rollouts/{r2}")
+        page.wait_for_selector("#timeline")
+        append(dsn, NewEvent(agent_stream(r2, 0), ev.AGENT_BOUNDARY, {"turn": 0, "state": "before_model",
+                                                                      "activation": 0, "messages": []}, r2, 0))
+        (boundary,), = sql(dsn, "SELECT max(position) FROM rollbook.episode_history WHERE rollout_id = %s", r2)
+        lost = f"{r2}.0.t0"
+        append(dsn, NewEvent(call_stream(lost), ev.CALL_ACCEPTED, {"call_id": lost}, r2, 0))
+        page.evaluate("() => { window.notReloaded = true; }")
+        append(dsn, NewEvent(rollout_stream(r2), ev.ROLLOUT_RECOVERED, {"attempt": 0, "disposition": "continue",
+                   "boundary": boundary, "new_attempt": True, "reason": "its model call was lost"}, r2, 0),
+               NewEvent(rollout_stream(r2), ev.ATTEMPT_FENCED, {"reason": "recovery"}, r2, 0),
+               NewEvent(rollout_stream(r2), ev.ATTEMPT_STARTED, {"parent_attempt": 0, "origin_attempt": 0,
+                        "origin_position": boundary, "disposition": "continue", "recovered": True}, r2, 1))
+        page.wait_for_selector("#timeline line.recovered", state="attached", timeout=15000)
+        assert page.evaluate("() => window.notReloaded === true")
+        assert page.locator("#timeline g.lane").count() == 2
+        assert f"boundary at position {boundary}" in page.locator('h3[data-lineage="1"]').inner_text()
+        assert cells(page, "#lineage-1 tbody tr")["fate"] == "dropped"  # the lost call was never asked again
+        screenshot(page, "live-recovered")
+        page.goto(base + "/")
+        assert cells(page, '#runs tr[data-run="live-7"]')["recoveries"] == "1"
         page.close()
 
 
