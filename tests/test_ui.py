@@ -9,6 +9,7 @@ the test appends events while the page is open.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import psycopg
 import pytest
@@ -113,6 +114,15 @@ def test_a_request_without_the_credential_is_refused(demo: tuple[str, str], brow
     assert _get(base + "/api/head", {"Authorization": "Bearer not-the-credential"})[0] == 401
     assert _get(base + "/api/head", {"Cookie": f"{COOKIE}={TOKEN}"})[0] == 401  # the cookie never holds the token
     assert _get(base + "/api/head", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+    status, _, body = _get(base + "/rollouts/no-such-rollout", {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    # Signing in sends the browser back to a page of this app only, never to another site.
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=10)
+    conn.request("POST", "/login", urlencode({"token": TOKEN, "next": "//elsewhere.example/"}),
+                 {"Content-Type": "application/x-www-form-urlencoded"})
+    answer = conn.getresponse()
+    assert answer.status == 303 and answer.getheader("Location") == "/"
+    conn.close()
 
     browser.clear_cookies()
     page = browser.new_page()
