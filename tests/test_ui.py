@@ -219,6 +219,16 @@ def test_a_rollout_with_a_crash_and_a_restore(demo: tuple[str, str], browser: An
             assert any(f == want and w.startswith(call_id) for f, w in fates), (call_id, fates)
     assert page.locator('#timeline g.lane[data-attempt="0"] rect.discarded').count() == 1
     assert page.locator("#forks").count() == 1  # the fork tree's place, empty without a forks view
+
+    # A restart-only rollout the restore dispatched afresh kept nothing of attempt 0.
+    (fresh,), = sql(dsn, "SELECT rollout_id FROM rollbook.checkpoint_rollouts WHERE disposition = 'fresh_dispatch' "
+                         "ORDER BY rollout_id LIMIT 1")[:1]
+    page.goto(f"{base}/rollouts/{quote(fresh)}")
+    page.wait_for_selector("#timeline")
+    assert "restarted from its input: nothing kept" in page.locator('h3[data-lineage="1"]').inner_text()
+    fates = {c.inner_text() for c in page.locator('#lineage-1 td[data-col="fate"]').all()}
+    assert fates == {"redone"}
+    screenshot(page, "rollout-fresh-dispatch")
     page.close()
 
 
