@@ -22,27 +22,28 @@ from engine.tokens import Receipt
 
 RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
 FAILED = "failed"
-OPTIONAL_VIEWS = ("forks",)  # views another part of rollbook may add; read only where the catalog has them
 
 _ROLLOUTS = f"""
 WITH last AS (
     SELECT DISTINCT ON (rollout_id) rollout_id, attempt, status, reward
-    FROM rollbook.attempts ORDER BY rollout_id, attempt DESC),
+    FROM rollbook.attempts WHERE {{where}} ORDER BY rollout_id, attempt DESC),
 n AS (SELECT rollout_id, count(*) AS attempts,
-             count(restored_from_checkpoint) AS restored FROM rollbook.attempts GROUP BY rollout_id),
+             count(restored_from_checkpoint) AS restored FROM rollbook.attempts WHERE {{where}} GROUP BY rollout_id),
 h AS (SELECT rollout_id,
              max(data->>'task_id') FILTER (WHERE kind IN ('{ev.EPISODE_STARTED}', '{ev.EPISODE_CONTINUED}')) AS task_id,
              max(data->>'env') FILTER (WHERE kind IN ('{ev.EPISODE_STARTED}', '{ev.EPISODE_CONTINUED}')) AS env,
              count(*) FILTER (WHERE kind = '{ev.ROLLOUT_RECOVERED}') AS recoveries,
-             bool_or(data->>'status' = '{FAILED}') AS failed,
-             max(position) AS last_position
-      FROM rollbook.episode_history WHERE {{where}} GROUP BY rollout_id)
+             bool_or(data->>'status' = '{FAILED}') AS failed
+      FROM rollbook.episode_history
+      WHERE kind IN ('{ev.EPISODE_STARTED}', '{ev.EPISODE_CONTINUED}', '{ev.EPISODE_STEP}', '{ev.ROLLOUT_RECOVERED}')
+        AND {{where}} GROUP BY rollout_id)
 SELECT last.rollout_id, {RUN_OF.replace('rollout_id', 'last.rollout_id')} AS run_id, last.attempt, n.attempts,
-       n.restored, h.recoveries, h.task_id, h.env, h.last_position, last.reward,
+       n.restored, coalesce(h.recoveries, 0) AS recoveries, h.task_id, h.env, last.reward,
+       (SELECT max(position) FROM rollbook.episode_history x WHERE x.rollout_id = last.rollout_id) AS last_position,
        CASE WHEN last.status = 'finished' THEN 'finished'
-            WHEN h.failed OR last.status IN ('fenced', 'retired') THEN '{FAILED}'
+            WHEN coalesce(h.failed, false) OR last.status IN ('fenced', 'retired') THEN '{FAILED}'
             ELSE 'live' END AS state
-FROM last JOIN n USING (rollout_id) JOIN h USING (rollout_id)
+FROM last JOIN n USING (rollout_id) LEFT JOIN h USING (rollout_id)
 """
 
 
