@@ -185,13 +185,6 @@ class UiReads:
             "WHERE c.checkpoint_id = :c ORDER BY c.disposition, c.rollout_id", c=checkpoint_id)
         return {"checkpoint": rows[0], "rollouts": cut}
 
-    async def events_after(self, after: int, rollout_id: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
-        """Rollout events past a log position, for a page that follows the log."""
-        where = "AND rollout_id = :r" if rollout_id else ""
-        return await self._rows(
-            f"SELECT rollout_id, attempt, position, kind, recorded_at FROM rollbook.episode_history WHERE position > :a "
-            f"{where} ORDER BY position LIMIT :n", a=after, r=rollout_id, n=limit)
-
 
 def run_of(rollout_id: str) -> str:
     """The run a rollout belongs to (the SQL above spells the same rule)."""

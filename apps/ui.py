@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -162,15 +161,6 @@ async def head(request: web.Request) -> web.Response:
     return web.json_response(await request.app[READS].head())
 
 
-async def events(request: web.Request) -> web.Response:
-    try:
-        after = int(request.query.get("after", "0"))
-    except ValueError:
-        after = 0
-    rows = await request.app[READS].events_after(after, request.match_info.get("ident"))
-    return web.json_response({"events": rows}, dumps=lambda v: json.dumps(v, default=str))
-
-
 async def runs_json(request: web.Request) -> web.Response:
     return web.json_response({"runs": await request.app[READS].runs()})
 
@@ -192,8 +182,6 @@ def build_app(dsn: str, token: str) -> web.Application:
     r.add_get("/favicon.ico", no_icon)
     r.add_get("/api/head", head)
     r.add_get("/api/runs", runs_json)
-    r.add_get("/api/events", events)
-    r.add_get("/api/rollouts/{ident}/events", events)
     for fragment_only, prefix in ((False, ""), (True, "/fragments")):
         r.add_get(f"{prefix}/", _page_handler("runs", fragment_only))
         for kind in ("runs", "rollouts", "calls", "checkpoints"):

@@ -170,6 +170,9 @@ def test_the_run_list_shows_what_sql_says(demo: tuple[str, str], browser: Any) -
     assert shown["checkpoints"] == str(checkpoints) and shown["tasks"] == str(tasks)
     assert shown["live"] == "0" and shown["failed"] == "0"
     assert float(shown["mean reward"]) == pytest.approx(float(mean), abs=1e-4)
+    status, _, body = _get(base + "/api/runs", {"Authorization": f"Bearer {TOKEN}"})  # the same, for a program
+    api = next(r for r in json.loads(body)["runs"] if r["run_id"] == run)
+    assert status == 200 and (api["finished"], api["restarted"], api["checkpoints"]) == (finished, restarted, 1)
 
     page.click(f'#runs tr[data-run="{run}"] a')
     page.wait_for_selector("#rollouts")
