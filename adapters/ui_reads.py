@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from adapters.postgres import make_engine
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
+from engine.errors import InvalidCheckpointState
 from engine.tokens import Receipt
 
 RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
@@ -158,8 +159,13 @@ class UiReads:
             "AND (data->>'replaces' = :c OR data->'continues'->>'call_id' = :c))",
             r=call["rollout_id"], c=call_id, accepted=ev.CALL_ACCEPTED)
         end = next((e for e in reversed(events) if e["kind"] in (ev.CALL_COMPLETED, ev.CALL_CUT)), None)
-        prompt, generated = await self._tokens(end["data"] if end else {})
-        return {"call": call, "events": events, "continued_by": related, "prompt": prompt, "generated": generated}
+        try:
+            prompt, generated = await self._tokens(end["data"] if end else {})
+            problem = None
+        except InvalidCheckpointState as exc:  # the page still shows the call's custody and what the log says
+            prompt, generated, problem = [], {"ids": [], "logprobs": []}, exc.detail
+        return {"call": call, "events": events, "continued_by": related, "prompt": prompt, "generated": generated,
+                "token_problem": problem}
 
     async def _tokens(self, data: dict[str, Any]) -> tuple[list[int], dict[str, list[Any]]]:
         prompt: list[int] = []

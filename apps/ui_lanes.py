@@ -105,7 +105,11 @@ def lanes(r: Rollout) -> list[Lane]:
     out: dict[int, Lane] = {}
     for a in r.attempts:
         s = starts.get(a["attempt"], {})
-        out[a["attempt"]] = Lane(a["attempt"], a["status"], a["reward"], s.get("origin_attempt"), a["origin_position"],
+        origin = s.get("origin_attempt")
+        if origin is None or origin >= a["attempt"] or s.get("origin_rollout_id", r.rollout_id) != r.rollout_id:
+            origin = None  # no earlier attempt of this rollout to draw from (a fresh start, or a fork of another)
+        out[a["attempt"]] = Lane(a["attempt"], a["status"], a["reward"], origin,
+                                 a["origin_position"] if origin is not None else None,
                                  a["restored_from_checkpoint"], s.get("disposition"))
     turn: dict[int, int] = {}
     calls: dict[str, Call] = {}

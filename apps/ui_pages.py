@@ -163,7 +163,8 @@ def call_page_body(c: dict[str, Any]) -> str:
     cut_at = prefix if prefix else (len(c["generated"]["ids"]) if call["status"] == "cut" else None)
     gen = _tokens(c["generated"]["ids"], cut_at, "generated")
     reply = d.get("reply") or d.get("partial")
-    return (dl + "<h2>logprobs of the generated tokens</h2>" + ui_svg.logprob_plot(c["generated"]["logprobs"], segments, cut_at)
+    problem = f'<p class="problem" id="token-problem">{e(c["token_problem"])}</p>' if c["token_problem"] else ""
+    return (dl + problem + "<h2>logprobs of the generated tokens</h2>" + ui_svg.logprob_plot(c["generated"]["logprobs"], segments, cut_at)
             + "<h2>policy version per segment</h2>" + segs
             + f"<h2>generated tokens ({len(c['generated']['ids'])})</h2>" + gen
             + (f'<h2>reply</h2><pre class="reply">{e(json.dumps(reply, indent=1, ensure_ascii=False))}</pre>' if reply else "")

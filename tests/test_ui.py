@@ -381,7 +381,10 @@ def test_a_live_run_is_followed_without_a_reload(dsn: str, browser: Any) -> None
 def test_the_fork_tree_reads_the_forks_view_where_the_database_has_one(dsn: str, browser: Any) -> None:
     origin, fork, fork_of_fork = "tree-1-0000", "tree-1-0001", "tree-1-0002"
     for r in (origin, fork, fork_of_fork):
-        append(dsn, NewEvent(rollout_stream(r), ev.ATTEMPT_STARTED, {"parent_attempt": None}, r, 0),
+        # A fork's first attempt names the attempt of the rollout it came from: not an attempt of its own.
+        start = {"parent_attempt": None} if r == origin else {"parent_attempt": None, "origin_attempt": 0,
+                                                               "origin_position": 10**6, "disposition": "continue"}
+        append(dsn, NewEvent(rollout_stream(r), ev.ATTEMPT_STARTED, start, r, 0),
                NewEvent(episode_stream(r, 0), ev.EPISODE_STARTED, {"env": "math", "task_id": "t"}, r, 0))
     with ui_server(dsn) as base:
         page = signed_in(browser, base)
@@ -399,6 +402,22 @@ def test_the_fork_tree_reads_the_forks_view_where_the_database_has_one(dsn: str,
         screenshot(page, "fork-tree")
         page.goto(f"{base}/rollouts/{fork_of_fork}")  # a fork's page shows where it came from
         assert page.locator(f'#forks li[data-fork="{fork_of_fork}"]').count() == 1
+        assert page.locator("#timeline g.lane").count() == 1 and page.locator("#timeline path.origin").count() == 0
+        page.close()
+
+
+def test_a_model_call_whose_tokens_are_gone_still_shows_its_custody(dsn: str, browser: Any) -> None:
+    r, call = "gone-1-0000", "gone-1-0000.0.t0"
+    missing = {"blob_id": "sha256-" + "0" * 64, "digest": "0" * 64, "tokens": 3}
+    append(dsn, NewEvent(rollout_stream(r), ev.ATTEMPT_STARTED, {"parent_attempt": None}, r, 0),
+           NewEvent(call_stream(call), ev.CALL_ACCEPTED, {"call_id": call}, r, 0),
+           NewEvent(call_stream(call), ev.CALL_COMPLETED, {"call_id": call, "tokens": 3, "receipt": missing}, r, 0))
+    with ui_server(dsn) as base:
+        page = signed_in(browser, base)
+        response = page.goto(f"{base}/calls/{call}")
+        assert response.status == 200
+        assert "is missing" in page.locator("#token-problem").inner_text()
+        assert page.locator("#custody tbody tr").count() == 2
         page.close()
 
 
