@@ -15,6 +15,7 @@ from urllib.parse import quote
 from adapters.ui_reads import Rollout
 from apps import ui_svg
 from apps.ui_lanes import lanes, lineage
+from engine import catalog as ev
 
 
 def e(value: Any) -> str:
@@ -134,8 +135,8 @@ def rollout_fragment(r: Rollout) -> str:
                     num(c.duration_ms, 5), e(c.tokens)] for lane in ls for c in lane.calls],
                   "call-table", [f'data-call="{e(c.call_id)}"' for lane in ls for c in lane.calls])
     events = table(("position", "attempt", "kind", "stream"),
-                   [[e(ev["position"]), e(ev["attempt"]), e(ev["kind"]), e(ev["stream"])] for ev in r.events[-40:]],
-                   "event-table", [f'data-position="{e(ev["position"])}"' for ev in r.events[-40:]])
+                   [[e(x["position"]), e(x["attempt"]), e(x["kind"]), e(x["stream"])] for x in r.events[-40:]],
+                   "event-table", [f'data-position="{e(x["position"])}"' for x in r.events[-40:]])
     return (summary + "<h2>attempts on one time axis</h2>" + legend + ui_svg.timeline(ls, r.cuts) + attempts
             + "<h2>model calls</h2>" + calls
             + "<h2>what each later attempt kept or redid</h2>"
@@ -145,7 +146,7 @@ def rollout_fragment(r: Rollout) -> str:
 
 def call_page_body(c: dict[str, Any]) -> str:
     call = c["call"]
-    end = next((x for x in reversed(c["events"]) if x["kind"] in ("call_completed", "call_cut")), None)
+    end = next((x for x in reversed(c["events"]) if x["kind"] in (ev.CALL_COMPLETED, ev.CALL_CUT)), None)
     d = end["data"] if end else {}
     segments = d.get("segments") or []
     prefix = d.get("prefix_tokens")
