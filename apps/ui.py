@@ -85,13 +85,13 @@ async def login(request: web.Request) -> web.Response:
         nxt = "/"  # only a page of this app: never send the browser elsewhere
     if not hmac.compare_digest(token.encode(), request.app[TOKEN].encode()):
         return _html(pages.login_page(nxt, "that is not the control credential"), 401)
-    response = web.HTTPSeeOther(nxt)
+    response = web.Response(status=303, headers={"Location": nxt})
     response.set_cookie(COOKIE, session_value(request.app[TOKEN]), httponly=True, samesite="Strict", path="/")
     return response
 
 
 async def logout(request: web.Request) -> web.Response:
-    response = web.HTTPSeeOther("/login")
+    response = web.Response(status=303, headers={"Location": "/login"})
     response.del_cookie(COOKIE, path="/")
     return response
 

@@ -138,6 +138,10 @@ def test_a_request_without_the_credential_is_refused(demo: tuple[str, str], brow
     page.wait_for_selector("#runs")
     cookie = next(c for c in browser.cookies() if c["name"] == COOKIE)
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and TOKEN not in cookie["value"]
+    page.click("header button")  # sign out: the cookie is gone and the pages are closed again
+    page.wait_for_selector("#token")
+    assert not [c for c in browser.cookies() if c["name"] == COOKIE]
+    assert page.goto(base + "/").status == 401
     page.close()
 
 
