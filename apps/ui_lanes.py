@@ -104,13 +104,7 @@ def lanes(r: Rollout) -> list[Lane]:
     starts = {e["attempt"]: e["data"] for e in r.events if e["kind"] == ev.ATTEMPT_STARTED}
     out: dict[int, Lane] = {}
     for a in r.attempts:
-        s = starts.get(a["attempt"], {})
-        origin = s.get("origin_attempt")
-        if origin is None or origin >= a["attempt"] or s.get("origin_rollout_id", r.rollout_id) != r.rollout_id:
-            origin = None  # no earlier attempt of this rollout to draw from (a fresh start, or a fork of another)
-        out[a["attempt"]] = Lane(a["attempt"], a["status"], a["reward"], origin,
-                                 a["origin_position"] if origin is not None else None,
-                                 a["restored_from_checkpoint"], s.get("disposition"))
+        out[a["attempt"]] = _lane(a, starts.get(a["attempt"], {}), r.rollout_id)
     turn: dict[int, int] = {}
     calls: dict[str, Call] = {}
     for e in r.events:
@@ -138,6 +132,14 @@ def lanes(r: Rollout) -> list[Lane]:
             if c.status == "in flight" and lane.status != "live":
                 c.status = "lost"  # its attempt ended with no end of the call in the log
     return [out[k] for k in sorted(out)]
+
+
+def _lane(a: dict[str, Any], start: dict[str, Any], rollout_id: str) -> Lane:
+    origin = start.get("origin_attempt")
+    if origin is None or origin >= a["attempt"] or start.get("origin_rollout_id", rollout_id) != rollout_id:
+        origin = None  # no earlier attempt of this rollout to draw from (a fresh start, or a fork of another)
+    return Lane(a["attempt"], a["status"], a["reward"], origin, a["origin_position"] if origin is not None else None,
+                a["restored_from_checkpoint"], start.get("disposition"))
 
 
 def lineage(ls: list[Lane]) -> list[Lineage]:
