@@ -149,19 +149,19 @@ def call_page_body(c: dict[str, Any]) -> str:
     end = next((x for x in reversed(c["events"]) if x["kind"] in (ev.CALL_COMPLETED, ev.CALL_CUT)), None)
     d = end["data"] if end else {}
     segments = d.get("segments") or []
-    prefix = d.get("prefix_tokens")
     cont = (c["events"][0]["data"].get("continues") or {}) if c["events"] else {}
+    prefix, how = _continuation(d, bool(cont))
     info = [("rollout", f'<a href="{href("/rollouts", call["rollout_id"])}">{e(call["rollout_id"])}</a>'),
             ("attempt", e(call["attempt"])), ("status", e(call["status"])), ("disposition", e(call["disposition"])),
             ("policy version", e(call["policy_version"])), ("parent call", _call_link(call["parent_call_id"])),
             ("tokens generated", e(call["tokens"])), ("prompt tokens", e(len(c["prompt"]))),
             ("finish reason", e(d.get("finish_reason"))),
-            ("continues", _call_link(cont.get("call_id")) + (f" from token {e(prefix)}" if prefix is not None else "")),
+            ("continues", _call_link(cont.get("call_id")) + how),
             ("continued by", ", ".join(_call_link(x["call_id"]) for x in c["continued_by"]) or "-")]
     dl = '<dl class="summary">' + "".join(f'<dt>{e(k)}</dt><dd data-key="{e(k)}">{v}</dd>' for k, v in info) + "</dl>"
     segs = table(("segment", "policy version", "tokens"),
                  [[e(i), e(s.get("policy_version")), e(s.get("tokens"))] for i, s in enumerate(segments)], "segments")
-    cut_at = prefix if prefix else (len(c["generated"]["ids"]) if call["status"] == "cut" else None)
+    cut_at = prefix if prefix is not None else (len(c["generated"]["ids"]) if call["status"] == "cut" else None)
     gen = _tokens(c["generated"]["ids"], cut_at, "generated")
     reply = d.get("reply") or d.get("partial")
     problem = f'<p class="problem" id="token-problem">{e(c["token_problem"])}</p>' if c["token_problem"] else ""
@@ -173,6 +173,17 @@ def call_page_body(c: dict[str, Any]) -> str:
             + "<h2>custody</h2>" + table(("position", "attempt", "kind", "recorded"),
                                          [[e(x["position"]), e(x["attempt"]), e(x["kind"]), e(x["recorded_at"])]
                                           for x in c["events"]], "custody"))
+
+
+def _continuation(d: dict[str, Any], continues: bool) -> tuple[int | None, str]:
+    """Where a continued call's own tokens start, and how it continued. A continuation the backend
+    refused starts over: its tokens hold no prefix, so no cut is drawn in them."""
+    mode = (d.get("continuation") or {}).get("mode", "continued")
+    prefix = d.get("prefix_tokens") if mode == "continued" else None
+    if prefix is not None:
+        return prefix, f" from token {e(prefix)}"
+    why = (d.get("continuation") or {}).get("reason", "the prefix was dropped")
+    return None, f" ({e(mode)}: {e(why)})" if continues else ""
 
 
 def _call_link(call_id: str | None) -> str:

@@ -98,7 +98,8 @@ def signed_in(browser: Any, base: str) -> Any:
     page.goto(base + "/")
     if page.locator("#token").count():
         page.fill("#token", TOKEN)
-        page.click("#sign-in")
+        with page.expect_navigation():
+            page.click("#sign-in")
     return page
 
 
@@ -243,6 +244,7 @@ def test_a_model_call_continued_after_its_cut(demo: tuple[str, str], browser: An
     dsn, base = demo
     rows = sql(dsn, """SELECT data->>'call_id', (data->>'prefix_tokens')::int, data->'segments'
                        FROM rollbook.episode_history WHERE kind = 'call_completed' AND data ? 'prefix_tokens'
+                         AND coalesce(data->'continuation'->>'mode', 'continued') = 'continued'
                        ORDER BY position LIMIT 1""")
     assert rows, "the demo cut no model call at its checkpoint"
     call_id, prefix, segments = rows[0]
@@ -261,8 +263,8 @@ def test_a_model_call_continued_after_its_cut(demo: tuple[str, str], browser: An
     assert page.locator('dd[data-key="continues"]').inner_text() == f"{continues} from token {prefix}"
     assert [c.inner_text() for c in page.locator('#segments td[data-col="policy version"]').all()] == [
         s["policy_version"] for s in segments] and version in {s["policy_version"] for s in segments}
-    page.click('dd[data-key="continues"] a')  # the cut call it continues: its own tokens end at the cut
-    page.wait_for_selector("#logprobs")
+    with page.expect_navigation():  # the cut call it continues: its own tokens end at the cut
+        page.click('dd[data-key="continues"] a')
     assert page.locator('dd[data-key="status"]').inner_text() == "cut"
     assert page.locator("#generated-tokens .tok").count() == prefix
     page.close()
@@ -410,18 +412,31 @@ def test_the_fork_tree_reads_the_forks_view_where_the_database_has_one(dsn: str,
         page.close()
 
 
-def test_a_model_call_whose_tokens_are_gone_still_shows_its_custody(dsn: str, browser: Any) -> None:
-    r, call = "gone-1-0000", "gone-1-0000.0.t0"
+def test_a_model_call_page_with_its_tokens_gone_or_its_continuation_refused(dsn: str, browser: Any) -> None:
+    r, gone, cut, again = "gone-1-0000", "gone-1-0000.0.t0", "gone-1-0000.0.t1", "gone-1-0000.0.t1b"
     missing = {"blob_id": "sha256-" + "0" * 64, "digest": "0" * 64, "tokens": 3}
     append(dsn, NewEvent(rollout_stream(r), ev.ATTEMPT_STARTED, {"parent_attempt": None}, r, 0),
-           NewEvent(call_stream(call), ev.CALL_ACCEPTED, {"call_id": call}, r, 0),
-           NewEvent(call_stream(call), ev.CALL_COMPLETED, {"call_id": call, "tokens": 3, "receipt": missing}, r, 0))
+           NewEvent(call_stream(gone), ev.CALL_ACCEPTED, {"call_id": gone}, r, 0),
+           NewEvent(call_stream(gone), ev.CALL_COMPLETED, {"call_id": gone, "tokens": 3, "receipt": missing}, r, 0),
+           NewEvent(call_stream(cut), ev.CALL_ACCEPTED, {"call_id": cut}, r, 0),
+           NewEvent(call_stream(cut), ev.CALL_CUT, {"call_id": cut, "tokens": 0}, r, 0),
+           NewEvent(call_stream(again), ev.CALL_ACCEPTED, {"call_id": again, "replaces": cut,
+                                                           "continues": {"call_id": cut, "receipt": missing}}, r, 0),
+           NewEvent(call_stream(again), ev.CALL_COMPLETED, {
+               "call_id": again, "tokens": 0, "prefix_tokens": 3, "replaces": cut,
+               "continuation": {"mode": "regenerated", "reason": "the upstream cannot continue"}}, r, 0))
     with ui_server(dsn) as base:
         page = signed_in(browser, base)
-        response = page.goto(f"{base}/calls/{call}")
+        response = page.goto(f"{base}/calls/{gone}")  # its token blobs are not in the store
         assert response.status == 200
         assert "is missing" in page.locator("#token-problem").inner_text()
         assert page.locator("#custody tbody tr").count() == 2
+        page.goto(f"{base}/calls/{again}")  # the backend started over: no prefix, so no cut in its tokens
+        assert page.locator('dd[data-key="continues"]').inner_text() == (
+            f"{cut} (regenerated: the upstream cannot continue)")
+        assert page.locator("#generated-tokens .cutmark").count() == 0
+        page.goto(f"{base}/calls/{cut}")
+        assert page.locator('dd[data-key="continued by"]').inner_text() == again
         page.close()
 
 
