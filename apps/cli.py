@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     from apps import nemo_gym_tasks
 
     nemo_gym_tasks.add_parser(sub)
+    from apps import ui
+
+    ui.add_parser(sub)
     return parser
 
 
