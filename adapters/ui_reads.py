@@ -55,7 +55,7 @@ class Rollout:
     events: list[dict[str, Any]]
     calls: list[dict[str, Any]]
     cuts: list[dict[str, Any]]
-    forks: list[dict[str, Any]] | None  # None: the database has no forks view
+    forks: list[dict[str, Any]]  # the fork tree this rollout is in (rollbook.forks)
 
 
 class UiReads:
@@ -71,11 +71,6 @@ class UiReads:
     async def _rows(self, sql: str, **params: Any) -> list[dict[str, Any]]:
         async with self.engine.connect() as conn:
             return [dict(r._mapping) for r in await conn.execute(text(sql), params)]
-
-    async def views(self) -> set[str]:
-        """The public views the database has (the PostgreSQL catalog)."""
-        rows = await self._rows("SELECT table_name FROM information_schema.views WHERE table_schema = 'rollbook'")
-        return {r["table_name"] for r in rows}
 
     async def head(self) -> dict[str, Any]:
         """What changes whenever anything a page shows changes: the log's newest rollout event and
@@ -135,14 +130,13 @@ class UiReads:
                                  r=rollout_id)
         cuts = await self._rows("SELECT * FROM rollbook.checkpoint_rollouts WHERE rollout_id = :r ORDER BY log_position",
                                 r=rollout_id)
-        forks = None
-        if "forks" in await self.views():
-            forks = await self._rows(
-                "WITH RECURSIVE tree AS (SELECT * FROM rollbook.forks WHERE origin_rollout_id = :r "
-                "UNION SELECT f.* FROM rollbook.forks f JOIN tree t ON f.origin_rollout_id = t.rollout_id) "
-                "SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM tree "
-                "UNION SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM rollbook.forks "
-                "WHERE rollout_id = :r ORDER BY origin_position, rollout_id", r=rollout_id)
+        forks = await self._rows(
+            "WITH RECURSIVE tree AS (SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position "
+            "FROM rollbook.forks WHERE origin_rollout_id = :r UNION SELECT f.rollout_id, f.origin_rollout_id, "
+            "f.origin_attempt, f.origin_position FROM rollbook.forks f JOIN tree t ON f.origin_rollout_id = t.rollout_id) "
+            "SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM tree "
+            "UNION SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM rollbook.forks "
+            "WHERE rollout_id = :r ORDER BY origin_position, rollout_id", r=rollout_id)
         return Rollout(rollout_id, attempts, events, calls, cuts, forks)
 
     async def model_call(self, call_id: str) -> dict[str, Any] | None:

@@ -83,10 +83,7 @@ def run_fragment(run: dict[str, Any] | None, rollouts: list[dict[str, Any]], che
     return "".join(parts)
 
 
-def _fork_tree(forks: list[dict[str, Any]] | None, rollout_id: str) -> str:
-    if forks is None:
-        return ('<section id="forks" class="forks absent"><h2>fork tree</h2><p class="empty">this database has no '
-                '<code>rollbook.forks</code> view: forks are not recorded here</p></section>')
+def _fork_tree(forks: list[dict[str, Any]], rollout_id: str) -> str:
     if not forks:
         return '<section id="forks" class="forks"><h2>fork tree</h2><p class="empty">no forks of this rollout</p></section>'
     children: dict[str, list[dict[str, Any]]] = {}

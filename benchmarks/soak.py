@@ -4,10 +4,10 @@
 
 One hypothesis run of --seeds examples, seeded with --first, every invariant checked after every
 step and at the end, of one of two machines:
-- `control` (the default): tests/stateful_control.ControlMachine, sequences of dispatch, prepare,
+- `control` (the default): testkit/stateful_control.ControlMachine, sequences of dispatch, prepare,
   commit, publish, resume, crash-and-restore, retire, forget against the four servers in process,
   on one throwaway embedded PostgreSQL (about 1 s a sequence);
-- `processes`: tests/stateful_processes.FaultMachine, the same operations plus the real faults
+- `processes`: testkit/stateful_processes.FaultMachine, the same operations plus the real faults
   (SIGKILL of any subset of the four server processes, of a coordinator process mid-checkpoint,
   a PostgreSQL restart, dropped connections) on an embedded PostgreSQL of its own (several
   seconds a sequence). A violation is shrunk by hypothesis to a short sequence

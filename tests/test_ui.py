@@ -33,8 +33,8 @@ from apps.ui import COOKIE
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream
+from testkit.pg import DemoRun
 from tests.browser import chromium, screenshot
-from tests.pg import DemoRun
 from tests.waiting import eventually_sync
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,7 +226,7 @@ def test_a_rollout_with_a_crash_and_a_restore(demo: tuple[str, str], browser: An
             want = "kept" if accepted <= origin else "redone"
             assert any(f == want and w.startswith(call_id) for f, w in fates), (call_id, fates)
     assert page.locator('#timeline g.lane[data-attempt="0"] rect.discarded').count() == 1
-    assert page.locator("#forks").count() == 1  # the fork tree's place, empty without a forks view
+    assert page.locator("#forks").count() == 1  # the fork tree's place
 
     # A restart-only rollout the restore dispatched afresh kept nothing of attempt 0.
     (fresh,), = sql(dsn, "SELECT rollout_id FROM rollbook.checkpoint_rollouts WHERE disposition = 'fresh_dispatch' "
@@ -395,9 +395,9 @@ def test_the_fork_tree_reads_the_forks_view_where_the_database_has_one(dsn: str,
     with ui_server(dsn) as base:
         page = signed_in(browser, base)
         page.goto(f"{base}/rollouts/{origin}")
-        assert "no rollbook.forks view" in page.locator("#forks").inner_text()  # absent from the catalog: not queried
+        assert "no forks of this rollout" in page.locator("#forks").inner_text()
         # The view as forks record them (rollout, origin rollout, origin attempt, origin position), here
-        # standing on fixed rows: this test's database is its own, so whatever forks view it had is replaced.
+        # standing on fixed rows: this test's database is its own, so its forks view is replaced.
         sql(dsn, "DROP VIEW IF EXISTS rollbook.forks")
         sql(dsn, f"""CREATE VIEW rollbook.forks AS SELECT * FROM (VALUES ('{fork}', '{origin}', 0, 2::bigint),
                      ('{fork_of_fork}', '{fork}', 0, 4::bigint)) v(rollout_id, origin_rollout_id, origin_attempt,

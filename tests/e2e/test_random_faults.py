@@ -1,7 +1,7 @@
 """Control operations and real faults in random order against real processes, and the sequences
 that random order once found broken, replayed as fixed tests.
 
-tests/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
+testkit/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
 coordinator process mid-checkpoint, a PostgreSQL restart and dropped connections, mixed with
 dispatch, prepare, commit, publish, resume, restore, retire and forget; every invariant read
 through the public SQL views after every step and at the end of every sequence.
