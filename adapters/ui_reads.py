@@ -137,6 +137,12 @@ class UiReads:
             "SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM tree "
             "UNION SELECT rollout_id, origin_rollout_id, origin_attempt, origin_position FROM rollbook.forks "
             "WHERE rollout_id = :r ORDER BY origin_position, rollout_id", r=rollout_id)
+        latest = {row["rollout_id"]: row for row in await self._rows(
+            "SELECT DISTINCT ON (rollout_id) rollout_id, status, reward FROM rollbook.attempts "
+            "WHERE rollout_id = ANY(:ids) ORDER BY rollout_id, attempt DESC", ids=[f["rollout_id"] for f in forks])}
+        for f in forks:  # where each fork stands now, so a page following the run watches them finish
+            f["state"] = (latest.get(f["rollout_id"]) or {}).get("status") or "not started"
+            f["reward"] = (latest.get(f["rollout_id"]) or {}).get("reward")
         return Rollout(rollout_id, attempts, events, calls, cuts, forks)
 
     async def model_call(self, call_id: str) -> dict[str, Any] | None:

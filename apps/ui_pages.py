@@ -83,6 +83,10 @@ def run_fragment(run: dict[str, Any] | None, rollouts: list[dict[str, Any]], che
     return "".join(parts)
 
 
+def _reward(reward: Any) -> str:
+    return "" if reward is None else f', reward <span class="reward">{float(reward):.4g}</span>'
+
+
 def _fork_tree(forks: list[dict[str, Any]], rollout_id: str) -> str:
     if not forks:
         return '<section id="forks" class="forks"><h2>fork tree</h2><p class="empty">no forks of this rollout</p></section>'
@@ -93,9 +97,11 @@ def _fork_tree(forks: list[dict[str, Any]], rollout_id: str) -> str:
     def tree(node: str, depth: int) -> str:
         if depth > 32:
             return ""
-        items = [f'<li data-fork="{e(f["rollout_id"])}"><a href="{href("/rollouts", f["rollout_id"])}">'
-                 f'{e(f["rollout_id"])}</a> from attempt {e(f["origin_attempt"])} at position {e(f["origin_position"])}'
-                 f'{tree(f["rollout_id"], depth + 1)}</li>' for f in children.get(node, [])]
+        items = [f'<li data-fork="{e(f["rollout_id"])}" data-state="{e(f.get("state", ""))}">'
+                 f'<a href="{href("/rollouts", f["rollout_id"])}">{e(f["rollout_id"])}</a> from attempt '
+                 f'{e(f["origin_attempt"])} at position {e(f["origin_position"])}: <span class="state">'
+                 f'{e(f.get("state", ""))}</span>{_reward(f.get("reward"))}{tree(f["rollout_id"], depth + 1)}</li>'
+                 for f in children.get(node, [])]
         return f"<ul>{''.join(items)}</ul>" if items else ""
 
     roots = {f["origin_rollout_id"] for f in forks} - {f["rollout_id"] for f in forks}
