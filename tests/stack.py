@@ -102,7 +102,9 @@ async def start_stack(
         servers[kind] = srv
         return str(srv.make_url("")).rstrip("/")
 
-    model = await serve("model", build_model_app(store("model"), backend, tokens, CREDS, f"model-{tag}"))
+    model_store = store("model")
+    # As `rollbook serve model` builds it: the blobs of a call ride in the append of its outcome.
+    model = await serve("model", build_model_app(model_store, backend, PostgresTokenStore(model_store), CREDS, f"model-{tag}"))
     resources = await serve("resources", build_resources_app(store("resources"), CREDS, f"resources-{tag}",
                                                              sandbox=SandboxLimits()))
     agent = await serve("agent", build_agent_app(store("agent"), CREDS, model, resources, f"agent-{tag}", agent_cls))
