@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -103,8 +103,10 @@ DEFAULT_KEY_RETENTION_S = 86400.0
 # The shortest retention `prune_append_keys` accepts: well past any patience a store is given.
 MIN_KEY_RETENTION_S = 600.0
 
-# Writes rows of another table on an append transaction's connection (see `carry`).
-CarryWriter = Callable[[psycopg.AsyncConnection[Any], list[Any]], Awaitable[None]]
+# Rows of another table, written by the append transaction (see `carry`): given the rows and a name
+# unique in the statement, the data-modifying statement that writes them and its parameters (named
+# after that name).
+CarryWriter = Callable[[list[Any], str], tuple[str, dict[str, Any]]]
 Outcome = list[RecordedEvent] | RollbookError | None
 
 
@@ -253,12 +255,18 @@ class PostgresEventStore(LogReads):
         # Pipeline mode: the server writes one request's rows while Python plans the next (on two
         # cores that overlap is most of a large group's cost; benchmarks/README.md). The reads
         # below fetch, so they still wait for the lock before the heads are read.
-        async with self._driver_connection() as conn, conn.pipeline(), conn.transaction():
-            state, plan = await self._read_plan_inputs(conn, requests)
-            unsent = await self._plan_and_send(conn, plan, state)
-            for write, rows in self._carrying.items():
-                await write(conn, rows)
-            await self._write_heads(conn, plan, unsent, state)
+        # No BEGIN, no COMMIT: in pipeline mode every statement up to the Sync that ends the pipeline
+        # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
+        async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
+            try:
+                state, plan = await self._read_plan_inputs(conn, requests)
+                unsent = await self._plan_and_send(conn, plan, state)
+                await self._write_rest(conn, plan, unsent, state)
+            except BaseException:
+                # The Sync on the way out would commit what was sent so far: the connection goes
+                # instead, and the server rolls the transaction back.
+                await conn.close()
+                raise
         return plan.outcomes(requests)
 
     async def _read_plan_inputs(self, conn: psycopg.AsyncConnection[Any],
@@ -316,22 +324,27 @@ class PostgresEventStore(LogReads):
             "w": self.writer,
         }
 
-    async def _write_heads(self, conn: psycopg.AsyncConnection[Any], plan: _Plan, unsent: list[PlannedEvent],
-                           state: LogState) -> None:
-        """One statement: the events not sent yet, the stream heads, each request's idempotency key, the
-        projections and the log head. A fence or a retire mark moves the fence position in the same
-        statement: the attempt checks that servers answer from memory (engine.attempts.AttemptGate)
-        are invalid from here."""
+    async def _write_rest(self, conn: psycopg.AsyncConnection[Any], plan: _Plan, unsent: list[PlannedEvent],
+                          state: LogState) -> None:
+        """One statement: the rows carried for this transaction, the events not sent yet, the stream
+        heads, each request's idempotency key, the projections and the log head. A fence or a retire
+        mark moves the fence position in the same statement: the attempt checks that servers answer
+        from memory (engine.attempts.AttemptGate) are invalid from here."""
+        ctes: list[str] = []
+        params: dict[str, Any] = {}
+        for i, (write, rows) in enumerate(self._carrying.items()):
+            sql, more = write(rows, f"c{i}")
+            ctes.append(f"c{i} AS ({sql})")
+            params.update(more)
         written = [pe.event for o in plan.planned if isinstance(o, list) for pe in o]
-        if not written:
-            return
         changes = [ch for e in written for ch in changes_for(e)]
-        ctes, params = upsert_ctes(changes)
-        if unsent:
-            ctes.insert(0, f"ev AS ({INSERT_EVENTS})")
-            params.update(self._event_params(unsent))
-        await conn.execute("WITH " + ", ".join([ADVANCE_HEADS, *ctes]) + " " + MOVE_LOG_HEAD,
-                           {**params, **_head_params(plan, written, state)})
+        if written:
+            upserts, more = upsert_ctes(changes)
+            ctes += [f"ev AS ({INSERT_EVENTS})"] if unsent else []
+            ctes += [ADVANCE_HEADS, *upserts]
+            params.update(more, **(self._event_params(unsent) if unsent else {}), **_head_params(plan, written, state))
+        if ctes:
+            await conn.execute("WITH " + ", ".join(ctes) + " " + (MOVE_LOG_HEAD if written else "SELECT 1"), params)
         await guarded_updates(conn, changes)
 
     def _schedule_notify(self) -> None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -243,7 +242,7 @@ class PostgresTokenStore(_TokenStore):
     @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
     async def _write_rows(self, rows: list[dict[str, Any]]) -> None:
         async with self.engine.begin() as conn:
-            await conn.exec_driver_sql(WRITE_BLOBS, {"rows": json.dumps(rows)})
+            await conn.exec_driver_sql(WRITE_BLOBS.format(rows="rows"), {"rows": json.dumps(rows)})
 
     async def _flush(self) -> None:
         while self._pending:
@@ -322,7 +321,7 @@ WRITE_BLOBS = (
     "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
     "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
     "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
-    "r->>'d' FROM jsonb_array_elements(CAST(%(rows)s AS jsonb)) AS r "
+    "r->>'d' FROM jsonb_array_elements(CAST(%({rows})s AS jsonb)) AS r "
     "ON CONFLICT (blob_id) DO UPDATE "
     "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
 )
@@ -336,9 +335,9 @@ def _distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list({row["b"]: row for row in rows}.values())  # one row per blob: ON CONFLICT needs it
 
 
-async def _write_blob_rows(conn: psycopg.AsyncConnection[Any], rows: list[dict[str, Any]]) -> None:
-    """Staged blobs, on an append transaction's connection (PostgresEventStore.carry)."""
-    await conn.execute(WRITE_BLOBS, {"rows": json.dumps(_distinct(rows))})
+def _write_blob_rows(rows: list[dict[str, Any]], name: str) -> tuple[str, dict[str, Any]]:
+    """Staged blobs, written by an append's statement (PostgresEventStore.carry)."""
+    return WRITE_BLOBS.format(rows=name), {name: json.dumps(_distinct(rows))}
 
 
 class FilesystemTokenStore(_TokenStore):
