@@ -11,9 +11,11 @@ concurrent `append` calls in a process queue up and one transaction writes them 
 request still atomic and checked on its own (engine.log.plan_batch). A caller's append returns
 only after the transaction holding it has committed. Within the transaction the rows go to the
 server in pipeline mode, a chunk at a time, so PostgreSQL writes while Python plans the rest.
-A transaction is five statements whatever it holds: BEGIN, the lock, one read of what the plan
-needs, one statement that writes the last chunk of events, the heads, the keys and the projections,
-and COMMIT (more only for a group past INSERT_CHUNK_EVENTS events, or a retire's guarded update).
+A transaction is two statements whatever it holds, in one implicit transaction of the pipeline (no
+BEGIN, no COMMIT): the lock with the read of what the plan needs (LOCK_AND_READ), and one statement
+that writes the last chunk of events, the heads, the keys and the projections. One more when the
+lock had to wait for another append (the read is repeated), for a group past INSERT_CHUNK_EVENTS
+events, or for a retire's guarded update.
 Rows of other tables that must be durable no later than the events that name them (a model call's
 token blobs, adapters.token_store) ride in the next append transaction of the process (`carry`).
 
@@ -65,6 +67,15 @@ READ_HEADS = (
     "UNION ALL SELECT 'r', rollout_id, retired_through, NULL, NULL, NULL FROM rollbook.rollout_state "
     "WHERE rollout_id = ANY(%s) "
     "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)"
+)
+# The lock and the read in one statement. The read's snapshot is taken when the statement starts,
+# before the lock may have to wait, so the statement also reads the position that snapshot saw (`seen`)
+# next to the one the lock returns (the newest, once granted). Equal: no append committed in between
+# (every append moves the position), so what was read is what a read after the lock would return.
+# Different: the statement waited out an append, and READ_HEADS is read again, after the lock.
+LOCK_AND_READ = (
+    "SELECT 'l', NULL, (SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE), "
+    "(SELECT position FROM rollbook.log_head WHERE id = 1), NULL::text, NULL::bytea UNION ALL " + READ_HEADS
 )
 # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which measured
 # as half the cost of a 2,000-event insert.
@@ -275,14 +286,14 @@ class PostgresEventStore(LogReads):
         keys = [r.key for r in requests if r.key is not None]
         streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
         rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
-        lock = await conn.execute(LOCK_LOG_HEAD)
-        # Everything else the plan depends on, in one statement: its own snapshot is taken after
-        # the lock above is granted, so it sees every append committed before this one.
-        heads = await conn.execute(READ_HEADS, (keys, streams, rollouts, rollouts))
-        head = await lock.fetchone()
-        if head is None:
+        params = (keys, streams, rollouts, rollouts)
+        rows = await (await conn.execute(LOCK_AND_READ, params)).fetchall()
+        locked, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
+        if locked is None:
             raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
-        state, done = _log_state(head[0], await heads.fetchall())
+        if locked != seen:  # an append committed while this one waited for the lock: read after it
+            rows = await (await conn.execute(READ_HEADS, params)).fetchall()
+        state, done = _log_state(locked, [r for r in rows if r[0] != "l"])
         earlier = await self._earlier(conn, done) if done else {}
         return state, _Plan(done, earlier, [r for r in requests if r.key not in done])
 

@@ -1,4 +1,4 @@
-"""Less per call: an append is one transaction of a few statements, whatever it holds."""
+"""Less per call: an append is one transaction of two statements, whatever it holds."""
 
 from __future__ import annotations
 
@@ -28,15 +28,16 @@ async def test_an_append_reads_what_it_plans_from_in_one_statement_after_the_loc
     (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_OPENED,
                                                            {"env": "math", "task": {}}, "pc-1", 0),)))
     monkeypatch.undo()
-    # Stream heads, idempotency keys, retire marks and attempts: one read, after the log-head lock.
+    # Stream heads, idempotency keys, retire marks and attempts: one read, in the statement that takes
+    # the log-head lock (nothing waited for the lock here, so the read is not repeated).
     reads = [q for q in sent if "FROM rollbook.stream_heads" in q or "FROM rollbook.append_keys" in q
              or "FROM rollbook.rollout_state" in q or "FROM rollbook.attempt_state" in q]
-    assert len(reads) == 1 and sent.index(reads[0]) == 1 and "FOR UPDATE" in sent[0]
+    assert len(reads) == 1 and sent.index(reads[0]) == 0 and "FOR UPDATE" in sent[0]
     # The keys are recorded by the statement that moves the heads, not by one of their own.
     assert [q for q in sent if "INSERT INTO rollbook.append_keys" in q] == [q for q in sent if "stream_heads (stream" in q]
-    # Lock, read, then one statement writes the events, the heads, the key and the projections.
-    assert len(sent) == 3, sent
-    assert "INSERT INTO rollbook.events" in sent[2] and "INSERT INTO rollbook.session_state" in sent[2]
+    # Lock and read, then one statement writes the events, the heads, the key and the projections.
+    assert len(sent) == 2, sent
+    assert "INSERT INTO rollbook.events" in sent[1] and "INSERT INTO rollbook.session_state" in sent[1]
     # And what it read was right: the stream was new, and a key recorded that way answers a retry.
     assert opened.stream_version == 1
     closed = NewEvent(session_stream("pc-1", 0), ev.SESSION_CLOSED, {}, "pc-1", 0)
@@ -134,3 +135,41 @@ async def test_a_pooled_connection_is_not_pinged_at_checkout(store: PostgresEven
     for _ in range(3):
         assert [e.kind for e in await store.read_stream("np")] == ["noted"]
     assert await store.head() == 1 and pings == []
+
+
+async def test_an_append_that_waited_for_the_lock_plans_from_what_the_append_before_it_wrote(
+        dsn: str, store: PostgresEventStore) -> None:
+    # The lock and the read are one statement, whose snapshot predates the wait for the lock: when an
+    # append committed meanwhile, the read is repeated after it, or the plan would reuse its version.
+    import asyncio
+
+    from engine.events import chain_hash, encode_payload
+    from tests.waiting import eventually
+
+    (first,) = await store.append(AppendRequest((NewEvent("race", "noted", {"n": 1}),)))
+    second = NewEvent("race", "noted", {"n": 2})
+    h2 = chain_hash(first.hash, "race", 2, second, encode_payload(second.data))
+    with psycopg.connect(dsn) as other:  # another writer, mid-append: it holds the log head
+        other.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+        third = NewEvent("race", "noted", {"n": 3})
+        pending = asyncio.ensure_future(store.append(AppendRequest((third,))))
+
+        def waiting() -> bool:
+            with psycopg.connect(dsn, autocommit=True) as probe:
+                return bool(probe.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                          "AND datname = current_database()").fetchone()[0])  # type: ignore[index]
+
+        async def blocked() -> bool:
+            await asyncio.sleep(0.02)
+            return waiting()
+
+        await eventually("the append waits for the log head", blocked)
+        other.execute("INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, writer, hash) "
+                      "VALUES (2, 'race', 2, 'noted', %s::jsonb, 1, 'other', %s)", (encode_payload(second.data), h2))
+        other.execute("UPDATE rollbook.stream_heads SET version = 2, hash = %s WHERE stream = 'race'", (h2,))
+        other.execute("UPDATE rollbook.log_head SET position = 2 WHERE id = 1")
+        other.commit()
+    (landed,) = await pending
+    assert (landed.position, landed.stream_version) == (3, 3)
+    assert landed.hash == chain_hash(h2, "race", 3, third, encode_payload(third.data))
+    assert [e.data["n"] for e in await store.read_stream("race")] == [1, 2, 3]
