@@ -2,8 +2,8 @@
 
 Bounds: each process holds at most `PoolLimits.size + overflow` connections, and an operation that
 waits longer than `timeout_s` for one is treated as a database that does not answer (retried within
-the patience, then `database_unavailable`, a 503), never a 500. `fit_pools` checks that every
-configured process together fits the server's `max_connections`.
+the patience, then `database_unavailable`, a 503), never a 500. `fit_pool` sizes a process's pool
+so that every configured process together fits the server's `max_connections`.
 
 Faults: an operation that loses its connection is retried with backoff for up to `patience_s` (a
 restart of a few seconds is ridden out), then fails with `database_unavailable`.
@@ -25,7 +25,7 @@ import sqlalchemy.exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from adapters.database import sqlalchemy_url
-from engine.errors import DatabaseUnavailable
+from engine.errors import ConfigError, DatabaseUnavailable
 from engine.events import load_stored_json
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,42 @@ async def reading(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     no ROLLBACK after (a read of one statement sees one snapshot anyway)."""
     async with engine.connect() as conn:
         yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
+# Connections left free for a person's `psql` and maintenance commands, beyond the superuser slots.
+ADMIN_SPARE = 5
+# The smallest pool a process works with: one connection for an append in flight, one for a read.
+MIN_POOL = 2
+
+
+def server_connection_limit(dsn: str) -> tuple[int, int]:
+    """The server's `max_connections` and the slots ordinary roles cannot take
+    (`superuser_reserved_connections`, plus `reserved_connections` from PostgreSQL 16)."""
+    from adapters.database import libpq_dsn
+
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        row = conn.execute("SELECT current_setting('max_connections')::int, "
+                           "current_setting('superuser_reserved_connections')::int, "
+                           "coalesce(current_setting('reserved_connections', true)::int, 0)").fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]) + int(row[2])
+
+
+def fit_pool(pool: PoolLimits, processes: int, max_connections: int, reserved: int) -> PoolLimits:
+    """The pool each of `processes` processes may hold so that all of them together, the reserved
+    slots and ADMIN_SPARE sessions fit the server's `max_connections`: `pool` itself when it fits,
+    else shrunk (overflow first). Raises ConfigError when not even MIN_POOL each would fit."""
+    share = (max_connections - reserved - ADMIN_SPARE) // max(processes, 1)
+    if share >= pool.most:
+        return pool
+    if share < MIN_POOL:
+        need = processes * MIN_POOL + reserved + ADMIN_SPARE
+        raise ConfigError(
+            f"{processes} processes need at least {need} database connections (max_connections = {max_connections}, "
+            f"{reserved} reserved, {ADMIN_SPARE} kept for admin sessions)",
+            f"raise max_connections to {processes * pool.most + reserved + ADMIN_SPARE} or more, or lower [limits] processes")
+    size = min(pool.size, share)
+    return PoolLimits(size=size, overflow=share - size, timeout_s=pool.timeout_s)
 
 
 async def drop_pool(engine: AsyncEngine) -> None:

@@ -18,7 +18,7 @@ from participants.observability import TELEMETRY
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
-    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.limits.pool())
+    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
