@@ -315,7 +315,8 @@ class PostgresTokenStore(_TokenStore):
 
 # One statement for any number of blobs (one round trip, one commit): the rows travel as one JSON
 # array, since integer[] columns of different lengths cannot be unnested together. DO UPDATE, not
-# DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
+# DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row. `created_at` is
+# when a blob was last written: retention (adapters.retention) keeps what was written recently.
 WRITE_BLOBS = (
     "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
     "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
@@ -323,7 +324,7 @@ WRITE_BLOBS = (
     "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
     "r->>'d' FROM jsonb_array_elements(CAST(%({rows})s AS jsonb)) AS r "
     "ON CONFLICT (blob_id) DO UPDATE "
-    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
+    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest, created_at = now()"
 )
 
 
