@@ -37,10 +37,12 @@ _NAMED = (
     "SELECT jsonb_path_query(e.data, 'strict $.**.blob_id') #>> '{}' AS blob_id FROM rollbook.events e "
     "UNION ALL SELECT unnest(s.blob_ids) FROM rollbook.token_snapshots s"
 )
+# An anti-join, not NOT IN: a set of named ids larger than work_mem still hashes (spilling to disk)
+# instead of being scanned once per blob.
 _DROP_BLOBS = (
     f"WITH named AS ({_NAMED}), "
     "unnamed AS (SELECT b.blob_id FROM rollbook.token_blobs b WHERE b.created_at < now() - make_interval(secs => :s) "
-    "AND b.blob_id NOT IN (SELECT blob_id FROM named WHERE blob_id IS NOT NULL) LIMIT :n) "
+    "AND NOT EXISTS (SELECT 1 FROM named n WHERE n.blob_id = b.blob_id) LIMIT :n) "
     "DELETE FROM rollbook.token_blobs b USING unnamed u WHERE b.blob_id = u.blob_id "
     "AND b.created_at < now() - make_interval(secs => :s) "
     "RETURNING pg_column_size(b.token_ids) + coalesce(pg_column_size(b.logprobs), 0)"
