@@ -278,56 +278,48 @@ class OpenAICompatibleBackend:
             yield event
 
     async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
-        """Start, Steps, End from a vLLM chat.completion.chunk stream (or a whole reply)."""
+        """Start, Steps, End from a vLLM chat.completion.chunk stream."""
+        started, finish, usage = False, None, None
         async with resp:
-            events = _whole_reply(resp) if resp.content_type == "application/json" else _streamed_reply(resp)
-            async for event in events:
-                yield event
-
-
-async def _whole_reply(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
-    """An upstream that answers whole, streamed or not."""
-    try:
-        body = await resp.json()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise GenerationFailed(f"the upstream's reply broke off: {exc or type(exc).__name__}") from exc
-    choice = next((c for c in body.get("choices") or [] if c.get("index", 0) == 0), None)
-    if not isinstance(choice, dict):
-        raise GenerationFailed("the upstream's reply has no choice 0")
-    yield Start(_prompt_ids(body, choice))
-    step = _step(choice)
-    if step is not None:
-        yield step
-    if not choice.get("finish_reason"):
-        raise GenerationFailed("the upstream's reply has no finish_reason")
-    yield End(str(choice["finish_reason"]), body.get("usage"))
-
-
-async def _streamed_reply(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
-    started, finish, usage = False, None, None
-    try:
-        async for chunk in _sse_chunks(resp):
-            if not started:
-                started = True
-                first = next(iter(chunk.get("choices") or []), {})
-                yield Start(_prompt_ids(chunk, first))
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                if choice.get("index", 0) != 0:
-                    continue
+            if resp.content_type == "application/json":  # an upstream that answers whole, streamed or not
+                try:
+                    body = await resp.json()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise GenerationFailed(f"the upstream's reply broke off: {exc or type(exc).__name__}") from exc
+                choice = next((c for c in body.get("choices") or [] if c.get("index", 0) == 0), None)
+                if not isinstance(choice, dict):
+                    raise GenerationFailed("the upstream's reply has no choice 0")
+                yield Start(_prompt_ids(body, choice))
                 step = _step(choice)
                 if step is not None:
                     yield step
-                finish = choice.get("finish_reason") or finish
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-        # A silent upstream (sock_read) lands here too: the call fails, the server stays up.
-        raise GenerationFailed(f"the upstream stream broke off: {exc or type(exc).__name__}") from exc
-    if not started:
-        raise GenerationFailed("the upstream stream ended before its first chunk")
-    if finish is None:
-        raise GenerationFailed("the upstream stream ended without a finish_reason")
-    yield End(str(finish), usage)
+                if not choice.get("finish_reason"):
+                    raise GenerationFailed("the upstream's reply has no finish_reason")
+                yield End(str(choice["finish_reason"]), body.get("usage"))
+                return
+            try:
+                async for chunk in _sse_chunks(resp):
+                    if not started:
+                        started = True
+                        first = next(iter(chunk.get("choices") or []), {})
+                        yield Start(_prompt_ids(chunk, first))
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("index", 0) != 0:
+                            continue
+                        step = _step(choice)
+                        if step is not None:
+                            yield step
+                        finish = choice.get("finish_reason") or finish
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                # A silent upstream (sock_read) lands here too: the call fails, the server stays up.
+                raise GenerationFailed(f"the upstream stream broke off: {exc or type(exc).__name__}") from exc
+        if not started:
+            raise GenerationFailed("the upstream stream ended before its first chunk")
+        if finish is None:
+            raise GenerationFailed("the upstream stream ended without a finish_reason")
+        yield End(str(finish), usage)
 
 
 def _prompt_ids(body: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...]:
