@@ -6,7 +6,7 @@
 For each size N, a fresh database on a throwaway embedded PostgreSQL (or the server --dsn names)
 gets N events of 10,000 other rollouts (one INSERT ... SELECT generate_series, ~300 bytes of data
 each, positions 1..N, then ANALYZE), then `--episodes` episodes of the scope are appended through
-the store (tests/test_checkpoint_engine.episode: 11 events each) and cut. Timed, median of
+the store (11 events each: a session, a completed call, a boundary) and cut. Timed, median of
 `--repeats`: the coordinator's restore check (engine.checkpoint.validate_cut: one read of the scoped
 rollouts' events up to the cut, every hash re-derived) and a participant's restore read
 (engine.checkpoint.read_cut without the re-hash). Flat in N is the goal: both read the scope's
@@ -36,8 +36,10 @@ import psycopg  # noqa: E402
 
 from adapters import database  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.checkpoint import make_cut, read_cut, validate_cut  # noqa: E402
-from tests.test_checkpoint_engine import episode  # noqa: E402
+from engine.events import AppendRequest, NewEvent  # noqa: E402
+from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream, session_stream  # noqa: E402
 
 OTHER_ROLLOUTS = 10_000
 BULK = (
@@ -46,6 +48,26 @@ BULK = (
     "jsonb_build_object('step', 'history', 'pad', repeat('x', 250), 'i', i), 1, 'other-' || (i %% {k}), 0, 'bulk', "
     "sha256(i::text::bytea) FROM generate_series(1, %s) AS i"
 )
+
+
+async def episode(store: PostgresEventStore, r: str) -> None:
+    """One attempt-0 episode of 11 events, appended atomically: a session with three mutations, a
+    completed call, a boundary, and work after it that a cut does not keep."""
+    ses, call = session_stream(r, 0), f"{r}-c1"
+    events = [
+        NewEvent(rollout_stream(r), ATTEMPT_STARTED, {"parent_attempt": None}, r, 0),
+        NewEvent(episode_stream(r, 0), "episode_started", {"env": "math", "task_id": f"t-{r}"}, r, 0),
+        NewEvent(ses, "session_opened", {"env": "math"}, r, 0),
+        NewEvent(ses, "mutation_applied", {"revision": 1, "effect": {"x": 1}}, r, 0),
+        NewEvent(episode_stream(r, 0), "episode_step", {"step": "seed"}, r, 0),
+        NewEvent(call_stream(call), "call_accepted", {"call_id": call}, r, 0),
+        NewEvent(call_stream(call), "call_completed", {"call_id": call, "tokens": 12}, r, 0),
+        NewEvent(ses, "mutation_applied", {"revision": 2, "effect": {"x": 2}}, r, 0),
+        NewEvent(agent_stream(r, 0), "agent_boundary", {"calls": [call], "revisions": {ses: 2}}, r, 0),
+        NewEvent(ses, "mutation_applied", {"revision": 3, "effect": {"x": 3}}, r, 0),
+        NewEvent(call_stream(f"{r}-c2"), "call_accepted", {"call_id": f"{r}-c2"}, r, 0),
+    ]
+    await store.append(AppendRequest(tuple(events)))
 
 
 def server(admin: str | None) -> tuple[str, Any]:
