@@ -48,6 +48,10 @@
     pool_size = 5                             # database connections a process keeps open
     max_overflow = 5                          # ... and may open beyond them under load
     pool_timeout_s = 10.0                     # waiting for a free one; past it, database_unavailable (503)
+    processes = 6                             # rollbook processes sharing the database (every worker and
+                                              # instance of every server, `rollbook run`, commands); default:
+                                              # one per configured server + 2. Each pool shrinks to fit
+                                              # max_connections of the server between them all
     append_key_retention_s = 86400.0          # `rollbook db prune-keys` drops append keys older than this
 
     [telemetry]                               # optional; GET /metrics is always served (control credential)
@@ -78,6 +82,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from adapters.generation import backend_names
 from adapters.http_client import PeerTimeouts
 from adapters.http_server import ServerLimits
+from adapters.pg_pool import fit_pool, server_connection_limit
 from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PoolLimits
 from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
@@ -170,6 +175,7 @@ class LimitsConfig(Strict):
     pool_size: int = Field(default=5, ge=1, le=1000)
     max_overflow: int = Field(default=5, ge=0, le=1000)
     pool_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    processes: int | None = Field(default=None, ge=1, le=100_000)
     append_key_retention_s: float = Field(default=DEFAULT_KEY_RETENTION_S, ge=MIN_KEY_RETENTION_S)
 
     def peer_timeouts(self) -> PeerTimeouts:
@@ -217,6 +223,17 @@ class Config(Strict):
 
     def environments(self) -> frozenset[str]:
         return enabled_environments(sandbox=self.sandbox is not None)
+
+    @property
+    def processes(self) -> int:
+        """How many rollbook processes share the database: [limits] processes, else one per configured
+        server, `rollbook run` and one command."""
+        return self.limits.processes or len(self.servers) + 2
+
+    def database_pool(self, dsn: str) -> PoolLimits:
+        """This process's pool: [limits] pool_size + max_overflow, shrunk so that `processes` of them
+        fit the server's max_connections (read from the server)."""
+        return fit_pool(self.limits.pool(), self.processes, *server_connection_limit(dsn))
 
 
 def load(path: str | Path) -> Config:

@@ -94,7 +94,7 @@ async def run_collection(config: Config) -> int:
     async with aiohttp.ClientSession() as probe:
         await check_servers(config, probe)
     dsn = database.prepare_database(config.dsn)
-    store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}")
+    store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}", pool=config.database_pool(dsn))
     collection = Collection(config, store, run.run_id, tasks, seed=run.seed, max_steps=run.max_steps,
                             concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid),
                             on_wait=lambda rid, code: say(event="waiting", rollout_id=rid, code=code))

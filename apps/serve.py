@@ -18,7 +18,7 @@ from participants.observability import TELEMETRY
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
-    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.limits.pool())
+    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
@@ -32,7 +32,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
                                                           token_latency_s=s.token_latency_s,
                                                           connect_s=config.limits.connect_s,
                                                           silence_s=config.limits.reply_s))
-        tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
+        tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":
         from participants.servers import build_resources_app

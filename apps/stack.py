@@ -72,6 +72,9 @@ class MemoryBacking:
     def tokens(self) -> Tokens:
         return self.token_store
 
+    def model_tokens(self, model_store: Store) -> Tokens:
+        return self.token_store
+
 
 @dataclass(frozen=True)
 class PostgresBacking:
@@ -82,6 +85,10 @@ class PostgresBacking:
 
     def tokens(self) -> Tokens:
         return PostgresTokenStore(self.dsn)
+
+    def model_tokens(self, model_store: Store) -> Tokens:
+        # As `rollbook serve model` builds it: the blobs of a call ride in the append of its outcome.
+        return PostgresTokenStore(model_store)  # type: ignore[arg-type]
 
 
 Backing = MemoryBacking | PostgresBacking
@@ -157,7 +164,9 @@ async def start_stack(
         servers[kind] = srv
         return str(srv.make_url("")).rstrip("/")
 
-    model = await serve("model", build_model_app(store("model"), backend, tokens, CREDS, f"model-{tag}"))
+    model_store = store("model")
+    model = await serve("model", build_model_app(model_store, backend, backing.model_tokens(model_store), CREDS,
+                                                 f"model-{tag}"))
     resources = await serve("resources", build_resources_app(store("resources"), CREDS, f"resources-{tag}",
                                                              sandbox=SandboxLimits()))
     agent = await serve("agent", build_agent_app(store("agent"), CREDS, model, resources, f"agent-{tag}", agent_cls))
