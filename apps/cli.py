@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     from apps import ui
 
     ui.add_parser(sub)
+    from apps import nemo_gym_install
+
+    nemo_gym_install.add_parser(sub)
     return parser
 
 

@@ -33,9 +33,10 @@ from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
 
-def load_tasks(path: str | Path) -> list[Task]:
+def load_tasks(path: str | Path, configured: frozenset[str] = frozenset()) -> list[Task]:
     """The tasks file, every line checked before anything runs (an unknown environment would
-    otherwise fail each of its rollouts one by one, far from its cause)."""
+    otherwise fail each of its rollouts one by one, far from its cause). `configured`: the config's
+    own environments besides the registered ones (its NeMo Gym servers)."""
     from participants.environments import ENVIRONMENTS
 
     try:
@@ -52,9 +53,9 @@ def load_tasks(path: str | Path) -> list[Task]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{path}:{n} is not a task ({exc})",
                                   'write one {"env", "task_id", "prompt", "params"} object per line') from None
-            if task.env not in ENVIRONMENTS:
+            if task.env not in ENVIRONMENTS and task.env not in configured:
                 raise ConfigError(f"{path}:{n} names unknown environment {task.env!r}",
-                                  f"use one of {', '.join(sorted(ENVIRONMENTS))}")
+                                  f"use one of {', '.join(sorted({*ENVIRONMENTS, *configured}))}")
             tasks.append(task)
     if not tasks:
         raise ConfigError(f"tasks file {path} holds no task", "add one JSON task per line")
@@ -90,7 +91,8 @@ async def run_collection(config: Config) -> int:
     if config.run is None:
         raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (apps/config.py)")
     run = config.run
-    tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
+    # Before the database: a bad tasks file is the cheaper mistake to report.
+    tasks = load_tasks(run.tasks, frozenset(config.nemo_gym))
     async with aiohttp.ClientSession() as probe:
         await check_servers(config, probe)
     dsn = database.prepare_database(config.dsn)

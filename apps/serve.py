@@ -13,11 +13,16 @@ from adapters.http_server import run_bounded
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
+from apps.processes import free_port
+from participants.nemo_gym_relay import register, stop_all
 from participants.observability import TELEMETRY
 
 
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    # Every kind knows the configured NeMo Gym servers as environments; only the resources server,
+    # which relays to them, starts those that no operator runs (on a free port unless one is given).
+    register(config.gym_servers(free_port if kind == "resources" else None))
     store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
@@ -57,6 +62,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     configure_tracing(app[TELEMETRY], config.telemetry.otlp_endpoint if config.telemetry else None)
 
     async def close_store(app: web.Application) -> None:
+        stop_all()  # the NeMo Gym servers this process started
         await store.close()
 
     app.on_cleanup.append(close_store)

@@ -269,6 +269,7 @@ SESSION_OPENED = _kind(
     may("restored_from", "string", "the checkpoint restored"),
     may("origin_attempt", "integer|null", "the attempt it carries over"),
     may("recovered", "boolean", "true when reopened from the log after a restart"),
+    may("live", "string", "a relayed server's live session it seeded (engine.tool_replay)"),
 )
 MUTATION_APPLIED = _kind(
     "mutation_applied", SESSION, _RESOURCES,
@@ -277,6 +278,15 @@ MUTATION_APPLIED = _kind(
     may("arguments", "object", "its arguments"), may("effect", "object|null", "what changed, for replay"),
     may("output", "object|string|null", "what the tool answered"), may("done", "boolean", "the episode is over"),
     may("tool_call", "string|null", "the tool call's key: activation, turn, index"),
+    may("live", "string", "the relayed server's live session that applied it"),
+)
+SESSION_REPLAYED = _kind(
+    "session_replayed", SESSION, _RESOURCES,
+    "A relayed server's fresh live session was seeded and the session's recorded tool calls sent to it again, "
+    "in order, each reply equal to the recorded one (engine.tool_replay).",
+    need("live", "string", "the live session seeded"), need("revision", "integer", "the revision it reached"),
+    need("tool_calls", "array", "the keys of the calls sent again, in order"),
+    may("seconds", "number", "how long the seed and the replay took"),
 )
 SESSION_VERIFIED = _kind(
     "session_verified", SESSION, _RESOURCES,

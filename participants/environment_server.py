@@ -282,7 +282,8 @@ class EnvironmentParticipant(Participant):
     async def _restart(self, ep: Episode, exc: AttemptLost) -> None:
         """This rollout alone goes on under attempt N+1, as engine.recovery classifies it."""
         rid = ep.rollout_id
-        lost = "session" if exc.context.get("lost") == "session" else "call"
+        cause = exc.context.get("lost")
+        lost: recovery.Lost = cause if cause in ("session", "divergence") else "call"
         history = await effective_history(self.store, rid, ep.attempt)
         decision = recovery.classify(rid, ep.attempt, history, lost)
         await self.store.append(recovery.recovery_request(decision))  # stale_attempt if a restore or retire came first
@@ -449,9 +450,10 @@ class EnvironmentParticipant(Participant):
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
-        # Inside the agent step counts as parked: the agent parks it at its own boundary.
-        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"],
-                               deadline)
+        # Inside the agent step counts as parked: the agent parks it at its own boundary. So does a
+        # verify that may simply run again (`replay` verification): it changes nothing that is cut.
+        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"
+                                        and not (ep.step == "verify" and replayable_verify(ep))], deadline)
         live = self._live()
         return PrepareReport(
             ready=not blockers,
@@ -516,6 +518,12 @@ class EnvironmentParticipant(Participant):
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+
+
+def replayable_verify(ep: Episode) -> bool:
+    """The episode's session said at seed that its verification is `replay`: asked again after a
+    restore, it gives the same answer, so a checkpoint need not wait for it."""
+    return (ep.recorded("seed") or {}).get("verification") == "replay"
 
 
 def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:

@@ -223,7 +223,7 @@ async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_read
     lock.release()
     status, report = await preparing
     assert status == 200 and report["ready"] and report["phase"] == "prepared"
-    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0}
+    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0, "replay": 0}
 
     head = await store.head()
     status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
@@ -254,7 +254,7 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
         status, report = await control(http, "prepare")
         assert status == 200 and report["ready"]
         assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]
-        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1}
+        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1, "replay": 0}
         # The live shell's command is still on the log, even though it can never be replayed.
         mutation = (await store.read_stream(session_stream("sb", 0)))[1]
         assert mutation.kind == "mutation_applied" and mutation.data["effect"]["command"].startswith("X=41")

@@ -208,7 +208,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
 
     upstreams: list[subprocess.Popen[bytes]] = []
 
-    async def make(token_latency_s: float = 0.006, upstream: bool = False) -> Cluster:
+    async def make(token_latency_s: float = 0.006, upstream: bool = False,
+                   nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                    for k in cfg.KINDS}
         upstream_url = None
@@ -224,7 +225,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1")
         config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
-                            sandbox=cfg.SandboxConfig())
+                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {})
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")
