@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from adapters.pg_pool import with_retry
 from adapters.postgres import make_engine
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
@@ -69,8 +70,10 @@ class UiReads:
         await self.engine.dispose()
 
     async def _rows(self, sql: str, **params: Any) -> list[dict[str, Any]]:
-        async with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in await conn.execute(text(sql), params)]
+        async def read() -> list[dict[str, Any]]:
+            async with self.engine.connect() as conn:
+                return [dict(r._mapping) for r in await conn.execute(text(sql), params)]
+        return await with_retry(read, what="a page's query")  # a restarted PostgreSQL is not the page's error
 
     async def head(self) -> dict[str, Any]:
         """What changes whenever anything a page shows changes: the log's newest rollout event and

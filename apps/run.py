@@ -127,9 +127,9 @@ async def run_collection(config: Config) -> int:
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
                 try:
-                    if run.checkpoint_mode == "online":
+                    if run.checkpoint_mode == "online" and not stop.is_set():
                         result = await collection.checkpoint_online(control, ck)
-                    else:
+                    else:  # a stop parks every server and leaves it parked: no work goes on after the run ends
                         result = await collection.checkpoint(control, ck, resume=not stop.is_set())
                 except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
                     await collection.coordinator(control).resume(ck)

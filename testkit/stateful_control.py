@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import text
 
+from adapters.pg_pool import with_retry
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
@@ -130,8 +131,10 @@ class ControlMachine(CheckpointRules, RuleBasedStateMachine):
         return self.coll.coordinator(self.session)
 
     async def _rows(self, sql: str) -> list[Any]:
-        async with self.store.engine.connect() as conn:
-            return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%"}))
+        async def read() -> list[Any]:
+            async with self.store.engine.connect() as conn:
+                return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%"}))
+        return await with_retry(read, what="an invariant's query")  # across a restarted PostgreSQL
 
     # ---- rules -------------------------------------------------------------------------------
 
