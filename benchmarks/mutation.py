@@ -1,0 +1,443 @@
+"""A mutation run over `engine/`: how many small, wrong versions of each rule the fast tests catch.
+
+    .venv/bin/python -m benchmarks.mutation [--module attempts,phases] [--list] [--timeout S] [--out PATH]
+
+For each module of `engine/` it makes one mutant per mutation point (`Mutator` says which), runs
+that module's fast tests against it, and counts the mutant killed when a test fails (or the run
+times out), survived when every test passes. The mutant never touches a file: the runner imports
+pytest, the project's dependencies and the test modules' libraries once, then forks one child per
+mutant; the child drops the project's modules from `sys.modules`, puts the mutated module's code in
+front of the import system and runs pytest in-process. A run costs the tests, not an interpreter.
+
+The fast tests are the module's test files (`TESTS`) less every test that asks for a PostgreSQL
+fixture (`PG_FIXTURES`): those are deselected, so a mutant takes about a second. A test that runs
+the code in another process cannot see the mutant, which is why the map names in-process tests.
+
+Mutants a reviewer judged equivalent (no test could tell them from the original) are listed with a
+one-line reason in `benchmarks/mutation_equivalents.toml`; the score is killed / (mutants less
+those). The runner prints each survivor, the table per module, and writes everything to
+`benchmarks/results/mutation.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib.abc
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+import tomllib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import CodeType, ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.toml")
+PROJECT_PACKAGES = ("engine", "participants", "adapters", "apps", "tests", "migrations")
+PG_FIXTURES = {"dsn", "any_dsn", "store", "any_store", "demo_run", "demo_db"}
+
+# Each module's fast tests: the files that exercise its rules in this process. The smaller and more
+# central modules come first, so a partial run (`--module`) covers what most depends on.
+TESTS: dict[str, list[str]] = {
+    "attempts": ["test_engine_attempts.py", "test_attempt_gate.py", "test_retry.py", "test_checkpoint_engine.py"],
+    "phases": ["test_phases.py", "test_control_rules.py", "test_engine_phases.py"],
+    "boundaries": ["test_engine_boundaries.py", "test_checkpoint_engine.py"],
+    "identity": ["test_engine_identity.py", "test_attempt_gate.py", "test_call_rules.py", "test_session_rules.py",
+                 "test_phases.py"],
+    "calls": ["test_call_rules.py", "test_engine_calls.py"],
+    "sessions": ["test_session_rules.py", "test_checkpoint_engine.py", "test_engine_sessions.py"],
+    "recovery": ["test_recovery.py", "test_engine_recovery.py"],
+    "checkpoint": ["test_checkpoint_engine.py", "test_engine_checkpoint.py"],
+    "log": ["test_engine_log.py", "test_attempt_gate.py"],
+    "events": ["test_engine_events.py", "test_stored_strings.py", "test_bounds.py", "test_checkpoint_engine.py"],
+    "projections": ["test_engine_projections.py"],
+    "capability": ["test_engine_capability.py"],
+    "patience": ["test_patience.py", "test_engine_patience.py"],
+    "retry": ["test_retry.py", "test_attempt_gate.py", "test_engine_retry.py"],
+    "tokens": ["test_token_store.py", "test_model_server.py", "test_engine_tokens.py"],
+    "token_capture": ["test_token_capture_rules.py", "test_engine_token_capture.py"],
+    "control": ["test_control_rules.py", "test_engine_control.py"],
+    "coordinator": ["test_checkpoint_engine.py", "test_engine_coordinator.py"],
+    "errors": ["test_errors.py", "test_docs.py"],
+    "catalog": ["test_catalog.py", "test_checkpoint_engine.py", "test_engine_catalog.py"],
+}
+
+COMPARE_SWAP: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One place a mutant differs from the original, named so that the name survives edits elsewhere."""
+
+    index: int
+    line: int
+    where: str  # the enclosing function or class, dotted
+    kind: str
+    before: str
+    after: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.where} | {self.kind} | {self.before} -> {self.after}"
+
+
+def _snippet(node: ast.AST) -> str:
+    text = " ".join(ast.unparse(node).split())
+    return text if len(text) <= 70 else text[:67] + "..."
+
+
+class Mutator(ast.NodeTransformer):
+    """Walks a module in a fixed order, numbering each mutation point; when `target` is that number it
+    returns the mutated node. The kinds: a comparison flipped (== and !=, in and not in, is and is not
+    swapped; < <= > >= moved by one), `and`/`or` swapped, an if/while/conditional test negated, a raise
+    deleted, a return inside a branch deleted (the early return), an int constant moved by +1 and by
+    -1, True and False swapped. Type annotations and `if TYPE_CHECKING:` blocks are left alone."""
+
+    def __init__(self, target: int = -1) -> None:
+        self.target = target
+        self.points: list[Point] = []
+        self.scope: list[str] = []
+        self.branch_depth = 0
+
+    def _point(self, node: ast.AST, kind: str, before: ast.AST, after: ast.AST) -> bool:
+        index = len(self.points)
+        where = ".".join(self.scope) or "<module>"
+        self.points.append(Point(index, getattr(node, "lineno", 0), where, kind, _snippet(before),
+                                 _snippet(after)))
+        return index == self.target
+
+    # Scopes, for names; annotations are skipped.
+    def _scoped(self, node: Any) -> Any:
+        self.scope.append(node.name)
+        depth, self.branch_depth = self.branch_depth, 0
+        # Decorators (`@dataclass(frozen=True)`) and base classes declare, they hold no rule to mutate.
+        if hasattr(node, "args"):
+            node.args = self._arguments(node.args)
+        node.body = self._body(node.body)
+        self.branch_depth = depth
+        self.scope.pop()
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def _arguments(self, args: ast.arguments) -> ast.arguments:
+        args.defaults = [self.visit(d) for d in args.defaults]
+        args.kw_defaults = [self.visit(d) if d is not None else None for d in args.kw_defaults]
+        return args
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        if node.value is not None:
+            node.value = self.visit(node.value)
+        return node
+
+    def _body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for stmt in body:
+            new = self.visit(stmt)
+            if isinstance(new, list):
+                out.extend(new)
+            elif new is not None:
+                out.append(new)
+        return out or [ast.Pass()]
+
+    def _branches(self, node: Any, fields: tuple[str, ...]) -> Any:
+        self.branch_depth += 1
+        for name in fields:
+            setattr(node, name, self._body(getattr(node, name)))
+        self.branch_depth -= 1
+        return node
+
+    def _negated(self, node: Any) -> None:
+        negated = ast.UnaryOp(op=ast.Not(), operand=node.test)
+        if self._point(node, "negate", node.test, negated):
+            node.test = ast.copy_location(negated, node.test)
+        else:
+            node.test = self.visit(node.test)
+
+    def visit_If(self, node: ast.If) -> ast.AST:
+        if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return node
+        self._negated(node)
+        return self._branches(node, ("body", "orelse"))
+
+    def visit_While(self, node: ast.While) -> ast.AST:
+        self._negated(node)
+        return self._branches(node, ("body", "orelse"))
+
+    def visit_For(self, node: ast.For) -> ast.AST:
+        node.iter = self.visit(node.iter)
+        return self._branches(node, ("body", "orelse"))
+
+    visit_AsyncFor = visit_For
+
+    def visit_With(self, node: Any) -> ast.AST:
+        node.items = [self.visit(item) for item in node.items]
+        return self._branches(node, ("body",))
+
+    visit_AsyncWith = visit_With
+
+    def visit_Try(self, node: ast.Try) -> ast.AST:
+        for handler in node.handlers:
+            if handler.type is not None:
+                handler.type = self.visit(handler.type)
+        self.branch_depth += 1
+        for handler in node.handlers:
+            handler.body = self._body(handler.body)
+        self.branch_depth -= 1
+        return self._branches(node, ("body", "orelse", "finalbody"))
+
+    def visit_IfExp(self, node: ast.IfExp) -> ast.AST:
+        self._negated(node)
+        node.body = self.visit(node.body)
+        node.orelse = self.visit(node.orelse)
+        return node
+
+    def visit_Raise(self, node: ast.Raise) -> ast.AST:
+        if self._point(node, "delete raise", node, ast.Pass()):
+            return ast.copy_location(ast.Pass(), node)
+        return self.generic_visit(node)
+
+    def visit_Return(self, node: ast.Return) -> ast.AST:
+        if self.branch_depth and self._point(node, "delete early return", node, ast.Pass()):
+            return ast.copy_location(ast.Pass(), node)
+        return self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        for i, op in enumerate(node.ops):
+            swapped = copy.copy(node)
+            swapped.ops = list(node.ops)
+            swapped.ops[i] = COMPARE_SWAP[type(op)]()
+            if self._point(node, "compare", node, swapped):
+                return swapped
+        return self.generic_visit(node)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> ast.AST:
+        swapped = ast.BoolOp(op=ast.Or() if isinstance(node.op, ast.And) else ast.And(), values=node.values)
+        if self._point(node, "and/or", node, swapped):
+            return ast.copy_location(swapped, node)
+        return self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if isinstance(node.value, bool):
+            flipped = ast.copy_location(ast.Constant(not node.value), node)
+            return flipped if self._point(node, "true/false", node, flipped) else node
+        if isinstance(node.value, int):
+            for delta in (1, -1):
+                moved = ast.copy_location(ast.Constant(node.value + delta), node)
+                if self._point(node, f"int {delta:+d}", node, moved):
+                    return moved
+        return node
+
+
+def module_path(name: str) -> Path:
+    return ROOT / "engine" / f"{name}.py"
+
+
+def points_of(name: str) -> tuple[ast.Module, list[Point]]:
+    tree = ast.parse(module_path(name).read_text(), filename=str(module_path(name)))
+    counter = Mutator()
+    counter.visit(copy.deepcopy(tree))
+    return tree, counter.points
+
+
+def mutant_code(name: str, tree: ast.Module, index: int) -> CodeType:
+    mutated = Mutator(target=index).visit(copy.deepcopy(tree))
+    ast.fix_missing_locations(mutated)
+    return compile(mutated, str(module_path(name)), "exec")
+
+
+class _MutantLoader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves one module of the project from a code object instead of its file."""
+
+    def __init__(self, fullname: str, path: Path, code: CodeType) -> None:
+        self.fullname, self.path, self.code = fullname, path, code
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.fullname:
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.path, loader=self)
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        exec(self.code, module.__dict__)
+
+
+class _NoDatabase:
+    """A pytest plugin: deselects every test that asks for a PostgreSQL fixture."""
+
+    def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
+        keep = [item for item in items if not PG_FIXTURES & set(getattr(item, "fixturenames", ()))]
+        gone = [item for item in items if item not in keep]
+        if gone:
+            config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+
+
+def _preload() -> None:
+    """Import, once, what every child would otherwise import again: pytest, the third-party libraries
+    and the project (whose modules each child then drops, so that it imports the mutant)."""
+    import pytest  # noqa: F401
+
+    for name in ("hypothesis", "sqlalchemy", "aiohttp", "pydantic", "transitions", "yaml", "psycopg",
+                 "prometheus_client", "adapters.postgres", "participants.agent_server", "apps.cli"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def pytest_args(name: str, extra: list[str]) -> list[str]:
+    files = [str(ROOT / "tests" / f) for f in TESTS[name] if (ROOT / "tests" / f).exists()]
+    if not files:
+        raise SystemExit(f"no test file of {name} exists: {TESTS[name]}")
+    # A map may name a file a later change adds (`test_engine_<module>.py`); the ones here are run.
+    # The plugins the tests use, named: autoloading every installed one (schemathesis's among them) and
+    # rewriting their asserts cost a second a mutant. Plain asserts fail as surely.
+    plugins = ["xdist.plugin", "pytest_asyncio.plugin", "pytest_timeout", "_hypothesis_pytestplugin"]
+    return files + [arg for p in plugins for arg in ("-p", p)] + [
+        "-n", "0", "-x", "-q", "-p", "no:cacheprovider", "--assert=plain", "-o", "addopts=", *extra]
+
+
+def run_child(name: str, code: CodeType | None, args: list[str], timeout: float, quiet: bool = True) -> str:
+    """Fork, put the mutant in place, run pytest; 'passed', 'failed' or 'timeout'."""
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.setpgid(0, 0)
+        status = 70
+        try:
+            if quiet:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+            for loaded in [m for m in sys.modules if m.split(".")[0] in PROJECT_PACKAGES]:
+                del sys.modules[loaded]
+            if code is not None:
+                sys.meta_path.insert(0, _MutantLoader(f"engine.{name}", module_path(name), code))
+            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+            import pytest
+
+            status = int(pytest.main(args, plugins=[_NoDatabase()]))
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code_ = os.waitstatus_to_exitcode(status)
+            if code_ == 5:
+                raise SystemExit(f"{name}: no test collected by {args}")
+            return "passed" if code_ == 0 else "failed"
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.01)
+
+
+def load_equivalents() -> dict[str, dict[str, str]]:
+    """module -> mutant key -> reason."""
+    data = tomllib.loads(EQUIVALENTS.read_text()) if EQUIVALENTS.exists() else {}
+    out: dict[str, dict[str, str]] = {}
+    for entry in data.get("equivalent", []):
+        out.setdefault(entry["module"], {})[entry["mutant"]] = entry["reason"]
+    return out
+
+
+def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: list[str]) -> dict[str, Any]:
+    tree, points = points_of(name)
+    args = pytest_args(name, extra)
+    started = time.monotonic()
+    if run_child(name, None, args, timeout * 4, quiet=False) != "passed":
+        raise SystemExit(f"{name}: the tests fail on the unmutated module")
+    baseline = time.monotonic() - started
+    limit = max(timeout, baseline * 5)
+    results: list[dict[str, Any]] = []
+    seen: Counter[str] = Counter()
+    for point in points:
+        seen[point.key] += 1
+        key = point.key if seen[point.key] == 1 else f"{point.key} #{seen[point.key]}"
+        if key in equivalents:
+            outcome = "equivalent"
+        else:
+            outcome = run_child(name, mutant_code(name, tree, point.index), args, limit)
+            outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
+        results.append({**asdict(point), "key": key, "outcome": outcome})
+        if outcome == "survived":
+            print(f"  survived engine/{name}.py:{point.line} [{key}]", flush=True)
+    stale = sorted(set(equivalents) - {r["key"] for r in results})
+    for key in stale:
+        print(f"  stale equivalent (no such mutant now): {name}: {key}", flush=True)
+    count = Counter(r["outcome"] for r in results)
+    live = len(results) - count["equivalent"]
+    killed = count["killed"] + count["timeout"]
+    return {
+        "module": name, "mutants": len(results), "killed": count["killed"], "timeout": count["timeout"],
+        "survived": count["survived"], "equivalent": count["equivalent"],
+        "score": round(killed / live, 4) if live else 1.0, "seconds": round(time.monotonic() - started, 1),
+        "tests": TESTS[name], "stale_equivalents": stale, "mutants_detail": results,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| module | mutants | equivalent | killed (timeouts) | survived | score |",
+             "|:--|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        live = r["mutants"] - r["equivalent"]
+        lines.append(f"| `engine/{r['module']}.py` | {r['mutants']} | {r['equivalent']} | "
+                     f"{r['killed'] + r['timeout']} / {live} ({r['timeout']}) | {r['survived']} | "
+                     f"{100 * r['score']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--module", default=",".join(TESTS), help="comma-separated engine modules")
+    parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds a mutant's tests may take, "
+                        "at least five times the unmutated run")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation.json"))
+    parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
+    options = parser.parse_args(argv)
+    names = [n.strip() for n in options.module.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TESTS]
+    if unknown:
+        parser.error(f"no test map for {unknown}; known: {', '.join(TESTS)}")
+    if options.list:
+        for name in names:
+            for point in points_of(name)[1]:
+                print(f"engine/{name}.py:{point.line} [{point.key}]")
+        return 0
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    sys.dont_write_bytecode = True
+    _preload()
+    equivalents = load_equivalents()
+    rows = []
+    for name in names:
+        print(f"engine/{name}.py ...", flush=True)
+        row = run_module(name, equivalents.get(name, {}), options.timeout, options.pytest_args)
+        print(f"  {row['killed'] + row['timeout']} / {row['mutants'] - row['equivalent']} killed, "
+              f"{row['survived']} survived, {row['equivalent']} equivalent ({row['seconds']} s)", flush=True)
+        rows.append(row)
+    print(table(rows))
+    out = Path(options.out)
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous.update({row["module"]: row for row in rows})
+    out.write_text(json.dumps(previous, indent=1) + "\n")
+    return 0 if all(row["survived"] == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
