@@ -227,15 +227,27 @@ class Mutator(ast.NodeTransformer):
             return ast.copy_location(swapped, node)
         return self.generic_visit(node)
 
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        # `-1` is a minus applied to 1: moved as the number it spells, not as its digit.
+        if isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+            value = node.operand.value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return self._moved(node, -value)
+        return self.generic_visit(node)
+
+    def _moved(self, node: ast.AST, value: int) -> ast.AST:
+        for delta in (1, -1):
+            moved = ast.copy_location(ast.Constant(value + delta), node)
+            if self._point(node, f"int {delta:+d}", node, moved):
+                return moved
+        return node
+
     def visit_Constant(self, node: ast.Constant) -> ast.AST:
         if isinstance(node.value, bool):
             flipped = ast.copy_location(ast.Constant(not node.value), node)
             return flipped if self._point(node, "true/false", node, flipped) else node
         if isinstance(node.value, int):
-            for delta in (1, -1):
-                moved = ast.copy_location(ast.Constant(node.value + delta), node)
-                if self._point(node, f"int {delta:+d}", node, moved):
-                    return moved
+            return self._moved(node, node.value)
         return node
 
 
@@ -405,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--module", default=",".join(TESTS), help="comma-separated engine modules")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds a mutant's tests may take, "
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds a mutant's tests may take, "
                         "at least five times the unmutated run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation.json"))
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
