@@ -3,6 +3,8 @@ admitted, what state it leaves for the next event of the batch, and how the gate
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.attempts import AttemptGate, RolloutState, admit
@@ -64,10 +66,10 @@ def test_a_later_attempt_starts_beside_the_earlier_ones() -> None:
     assert state.latest == 2
 
 
-@pytest.mark.parametrize("again", [0, 1])
+@pytest.mark.parametrize("again", [0, 1, 2])
 def test_an_attempt_cannot_start_twice_or_below_the_latest(again: int) -> None:
-    state = run(ev(ATTEMPT_STARTED, 0), ev(ATTEMPT_STARTED, 1))
-    with pytest.raises(StaleAttempt, match=f"attempt {again} of rollout r cannot start: attempt 1 exists"):
+    state = run(ev(ATTEMPT_STARTED, 0), ev(ATTEMPT_STARTED, 2))
+    with pytest.raises(StaleAttempt, match=f"attempt {again} of rollout r cannot start: attempt 2 exists"):
         admit(ev(ATTEMPT_STARTED, again), state)
 
 
@@ -141,3 +143,46 @@ async def test_the_gate_remembers_at_most_max_entries_attempts() -> None:
     assert store.reads == 3
     await gate.check("r", 0)
     assert store.reads == 4
+
+
+async def test_a_default_gate_remembers_65536_attempts_and_empties_its_memory_for_the_next() -> None:
+    store = Reads()
+    gate = AttemptGate(store)
+    for attempt in range(65_536):
+        await gate.check("r", attempt)
+    await gate.check("r", 0)
+    assert store.reads == 65_536  # all remembered
+    await gate.check("r", 65_536)
+    await gate.check("r", 0)
+    assert store.reads == 65_538
+
+
+async def test_a_fence_read_cut_short_by_a_shutdown_reports_nothing_to_the_loop() -> None:
+    """A server that stops cancels its tasks, the gate's read among them: the checks that waited on
+    it are cancelled with it, and the loop is told of no error."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        never = asyncio.Event()
+
+        class Hanging(Reads):
+            async def fence_position(self) -> int:
+                await never.wait()
+                return 0
+
+        gate = AttemptGate(Hanging())
+        check = asyncio.ensure_future(gate.check("r", 0))
+        await asyncio.sleep(0.01)
+        reader = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "AttemptGate._read"]
+        assert len(reader) == 1
+        reader[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await check
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert reader[0].cancelled()  # it ends as cancelled, as a shutdown that awaits it expects
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
