@@ -102,3 +102,19 @@ def test_a_session_stream_is_recognised_for_any_rollout_or_for_one() -> None:
     assert not is_session_stream("session:r2:0", "r")
     assert not is_session_stream("episode:r:0")
     assert not is_session_stream("episode:r:0", "r")
+
+
+def test_a_refusal_quotes_at_most_forty_characters_of_what_it_refused() -> None:
+    long = "x" * 39 + "YZ" + "-" * 200
+    for refuse in (validate_tool_call_key, lambda v: validate_id(v, "call id"), parse_attempt):
+        with pytest.raises(InvalidIdentifier) as refused:
+            refuse(long)
+        assert repr(long[:40]) in str(refused.value)
+
+
+def test_an_attempt_refusal_is_at_most_160_characters() -> None:
+    with pytest.raises(InvalidIdentifier) as refused:
+        validate_attempt("9" * 500)
+    message = str(refused.value)
+    assert len(message) == 160
+    assert message.startswith(f"attempt must be an integer from 0 to {ATTEMPT_MAX}, got '999")
