@@ -35,3 +35,15 @@ def test_a_rollout_id_with_dots_cannot_borrow_another_attempts_capability() -> N
     token = capability("s", "a.1", 2)
     assert capability_opens(token, "s", "a.1", "2")
     assert not capability_opens(token, "s", "a", "1.2")
+
+
+def test_only_the_prefix_itself_marks_a_capability() -> None:
+    token = capability("s", "r", 0)
+    assert not capability_opens("RBCAP1." + token[len(PREFIX):], "s", "r", "0")
+
+
+def test_a_route_outside_any_attempt_is_opened_by_no_capability_whatever_it_names() -> None:
+    # What the path lacks is not spelt "None": a capability for a rollout named "None" opens only that one.
+    assert not capability_opens(capability("s", "None", 0), "s", None, "0")
+    assert not capability_opens(capability("s", "r", "None"), "s", "r", None)  # type: ignore[arg-type]
+    assert capability_opens(capability("s", "None", 0), "s", "None", "0")

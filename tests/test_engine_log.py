@@ -9,7 +9,14 @@ import pytest
 
 from engine.attempts import RolloutState
 from engine.catalog import ATTEMPT_STARTED, EPISODE_STEP
-from engine.errors import InvalidIdentifier, InvalidPayload, PayloadTooLarge, StaleAttempt, UnknownAttempt, VersionConflict
+from engine.errors import (
+    InvalidIdentifier,
+    InvalidPayload,
+    PayloadTooLarge,
+    StaleAttempt,
+    UnknownAttempt,
+    VersionConflict,
+)
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import episode_stream, rollout_stream
 from engine.log import NEW_STREAM, LogState, StreamHead, append_one, plan_batch, plan_request
