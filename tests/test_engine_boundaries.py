@@ -135,3 +135,11 @@ def test_completed_activations_carry_the_conversation_of_the_boundary_before_the
         2: {"text": "c", "messages": M[:3]},
     }
     assert completed_activations([rec(1, ACTIVATION_COMPLETED, {"index": 0, "reply": {}})]) == {0: {"messages": []}}
+
+
+def test_a_whole_boundary_or_another_event_needs_nothing_before_it() -> None:
+    broken = rec(1, AGENT_BOUNDARY, {"messages_kept": 4, "messages_added": []}, version=1)  # predecessor missing
+    whole = rec(2, AGENT_BOUNDARY, {"messages": M[:1]}, version=2)
+    assert full_boundary([broken, whole], whole) is whole
+    step = rec(3, EPISODE_STEP, {"x": 1}, version=3)
+    assert full_boundary([broken, whole, step], step) is step
