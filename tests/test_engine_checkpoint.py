@@ -26,10 +26,26 @@ from engine.checkpoint import (
     validate_cut,
 )
 from engine.errors import InvalidCheckpointState, RestartInScope, StaleAttempt, UnknownCheckpoint
-from engine.identity import agent_stream, call_stream, checkpoint_stream, episode_stream, rollout_stream, session_stream
+from engine.identity import (
+    agent_stream,
+    call_stream,
+    checkpoint_stream,
+    episode_stream,
+    rollout_stream,
+    session_stream,
+)
 from engine.log import append_one
 from tests.memory_cut_store import MemoryCutStore
-from tests.test_checkpoint_engine import RESTARTS, SCOPE, E, Positions, episode, latest_attempts, restore, statuses
+from tests.test_checkpoint_engine import (
+    RESTARTS,
+    SCOPE,
+    E,
+    Positions,
+    episode,
+    latest_attempts,
+    restore,
+    statuses,
+)
 
 
 @pytest.fixture
