@@ -11,7 +11,9 @@ from engine.errors import InvalidPayload, PayloadTooLarge
 from engine.events import (
     DEFAULT_PAYLOAD_LIMIT,
     GENESIS_HASH,
+    SCHEMA_VERSION,
     STORE_ESCAPE,
+    NewEvent,
     canonical_json,
     encode_payload,
     escape_strings,
@@ -97,3 +99,8 @@ def test_stored_text_escapes_only_where_it_must() -> None:
 def test_stored_text_that_holds_no_escape_is_read_as_it_is() -> None:
     assert load_stored_json('{"x":"\\u0000"}') == {"x": "\x00"}
     assert load_stored_json(b'{"x":"' + f"{STORE_ESCAPE}0".encode() + b'"}') == {"x": "\x00"}
+
+
+def test_events_are_written_at_schema_version_one() -> None:
+    assert SCHEMA_VERSION == 1
+    assert NewEvent("s", "k").schema_version == 1
