@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.events import AppendRequest, RecordedEvent
 from engine.identity import Key
-from engine.log import LogState, StreamHead, plan_request
+from engine.log import LogState, plan_request
 from engine.projections import TABLES, changes_for
 
 
@@ -100,5 +100,5 @@ class MemoryCutStore:
             out[r] = [(s, e.stream_version, e.hash) for s, e in sorted(heads.items())]
         return out
 
-    def stream_head(self, stream: str) -> StreamHead | None:
-        return self.state.streams.get(stream)
+    async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
+        return sorted(k[0] for k, row in self.tables["checkpoint_state"].items() if row["phase"] in phases)
