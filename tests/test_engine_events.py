@@ -69,6 +69,7 @@ def test_a_float_of_1e16_or_more_is_stored_as_the_integer_jsonb_reads_back() -> 
     assert json.loads(encode_payload({"x": 1e16, "y": [-2e16], "z": {"w": 1.5e300}})) == {
         "x": 10**16, "y": [-2 * 10**16], "z": {"w": int(1.5e300)}}
     assert json.loads(encode_payload({"x": 9.999e15, "s": "e+"})) == {"x": 9.999e15, "s": "e+"}
+    assert encode_payload({"x": 1e16}) == '{"x":10000000000000000}'  # the text PostgreSQL hands back
 
 
 def test_a_large_float_is_found_anywhere_in_a_value() -> None:
