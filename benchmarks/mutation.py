@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import fcntl
 import importlib.abc
 import importlib.util
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import tomllib
 from collections import Counter
@@ -54,17 +56,18 @@ TESTS: dict[str, list[str]] = {
     "calls": ["test_call_rules.py", "test_engine_calls.py"],
     "sessions": ["test_session_rules.py", "test_checkpoint_engine.py", "test_engine_sessions.py"],
     "recovery": ["test_recovery.py", "test_engine_recovery.py"],
-    "checkpoint": ["test_checkpoint_engine.py", "test_engine_checkpoint.py"],
+    "checkpoint": ["test_engine_checkpoint.py", "test_checkpoint_engine.py", "test_call_rules.py"],
     "log": ["test_engine_log.py", "test_attempt_gate.py"],
-    "events": ["test_engine_events.py", "test_stored_strings.py", "test_bounds.py", "test_checkpoint_engine.py"],
+    "events": ["test_engine_events.py", "test_engine_log.py", "test_stored_strings.py", "test_bounds.py",
+               "test_checkpoint_engine.py"],
     "projections": ["test_engine_projections.py"],
     "capability": ["test_engine_capability.py"],
     "patience": ["test_patience.py", "test_engine_patience.py"],
     "retry": ["test_retry.py", "test_attempt_gate.py", "test_engine_retry.py"],
-    "tokens": ["test_token_store.py", "test_model_server.py", "test_engine_tokens.py"],
+    "tokens": ["test_engine_tokens.py", "test_token_store.py"],
     "token_capture": ["test_token_capture_rules.py", "test_engine_token_capture.py"],
     "control": ["test_control_rules.py", "test_engine_control.py"],
-    "coordinator": ["test_checkpoint_engine.py", "test_engine_coordinator.py"],
+    "coordinator": ["test_engine_coordinator.py", "test_checkpoint_engine.py"],
     "errors": ["test_errors.py", "test_docs.py"],
     "catalog": ["test_catalog.py", "test_checkpoint_engine.py", "test_engine_catalog.py"],
 }
@@ -81,6 +84,7 @@ class Point:
 
     index: int
     line: int
+    end_line: int
     where: str  # the enclosing function or class, dotted
     kind: str
     before: str
@@ -112,8 +116,9 @@ class Mutator(ast.NodeTransformer):
     def _point(self, node: ast.AST, kind: str, before: ast.AST, after: ast.AST) -> bool:
         index = len(self.points)
         where = ".".join(self.scope) or "<module>"
-        self.points.append(Point(index, getattr(node, "lineno", 0), where, kind, _snippet(before),
-                                 _snippet(after)))
+        line = getattr(node, "lineno", 0)
+        self.points.append(Point(index, line, getattr(node, "end_lineno", None) or line, where, kind,
+                                 _snippet(before), _snippet(after)))
         return index == self.target
 
     # Scopes, for names; annotations are skipped.
@@ -297,6 +302,35 @@ class _NoDatabase:
         items[:] = keep
 
 
+class _LinesRun:
+    """A pytest plugin for the unmutated run: which lines of one file each test executes. A mutant is
+    then run against only the tests that reach its lines (a test that never executes a line cannot
+    tell a change there); a line no test reaches while running (a default, a constant: run at import)
+    gets every test."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.order: list[str] = []
+        self.lines: dict[int, set[str]] = {}
+        self.current: str | None = None
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != self.path:
+            return None
+        if self.current is not None and event == "line":
+            self.lines.setdefault(frame.f_lineno, set()).add(self.current)
+        return self._trace
+
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> None:
+        self.current = item.nodeid
+        self.order.append(item.nodeid)
+        sys.settrace(self._trace)
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
+        sys.settrace(None)
+        self.current = None
+
+
 def _preload() -> None:
     """Import, once, what every child would otherwise import again: pytest, the third-party libraries
     and the project (whose modules each child then drops, so that it imports the mutant)."""
@@ -322,8 +356,10 @@ def pytest_args(name: str, extra: list[str]) -> list[str]:
         "-n", "0", "-x", "-q", "-p", "no:cacheprovider", "--assert=plain", "-o", "addopts=", *extra]
 
 
-def run_child(name: str, code: CodeType | None, args: list[str], timeout: float, quiet: bool = True) -> str:
-    """Fork, put the mutant in place, run pytest; 'passed', 'failed' or 'timeout'."""
+def run_child(name: str, code: CodeType | None, args: list[str], timeout: float, quiet: bool = True,
+              lines_to: Path | None = None) -> str:
+    """Fork, put the mutant in place, run pytest; 'passed', 'failed' or 'timeout'. With `lines_to`, the
+    child writes there which tests executed which lines of the module (`_LinesRun`)."""
     pid = os.fork()
     if pid == 0:  # the child
         os.setpgid(0, 0)
@@ -340,7 +376,14 @@ def run_child(name: str, code: CodeType | None, args: list[str], timeout: float,
             os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
             import pytest
 
-            status = int(pytest.main(args, plugins=[_NoDatabase()]))
+            plugins: list[Any] = [_NoDatabase()]
+            if lines_to is not None:
+                plugins.append(_LinesRun(module_path(name)))
+            status = int(pytest.main(args, plugins=plugins))
+            if lines_to is not None:
+                run = plugins[1]
+                lines_to.write_text(json.dumps({"order": run.order,
+                                                "lines": {str(k): sorted(v) for k, v in run.lines.items()}}))
         finally:
             os._exit(status)
     deadline = time.monotonic() + timeout
@@ -371,10 +414,22 @@ def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: li
     tree, points = points_of(name)
     args = pytest_args(name, extra)
     started = time.monotonic()
-    if run_child(name, None, args, timeout * 4, quiet=False) != "passed":
-        raise SystemExit(f"{name}: the tests fail on the unmutated module")
+    with tempfile.TemporaryDirectory() as tmp:
+        lines_file = Path(tmp) / "lines.json"
+        if run_child(name, None, args, timeout * 10, quiet=False, lines_to=lines_file) != "passed":
+            raise SystemExit(f"{name}: the tests fail on the unmutated module")
+        covered = json.loads(lines_file.read_text())
     baseline = time.monotonic() - started
-    limit = max(timeout, baseline * 5)
+    limit = max(timeout, baseline * 3)
+    rank = {nodeid: i for i, nodeid in enumerate(covered["order"])}
+    lines = {int(k): v for k, v in covered["lines"].items()}
+    options = [a for a in args if (ROOT / "tests").as_posix() not in a]
+
+    def tests_reaching(point: Point) -> list[str]:
+        reach = {t for line in range(point.line, point.end_line + 1) for t in lines.get(line, ())}
+        if not reach:
+            return args  # run at import (a default, a constant) or by no test: every test
+        return [str(ROOT / t) for t in sorted(reach, key=rank.__getitem__)] + options
     results: list[dict[str, Any]] = []
     seen: Counter[str] = Counter()
     for point in points:
@@ -383,7 +438,7 @@ def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: li
         if key in equivalents:
             outcome = "equivalent"
         else:
-            outcome = run_child(name, mutant_code(name, tree, point.index), args, limit)
+            outcome = run_child(name, mutant_code(name, tree, point.index), tests_reaching(point), limit)
             outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
         results.append({**asdict(point), "key": key, "outcome": outcome})
         if outcome == "survived":
@@ -413,10 +468,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def save(out: Path, row: dict[str, Any]) -> None:
+    """Add one module's results to the results file (two runs over different modules may share it)."""
+    with open(Path(tempfile.gettempdir()) / "rollbook-mutation.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = json.loads(out.read_text()) if out.exists() else {}
+        saved[row["module"]] = row
+        out.write_text(json.dumps(saved, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--module", default=",".join(TESTS), help="comma-separated engine modules")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
+    parser.add_argument("--report", action="store_true", help="print the table of the results file, run nothing")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds a mutant's tests may take, "
                         "at least five times the unmutated run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation.json"))
@@ -426,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in TESTS]
     if unknown:
         parser.error(f"no test map for {unknown}; known: {', '.join(TESTS)}")
+    out = Path(options.out)
+    if options.report:
+        saved = json.loads(out.read_text())
+        print(table([saved[n] for n in names if n in saved]))
+        return 0
     if options.list:
         for name in names:
             for point in points_of(name)[1]:
@@ -443,11 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['killed'] + row['timeout']} / {row['mutants'] - row['equivalent']} killed, "
               f"{row['survived']} survived, {row['equivalent']} equivalent ({row['seconds']} s)", flush=True)
         rows.append(row)
+        save(out, row)
     print(table(rows))
-    out = Path(options.out)
-    previous = json.loads(out.read_text()) if out.exists() else {}
-    previous.update({row["module"]: row for row in rows})
-    out.write_text(json.dumps(previous, indent=1) + "\n")
     return 0 if all(row["survived"] == 0 for row in rows) else 1
 
 
