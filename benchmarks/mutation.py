@@ -331,17 +331,64 @@ class _LinesRun:
         self.current = None
 
 
-def _preload() -> None:
-    """Import, once, what every child would otherwise import again: pytest, the third-party libraries
-    and the project (whose modules each child then drops, so that it imports the mutant)."""
+def _preload(names: list[str]) -> None:
+    """Import, once, what every child would otherwise import again: pytest, the third-party libraries,
+    the project and the test modules (of which each child drops the mutated module and every module
+    that imports it, directly or not: `_importers`)."""
     import pytest  # noqa: F401
 
+    tests = sorted({f"tests.{f.removesuffix('.py')}" for n in names for f in TESTS[n] if (ROOT / "tests" / f).exists()})
     for name in ("hypothesis", "sqlalchemy", "aiohttp", "pydantic", "transitions", "yaml", "psycopg",
-                 "prometheus_client", "adapters.postgres", "participants.agent_server", "apps.cli"):
+                 "prometheus_client", "adapters.postgres", "participants.agent_server", "apps.cli", "tests.conftest",
+                 *tests):
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def _imports_of(module: ModuleType) -> set[str]:
+    """The modules a module's source imports (anywhere in it), as absolute names."""
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return set()
+    package = module.__name__ if path.endswith("__init__.py") else module.__name__.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            out |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return out
+
+
+def _importers(target: str) -> set[str]:
+    """`target` and every loaded module of the project that imports it, directly or through others."""
+    graph = {name: _imports_of(mod) for name, mod in list(sys.modules.items())
+             if name.split(".")[0] in PROJECT_PACKAGES and mod is not None}
+    tainted = {target}
+    grew = True
+    while grew:
+        grew = False
+        for name, deps in graph.items():
+            if name not in tainted and deps & tainted:
+                tainted.add(name)
+                grew = True
+    return tainted
+
+
+def _forget(names: set[str]) -> None:
+    """Drop modules so the next import runs them again, their parent package's attribute with them
+    (`from engine import catalog` would otherwise hand back the old one)."""
+    for name in names:
+        sys.modules.pop(name, None)
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and getattr(sys.modules[parent], child, None) is not None:
+            delattr(sys.modules[parent], child)
 
 
 def pytest_args(name: str, extra: list[str]) -> list[str]:
@@ -369,8 +416,7 @@ def run_child(name: str, code: CodeType | None, args: list[str], timeout: float,
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 os.dup2(devnull, 2)
-            for loaded in [m for m in sys.modules if m.split(".")[0] in PROJECT_PACKAGES]:
-                del sys.modules[loaded]
+            _forget(_importers(f"engine.{name}"))
             if code is not None:
                 sys.meta_path.insert(0, _MutantLoader(f"engine.{name}", module_path(name), code))
             os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
@@ -504,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     sys.dont_write_bytecode = True
-    _preload()
+    _preload(names)
     equivalents = load_equivalents()
     rows = []
     for name in names:
