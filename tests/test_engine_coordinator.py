@@ -12,6 +12,7 @@ from engine.catalog import CHECKPOINT_ABORTED, CHECKPOINT_PREPARED, CHECKPOINT_S
 from engine.coordinator import (
     PREPARE_ORDER,
     Coordinator,
+    StepTiming,
     abort_checkpoint,
     abort_expired,
     abort_if_expired,
@@ -306,3 +307,10 @@ async def test_a_committed_checkpoint_is_never_aborted() -> None:
     await coordinator.commit("ck", time.time() + 30)
     assert not await abort_checkpoint(store, "ck", "late")
     assert not await abort_if_expired(store, "ck", now=time.time() + 1e6)
+
+
+def test_a_step_is_timed_in_milliseconds_to_two_decimals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "perf_counter", lambda: 10.0)
+    timing = StepTiming()
+    timing.record("prepare", 10.0 - 0.1234567)
+    assert timing.ms == {"prepare": 123.46}
