@@ -14,6 +14,7 @@ from engine.checkpoint import (
     Cut,
     CutHistory,
     ScopeEntry,
+    classify,
     committed_event,
     cut_digest,
     effective_history,
@@ -307,3 +308,18 @@ def test_an_install_leaves_rollouts_retired_since_the_cut_and_says_so() -> None:
     assert request.events[-1].data == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 1,
                                        "left_retired": ["gone", "gone2"]}
     assert not any(e.kind == ROLLOUT_RETIRED for e in request.events)
+
+
+def test_a_scope_naming_restart_only_executions_is_refused_naming_the_first_and_at_most_ten() -> None:
+    bad = [(f"r{i:02d}", 1) for i in range(12)]
+    with pytest.raises(RestartInScope, match=r"^12 restart-only execution\(s\) named in the scope, e.g. r00 attempt 1$") as refused:
+        classify(live=bad, finished=[], scope=bad, restarts=bad)
+    assert refused.value.context == {"executions": [[f"r{i:02d}", 1] for i in range(10)]}
+
+
+def test_refusals_of_a_scope_name_the_first_execution_of_each_kind() -> None:
+    done = [("a", 2), ("b", 3)]
+    with pytest.raises(InvalidCheckpointState, match=r"^2 execution\(s\) are both completed and in scope, e.g. a attempt 2$"):
+        classify(live=done, finished=done, scope=done, restarts=[])
+    with pytest.raises(InvalidCheckpointState, match=r"^scope names unknown or inactive execution c attempt 4$"):
+        classify(live=[], finished=[], scope=[("c", 4), ("d", 5)], restarts=[])
