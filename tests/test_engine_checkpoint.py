@@ -323,3 +323,16 @@ def test_refusals_of_a_scope_name_the_first_execution_of_each_kind() -> None:
         classify(live=done, finished=done, scope=done, restarts=[])
     with pytest.raises(InvalidCheckpointState, match=r"^scope names unknown or inactive execution c attempt 4$"):
         classify(live=[], finished=[], scope=[("c", 4), ("d", 5)], restarts=[])
+
+
+async def test_a_framework_that_names_its_rollouts_still_may_not_scope_its_restart_only_ones(
+    mem: MemoryCutStore, world: dict[str, Positions]
+) -> None:
+    with pytest.raises(RestartInScope):
+        await make_cut(mem, "ck1", [("r5", 0)], RESTARTS, rollouts=["r0", "r5"])
+
+
+async def test_an_attempt_started_by_the_last_event_before_the_cut_is_the_cuts(mem: MemoryCutStore) -> None:
+    await append_one(mem, E(rollout_stream("r9"), ATTEMPT_STARTED, "r9", 0))
+    cut = await make_cut(mem, "ck1", [], [])
+    assert cut.position == 1 and cut.fresh == (("r9", 0),)

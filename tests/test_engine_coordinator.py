@@ -314,3 +314,15 @@ def test_a_step_is_timed_in_milliseconds_to_two_decimals(monkeypatch: pytest.Mon
     timing = StepTiming()
     timing.record("prepare", 10.0 - 0.1234567)
     assert timing.ms == {"prepare": 123.46}
+
+
+async def test_when_several_refuse_a_commit_the_first_participants_refusal_is_the_answer() -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    parts[0].replies["commit"] = AdmissionClosed("resources said no")
+    parts[2].replies["commit"] = AdmissionClosed("environment said no")
+    with pytest.raises(AdmissionClosed, match="resources said no"):
+        await coordinator.commit("ck", time.time() + 30)
+    assert store.events[-1].data["reason"] == "commit refused by resources: resources said no"
