@@ -31,9 +31,11 @@ class Participant:
     def __init__(self, kind: str, journal: list[tuple[str, str]], name: str | None = None) -> None:
         self.kind, self.name, self.journal = kind, name or kind, journal
         self.replies: dict[str, Any] = {}
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
 
     async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
         self.journal.append((operation, self.name))
+        self.bodies.append((operation, body))
         reply = self.replies.get(operation, {"ready": True} if operation == "prepare" else {})
         if isinstance(reply, BaseException):
             raise reply
@@ -326,3 +328,17 @@ async def test_when_several_refuse_a_commit_the_first_participants_refusal_is_th
     with pytest.raises(AdmissionClosed, match="resources said no"):
         await coordinator.commit("ck", time.time() + 30)
     assert store.events[-1].data["reason"] == "commit refused by resources: resources said no"
+
+
+async def test_resume_retire_and_forget_give_each_participant_thirty_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    parts = four([])
+    coordinator = Coordinator(MemoryCutStore(), parts)
+    await coordinator.resume("ck")
+    await coordinator.retire("ck", [("r0", 2)])
+    await coordinator.forget("ck", ["r0"])
+    assert parts[0].bodies == [
+        ("resume", {"checkpoint_id": "ck", "deadline": 1030.0}),
+        ("retire", {"checkpoint_id": "ck", "deadline": 1030.0, "rollouts": [{"rollout_id": "r0", "through": 2}]}),
+        ("forget", {"checkpoint_id": "ck", "deadline": 1030.0, "rollout_ids": ["r0"]}),
+    ]
