@@ -68,7 +68,7 @@ TESTS: dict[str, list[str]] = {
     "token_capture": ["test_token_capture_rules.py", "test_engine_token_capture.py"],
     "control": ["test_control_rules.py", "test_engine_control.py"],
     "coordinator": ["test_engine_coordinator.py", "test_checkpoint_engine.py"],
-    "errors": ["test_errors.py", "test_docs.py"],
+    "errors": ["test_engine_errors.py", "test_errors.py", "test_docs.py"],
     "catalog": ["test_catalog.py", "test_checkpoint_engine.py", "test_engine_catalog.py"],
 }
 
@@ -462,7 +462,10 @@ def load_equivalents() -> dict[str, dict[str, str]]:
     return out
 
 
-def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: list[str]) -> dict[str, Any]:
+def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: list[str],
+               before: dict[str, str] | None = None) -> dict[str, Any]:
+    """`before` (key -> outcome of an earlier run, `--survivors`): a mutant killed then stays killed,
+    since tests were only added; the rest run again."""
     tree, points = points_of(name)
     args = pytest_args(name, extra)
     started = time.monotonic()
@@ -490,6 +493,8 @@ def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: li
         key = point.key if seen[point.key] == 1 else f"{point.key} #{seen[point.key]}"
         if key in equivalents:
             outcome = "equivalent"
+        elif before is not None and before.get(key) in ("killed", "timeout"):
+            outcome = before[key]
         else:
             outcome = run_child(name, mutant_code(name, tree, point.index), tests_reaching(point), limit)
             outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
@@ -535,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default=",".join(TESTS), help="comma-separated engine modules")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
     parser.add_argument("--report", action="store_true", help="print the table of the results file, run nothing")
+    parser.add_argument("--survivors", action="store_true", help="run again only what did not die in the results "
+                        "file's last run of each module (after tests were added)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds a mutant's tests may take, "
                         "at least five times the unmutated run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation.json"))
@@ -562,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         print(f"engine/{name}.py ...", flush=True)
-        row = run_module(name, equivalents.get(name, {}), options.timeout, options.pytest_args)
+        saved = json.loads(out.read_text()).get(name) if options.survivors and out.exists() else None
+        before = {m["key"]: m["outcome"] for m in saved["mutants_detail"]} if saved else None
+        row = run_module(name, equivalents.get(name, {}), options.timeout, options.pytest_args, before)
         print(f"  {row['killed'] + row['timeout']} / {row['mutants'] - row['equivalent']} killed, "
               f"{row['survived']} survived, {row['equivalent']} equivalent ({row['seconds']} s)", flush=True)
         rows.append(row)

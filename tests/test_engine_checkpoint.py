@@ -336,3 +336,9 @@ async def test_an_attempt_started_by_the_last_event_before_the_cut_is_the_cuts(m
     await append_one(mem, E(rollout_stream("r9"), ATTEMPT_STARTED, "r9", 0))
     cut = await make_cut(mem, "ck1", [], [])
     assert cut.position == 1 and cut.fresh == (("r9", 0),)
+
+
+def test_a_refused_restart_only_scope_names_the_first_executions_attempt() -> None:
+    bad = [("a", 4), ("b", 7)]
+    with pytest.raises(RestartInScope, match=r"e\.g\. a attempt 4$"):
+        classify(live=bad, finished=[], scope=bad, restarts=bad)
