@@ -18,6 +18,7 @@ from engine.coordinator import (
     abort_if_expired,
 )
 from engine.errors import AdmissionClosed, InvalidCheckpointState, InvalidPhase, StaleCheckpoint
+from engine.events import AppendRequest
 from engine.identity import checkpoint_stream
 from engine.log import append_one
 from engine.phases import CheckpointPhases, checkpoint_started
@@ -342,3 +343,21 @@ async def test_resume_retire_and_forget_give_each_participant_thirty_seconds(mon
         ("retire", {"checkpoint_id": "ck", "deadline": 1030.0, "rollouts": [{"rollout_id": "r0", "through": 2}]}),
         ("forget", {"checkpoint_id": "ck", "deadline": 1030.0, "rollout_ids": ["r0"]}),
     ]
+
+
+async def test_an_abort_that_loses_the_race_to_another_writer_says_so_and_writes_nothing() -> None:
+    class Racing(MemoryCutStore):
+        async def read_stream(self, stream: str, after_version: int = 0) -> list[Any]:
+            events = await super().read_stream(stream, after_version)
+            if events and not getattr(self, "raced", False):
+                self.raced = True  # another coordinator commits the checkpoint right after this read
+                await MemoryCutStore.append(self, AppendRequest((CheckpointPhases("ck", "prepared").fire("aborted",
+                                                                                                          reason="other"),)))
+            return events
+
+    store = Racing()
+    await append_one(store, checkpoint_started("ck", deadline=1.0))
+    await append_one(store, CheckpointPhases("ck").fire("prepared", restarts=[]))
+    store.raced = False
+    assert not await abort_checkpoint(store, "ck", "mine")
+    assert [e.data.get("reason") for e in store.events if e.kind == CHECKPOINT_ABORTED] == ["other"]
