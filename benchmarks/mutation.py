@@ -465,7 +465,7 @@ def load_equivalents() -> dict[str, dict[str, str]]:
 def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: list[str],
                before: dict[str, str] | None = None) -> dict[str, Any]:
     """`before` (key -> outcome of an earlier run, `--survivors`): a mutant killed then stays killed,
-    since tests were only added; the rest run again."""
+    since tests were only added; the rest (survivors, timeouts) run again."""
     tree, points = points_of(name)
     args = pytest_args(name, extra)
     started = time.monotonic()
@@ -493,7 +493,7 @@ def run_module(name: str, equivalents: dict[str, str], timeout: float, extra: li
         key = point.key if seen[point.key] == 1 else f"{point.key} #{seen[point.key]}"
         if key in equivalents:
             outcome = "equivalent"
-        elif before is not None and before.get(key) in ("killed", "timeout"):
+        elif before is not None and before.get(key) == "killed":
             outcome = before[key]
         else:
             outcome = run_child(name, mutant_code(name, tree, point.index), tests_reaching(point), limit)
@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default=",".join(TESTS), help="comma-separated engine modules")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
     parser.add_argument("--report", action="store_true", help="print the table of the results file, run nothing")
-    parser.add_argument("--survivors", action="store_true", help="run again only what did not die in the results "
-                        "file's last run of each module (after tests were added)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds a mutant's tests may take, "
+    parser.add_argument("--survivors", action="store_true", help="run again only the survivors and timeouts of "
+                        "the results file's last run of each module (after tests were added)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a mutant's tests may take, "
                         "at least five times the unmutated run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mutation.json"))
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
