@@ -105,3 +105,7 @@ def test_stored_text_that_holds_no_escape_is_read_as_it_is() -> None:
 def test_events_are_written_at_schema_version_one() -> None:
     assert SCHEMA_VERSION == 1
     assert NewEvent("s", "k").schema_version == 1
+
+
+def test_large_floats_in_a_list_are_stored_as_integers_and_the_rest_of_the_list_as_it_is() -> None:
+    assert encode_payload({"y": [-2e16, "ab", 1.5, [3e16]]}) == '{"y":[-20000000000000000,"ab",1.5,[30000000000000000]]}'
