@@ -361,3 +361,14 @@ async def test_an_abort_that_loses_the_race_to_another_writer_says_so_and_writes
     store.raced = False
     assert not await abort_checkpoint(store, "ck", "mine")
     assert [e.data.get("reason") for e in store.events if e.kind == CHECKPOINT_ABORTED] == ["other"]
+
+
+async def test_a_participants_own_refusal_of_a_restore_is_the_answer() -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30)
+    parts[2].replies["restore"] = AdmissionClosed("this process already served sessions")
+    with pytest.raises(AdmissionClosed, match="this process already served sessions"):
+        await coordinator.restore("ck", time.time() + 30)
