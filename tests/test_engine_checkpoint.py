@@ -27,6 +27,7 @@ from engine.checkpoint import (
     validate_cut,
 )
 from engine.errors import InvalidCheckpointState, RestartInScope, StaleAttempt, UnknownCheckpoint
+from engine.events import NewEvent
 from engine.identity import (
     agent_stream,
     call_stream,
@@ -342,3 +343,19 @@ def test_a_refused_restart_only_scope_names_the_first_executions_attempt() -> No
     bad = [("a", 4), ("b", 7)]
     with pytest.raises(RestartInScope, match=r"e\.g\. a attempt 4$"):
         classify(live=bad, finished=[], scope=bad, restarts=bad)
+
+
+async def test_a_rollouts_part_of_a_shared_stream_chains_from_the_event_before_it(mem: MemoryCutStore) -> None:
+    await append_one(mem, E(rollout_stream("q"), ATTEMPT_STARTED, "q", 0))
+    await append_one(mem, E(rollout_stream("r"), ATTEMPT_STARTED, "r", 0))
+    first = await append_one(mem, NewEvent("notes", "test_note", {"n": 1}, "q", 0))
+    await append_one(mem, NewEvent("notes", "test_note", {"n": 2}, "r", 0))
+    await append_one(mem, NewEvent("notes", "test_note", {"n": 3}, "r", 0))
+    await append_one(mem, E(episode_stream("r", 0), "episode_step", "r", 0, step="x"))
+    cut = await make_cut(mem, "ck", [("r", 0)], [], rollouts=["r"])
+    assert [i.entry.rollout_id for i in await validate_cut(mem, cut)] == ["r"]
+    await read_cut(mem, cut, rehash=False)
+    mem.delete(first.position)
+    for rehash in (True, False):
+        with pytest.raises(InvalidCheckpointState, match="stream notes is missing version 1"):
+            await read_cut(mem, cut, rehash=rehash)

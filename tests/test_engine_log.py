@@ -138,3 +138,8 @@ async def test_append_one_sends_one_event_with_its_expected_version_when_given()
     assert await append_one(store, plain("a"), 0) == "recorded"  # type: ignore[arg-type]
     assert [r.expected_versions for r in store.requests] == [{}, {"a": 0}]
     assert [r.events for r in store.requests] == [(plain("a"),), (plain("a"),)]
+
+
+def test_an_event_of_a_rollout_without_its_attempt_is_refused() -> None:
+    with pytest.raises(InvalidIdentifier, match="must carry its attempt index"):
+        plan_request(AppendRequest((NewEvent("a", "test_note", {}, "r", None),)), LogState(position=0), "w", 1000)
