@@ -359,3 +359,10 @@ async def test_a_rollouts_part_of_a_shared_stream_chains_from_the_event_before_i
     for rehash in (True, False):
         with pytest.raises(InvalidCheckpointState, match="stream notes is missing version 1"):
             await read_cut(mem, cut, rehash=rehash)
+
+
+async def test_a_cut_over_large_floats_validates_as_postgresql_hands_them_back(mem: MemoryCutStore) -> None:
+    await append_one(mem, E(rollout_stream("r"), ATTEMPT_STARTED, "r", 0))
+    await append_one(mem, E(episode_stream("r", 0), "episode_step", "r", 0, step="x", reward=2e16))
+    cut = await make_cut(mem, "ck", [("r", 0)], [])
+    assert [i.entry.rollout_id for i in await validate_cut(mem, cut)] == ["r"]
