@@ -366,3 +366,15 @@ async def test_a_cut_over_large_floats_validates_as_postgresql_hands_them_back(m
     await append_one(mem, E(episode_stream("r", 0), "episode_step", "r", 0, step="x", reward=2e16))
     cut = await make_cut(mem, "ck", [("r", 0)], [])
     assert [i.entry.rollout_id for i in await validate_cut(mem, cut)] == ["r"]
+
+
+async def test_a_cut_refusing_attempts_without_a_boundary_names_the_first(mem: MemoryCutStore) -> None:
+    await append_one(mem, E(rollout_stream("ra"), ATTEMPT_STARTED, "ra", 0))
+    await append_one(mem, E(rollout_stream("ra"), ATTEMPT_FENCED, "ra", 0, reason="test"))
+    late_start = await append_one(mem, E(rollout_stream("ra"), ATTEMPT_STARTED, "ra", 1))
+    rb_start = await append_one(mem, E(rollout_stream("rb"), ATTEMPT_STARTED, "rb", 0))
+    await append_one(mem, E(session_stream("rb", 0), "session_opened", "rb", 0, env="math"))
+    mem.delete(late_start.position)
+    mem.delete(rb_start.position)
+    with pytest.raises(InvalidCheckpointState, match="^rollout ra attempt 1 has no boundary"):
+        await make_cut(mem, "ck", [("ra", 1), ("rb", 0)], [])
