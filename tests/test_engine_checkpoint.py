@@ -378,3 +378,11 @@ async def test_a_cut_refusing_attempts_without_a_boundary_names_the_first(mem: M
     mem.delete(rb_start.position)
     with pytest.raises(InvalidCheckpointState, match="^rollout ra attempt 1 has no boundary"):
         await make_cut(mem, "ck", [("ra", 1), ("rb", 0)], [])
+
+
+async def test_a_gap_in_a_scoped_stream_names_the_missing_version(mem: MemoryCutStore, world: dict[str, Positions]) -> None:
+    cut = await make_cut(mem, "ck1", SCOPE, RESTARTS)
+    mem.delete(world["r2"]["rev1"])  # version 2 of session:r2:0
+    for rehash in (True, False):
+        with pytest.raises(InvalidCheckpointState, match="^stream session:r2:0 is missing version 2$"):
+            await read_cut(mem, cut, rehash=rehash)
