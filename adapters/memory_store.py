@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from engine.attempts import FENCE_KINDS
+from engine.checkpoint import restart_only_at
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json
 from engine.identity import Key
@@ -194,6 +195,14 @@ class MemoryEventStore:
             if key in wanted and e.kind in kinds_:
                 out[key] = e.position  # type: ignore[index]
         return out
+
+    async def restart_only_at(self, boundaries: dict[Key, int]) -> list[Key]:
+        own: dict[Key, list[RecordedEvent]] = {k: [] for k in boundaries}
+        for e in self.log.events:
+            key = (e.rollout_id, e.attempt)
+            if key in own:
+                own[key].append(e)  # type: ignore[index]
+        return sorted(k for k, b in boundaries.items() if restart_only_at(own[k], b))
 
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
         heads: dict[str, dict[str, tuple[str, int, bytes]]] = {r: {} for r in rollout_ids}

@@ -213,6 +213,26 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequenc
     return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
 
 
+def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
+    """Whether an attempt (its own events, in log order) cannot be continued from `boundary`: a
+    resources session of a restart-only environment is open there, or an activation is in progress
+    there on an agent that cannot continue one. The rule of CutStore.restart_only_at, which the
+    PostgreSQL store answers in one query."""
+    rebuildable = continuable = True
+    for e in own:
+        if e.position > boundary:
+            break
+        if e.kind == ev.SESSION_OPENED:
+            rebuildable = e.data.get("state_mode") != "restart_only"
+        elif e.kind == ev.SESSION_CLOSED:
+            rebuildable = True
+        elif e.kind == ev.AGENT_BOUNDARY:
+            continuable = continuable and e.data.get("continuable") is not False
+        elif e.kind == ev.ACTIVATION_COMPLETED:
+            continuable = True
+    return not (rebuildable and continuable)
+
+
 async def _attempts(store: CutStore, named: Sequence[str], rollouts: Sequence[str] | None) -> dict[Key, dict[str, Any]]:
     rows = await store.attempt_rows(named)
     return rows if rollouts is not None else {**await store.live_attempts(), **rows}

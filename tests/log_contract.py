@@ -21,7 +21,7 @@ from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_FORGOTTEN, 
 from engine.checkpoint import BOUNDARY_KINDS, ParticipantStore, recorded_chain_hash
 from engine.errors import InvalidPayload, PayloadTooLarge, StaleAttempt, UnknownAttempt, VersionConflict
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
-from engine.identity import checkpoint_stream, episode_stream, rollout_stream, session_stream
+from engine.identity import agent_stream, checkpoint_stream, episode_stream, rollout_stream, session_stream
 from engine.log import append_one
 from tests.waiting import eventually
 
@@ -269,3 +269,24 @@ class LogContract:
         assert await store.checkpoints_in_phase(["started"]) == ["a"]
         assert await store.checkpoints_in_phase(["started", "aborted"]) == ["a", "b"]
         assert await store.checkpoints_in_phase(["committed"]) == []
+
+    async def test_what_cannot_be_continued_from_a_boundary_is_read_from_the_log(self, log_store: ParticipantStore) -> None:
+        """engine.checkpoint.restart_only_at, as both stores answer it: a restart-only session open at
+        the boundary, or an activation in progress there on an agent that cannot continue one."""
+        for r in ("s1", "s2", "g1", "g2"):
+            await start_attempt(log_store, r, 0)
+        opened = await append_one(log_store, ev(session_stream("s1", 0), catalog.SESSION_OPENED, "s1", 0, env="sandbox",
+                                                state_mode="restart_only"))
+        closed = await append_one(log_store, ev(session_stream("s1", 0), catalog.SESSION_CLOSED, "s1", 0))
+        await append_one(log_store, ev(session_stream("s2", 0), catalog.SESSION_OPENED, "s2", 0, env="math",
+                                       state_mode="exported"))
+        stuck = await append_one(log_store, ev(agent_stream("g1", 0), catalog.AGENT_BOUNDARY, "g1", 0, turn=0,
+                                               continuable=False))
+        done = await append_one(log_store, ev(agent_stream("g1", 0), catalog.ACTIVATION_COMPLETED, "g1", 0))
+        await append_one(log_store, ev(agent_stream("g2", 0), catalog.AGENT_BOUNDARY, "g2", 0, turn=0))
+        head = await log_store.head()
+        asked = {("s1", 0): opened.position, ("s2", 0): head, ("g1", 0): stuck.position, ("g2", 0): head}
+        assert await log_store.restart_only_at(asked) == [("g1", 0), ("s1", 0)]
+        later = {("s1", 0): closed.position, ("g1", 0): done.position}  # closed, completed: nothing live is lost
+        assert await log_store.restart_only_at(later) == []
+        assert await log_store.restart_only_at({}) == []
