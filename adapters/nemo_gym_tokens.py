@@ -134,7 +134,7 @@ class _Client:
                         "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
                         "VALUES (:b, CAST(:t AS integer[]), CAST(:l AS double precision[]), :d) "
                         "ON CONFLICT (blob_id) DO UPDATE SET token_ids = EXCLUDED.token_ids, "
-                        "logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
+                        "logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest, created_at = now()"
                     ),
                     row,
                 )

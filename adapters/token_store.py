@@ -1,8 +1,9 @@
 """Token stores: where the token arrays of model calls live, since the log only holds receipts.
 
-Two implementations with one behaviour (tests/test_token_store.py runs the same suite on both):
+Three implementations with one behaviour (tests/test_token_store.py runs the same suite on each):
 `PostgresTokenStore` uses the tables rollbook.token_blobs / rollbook.token_snapshots that the
-first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot.
+first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot, and
+`MemoryTokenStore` keeps them in dicts (beside adapters.memory_store's log: nothing durable).
 
 Encoding. A blob is a `TokenArray`: integer token ids (token_blobs.token_ids, integer[]) and, for
 generated tokens, the sampling logprob of each (token_blobs.logprobs, real[]; NULL for a prompt).
@@ -28,7 +29,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from adapters.postgres import PoolLimits, StoreObserver, make_engine, retrying
+from adapters.pg_pool import PoolLimits, StoreObserver, make_engine, reading, retrying
+from adapters.postgres import PostgresEventStore
 from adapters.secret_files import write_private
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
@@ -107,6 +109,11 @@ class _TokenStore:
         blob_id = BLOB_PREFIX + digest
         await self._save_blob(blob_id, arr, digest)
         return Receipt(blob_id, digest, len(arr.ids))
+
+    async def stage(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
+        """A receipt whose blob is durable no later than the next event this process appends
+        (PostgresTokenStore on an event store defers the write to that append; here it is `put`)."""
+        return await self.put(ids, logprobs)
 
     async def get(self, blob_id: str) -> TokenArray:
         return self._checked(blob_id, await self._load_blob(blob_id))
@@ -193,15 +200,32 @@ class _TokenStore:
 
 
 class PostgresTokenStore(_TokenStore):
-    def __init__(self, engine_or_dsn: AsyncEngine | str) -> None:
+    """On its own pool (a DSN), on another's (an engine), or on an event store's: then `stage` writes
+    its blobs inside the store's next append transaction, the one that records their receipts."""
+
+    def __init__(self, engine_or_dsn: AsyncEngine | str | PostgresEventStore) -> None:
         self._owns_engine = isinstance(engine_or_dsn, str)
+        self._log = engine_or_dsn if isinstance(engine_or_dsn, PostgresEventStore) else None
         if isinstance(engine_or_dsn, str):
             self.engine = make_engine(engine_or_dsn, PoolLimits(size=2, overflow=8))
+        elif isinstance(engine_or_dsn, PostgresEventStore):
+            self.engine = engine_or_dsn.engine
         else:
             self.engine = engine_or_dsn
         self._pending: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.observers: list[StoreObserver] = []  # told of lost connections (`retrying` reads this)
+
+    async def stage(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
+        """On an event store: the receipt now, no round trip; the blob is written in the store's next
+        append transaction, so an append of an event holding this receipt, made after this call, commits
+        it with the blob or after it. Elsewhere it is `put`."""
+        if self._log is None:
+            return await self.put(ids, logprobs)
+        arr = normalize(ids, logprobs)
+        digest = token_digest(arr)
+        self._log.carry(_write_blob_rows, _blob_row(BLOB_PREFIX + digest, arr, digest))
+        return Receipt(BLOB_PREFIX + digest, digest, len(arr.ids))
 
     async def close(self) -> None:
         if self._owns_engine:
@@ -211,8 +235,7 @@ class PostgresTokenStore(_TokenStore):
         """Concurrent puts share one transaction (one commit): a checkpoint cutting 80 generations at
         once writes 160 blobs, and a commit each would make prepare wait on 160 fsyncs."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append(({"b": blob_id, "t": list(arr.ids), "l": None if arr.logprobs is None else list(arr.logprobs),
-                               "d": digest}, done))
+        self._pending.append((_blob_row(blob_id, arr, digest), done))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
         await done
@@ -220,28 +243,13 @@ class PostgresTokenStore(_TokenStore):
     @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
     async def _write_rows(self, rows: list[dict[str, Any]]) -> None:
         async with self.engine.begin() as conn:
-            await conn.execute(
-                text(
-                    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
-                    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
-                    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
-                    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
-                    "r->>'d' FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r "
-                    "ON CONFLICT (blob_id) DO UPDATE "
-                    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest"
-                ),
-                {"rows": json.dumps(rows)},
-            )
+            await conn.exec_driver_sql(WRITE_BLOBS.format(rows="rows"), {"rows": json.dumps(rows)})
 
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                # One statement for the whole batch (one round trip, one commit): the rows travel as one
-                # JSON array, since integer[] columns of different lengths cannot be unnested together.
-                # DO UPDATE, not DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row.
-                rows = list({row["b"]: row for row, _ in batch}.values())  # one row per blob: ON CONFLICT needs it
-                await self._write_rows(rows)
+                await self._write_rows(_distinct([row for row, _ in batch]))
             except BaseException as exc:
                 for _, fut in batch:
                     if not fut.done():
@@ -255,7 +263,7 @@ class PostgresTokenStore(_TokenStore):
 
     @retrying("the token store")
     async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             row = (
                 await conn.execute(text("SELECT token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = :b"),
                                    {"b": blob_id})
@@ -267,7 +275,7 @@ class PostgresTokenStore(_TokenStore):
 
     @retrying("the token store")
     async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = await conn.execute(
                 text("SELECT blob_id, token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = ANY(CAST(:b AS text[]))"),
                 {"b": blob_ids})
@@ -276,7 +284,7 @@ class PostgresTokenStore(_TokenStore):
 
     @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             rows = await conn.execute(
                 text("SELECT blob_id, digest FROM rollbook.token_blobs WHERE blob_id = ANY(CAST(:b AS text[]))"), {"b": blob_ids}
             )
@@ -295,7 +303,7 @@ class PostgresTokenStore(_TokenStore):
 
     @retrying("the token store")
     async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
-        async with self.engine.connect() as conn:
+        async with reading(self.engine) as conn:
             row = (
                 await conn.execute(
                     text("SELECT checkpoint_id, blob_ids, digest, parent_snapshot_id FROM rollbook.token_snapshots "
@@ -304,6 +312,34 @@ class PostgresTokenStore(_TokenStore):
                 )
             ).first()
         return None if row is None else SnapshotRow(row.checkpoint_id, list(row.blob_ids), row.digest, row.parent_snapshot_id)
+
+
+# One statement for any number of blobs (one round trip, one commit): the rows travel as one JSON
+# array, since integer[] columns of different lengths cannot be unnested together. DO UPDATE, not
+# DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row. `created_at` is
+# when a blob was last written: retention (adapters.retention) keeps what was written recently.
+WRITE_BLOBS = (
+    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
+    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
+    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
+    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
+    "r->>'d' FROM jsonb_array_elements(CAST(%({rows})s AS jsonb)) AS r "
+    "ON CONFLICT (blob_id) DO UPDATE "
+    "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest, created_at = now()"
+)
+
+
+def _blob_row(blob_id: str, arr: TokenArray, digest: str) -> dict[str, Any]:
+    return {"b": blob_id, "t": list(arr.ids), "l": None if arr.logprobs is None else list(arr.logprobs), "d": digest}
+
+
+def _distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return list({row["b"]: row for row in rows}.values())  # one row per blob: ON CONFLICT needs it
+
+
+def _write_blob_rows(rows: list[dict[str, Any]], name: str) -> tuple[str, dict[str, Any]]:
+    """Staged blobs, written by an append's statement (PostgresEventStore.carry)."""
+    return WRITE_BLOBS.format(rows=name), {name: json.dumps(_distinct(rows))}
 
 
 class FilesystemTokenStore(_TokenStore):
@@ -367,6 +403,33 @@ class FilesystemTokenStore(_TokenStore):
         parent = row.get("parent_snapshot_id")
         return SnapshotRow(str(row["checkpoint_id"]), list(row["blob_ids"]), str(row["digest"]),
                            None if parent is None else str(parent))
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoryTokenStore(_TokenStore):
+    """Blobs and snapshots in dicts, for a log in memory (adapters.memory_store): one instance is the
+    token database of every server that shares it, and outlives their crashes as a database would."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, tuple[TokenArray, str]] = {}
+        self.snapshots: dict[str, SnapshotRow] = {}
+
+    async def _save_blob(self, blob_id: str, arr: TokenArray, digest: str) -> None:
+        self.blobs.setdefault(blob_id, (arr, digest))
+
+    async def _load_blob(self, blob_id: str) -> tuple[TokenArray, str] | None:
+        return self.blobs.get(blob_id)
+
+    async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:
+        return {b: self.blobs[b][1] for b in blob_ids if b in self.blobs}
+
+    async def _save_snapshot(self, snapshot_id: str, row: SnapshotRow) -> None:
+        self.snapshots[snapshot_id] = row
+
+    async def _load_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        return self.snapshots.get(snapshot_id)
 
     async def close(self) -> None:
         return None

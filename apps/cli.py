@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import json
 import sys
@@ -30,12 +31,15 @@ def _db(args: argparse.Namespace) -> int:
         print(json.dumps({"home": str(embedded.home()), "embedded_dsn": embedded.running_dsn()}))
     elif args.action == "prune-keys":
         print(json.dumps(_prune_keys(args)))
+    elif args.action == "retain":
+        print(json.dumps(_prune_keys(args, everything=True)))
     return 0
 
 
-def _prune_keys(args: argparse.Namespace) -> dict[str, object]:
+def _prune_keys(args: argparse.Namespace, everything: bool = False) -> dict[str, object]:
     """Drop append idempotency keys older than the retention (adapters.postgres.prune_append_keys says
-    why that is safe while the servers write)."""
+    why that is safe while the servers write); with `everything` (`retain`), the token blobs nothing
+    names too (adapters.retention)."""
     from adapters.postgres import DEFAULT_KEY_RETENTION_S
 
     dsn, retention = args.dsn, DEFAULT_KEY_RETENTION_S
@@ -48,12 +52,16 @@ def _prune_keys(args: argparse.Namespace) -> dict[str, object]:
         retention = args.older_than_s
 
     async def prune(store):  # type: ignore[no-untyped-def]
+        from adapters.retention import retain
+
         try:
-            return await store.prune_append_keys(retention)
+            if everything:
+                return dataclasses.asdict(await retain(store, retention))
+            return {"removed": await store.prune_append_keys(retention), "older_than_s": retention}
         except ValueError as exc:
             raise ConfigError(str(exc), "give --older-than-s (or [limits] append_key_retention_s) of at least that") from None
 
-    return {"removed": asyncio.run(_with_store(dsn, prune)), "older_than_s": retention}
+    return asyncio.run(_with_store(dsn, prune))  # type: ignore[no-any-return]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -143,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="Checkpoint and continue multi-turn rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    db = sub.add_parser("db", help="the database: url, upgrade, stop, status, prune-keys")
-    db.add_argument("action", choices=["url", "upgrade", "stop", "status", "prune-keys"])
+    db = sub.add_parser("db", help="the database: url, upgrade, stop, status, prune-keys, retain")
+    db.add_argument("action", choices=["url", "upgrade", "stop", "status", "prune-keys", "retain"])
     db.add_argument("--dsn", help="PostgreSQL DSN (default: ROLLBOOK_DSN, else the embedded server)")
-    db.add_argument("--config", help="prune-keys: take the DSN and [limits] append_key_retention_s from this file")
-    db.add_argument("--older-than-s", type=float, help="prune-keys: the retention in seconds (default: a day)")
+    db.add_argument("--config", help="prune-keys, retain: take the DSN and [limits] append_key_retention_s from this file")
+    db.add_argument("--older-than-s", type=float, help="prune-keys, retain: the retention in seconds (default: a day)")
     db.set_defaults(func=_db)
 
     demo = sub.add_parser("demo", help="run rollouts, checkpoint them mid-flight, crash, restore and finish")
@@ -189,12 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dsn")
     exp.set_defaults(func=_export)
 
-    from apps import checkpoint_cli
+    from apps import checkpoint_cli, fork_cli
 
     checkpoint_cli.add_parser(sub)
+    fork_cli.add_parser(sub)
     from apps import nemo_gym_tasks
 
     nemo_gym_tasks.add_parser(sub)
+    from apps import ui
+
+    ui.add_parser(sub)
+    from apps import nemo_gym_install
+
+    nemo_gym_install.add_parser(sub)
     return parser
 
 

@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from sqlalchemy import text
 
-from adapters.database import like_prefix
+from adapters.collection_store import CollectionStore
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore, retrying
+from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
 from apps.participant_set import LoggedParticipants
-from engine import catalog as ev
 from engine.checkpoint import Cut
 from engine.coordinator import Coordinator, abort_expired
 from engine.patience import PEER_PATIENCE_S, Patience
@@ -82,12 +80,8 @@ class Collection:
         members = LoggedParticipants(self.store, [(k, self.config.url(k)) for k in KINDS], self.config.control_token, session)
         return Coordinator(self.store, clients, members)
 
-    @retrying("reading the run's rollouts")  # a database restart is waited out, not a traceback
     async def unfinished(self) -> list[int]:
-        async with self.store.engine.connect() as conn:
-            done = {r for (r,) in await conn.execute(
-                text("SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE :p"),
-                {"p": like_prefix(f"{self.run_id}-")})}
+        done = await CollectionStore(self.store).finished_rollouts(f"{self.run_id}-")
         self.finished |= done
         return [i for i in range(len(self.tasks)) if self.rollout_id(i) not in done]
 
@@ -179,15 +173,9 @@ class Collection:
         publish_started = time.perf_counter()
         tokens = PostgresTokenStore(self.store.engine)
         parent_ref, since = await self._last_snapshot(cut.position)
-        async with self.store.engine.connect() as conn:
-            # Both arrays of every call: the generated ids and logprobs, and the prompt ids a continuation needs.
-            # Only those written since the last published checkpoint of this run: its snapshot is the parent
-            # of this one, so publish costs what this cut added, not the length of the run.
-            blobs = [b for (b,) in await conn.execute(text(
-                "SELECT b FROM rollbook.events, LATERAL (VALUES (data->'receipt'->>'blob_id'), "
-                "(data->'prompt_receipt'->>'blob_id')) v(b) WHERE kind IN (:completed, :cut) AND b IS NOT NULL "
-                "AND position > :since AND position <= :p AND rollout_id LIKE :r"),
-                {"since": since, "p": cut.position, "r": like_prefix(f"{self.run_id}-"), "completed": ev.CALL_COMPLETED, "cut": ev.CALL_CUT})]
+        # Only the calls written since the last published checkpoint of this run: its snapshot is the parent
+        # of this one, so publish costs what this cut added, not the length of the run.
+        blobs = await CollectionStore(self.store).call_blobs(f"{self.run_id}-", since, cut.position)
         token_ref = await tokens.snapshot(cut.checkpoint_id, blobs, parent=parent_ref)
         framework_ref = {"checkpoint_id": cut.checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "position": cut.position}
@@ -200,23 +188,10 @@ class Collection:
         await coordinator.resume(checkpoint_id)
         return {**result, "timings_ms": dict(coordinator.timing.ms)}
 
-    @retrying("reading the run's checkpoints")
     async def _last_snapshot(self, before: int) -> tuple[dict[str, Any] | None, int]:
         """The token snapshot of this run's latest published checkpoint cut below `before`, and its cut
         position (0 and None when there is none: the snapshot then lists every blob from the start)."""
-        async with self.store.engine.connect() as conn:
-            row = (await conn.execute(text(
-                "SELECT c.position, p.data->'token_snapshot_ref' AS ref FROM rollbook.checkpoint_state c "
-                "JOIN rollbook.events p ON p.position = c.published_position WHERE c.phase = 'published' "
-                "AND c.checkpoint_id LIKE :p AND c.position < :b ORDER BY c.position DESC LIMIT 1"),
-                {"p": like_prefix(f"{self.run_id}-ck"), "b": before})).first()
-        if row is None or not isinstance(row.ref, dict):
-            return None, 0
-        return dict(row.ref), int(row.position)
+        return await CollectionStore(self.store).last_snapshot(f"{self.run_id}-ck", before)
 
-    @retrying("reading the run's checkpoints")
     async def latest_published(self) -> str | None:
-        async with self.store.engine.connect() as conn:
-            return (await conn.execute(text(
-                "SELECT checkpoint_id FROM rollbook.checkpoints WHERE phase = 'published' AND checkpoint_id LIKE :p "
-                "ORDER BY log_position DESC LIMIT 1"), {"p": like_prefix(f"{self.run_id}-ck")})).scalar()
+        return await CollectionStore(self.store).latest_published(f"{self.run_id}-ck")

@@ -48,7 +48,20 @@
     pool_size = 5                             # database connections a process keeps open
     max_overflow = 5                          # ... and may open beyond them under load
     pool_timeout_s = 10.0                     # waiting for a free one; past it, database_unavailable (503)
+    processes = 6                             # rollbook processes sharing the database (every worker and
+                                              # instance of every server, `rollbook run`, commands); default:
+                                              # one per configured server + 2. Each pool shrinks to fit
+                                              # max_connections of the server between them all
     append_key_retention_s = 86400.0          # `rollbook db prune-keys` drops append keys older than this
+
+    [nemo_gym.gym_workplace]                  # a NeMo Gym resources server, unchanged, as the environment
+                                              # `gym_workplace` (docs/nemo-gym.md)
+    module = "resources_servers.workplace_assistant.app"
+    state = "replay"                          # replay | stateless | restart_only; absent: restart_only
+    python = "/path/to/Gym/.venv/bin/python"  # NeMo Gym's Python; absent: `rollbook nemo-gym install`'s
+    paths = ["/path/to/Gym"]                  # put in front of its sys.path (your checkout)
+    # url = "http://127.0.0.1:9000"           # or relay to a server you run yourself
+    # port = 9001                             # where one rollbook starts listens; absent: a free port
 
     [telemetry]                               # optional; GET /metrics is always served (control credential)
     otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
@@ -70,6 +83,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -78,13 +92,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from adapters.generation import backend_names
 from adapters.http_client import PeerTimeouts
 from adapters.http_server import ServerLimits
+from adapters.pg_pool import fit_pool, server_connection_limit
 from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PoolLimits
 from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from engine.membership import DEFAULT_LEASE_S
-from participants.environments import enabled_environments
+from engine.tool_replay import declared
+from participants.environments import enabled_environments, registered_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
+from participants.nemo_gym_relay import GymServer
 
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
@@ -159,6 +176,19 @@ class SandboxConfig(Strict):
         return SandboxLimits(**self.model_dump())
 
 
+class NemoGymConfig(Strict):
+    """One NeMo Gym resources server (a `[nemo_gym.<name>]` table): the environment `<name>`."""
+
+    module: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", max_length=300)
+    state: Literal["replay", "stateless", "restart_only"] | None = None  # none declared: restart_only
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+/?$", max_length=2000)
+    python: str | None = None
+    paths: list[str] = Field(default_factory=list)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    start_timeout_s: float = Field(default=180.0, gt=0, le=3600)
+    call_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+
+
 class LimitsConfig(Strict):
     """Every bound of a process on what it waits for and what it holds (the [limits] table)."""
 
@@ -171,6 +201,7 @@ class LimitsConfig(Strict):
     pool_size: int = Field(default=5, ge=1, le=1000)
     max_overflow: int = Field(default=5, ge=0, le=1000)
     pool_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    processes: int | None = Field(default=None, ge=1, le=100_000)
     append_key_retention_s: float = Field(default=DEFAULT_KEY_RETENTION_S, ge=MIN_KEY_RETENTION_S)
     # How long a server instance stays a member without renewing (engine/membership.py): a SIGKILLed
     # instance holds up checkpoints and keeps its work this long, unless one restarts at its address.
@@ -201,6 +232,17 @@ class Config(Strict):
     telemetry: TelemetryConfig | None = None  # absent: metrics only, no spans exported
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     run: RunConfig | None = None
+    nemo_gym: dict[str, NemoGymConfig] = Field(default_factory=dict)
+
+    @field_validator("nemo_gym")
+    @classmethod
+    def _gym_names(cls, servers: dict[str, NemoGymConfig]) -> dict[str, NemoGymConfig]:
+        import re
+
+        for name in servers:
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name) or name in registered_environments():
+                raise ValueError(f"nemo_gym.{name}: the name must be a new environment name (letters, digits, _ -)")
+        return servers
 
     @model_validator(mode="after")
     def _distinct_tokens(self) -> Config:
@@ -219,8 +261,32 @@ class Config(Strict):
     def credentials(self) -> Credentials:
         return Credentials(self.control_token, self.data_token)
 
+    def gym_servers(self, port: Callable[[], int] | None = None) -> list[GymServer]:
+        """The configured NeMo Gym servers; `port` hands a free one to each that rollbook starts
+        without a port of its own (the resources server does; the others never start one)."""
+        from apps.nemo_gym_install import installed_python
+
+        out = []
+        for name, g in self.nemo_gym.items():
+            python = g.python or (None if g.url else str(installed_python()))
+            chosen = g.port or (port() if port is not None and g.url is None else None)
+            out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
+                                 g.start_timeout_s, g.call_timeout_s))
+        return out
+
     def environments(self) -> frozenset[str]:
-        return enabled_environments(sandbox=self.sandbox is not None)
+        return enabled_environments(sandbox=self.sandbox is not None) | frozenset(self.nemo_gym)
+
+    @property
+    def processes(self) -> int:
+        """How many rollbook processes share the database: [limits] processes, else one per configured
+        server, `rollbook run` and one command."""
+        return self.limits.processes or len(self.servers) + 2
+
+    def database_pool(self, dsn: str) -> PoolLimits:
+        """This process's pool: [limits] pool_size + max_overflow, shrunk so that `processes` of them
+        fit the server's max_connections (read from the server)."""
+        return fit_pool(self.limits.pool(), self.processes, *server_connection_limit(dsn))
 
 
 def load(path: str | Path) -> Config:
@@ -304,6 +370,11 @@ def write(config: Config, path: str | Path) -> None:
         lines.extend(f"{key} = {value}" for key, value in limits.items())
     if config.telemetry and config.telemetry.otlp_endpoint:
         lines.append(f"\n[telemetry]\notlp_endpoint = {_q(config.telemetry.otlp_endpoint)}")
+    for name, g in config.nemo_gym.items():
+        lines.append(f"\n[nemo_gym.{name}]")
+        for key, value in g.model_dump(exclude_defaults=True).items():
+            shown = "[" + ", ".join(_q(v) for v in value) + "]" if isinstance(value, list) else value
+            lines.append(f"{key} = {_q(value) if isinstance(value, str) else shown}")
     if config.run:
         lines.append("\n[run]")
         for key, value in config.run.model_dump().items():

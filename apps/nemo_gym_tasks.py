@@ -1,4 +1,8 @@
-"""`rollbook tasks from-gym IN.jsonl`: NeMo Gym rows to rollbook's task file (`rollbook run`'s `tasks`).
+"""`rollbook tasks from-gym IN.jsonl [--env NAME]`: NeMo Gym rows to rollbook's task file (`rollbook run`'s `tasks`).
+
+With `--env`, each row is a data row of a configured NeMo Gym resources server (`[nemo_gym.<NAME>]`,
+e.g. its `data/example.jsonl`): the task of environment NAME whose `params.row` is the row itself, its
+id the row's `id` (else its index), its prompt the row's system and user messages.
 
 A materialized row (`task_id: {taskset, task_id}` plus `task_input`) becomes the task its
 `task_input` names (participants.nemo_gym_wire.GymTaskInput); a flat row (`responses_create_params`, ...)
@@ -19,6 +23,7 @@ from pydantic import ValidationError
 
 from engine.errors import InvalidRequest, RollbookError
 from participants.environments import Task
+from participants.nemo_gym_relay import task_from_row as gym_task
 from participants.nemo_gym_wire import GymTaskInput, TaskId, flat_row_task, task_for
 
 
@@ -32,13 +37,21 @@ def task_from_row(row: Any) -> Task:
     raise InvalidRequest("neither a materialized row (task_id and task_input) nor a flat row (responses_create_params)")
 
 
-def convert(lines: list[str], source: str) -> list[Task]:
+def convert(lines: list[str], source: str, env: str | None = None) -> list[Task]:
+    """Every row's task; with `env` (a configured NeMo Gym server, `[nemo_gym.<env>]`), each data row as
+    it is (its own tools, ground truth and verify fields) becomes a task of that environment."""
     tasks = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            tasks.append(task_from_row(json.loads(line)))
+            row = json.loads(line)
+            if env is None:
+                tasks.append(task_from_row(row))
+            elif not isinstance(row, dict):
+                raise InvalidRequest("a row must be a JSON object")
+            else:
+                tasks.append(gym_task(env, row, n - 1))
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"{source}:{n}: not JSON ({exc})", line=n) from exc
         except ValidationError as exc:
@@ -50,7 +63,7 @@ def convert(lines: list[str], source: str) -> list[Task]:
 
 
 def _from_gym(args: argparse.Namespace) -> int:
-    tasks = convert(Path(args.input).read_text().splitlines(), args.input)
+    tasks = convert(Path(args.input).read_text().splitlines(), args.input, args.env)
     text = "".join(json.dumps(t.to_json(), sort_keys=True) + "\n" for t in tasks)
     if args.output:
         Path(args.output).write_text(text)
@@ -65,4 +78,6 @@ def add_parser(sub: Any) -> None:
     fg = tsub.add_parser("from-gym", help="NeMo Gym rows (materialized or flat) to rollbook's task file")
     fg.add_argument("input", help="a NeMo Gym JSONL file")
     fg.add_argument("-o", "--output", help="write here instead of standard output")
+    fg.add_argument("--env", help="a NeMo Gym resources server of the config ([nemo_gym.<env>]): each data row "
+                                  "(its data/example.jsonl) becomes a task of that environment")
     fg.set_defaults(func=_from_gym)

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from sqlalchemy import text
 
 from adapters import database
-from adapters.database import like_prefix
+from adapters.collection_store import CollectionStore
 from adapters.http_client import unpooled_session
-from adapters.postgres import PostgresEventStore, retrying
+from adapters.postgres import PostgresEventStore
 from apps.collection import Collection
 from apps.config import KINDS, Config
 from engine import catalog as ev
@@ -34,9 +33,10 @@ from engine.recovery import run_dispositions
 from participants.environments.base import Task
 
 
-def load_tasks(path: str | Path) -> list[Task]:
+def load_tasks(path: str | Path, configured: frozenset[str] = frozenset()) -> list[Task]:
     """The tasks file, every line checked before anything runs (an unknown environment would
-    otherwise fail each of its rollouts one by one, far from its cause)."""
+    otherwise fail each of its rollouts one by one, far from its cause). `configured`: the config's
+    own environments besides the registered ones (its NeMo Gym servers)."""
     from participants.environments import ENVIRONMENTS
 
     try:
@@ -53,9 +53,9 @@ def load_tasks(path: str | Path) -> list[Task]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{path}:{n} is not a task ({exc})",
                                   'write one {"env", "task_id", "prompt", "params"} object per line') from None
-            if task.env not in ENVIRONMENTS:
+            if task.env not in ENVIRONMENTS and task.env not in configured:
                 raise ConfigError(f"{path}:{n} names unknown environment {task.env!r}",
-                                  f"use one of {', '.join(sorted(ENVIRONMENTS))}")
+                                  f"use one of {', '.join(sorted({*ENVIRONMENTS, *configured}))}")
             tasks.append(task)
     if not tasks:
         raise ConfigError(f"tasks file {path} holds no task", "add one JSON task per line")
@@ -91,11 +91,12 @@ async def run_collection(config: Config) -> int:
     if config.run is None:
         raise ConfigError("the config has no [run] section", "add [run] with run_id and tasks (apps/config.py)")
     run = config.run
-    tasks = load_tasks(run.tasks)  # before the database: a bad tasks file is the cheaper mistake to report
+    # Before the database: a bad tasks file is the cheaper mistake to report.
+    tasks = load_tasks(run.tasks, frozenset(config.nemo_gym))
     async with aiohttp.ClientSession() as probe:
         await check_servers(config, probe)
     dsn = database.prepare_database(config.dsn)
-    store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}")
+    store = PostgresEventStore.connect(dsn, writer=f"run-{run.run_id}", pool=config.database_pool(dsn))
     collection = Collection(config, store, run.run_id, tasks, seed=run.seed, max_steps=run.max_steps,
                             concurrency=run.concurrency, on_finish=lambda rid: say(event="finished", rollout_id=rid),
                             on_wait=lambda rid, code: say(event="waiting", rollout_id=rid, code=code))
@@ -126,9 +127,9 @@ async def run_collection(config: Config) -> int:
                     break
                 ck = await _next_checkpoint_id(store, run.run_id)
                 try:
-                    if run.checkpoint_mode == "online":
+                    if run.checkpoint_mode == "online" and not stop.is_set():
                         result = await collection.checkpoint_online(control, ck)
-                    else:
+                    else:  # a stop parks every server and leaves it parked: no work goes on after the run ends
                         result = await collection.checkpoint(control, ck, resume=not stop.is_set())
                 except RollbookError as exc:  # a checkpoint that fails is aborted; the rollouts go on
                     await collection.coordinator(control).resume(ck)
@@ -149,12 +150,8 @@ async def run_collection(config: Config) -> int:
         await store.close()
 
 
-@retrying("numbering the next checkpoint")
 async def _next_checkpoint_id(store: PostgresEventStore, run_id: str) -> str:
-    async with store.engine.connect() as conn:
-        n = (await conn.execute(text("SELECT count(*) FROM rollbook.checkpoints WHERE checkpoint_id LIKE :p"),
-                                {"p": like_prefix(f"{run_id}-ck")})).scalar_one()
-    return f"{run_id}-ck{int(n) + 1}"
+    return f"{run_id}-ck{await CollectionStore(store).checkpoint_count(f'{run_id}-ck') + 1}"
 
 
 def main(config: Config) -> int:

@@ -18,8 +18,10 @@ from adapters.membership import Lease, MembershipReader, paused_checkpoint_open
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
+from apps.processes import free_port
 from participants.app import PARTICIPANT
 from participants.instances import Joining
+from participants.nemo_gym_relay import register, stop_all
 from participants.observability import TELEMETRY
 from participants.routing import Peers
 
@@ -27,7 +29,10 @@ from participants.routing import Peers
 def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     # Unique across hosts and restarts: a pid is reused, the random part is not.
     instance = f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.limits.pool())
+    # Every kind knows the configured NeMo Gym servers as environments; only the resources server,
+    # which relays to them, starts those that no operator runs (on a free port unless one is given).
+    register(config.gym_servers(free_port if kind == "resources" else None))
+    store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
@@ -41,7 +46,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
                                                           token_latency_s=s.token_latency_s,
                                                           connect_s=config.limits.connect_s,
                                                           silence_s=config.limits.reply_s))
-        tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store.engine)
+        tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
     elif kind == "resources":
         from participants.servers import build_resources_app
@@ -67,6 +72,7 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
     configure_tracing(app[TELEMETRY], config.telemetry.otlp_endpoint if config.telemetry else None)
 
     async def close_store(app: web.Application) -> None:
+        stop_all()  # the NeMo Gym servers this process started
         await store.close()
 
     app.on_cleanup.append(close_store)

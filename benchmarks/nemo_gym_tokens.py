@@ -7,8 +7,8 @@ every model call. `--rollouts` rollouts run concurrently over `--clients` client
 sink per model-server process, shared by its concurrent calls; more clients stand for more
 processes, which cannot share a connection pool), each making `--calls` calls in turn (begin_call, then put of a record with a `--tokens`-id
 prompt growing by `--tokens` per call and `--tokens` generated ids), then a trainer freezes each
-rollout and retires it. Without --dsn, a throwaway embedded PostgreSQL is used (as tests/pg.py
-does). One JSON object on stdout; nothing asserts a time. Needs nemo-gym importable (tests/nemo_gym_env.py
+rollout and retires it. Without --dsn, a throwaway embedded PostgreSQL is used (as testkit/pg.py
+does). One JSON object on stdout; nothing asserts a time. Needs nemo-gym importable (testkit/nemo_gym_env.py
 installs it).
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests import nemo_gym_env  # noqa: E402
+from testkit import nemo_gym_env  # noqa: E402
 
 nemo_gym_env.ensure()
 

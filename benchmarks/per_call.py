@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/per_call.py [--rollouts 12] [--concurrency 1] [--envs workplace,blackjack,math]
                                             [--dsn ADMIN_DSN] [--out PATH]
 
-A fixed, deterministic workload: the four servers of tests/stack.py (real aiohttp servers on
+A fixed, deterministic workload: the four servers of apps/stack.py (real aiohttp servers on
 127.0.0.1, each with its own event-store connection, the scripted policy as the model) run
 `--rollouts` episodes over the workplace, blackjack and math environments (seed 3), `--concurrency`
 at a time (1: one after another, so no append groups two servers' requests and the figures are
@@ -47,10 +47,10 @@ from sqlalchemy.pool import Pool  # noqa: E402
 from adapters import database  # noqa: E402
 from adapters.database import like_prefix  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from apps.stack import start_stack  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
 from participants.scripted_model import ScriptedBackend  # noqa: E402
-from tests.stack import start_stack  # noqa: E402
 
 ENVS = ["workplace", "blackjack", "math"]
 TASK_SEED = 3
@@ -90,13 +90,15 @@ def preloaded_server() -> tuple[str, Any]:
 
 class AppendCounter:
     """Counts append requests (and their events) made through any PostgresEventStore of this process,
-    and connection checkouts from any SQLAlchemy pool (each one a pre-ping round trip: an empty
-    statement that pg_stat_statements does not list but pg_stat_database counts as a transaction)."""
+    and connection checkouts from any SQLAlchemy pool (once each a pre-ping round trip, an empty
+    statement that pg_stat_statements did not list but pg_stat_database counted as a transaction;
+    pools no longer ping, adapters.pg_pool.make_engine)."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.events = 0
         self.checkouts = 0
+        self.by_server: dict[str, int] = {}  # append requests per server kind (the writer's first word)
         self._original = PostgresEventStore.append
 
     def _checkout(self, *args: object) -> None:
@@ -108,6 +110,8 @@ class AppendCounter:
         async def counted(store: PostgresEventStore, request: Any) -> Any:
             counter.requests += 1
             counter.events += len(request.events)
+            kind = store.writer.split("-")[0]
+            counter.by_server[kind] = counter.by_server.get(kind, 0) + 1
             return await original(store, request)
 
         PostgresEventStore.append = counted  # type: ignore[method-assign]
@@ -137,7 +141,8 @@ def verb(query: str) -> str:
     return head
 
 
-async def workload(dsn: str, rollouts: int, concurrency: int, envs: list[str]) -> tuple[list[str], float, tuple[int, int, int]]:
+async def workload(dsn: str, rollouts: int, concurrency: int, envs: list[str]
+                   ) -> tuple[list[str], float, tuple[int, int, int], dict[str, int]]:
     warmup = await start_stack(dsn, "warmup", ScriptedBackend())
     try:
         await warmup.episode(make_tasks(1, TASK_SEED + 1, envs)[0], "warmup-0")
@@ -163,7 +168,7 @@ async def workload(dsn: str, rollouts: int, concurrency: int, envs: list[str]) -
             # Closing the stack ends every pooled connection: whatever they still had to send is in.
             await stack.close()
         stack = None
-        return ids, elapsed, (counter.requests, counter.events, counter.checkouts)
+        return ids, elapsed, (counter.requests, counter.events, counter.checkouts), counter.by_server
     finally:
         if stack is not None:
             await stack.close()
@@ -198,7 +203,8 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int, int]) -> dict[str
         by_verb[verb(q)] = by_verb.get(verb(q), 0) + c
     total = sum(by_verb.values())
     event_count = sum(count.values())
-    inserts = sum(c for q, c in stmts.items() if q.lstrip().upper().startswith("INSERT INTO ROLLBOOK.EVENTS"))
+    # The statement that writes an append's events starts with them or holds them in a CTE.
+    inserts = sum(c for q, c in stmts.items() if "INSERT INTO ROLLBOOK.EVENTS" in q.upper())
     n = max(model_calls, 1)
     return {
         "rollouts": len(ids), "finished": int(finished), "model_calls": model_calls, "tool_calls": tool_calls,
@@ -227,11 +233,12 @@ def table(r: dict[str, Any]) -> str:
         ("model calls / tool calls", f"{r['model_calls']} / {r['tool_calls']}"),
         ("events per model call", p["events"]),
         ("append requests per model call", p["append_requests"]),
+        *((f"  by the {k} server", v) for k, v in p.get("append_requests_by_server", {}).items()),
         ("append transactions per model call", p["append_transactions"]),
         ("transactions per model call (pg_stat_database)", p["transactions"]),
         ("  of which explicit (BEGIN)", p["transactions_begin"]),
         ("statements per model call", p["statements"]),
-        ("pool checkouts (pre-pings) per model call", p["pool_checkouts"]),
+        ("pool checkouts per model call (none pinged)", p["pool_checkouts"]),
         ("log bytes per rollout (JSON text)", r["log_bytes_per_rollout"]),
         ("  of which agent_boundary", f"{r['agent_boundary_bytes_per_rollout']} ({r['agent_boundary_share']})"),
         ("stored bytes per rollout (pg_column_size)", r["stored_bytes_per_rollout"]),
@@ -249,8 +256,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         dsn = database.scratch_database(admin, f"rollbook_percall_{int(time.time())}")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        ids, elapsed, appends = await workload(dsn, args.rollouts, args.concurrency, args.envs.split(","))
+        ids, elapsed, appends, by_server = await workload(dsn, args.rollouts, args.concurrency, args.envs.split(","))
         result = measure(dsn, ids, appends)
+        n = max(result["model_calls"], 1)
+        result["per_model_call"]["append_requests_by_server"] = {k: round(v / n, 2) for k, v in sorted(by_server.items())}
         result.update({"concurrency": args.concurrency, "workload_s": round(elapsed, 2),
                        "envs": args.envs.split(","), "task_seed": TASK_SEED, "python": platform.python_version()})
         database.drop_database(dsn)

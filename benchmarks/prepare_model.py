@@ -7,7 +7,7 @@ One model server (aiohttp on a real port, its log on a real PostgreSQL: a throwa
 unless --dsn is given, migrated fresh) serves `--calls` concurrent calls, half streamed to their
 client and half not, each of a different rollout. The backend is the scripted policy with
 `--token-latency-s` per step (4.5 s per reply at the default 0.5 s), or with `--backend upstream` the
-OpenAI-compatible backend against the fake vLLM server of tests/fake_vllm.py at the same pace.
+OpenAI-compatible backend against the fake vLLM server of testkit/fake_vllm.py at the same pace.
 When every call has received at least one token, the control plane's prepare is called over HTTP
 and timed (the round trip as the coordinator sees it). Each in-flight call must end cut at a token
 boundary: the prefix in the token store and `call_cut` in the log. Then resume, new calls, again:
@@ -113,7 +113,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     tokens = PostgresTokenStore(store.engine)
     fake = None
     if args.backend == "upstream":
-        from tests.fake_vllm import FakeVLLM
+        from testkit.fake_vllm import FakeVLLM
 
         fake = FakeVLLM(token_latency_s=args.token_latency_s)
         await fake.start()

@@ -4,10 +4,10 @@
 
 One hypothesis run of --seeds examples, seeded with --first, every invariant checked after every
 step and at the end, of one of two machines:
-- `control` (the default): tests/stateful_control.ControlMachine, sequences of dispatch, prepare,
+- `control` (the default): testkit/stateful_control.ControlMachine, sequences of dispatch, prepare,
   commit, publish, resume, crash-and-restore, retire, forget against the four servers in process,
   on one throwaway embedded PostgreSQL (about 1 s a sequence);
-- `processes`: tests/stateful_processes.FaultMachine, the same operations plus the real faults
+- `processes`: testkit/stateful_processes.FaultMachine, the same operations plus the real faults
   (SIGKILL of any subset of the four server processes, of a coordinator process mid-checkpoint,
   a PostgreSQL restart, dropped connections) on an embedded PostgreSQL of its own (several
   seconds a sequence). A violation is shrunk by hypothesis to a short sequence
@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from adapters import database  # noqa: E402
-from tests import pg, stateful_control, stateful_processes  # noqa: E402
+from testkit import pg, stateful_control, stateful_processes  # noqa: E402
+from testkit.log_queries import tracebacks  # noqa: E402
 
 
 def main() -> int:
@@ -95,8 +96,6 @@ def main() -> int:
         if world is not None:
             world.procs.stop()
             # No server may print a traceback for any of these faults.
-            from tests.e2e.test_recovery import tracebacks
-
             for found in tracebacks(world.procs.log_dir):
                 print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
                 failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})

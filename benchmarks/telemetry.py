@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/telemetry.py [--episodes 24] [--concurrency 8] [--repeats 5] [--dsn DSN] [--out PATH]
 
-The four servers in one process (tests/stack.py: real aiohttp servers on 127.0.0.1, one PostgreSQL:
+The four servers in one process (apps/stack.py: real aiohttp servers on 127.0.0.1, one PostgreSQL:
 a throwaway embedded one unless --dsn is given), `--episodes` workplace episodes at `--concurrency`
 (each 4 model calls, 3 tool calls and about 40 appends), then one checkpoint (prepare, commit,
 resume). Three modes, interleaved within each repeat so a noisy moment does not land on one:
@@ -43,11 +43,11 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noq
 from adapters import database, embedded  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from adapters.telemetry import Telemetry  # noqa: E402
+from apps.stack import start_stack  # noqa: E402
 from participants import observability  # noqa: E402
 from participants.environments.tasks import make_task  # noqa: E402
 from participants.observability import TELEMETRY  # noqa: E402
 from participants.scripted_model import ScriptedBackend  # noqa: E402
-from tests.stack import start_stack  # noqa: E402
 
 MODES = ("off", "metrics", "spans")
 TASK = make_task("workplace", 3)

@@ -123,6 +123,7 @@ def may(name: str, type: str, doc: str) -> Field:
     return Field(name, type, doc)
 
 
+_FORK = "a fork (engine/forks.py, appended by the environment server's control operation `fork`)"
 _ENV = "environment server (participants/environment_server.py, and NeMo Gym's episodes through participants/nemo_gym_wire.py)"
 _RESTORE = "restore (engine/checkpoint.py install_request, appended by the coordinator's restore)"
 _RECOVERY = "recovery (engine/recovery.py, appended by the environment server or `rollbook run`)"
@@ -135,13 +136,15 @@ _COORDINATOR = "the coordinator (engine/coordinator.py: `rollbook run`, `rollboo
 
 ATTEMPT_STARTED = _kind(
     "attempt_started", ROLLOUT,
-    f"{_ENV}; {_RESTORE}; {_RECOVERY}; {_TAKEOVER}; {_CAPTURE}",
+    f"{_ENV}; {_RESTORE}; {_RECOVERY}; {_TAKEOVER}; {_CAPTURE}; {_FORK}",
     "An attempt of the rollout begins; its events may land from now on (engine/attempts.py).",
     may("parent_attempt", "integer|null", "the attempt it follows (null for attempt 0)"),
     may("restored_from", "string|null", "the checkpoint whose restore started it"),
     may("origin_attempt", "integer|null", "the attempt whose history it continues (null: a fresh dispatch)"),
     may("origin_position", "integer|null", "the log position of the boundary it continues from"),
-    may("disposition", "string", "continue or fresh_dispatch"),
+    may("origin_rollout_id", "string", "a fork's origin rollout (absent: the origin attempt is of this rollout)"),
+    may("seed", "integer", "a fork's own sampling seed, in place of its origin episode's"),
+    may("disposition", "string", "continue, fresh_dispatch or fork"),
     may("recovered", "boolean", "true when recovery after a crash started it"),
     may("reason", "string", "why a caller's retry started it"),
     may("started_by", "string", "nemo_gym_token_capture for an attempt a trainer's capture opened"),
@@ -178,6 +181,18 @@ ROLLOUT_RECOVERED = _kind(
     need("reason", "string", "why (the lost call or session)"),
 )
 
+ROLLOUT_FORKED = _kind(
+    "rollout_forked", ROLLOUT, _FORK,
+    "A new rollout starts from a boundary of another rollout's attempt; in one append with its attempt 0's start.",
+    need("origin_rollout_id", "string", "the rollout it was forked from"),
+    need("origin_attempt", "integer", "the attempt of that rollout"),
+    need("origin_position", "integer", "the log position of the boundary it starts from"),
+    need("group", "string", "the fork group: every rollout forked by one request"),
+    need("index", "integer", "its place in the group (0 to count - 1)"),
+    need("count", "integer", "how many rollouts the request forked"),
+    need("seed", "integer", "its own sampling seed"),
+)
+
 # ---- an attempt's episode (environment server) -------------------------------------------------
 
 _EPISODE_STATUS = may("status", "string", "running, finished or failed (episode_state.status)")
@@ -197,9 +212,12 @@ EPISODE_CONTINUED = _kind(
     may("origin_attempt", "integer", "the attempt whose steps it inherits"),
     may("next_step", "string|null", "the first step not yet recorded"),
     may("restored_from", "string", "the checkpoint restored"), may("recovered", "boolean", "true after a crash"),
+    may("forked_from", "string", "a fork's origin rollout (its steps are the origin attempt's up to the boundary)"),
     _EPISODE_STATUS,
     may("gym", "object", "NeMo Gym's episode id and task id, when its collector asked"),
 )
+# The environment server's steps of an episode, in the order it runs them.
+EPISODE_STEPS = ("seed", "agent", "verify", "close")
 EPISODE_STEP = _kind(
     "episode_step", EPISODE, _ENV,
     "One step of the episode is done (seed, agent, verify, close): the environment server's boundary.",
@@ -253,6 +271,7 @@ SESSION_OPENED = _kind(
     may("origin_attempt", "integer|null", "the attempt it carries over"),
     may("recovered", "boolean", "true when reopened from the log after a restart"),
     may("instance", "string", "the resources server instance that holds the session (engine/ownership.py)"),
+    may("live", "string", "a relayed server's live session it seeded (engine.tool_replay)"),
 )
 MUTATION_APPLIED = _kind(
     "mutation_applied", SESSION, _RESOURCES,
@@ -261,6 +280,15 @@ MUTATION_APPLIED = _kind(
     may("arguments", "object", "its arguments"), may("effect", "object|null", "what changed, for replay"),
     may("output", "object|string|null", "what the tool answered"), may("done", "boolean", "the episode is over"),
     may("tool_call", "string|null", "the tool call's key: activation, turn, index"),
+    may("live", "string", "the relayed server's live session that applied it"),
+)
+SESSION_REPLAYED = _kind(
+    "session_replayed", SESSION, _RESOURCES,
+    "A relayed server's fresh live session was seeded and the session's recorded tool calls sent to it again, "
+    "in order, each reply equal to the recorded one (engine.tool_replay).",
+    need("live", "string", "the live session seeded"), need("revision", "integer", "the revision it reached"),
+    need("tool_calls", "array", "the keys of the calls sent again, in order"),
+    may("seconds", "number", "how long the seed and the replay took"),
 )
 SESSION_VERIFIED = _kind(
     "session_verified", SESSION, _RESOURCES,

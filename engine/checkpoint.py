@@ -213,6 +213,26 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequenc
     return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
 
 
+def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
+    """Whether an attempt (its own events, in log order) cannot be continued from `boundary`: a
+    resources session of a restart-only environment is open there, or an activation is in progress
+    there on an agent that cannot continue one. The rule of CutStore.restart_only_at, which the
+    PostgreSQL store answers in one query."""
+    rebuildable = continuable = True
+    for e in own:
+        if e.position > boundary:
+            break
+        if e.kind == ev.SESSION_OPENED:
+            rebuildable = e.data.get("state_mode") != "restart_only"
+        elif e.kind == ev.SESSION_CLOSED:
+            rebuildable = True
+        elif e.kind == ev.AGENT_BOUNDARY:
+            continuable = continuable and e.data.get("continuable") is not False
+        elif e.kind == ev.ACTIVATION_COMPLETED:
+            continuable = True
+    return not (rebuildable and continuable)
+
+
 async def _attempts(store: CutStore, named: Sequence[str], rollouts: Sequence[str] | None) -> dict[Key, dict[str, Any]]:
     rows = await store.attempt_rows(named)
     return rows if rollouts is not None else {**await store.live_attempts(), **rows}
@@ -334,8 +354,8 @@ class CutHistory:
     def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
         """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
         own = self.attempt(rollout_id, attempt, to)
-        origin = origin_of(own)
-        return own if origin is None else self.effective(rollout_id, *origin) + own
+        origin = lineage_origin(rollout_id, own)
+        return own if origin is None else self.effective(*origin) + own
 
 
 async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
@@ -356,7 +376,8 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     for e in rows:
         if e.rollout_id in events:
             events[e.rollout_id].append(e)
-    upto = {r: [e for e in evs if e.position <= cut.position] for r, evs in events.items()}
+    upto = {r: [e for e in events[r] if e.position <= cut.position] for r in by_rollout}
+    await _read_fork_origins(store, events, cut.position, beyond_cut)
     start = await _predecessors(store, upto)
     heads: dict[str, list[tuple[str, int, bytes]]] = {}
     items: list[RestoreItem] = []
@@ -384,6 +405,22 @@ async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
     rollout up to P must re-derive its recorded hash, and the chain heads plus the cut's lists
     must give the committed digest (read_cut with `rehash`)."""
     return list((await read_cut(store, cut)).items)
+
+
+async def _read_fork_origins(store: CutStore, events: dict[str, list[RecordedEvent]], position: int, beyond_cut: bool) -> None:
+    """Add to `events` the rollouts a scoped fork's lineage goes back to (a fork's origin, its origin's
+    origin...), so each attempt's effective history comes from this read. They are history the fork
+    only reads; the cut's digest covers the scoped rollouts themselves."""
+    while True:
+        wanted = sorted({str(e.data["origin_rollout_id"]) for evs in events.values() for e in evs
+                         if e.kind == ev.ATTEMPT_STARTED and e.data.get("origin_rollout_id")} - set(events))
+        if not wanted:
+            return
+        for rollout_id in wanted:
+            events[rollout_id] = []
+        for e in await store.read_rollouts(wanted, None if beyond_cut else position):
+            if e.rollout_id in events:
+                events[e.rollout_id].append(e)
 
 
 def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: int, upto_cut: Sequence[RecordedEvent]) -> None:
@@ -496,10 +533,11 @@ def _fence_and_start(rollout_id: str, live: int, checkpoint_id: str, origin: dic
 
 async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
     """An attempt's history as its participants replay it: its origin's events up to the origin
-    boundary (recursively), then its own. A fresh dispatch has no origin and starts from input."""
+    boundary (recursively), then its own. A fresh dispatch has no origin and starts from input; a
+    fork's origin is an attempt of another rollout (engine/forks.py)."""
     own = await store.read_rollout(rollout_id, attempt, to)
-    origin = origin_of(own)
-    return own if origin is None else await effective_history(store, rollout_id, *origin) + own
+    origin = lineage_origin(rollout_id, own)
+    return own if origin is None else await effective_history(store, *origin) + own
 
 
 def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:
@@ -510,3 +548,13 @@ def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:
     if start is None or start.data.get("origin_attempt") is None:
         return None
     return start.data["origin_attempt"], start.data.get("origin_position")
+
+
+def lineage_origin(rollout_id: str, own: Sequence[RecordedEvent]) -> tuple[str, int, int | None] | None:
+    """origin_of with the origin's rollout: the attempt's own for a restore or a recovery, another
+    rollout's for a fork (its `attempt_started` names it as `origin_rollout_id`)."""
+    origin = origin_of(own)
+    if origin is None:
+        return None
+    start = next(e for e in own if e.kind == ev.ATTEMPT_STARTED)
+    return str(start.data.get("origin_rollout_id") or rollout_id), origin[0], origin[1]

@@ -136,6 +136,29 @@ class RequestConflict(RollbookError):
     status = 409
 
 
+class UnknownRollout(RollbookError):
+    """A fork names a rollout, or an attempt of it, that the log never started."""
+
+    code = "unknown_rollout"
+    status = 404
+
+
+class NotABoundary(RollbookError):
+    """A fork's position is not a boundary of that attempt one can fork from (engine/forks.py says
+    which are): nothing is written."""
+
+    code = "not_a_boundary"
+    status = 422
+
+
+class RestartOnlyBoundary(RollbookError):
+    """A fork's boundary holds a live restart-only session (the sandbox): its state cannot be rebuilt
+    for another rollout, so nothing is written."""
+
+    code = "restart_only_boundary"
+    status = 409
+
+
 class InvalidPhase(RollbookError):
     """An illegal phase transition: refused loudly, never a silent no-op."""
 

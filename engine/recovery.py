@@ -15,7 +15,8 @@ nothing else decides:
   call the log says was accepted, whose reply was never recorded, and whose server is gone). The
   rollout alone fences N and starts N+1 whose origin is N's latest boundary.
 - `fresh_dispatch` under attempt N+1: its state cannot be rebuilt (a restart-only session whose live
-  process died). The rollout alone starts over from its input.
+  process died, or a relayed session whose replay diverged: reason `replay_divergence`). The rollout
+  alone starts over from its input.
 
 A restart to N+1 is one atomic append: `rollout_recovered` (the classification, on attempt N),
 `attempt_fenced` of N, `attempt_started` of N+1 (`recovery_request`).
@@ -34,11 +35,13 @@ from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import is_session_stream, rollout_stream
 from engine.ownership import Verdict
+from engine.tool_replay import DIVERGENCE_REASON
 
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
 # What the caller knows is gone: the live process of a restart-only session, or a model call that
-# was accepted by a server that no longer has it and whose reply was never recorded.
-Lost = Literal["session", "call"]
+# was accepted by a server that no longer has it and whose reply was never recorded, or a relayed
+# session whose replay did not give back the recorded replies (engine.tool_replay).
+Lost = Literal["session", "call", "divergence"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lo
         return Recovery(rollout_id, attempt, "finished", None, False, "its result is in the log")
     boundary = latest_boundary(history)
     at = boundary.position if boundary is not None else None
+    if lost == "divergence":
+        return Recovery(rollout_id, attempt, "fresh_dispatch", None, True, DIVERGENCE_REASON)
     if lost == "session":
         return Recovery(rollout_id, attempt, "fresh_dispatch", None, True,
                         "its restart-only session lost its live process; it starts over from its input")

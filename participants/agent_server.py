@@ -52,6 +52,7 @@ from engine.errors import (
     ToolCallRefused,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.forks import inherited_boundary
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
 from engine.patience import Patience
 from engine.recovery import resume_point
@@ -289,12 +290,12 @@ class AgentParticipant(Participant):
         boundary = self.restored.pop(key, None)
         if boundary is None and self.supports_continuation:
             last = resume_point(history, index)
-            if last is not None and last.attempt == key[1]:
+            if last is not None and (last.rollout_id, last.attempt) == key:
                 # This attempt's own activation, cut off by a crash: it goes on, nothing before it is redone.
                 return resumed_session(key, index, req, last.data)
             if last is not None:
                 # The log says the same as restore staged: an inherited boundary of this very activation.
-                boundary = last.data
+                boundary = inherited_boundary(last, key[0])
         if boundary is not None and self.supports_continuation and boundary.get("activation", 0) == index:
             return continued_session(key, index, req, boundary)
         return fresh_session(key, index, req)
@@ -492,7 +493,7 @@ class AgentParticipant(Participant):
             if not self.supports_continuation:
                 raise RestartInScope(f"{entry.rollout_id} attempt {entry.attempt} is mid-activation on a restart-only agent",
                                      executions=[[entry.rollout_id, entry.attempt]])
-            staged[entry.rollout_id] = (entry.attempt, last.data)
+            staged[entry.rollout_id] = (entry.attempt, inherited_boundary(last, entry.rollout_id))
         self.staged, self.staged_from = staged, cut.checkpoint_id
         return {"staged": len(staged)}
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from adapters.http_client import JsonClient, as_attempt, data_url
+from adapters.http_client import CONTROL, JsonClient, as_attempt, data_url
 from engine import catalog as ev
 from engine import recovery
 from engine.admission import drain
@@ -36,14 +36,20 @@ from engine.errors import (
     AttemptLost,
     DatabaseUnavailable,
     Forbidden,
+    InvalidIdentifier,
+    InvalidJson,
     InvalidRequest,
+    NotABoundary,
     NotFound,
     ParticipantUnavailable,
     RequestConflict,
+    RestartOnlyBoundary,
     StaleAttempt,
     ToolCallRefused,
+    UnknownRollout,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.forks import MAX_FORKS, ForkPlan, Origin, fork_seed, plan_forks
 from engine.identity import episode_stream, rollout_stream, validate_id
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
@@ -51,7 +57,7 @@ from participants.guard import Body, Identifier, Int64, Route
 from participants.participant import Participant, PrepareReport
 from participants.wire import ACTIVATION_HEADER, TaskBody
 
-STEPS = ("seed", "agent", "verify", "close")
+STEPS = ev.EPISODE_STEPS
 MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
 
 
@@ -60,6 +66,32 @@ class EpisodeRequest(Body):
     task: TaskBody
     seed: Int64 = 0
     max_steps: int = Field(default=16, ge=1, le=1000)
+
+
+class ForkRequest(Body):
+    rollout_id: Identifier
+    attempt: int = Field(ge=0, le=2**31 - 1)
+    position: int = Field(ge=1, le=2**63 - 1, description="the log position of the boundary to fork from")
+    count: int = Field(ge=1, le=MAX_FORKS, description="how many rollouts to start")
+    group: Identifier | None = Field(default=None, description=(
+        "the fork group; fork i is rollout GROUP.i (default ROLLOUT.fPOSITION: asking again names the same forks)"))
+    seed: Int64 | None = Field(default=None, description="fork i samples with seed + i (default: one from its id)")
+
+
+class ForkedRollout(BaseModel):
+    rollout_id: str
+    index: int
+    seed: int
+
+
+class ForkReply(BaseModel):
+    origin_rollout_id: str
+    origin_attempt: int
+    origin_position: int
+    group: str
+    existing: bool = Field(description="true: the group already held these forks and nothing was written")
+    forks: list[ForkedRollout]
+    launched: int = Field(description="forks this server started driving now (the others run or have finished)")
 
 
 class EpisodeResult(BaseModel):
@@ -123,6 +155,9 @@ def episode_from_history(rollout_id: str, attempt: int, inputs: list[RecordedEve
     d = started.data
     ep = Episode(rollout_id, attempt, Task.from_json(d["task"]), int(d.get("seed", 0)), int(d.get("max_steps", 16)))
     ep.done = [dict(e.data) for e in upto if e.kind == ev.EPISODE_STEP]
+    own_seed = fork_seed(inputs, rollout_id)  # a fork samples with its own seed, not its origin's
+    if own_seed is not None:
+        ep.seed = own_seed
     return ep
 
 
@@ -247,7 +282,8 @@ class EnvironmentParticipant(Participant):
     async def _restart(self, ep: Episode, exc: AttemptLost) -> None:
         """This rollout alone goes on under attempt N+1, as engine.recovery classifies it."""
         rid = ep.rollout_id
-        lost = "session" if exc.context.get("lost") == "session" else "call"
+        cause = exc.context.get("lost")
+        lost: recovery.Lost = cause if cause in ("session", "divergence") else "call"
         history = await effective_history(self.store, rid, ep.attempt)
         decision = recovery.classify(rid, ep.attempt, history, lost)
         await self.store.append(recovery.recovery_request(decision))  # stale_attempt if a restore or retire came first
@@ -347,11 +383,63 @@ class EnvironmentParticipant(Participant):
     def in_flight(self) -> int:
         return sum(1 for task in self.tasks.values() if not task.done())
 
+    # ---- forks (engine/forks.py) ----------------------------------------------------------------
+
+    async def fork(self, request: web.Request, req: ForkRequest) -> web.Response:
+        """Record the forks (one append, or nothing when any is refused) and drive each like a dispatched
+        rollout. Asked again with the same group, it writes nothing and drives the forks that are
+        neither finished nor running here (after this server restarted, say)."""
+        self.admission.require_open("a fork")
+        async with self.locks.setdefault(f"fork:{req.rollout_id}", asyncio.Lock()):
+            plan = await self._fork_plan(req)
+            if not plan.existing:
+                await self.store.append(plan.request())
+            launched = 0
+            for f in plan.forks:
+                launched += await self._drive_fork(f.rollout_id)
+        return web.json_response({**plan.to_json(), "launched": launched})
+
+    async def _fork_plan(self, req: ForkRequest) -> ForkPlan:
+        origin = Origin(req.rollout_id, req.attempt, req.position)
+        started = await self.store.attempt_rows([req.rollout_id])
+        known = (req.rollout_id, req.attempt) in started
+        own = await self.store.read_rollout(req.rollout_id, req.attempt) if known else []
+        prefix = await effective_history(self.store, req.rollout_id, req.attempt, to=req.position) if known else []
+        kw: dict[str, Any] = {"started": started, "own": own, "prefix": prefix, "group": req.group, "seed": req.seed}
+        plan = plan_forks(origin, req.count, **kw)
+        rows = await self.store.attempt_rows([f.rollout_id for f in plan.forks])
+        if not rows:
+            return plan
+        taken: dict[str, dict[str, Any] | None] = {}
+        for rid in sorted({r for r, _ in rows}):
+            forked = [e for e in await self.store.read_stream(rollout_stream(rid)) if e.kind == ev.ROLLOUT_FORKED]
+            taken[rid] = dict(forked[0].data) if forked else None
+        return plan_forks(origin, req.count, taken=taken, **kw)
+
+    async def _drive_fork(self, rid: str) -> int:
+        """Drive fork `rid` here unless it has finished or is running; 1 when it was launched."""
+        async with self.locks.setdefault(rid, asyncio.Lock()):
+            task = self.tasks.get(rid)
+            if task is not None and not task.done():
+                return 0
+            rows = await self.store.attempt_rows([rid])
+            attempt = max(a for _, a in rows)
+            if rows[(rid, attempt)]["status"] != "live":
+                return 0
+            history = await effective_history(self.store, rid, attempt)
+            ep = episode_from_history(rid, attempt, history, history)
+            if ep is None:
+                raise InvalidRequest(f"fork {rid} has no episode input in its lineage")
+            self._launch(ep)
+            return 1
+
     def routes(self) -> list[Route]:
         return [
             Route("POST", "/episodes", self.start_episode, EpisodeRequest, EpisodeResult,
                   (Forbidden, RequestConflict, AdmissionClosed, StaleAttempt, ToolCallRefused, ParticipantUnavailable)),
             Route("GET", "/episodes/{rollout_id}", self.episode_status, None, EpisodeStatus, (NotFound,)),
+            Route("POST", f"{CONTROL}/fork", self.fork, ForkRequest, ForkReply,
+                  (InvalidRequest, InvalidJson, InvalidIdentifier, UnknownRollout, NotABoundary, RestartOnlyBoundary, RequestConflict, AdmissionClosed, StaleAttempt), "control"),
         ]
 
     # ---- control plane hooks --------------------------------------------------------------------
@@ -362,9 +450,10 @@ class EnvironmentParticipant(Participant):
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
-        # Inside the agent step counts as parked: the agent parks it at its own boundary.
-        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"],
-                               deadline)
+        # Inside the agent step counts as parked: the agent parks it at its own boundary. So does a
+        # verify that may simply run again (`replay` verification): it changes nothing that is cut.
+        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"
+                                        and not (ep.step == "verify" and replayable_verify(ep))], deadline)
         live = self._live()
         return PrepareReport(
             ready=not blockers,
@@ -429,6 +518,12 @@ class EnvironmentParticipant(Participant):
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+
+
+def replayable_verify(ep: Episode) -> bool:
+    """The episode's session said at seed that its verification is `replay`: asked again after a
+    restore, it gives the same answer, so a checkpoint need not wait for it."""
+    return (ep.recorded("seed") or {}).get("verification") == "replay"
 
 
 def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:

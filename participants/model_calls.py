@@ -17,7 +17,7 @@ from adapters.generation import End, GenerationBackend, Prefix, Start, Step, mer
 from engine import catalog as ev
 from engine.errors import RollbookError
 from engine.events import RecordedEvent, canonical_json
-from engine.tokens import TokenSink, TokenSource
+from engine.tokens import Receipt, TokenSink, TokenSource
 from participants.openai_wire import whole_delta
 
 CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
@@ -25,6 +25,11 @@ CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.
 
 class TokenStore(TokenSink, TokenSource, Protocol):
     """What the model server needs of adapters.token_store: put a call's tokens, get a prefix back."""
+
+    async def stage(self, ids: list[int], logprobs: list[float] | None = None) -> Receipt:
+        """A receipt whose blob is durable no later than the next event this process appends: the
+        call's outcome, which names it, is appended right after (one transaction for both)."""
+        ...
 
 
 @dataclass

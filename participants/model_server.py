@@ -419,8 +419,9 @@ class ModelParticipant(Participant):
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
 
     async def _record_outcome(self, call: LiveCall, kind: str, data: dict[str, Any]) -> None:
-        receipt, prompt = await asyncio.gather(self.token_store.put(call.ids, call.logprobs),
-                                               self.token_store.put(list(call.prompt_ids)))
+        # Staged, not put: the blobs are written in the transaction that appends the outcome naming them.
+        receipt = await self.token_store.stage(call.ids, call.logprobs)
+        prompt = await self.token_store.stage(list(call.prompt_ids))
         full = {"call_id": call.call_id, "receipt": receipt.to_json(), "prompt_receipt": prompt.to_json(),
                 "policy_version": call.policy_version, "segments": call.segments(), **data}
         await self._append(NewEvent(call_stream(call.call_id), kind, full, call.rollout_id, call.attempt))

@@ -11,7 +11,9 @@ After a crash of this server, a session of a live attempt is rebuilt from the lo
 the attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that
 continues another one's boundary, the inherited session reopened under the new attempt. A tool call
 whose mutation is in the log (by the caller's tool-call key) gets its recorded answer and changes
-nothing. A restart-only session whose live process died cannot be rebuilt: `attempt_lost`.
+nothing. A restart-only session whose live process died cannot be rebuilt: `attempt_lost`. A session
+relayed to a NeMo Gym server (participants.nemo_gym_relay) keeps the record of its calls as its state;
+its live session, when gone, is rebuilt by replaying them (engine.tool_replay) on its next request.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from engine.errors import (
     InvalidIdentifier,
     InvalidRequest,
     NotFound,
+    ParticipantUnavailable,
     ReplayDivergence,
     RequestConflict,
     RestartInScope,
@@ -64,6 +67,7 @@ from participants.environments import (
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.guard import Body, Empty, Header, Identifier, Route
+from participants.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.owners import orphaned_sessions
 from participants.participant import Participant, PrepareReport
 from participants.wire import TOOL_CALL_HEADER, Execution, TaskBody, data_path, identity
@@ -260,9 +264,6 @@ class ResourcesParticipant(Participant):
         s.stream_version = recorded.stream_version
         return recorded
 
-    def _refuse_when_closed(self, what: str) -> None:
-        self.admission.require_open(what)
-
     async def open_session(self, request: web.Request, body: OpenRequest) -> web.Response:
         identity(request)
         if body.task.env != body.env:
@@ -283,19 +284,21 @@ class ResourcesParticipant(Participant):
                                       tool_error="session_exists")
             async with existing.lock:  # a repeated open is answered once the first is durable
                 return web.json_response(self._describe(await self._session(key)))
-        self._refuse_when_closed("opening a session")
+        self.admission.require_open("opening a session")
         s = Session(key[0], key[1], env, task, state)
         async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
             self.sessions[key] = s
             try:
-                if env.state_mode == "restart_only":
+                if env.state_mode == "restart_only" or relayed(env):
                     # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
                     try:
                         s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
                     except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
                         raise refused(exc) from exc
-                await self._append(s, ev.SESSION_OPENED, {"env": env.name, "task": task.to_json(),
-                                                         "state_mode": env.state_mode, "instance": self.instance})
+                    except LiveGone as exc:
+                        raise ParticipantUnavailable(f"{env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+                opened = {"env": env.name, "task": task.to_json(), "state_mode": env.state_mode}
+                await self._append(s, ev.SESSION_OPENED, {**opened, **live_id(s), "instance": self.instance})
             except BaseException:
                 self.sessions.pop(key, None)
                 await self._close_live(s)
@@ -309,8 +312,9 @@ class ResourcesParticipant(Participant):
 
     @staticmethod
     def _describe(s: Session) -> dict[str, Any]:
+        tools = s.env.task_tools(s.task) if relayed(s.env) else s.env.tools()  # type: ignore[attr-defined]
         return {"state_mode": s.env.state_mode, "verification": s.env.verification, "revision": s.revision,
-                "tools": s.env.tools()}
+                "tools": tools}
 
     async def call_tool(self, request: web.Request, body: ToolRequest) -> web.Response:
         key = await self._enter(request)
@@ -329,7 +333,15 @@ class ResourcesParticipant(Participant):
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
                                           "done": bool(recorded.get("done")), "repeated": True})
-            if s.env.state_mode == "restart_only":
+            if relayed(s.env):  # every relayed call is a mutation: the record is its state
+                if not admitted:
+                    raise AdmissionClosed(f"tool {name} is relayed and a checkpoint is in progress")
+                try:
+                    outcome = await relay(s, self._append, lambda live: s.env.call_live(live, name, body.arguments, call_key))  # type: ignore[attr-defined]
+                except ToolError as exc:
+                    raise refused(exc) from exc
+                new_state = s.env.apply(s.state, outcome.effect)
+            elif s.env.state_mode == "restart_only":
                 if not admitted:
                     raise AdmissionClosed("tool calls on a live shell are refused while a checkpoint is in progress")
                 try:
@@ -353,7 +365,7 @@ class ResourcesParticipant(Participant):
             revision = s.revision + 1
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
-                    "tool_call": call_key, "output": outcome.output, "done": outcome.done}
+                    "tool_call": call_key, "output": outcome.output, "done": outcome.done, **live_id(s)}
             await self._append(s, ev.MUTATION_APPLIED, data)
             s.state, s.revision = new_state, revision
             if call_key:
@@ -381,7 +393,7 @@ class ResourcesParticipant(Participant):
             raise RequestConflict(f"no agent activation of rollout {key[0]} attempt {key[1]} has completed: "
                                   "there is no answer to verify yet")
         answer = replies[max(replies)]
-        self._refuse_when_closed("verify")
+        self.admission.require_open("verify")
         s.verifying += 1
         s.verify_idle.clear()
         try:
@@ -390,8 +402,13 @@ class ResourcesParticipant(Participant):
             try:
                 # A verifier may be slow (a judge, a subprocess); a thread keeps the loop serving.
                 trajectory = Trajectory(list(answer.get("messages") or []), answer.get("final_answer"))
-                reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
+                if relayed(s.env):
+                    reward = await relayed_verify(s, self._append, trajectory)
+                else:
+                    reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
                 status = "passed" if reward > 0 else "failed"
+            except (AttemptLost, ParticipantUnavailable):
+                raise  # the attempt or its server is gone: nothing was verified
             except Exception as exc:  # any verifier failure is recorded, then reported
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
             async with s.lock:
@@ -424,7 +441,7 @@ class ResourcesParticipant(Participant):
             if history and history[-1].kind == ev.SESSION_CLOSED:
                 return web.json_response({})
             raise NotFound(f"no session for rollout {key[0]} attempt {key[1]}")
-        self._refuse_when_closed("closing a session")
+        self.admission.require_open("closing a session")
         async with s.lock:
             if self.sessions.get(key) is s:
                 await self._retire_session(s, {"status": s.verify_status or "unverified", "reason": "closed"})
@@ -483,7 +500,7 @@ class ResourcesParticipant(Participant):
         sessions = list(self.sessions.values())
         blockers = [f"{s.rollout_id}:{s.attempt} verify in progress" for s in sessions
                     if s.env.verification == "wait" and s.verifying]
-        counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0}
+        counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0, "replay": 0}
         for s in sessions:
             counts[s.env.state_mode] += 1
         # A restart-only session a dead instance held is in the log, not in memory: its live process

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
-from tests import pg
-from tests.pg import DemoRun
+from adapters.token_store import MemoryTokenStore
+from apps.stack import MemoryBacking
+from testkit import pg
+from testkit.pg import DemoRun
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
@@ -42,7 +45,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if hasattr(session.config, "workerinput"):
         return  # a parallel worker: the controller compiled them before it started the workers
     pg.ensure_unprivileged_user()
-    for package in ("engine", "participants", "adapters", "apps", "migrations", "tests"):
+    for package in ("engine", "participants", "adapters", "apps", "migrations", "testkit", "tests"):
         compileall.compile_dir(ROOT / package, quiet=2)
 
 
@@ -103,3 +106,21 @@ async def any_store(any_dsn: str) -> PostgresEventStore:
     s = PostgresEventStore.connect(any_dsn, writer="test")
     yield s
     await s.close()
+
+
+@pytest.fixture
+def memory_database() -> MemoryBacking:
+    """A fresh log and token store in memory (adapters.memory_store): for tests of rules and servers that
+    promise no durability. A module whose tests all qualify names it `database` and its store `store`
+    (docs/testing.md lists them); apps.stack.start_stack takes it where it takes a DSN."""
+    return MemoryBacking()
+
+
+@pytest.fixture
+def memory_store(memory_database: MemoryBacking) -> MemoryEventStore:
+    return memory_database.log.store("test")
+
+
+@pytest.fixture
+def memory_tokens(memory_database: MemoryBacking) -> MemoryTokenStore:
+    return memory_database.token_store

@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from tests import nemo_gym_env
+from testkit import nemo_gym_env
 
 nemo_gym_env.ensure()
 

@@ -1,7 +1,7 @@
 """The agent and environment servers with the model and resources servers, all four real.
 
-Every server is a real aiohttp server on 127.0.0.1 over the real PostgreSQL of the `dsn`
-fixture; the only stand-in is the model itself (the scripted backend). Checkpoints go through the
+Every server is a real aiohttp server on 127.0.0.1, all four over one log in memory (the `database`
+fixture: these rules promise no durability, docs/testing.md); the only stand-in is the model itself (the scripted backend). Checkpoints go through the
 coordinator and the participants' own control planes, and a restore goes into fresh servers on
 the same database, as after a crash.
 """
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from adapters.http_client import data_url
+from adapters.memory_store import MemoryEventStore
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore
+from apps.stack import SEED, TOKEN, MemoryBacking, Stack, of, start_stack, turn_of
 from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
@@ -27,7 +28,6 @@ from participants.environments.base import Task
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
 from participants.wire import ACTIVATION_HEADER, CONTROL
-from tests.stack import SEED, TOKEN, Stack, of, start_stack, turn_of
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,9 +36,19 @@ WORKPLACE = make_task("workplace", 3)  # 4 turns with the scripted policy: 2 loo
 BLACKJACK = make_task("blackjack", 2)  # 6 turns, 4 of them hits or stands that change the table
 
 
+@pytest.fixture
+def database(memory_database: MemoryBacking) -> MemoryBacking:
+    return memory_database
+
+
+@pytest.fixture
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    return memory_store
+
+
 @contextlib.asynccontextmanager
-async def stack(dsn: str, tag: str, latency: float = 0.0) -> AsyncIterator[Stack]:
-    s = await start_stack(dsn, tag, ScriptedBackend(latency_s=latency))
+async def stack(database: MemoryBacking, tag: str, latency: float = 0.0) -> AsyncIterator[Stack]:
+    s = await start_stack(database, tag, ScriptedBackend(latency_s=latency))
     try:
         yield s
     finally:
@@ -57,14 +67,14 @@ def mutations(events: list[RecordedEvent]) -> list[tuple[str, Any, Any]]:
     return [(e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
 
 
-async def uninterrupted(dsn: str, store: PostgresEventStore, task: Task, rollout_id: str) -> tuple[float, dict[str, Any], list]:
-    async with stack(dsn, f"ref-{rollout_id}") as s:
+async def uninterrupted(database: MemoryBacking, store: MemoryEventStore, task: Task, rollout_id: str) -> tuple[float, dict[str, Any], list]:
+    async with stack(database, f"ref-{rollout_id}") as s:
         result = await s.episode(task, rollout_id)
     events = await store.read_rollout(rollout_id)
     return result["reward"], final_reply(events, 0), mutations(events)
 
 
-async def wait_for(store: PostgresEventStore, rollout_id: str, kind: str, count: int, **match: Any) -> None:
+async def wait_for(store: MemoryEventStore, rollout_id: str, kind: str, count: int, **match: Any) -> None:
     stop = time.monotonic() + 20
     while time.monotonic() < stop:
         hits = [e for e in await store.read_rollout(rollout_id) if e.kind == kind
@@ -78,8 +88,8 @@ async def wait_for(store: PostgresEventStore, rollout_id: str, kind: str, count:
 # ---- tests ------------------------------------------------------------------------------------
 
 
-async def test_episodes_run_end_to_end_with_boundaries_around_every_turn(dsn: str, store: PostgresEventStore) -> None:
-    async with stack(dsn, "e2e") as s:
+async def test_episodes_run_end_to_end_with_boundaries_around_every_turn(database: MemoryBacking, store: MemoryEventStore) -> None:
+    async with stack(database, "e2e") as s:
         results = await asyncio.gather(s.episode(WORKPLACE, "wp-1"), s.episode(BLACKJACK, "bj-1"))
     for (rid, task), result in zip([("wp-1", WORKPLACE), ("bj-1", BLACKJACK)], results, strict=True):
         events = await store.read_rollout(rid)
@@ -113,8 +123,8 @@ async def test_episodes_run_end_to_end_with_boundaries_around_every_turn(dsn: st
     assert results[0]["reward"] == 1.0  # the scripted policy gets this workplace task right
 
 
-async def test_activations_replay_the_completed_index_and_refuse_any_other(dsn: str, store: PostgresEventStore) -> None:
-    async with stack(dsn, "act") as s:
+async def test_activations_replay_the_completed_index_and_refuse_any_other(database: MemoryBacking, store: MemoryEventStore) -> None:
+    async with stack(database, "act") as s:
         await s.episode(WORKPLACE, "act-1")
         before = await store.read_rollout("act-1")
         url = data_url(s.url("agent"), "act-1", 0, "/run")
@@ -130,11 +140,11 @@ async def test_activations_replay_the_completed_index_and_refuse_any_other(dsn: 
     assert generations == len(of(before, "call_accepted"))
 
 
-async def test_prepare_parks_a_running_episode_and_resume_finishes_it(dsn: str, store: PostgresEventStore) -> None:
+async def test_prepare_parks_a_running_episode_and_resume_finishes_it(database: MemoryBacking, store: MemoryEventStore) -> None:
     """Each of the two parks on its own, the other servers open: the agent at its boundary, the
     environment between steps; resume lets the episode finish as if it had never stopped."""
-    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "park-ref")
-    async with stack(dsn, "park", latency=0.15) as s:
+    reward, reply, muts = await uninterrupted(database, store, BLACKJACK, "park-ref")
+    async with stack(database, "park", latency=0.15) as s:
         agent, env = (HttpParticipant(k, k, s.url(k), TOKEN, s.session) for k in ("agent", "environment"))  # type: ignore[arg-type]
         running = asyncio.create_task(s.episode(BLACKJACK, "park-1"))
         await wait_for(store, "park-1", "agent_boundary", 2, state="after_turn")
@@ -181,12 +191,12 @@ async def test_prepare_parks_a_running_episode_and_resume_finishes_it(dsn: str, 
 
 
 async def test_a_tool_round_refused_by_a_closed_resources_server_still_ends_while_the_agent_prepares(
-    dsn: str, store: PostgresEventStore
+    database: MemoryBacking, store: MemoryEventStore
 ) -> None:
     """The agent's prepare waits for every tool round to end. A round whose tool call the resources
     server refuses (its admission closed) must keep asking, not wait for the agent's own resume:
     that wait and the prepare would each wait for the other until the deadline."""
-    async with stack(dsn, "round", latency=0.2) as s:  # a reply takes about 2 s: time to close resources first
+    async with stack(database, "round", latency=0.2) as s:  # a reply takes about 2 s: time to close resources first
         agent, resources = (HttpParticipant(k, k, s.url(k), TOKEN, s.session) for k in ("agent", "resources"))  # type: ignore[arg-type]
         participant = s.participant("agent")
         refused_while_preparing = asyncio.Event()
@@ -215,11 +225,11 @@ async def test_a_tool_round_refused_by_a_closed_resources_server_still_ends_whil
 
 
 async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating_work(
-    dsn: str, store: PostgresEventStore
+    database: MemoryBacking, store: MemoryEventStore
 ) -> None:
-    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "ck-ref")
+    reward, reply, muts = await uninterrupted(database, store, BLACKJACK, "ck-ref")
     rid = "ck-1"
-    old = await start_stack(dsn, "old", ScriptedBackend(latency_s=0.15))
+    old = await start_stack(database, "old", ScriptedBackend(latency_s=0.15))
     try:
         running = asyncio.create_task(old.episode(BLACKJACK, rid))
         await wait_for(store, rid, "agent_boundary", 2, state="after_turn")
@@ -233,7 +243,7 @@ async def test_checkpoint_restore_into_fresh_servers_continues_without_repeating
         await asyncio.gather(running, return_exceptions=True)
     assert [(e.rollout_id, e.attempt) for e in cut.scope] == [(rid, 0)]
     boundary = cut.scope[0].boundary
-    async with stack(dsn, "new", latency=0.05) as s:
+    async with stack(database, "new", latency=0.05) as s:
         coordinator = s.coordinator(store)
         restored = await coordinator.restore("ck", time.time() + 10)
         assert restored["continued"] == 1
@@ -285,9 +295,9 @@ class RestartOnlyAgent(AgentParticipant):
     supports_continuation = False
 
 
-async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str, store: PostgresEventStore) -> None:
-    reward, reply, _ = await uninterrupted(dsn, store, WORKPLACE, "ro-ref")
-    old = await start_stack(dsn, "ro-old", ScriptedBackend(latency_s=0.15), RestartOnlyAgent)
+async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(database: MemoryBacking, store: MemoryEventStore) -> None:
+    reward, reply, _ = await uninterrupted(database, store, WORKPLACE, "ro-ref")
+    old = await start_stack(database, "ro-old", ScriptedBackend(latency_s=0.15), RestartOnlyAgent)
     try:
         running = asyncio.create_task(old.episode(WORKPLACE, "ro-1"))
         await wait_for(store, "ro-1", "agent_boundary", 1, state="after_turn")
@@ -304,7 +314,7 @@ async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str
         await old.close()
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
-    async with stack(dsn, "ro-new") as s:
+    async with stack(database, "ro-new") as s:
         coordinator = s.coordinator(store)
         assert (await coordinator.restore("ro-ck", time.time() + 10))["fresh_dispatch"] == 1
         await coordinator.resume("ro-ck")
@@ -318,11 +328,11 @@ async def test_a_restart_only_agent_says_so_and_its_episode_starts_over(dsn: str
     assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"]
 
 
-async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(dsn: str, store: PostgresEventStore) -> None:
+async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(database: MemoryBacking, store: MemoryEventStore) -> None:
     """Attempt 1 inherits attempt 0's history; its own boundaries must still pass the cut's lineage checks."""
-    reward, reply, muts = await uninterrupted(dsn, store, BLACKJACK, "twice-ref")
+    reward, reply, muts = await uninterrupted(database, store, BLACKJACK, "twice-ref")
     rid = "twice-1"
-    generation = await start_stack(dsn, "g0", ScriptedBackend(latency_s=0.15))
+    generation = await start_stack(database, "g0", ScriptedBackend(latency_s=0.15))
     running: asyncio.Task[Any] | None = asyncio.create_task(generation.episode(BLACKJACK, rid))
     try:
         for ck, attempt in (("twice-a", 0), ("twice-b", 1)):
@@ -337,7 +347,7 @@ async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(dsn: s
                 running.cancel()
                 await asyncio.gather(running, return_exceptions=True)
                 running = None
-            generation = await start_stack(dsn, f"g{attempt + 1}", ScriptedBackend(latency_s=0.15))
+            generation = await start_stack(database, f"g{attempt + 1}", ScriptedBackend(latency_s=0.15))
             coordinator = generation.coordinator(store)
             assert (await coordinator.restore(ck, time.time() + 10))["continued"] == 1
             await coordinator.resume(ck)

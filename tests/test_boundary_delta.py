@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
+from apps.stack import of, start_stack
 from engine import catalog as ev
 from engine.boundaries import boundary_messages, completed_activations, full_boundary, with_messages
 from engine.checkpoint import committed_event, make_cut
@@ -22,7 +23,6 @@ from engine.identity import agent_stream, episode_stream, rollout_stream
 from engine.recovery import resume_point
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
-from tests.stack import of, start_stack
 
 M = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "t1"},
      {"role": "assistant", "content": "a2"}]

@@ -113,3 +113,12 @@ def test_the_effective_history_is_the_origins_events_up_to_its_boundary_then_the
     read = CutHistory(Cut("ck", 8, (), (), (), ""), {"r": events}, ())
     assert [e.position for e in read.effective("r", 2)] == [1, 2, 3, 5, 6, 7, 8]
     assert [e.position for e in read.effective("r", 1, to=5)] == [1, 2, 3, 5]
+
+
+def test_only_an_acceptance_under_another_id_tells_of_a_replacement() -> None:
+    claims = Replacements()
+    claims.learn("old", 1, "mine", [accepted("other", "old", kind=CALL_COMPLETED), accepted("mine", "old"),
+                                    accepted("third", "older")])
+    assert claims.needs_log("old", 1, "mine")
+    claims.learn("old", 1, "mine", [accepted("other", "old")])
+    assert not claims.needs_log("old", 1, "mine")

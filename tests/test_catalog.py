@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from adapters.postgres import PostgresEventStore
+from apps.stack import all_events, start_stack
 from engine import catalog as ev
 from engine import phases
 from engine.errors import InvalidPayload
@@ -19,7 +20,6 @@ from engine.identity import rollout_stream, session_stream
 from participants.environments import ENVIRONMENTS
 from participants.environments.tasks import make_task
 from participants.scripted_model import ScriptedBackend
-from tests.stack import all_events, start_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "participants", "adapters", "apps")

@@ -1,4 +1,4 @@
-"""The cut and the restore, on a real PostgreSQL log.
+"""The cut and the restore, on a log in memory; the log edited behind the store's back on PostgreSQL too.
 
 The world: rollouts r0, r1, r2 are live and checkpointed (the scope); r3 is live and named nowhere;
 r4 finished before the cut; r5 is live but its environment is restart-only. Each episode has two
@@ -8,13 +8,16 @@ session at revision 2) and events after its last boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import psycopg
 import pytest
 
 from adapters.database import libpq_dsn
+from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.checkpoint import (
@@ -38,6 +41,7 @@ SCOPE = [("r0", 0), ("r1", 0), ("r2", 0)]
 RESTARTS = [("r5", 0)]
 
 Positions = dict[str, int]
+Store = MemoryEventStore | PostgresEventStore
 
 
 def E(stream: str, kind: str, r: str | None = None, a: int | None = None, **data: Any) -> NewEvent:
@@ -45,7 +49,7 @@ def E(stream: str, kind: str, r: str | None = None, a: int | None = None, **data
 
 
 async def episode(
-    store: PostgresEventStore, r: str, *, complete_call: bool = True, seen_revision: int = 2
+    store: Store, r: str, *, complete_call: bool = True, seen_revision: int = 2
 ) -> Positions:
     """One attempt-0 episode, appended atomically; returns the position of each named event."""
     ses, call = session_stream(r, 0), f"{r}-c1"
@@ -73,34 +77,58 @@ async def episode(
 
 
 @pytest.fixture
-async def world(store: PostgresEventStore) -> dict[str, Positions]:
+async def world(store: Store) -> dict[str, Positions]:
     w = {r: await episode(store, r) for r in ("r0", "r1", "r2", "r3", "r4", "r5")}
     await append_one(store, E(rollout_stream("r4"), ATTEMPT_FINISHED, "r4", 0, reward=1.0))
     return w
 
 
-async def tamper(dsn: str, sql: str, position: int) -> None:
-    """Change the log behind the store's back, as a faulty disk or a careless operator would."""
-    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
-        cur = await conn.execute(sql, {"p": position})
-        assert cur.rowcount == 1
+@pytest.fixture
+async def store(request: pytest.FixtureRequest, memory_store: MemoryEventStore) -> AsyncIterator[Store]:
+    """The cut's rules promise no durability: a log in memory, unless a test asks for PostgreSQL too
+    (ON_BOTH: its log is edited behind the store's back, and there that means the database's rows)."""
+    if getattr(request, "param", "memory") == "memory":
+        yield memory_store
+        return
+    s = PostgresEventStore.connect(request.getfixturevalue("dsn"), writer="test")
+    yield s
+    await s.close()
 
 
-async def latest_attempts(store: PostgresEventStore, rollouts: list[str]) -> dict[str, int]:
+ON_BOTH = pytest.mark.parametrize("store", ["memory", "postgres"], indirect=True)
+
+
+async def tamper(store: Store, sql: str, position: int, edit: Callable[[dict[str, Any]], dict[str, Any]] | None) -> None:
+    """Change the log behind the store's back, as a faulty disk or a careless operator would: `sql` on
+    PostgreSQL's rows, `edit` of the event's data in memory (None: the event is deleted)."""
+    if isinstance(store, PostgresEventStore):
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(store.dsn), autocommit=True) as conn:
+            cur = await conn.execute(sql, {"p": position})
+            assert cur.rowcount == 1
+        return
+    events = store.log.events
+    (i,) = [i for i, e in enumerate(events) if e.position == position]
+    if edit is None:
+        del events[i]
+    else:
+        events[i] = dataclasses.replace(events[i], data=edit(events[i].data))
+
+
+async def latest_attempts(store: Store, rollouts: list[str]) -> dict[str, int]:
     latest: dict[str, int] = {}
     for r, a in await store.attempt_rows(rollouts):
         latest[r] = max(latest.get(r, -1), a)
     return latest
 
 
-async def restore(store: PostgresEventStore, cut: Cut) -> list[RecordedEvent]:
+async def restore(store: Store, cut: Cut) -> list[RecordedEvent]:
     """Restore as the engine defines it: validate everything, then one atomic install."""
     await validate_cut(store, cut)
     rollouts = sorted({s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh})
     return await store.append(install_request(cut, await latest_attempts(store, rollouts)))
 
 
-async def statuses(store: PostgresEventStore) -> dict[tuple[str, int], str]:
+async def statuses(store: Store) -> dict[tuple[str, int], str]:
     rows = await store.attempt_rows([f"r{i}" for i in range(6)])
     return {k: row["status"] for k, row in rows.items()}
 
@@ -109,7 +137,7 @@ async def statuses(store: PostgresEventStore) -> dict[tuple[str, int], str]:
 
 
 async def test_cut_takes_p_at_the_head_and_each_scoped_attempts_latest_boundary(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     head = await store.head()
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
@@ -122,7 +150,7 @@ async def test_cut_takes_p_at_the_head_and_each_scoped_attempts_latest_boundary(
 
 
 async def test_boundary_appended_after_commit_belongs_to_the_next_cut_only(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     first = await make_cut(store, "ck1", SCOPE, RESTARTS)
     later = await append_one(store, E(episode_stream("r0", 0), "episode_step", "r0", 0, step="verify"))
@@ -133,19 +161,20 @@ async def test_boundary_appended_after_commit_belongs_to_the_next_cut_only(
     await validate_cut(store, first)  # the old cut still stands on its own boundary
 
 
+@ON_BOTH
 async def test_cut_of_an_attempt_with_no_boundary_in_the_log_is_refused(
-    dsn: str, store: PostgresEventStore
+    store: Store
 ) -> None:
     # Bad input: the attempt's start (its first boundary) was deleted, so it has nowhere to resume from.
     start = await append_one(store, E(rollout_stream("rx"), ATTEMPT_STARTED, "rx", 0))
     await append_one(store, E(session_stream("rx", 0), "session_opened", "rx", 0, env="math"))
-    await tamper(dsn, "DELETE FROM rollbook.events WHERE position = %(p)s", start.position)
+    await tamper(store, "DELETE FROM rollbook.events WHERE position = %(p)s", start.position, None)
     with pytest.raises(InvalidCheckpointState, match="no boundary"):
         await make_cut(store, "ck1", [("rx", 0)], [])
 
 
 async def test_cut_digest_is_the_same_for_the_same_log(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     first = await make_cut(store, "ck1", SCOPE, RESTARTS)
     second = await make_cut(store, "ck2", SCOPE, RESTARTS)
@@ -157,7 +186,7 @@ async def test_cut_digest_is_the_same_for_the_same_log(
 
 
 async def test_cut_digest_covers_every_event_of_a_scoped_rollout_up_to_p_and_nothing_after(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     base = await make_cut(store, "ck1", SCOPE, RESTARTS)
     # work after r1's boundary but before the next cut's P: same boundary, yet covered by that cut
@@ -169,7 +198,7 @@ async def test_cut_digest_covers_every_event_of_a_scoped_rollout_up_to_p_and_not
 
 
 async def test_committed_cut_reads_back_from_the_log(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     await append_one(store, committed_event(cut))
@@ -180,21 +209,24 @@ async def test_committed_cut_reads_back_from_the_log(
 # ---- validation ----------------------------------------------------------------------------
 
 
+@ON_BOTH
 async def test_validate_refuses_an_altered_event_in_scope_and_names_it(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     # r1's first mutation (session stream version 2) gets a different effect after the commit.
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     await tamper(
-        dsn,
+        store,
         """UPDATE rollbook.events SET data = data || '{"effect": {"x": 7}}' WHERE position = %(p)s""",
         world["r1"]["rev1"],
+        lambda d: {**d, "effect": {"x": 7}},
     )
     with pytest.raises(InvalidCheckpointState, match="session:r1:0@2 does not match") as err:
         await validate_cut(store, cut)
     assert err.value.code == "invalid_checkpoint_state"
 
 
+@ON_BOTH
 @pytest.mark.parametrize(
     "victim",
     [
@@ -205,17 +237,17 @@ async def test_validate_refuses_an_altered_event_in_scope_and_names_it(
     ],
 )
 async def test_validate_refuses_a_deleted_event_in_scope(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions], victim: str
+    store: Store, world: dict[str, Positions], victim: str
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
-    await tamper(dsn, "DELETE FROM rollbook.events WHERE position = %(p)s", world["r2"][victim])
+    await tamper(store, "DELETE FROM rollbook.events WHERE position = %(p)s", world["r2"][victim], None)
     with pytest.raises(InvalidCheckpointState) as err:
         await validate_cut(store, cut)
     assert err.value.code == "invalid_checkpoint_state"
 
 
 async def test_validate_refuses_a_boundary_whose_model_call_completes_only_after_the_cut(
-    store: PostgresEventStore,
+    store: Store,
 ) -> None:
     w = await episode(store, "r0", complete_call=False)
     cut = await make_cut(store, "ck1", [("r0", 0)], [])
@@ -227,7 +259,7 @@ async def test_validate_refuses_a_boundary_whose_model_call_completes_only_after
 
 
 async def test_validate_refuses_a_boundary_whose_resources_revision_disagrees_with_the_log(
-    store: PostgresEventStore,
+    store: Store,
 ) -> None:
     await episode(store, "r0", seen_revision=3)  # the session was at revision 2 at the boundary
     cut = await make_cut(store, "ck1", [("r0", 0)], [])
@@ -237,7 +269,7 @@ async def test_validate_refuses_a_boundary_whose_resources_revision_disagrees_wi
 
 
 async def test_validate_refuses_a_cut_whose_digest_was_forged(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     forged = Cut.from_json({**cut.to_json(), "digest": "0" * 64})
@@ -248,15 +280,17 @@ async def test_validate_refuses_a_cut_whose_digest_was_forged(
 # ---- restore -------------------------------------------------------------------------------
 
 
+@ON_BOTH
 async def test_restore_with_one_corrupt_rollout_appends_nothing_anywhere(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     # r2 is validated last: r0 and r1 were fine, and still nothing of them may be installed.
     await tamper(
-        dsn,
+        store,
         """UPDATE rollbook.events SET data = '{"revision": 2}' WHERE position = %(p)s""",
         world["r2"]["rev2"],
+        lambda d: {"revision": 2},
     )
     head, before = await store.head(), await statuses(store)
     with pytest.raises(InvalidCheckpointState):
@@ -267,7 +301,7 @@ async def test_restore_with_one_corrupt_rollout_appends_nothing_anywhere(
 
 
 async def test_install_fences_attempt_zero_and_starts_attempt_one_of_every_continued_and_fresh_rollout_at_once(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     head = await store.head()
@@ -289,7 +323,7 @@ async def test_install_fences_attempt_zero_and_starts_attempt_one_of_every_conti
 
 
 async def test_install_is_all_or_nothing_when_one_fence_is_refused(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     await validate_cut(store, cut)
@@ -303,7 +337,7 @@ async def test_install_is_all_or_nothing_when_one_fence_is_refused(
 
 
 async def test_restored_away_attempt_refuses_appends_and_keeps_its_events_after_the_cut(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     await restore(store, cut)
@@ -315,7 +349,7 @@ async def test_restored_away_attempt_refuses_appends_and_keeps_its_events_after_
 
 
 async def test_second_restore_fences_the_replacement_and_replays_the_origin_up_to_its_boundary(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     await restore(store, cut)
@@ -338,7 +372,7 @@ async def test_second_restore_fences_the_replacement_and_replays_the_origin_up_t
 
 
 async def test_checkpoint_of_a_restored_attempt_validates(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     # Attempt 1's first event sits on the rollout stream after attempt 0's: its chain continues
     # attempt 0's, and validation must not mistake that for a missing event.
@@ -349,16 +383,18 @@ async def test_checkpoint_of_a_restored_attempt_validates(
     assert [e.kind for e in items[0].history] == [ATTEMPT_STARTED, "episode_step"]
 
 
+@ON_BOTH
 async def test_altered_start_of_a_restored_attempt_is_refused(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     installed = await restore(store, await make_cut(store, "ck1", SCOPE, RESTARTS))
     start = next(e for e in installed if e.kind == ATTEMPT_STARTED and e.rollout_id == "r0")
     cut = await make_cut(store, "ck2", [("r0", 1)], [])
     await tamper(
-        dsn,
+        store,
         """UPDATE rollbook.events SET data = data || '{"origin_position": 1}' WHERE position = %(p)s""",
         start.position,
+        lambda d: {**d, "origin_position": 1},
     )
     with pytest.raises(InvalidCheckpointState):
         await validate_cut(store, cut)
@@ -368,7 +404,7 @@ async def test_altered_start_of_a_restored_attempt_is_refused(
 
 
 async def test_completed_execution_in_scope_is_refused(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     # r4 finished before the cut: continuing it too would give it two dispositions.
     with pytest.raises(InvalidCheckpointState, match="completed") as err:
@@ -377,7 +413,7 @@ async def test_completed_execution_in_scope_is_refused(
 
 
 async def test_restart_only_execution_in_scope_is_refused(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     with pytest.raises(RestartInScope) as err:
         await make_cut(store, "ck1", [*SCOPE, ("r5", 0)], RESTARTS)
@@ -385,7 +421,7 @@ async def test_restart_only_execution_in_scope_is_refused(
 
 
 async def test_fenced_attempt_in_scope_is_refused(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     await append_one(store, E(rollout_stream("r0"), ATTEMPT_FENCED, "r0", 0, reason="operator"))
     with pytest.raises(InvalidCheckpointState, match="r0"):
@@ -393,7 +429,7 @@ async def test_fenced_attempt_in_scope_is_refused(
 
 
 async def test_live_execution_outside_the_scope_is_dispatched_fresh(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     # r3 is live and named neither in the scope nor as restart-only; r4 finished.
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
@@ -424,7 +460,7 @@ def test_every_execution_gets_exactly_one_disposition(seed: int) -> None:
 
 
 async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_executions_alone(
-    store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     # Two collections share the database: this one owns r0-r2, r5 (restart-only); r3 and r4 are another's.
     cut = await make_cut(store, "ck1", SCOPE, [*RESTARTS, ("r3", 0)], rollouts=["r0", "r1", "r2", "r5"])
@@ -435,20 +471,21 @@ async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_execution
 # ---- the digest covers everything up to P and the cut's lists -----------------------------
 
 
+@ON_BOTH
 async def test_validate_refuses_an_edited_event_between_the_boundary_and_the_cut(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     assert world["r0"]["boundary"] < world["r0"]["late_call"] <= cut.position
-    await tamper(dsn, """UPDATE rollbook.events SET data = data || '{"edited": true}' WHERE position = %(p)s""",
-                 world["r0"]["late_call"])
+    await tamper(store, """UPDATE rollbook.events SET data = data || '{"edited": true}' WHERE position = %(p)s""",
+                 world["r0"]["late_call"], lambda d: {**d, "edited": True})
     with pytest.raises(InvalidCheckpointState, match="does not match its recorded hash"):
         await validate_cut(store, cut)
 
 
 @pytest.mark.parametrize("edit", ["completed", "fresh", "scope_boundary"])
 async def test_validate_refuses_a_cut_whose_lists_were_edited(
-    store: PostgresEventStore, world: dict[str, Positions], edit: str
+    store: Store, world: dict[str, Positions], edit: str
 ) -> None:
     import dataclasses
 
@@ -464,18 +501,19 @@ async def test_validate_refuses_a_cut_whose_lists_were_edited(
         await validate_cut(store, edited)
 
 
+@ON_BOTH
 async def test_load_cut_refuses_an_edited_committed_record(
-    dsn: str, store: PostgresEventStore, world: dict[str, Positions]
+    store: Store, world: dict[str, Positions]
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     recorded = await append_one(store, committed_event(cut))
-    await tamper(dsn, """UPDATE rollbook.events SET data = jsonb_set(data, '{completed}', '[]') WHERE position = %(p)s""",
-                 recorded.position)
+    await tamper(store, """UPDATE rollbook.events SET data = jsonb_set(data, '{completed}', '[]') WHERE position = %(p)s""",
+                 recorded.position, lambda d: {**d, "completed": []})
     with pytest.raises(InvalidCheckpointState, match="checkpoint:ck1@1 does not match"):
         await load_cut(store, "ck1")
 
 
-async def test_an_open_checkpoint_past_its_lease_is_aborted_in_the_log_once(store: PostgresEventStore) -> None:
+async def test_an_open_checkpoint_past_its_lease_is_aborted_in_the_log_once(store: Store) -> None:
     from engine.coordinator import abort_expired, abort_if_expired
     from engine.phases import CheckpointPhases, checkpoint_started
 

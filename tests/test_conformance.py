@@ -1,322 +1,23 @@
-"""One conformance check that every bundled environment and every agent kind must pass.
-
-For each (environment, agent) the same fixed task runs once uninterrupted through the four real
-servers, then once per agent boundary of that run: a checkpoint lands exactly at that boundary,
-every server is closed without a handover (the crash), four fresh servers on the same database
-restore and resume, and the episode is driven to its end. A continued episode must end exactly as
-the uninterrupted one (trajectory, tool outputs, final environment state, reward) without any model
-turn generated twice or any mutation revision applied twice; a restart-only one must be classified
-fresh_dispatch and finish from its input. A negative control breaks one environment's restore path
-and shows that the same check fails.
-
-Pinning a checkpoint to a boundary: at a before_model boundary the backend holds the model call it
-just accepted until the model server closes admission (so the call is in flight at prepare and its
-reply is held, never delivered before the cut); at an after_turn boundary the agent under test,
-subclassed only for this, waits right after recording that boundary until prepare has closed it.
-Neither changes what the servers do: each only removes the race of who gets there first.
+"""The environment conformance suite (apps.conformance) over every registered environment and every
+agent kind, on PostgreSQL; through a vLLM-style upstream; and a negative control that breaks one
+environment's restore path and shows that the same check fails.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import text
 
-from adapters.generation import Event, OpenAICompatibleBackend, Prefix
 from adapters.postgres import PostgresEventStore
-from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
-from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, effective_history
-from engine.events import NewEvent, RecordedEvent
-from participants import agent_server, model_server
+from apps.conformance import AGENTS, assert_conformant, check_environment, outcome
 from participants.agent_server import AgentParticipant
-from participants.environments import ENVIRONMENTS, Environment, Task
+from participants.environments import ENVIRONMENTS
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
-from participants.environments.tasks import make_task
-from participants.scripted_model import ScriptedBackend
-from tests.fake_vllm import FakeVLLM
-from tests.stack import Stack, of, start_stack, turn_of
+from testkit.fake_vllm import FakeVLLM
 
 pytestmark = pytest.mark.timeout(180)
-
-LATENCY = 0.005  # per model call, so calls are genuinely in flight
-# Each environment's fixed task is `make_task(env, cls.conformance_seed)`, one with few turns under the scripted
-# policy (tests.stack.SEED): workplace 3 turns, blackjack 4 (look, hit, stand, answer: two mutations, the second
-# drawn from the RNG the first left), math and string_match 1, sandbox 2. Every registered environment runs.
-GENUINE: dict[str, type[Environment]] = dict(ENVIRONMENTS)  # the reducers the final state is computed with
-
-
-class RestartOnlyAgent(AgentParticipant):
-    supports_continuation = False
-
-
-AGENTS: dict[str, type[AgentParticipant]] = {"simple": AgentParticipant, "restart_only": RestartOnlyAgent}
-
-
-# ---- pinning the checkpoint to a boundary ---------------------------------------------------------
-
-
-@dataclass
-class Pin:
-    """Where the checkpoint of one boundary run must land: the k-th agent boundary of attempt 0."""
-
-    rollout_id: str
-    index: int  # k: the boundary's index among attempt 0's agent boundaries
-    state: str  # before_model | after_turn
-    turn: int
-    reached: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class HoldingBackend(ScriptedBackend):
-    """Holds the generation of one turn until the model server has closed admission for prepare."""
-
-    def __init__(self, pin: Pin | None) -> None:
-        super().__init__(latency_s=LATENCY)
-        self.pin = pin
-        self.participant: model_server.ModelParticipant | None = None
-
-    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
-        # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
-        pin, n = self.pin, self.generations
-        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
-            pin.reached.set()
-            while self.participant.admission_open:
-                await asyncio.sleep(0.002)
-        async for event in super().generate(request, prefix):
-            yield event
-
-
-def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
-    class Pinned(agent_cls):  # type: ignore[valid-type, misc]
-        pin: ClassVar[Pin | None] = None
-
-        async def _record(self, s: agent_server.Session, *events: NewEvent) -> None:
-            await super()._record(s, *events)
-            pin = self.pin
-            if (pin is not None and s.key == (pin.rollout_id, 0) and pin.state == "after_turn"
-                    and any(e.kind == agent_server.BOUNDARY and (e.data["state"], e.data["turn"]) == (pin.state, pin.turn)
-                            for e in events)):
-                pin.reached.set()
-                while self.admission.is_open:  # until prepare closes this agent; then it parks right here
-                    await asyncio.sleep(0.002)
-
-    Pinned.__name__ = f"Pinned{agent_cls.__name__}"
-    return Pinned
-
-
-# ---- the four servers -------------------------------------------------------------------------
-
-
-class HoldingUpstream(OpenAICompatibleBackend):
-    """The same hold, in front of the fake vLLM server (tests/fake_vllm.py) instead of the scripted policy."""
-
-    def __init__(self, url: str, pin: Pin | None) -> None:
-        super().__init__(url, model="fake-policy", policy_version="scripted-v1")
-        self.pin = pin
-        self.participant: model_server.ModelParticipant | None = None
-        self.generations = 0
-
-    async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
-        pin, n = self.pin, self.generations
-        self.generations += 1
-        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
-            pin.reached.set()
-            while self.participant.admission_open:
-                await asyncio.sleep(0.002)
-        async for event in super().generate(request, prefix):
-            yield event
-
-
-UPSTREAM: dict[str, str] = {}  # {"url": ...} while a test runs the suite through the fake vLLM server
-
-
-async def start_conformance_stack(dsn: str, tag: str, agent_cls: type[AgentParticipant], pin: Pin | None = None) -> Stack:
-    backend: Any = HoldingUpstream(UPSTREAM["url"], pin) if UPSTREAM else HoldingBackend(pin)
-    s = await start_stack(dsn, tag, backend, pinned(agent_cls) if pin else agent_cls)
-    backend.participant = s.participant("model")  # type: ignore[assignment]
-    if pin is not None:
-        s.participant("agent").pin = pin  # type: ignore[attr-defined]
-    return s
-
-
-# ---- reading the log --------------------------------------------------------------------------
-
-
-def mutations(events: list[RecordedEvent]) -> list[tuple[int, str, Any, Any]]:
-    return [(e.data["revision"], e.data["tool"], e.data["arguments"], e.data["effect"]) for e in of(events, "mutation_applied")]
-
-
-def final_state(history: list[RecordedEvent]) -> Any:
-    """The session's state at the end, from its events alone, with the genuine reducers."""
-    env: Environment | None = None
-    state: Any = None
-    records: list[Any] = []
-    for e in history:
-        if e.kind == "session_opened" and e.data.get("restored_from") is None:
-            env = GENUINE[e.data["env"]]()
-            state, records = env.initial_state(Task.from_json(e.data["task"])), []
-        elif e.kind == "mutation_applied":
-            assert env is not None, "a mutation before any session"
-            if env.state_mode == "restart_only":
-                records.append(e.data["effect"])  # a live shell: the effects are records, not state
-            else:
-                state = env.apply(state, e.data["effect"])
-    return {"state": state, "records": records}
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What an episode ended with, as the log says."""
-
-    reward: float
-    messages: list[dict[str, Any]]
-    tool_outputs: list[Any]
-    final_answer: str | None
-    state: Any
-    mutations: list[tuple[int, str, Any, Any]]  # the effective ones, in order
-
-
-async def outcome(store: PostgresEventStore, rid: str, attempt: int) -> Outcome:
-    history = await effective_history(store, rid, attempt)
-    (finished,) = of(history, "attempt_finished", attempt)
-    (reply,) = completed_activations(history).values()  # exactly one activation completed in the episode
-    return Outcome(float(finished.data["reward"]), reply["messages"],
-                   [m["content"] for m in reply["messages"] if m.get("role") == "tool"], reply["final_answer"],
-                   final_state(history), mutations(history))
-
-
-async def repeated(store: PostgresEventStore, rid: str) -> tuple[int, int]:
-    async with store.engine.connect() as conn:
-        calls = (await conn.execute(text(REPEATED_CALLS), {"p": rid})).scalar()
-        muts = (await conn.execute(text(REPEATED_MUTATIONS), {"p": rid})).scalar()
-    return int(calls), int(muts)
-
-
-# ---- the conformance check --------------------------------------------------------------------
-
-
-async def checkpoint_at(dsn: str, store: PostgresEventStore, task: Task, rid: str, pin: Pin,
-                        agent_cls: type[AgentParticipant]) -> tuple[Cut, dict[str, Any]]:
-    """Run to the pinned boundary, checkpoint there, crash, restore into fresh servers, finish."""
-    old = await start_conformance_stack(dsn, f"{rid}-old", agent_cls, pin)
-    running = asyncio.create_task(old.episode(task, rid))
-    try:
-        await asyncio.wait_for(pin.reached.wait(), 20)
-        coordinator = old.coordinator(store)
-        prepared = await coordinator.prepare(f"ck-{rid}", time.time() + 10)
-        assert prepared["ready"], prepared
-        cut = await coordinator.commit(f"ck-{rid}", time.time() + 10)  # scope: live attempts less prepare's restarts
-    finally:
-        await old.close()  # the crash: every server of this generation is gone, nothing handed over
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-    new = await start_conformance_stack(dsn, f"{rid}-new", agent_cls)
-    try:
-        coordinator = new.coordinator(store)
-        await coordinator.restore(f"ck-{rid}", time.time() + 10)
-        await coordinator.resume(f"ck-{rid}")
-        # Joins the continued episode, or dispatches a restart-only one again from its input.
-        result = await asyncio.wait_for(new.episode(task, rid), 30)
-    finally:
-        await new.close()
-    return cut, result
-
-
-async def assert_conformant(dsn: str, store: PostgresEventStore, env_name: str,
-                            agent_cls: type[AgentParticipant], tag: str) -> dict[str, Any]:
-    task = make_task(env_name, ENVIRONMENTS[env_name].conformance_seed)
-    continues = ENVIRONMENTS[env_name].state_mode != "restart_only" and agent_cls.supports_continuation
-
-    ref_id = f"{tag}-ref"
-    ref_stack = await start_conformance_stack(dsn, ref_id, agent_cls)
-    try:
-        ref_result = await asyncio.wait_for(ref_stack.episode(task, ref_id), 30)
-    finally:
-        await ref_stack.close()
-    assert ref_result["attempt"] == 0
-    ref = await outcome(store, ref_id, 0)
-    assert ref.reward == ref_result["reward"]
-    ref_events = await store.read_rollout(ref_id)
-    boundaries = [(b.data["state"], b.data["turn"]) for b in of(ref_events, "agent_boundary")]
-    turns = len(of(ref_events, "call_accepted"))
-    assert boundaries == [(s, t) for t in range(turns) for s in ("before_model", "after_turn")]
-
-    covered: list[tuple[str, int]] = []
-    for k, (state, turn) in enumerate(boundaries):
-        rid = f"{tag}-k{k}"
-        where = f"{env_name}/{agent_cls.__name__} boundary {k} ({state} turn {turn})"
-        cut, result = await checkpoint_at(dsn, store, task, rid, Pin(rid, k, state, turn), agent_cls)
-        events = await store.read_rollout(rid)
-
-        # The checkpoint landed exactly at the append holding boundary k of attempt 0: nothing of attempt 0
-        # went past it. A turn's end is appended with the next turn's start (the cut's boundary is then the
-        # latter), and the last turn's end with the activation's completion.
-        mine = of(events, "agent_boundary", 0)
-        last_turn = state == "after_turn" and turn == turns - 1
-        landed = k + 1 if state == "after_turn" and not last_turn else k
-        assert len(mine) == landed + 1, f"{where}: attempt 0 recorded {len(mine)} boundaries"
-        at = mine[landed]
-        assert (mine[k].data["state"], mine[k].data["turn"]) == (state, turn) and at.position <= cut.position, where
-        assert at.position - mine[k].position == landed - k, f"{where}: the two boundaries were not one append"
-        assert not [e for e in events if e.attempt == 0 and e.position > at.position
-                    and e.kind in ("agent_boundary", "mutation_applied", "agent_activation_completed")
-                    and not (last_turn and e.kind == "agent_activation_completed" and e.position == at.position + 1)], where
-        covered.append((state, turn))
-
-        (started,) = of(events, "attempt_started", 1)
-        assert result["attempt"] == 1, f"{where}: {result}"
-        got = await outcome(store, rid, 1)
-        assert got.reward == result["reward"], where
-        if continues:
-            # The activation completed with the last turn's end, so the environment may have recorded its agent
-            # step before the cut: the rollout then resumes from that step, past the agent's boundary.
-            allowed = {at.position} | ({e.position for e in of(events, "episode_step", 0) if e.data["step"] == "agent"}
-                                       if last_turn else set())
-            assert [(s.rollout_id, s.attempt) for s in cut.scope] == [(rid, 0)] and cut.scope[0].boundary in allowed, where
-            assert cut.fresh == (), where
-            assert started.data["disposition"] == "continue", where
-            assert started.data["origin_position"] == cut.scope[0].boundary, where
-            reopened = of(events, "session_opened", 1)
-            assert [e.data["restored_from"] for e in reopened] == [f"ck-{rid}"], f"{where}: {reopened}"
-            # No turn generated twice: attempt 0's generations up to the cut and attempt 1's, one per turn.
-            generated = [turn_of(e.data["call_id"]) for e in of(events, "call_completed")
-                         if e.data["disposition"] == "generated" and (e.attempt == 1 or e.position <= cut.position)]
-            assert sorted(generated) == list(range(turns)), f"{where}: generated turns {generated}"
-            if state == "before_model":  # the call in flight was cut at a token boundary and is continued from there
-                first = of(events, "call_completed", 1)[0]
-                cut_calls = of(events, "call_cut", 0)
-                assert [e.data["call_id"] for e in cut_calls] == [f"{rid}.0.t{turn}"], f"{where}: {cut_calls}"
-                assert first.data["replaces"] == f"{rid}.0.t{turn}", where
-                assert first.data["prefix_tokens"] == cut_calls[0].data["tokens"], where
-            # No revision applied twice: attempt 0's up to its boundary, then attempt 1's, each once.
-            revisions = [m[0] for m in got.mutations]
-            assert revisions == list(range(1, len(revisions) + 1)), f"{where}: revisions {revisions}"
-            assert await repeated(store, rid) == (0, 0), where
-        else:
-            assert cut.scope == () and (rid, 0) in cut.fresh, f"{where}: {cut}"
-            assert started.data["disposition"] == "fresh_dispatch" and started.data["origin_position"] is None, where
-            opened = of(events, "session_opened", 1)
-            assert len(opened) == 1 and opened[0].data.get("restored_from") is None, f"{where}: {opened}"
-            assert [e.data["step"] for e in of(events, "episode_step", 1)] == ["seed", "agent", "verify", "close"], where
-            first = of(events, "agent_boundary", 1)[0]
-            assert first.data["turn"] == 0 and first.data["replaces_call_id"] is None, where
-            assert sorted(turn_of(e.data["call_id"]) for e in of(events, "call_completed", 1)
-                          if e.data["disposition"] == "generated") == list(range(turns)), where
-        # Either way the episode ends as if nothing had happened.
-        assert got.messages == ref.messages, f"{where}: the trajectory differs"
-        assert got.tool_outputs == ref.tool_outputs, f"{where}: the tool outputs differ"
-        assert got.final_answer == ref.final_answer, where
-        assert got.state == ref.state, f"{where}: the final environment state differs"
-        assert [m[1:] for m in got.mutations] == [m[1:] for m in ref.mutations], f"{where}: the mutations differ"
-        assert got.reward == ref.reward, f"{where}: reward {got.reward} != {ref.reward}"
-    assert covered == boundaries  # every boundary was the cut's boundary once
-    return {"boundaries": len(boundaries), "reward": ref.reward, "continues": continues}
 
 
 @pytest.mark.parametrize("agent", sorted(AGENTS))
@@ -330,13 +31,12 @@ async def test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end(
 
 @pytest.mark.parametrize("env_name", ["blackjack", "math"])
 async def test_every_boundary_conforms_through_a_vllm_style_upstream(
-    dsn: str, store: PostgresEventStore, env_name: str, monkeypatch: pytest.MonkeyPatch
+    dsn: str, store: PostgresEventStore, env_name: str
 ) -> None:
-    """The same check with the openai_compatible backend in front of tests/fake_vllm.py: token ids,
+    """The same check with the openai_compatible backend in front of testkit/fake_vllm.py: token ids,
     logprobs and cut prefixes come from vLLM's fields, and continuations go upstream."""
     async with FakeVLLM(token_latency_s=0.001) as fake:
-        monkeypatch.setitem(UPSTREAM, "url", fake.url)
-        summary = await assert_conformant(dsn, store, env_name, AgentParticipant, f"{env_name}-up")
+        summary = await assert_conformant(dsn, store, env_name, AgentParticipant, f"{env_name}-up", upstream=fake.url)
     assert summary["boundaries"] >= 2 and fake.requests and all(r["stream"] and r["return_tokens_as_token_ids"]
                                                                  for r in fake.requests)
 
@@ -374,3 +74,11 @@ async def test_the_check_catches_an_environment_that_restores_wrongly(
     # The uninterrupted run itself was fine: only a restore goes wrong.
     ref = await outcome(store, "broken-ref", 0)
     assert ref.state == (await outcome(store, "broken-k0", 1)).state
+
+
+async def test_the_check_catches_it_on_a_log_in_memory_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a plugin runs by default (apps.conformance.check_environment, no PostgreSQL) is no weaker."""
+    monkeypatch.setitem(ENVIRONMENTS, "blackjack", ForgetfulBlackjack)
+    with pytest.raises(AssertionError, match="blackjack/AgentParticipant boundary"):
+        await check_environment("blackjack", "simple")
+    assert [s["boundaries"] for s in await check_environment("math")] == [2, 2]  # a sound one passes with both agents

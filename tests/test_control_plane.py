@@ -1,4 +1,4 @@
-"""The control plane over real HTTP against a real PostgreSQL, and the coordinator driving it."""
+"""The control plane over real HTTP, on a log in memory, and the coordinator driving it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from adapters.database import code_revision
+from adapters.memory_store import MemoryEventStore
 from adapters.participant_client import HttpParticipant
-from adapters.postgres import PostgresEventStore
 from engine.coordinator import Coordinator
 from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
 from participants.app import build_app
@@ -26,10 +26,16 @@ TOKEN = CREDS.control
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+@pytest.fixture
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    """This module's rules promise no durability: its log is in memory (docs/testing.md)."""
+    return memory_store
+
+
 class Recorder(Participant):
     """A participant whose hooks only record that they ran, in one list shared by all of them."""
 
-    def __init__(self, store: PostgresEventStore, kind: str, calls: list[str], ready: bool = True, delay: float = 0.0,
+    def __init__(self, store: MemoryEventStore, kind: str, calls: list[str], ready: bool = True, delay: float = 0.0,
                  hold: asyncio.Event | None = None) -> None:
         super().__init__(store, f"{kind}-0")
         self.kind = kind  # type: ignore[misc]
@@ -52,7 +58,7 @@ class Recorder(Participant):
         return {}
 
 
-async def serve(store: PostgresEventStore, kind: str, calls: list[str], **kw: Any) -> tuple[TestServer, Recorder]:
+async def serve(store: MemoryEventStore, kind: str, calls: list[str], **kw: Any) -> tuple[TestServer, Recorder]:
     participant = Recorder(store, kind, calls, **kw)
     server = TestServer(build_app(participant, CREDS, grace=0.1), host="127.0.0.1")
     await server.start_server()
@@ -64,7 +70,7 @@ def body(ck: str = "ck-1", deadline: float | None = None, **extra: Any) -> dict[
 
 
 @pytest.fixture
-async def one(store: PostgresEventStore):
+async def one(store: MemoryEventStore):
     calls: list[str] = []
     server, participant = await serve(store, "model", calls)
     async with aiohttp.ClientSession(base_url=str(server.make_url(""))) as http:

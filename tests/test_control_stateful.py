@@ -1,4 +1,4 @@
-"""Control operations in random order (tests/stateful_control.py), a bounded number of sequences for CI.
+"""Control operations in random order (testkit/stateful_control.py), a bounded number of sequences for CI.
 
 `benchmarks/soak.py --seeds N` runs many more, one seed each, and prints a table. The seed is
 printed first; ROLLBOOK_STATEFUL_SEED=<seed> replays the run, and a failing sequence is shrunk and
@@ -12,7 +12,7 @@ import random
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from tests.stateful_control import ControlMachine
+from testkit.stateful_control import ControlMachine
 
 EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "6"))
 

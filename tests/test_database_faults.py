@@ -187,7 +187,7 @@ READS = {
     "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
     "fence_position": (), "attempt_status": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),
 }
-NOT_READS = {"append", "close", "subscribe", "rebuild_projections", "connect",
+NOT_READS = {"append", "carry", "close", "subscribe", "rebuild_projections", "connect",
              "prune_append_keys"}  # maintenance: each of its batches is retried
 
 

@@ -13,7 +13,7 @@ import sys
 
 import psycopg
 
-from tests.pg import DemoRun
+from testkit.pg import DemoRun
 
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]
 

@@ -2,7 +2,8 @@
 
 A package outside rollbook (tests/plugins/rb_coin.py) is installed the way pip would leave it: its
 module plus a dist-info with one entry point, in a folder on sys.path. Fresh interpreters then see
-it in the registry and the task generator, and the conformance suite runs it with every agent.
+it in the registry and the task generator, the shipped conformance suite lists it with every agent, and
+the package's own tests (tests/plugins/rb_coin_conformance.py) run the conformance suite over it.
 """
 
 from __future__ import annotations
@@ -68,22 +69,26 @@ def test_a_misdeclared_entry_point_is_refused_by_name(tmp_path: Path) -> None:
     assert "entry point dice = rb_coin:CoinEnvironment names a class whose name is 'coin'" in out.stderr
 
 
-@pytest.mark.timeout(300)
-def test_the_conformance_suite_picks_up_an_environment_from_outside(tmp_path: Path, dsn: str) -> None:
-    from tests.conftest import _server
-
+def test_the_shipped_conformance_suite_picks_up_an_environment_from_outside(tmp_path: Path) -> None:
     env = install_plugin(tmp_path)
-    env["ROLLBOOK_TEST_DSN"] = _server("primary").admin_dsn  # the server this session already runs
-    suite = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-             str(ROOT / "tests" / "test_conformance.py")]
-    listed = subprocess.run([*suite, "--collect-only", "-k", "coin"], env=env, cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "--collect-only",
+                             "-k", "coin", str(ROOT / "tests" / "test_conformance.py")], env=env, cwd=ROOT, capture_output=True, text=True)
     collected = sorted(line.split("::")[-1] for line in listed.stdout.splitlines() if "::" in line)
     assert collected == [
         "test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end[coin-restart_only]",
         "test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end[coin-simple]",
     ], listed.stdout[-2000:] + listed.stderr[-2000:]
-    # One of the two runs is enough to show it passes like a bundled one (both take a minute here).
-    out = subprocess.run([*suite, "-rA", "-k", "coin and simple"], env=env, cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_plugin_runs_the_conformance_suite_in_its_own_tests_without_postgresql(tmp_path: Path) -> None:
+    env = install_plugin(tmp_path)
+    env.pop("ROLLBOOK_TEST_DSN", None)
+    shutil.copy(ROOT / "tests" / "plugins" / "rb_coin_conformance.py", tmp_path / "test_rb_coin.py")
+    # From the plugin's own folder, with none of rollbook's test configuration: only the installed packages.
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "test_rb_coin.py"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert [line.split("::")[-1] for line in out.stdout.splitlines() if line.startswith("PASSED")] == [
-        "test_every_boundary_checkpoints_crashes_and_restores_to_the_same_end[coin-simple]"]
+    assert sorted(line.split("::")[-1] for line in out.stdout.splitlines() if line.startswith("PASSED")) == [
+        "test_coin_ends_as_an_uninterrupted_run_from_every_boundary[restart_only]",
+        "test_coin_ends_as_an_uninterrupted_run_from_every_boundary[simple]"]

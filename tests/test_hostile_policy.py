@@ -18,13 +18,13 @@ import pytest
 
 from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
+from apps.stack import Stack, start_stack
 from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.identity import session_stream
 from participants.environments.tasks import make_task
-from tests.fake_vllm import MODEL, FakeVLLM
+from testkit.fake_vllm import MODEL, FakeVLLM
 from tests.hostile_policy import HostileBackend, hostile_task, tool_call
-from tests.stack import Stack, start_stack
 
 VICTIM = make_task("workplace", 11)
 ATTACKER = make_task("workplace", 12)
@@ -33,7 +33,7 @@ ATTACKER = make_task("workplace", 12)
 @pytest.fixture(params=["scripted", "vllm-upstream"])
 async def stack(dsn: str, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     """The hostile model behind the model server as a backend in process, and as a vLLM-style upstream
-    over HTTP (tests/fake_vllm.py, its replies the attack), read by the openai_compatible backend: the
+    over HTTP (testkit/fake_vllm.py, its replies the attack), read by the openai_compatible backend: the
     attack arrives in vLLM's wire format, "\\ud800" and "\\u0000" escapes included."""
     if request.param == "scripted":
         s = await start_stack(dsn, "hostile", HostileBackend())

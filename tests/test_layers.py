@@ -4,6 +4,7 @@ them here, so CI does."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -74,3 +75,23 @@ def test_two_participants_modules_importing_each_other_break_the_no_circles_cont
     (tmp_path / "participants" / "other.py").write_text("def later() -> None:\n    import participants.bad\n")
     done = lint(config, tmp_path)
     assert done.returncode == 1 and "no import circles among the modules of participants/ BROKEN" in done.stdout, done.stdout
+
+
+def imports_of_tests(source: str) -> list[str]:
+    """The imports in `source` that reach into the tests/ package."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        found += [n for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_nothing_outside_tests_imports_from_tests() -> None:
+    # The benchmarks and testkit/ run without the test folder; the installed packages ship without it.
+    offenders = {str(p.relative_to(ROOT)): imports_of_tests(p.read_text())
+                 for folder in ("benchmarks", "testkit", "engine", "participants", "adapters", "apps")
+                 for p in sorted((ROOT / folder).rglob("*.py"))}
+    assert {p: found for p, found in offenders.items() if found} == {}
+    assert imports_of_tests("from tests.stack import start_stack\nimport tests.pg\nfrom tests import waiting\n"
+                            "from .tests import x\nimport testkit.pg\n") == ["tests.stack", "tests.pg", "tests"]

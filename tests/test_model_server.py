@@ -1,6 +1,6 @@
-"""The policy model server on real aiohttp servers and a real PostgreSQL log.
+"""The policy model server on real aiohttp servers, its log in memory (adapters.memory_store).
 
-The only fake is at the edge of the world: tests/fake_vllm.py, a vLLM-style upstream for the
+The only fake is at the edge of the world: testkit/fake_vllm.py, a vLLM-style upstream for the
 OpenAI-compatible backend, standing in for a model server we cannot run in a test.
 """
 
@@ -27,8 +27,8 @@ from adapters.generation import (
     final_message,
     merge_delta,
 )
-from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore, token_digest
+from adapters.memory_store import MemoryEventStore
+from adapters.token_store import MemoryTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut
 from engine.errors import GenerationFailed
@@ -40,7 +40,7 @@ from participants.guard import Credentials
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_model_app
 from participants.wire import CONTROL
-from tests.fake_vllm import FakeVLLM
+from testkit.fake_vllm import FakeVLLM
 from tests.waiting import eventually
 
 CREDS = Credentials(control="secret-control", data="secret-data")
@@ -71,19 +71,23 @@ class HeldAfter(ScriptedBackend):
 
 
 @pytest.fixture
-async def tokens(dsn: str):
-    s = PostgresTokenStore(dsn)
-    yield s
-    await s.close()
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    """This module's rules promise no durability: its log is in memory (docs/testing.md)."""
+    return memory_store
+
+
+@pytest.fixture
+def tokens(memory_tokens: MemoryTokenStore) -> MemoryTokenStore:
+    return memory_tokens
 
 
 @contextlib.asynccontextmanager
-async def model_server(store: PostgresEventStore, backend: Any, tokens: Any, instance: str = "model-0"):
+async def model_server(store: MemoryEventStore, backend: Any, tokens: Any, instance: str = "model-0"):
     async with TestClient(TestServer(build_model_app(store, backend, tokens, CREDS, instance))) as client:
         yield client
 
 
-async def start_attempt(store: PostgresEventStore, rollout: str, attempt: int = 0) -> None:
+async def start_attempt(store: MemoryEventStore, rollout: str, attempt: int = 0) -> None:
     await store.append(AppendRequest((NewEvent(rollout_stream(rollout), ATTEMPT_STARTED, {"parent_attempt": None}, rollout, attempt),)))
 
 
@@ -106,7 +110,7 @@ async def control(client: TestClient, op: str, checkpoint_id: str) -> dict[str, 
     return body
 
 
-async def kinds(store: PostgresEventStore, call_id: str) -> list[str]:
+async def kinds(store: MemoryEventStore, call_id: str) -> list[str]:
     return [e.kind for e in await store.read_stream(call_stream(call_id))]
 
 

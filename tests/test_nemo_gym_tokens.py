@@ -1,6 +1,6 @@
 """rollbook's log as NeMo Gym's token-capture transport, checked by NeMo Gym's own conformance suite.
 
-nemo-gym 0.7.0 is installed the light way by tests/nemo_gym_env.py (no manual step; cached outside
+nemo-gym 0.7.0 is installed the light way by testkit/nemo_gym_env.py (no manual step; cached outside
 git). `run_conformance` runs against fresh clients over one real PostgreSQL: once in this process,
 once with every client in a separate worker process (tests/nemo_gym_worker.py), so a record put by
 one process is frozen, resolved and retired by another.
@@ -21,7 +21,7 @@ import psycopg
 import pytest
 import yaml
 
-from tests import nemo_gym_env
+from testkit import nemo_gym_env
 
 nemo_gym_env.ensure()
 
@@ -36,6 +36,7 @@ from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry
 
 from adapters.nemo_gym_tokens import RollbookLineageStore, RollbookTokenCapture  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from apps.stack import all_events  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from engine.errors import (  # noqa: E402
     CaptureFrozen,
@@ -50,7 +51,6 @@ from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from engine.token_capture import split_capture_key  # noqa: E402
 from participants.replay import history, replay  # noqa: E402
-from tests.stack import all_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

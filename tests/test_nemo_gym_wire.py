@@ -23,11 +23,11 @@ from sqlalchemy import text
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from apps.run import load_tasks
+from apps.stack import CREDS, TOKEN, Stack, start_stack
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
 from participants.nemo_gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
 from participants.scripted_model import ScriptedBackend
-from tests.stack import CREDS, TOKEN, Stack, start_stack
 
 pytestmark = pytest.mark.timeout(120)
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]

@@ -1,6 +1,6 @@
 """Metrics and spans of the four servers: what an operator scrapes and traces is what the log shows.
 
-The four servers run for real (tests/stack.py: aiohttp on 127.0.0.1, one PostgreSQL); `/metrics` is
+The four servers run for real (apps/stack.py: aiohttp on 127.0.0.1, one PostgreSQL); `/metrics` is
 scraped over HTTP with the control credential and parsed with prometheus_client's own parser. Spans
 go to an in-memory exporter installed through `configure_tracing`, the function `rollbook serve`
 calls with the config's OTLP endpoint; one test sends them over OTLP/HTTP to a collector stand-in.
@@ -29,13 +29,13 @@ from adapters.telemetry import Telemetry, configure_tracing
 from apps import config as cfg
 from apps import serve
 from apps.processes import free_port
+from apps.stack import CREDS, Stack, all_events, of, start_stack
 from engine.boundaries import completed_activations
 from engine.errors import ConfigError
 from participants.environments.tasks import make_task
 from participants.observability import METRICS_PATH, TELEMETRY
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_resources_app
-from tests.stack import CREDS, Stack, all_events, of, start_stack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,8 +15,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from adapters.generation import OpenAICompatibleBackend
-from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
+from adapters.memory_store import MemoryEventStore
+from adapters.token_store import MemoryTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
@@ -24,7 +24,7 @@ from participants.guard import Credentials
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_model_app
 from participants.wire import CONTROL
-from tests.fake_vllm import FakeVLLM
+from testkit.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")
 TOKEN = CREDS.control  # the control plane's; the SDK's api_key is the data credential
@@ -32,14 +32,18 @@ MATH = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 @pytest.fixture
-async def tokens(dsn: str):
-    s = PostgresTokenStore(dsn)
-    yield s
-    await s.close()
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    """This module's rules promise no durability: its log is in memory (docs/testing.md)."""
+    return memory_store
+
+
+@pytest.fixture
+def tokens(memory_tokens: MemoryTokenStore) -> MemoryTokenStore:
+    return memory_tokens
 
 
 @contextlib.asynccontextmanager
-async def sdk(store: PostgresEventStore, backend: Any, tokens: Any, rollout: str):
+async def sdk(store: MemoryEventStore, backend: Any, tokens: Any, rollout: str):
     """A model server, an attempt to call it under, and an SDK client for that attempt."""
     await store.append(AppendRequest((NewEvent(rollout_stream(rollout), ATTEMPT_STARTED, {"parent_attempt": None}, rollout, 0),)))
     server = TestServer(build_model_app(store, backend, tokens, CREDS))

@@ -39,3 +39,30 @@ def test_an_unlimited_wait_never_raises_but_speaks_once_past_its_threshold_then_
     assert len(spoken) == 4, spoken  # at 16 s, 77 s (60 s later), 140 s and 10,000 s
     assert spoken[0].startswith("dispatch of r-0001: still waiting after 16 s (admission_closed:")
     assert spoken[0].endswith("asking again without a limit")
+
+
+def test_the_limit_is_reached_only_past_it() -> None:
+    wait = Patience("w", limit_s=10.0, since=0.0)
+    wait.next_delay(AdmissionClosed("closed"), now=10.0)
+    with pytest.raises(AdmissionClosed):
+        wait.next_delay(AdmissionClosed("closed"), now=10.001)
+
+
+def test_it_speaks_only_past_its_threshold_and_again_once_a_whole_reminder_has_passed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wait = Patience("w", limit_s=None, speak_after_s=15.0, remind_s=60.0, since=0.0)
+    with caplog.at_level(logging.WARNING, "rollbook.wait"):
+        spoke = []
+        for now in (15.0, 15.5, 75.4, 75.5, 135.4):
+            before = len(caplog.records)
+            wait.next_delay(AdmissionClosed("closed"), now=now)
+            spoke += [now] * (len(caplog.records) - before)
+    assert spoke == [15.5, 75.5]
+
+
+def test_each_refusal_doubles_the_delay_up_to_thirty_two_times_the_first() -> None:
+    wait = Patience("w", since=0.0, max_delay_s=100.0)
+    delays = [wait.next_delay(AdmissionClosed("closed"), now=1.0) for _ in range(8)]
+    assert delays == [RETRY_FIRST_S * 2**n for n in (0, 1, 2, 3, 4, 5, 5, 5)]
+    assert wait.tries == 8

@@ -1,4 +1,4 @@
-"""Less per call: an append is one transaction of a few statements, whatever it holds."""
+"""Less per call: an append is one transaction of two statements, whatever it holds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.postgres import PostgresEventStore
+from adapters.postgres import INSERT_CHUNK_EVENTS, PostgresEventStore
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, session_stream
@@ -28,16 +28,148 @@ async def test_an_append_reads_what_it_plans_from_in_one_statement_after_the_loc
     (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_OPENED,
                                                            {"env": "math", "task": {}}, "pc-1", 0),)))
     monkeypatch.undo()
-    # Stream heads, idempotency keys, retire marks and attempts: one read, after the log-head lock.
+    # Stream heads, idempotency keys, retire marks and attempts: one read, in the statement that takes
+    # the log-head lock (nothing waited for the lock here, so the read is not repeated).
     reads = [q for q in sent if "FROM rollbook.stream_heads" in q or "FROM rollbook.append_keys" in q
              or "FROM rollbook.rollout_state" in q or "FROM rollbook.attempt_state" in q]
-    assert len(reads) == 1 and sent.index(reads[0]) == 1 and "FOR UPDATE" in sent[0]
+    assert len(reads) == 1 and sent.index(reads[0]) == 0 and "FOR UPDATE" in sent[0]
     # The keys are recorded by the statement that moves the heads, not by one of their own.
     assert [q for q in sent if "INSERT INTO rollbook.append_keys" in q] == [q for q in sent if "stream_heads (stream" in q]
-    assert len(sent) == 4, sent  # lock, read, insert the events, move the heads (projections go through a cursor)
+    # Lock and read, then one statement writes the events, the heads, the key and the projections.
+    assert len(sent) == 2, sent
+    assert "INSERT INTO rollbook.events" in sent[1] and "INSERT INTO rollbook.session_state" in sent[1]
     # And what it read was right: the stream was new, and a key recorded that way answers a retry.
     assert opened.stream_version == 1
     closed = NewEvent(session_stream("pc-1", 0), ev.SESSION_CLOSED, {}, "pc-1", 0)
     first = await store.append(AppendRequest((closed,), key="pc-key"))
     again = await store.append(AppendRequest((closed,), key="pc-key"))
     assert [e.position for e in again] == [e.position for e in first] and await store.head() == first[0].position
+
+
+async def xmin(store: PostgresEventStore, sql: str, *args: Any) -> int:
+    """The id of the transaction that wrote the row `sql` selects."""
+    async with store.engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        row = await (await raw.execute(sql, args)).fetchone()
+        await raw.rollback()
+    assert row is not None, sql
+    return int(row[0])
+
+
+async def test_a_model_calls_token_blobs_are_written_by_the_transaction_that_appends_its_outcome(dsn: str) -> None:
+    from adapters.token_store import PostgresTokenStore
+    from participants.scripted_model import ScriptedBackend
+    from tests.test_model_server import MATH, call_headers, model_server, start_attempt, url
+
+    store = PostgresEventStore.connect(dsn, writer="model-xmin")
+    try:
+        await start_attempt(store, "bx")
+        async with model_server(store, ScriptedBackend(), PostgresTokenStore(store)) as client:
+            reply = await client.post(url("bx"), json=MATH, headers=call_headers("bx.0.t0"))
+            assert reply.status == 200, await reply.text()
+        accepted, completed = (await store.read_rollout("bx", 0))[-2:]
+        assert (accepted.kind, completed.kind) == (ev.CALL_ACCEPTED, ev.CALL_COMPLETED)
+        outcome = await xmin(store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", completed.position)
+        for receipt in (completed.data["receipt"], completed.data["prompt_receipt"]):
+            blob = await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s", receipt["blob_id"])
+            assert blob == outcome  # one transaction: the outcome is never durable without its tokens
+        assert outcome != await xmin(store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s",
+                                     accepted.position)  # accepted is its own append, before the generation
+    finally:
+        await store.close()
+
+
+async def test_carried_rows_of_a_transaction_that_failed_go_with_the_next_append(dsn: str) -> None:
+    from adapters.token_store import PostgresTokenStore
+
+    store = PostgresEventStore.connect(dsn, writer="carry")
+    tokens = PostgresTokenStore(store)
+    try:
+        receipt = await tokens.stage([5, 6, 7], [-0.5, -0.25, -0.125])
+        real, failed = store._commit_group, []
+
+        async def fails_once(requests):  # type: ignore[no-untyped-def]
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("a statement the server refused")
+            return await real(requests)
+
+        store._commit_group = fails_once  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await store.append(AppendRequest((NewEvent("carry-s", "noted", {"n": 1}),)))
+        (landed,) = await store.append(AppendRequest((NewEvent("carry-s", "noted", {"n": 2}),)))
+        assert (await tokens.get(receipt.blob_id)).ids == (5, 6, 7)
+        assert await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s",
+                          receipt.blob_id) == await xmin(
+            store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", landed.position)
+    finally:
+        await store.close()
+
+
+async def test_an_append_that_fails_after_sending_rows_commits_none_of_them(store: PostgresEventStore,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # No BEGIN/COMMIT: the pipeline's closing Sync commits. A failure after a full chunk of rows was
+    # sent must not let that Sync commit them.
+    async def broken(*args: Any) -> None:
+        raise RuntimeError("planning failed after the first chunk was sent")
+
+    monkeypatch.setattr(store, "_write_rest", broken)
+    many = tuple(NewEvent("partial", "noted", {"n": i}) for i in range(INSERT_CHUNK_EVENTS + 20))
+    with pytest.raises(RuntimeError):
+        await store.append(AppendRequest(many))
+    monkeypatch.undo()
+    assert await store.read_stream("partial") == [] and await store.head() == 0
+    (after,) = await store.append(AppendRequest((NewEvent("partial", "noted", {"n": 0}),)))
+    assert after.position == 1 and after.stream_version == 1
+
+
+async def test_a_pooled_connection_is_not_pinged_at_checkout(store: PostgresEventStore,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ping is a round trip and a transaction per checkout; a lost connection is found where it fails
+    # (tests/test_database_faults.py) instead.
+    pings: list[object] = []
+    dialect = type(store.engine.sync_engine.dialect)
+    real = dialect.do_ping
+    monkeypatch.setattr(dialect, "do_ping", lambda self, conn: pings.append(conn) or real(self, conn))
+    await store.append(AppendRequest((NewEvent("np", "noted", {}),)))
+    for _ in range(3):
+        assert [e.kind for e in await store.read_stream("np")] == ["noted"]
+    assert await store.head() == 1 and pings == []
+
+
+async def test_an_append_that_waited_for_the_lock_plans_from_what_the_append_before_it_wrote(
+        dsn: str, store: PostgresEventStore) -> None:
+    # The lock and the read are one statement, whose snapshot predates the wait for the lock: when an
+    # append committed meanwhile, the read is repeated after it, or the plan would reuse its version.
+    import asyncio
+
+    from engine.events import chain_hash, encode_payload
+    from tests.waiting import eventually
+
+    (first,) = await store.append(AppendRequest((NewEvent("race", "noted", {"n": 1}),)))
+    second = NewEvent("race", "noted", {"n": 2})
+    h2 = chain_hash(first.hash, "race", 2, second, encode_payload(second.data))
+    with psycopg.connect(dsn) as other:  # another writer, mid-append: it holds the log head
+        other.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+        third = NewEvent("race", "noted", {"n": 3})
+        pending = asyncio.ensure_future(store.append(AppendRequest((third,))))
+
+        def waiting() -> bool:
+            with psycopg.connect(dsn, autocommit=True) as probe:
+                return bool(probe.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                          "AND datname = current_database()").fetchone()[0])  # type: ignore[index]
+
+        async def blocked() -> bool:
+            await asyncio.sleep(0.02)
+            return waiting()
+
+        await eventually("the append waits for the log head", blocked)
+        other.execute("INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, writer, hash) "
+                      "VALUES (2, 'race', 2, 'noted', %s::jsonb, 1, 'other', %s)", (encode_payload(second.data), h2))
+        other.execute("UPDATE rollbook.stream_heads SET version = 2, hash = %s WHERE stream = 'race'", (h2,))
+        other.execute("UPDATE rollbook.log_head SET position = 2 WHERE id = 1")
+        other.commit()
+    (landed,) = await pending
+    assert (landed.position, landed.stream_version) == (3, 3)
+    assert landed.hash == chain_hash(h2, "race", 3, third, encode_payload(third.data))
+    assert [e.data["n"] for e in await store.read_stream("race")] == [1, 2, 3]

@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from adapters.postgres import PostgresEventStore
+from apps.stack import start_stack
 from participants.scripted_model import ScriptedBackend
-from tests.stack import start_stack
 
 
 def count_appends(store: PostgresEventStore, tally: list[str], name: str) -> None:
@@ -74,3 +74,30 @@ async def test_environment_model_and_agent_prepare_at_once_and_resources_only_af
         await stack.coordinator(store).resume("ck-s")
     finally:
         await stack.close()
+
+
+async def test_an_episode_in_a_replayable_verify_does_not_hold_the_environment_servers_prepare(
+        store: PostgresEventStore) -> None:
+    """A verify that may simply run again (its session said `replay` at seed: rollbook's stateless
+    environments, NeMo Gym servers declared replay or stateless) is no blocker; a `wait` one is."""
+    from participants.environment_server import EnvironmentParticipant, Episode
+    from participants.environments import Task
+
+    env = EnvironmentParticipant(store, "environment-verify", None, "http://127.0.0.1:9", "http://127.0.0.1:9")
+    hold = asyncio.Event()
+    try:
+        for rid, verification in (("replayable", "replay"), ("waiting", "wait")):
+            ep = Episode(rid, 0, Task("math", rid, "1 + 1?"), 0, 4, done=[
+                {"step": "seed", "verification": verification}, {"step": "agent"}])
+            ep.step = "verify"
+            env.episodes[rid] = ep
+            env.tasks[rid] = asyncio.ensure_future(hold.wait())
+        report = await env.prepare("ck-v", time.time() + 0.5)
+        assert not report.ready and report.blockers == ["waiting:0 in step verify"], report
+        del env.episodes["waiting"]
+        report = await env.prepare("ck-v2", time.time() + 0.5)
+        assert report.ready and report.blockers == [], report
+    finally:
+        hold.set()
+        await asyncio.gather(*env.tasks.values())
+        await env.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
+from adapters.memory_store import MemoryEventStore
+from adapters.token_store import MemoryTokenStore
 from engine.checkpoint import committed_event, make_cut
 from engine.coordinator import Coordinator
 from engine.errors import InvalidCheckpointState, InvalidPhase
@@ -14,7 +14,13 @@ from engine.events import AppendRequest
 from engine.phases import CheckpointPhases, checkpoint_started
 
 
-async def committed(store: PostgresEventStore, ck: str) -> None:
+@pytest.fixture
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    """This module's rules promise no durability: its log is in memory (docs/testing.md)."""
+    return memory_store
+
+
+async def committed(store: MemoryEventStore, ck: str) -> None:
     phases = CheckpointPhases(ck)
     await store.append(AppendRequest((checkpoint_started(ck), phases.fire("prepared"))))
     cut = await make_cut(store, ck, scope=[], restarts=[])
@@ -22,8 +28,8 @@ async def committed(store: PostgresEventStore, ck: str) -> None:
 
 
 @pytest.fixture
-async def tokens(store: PostgresEventStore) -> PostgresTokenStore:
-    return PostgresTokenStore(store.engine)
+def tokens(memory_tokens: MemoryTokenStore) -> MemoryTokenStore:
+    return memory_tokens
 
 
 async def test_publish_records_both_references_when_they_validate(store, tokens) -> None:

@@ -9,9 +9,9 @@ from sqlalchemy import text
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
+from apps.stack import CREDS, start_stack
 from participants.environments.tasks import make_tasks
 from participants.scripted_model import ScriptedBackend
-from tests.stack import CREDS, start_stack
 from tests.waiting import eventually
 
 

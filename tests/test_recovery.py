@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.postgres import PostgresEventStore
+from adapters.memory_store import MemoryEventStore
+from apps.stack import MemoryBacking
 from engine import recovery
 from engine.attempts import ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.checkpoint import effective_history
@@ -16,6 +17,17 @@ from participants.replay import replay
 from tests.answers import answered
 
 from .test_resources_server import call, email_seed, kinds, open_session, prefix, serving, start, state
+
+
+@pytest.fixture
+def database(memory_database: MemoryBacking) -> MemoryBacking:
+    """The recovery rules promise no durability of their own: the servers share a log in memory."""
+    return memory_database
+
+
+@pytest.fixture
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    return memory_store
 
 
 def ev(position: int, kind: str, stream: str = "s", attempt: int = 0, **data: object) -> RecordedEvent:
@@ -84,7 +96,7 @@ def test_run_dispositions_from_attempt_rows() -> None:
         "a": "finished", "b": "continue", "c": "stale", "d": "not_started"}
 
 
-async def test_a_recovery_request_fences_the_attempt_and_starts_the_next_from_its_boundary(store: PostgresEventStore) -> None:
+async def test_a_recovery_request_fences_the_attempt_and_starts_the_next_from_its_boundary(store: MemoryEventStore) -> None:
     await start(store, "rv")
     step = NewEvent(episode_stream("rv", 0), "episode_step", {"step": "seed"}, "rv", 0)
     (boundary,) = await store.append(AppendRequest((step,)))
@@ -102,16 +114,16 @@ async def test_a_recovery_request_fences_the_attempt_and_starts_the_next_from_it
 
 
 async def test_a_restarted_resources_server_rebuilds_the_session_and_answers_an_applied_tool_call_from_the_log(
-        dsn: str, store: PostgresEventStore) -> None:
+        database: MemoryBacking, store: MemoryEventStore) -> None:
     await start(store, "rr")
     hit = {"X-Rollbook-Tool-Call": "a0.t0.0"}
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await open_session(http, "rr", "blackjack", 3)
         status, first = await call(http, "POST", f"{prefix('rr', 0)}/tools/hit", {"arguments": {}}, hit)
         assert status == 200 and first["revision"] == 1
         _, before = await state(http, "rr")
     # A fresh process: nothing in memory, only the log.
-    async with serving(dsn, "resources-b") as (http, _):
+    async with serving(database, "resources-b") as (http, _):
         status, again = await call(http, "POST", f"{prefix('rr', 0)}/tools/hit", {"arguments": {}}, hit)
         assert status == 200 and again["revision"] == 1 and again["output"] == first["output"] and again["repeated"]
         _, after = await state(http, "rr")
@@ -122,11 +134,11 @@ async def test_a_restarted_resources_server_rebuilds_the_session_and_answers_an_
     assert (await kinds(store, session_stream("rr", 0))).count("mutation_applied") == 1
 
 
-async def test_a_sandbox_session_lost_with_its_server_is_attempt_lost(dsn: str, store: PostgresEventStore) -> None:
+async def test_a_sandbox_session_lost_with_its_server_is_attempt_lost(database: MemoryBacking, store: MemoryEventStore) -> None:
     await start(store, "rs")
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await open_session(http, "rs", "sandbox", 2)
-    async with serving(dsn, "resources-b") as (http, _):
+    async with serving(database, "resources-b") as (http, _):
         status, reply = await call(http, "POST", f"{prefix('rs', 0)}/tools/run", {"arguments": {"command": "echo hi"}},
                                    {"X-Rollbook-Tool-Call": "a0.t0.0"})
     assert status == 409 and reply["error"]["code"] == "attempt_lost"
@@ -134,9 +146,9 @@ async def test_a_sandbox_session_lost_with_its_server_is_attempt_lost(dsn: str, 
 
 
 async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_the_boundary(
-        dsn: str, store: PostgresEventStore) -> None:
+        database: MemoryBacking, store: MemoryEventStore) -> None:
     await start(store, "ri")
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await open_session(http, "ri", "blackjack", 5)
         await call(http, "POST", f"{prefix('ri', 0)}/tools/hit", {"arguments": {}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
         _, at_boundary = await state(http, "ri")
@@ -145,7 +157,7 @@ async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_th
     decision = recovery.classify("ri", 0, await effective_history(store, "ri", 0), lost="call")
     assert decision.boundary == boundary.position
     await store.append(recovery.recovery_request(decision))
-    async with serving(dsn, "resources-b") as (http, _):
+    async with serving(database, "resources-b") as (http, _):
         status, now = await state(http, "ri", attempt=1)
     assert status == 200 and now == at_boundary
     opened = (await store.read_stream(session_stream("ri", 1)))[0]
@@ -156,20 +168,20 @@ async def test_an_attempt_continuing_another_reopens_its_inherited_session_at_th
     assert any("recovered from attempt 0" in s.change for s in steps)
 
 
-async def test_a_verify_asked_again_after_it_passed_gets_the_recorded_verification(dsn: str, store: PostgresEventStore) -> None:
+async def test_a_verify_asked_again_after_it_passed_gets_the_recorded_verification(database: MemoryBacking, store: MemoryEventStore) -> None:
     # The environment server crashed after a passed verify (which retires the session) and before it
     # recorded its own verify step; dispatched again, it asks again and must not get not_found.
     await start(store, "rq")
     seed = email_seed()
     goal = make_task("workplace", seed).params["goal"]
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await open_session(http, "rq", "workplace", seed)
         await call(http, "POST", f"{prefix('rq', 0)}/tools/send_email",
                    {"arguments": {"to": goal["to"], "subject": goal["subject"], "body": "hi"}}, {"X-Rollbook-Tool-Call": "a0.t0.0"})
         await answered(store, "rq", "sent")
         status, passed = await call(http, "POST", f"{prefix('rq', 0)}/verify", {})
         assert status == 200 and passed["status"] == "passed"
-    async with serving(dsn, "resources-b") as (http, _):
+    async with serving(database, "resources-b") as (http, _):
         status, again = await call(http, "POST", f"{prefix('rq', 0)}/verify", {})
     assert status == 200 and (again["reward"], again["status"], again["revision"]) == (1.0, "passed", 1)
     assert (await kinds(store, session_stream("rq", 0))).count("session_verified") == 1

@@ -9,12 +9,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import psycopg
 import pytest
 from aiohttp.test_utils import TestServer
 
-from adapters.database import libpq_dsn
-from adapters.postgres import PostgresEventStore
+from adapters.memory_store import MemoryEventStore
+from apps.stack import Backing, MemoryBacking, backing_of
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import Cut, committed_event, install_request, make_cut, retired_since
 from engine.control import retire_events
@@ -38,10 +37,21 @@ DATA = {"Authorization": f"Bearer {CREDS.data}"}
 Served = tuple[aiohttp.ClientSession, ResourcesParticipant]
 
 
+@pytest.fixture
+def database(memory_database: MemoryBacking) -> MemoryBacking:
+    """This module's rules promise no durability: its servers share a log in memory (docs/testing.md)."""
+    return memory_database
+
+
+@pytest.fixture
+def store(memory_store: MemoryEventStore) -> MemoryEventStore:
+    return memory_store
+
+
 @asynccontextmanager
-async def serving(dsn: str, writer: str) -> AsyncIterator[Served]:
+async def serving(database: str | Backing, writer: str) -> AsyncIterator[Served]:
     """One resources server process: its own store (connections) and its own memory."""
-    store = PostgresEventStore.connect(dsn, writer=writer)
+    store = backing_of(database).store(writer)
     app = build_resources_app(store, CREDS, sandbox=SandboxLimits())
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
@@ -55,8 +65,8 @@ async def serving(dsn: str, writer: str) -> AsyncIterator[Served]:
 
 
 @pytest.fixture
-async def served(dsn: str) -> AsyncIterator[Served]:
-    async with serving(dsn, "resources-a") as s:
+async def served(database: MemoryBacking) -> AsyncIterator[Served]:
+    async with serving(database, "resources-a") as s:
         yield s
 
 
@@ -76,7 +86,7 @@ async def control(http: aiohttp.ClientSession, op: str, ck: str = "ck1", **extra
     return await call(http, "POST", f"{CONTROL}/{op}", {"checkpoint_id": ck, "deadline": time.time() + 30, **extra}, AUTH)
 
 
-async def start(store: PostgresEventStore, rid: str, attempt: int = 0) -> None:
+async def start(store: MemoryEventStore, rid: str, attempt: int = 0) -> None:
     await store.append(AppendRequest((NewEvent(rollout_stream(rid), ATTEMPT_STARTED, {"parent_attempt": None}, rid, attempt),)))
 
 
@@ -96,7 +106,7 @@ async def state(http: aiohttp.ClientSession, rid: str, attempt: int = 0) -> tupl
     return await call(http, "GET", f"{prefix(rid, attempt)}/state")
 
 
-async def kinds(store: PostgresEventStore, stream: str) -> list[str]:
+async def kinds(store: MemoryEventStore, stream: str) -> list[str]:
     return [e.kind for e in await store.read_stream(stream)]
 
 
@@ -105,7 +115,7 @@ def email_seed() -> int:
     return next(s for s in range(100) if make_task("workplace", s).params["kind"] in ("email_manager", "email_contact"))
 
 
-async def test_open_tool_verify_close_record_one_event_per_change(served: Served, store: PostgresEventStore) -> None:
+async def test_open_tool_verify_close_record_one_event_per_change(served: Served, store: MemoryEventStore) -> None:
     http, _ = served
     await start(store, "w1")
     seed = email_seed()
@@ -162,7 +172,7 @@ async def test_open_tool_verify_close_record_one_event_per_change(served: Served
     ],
 )
 async def test_refused_tool_calls_are_422_tool_error_and_change_nothing(
-    served: Served, store: PostgresEventStore, name: str, arguments: dict[str, Any], code: str, what: str
+    served: Served, store: MemoryEventStore, name: str, arguments: dict[str, Any], code: str, what: str
 ) -> None:
     http, _ = served
     await start(store, "w2")
@@ -180,7 +190,7 @@ async def test_refused_tool_calls_are_422_tool_error_and_change_nothing(
 
 
 async def test_a_mutation_whose_event_cannot_land_leaves_the_session_unchanged(
-    served: Served, store: PostgresEventStore
+    served: Served, store: MemoryEventStore
 ) -> None:
     http, participant = served
     await start(store, "w7")
@@ -199,7 +209,7 @@ async def test_a_mutation_whose_event_cannot_land_leaves_the_session_unchanged(
 
 
 async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_reads(
-    served: Served, store: PostgresEventStore
+    served: Served, store: MemoryEventStore
 ) -> None:
     http, participant = served
     await start(store, "w3")
@@ -213,7 +223,7 @@ async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_read
     lock.release()
     status, report = await preparing
     assert status == 200 and report["ready"] and report["phase"] == "prepared"
-    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0}
+    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0, "replay": 0}
 
     head = await store.head()
     status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
@@ -230,7 +240,7 @@ async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_read
     assert status == 200 and reply["revision"] == 1
 
 
-async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served, store: PostgresEventStore) -> None:
+async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served, store: MemoryEventStore) -> None:
     http, _ = served
     for rid in ("sb", "bj", "m"):
         await start(store, rid)
@@ -244,7 +254,7 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
         status, report = await control(http, "prepare")
         assert status == 200 and report["ready"]
         assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]
-        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1}
+        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1, "replay": 0}
         # The live shell's command is still on the log, even though it can never be replayed.
         mutation = (await store.read_stream(session_stream("sb", 0)))[1]
         assert mutation.kind == "mutation_applied" and mutation.data["effect"]["command"].startswith("X=41")
@@ -255,18 +265,18 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
 
 
 async def test_a_fresh_process_reports_the_sandbox_sessions_its_dead_predecessor_held_as_restarts(
-    dsn: str, store: PostgresEventStore
+    database: MemoryBacking, store: MemoryEventStore
 ) -> None:
     # A killed resources server takes its live shells with it; the log still has their sessions open.
     # Its successor never held them, yet a checkpoint must not scope them: their restore is refused.
     for rid in ("sb", "m"):
         await start(store, rid)
-    async with serving(dsn, "resources-a") as (http, first):
+    async with serving(database, "resources-a") as (http, first):
         await open_session(http, "sb", "sandbox", 1)
         await open_session(http, "m", "math", 3)
         for s in first.sessions.values():
             await first._close_live(s)  # what the SIGKILL did to the shell; nothing reaches the log
-    async with serving(dsn, "resources-b") as (http, second):
+    async with serving(database, "resources-b") as (http, second):
         status, report = await control(http, "prepare")
         assert status == 200 and report["ready"], report
         assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]  # the math session rebuilds: not a restart
@@ -277,7 +287,7 @@ async def test_a_fresh_process_reports_the_sandbox_sessions_its_dead_predecessor
 
 
 async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_at_the_deadline(
-    served: Served, store: PostgresEventStore
+    served: Served, store: MemoryEventStore
 ) -> None:
     http, participant = served
     await start(store, "sbv")
@@ -314,7 +324,7 @@ async def test_prepare_waits_for_a_wait_mode_verify_and_reports_it_as_a_blocker_
         await call(http, "POST", f"{prefix('sbv', 0)}/close")
 
 
-async def test_retire_drops_sessions_and_stops_live_shells(served: Served, store: PostgresEventStore) -> None:
+async def test_retire_drops_sessions_and_stops_live_shells(served: Served, store: MemoryEventStore) -> None:
     http, participant = served
     for rid in ("rs", "rm"):
         await start(store, rid)
@@ -330,7 +340,7 @@ async def test_retire_drops_sessions_and_stops_live_shells(served: Served, store
     assert (status, reply["error"]["code"]) == (409, "stale_attempt")
 
 
-async def test_a_new_attempt_ends_the_live_shell_of_the_attempt_it_replaces(served: Served, store: PostgresEventStore) -> None:
+async def test_a_new_attempt_ends_the_live_shell_of_the_attempt_it_replaces(served: Served, store: MemoryEventStore) -> None:
     """A rollout that failed and restarts under a new attempt never closes its old session: the old
     attempt's shell (and whatever it left running) ends when the new attempt opens its session."""
     http, participant = served
@@ -346,7 +356,7 @@ async def test_a_new_attempt_ends_the_live_shell_of_the_attempt_it_replaces(serv
         await call(http, "POST", f"{prefix('rf', 1)}/close")
 
 
-async def checkpoint(store: PostgresEventStore, ck: str, revisions: dict[str, int], attempt: int = 0) -> Cut:
+async def checkpoint(store: MemoryEventStore, ck: str, revisions: dict[str, int], attempt: int = 0) -> Cut:
     """An agent boundary per rollout (with the session revision it saw), then a committed cut."""
     for rid, rev in revisions.items():
         await store.append(AppendRequest((NewEvent(agent_stream(rid, attempt), "agent_boundary",
@@ -358,10 +368,10 @@ async def checkpoint(store: PostgresEventStore, ck: str, revisions: dict[str, in
 
 
 async def test_restore_in_a_fresh_process_rebuilds_sessions_exactly_and_continues_revisions(
-    dsn: str, store: PostgresEventStore
+    database: MemoryBacking, store: MemoryEventStore
 ) -> None:
     seed = next(s for s in range(100) if not get_environment("blackjack").initial_state(make_task("blackjack", s))["done"])
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await start(store, "rw")
         await start(store, "rb")
         await open_session(http, "rw", "workplace", 11)
@@ -378,7 +388,7 @@ async def test_restore_in_a_fresh_process_rebuilds_sessions_exactly_and_continue
         await tool(http, "rb", "hit")
     # crash: that process and its memory are gone
 
-    async with serving(dsn, "resources-b") as (http, participant):
+    async with serving(database, "resources-b") as (http, participant):
         status, reply = await control(http, "restore")
         assert status == 200 and reply["phase"] == "restored" and reply["detail"] == {"staged": 2, "scope": 2}
         await store.append(install_request(cut, latest={"rw": 0, "rb": 0}))
@@ -406,7 +416,7 @@ async def test_restore_in_a_fresh_process_rebuilds_sessions_exactly_and_continue
         cut2 = await checkpoint(store, "ck2", {"rw": 4, "rb": 1}, attempt=1)
 
     # A second crash: attempt 1 replays through its origin (attempt 0 up to ck1's boundary), then its own events.
-    async with serving(dsn, "resources-c") as (http, _):
+    async with serving(database, "resources-c") as (http, _):
         assert (await control(http, "restore", "ck2"))[0] == 200
         await store.append(install_request(cut2, latest={"rw": 1, "rb": 1}))
         assert (await control(http, "resume", "ck2"))[0] == 200
@@ -414,15 +424,15 @@ async def test_restore_in_a_fresh_process_rebuilds_sessions_exactly_and_continue
             assert canonical_json((await state(http, rid, attempt=2))[1]) == canonical_json(again[rid]), rid
 
 
-async def corrupt_by_deleting(dsn: str, store: PostgresEventStore, rid: str) -> None:
+async def corrupt_by_deleting(store: MemoryEventStore, rid: str) -> None:
+    """Delete an event behind the store's back, as a careless operator would a row."""
     victim = next(e for e in await store.read_stream(session_stream(rid, 0)) if e.kind == "mutation_applied")
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
-        conn.execute("DELETE FROM rollbook.events WHERE position = %s", (victim.position,))
+    store.log.events.remove(victim)
 
 
 @pytest.mark.parametrize("how", ["deleted_row", "unreplayable_effect", "revision_gap"])
-async def test_restore_with_one_corrupt_session_stages_nothing(dsn: str, store: PostgresEventStore, how: str) -> None:
-    async with serving(dsn, "resources-a") as (http, _):
+async def test_restore_with_one_corrupt_session_stages_nothing(database: MemoryBacking, store: MemoryEventStore, how: str) -> None:
+    async with serving(database, "resources-a") as (http, _):
         for rid in ("r1-good", "r2-bad"):
             await start(store, rid)
             await open_session(http, rid, "workplace", 21)
@@ -438,9 +448,9 @@ async def test_restore_with_one_corrupt_session_stages_nothing(dsn: str, store: 
                 "revision": revision, "tool": "update_deal", "arguments": {}, "effect": effect}, "r2-bad", 0),)))
         await checkpoint(store, "ck1", {"r1-good": 1, "r2-bad": revision})
     if how == "deleted_row":
-        await corrupt_by_deleting(dsn, store, "r2-bad")
+        await corrupt_by_deleting(store, "r2-bad")
 
-    async with serving(dsn, "resources-b") as (http, participant):
+    async with serving(database, "resources-b") as (http, participant):
         status, reply = await control(http, "restore")
         assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state"), how
         # r1-good comes first in the scope and rebuilds fine, yet it is not staged either.
@@ -449,8 +459,8 @@ async def test_restore_with_one_corrupt_session_stages_nothing(dsn: str, store: 
         assert st["phase"] == "idle"
 
 
-async def test_restore_refuses_a_restart_only_session_in_scope(dsn: str, store: PostgresEventStore) -> None:
-    async with serving(dsn, "resources-a") as (http, _):
+async def test_restore_refuses_a_restart_only_session_in_scope(database: MemoryBacking, store: MemoryEventStore) -> None:
+    async with serving(database, "resources-a") as (http, _):
         await start(store, "sb")
         await open_session(http, "sb", "sandbox", 4)
         try:
@@ -458,13 +468,13 @@ async def test_restore_refuses_a_restart_only_session_in_scope(dsn: str, store: 
             await checkpoint(store, "ck1", {"sb": 1})
         finally:
             await call(http, "POST", f"{prefix('sb', 0)}/close")
-    async with serving(dsn, "resources-b") as (http, participant):
+    async with serving(database, "resources-b") as (http, participant):
         status, reply = await control(http, "restore")
         assert (status, reply["error"]["code"]) == (409, "restart_in_scope")
         assert participant.staged == {}
 
 
-async def test_restore_is_refused_in_a_process_that_has_served_sessions(served: Served, store: PostgresEventStore) -> None:
+async def test_restore_is_refused_in_a_process_that_has_served_sessions(served: Served, store: MemoryEventStore) -> None:
     http, participant = served
     await start(store, "w5")
     await open_session(http, "w5", "workplace", 2)
@@ -474,7 +484,7 @@ async def test_restore_is_refused_in_a_process_that_has_served_sessions(served: 
     assert participant.staged == {}
 
 
-async def test_a_fenced_attempt_gets_409_stale_attempt(served: Served, store: PostgresEventStore) -> None:
+async def test_a_fenced_attempt_gets_409_stale_attempt(served: Served, store: MemoryEventStore) -> None:
     http, _ = served
     await start(store, "w6")
     await open_session(http, "w6", "workplace", 2)
@@ -495,13 +505,13 @@ async def test_data_routes_without_the_identity_prefix_are_400(served: Served, m
 
 
 async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_cut_succeeds(
-    dsn: str, store: PostgresEventStore
+    database: MemoryBacking, store: MemoryEventStore
 ) -> None:
     # Found by the demo: an episode checkpointed between its verify step (which retired the session
     # after a passing verify) and its close step could never finish after a restore.
     seed = email_seed()
     task = make_task("workplace", seed)
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await start(store, "rv")
         await open_session(http, "rv", "workplace", seed)
         goal = task.params["goal"]
@@ -512,7 +522,7 @@ async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_c
         assert status == 200 and reply["reward"] > 0
         assert (await kinds(store, session_stream("rv", 0)))[-1] == "session_closed"  # a passing verify retires it
         cut = await checkpoint(store, "ckv", {"rv": 1})
-    async with serving(dsn, "resources-b") as (http, _):
+    async with serving(database, "resources-b") as (http, _):
         assert (await control(http, "restore", "ckv"))[0] == 200
         await store.append(install_request(cut, latest={"rv": 0}))
         assert (await control(http, "resume", "ckv"))[0] == 200
@@ -520,24 +530,24 @@ async def test_closing_a_restored_attempt_whose_session_was_retired_before_the_c
         assert (status, reply) == (200, {})
 
 
-async def retire(store: PostgresEventStore, rid: str, through: int) -> None:
+async def retire(store: MemoryEventStore, rid: str, through: int) -> None:
     await store.append(AppendRequest(retire_events([(rid, through)], {})))
 
 
 @pytest.mark.parametrize("retired_when", ["before the install", "between the install and the resume"])
 async def test_a_restore_leaves_a_rollout_retired_since_its_cut_retired_and_installs_the_rest(
-    dsn: str, store: PostgresEventStore, retired_when: str
+    database: MemoryBacking, store: MemoryEventStore, retired_when: str
 ) -> None:
     """A rollout the framework retired after the cut has no attempt restored from it: the install
     (engine.checkpoint.install_request) leaves it as it is, and the resume installs every other
     session and opens. It used to refuse the whole resume and stay closed, so the rollouts it did
     hold waited for a resume that never succeeded."""
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         for rid in ("kept", "gone"):
             await start(store, rid)
             await open_session(http, rid, "workplace", 11)
         cut = await checkpoint(store, "ck1", {"kept": 0, "gone": 0})
-    async with serving(dsn, "resources-b") as (http, participant):
+    async with serving(database, "resources-b") as (http, participant):
         assert (await control(http, "restore"))[1]["detail"] == {"staged": 2, "scope": 2}
         if retired_when == "before the install":
             await retire(store, "gone", 0)
@@ -554,15 +564,15 @@ async def test_a_restore_leaves_a_rollout_retired_since_its_cut_retired_and_inst
 
 
 async def test_a_resume_without_the_install_is_refused_and_stays_closed(
-    dsn: str, store: PostgresEventStore, caplog: pytest.LogCaptureFixture
+    database: MemoryBacking, store: MemoryEventStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Staged sessions are handed over only once the coordinator has installed the cut; the refusal
     is said in the server's log too, since every session waiting on this server waits for it."""
-    async with serving(dsn, "resources-a") as (http, _):
+    async with serving(database, "resources-a") as (http, _):
         await start(store, "r1")
         await open_session(http, "r1", "workplace", 11)
         await checkpoint(store, "ck1", {"r1": 0})
-    async with serving(dsn, "resources-b") as (http, participant):
+    async with serving(database, "resources-b") as (http, participant):
         assert (await control(http, "restore"))[0] == 200
         status, reply = await control(http, "resume")
         assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state"), reply
@@ -572,7 +582,7 @@ async def test_a_resume_without_the_install_is_refused_and_stays_closed(
 
 @pytest.mark.parametrize("key", ["../a0.t0.0", "victim.0.a0.t3.0", "a0.t0", "a01.t0.0", "a0.t0.0\u00e9", "x" * 200])
 async def test_a_tool_call_key_of_any_other_shape_is_refused_before_anything_runs(
-    served: Served, store: PostgresEventStore, key: str
+    served: Served, store: MemoryEventStore, key: str
 ) -> None:
     """The key names a call within the session the path names (a<activation>.t<turn>.<index>, as the
     agent derives it); anything else is refused, so no key can speak for another session's calls."""

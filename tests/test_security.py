@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
+from apps.stack import CREDS, Stack, start_stack
 from engine.attempts import ATTEMPT_STARTED
 from engine.capability import capability
 from engine.events import AppendRequest, NewEvent
@@ -29,7 +30,6 @@ from participants.scripted_model import ScriptedBackend
 from participants.servers import build_environment_app, build_resources_app
 from participants.wire import CONTROL, OPENAPI_PATH
 from tests.answers import answered
-from tests.stack import CREDS, Stack, start_stack
 
 DATA = {"Authorization": f"Bearer {CREDS.data}"}
 CONTROL_AUTH = {"Authorization": f"Bearer {CREDS.control}"}

@@ -1,4 +1,4 @@
-"""Token store conformance: one suite, run on the PostgreSQL store and on the filesystem store."""
+"""Token store conformance: one suite, run on the PostgreSQL, the filesystem and the memory store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
+from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore
 from engine.errors import InvalidCheckpointState, InvalidPayload
 from engine.tokens import Receipt, TokenArray, f32
 
@@ -16,11 +16,13 @@ IDS = [151644, 0, 7, 2**31 - 1, 42]
 LOGPROBS = [-0.1, -1e-7, 0.0, -23.456789, -2.0 / 3.0]
 
 
-@pytest.fixture(params=["postgres", "filesystem"])
+@pytest.fixture(params=["postgres", "filesystem", "memory"])
 async def tokens(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "postgres":
         dsn = request.getfixturevalue("dsn")
         s = PostgresTokenStore(dsn)
+    elif request.param == "memory":
+        s = MemoryTokenStore()
     else:
         s = FilesystemTokenStore(tmp_path / "tokens")
     yield s
@@ -34,6 +36,9 @@ async def tamper(store, blob_id: str) -> None:
             await conn.execute(
                 text("UPDATE rollbook.token_blobs SET token_ids[1] = token_ids[1] + 1 WHERE blob_id = :b"), {"b": blob_id}
             )
+    elif isinstance(store, MemoryTokenStore):
+        arr, digest = store.blobs[blob_id]
+        store.blobs[blob_id] = (TokenArray((arr.ids[0] + 1, *arr.ids[1:]), arr.logprobs), digest)
     else:
         path = store.root / "blobs" / f"{blob_id}.json"
         row = json.loads(path.read_text())
@@ -45,6 +50,8 @@ async def delete(store, blob_id: str) -> None:
     if isinstance(store, PostgresTokenStore):
         async with store.engine.begin() as conn:
             await conn.execute(text("DELETE FROM rollbook.token_blobs WHERE blob_id = :b"), {"b": blob_id})
+    elif isinstance(store, MemoryTokenStore):
+        del store.blobs[blob_id]
     else:
         (store.root / "blobs" / f"{blob_id}.json").unlink()
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 from .players import Player
 
 JSON = Any  # dict/list/str/int/float/bool/None only: no tuples, no numpy scalars
-StateMode = Literal["stateless", "exported", "restart_only"]
+StateMode = Literal["stateless", "exported", "restart_only", "replay"]
 Verification = Literal["replay", "wait"]
 
 

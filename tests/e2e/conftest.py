@@ -34,6 +34,7 @@ from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from participants.environments.base import Task
+from testkit.log_queries import REPEATED_CALLS, RESTORED_REPEATED_MUTATIONS
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ class Cluster:
     work: Path
     crashes: int = 0
     started: list[float] = field(default_factory=list)
-    upstream: str | None = None  # the fake vLLM's base URL (tests/fake_vllm.py) when the model server has one
+    upstream: str | None = None  # the fake vLLM's base URL (testkit/fake_vllm.py) when the model server has one
 
     async def upstream_stall(self, stalled: bool) -> None:
         """Stall every stream of the upstream before its next step (no call can complete), or let them go."""
@@ -207,15 +208,16 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
 
     upstreams: list[subprocess.Popen[bytes]] = []
 
-    async def make(token_latency_s: float = 0.006, upstream: bool = False) -> Cluster:
+    async def make(token_latency_s: float = 0.006, upstream: bool = False,
+                   nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
                    for k in cfg.KINDS}
         upstream_url = None
         if upstream:
-            # The model server in front of a vLLM-style upstream (tests/fake_vllm.py) in its own process,
+            # The model server in front of a vLLM-style upstream (testkit/fake_vllm.py) in its own process,
             # which outlives the crashes as a real inference server would.
             port = free_port()
-            upstreams.append(subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(port),
+            upstreams.append(subprocess.Popen([sys.executable, "-m", "testkit.fake_vllm", "--port", str(port),
                                                "--token-latency-s", str(token_latency_s)], cwd=ROOT))
             await _wait_listening(port)
             upstream_url = f"http://127.0.0.1:{port}"
@@ -223,7 +225,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1")
         config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
-                            sandbox=cfg.SandboxConfig())
+                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {})
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")
@@ -260,42 +262,6 @@ async def _wait_listening(port: int, timeout: float = 20.0) -> None:
 
 # ---- invariants, through the public views --------------------------------------------------------
 
-# The ancestry of every continued attempt: its origin, its origin's origin... each with the boundary
-# its successor continued from and the cut position of the checkpoint that successor was restored from.
-LINEAGE = """
-WITH RECURSIVE origin AS (
-    SELECT s.rollout_id, s.attempt, (s.data->>'origin_attempt')::int AS origin_attempt,
-           (s.data->>'origin_position')::bigint AS boundary, c.log_position AS cut
-    FROM rollbook.episode_history s
-    JOIN rollbook.checkpoints c ON c.checkpoint_id = s.data->>'restored_from'
-    WHERE s.kind = 'attempt_started' AND s.rollout_id LIKE :p AND s.data->>'origin_attempt' IS NOT NULL
-), lineage AS (
-    SELECT rollout_id, attempt, origin_attempt AS ancestor, boundary, cut FROM origin
-    UNION ALL
-    SELECT l.rollout_id, l.attempt, o.origin_attempt, o.boundary, o.cut
-    FROM lineage l JOIN origin o ON o.rollout_id = l.rollout_id AND o.attempt = l.ancestor
-)
-"""
-
-# apps.demo.REPEATED_CALLS, over the whole ancestry instead of the direct origin only (after two
-# restores, the origin's origin also completed turns the newest attempt must not generate again).
-REPEATED_CALLS = LINEAGE + """
-SELECT b.rollout_id, b.data->>'call_id' AS call_id, a.data->>'call_id' AS earlier
-FROM rollbook.episode_history b
-JOIN lineage l ON l.rollout_id = b.rollout_id AND l.attempt = b.attempt
-JOIN rollbook.episode_history a ON a.rollout_id = l.rollout_id AND a.attempt = l.ancestor AND a.kind = 'call_completed'
-  AND a.position <= l.{upto} AND split_part(a.data->>'call_id', '.t', 2) = split_part(b.data->>'call_id', '.t', 2)
-WHERE b.kind = 'call_completed' AND coalesce(b.data->>'disposition', 'generated') = 'generated'
-"""
-# apps.demo.REPEATED_MUTATIONS, over the whole ancestry.
-REPEATED_MUTATIONS = LINEAGE + """
-SELECT b.rollout_id, b.attempt, (b.data->>'revision')::int AS revision
-FROM rollbook.episode_history b
-JOIN lineage l ON l.rollout_id = b.rollout_id AND l.attempt = b.attempt
-JOIN rollbook.episode_history a ON a.rollout_id = l.rollout_id AND a.attempt = l.ancestor AND a.kind = 'mutation_applied'
-  AND a.position <= l.boundary AND (a.data->>'revision') = (b.data->>'revision')
-WHERE b.kind = 'mutation_applied'
-"""
 # Any event of an attempt recorded after its fence.
 AFTER_FENCE = """
 SELECT e.rollout_id, e.attempt, e.kind, e.position, f.position AS fenced_at
@@ -336,7 +302,7 @@ async def repeated_calls(c: Cluster, prefix: str, upto: str = "boundary") -> lis
 
 
 async def repeated_mutations(c: Cluster, prefix: str) -> list[Any]:
-    return await c.rows(REPEATED_MUTATIONS, p=f"{prefix}-%")
+    return await c.rows(RESTORED_REPEATED_MUTATIONS, p=f"{prefix}-%")
 
 
 @dataclass(frozen=True)

@@ -333,9 +333,9 @@ async def test_an_episode_finishing_during_prepare_is_neither_lost_nor_redone(cl
         eps = [await c.episode(r) for r in math]
         return all(e.get("step") in want and e.get("status") == "running" for e in eps)
 
-    async def phase_of(kind: str, checkpoint_id: str, want: str) -> bool:
+    async def phase_of(kind: str, checkpoint_id: str, *want: str) -> bool:
         s = await c.control_status(kind)
-        return s.get("checkpoint_id") == checkpoint_id and s.get("phase") == want
+        return s.get("checkpoint_id") == checkpoint_id and s.get("phase") in want
 
     async def seeded() -> bool:
         return await c.scalar("SELECT count(*) FROM rollbook.episode_history WHERE rollout_id LIKE 'fin-%' "
@@ -345,9 +345,15 @@ async def test_an_episode_finishing_during_prepare_is_neither_lost_nor_redone(cl
     await c.control("resources", "prepare", "fin-hold-r1")  # verify, close, mutations now wait
     await c.wait_for("math episodes in verify", lambda: steps(("verify", "close")))
     env_hold = asyncio.create_task(c.control("environment", "prepare", "fin-hold-e"))
-    await c.wait_for("the environment parking", lambda: phase_of("environment", "fin-hold-e", "preparing"))
+    # A verify that may run again does not hold prepare (math verifies by replay): the environment may be
+    # prepared already, with the math episodes still in verify, waiting on the resources server.
+    await c.wait_for("the environment parking", lambda: phase_of("environment", "fin-hold-e", "preparing", "prepared"))
     await c.control("resources", "resume", "fin-hold-r1")  # verify runs; each episode parks before close
     assert (await env_hold)["ready"]
+
+    async def verified() -> bool:
+        return all(["verify" in (await c.episode(r)).get("steps", []) for r in math])
+    await c.wait_for("math episodes past verify", verified)
     # Those that had passed verify before the hold finished then; the rest are parked right before close.
     math = [r for r in math if (await c.episode(r))["steps"] == ["seed", "agent", "verify"]]
     print(f"math episodes parked before close: {len(math)}")

@@ -20,7 +20,7 @@ import psycopg
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
-from tests import nemo_gym_env
+from testkit import nemo_gym_env
 from tests.e2e.test_export import export
 from tests.e2e.test_run_command import Run, wait_for_a_generation_under_way
 

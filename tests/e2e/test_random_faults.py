@@ -1,7 +1,7 @@
 """Control operations and real faults in random order against real processes, and the sequences
 that random order once found broken, replayed as fixed tests.
 
-tests/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
+testkit/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
 coordinator process mid-checkpoint, a PostgreSQL restart and dropped connections, mixed with
 dispatch, prepare, commit, publish, resume, restore, retire and forget; every invariant read
 through the public SQL views after every step and at the end of every sequence.
@@ -26,9 +26,9 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from adapters import database
 from apps import config as cfg
-from tests import pg
-from tests.e2e.test_recovery import tracebacks
-from tests.stateful_processes import TALLY, FaultMachine, World, start_world
+from testkit import pg
+from testkit.log_queries import tracebacks
+from testkit.stateful_processes import TALLY, FaultMachine, World, start_world
 
 EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
@@ -37,7 +37,7 @@ STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
     """One database and one set of server processes for the file: each sequence works under its own
-    run prefix and leaves every server idle (tests/stateful_processes.py)."""
+    run prefix and leaves every server idle (testkit/stateful_processes.py)."""
     server, restart = pg.restartable_server()
     work = Path(tempfile.mkdtemp(prefix="rbfaults-"))
     print(f"server logs: {work}")

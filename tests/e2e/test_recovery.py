@@ -28,60 +28,16 @@ from adapters import database
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
+from testkit.log_queries import (
+    REGENERATED_ACROSS,
+    REGENERATED_WITHIN,
+    REPEATED_MUTATIONS,
+    REPEATED_TOOL_CALLS,
+    REPEATED_TURNS,
+    tracebacks,
+)
 
 from .conftest import AFTER_FENCE, ENDINGS, Cluster
-
-# Lineage through every continued attempt (restored from a checkpoint or recovered from the log).
-LINEAGE = """
-WITH RECURSIVE origin AS (
-    SELECT rollout_id, attempt, (data->>'origin_attempt')::int AS origin_attempt,
-           (data->>'origin_position')::bigint AS boundary
-    FROM rollbook.episode_history
-    WHERE kind = 'attempt_started' AND rollout_id LIKE :p AND data->>'origin_attempt' IS NOT NULL
-), lineage AS (
-    SELECT rollout_id, attempt, origin_attempt AS ancestor, boundary FROM origin
-    UNION ALL
-    SELECT l.rollout_id, l.attempt, o.origin_attempt, o.boundary
-    FROM lineage l JOIN origin o ON o.rollout_id = l.rollout_id AND o.attempt = l.ancestor
-)
-"""
-# An agent turn recorded twice within one attempt: the attempt redid work it had done.
-REPEATED_TURNS = """
-SELECT rollout_id, attempt, data->>'activation' AS activation, data->>'turn' AS turn, data->>'state' AS state, count(*)
-FROM rollbook.episode_history WHERE kind = 'agent_boundary' AND rollout_id LIKE :p
-GROUP BY 1, 2, 3, 4, 5 HAVING count(*) > 1
-"""
-# One tool call (named by the agent: activation, turn, index) applied twice within one attempt.
-REPEATED_TOOL_CALLS = """
-SELECT rollout_id, attempt, data->>'tool_call' AS tool_call, count(*)
-FROM rollbook.episode_history WHERE kind = 'mutation_applied' AND rollout_id LIKE :p AND data->>'tool_call' IS NOT NULL
-GROUP BY 1, 2, 3 HAVING count(*) > 1
-"""
-# A mutation of a continued attempt at a revision an ancestor had applied before the boundary it continued.
-REPEATED_MUTATIONS = LINEAGE + """
-SELECT b.rollout_id, b.attempt, (b.data->>'revision')::int AS revision
-FROM rollbook.episode_history b
-JOIN lineage l ON l.rollout_id = b.rollout_id AND l.attempt = b.attempt
-JOIN rollbook.episode_history a ON a.rollout_id = l.rollout_id AND a.attempt = l.ancestor AND a.kind = 'mutation_applied'
-  AND a.position <= l.boundary AND (a.data->>'revision') = (b.data->>'revision')
-WHERE b.kind = 'mutation_applied'
-"""
-# A model call generated for a turn whose reply was already recorded: in the same attempt, or by an
-# ancestor before the boundary this attempt continued.
-REGENERATED_WITHIN = """
-SELECT rollout_id, attempt, split_part(data->>'call_id', '.t', 2) AS turn, count(*)
-FROM rollbook.episode_history
-WHERE kind = 'call_completed' AND rollout_id LIKE :p AND coalesce(data->>'disposition', 'generated') = 'generated'
-GROUP BY 1, 2, 3 HAVING count(*) > 1
-"""
-REGENERATED_ACROSS = LINEAGE + """
-SELECT b.rollout_id, b.data->>'call_id' AS call_id, a.data->>'call_id' AS earlier
-FROM rollbook.episode_history b
-JOIN lineage l ON l.rollout_id = b.rollout_id AND l.attempt = b.attempt
-JOIN rollbook.episode_history a ON a.rollout_id = l.rollout_id AND a.attempt = l.ancestor AND a.kind = 'call_completed'
-  AND a.position <= l.boundary AND split_part(a.data->>'call_id', '.t', 2) = split_part(b.data->>'call_id', '.t', 2)
-WHERE b.kind = 'call_completed' AND coalesce(b.data->>'disposition', 'generated') = 'generated'
-"""
 
 # Activations whose last boundary is in the log and that have not completed: running when read.
 RUNNING_ACTIVATIONS = """
@@ -114,11 +70,6 @@ async def rerun(c: Cluster, coll, first: asyncio.Task, timeout: float = 90.0) ->
     await asyncio.wait_for(coll.dispatch(c.session), timeout)
     left = await coll.unfinished()
     assert not left, f"rollouts still unfinished after a second dispatch: {[coll.rollout_id(i) for i in left]}"
-
-
-def tracebacks(folder: Path) -> list[str]:
-    return [f"{log.name}: {log.read_text()[log.read_text().index('Traceback'):][:1500]}"
-            for log in sorted(folder.glob("*.log")) if "Traceback" in log.read_text()]
 
 
 # ---- one server dies, the others keep running ------------------------------------------------------

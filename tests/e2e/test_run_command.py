@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
@@ -83,16 +84,18 @@ def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str)
     assert os.path.exists(work / "tasks.jsonl")
 
 
-def test_run_with_frequent_checkpoints_and_small_concurrency_finishes_every_task(dsn: str) -> None:
-    """A dispatch refused with 409 admission_closed during a checkpoint was dropped, so a run
-    with frequent checkpoints ended with most tasks never started. Now it waits for the resume."""
+@pytest.mark.parametrize("mode", ["paused", "online"])
+def test_run_with_frequent_checkpoints_and_small_concurrency_finishes_every_task(dsn: str, mode: str) -> None:
+    """A dispatch refused with 409 admission_closed during a paused checkpoint was dropped, so a run
+    with frequent checkpoints ended with most tasks never started. Now it waits for the resume. Online
+    checkpoints refuse nothing, and the run finishes every task the same."""
     work = Path(tempfile.mkdtemp(prefix="rbrun-"))
     tasks = make_tasks(16, seed=11, envs=["math", "blackjack", "workplace"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="often", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=0.2,
-                                          concurrency=3))
+                                          checkpoint_mode=mode, concurrency=3))
     cfg.write(config, work / "rollbook.toml")
     procs = ServerProcesses(config, work / "rollbook.toml", work)
     procs.start()

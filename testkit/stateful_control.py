@@ -1,7 +1,7 @@
 """A hypothesis state machine over the control operations, checked through the public SQL views.
 
 Rules: dispatch, prepare, commit, publish, resume, crash-and-restore, retire, forget, in any order
-hypothesis picks, against the four servers in process (tests/stack.py: real aiohttp servers on
+hypothesis picks, against the four servers in process (apps/stack.py: real aiohttp servers on
 127.0.0.1, one real PostgreSQL). A "crash" closes the whole stack with no handover and starts a
 fresh one on the same database, then restores the latest committed or published checkpoint. The
 real-process faults (SIGKILL of a subset, a PostgreSQL restart, a dropped connection)
@@ -33,14 +33,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import text
 
+from adapters.pg_pool import with_retry
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
+from apps.stack import CREDS, SEED, Stack, start_stack
 from engine.coordinator import Coordinator
 from participants.environments.tasks import make_tasks
 from participants.scripted_model import ScriptedBackend
-from tests.checkpoint_rules import CheckpointRules
-from tests.stack import CREDS, SEED, Stack, start_stack
+from testkit.checkpoint_rules import CheckpointRules
 
 ENVS = ["math", "blackjack", "workplace"]
 ROLLOUTS = 4
@@ -88,7 +89,7 @@ class _Collection(Collection):
 
 
 class ControlMachine(CheckpointRules, RuleBasedStateMachine):
-    # dispatch, prepare, commit, publish and resume: tests/checkpoint_rules.py
+    # dispatch, prepare, commit, publish and resume: testkit/checkpoint_rules.py
     CHECKPOINT_TAG = "ck"
     tally = TALLY
     dsn: str = ""  # set by the test or the soak before running
@@ -130,8 +131,10 @@ class ControlMachine(CheckpointRules, RuleBasedStateMachine):
         return self.coll.coordinator(self.session)
 
     async def _rows(self, sql: str) -> list[Any]:
-        async with self.store.engine.connect() as conn:
-            return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%"}))
+        async def read() -> list[Any]:
+            async with self.store.engine.connect() as conn:
+                return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%"}))
+        return await with_retry(read, what="an invariant's query")  # across a restarted PostgreSQL
 
     # ---- rules -------------------------------------------------------------------------------
 

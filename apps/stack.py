@@ -4,6 +4,10 @@ Model, resources, agent and environment each run as a real aiohttp server on 127
 own event-store connection; the only stand-in is the model itself (a scripted backend, which a
 test may subclass to hold a call). A test that "crashes" closes a stack without any handover and
 starts a fresh one on the same database.
+
+The database is PostgreSQL (a DSN) or a log in memory (`MemoryBacking`: adapters.memory_store and
+a MemoryTokenStore), which outlives the stacks started on it as a database would. The tests, the
+environment conformance suite (apps.conformance) and the benchmarks all start their servers here.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp.test_utils import TestServer
 
 from adapters.http_client import JsonClient
+from adapters.memory_store import MemoryLog
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
-from adapters.token_store import PostgresTokenStore
-from engine.coordinator import Coordinator
+from adapters.token_store import MemoryTokenStore, PostgresTokenStore
+from engine.checkpoint import ParticipantStore
+from engine.coordinator import CheckpointStore, Coordinator
 from engine.events import RecordedEvent
 from engine.log import EventStore
 from participants.agent_server import AgentParticipant
@@ -29,6 +35,7 @@ from participants.environments import enabled_environments
 from participants.environments.base import Task
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
+from participants.model_calls import TokenStore
 from participants.participant import Participant
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_agent_app, build_environment_app, build_model_app, build_resources_app
@@ -38,11 +45,64 @@ TOKEN = CREDS.control  # the coordinator's
 SEED = 7  # the scripted policy's seed: the same replies every run
 
 
+class Store(ParticipantStore, CheckpointStore, Protocol):
+    """What a server and a coordinator need of storage: both stores implement it."""
+
+    async def close(self) -> None: ...
+
+
+class Tokens(TokenStore, Protocol):
+    async def snapshot(self, checkpoint_id: str, blob_ids: list[str], parent: dict[str, Any] | None = None) -> dict[str, Any]: ...
+
+    async def validate(self, ref: dict[str, Any], checkpoint_id: str, deep: bool = False) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class MemoryBacking:
+    """The database of stacks that need no PostgreSQL: one log and one token store in memory."""
+
+    log: MemoryLog = field(default_factory=MemoryLog)
+    token_store: MemoryTokenStore = field(default_factory=MemoryTokenStore)
+
+    def store(self, writer: str) -> Store:
+        return self.log.store(writer)
+
+    def tokens(self) -> Tokens:
+        return self.token_store
+
+    def model_tokens(self, model_store: Store) -> Tokens:
+        return self.token_store
+
+
+@dataclass(frozen=True)
+class PostgresBacking:
+    dsn: str
+
+    def store(self, writer: str) -> Store:
+        return PostgresEventStore.connect(self.dsn, writer=writer)
+
+    def tokens(self) -> Tokens:
+        return PostgresTokenStore(self.dsn)
+
+    def model_tokens(self, model_store: Store) -> Tokens:
+        # As `rollbook serve model` builds it: the blobs of a call ride in the append of its outcome.
+        return PostgresTokenStore(model_store)  # type: ignore[arg-type]
+
+
+Backing = MemoryBacking | PostgresBacking
+
+
+def backing_of(database: str | Backing) -> Backing:
+    return PostgresBacking(database) if isinstance(database, str) else database
+
+
 @dataclass
 class Stack:
     servers: dict[str, TestServer]
-    stores: list[PostgresEventStore]
-    tokens: PostgresTokenStore
+    stores: list[Store]
+    tokens: Tokens
     backend: ScriptedBackend
     session: aiohttp.ClientSession
     client: JsonClient = field(default_factory=lambda: JsonClient(CREDS.data))  # the framework's dispatch
@@ -54,7 +114,7 @@ class Stack:
     def participant(self, kind: str) -> Participant:
         return self.servers[kind].app[PARTICIPANT]
 
-    def coordinator(self, store: PostgresEventStore) -> Coordinator:
+    def coordinator(self, store: CheckpointStore) -> Coordinator:
         return Coordinator(store, [HttpParticipant(k, k, self.url(k), TOKEN, self.session) for k in self.servers])
 
     async def episode(self, task: Task, rollout_id: str, seed: int = SEED) -> dict[str, Any]:
@@ -85,15 +145,17 @@ class Stack:
 
 
 async def start_stack(
-    dsn: str, tag: str, backend: ScriptedBackend, agent_cls: type[AgentParticipant] = AgentParticipant
+    database: str | Backing, tag: str, backend: ScriptedBackend, agent_cls: type[AgentParticipant] = AgentParticipant
 ) -> Stack:
-    stores: list[PostgresEventStore] = []
+    """The four servers on `database` (a PostgreSQL DSN, or a MemoryBacking)."""
+    backing = backing_of(database)
+    stores: list[Store] = []
 
-    def store(kind: str) -> PostgresEventStore:
-        stores.append(PostgresEventStore.connect(dsn, writer=f"{kind}-{tag}"))
+    def store(kind: str) -> Store:
+        stores.append(backing.store(f"{kind}-{tag}"))
         return stores[-1]
 
-    tokens = PostgresTokenStore(dsn)
+    tokens = backing.tokens()
     servers: dict[str, TestServer] = {}
 
     async def serve(kind: str, app: Any) -> str:
@@ -102,7 +164,9 @@ async def start_stack(
         servers[kind] = srv
         return str(srv.make_url("")).rstrip("/")
 
-    model = await serve("model", build_model_app(store("model"), backend, tokens, CREDS, f"model-{tag}"))
+    model_store = store("model")
+    model = await serve("model", build_model_app(model_store, backend, backing.model_tokens(model_store), CREDS,
+                                                 f"model-{tag}"))
     resources = await serve("resources", build_resources_app(store("resources"), CREDS, f"resources-{tag}",
                                                              sandbox=SandboxLimits()))
     agent = await serve("agent", build_agent_app(store("agent"), CREDS, model, resources, f"agent-{tag}", agent_cls))

@@ -1,6 +1,6 @@
 """A coordinator in a process of its own, so the random-fault suite can SIGKILL it mid-checkpoint.
 
-    python -m tests.coordinator_child --config FILE --run-id ID --rollouts N --checkpoint CK --deadline-s S
+    python -m testkit.coordinator_child --config FILE --run-id ID --rollouts N --checkpoint CK --deadline-s S
 
 It does what `rollbook run` does at each checkpoint (apps.collection.Collection.checkpoint:
 prepare, commit, publish, resume) for the run's rollouts. It prints `ready` once it is connected

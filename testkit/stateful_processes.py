@@ -1,25 +1,25 @@
 """Control operations and real faults in random order, against real processes.
 
 The four servers run as separate processes (apps.processes.ServerProcesses, each in its own
-process group) on a PostgreSQL server of the suite's own (tests.pg.restartable_server), so the
+process group) on a PostgreSQL server of the suite's own (testkit.pg.restartable_server), so the
 faults are the real ones:
 
 - kill_servers: SIGKILL of any non-empty subset of the four, restarted after a pause in which the
   framework's dispatches go on against whatever is left;
-- kill_coordinator: a coordinator process (tests/coordinator_child.py, which checkpoints as
+- kill_coordinator: a coordinator process (testkit/coordinator_child.py, which checkpoints as
   `rollbook run` does) SIGKILLed a drawn delay into its checkpoint: its lease runs out on the
   servers, and a cut it managed to commit is restorable like any other;
 - restart_postgres: `pg_ctl restart -m fast` while the rollouts run (every connection dropped);
 - drop_connections: pg_terminate_backend of every other connection to the database;
 - crash_and_restore: SIGKILL of all four, fresh processes restore the latest committed cut;
 
-mixed with the control operations of tests/stateful_control.py (dispatch, prepare, commit,
-publish, resume, retire, forget). After every step the invariants of tests/stateful_control.py
+mixed with the control operations of testkit/stateful_control.py (dispatch, prepare, commit,
+publish, resume, retire, forget). After every step the invariants of testkit/stateful_control.py
 are read through the public SQL views, plus: no model call generated twice for one turn, no tool
 call applied twice and no agent turn recorded twice within one attempt (a restarted server that
 redid its own work); at the end of each sequence every rollout that was not
 retired must have finished exactly once by its latest attempt, nothing may have been done twice
-within an attempt or again by a continued attempt (tests/e2e/conftest.py's lineage queries), and
+within an attempt or again by a continued attempt (testkit/log_queries.py), and
 every server must be idle.
 
 The processes and the database live for the whole hypothesis run (starting them per sequence
@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import text
 
+from adapters.pg_pool import with_retry
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
@@ -53,10 +54,9 @@ from apps.processes import ServerProcesses, free_port
 from engine.coordinator import Coordinator
 from engine.phases import LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
-from tests.checkpoint_rules import CheckpointRules
-from tests.e2e.conftest import REPEATED_CALLS
-from tests.e2e.test_recovery import REGENERATED_ACROSS, REPEATED_MUTATIONS, REPEATED_TURNS
-from tests.stateful_control import (
+from testkit.checkpoint_rules import CheckpointRules
+from testkit.log_queries import REGENERATED_ACROSS, REPEATED_CALLS, REPEATED_MUTATIONS, REPEATED_TURNS
+from testkit.stateful_control import (
     AFTER_FENCE,
     CALL_COMPLETED_TWICE,
     FINISHED_TWICE,
@@ -131,7 +131,7 @@ class _Collection(Collection):
 
 
 class FaultMachine(CheckpointRules, RuleBasedStateMachine):
-    # dispatch, prepare, commit, publish and resume: tests/checkpoint_rules.py
+    # dispatch, prepare, commit, publish and resume: testkit/checkpoint_rules.py
     CHECKPOINT_TAG = "m"
     START_TIMEOUT_S = 60.0
     tally = TALLY
@@ -166,8 +166,10 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         return self.coll.coordinator(self.session)
 
     async def _rows(self, sql: str, **params: Any) -> list[Any]:
-        async with self.store.engine.connect() as conn:
-            return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%", **params}))
+        async def read() -> list[Any]:
+            async with self.store.engine.connect() as conn:
+                return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%", **params}))
+        return await with_retry(read, what="an invariant's query")  # across a restarted PostgreSQL
 
     def _restart(self, kinds: tuple[str, ...]) -> None:
         if kinds:
@@ -248,7 +250,7 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         ck = f"{self.run_id}-k{next(self.counter)}"
         self._live_now("kill_coordinator")
         child = subprocess.Popen(
-            [sys.executable, "-m", "tests.coordinator_child", "--config", str(self.world.config_path), "--run-id",
+            [sys.executable, "-m", "testkit.coordinator_child", "--config", str(self.world.config_path), "--run-id",
              self.run_id, "--rollouts", str(ROLLOUTS), "--checkpoint", ck, "--deadline-s", str(COORDINATOR_DEADLINE_S)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
         assert child.stdin is not None and child.stdout is not None

@@ -18,7 +18,7 @@ required_prefix_token_ids), "drift" (report other prompt ids, as a server that r
 partial text differently would), "refuse" (answer 400 to a continuation). `requests` keeps every
 body received.
 
-Run alone: `python -m tests.fake_vllm --port 8000` (the e2e suite starts it as a process; there
+Run alone: `python -m testkit.fake_vllm --port 8000` (the e2e suite starts it as a process; there
 `POST /fake/stall` stalls every stream before its next step and `POST /fake/unstall` lets them all go).
 """
 

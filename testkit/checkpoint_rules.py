@@ -1,7 +1,7 @@
 """The checkpoint rules both stateful machines share: dispatch, prepare, commit, publish, resume, and an
 online checkpoint (the same cut from the log alone, with every server running).
 
-tests/stateful_control.py (in-process servers) and tests/stateful_processes.py (server processes,
+testkit/stateful_control.py (in-process servers) and testkit/stateful_processes.py (server processes,
 SIGKILL and database restarts) drive the same coordinator the same way; only their faults differ.
 A machine mixes this in before RuleBasedStateMachine and provides `run`, `coordinator`, `_rows`,
 `coll`, `session`, the state below, `CHECKPOINT_TAG` (the id's infix) and `tally` (its module's

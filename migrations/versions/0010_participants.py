@@ -7,14 +7,14 @@ engine/membership.py: `stopped` (its last event is `instance_stopped`), `superse
 instance of its kind started at its address), `live` (renewed less than `lease_s` ago), else
 `expired`.
 
-Revision ID: 0008_participants
-Revises: 0007_c14_boundary_delta
+Revision ID: 0010_participants
+Revises: 0009_ui_views
 """
 
 from alembic import op
 
-revision = "0008_participants"
-down_revision = "0007_c14_boundary_delta"
+revision = "0010_participants"
+down_revision = "0009_ui_views"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,285 @@
+"""Reading the event log and the projections on PostgreSQL: what `PostgresEventStore` answers.
+
+Every read runs in autocommit: one statement, no BEGIN and no ROLLBACK around it (a read is one
+statement, so it sees one snapshot anyway). Every read is retried across a lost connection
+(`retrying`), then reports `database_unavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import namedtuple_row
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from adapters.database import libpq_dsn
+from adapters.pg_pool import connection_lost, drop_pool, reading, retrying
+from engine import catalog as ev
+from engine.events import RecordedEvent
+
+CHANNEL = "rollbook_events"
+# Every append takes this lock first; so do a rebuild (no append may interleave) and head() (it
+# waits for an append in flight, so the head it returns counts that append).
+LOCK_LOG_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
+
+
+_COLUMNS = "position, stream, stream_version, kind, data, schema_version, rollout_id, attempt, writer, hash, recorded_at"
+
+
+def _row_to_event(row: Any) -> RecordedEvent:
+    return RecordedEvent(
+        position=row.position,
+        stream=row.stream,
+        stream_version=row.stream_version,
+        kind=row.kind,
+        data=row.data,
+        rollout_id=row.rollout_id,
+        attempt=row.attempt,
+        schema_version=row.schema_version,
+        writer=row.writer,
+        hash=bytes(row.hash),
+        recorded_at=row.recorded_at,
+    )
+
+
+class LogReads:
+    """The reads of the store; PostgresEventStore (adapters.postgres) adds the append path."""
+
+    engine: AsyncEngine
+    dsn: str
+    patience_s: float
+
+    def _reading(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return reading(self.engine)
+
+    @contextlib.asynccontextmanager
+    async def _driver_connection(self, autocommit: bool = False) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The psycopg connection under a pooled SQLAlchemy one: the append path needs pipeline
+        mode, which SQLAlchemy does not offer, and a large read is twice as fast without SQLAlchemy's
+        row processing. The pool still owns the connection's life."""
+        async with self.engine.connect() as pooled:
+            if autocommit:
+                pooled = await pooled.execution_options(isolation_level="AUTOCOMMIT")
+            raw = await pooled.get_raw_connection()
+            try:
+                yield raw.driver_connection
+            except BaseException as exc:
+                if connection_lost(exc) or raw.driver_connection.closed:
+                    # psycopg raised past SQLAlchemy, which would hand this dead connection out again,
+                    # and its siblings from before the same restart with it.
+                    await pooled.invalidate()
+                    await drop_pool(self.engine)
+                raise
+
+
+    # ---- reading --------------------------------------------------------------------------
+
+    @retrying("reading the log head")
+    async def head(self) -> int:
+        async with self._reading() as conn:
+            return int((await conn.execute(text(LOCK_LOG_HEAD))).scalar_one())
+
+    async def read_stream(self, stream: str, after_version: int = 0, to_version: int | None = None) -> list[RecordedEvent]:
+        where = "stream = :s AND stream_version > :v"
+        params: dict[str, Any] = {"s": stream, "v": after_version}
+        if to_version is not None:
+            where += " AND stream_version <= :t"
+            params["t"] = to_version
+        return await self._select_events(where, params, "ORDER BY stream_version")
+
+    async def read_all(self, after: int = 0, limit: int = 1000, to: int | None = None) -> list[RecordedEvent]:
+        where = "position > :a"
+        params: dict[str, Any] = {"a": after, "l": limit}
+        if to is not None:
+            where += " AND position <= :t"
+            params["t"] = to
+        return await self._select_events(where, params, "ORDER BY position LIMIT :l")
+
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]:
+        where = "rollout_id = :r"
+        params: dict[str, Any] = {"r": rollout_id}
+        if attempt is not None:
+            where += " AND attempt = :n"
+            params["n"] = attempt
+        if to is not None:
+            where += " AND position <= :t"
+            params["t"] = to
+        return await self._select_events(where, params, "ORDER BY position")
+
+    @retrying("reading events")
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
+        """Every event of these rollouts up to `to`, in log order, in one query (restore's one pass).
+        On the driver connection: SQLAlchemy's row processing doubled the time of a large read."""
+        if not rollout_ids:
+            return []
+        where = "rollout_id = ANY(%(r)s)" + ("" if to is None else " AND position <= %(t)s")
+        async with self._driver_connection(autocommit=True) as conn, conn.cursor(row_factory=namedtuple_row) as cur:
+            await cur.execute(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} ORDER BY position",
+                              {"r": list(rollout_ids), "t": to})
+            return [_row_to_event(r) for r in await cur.fetchall()]
+
+    @retrying("reading stream hashes")
+    async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
+        if not versions:
+            return {}
+        async with self._driver_connection(autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT e.stream, e.stream_version, e.hash FROM unnest(%s::text[], %s::int[]) AS k(s, v) "
+                "JOIN rollbook.events e ON e.stream = k.s AND e.stream_version = k.v",
+                ([s for s, _ in versions], [v for _, v in versions]))
+            return {(r[0], r[1]): bytes(r[2]) for r in await cur.fetchall()}
+
+    @retrying("reading events")
+    async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
+        async with self._reading() as conn:
+            rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
+            return [_row_to_event(r) for r in rows]
+
+    async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
+        """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
+        conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True)
+        try:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            while True:
+                batch = await self.read_all(after, 1000)
+                for e in batch:
+                    yield e
+                    after = e.position
+                if len(batch) == 1000:
+                    continue
+                async for _ in conn.notifies(timeout=poll_seconds, stop_after=1):
+                    pass
+        finally:
+            await conn.close()
+
+    # ---- what a cut needs -------------------------------------------------------------------
+
+    @retrying("reading attempts")
+    async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[tuple[str, int], dict[str, Any]]:
+        async with self._reading() as conn:
+            rows = await conn.execute(
+                text("SELECT a.*, r.retired_through FROM rollbook.attempt_state a "
+                     "LEFT JOIN rollbook.rollout_state r USING (rollout_id) WHERE a.rollout_id = ANY(:r)"),
+                {"r": list(rollout_ids)},
+            )
+            return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
+
+    @retrying("reading attempts")
+    async def live_attempts(self) -> dict[tuple[str, int], dict[str, Any]]:
+        async with self._reading() as conn:
+            rows = await conn.execute(text("SELECT * FROM rollbook.attempt_state WHERE status IN ('live', 'finished')"))
+            return {(r.rollout_id, r.attempt): dict(r._mapping) for r in rows}
+
+    @retrying("reading boundaries")
+    async def latest_boundaries(
+        self, keys: Sequence[tuple[str, int]], position: int, kinds: Sequence[str]
+    ) -> dict[tuple[str, int], int]:
+        if not keys:
+            return {}
+        async with self._reading() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT k.r, k.a, (SELECT max(e.position) FROM rollbook.events e WHERE e.rollout_id = k.r "
+                    "AND e.attempt = k.a AND e.position <= :p AND e.kind = ANY(:kinds)) AS b "
+                    "FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[])) AS k(r, a)"
+                ),
+                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "kinds": list(kinds)},
+            )
+            return {(r.r, r.a): r.b for r in rows if r.b is not None}
+
+    @retrying("reading stream heads")
+    async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
+        """Each rollout's streams at their last version at or below `position`; reads no event data
+        (the hash of a stream's head covers every earlier event of that stream)."""
+        out: dict[str, list[tuple[str, int, bytes]]] = {r: [] for r in rollout_ids}
+        if not rollout_ids:
+            return out
+        async with self._reading() as conn:
+            rows = await conn.execute(
+                text(
+                    "SELECT DISTINCT ON (e.rollout_id, e.stream) e.rollout_id, e.stream, e.stream_version, e.hash "
+                    "FROM rollbook.events e WHERE e.rollout_id = ANY(CAST(:rs AS text[])) AND e.position <= :p "
+                    "ORDER BY e.rollout_id, e.stream, e.stream_version DESC"
+                ),
+                {"rs": list(rollout_ids), "p": position},
+            )
+            for r in rows:
+                out[r.rollout_id].append((r.stream, r.stream_version, bytes(r.hash)))
+        return out
+
+    @retrying("reading checkpoints")
+    async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
+        async with self._reading() as conn:
+            rows = await conn.execute(
+                text("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"),
+                {"ph": list(phases)},
+            )
+            return [r for (r,) in rows]
+
+    @retrying("reading a retire mark")
+    async def session_revision(self, rollout_id: str, attempt: int) -> int | None:
+        """The revision the session projection records for an attempt (None: it never opened one)."""
+        async with self._reading() as conn:
+            return (await conn.execute(
+                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
+                {"r": rollout_id, "a": attempt})).scalar()
+
+    @retrying("reading the fence position")
+    async def fence_position(self) -> int:
+        """engine.attempts.AttemptStore: one single-row read, no lock (an append in flight has not
+        fenced anything yet; once it commits, this read sees it)."""
+        async with self._reading() as conn:
+            return int((await conn.execute(text("SELECT fence_position FROM rollbook.log_head WHERE id = 1"))).scalar() or 0)
+
+    @retrying("reading an attempt")
+    async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
+        """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one statement."""
+        async with self._reading() as conn:
+            row = (await conn.execute(text(
+                "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
+                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
+            return row[0], -1 if row[1] is None else int(row[1])
+
+    @retrying("reading sessions")
+    async def open_sessions(self) -> dict[tuple[str, int], str]:
+        """The environment of each live attempt's open resources session, as the log records it."""
+        async with self._reading() as conn:
+            rows = await conn.execute(text(
+                "SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
+                "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'"))
+            return {(r.rollout_id, r.attempt): r.env for r in rows}
+
+    @retrying("reading restart-only executions")
+    async def restart_only_at(self, boundaries: dict[tuple[str, int], int]) -> list[tuple[str, int]]:
+        if not boundaries:
+            return []
+        keys = list(boundaries)
+        async with self._reading() as conn:
+            rows = await conn.execute(text(
+                "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) AS k(r, a, b)"
+                " WHERE EXISTS ("
+                " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = :opened"
+                " AND o.position <= k.b AND o.data->>'state_mode' = 'restart_only' AND NOT EXISTS ("
+                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
+                "  AND c.position > o.position AND c.position <= k.b)"
+                ") OR EXISTS ("
+                " SELECT 1 FROM rollbook.events g WHERE g.rollout_id = k.r AND g.attempt = k.a AND g.kind = :boundary"
+                " AND g.position <= k.b AND g.data->>'continuable' = 'false' AND NOT EXISTS ("
+                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :completed"
+                "  AND c.position > g.position AND c.position <= k.b))"),
+                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "bs": [boundaries[k] for k in keys],
+                 "opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
+                 "completed": ev.ACTIVATION_COMPLETED})
+            return sorted((r.r, r.a) for r in rows)
+
+    @retrying("reading a retire mark")
+    async def retired_through(self, rollout_id: str) -> int:
+        async with self._reading() as conn:
+            mark = (
+                await conn.execute(text("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r"), {"r": rollout_id})
+            ).scalar()
+            return -1 if mark is None else int(mark)

@@ -1,0 +1,110 @@
+"""`rollbook nemo-gym install`: the smallest environment that runs NeMo Gym 0.7.0's resources servers unchanged.
+
+nemo-gym declares Python >= 3.13.14 and depends on about 1.4 GB (MLflow, datasets, ray[default], ...).
+A resources server imports far less: nemo-gym itself, installed `--no-deps`, and the pinned list below,
+each `--no-deps` too (what `nemo_gym.base_resources_server`, its server stack and Workplace Assistant's
+pandas tools import; `ray` is there for its version metadata, which `nemo_gym.global_config` reads at
+import, never started). It goes into a virtual environment of its own, built once with a Python 3.13
+(`--python`, else ROLLBOOK_PY313, else pyenv's newest 3.13, else `python3.13` on PATH) under
+ROLLBOOK_NEMO_GYM_HOME (default ~/.cache/rollbook), in a folder named by a hash of the list, so a
+changed list builds anew and an interrupted build is never taken for a finished one.
+
+A user with a NeMo Gym checkout of their own does not need this: `python` and `paths` in the
+`[nemo_gym.<name>]` table point at it (docs/nemo-gym.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+NEMO_GYM = "nemo-gym==0.7.0"
+REQUIREMENTS = """
+aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0
+antlr4-python3-runtime==4.9.3 anyio==4.16.0 attrs==26.1.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3
+click==8.5.1 cwevals==0.0.1b1 distro==1.9.0 fastapi==0.165.0 frozenlist==1.8.0 googleapis-common-protos==1.76.0
+h11==0.16.0 httpcore==1.0.9 httpcore2==2.16.2 httptools==0.9.0 httpx==0.28.1 httpx2==2.16.2 hydra-core==1.3.8
+idna==3.20 itsdangerous==2.2.0 jiter==0.19.0 markdown-it-py==4.3.0 mdurl==0.1.2 multidict==7.2.1 numpy==2.5.5
+omegaconf==2.3.1 openai==2.44.0 opentelemetry-api==1.45.2 opentelemetry-exporter-http-transport==0.66b2
+opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-otlp-proto-common==1.45.2
+opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-proto==1.45.2 opentelemetry-sdk==1.45.2
+opentelemetry-semantic-conventions==0.66b2 orjson==3.13.0 packaging==26.4 pandas==3.1.1 platformdirs==4.14.9
+propcache==0.5.4 protobuf==7.36.2 pydantic==2.14.4 pydantic_core==2.50.5 pydot==4.0.1 Pygments==2.21.0
+pyparsing==3.3.3 python-dateutil==4.0.0 PyYAML==6.0.4 ray==2.60.0 requests==2.34.2 rich==15.0.0 scipy==1.18.1
+six sniffio==1.3.1 starlette==1.10.0 tqdm==4.70.1 truststore==0.10.5 typing-inspection==0.4.5
+typing_extensions==4.16.0 tzdata==2026.6 urllib3==2.8.0 uvicorn==0.54.0 wandb==0.31.0 xxhash==4.1.0
+yappi==1.7.6 yarl==1.25.1
+""".split()
+WORKPLACE = "resources_servers.workplace_assistant.app"
+
+
+def home() -> Path:
+    return Path(os.environ.get("ROLLBOOK_NEMO_GYM_HOME") or Path.home() / ".cache" / "rollbook")
+
+
+def venv_dir() -> Path:
+    key = hashlib.sha256(" ".join([NEMO_GYM, *REQUIREMENTS]).encode()).hexdigest()[:12]
+    return home() / f"nemo-gym-0.7.0-{key}"
+
+
+def installed_python() -> Path:
+    """The installed environment's Python (it may not exist yet: `install` builds it)."""
+    return venv_dir() / "bin" / "python"
+
+
+def python313() -> Path:
+    explicit = os.environ.get("ROLLBOOK_PY313")
+    if explicit:
+        return Path(explicit)
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    found = sorted(root.glob("versions/3.13*/bin/python"))
+    if found:
+        return found[-1]
+    which = shutil.which("python3.13")
+    if which:
+        return Path(which)
+    raise ConfigError("no Python 3.13 found (NeMo Gym 0.7.0 needs one)",
+                      "pass --python, or set ROLLBOOK_PY313 to a Python 3.13 interpreter")
+
+
+def install(python: Path | None = None) -> tuple[Path, float]:
+    """Build the environment unless it is complete; its Python and the seconds the build took (0: cached)."""
+    venv = venv_dir()
+    if (venv / "complete").exists():
+        return venv / "bin" / "python", 0.0
+    t0 = time.monotonic()
+    # Built where it will live (a virtual environment names its folder in its scripts); the marker,
+    # written last, is what says it is finished, so an interrupted build is built again.
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(python or python313()), "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    "--no-deps", "--ignore-requires-python", NEMO_GYM, *REQUIREMENTS], check=True, timeout=3600)
+    check = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {WORKPLACE}"], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise ConfigError(f"the NeMo Gym environment at {venv} does not import {WORKPLACE}: {check.stderr[-800:]}",
+                          "remove that folder and install again")
+    (venv / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
+    return venv / "bin" / "python", time.monotonic() - t0
+
+
+def _install(args: argparse.Namespace) -> int:
+    python, seconds = install(Path(args.python) if args.python else None)
+    print(f"{python}  ({f'built in {seconds:.0f} s' if seconds else 'already installed'})")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    gym = sub.add_parser("nemo-gym", help="NeMo Gym resources servers: install what runs them")
+    gsub = gym.add_subparsers(dest="nemo_gym_command", required=True)
+    inst = gsub.add_parser("install", help="build the environment that runs NeMo Gym 0.7.0's resources servers")
+    inst.add_argument("--python", help="a Python 3.13 interpreter (default: pyenv's, or python3.13)")
+    inst.set_defaults(func=_install)

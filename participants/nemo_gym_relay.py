@@ -1,0 +1,378 @@
+"""NeMo Gym resources servers, unchanged, as rollbook environments: every call relayed and recorded.
+
+A configured server (`[nemo_gym.<name>]`, apps/config.py) becomes the environment `<name>`: its
+tasks are NeMo Gym's own data rows (`params.row`), its tools the row's, and its session a live
+session on the NeMo Gym server (`/seed_session`, one `POST /<tool>` per call, `/verify`,
+`/close_session`, the session in NeMo Gym's cookie, kept per rollbook session). rollbook starts the
+server as a process of its own with NeMo Gym's Python (`participants/nemo_gym_launcher.py`), or
+relays to one the operator runs (`url`).
+
+Its state in rollbook is the record of the calls it relayed (engine.tool_replay): each call is one
+`mutation_applied` whose effect is `{tool, arguments, digest}` of the reply. A live session that is
+gone (a server restart, a resources-server restart, a restore) is rebuilt, for a server declared
+`replay`, by seeding a fresh one and sending the record again; a reply that differs ends the
+attempt (`replay_divergence`). A `restart_only` server's lost session restarts the rollout.
+
+The live half does blocking HTTP: the resources server calls it in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.cookiejar
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from engine import tool_replay
+from engine.catalog import SESSION_REPLAYED
+from engine.errors import AttemptLost, InvalidRequest, ParticipantUnavailable, ReplayDivergence
+from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
+from participants.environments.base import JSON
+from participants.environments.players import Answer, Call, Player, Step
+from participants.nemo_gym_wire import responses_object
+
+LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
+# A NeMo Gym resources server's own routes (its RESERVED_MCP_TOOL_NAMES, and more): never a tool call.
+SERVER_ENDPOINTS = frozenset({"seed_session", "close_session", "verify", "aggregate_metrics", "mcp", "reverify_mode",
+                              "health", "healthz", "livez", "readyz", "docs", "openapi"})
+# The resources server's append of one event to a session's stream (under the session's lock).
+Appender = Callable[[Any, str, dict[str, Any]], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class GymServer:
+    """One configured NeMo Gym resources server (the config's `[nemo_gym.<name>]`)."""
+
+    name: str  # the rollbook environment it becomes
+    module: str  # e.g. resources_servers.workplace_assistant.app
+    state: tool_replay.Declaration = tool_replay.UNDECLARED
+    url: str | None = None  # an operator-run server; None: rollbook starts one
+    python: str | None = None  # NeMo Gym's interpreter, when rollbook starts it
+    paths: tuple[str, ...] = ()  # folders put in front of its sys.path (a NeMo Gym checkout)
+    port: int | None = None  # where a server rollbook starts listens
+    start_timeout_s: float = 180.0
+    call_timeout_s: float = 120.0
+
+
+class LiveGone(Exception):
+    """The live session is not there any more (its server restarted or cannot be reached)."""
+
+
+class GymProcess:
+    """The server rollbook runs for one configuration, in this resources server's process group (a
+    SIGKILL of the group takes it along); started on first use and again when it died."""
+
+    def __init__(self, server: GymServer) -> None:
+        self.server = server
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lock = threading.Lock()
+        self.starts = 0
+
+    def base_url(self) -> str:
+        if self.server.url is not None:
+            return self.server.url.rstrip("/")
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def _start(self) -> None:
+        s = self.server
+        if s.python is None or s.port is None:
+            raise LiveGone(f"{s.name}: no NeMo Gym python or port configured to start {s.module}")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update({"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+        log = open(os.environ.get("ROLLBOOK_GYM_LOG", os.devnull), "ab")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen([s.python, str(LAUNCHER), s.module, s.name, str(s.port), *s.paths],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.starts += 1
+        deadline = time.monotonic() + s.start_timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise LiveGone(f"{s.name}: {s.module} exited with {self.proc.returncode}") from None
+                if time.monotonic() > deadline:
+                    raise LiveGone(f"{s.name}: {s.module} did not answer in {s.start_timeout_s} s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+
+
+@dataclass
+class Live:
+    """One live NeMo Gym session: its cookie, and which server process it lives in."""
+
+    base_url: str
+    proc: subprocess.Popen[bytes] | None
+    timeout_s: float
+    live_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    jar: http.cookiejar.CookieJar = field(default_factory=http.cookiejar.CookieJar)
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        """The reply's JSON; LiveGone when the session's server is not the one that seeded it any more."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise LiveGone(f"the server of live session {self.live_id} exited")
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
+        req = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+        try:
+            with opener.open(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")[:500]
+            if exc.code >= 500:
+                raise LiveGone(f"{path}: {exc.code} {text}") from None
+            raise ToolError("gym_refused", f"{path}: {exc.code} {text}") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LiveGone(f"{path}: {exc}") from None
+
+
+def row_of(task: Task) -> dict[str, Any]:
+    row = task.params.get("row")
+    if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
+        raise ToolError("bad_task", "a NeMo Gym task's params.row must be a data row with responses_create_params")
+    return row
+
+
+def chat_tools(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's Responses-API function tools as the chat-completions tools the agent offers."""
+    out = []
+    for t in row["responses_create_params"].get("tools") or []:
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str):
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+            out.append({"type": "function", "function": fn})
+    return out
+
+
+class NemoGymEnvironment(Environment):
+    """The base of every configured server's environment class (`register` makes one per server)."""
+
+    server: ClassVar[GymServer]
+    process: ClassVar[GymProcess]
+    relayed: ClassVar[bool] = True
+
+    def tools(self) -> list[dict]:
+        return []  # the row's: task_tools
+
+    def task_tools(self, task: Task) -> list[dict[str, Any]]:
+        return chat_tools(row_of(task))
+
+    def initial_state(self, task: Task) -> JSON:
+        row_of(task)
+        return []  # the record of relayed calls (engine.tool_replay)
+
+    def call_tool(self, state: JSON, name: str, arguments: dict) -> ToolOutcome:
+        raise ToolError("relayed", f"{self.name} is relayed to NeMo Gym: its calls go through a live session")
+
+    def apply(self, state: JSON, effect: JSON) -> JSON:
+        return tool_replay.record(state, effect)
+
+    def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
+        raise ToolError("relayed", f"{self.name} is verified by its NeMo Gym server, in a live session")
+
+    # ---- the live half (blocking: called in a thread) ---------------------------------------
+
+    def open_live(self, task: Task) -> Live:
+        proc = self.process
+        base = proc.base_url()
+        live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s)
+        live.post("/seed_session", {})
+        return live
+
+    def revive(self, task: Task, calls: list[dict[str, Any]]) -> Live:
+        """A fresh live session with the record sent again (replay), or none sent (stateless).
+        Raises ReplayDivergence when a reply is not the recorded one."""
+        if not tool_replay.continues(self.server.state):
+            raise ReplayDivergence(f"{self.name} is restart_only: its lost session cannot be rebuilt")
+        for tries in range(2):  # the server may die again mid-replay: once more from a fresh process
+            live = self.open_live(task)
+            try:
+                if self.server.state == "replay":  # a stateless server has nothing to rebuild
+                    tool_replay.replay(calls, lambda tool, args, live=live: self._send(live, tool, args))
+                return live
+            except LiveGone:
+                if tries:
+                    raise
+        raise AssertionError("unreachable")
+
+    def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None) -> ToolOutcome:
+        reply = self._send(live, name, arguments)
+        return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call))
+
+    @staticmethod
+    def _send(live: Live, name: str, arguments: dict[str, Any]) -> Any:
+        # The name reaches a URL path: one plain segment, never one of the server's own endpoints.
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name) or name in SERVER_ENDPOINTS:
+            raise ToolError("unknown_tool", f"{name[:80]!r} is not a tool of this server")
+        return live.post("/" + name, arguments)
+
+    def verify_live(self, live: Live, task: Task, trajectory: Trajectory) -> float:
+        """The row's own fields, with the Responses-API `response` NeMo Gym's verify reads."""
+        row = row_of(task)
+        response = responses_object(task.task_id, trajectory.messages, {}, time.time())
+        del response["usage"]  # optional in NeMo Gym's response, and its token counts are the model server's
+        reply = live.post("/verify", {**row, "response": response})
+        return float(reply["reward"])
+
+    def close_live(self, live: Live) -> None:
+        try:
+            live.post("/close_session", {"resources_session_id": live.live_id})
+        except (LiveGone, ToolError):
+            pass  # a server that keeps nothing per session, or is gone: nothing left to release
+
+
+def register(servers: list[GymServer]) -> None:
+    """Make each configured server an environment of this process (idempotent per configuration)."""
+    for s in servers:
+        existing = ENVIRONMENTS.get(s.name)
+        if existing is not None and not issubclass(existing, NemoGymEnvironment):
+            raise InvalidRequest(f"nemo_gym.{s.name}: an environment named {s.name!r} is registered already")
+        if existing is not None and existing.server == s:
+            continue
+        mode = {"replay": "replay", "stateless": "stateless", "restart_only": "restart_only"}[s.state]
+        cls = type(f"NemoGym_{s.name}", (NemoGymEnvironment,), {
+            "name": s.name, "state_mode": mode, "verification": "replay" if tool_replay.continues(s.state) else "wait",
+            "server": s, "process": GymProcess(s), "scripted": GYM_PLAYER})
+        ENVIRONMENTS[s.name] = cls
+
+
+def relayed(env: Environment) -> bool:
+    return isinstance(env, NemoGymEnvironment)
+
+
+def live_id(s: Any) -> dict[str, str]:
+    """The live NeMo Gym session an event of a relayed session was applied in (none for the others)."""
+    return {"live": s.live.live_id} if isinstance(s.live, Live) else {}
+
+
+async def ensure_live(s: Any, append: Appender) -> Live:
+    """The session's live NeMo Gym session, or a fresh one rebuilt from its record (one
+    `session_replayed`). A restart-only server's lost session ends the attempt (`lost: session`), a
+    replay that does not give back the recorded replies ends it as `replay_divergence`."""
+    if s.live is not None:
+        return s.live  # type: ignore[no-any-return]
+    where = f"rollout {s.rollout_id} attempt {s.attempt}"
+    if s.opened and not tool_replay.continues(s.env.server.state):
+        raise AttemptLost(f"{where}: its restart-only NeMo Gym session is gone", rollout_id=s.rollout_id,
+                          attempt=s.attempt, lost="session")
+    t0 = time.perf_counter()
+    try:
+        live = await asyncio.to_thread(s.env.revive, s.task, list(s.state))
+    except ReplayDivergence as exc:
+        raise AttemptLost(f"{where}: {exc.detail}", rollout_id=s.rollout_id, attempt=s.attempt,
+                          lost="divergence") from exc
+    except LiveGone as exc:
+        raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+    await append(s, SESSION_REPLAYED, {"live": live.live_id, "revision": s.revision, "seconds": time.perf_counter() - t0,
+                                       "tool_calls": [c.get("tool_call") for c in s.state]})
+    s.live = live
+    return live
+
+
+async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> Any:
+    """`blocking(live)` on the session's live session (in a thread); once more on a rebuilt one when
+    the live session turns out to be gone (its server restarted)."""
+    for tries in range(2):
+        live = await ensure_live(s, append)
+        try:
+            return await asyncio.to_thread(blocking, live)
+        except LiveGone as exc:
+            s.live = None
+            if tries:
+                raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory) -> float:
+    """NeMo Gym's verify of the session. Only a rebuild of its live session takes the session's lock:
+    a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint."""
+    for tries in range(2):
+        async with s.lock:
+            live = await ensure_live(s, append)
+        try:
+            return float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory))
+        except LiveGone as exc:
+            if s.live is live:
+                s.live = None
+            if tries:
+                raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+def stop_all() -> None:
+    for cls in ENVIRONMENTS.values():
+        if isinstance(cls, type) and issubclass(cls, NemoGymEnvironment) and hasattr(cls, "process"):
+            cls.process.stop()
+
+
+def task_from_row(env: str, row: dict[str, Any], index: int) -> Task:
+    """A NeMo Gym data row as a rollbook task bound to the configured environment `env`."""
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise InvalidRequest("a NeMo Gym data row needs responses_create_params")
+    raw = params.get("input")
+    if isinstance(raw, str):
+        prompt = raw
+    else:
+        parts = [m.get("content") for m in raw or [] if isinstance(m, dict) and m.get("role") in ("system", "user")]
+        prompt = "\n\n".join(p if isinstance(p, str) else json.dumps(p) for p in parts)
+    task_id = str(row.get("id", index))
+    return Task(env, task_id, prompt, {"row": row})
+
+
+# ---- the scripted stand-in model's play of NeMo Gym's Workplace Assistant ------------------------
+
+
+def _quoted(prompt: str) -> list[str]:
+    return re.findall(r"(?:^|\s)'(.+?)'(?=[\s.,!?;:]|$)", prompt)
+
+
+def _gym_workplace(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
+    """Search the mail for the first quoted phrase, reply to the named sender's latest with the second;
+    without quotes, look the customers up once. A pure function of its inputs, so a replayed or resumed
+    rollout plays the same moves."""
+    request = prompt.split("\n\n")[-1]
+    quoted = _quoted(request)
+    if not quoted:  # look the people up, then stop
+        names = re.findall(r"\b([A-Z][a-z]+)\b", request)[1:3]
+        if len(history) < len(names):
+            return Call("company_directory_find_email_address", {"name": names[len(history)]})
+        return Answer("Done.")
+    if not history:
+        return Call("email_search_emails", {"query": quoted[0]})
+    last = history[-1]
+    if last.name == "email_search_emails" and len(history) == 1:
+        emails = ((last.result or {}).get("output") or {}).get("emails") if isinstance(last.result, dict) else None
+        if emails:
+            who = re.search(r"(\w+)'s", prompt.split("\n\n")[-1])
+            named = [e for e in emails if who and who.group(1).lower() in str(e.get("sender/recipient", "")).lower()]
+            pick = (named or emails)[0]
+            body = quoted[1] if len(quoted) > 1 else "Thanks, noted."
+            return Call("email_reply_email", {"email_id": pick["email_id"], "body": body})
+    return Answer("Done.")
+
+
+GYM_PLAYER = Player(25, lambda names, prompt: {"email_search_emails", "email_reply_email"} <= names, _gym_workplace)

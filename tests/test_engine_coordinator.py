@@ -1,0 +1,374 @@
+"""The coordinator (engine.coordinator) against participants in memory and the cut store in memory:
+the order of each fan-out, what a refusal or a silence does, and what the log records."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from engine.catalog import CHECKPOINT_ABORTED, CHECKPOINT_PREPARED, CHECKPOINT_STARTED
+from engine.coordinator import (
+    PREPARE_ORDER,
+    Coordinator,
+    StepTiming,
+    abort_checkpoint,
+    abort_expired,
+    abort_if_expired,
+)
+from engine.errors import AdmissionClosed, InvalidCheckpointState, InvalidPhase, StaleCheckpoint
+from engine.events import AppendRequest
+from engine.identity import checkpoint_stream
+from engine.log import append_one
+from engine.phases import CheckpointPhases, checkpoint_started
+from tests.memory_cut_store import MemoryCutStore
+from tests.test_checkpoint_engine import episode
+
+
+class Participant:
+    """A participant that answers from a script and writes down every call, in one shared journal."""
+
+    def __init__(self, kind: str, journal: list[tuple[str, str]], name: str | None = None) -> None:
+        self.kind, self.name, self.journal = kind, name or kind, journal
+        self.replies: dict[str, Any] = {}
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
+
+    async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.journal.append((operation, self.name))
+        self.bodies.append((operation, body))
+        reply = self.replies.get(operation, {"ready": True} if operation == "prepare" else {})
+        if isinstance(reply, BaseException):
+            raise reply
+        return dict(reply)
+
+
+def four(journal: list[tuple[str, str]]) -> list[Participant]:
+    return [Participant(k, journal) for k in ("resources", "agent", "environment", "model")]
+
+
+def kinds(store: MemoryCutStore, checkpoint_id: str) -> list[str]:
+    return [e.kind for e in store.events if e.stream == checkpoint_stream(checkpoint_id)]
+
+
+async def test_prepare_runs_the_callers_first_and_the_resources_last_then_records_prepared() -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    parts[1].replies["prepare"] = {"ready": True, "restarts": [{"rollout_id": "r9", "attempt": 1}]}
+    reply = await Coordinator(store, parts).prepare("ck", time.time() + 30)
+    assert reply["ready"] and reply["restarts"] == [["r9", 1]]
+    assert set(reply["reports"]) == set(PREPARE_ORDER)
+    assert {n for _, n in journal[:3]} == {"environment", "model", "agent"} and journal[3] == ("prepare", "resources")
+    assert kinds(store, "ck") == [CHECKPOINT_STARTED, CHECKPOINT_PREPARED]
+    assert store.events[-1].data["restarts"] == [["r9", 1]]
+
+
+async def test_a_participant_of_an_unknown_kind_prepares_last_alone() -> None:
+    journal: list[tuple[str, str]] = []
+    parts = [Participant("custom", journal), *four(journal)]
+    await Coordinator(MemoryCutStore(), parts).prepare("ck", time.time() + 30)
+    assert journal[-1] == ("prepare", "custom")
+
+
+@pytest.mark.parametrize("refusal", [{"ready": False}, AdmissionClosed("closed"), OSError("connection refused")])
+async def test_a_stage_that_is_not_ready_aborts_and_resumes_what_it_touched_and_prepares_no_further(refusal: Any) -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    parts[1].replies["prepare"] = refusal  # the agent
+    reply = await Coordinator(store, parts).prepare("ck", time.time() + 30)
+    assert (reply["ready"], reply["failed"]) == (False, "agent")
+    assert ("prepare", "resources") not in journal
+    resumed = [n for op, n in journal if op == "resume"]
+    assert resumed == ["model", "agent", "environment"]  # callees first; resources never prepared
+    assert kinds(store, "ck") == [CHECKPOINT_STARTED, CHECKPOINT_ABORTED]
+    assert store.events[-1].data["reason"] == "agent not ready"
+    if not isinstance(refusal, dict):
+        assert reply["reports"]["agent"]["ready"] is False and reply["reports"]["agent"]["error"]["code"]
+
+
+async def test_a_checkpoint_id_is_used_once_and_a_past_deadline_writes_nothing() -> None:
+    store = MemoryCutStore()
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    with pytest.raises(StaleCheckpoint, match="checkpoint ck already exists \\(phase prepared\\); use a new id"):
+        await coordinator.prepare("ck", time.time() + 30)
+    head = await store.head()
+    with pytest.raises(Exception, match="deadline"):
+        await coordinator.prepare("ck2", time.time() - 1)
+    assert await store.head() == head
+
+
+async def world(store: MemoryCutStore) -> None:
+    for r in ("r0", "r1", "r5"):
+        await episode(store, r)  # type: ignore[arg-type]
+
+
+async def test_commit_scopes_every_live_attempt_but_the_restart_only_ones_and_records_the_cut() -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    await world(store)
+    parts[3].replies["prepare"] = {"ready": True, "restarts": [{"rollout_id": "r5", "attempt": 0}]}
+    await Coordinator(store, parts).prepare("ck", time.time() + 30)
+    cut = await Coordinator(store, parts).commit("ck", time.time() + 30)  # a new coordinator reads the restarts back
+    assert [(s.rollout_id, s.attempt) for s in cut.scope] == [("r0", 0), ("r1", 0)]
+    assert cut.fresh == (("r5", 0),)
+    assert sorted(n for op, n in journal if op == "commit") == sorted(PREPARE_ORDER)
+    assert kinds(store, "ck")[-1] == "checkpoint_committed"
+    assert store.events[-1].data["digest"] == cut.digest
+
+
+async def test_commit_of_a_named_scope_and_rollouts() -> None:
+    store = MemoryCutStore()
+    await world(store)
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    cut = await coordinator.commit("ck", time.time() + 30, scope=[("r1", 0)], rollouts=["r1"])
+    assert ([(s.rollout_id, s.attempt) for s in cut.scope], cut.rollouts, cut.fresh) == ([("r1", 0)], ("r1",), ())
+
+
+@pytest.mark.parametrize("refusal", [AdmissionClosed("lease expired"), OSError("gone")])
+async def test_a_refused_commit_aborts_and_reopens_every_participant(refusal: Exception) -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    parts[0].replies["commit"] = refusal
+    with pytest.raises((AdmissionClosed, StaleCheckpoint)) as raised:
+        await coordinator.commit("ck", time.time() + 30)
+    assert isinstance(raised.value, type(refusal)) or "did not accept the commit" in str(raised.value)
+    assert kinds(store, "ck")[-1] == CHECKPOINT_ABORTED
+    assert store.events[-1].data["reason"].startswith("commit refused by resources")
+    assert sorted(n for op, n in journal if op == "resume") == sorted(PREPARE_ORDER)
+
+
+async def test_a_participant_that_fails_with_a_bug_fails_the_commit_as_it_is() -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    parts[2].replies["commit"] = KeyError("bug")
+    with pytest.raises(KeyError):
+        await coordinator.commit("ck", time.time() + 30)
+    assert kinds(store, "ck")[-1] == CHECKPOINT_PREPARED
+
+
+async def test_commit_after_the_lease_expired_aborts_instead() -> None:
+    store, journal = MemoryCutStore(), []  # type: ignore[var-annotated]
+    await append_one(store, checkpoint_started("ck", deadline=time.time() - 10))
+    await append_one(store, CheckpointPhases("ck").fire("prepared", restarts=[]))
+    with pytest.raises(StaleCheckpoint, match="its lease expired before commit; it was aborted"):
+        await Coordinator(store, four(journal)).commit("ck", time.time() + 30)
+    assert kinds(store, "ck")[-1] == CHECKPOINT_ABORTED
+    assert [op for op, _ in journal] == ["resume"] * 4
+
+
+async def test_commit_of_a_checkpoint_that_is_not_prepared_is_an_illegal_phase() -> None:
+    store = MemoryCutStore()
+    await append_one(store, checkpoint_started("ck", deadline=time.time() + 30))
+    with pytest.raises(InvalidPhase):
+        await Coordinator(store, four([])).commit("ck", time.time() + 30)
+
+
+async def test_an_abort_that_lands_during_the_commit_wins() -> None:
+    store, journal = MemoryCutStore(), []  # type: ignore[var-annotated]
+    await world(store)
+    parts = four(journal)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+
+    class Aborting(Participant):
+        async def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+            if operation == "commit":
+                assert await abort_checkpoint(store, "ck", "someone else")
+            return await super().call(operation, body)
+
+    coordinator.participants[0] = Aborting("resources", journal)
+    with pytest.raises(StaleCheckpoint, match="was aborted while it was being committed"):
+        await coordinator.commit("ck", time.time() + 30)
+    assert kinds(store, "ck")[-1] == CHECKPOINT_ABORTED
+    assert [op for op, _ in journal].count("resume") == 4
+
+
+async def test_resume_reopens_callees_first_and_goes_on_past_failures() -> None:
+    journal: list[tuple[str, str]] = []
+    parts = four(journal)
+    parts[0].replies["resume"] = OSError("gone")
+    parts[1].replies["resume"] = AdmissionClosed("no")
+    reply = await Coordinator(MemoryCutStore(), parts).resume("ck")
+    assert [n for _, n in journal][:2] in (["model", "resources"], ["resources", "model"])
+    assert [n for _, n in journal][2:] == ["agent", "environment"]
+    assert reply == {"checkpoint_id": "ck", "failures": {"resources": "gone", "agent": "no"}}
+    parts[2].replies["resume"] = KeyError("bug")
+    with pytest.raises(KeyError):
+        await Coordinator(MemoryCutStore(), parts).resume("ck")
+
+
+class Tokens:
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, Any], str]] = []
+
+    async def validate(self, ref: dict[str, Any], checkpoint_id: str) -> None:
+        self.seen.append((ref, checkpoint_id))
+
+
+async def test_publish_needs_the_frameworks_reference_to_name_this_checkpoint() -> None:
+    store = MemoryCutStore()
+    await world(store)
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30)
+    tokens = Tokens()
+    with pytest.raises(InvalidCheckpointState, match="names checkpoint 'other', not ck"):
+        await coordinator.publish("ck", {"checkpoint_id": "other"}, {"t": 1}, tokens)
+    assert tokens.seen == []
+    assert await coordinator.publish("ck", {"checkpoint_id": "ck"}, {"t": 1}, tokens) == {"checkpoint_id": "ck",
+                                                                                          "phase": "published"}
+    assert tokens.seen == [({"t": 1}, "ck")]
+    assert store.events[-1].data == {"checkpoint_id": "ck", "framework_ref": {"checkpoint_id": "ck"},
+                                     "token_snapshot_ref": {"t": 1}}
+
+
+async def test_restore_stages_every_participant_then_installs_the_cut() -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    for ck in ("ck", "gone"):
+        await coordinator.prepare(ck, time.time() + 30)
+        await coordinator.commit(ck, time.time() + 30, scope=[("r0", 0)])
+    await append_one(store, CheckpointPhases("gone", "committed").fire("aborted", reason="operator"))
+    with pytest.raises(InvalidCheckpointState, match="checkpoint gone is aborted; only a committed one can be restored"):
+        await coordinator.restore("gone", time.time() + 30)
+    await episode(store, "r7")  # type: ignore[arg-type]  # started after the cut: fenced and started afresh
+    reply = await coordinator.restore("ck", time.time() + 30)
+    assert reply == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 3, "completed": 0, "left_retired": []}
+    assert sorted(n for op, n in journal if op == "restore") == sorted(PREPARE_ORDER)
+    latest = {r: a for r, a in (await store.attempt_rows(["r0", "r1", "r5", "r7"]))}
+    assert latest == {"r0": 1, "r1": 1, "r5": 1, "r7": 1}
+
+
+async def test_restore_of_a_framework_that_named_its_rollouts_reads_only_theirs() -> None:
+    store = MemoryCutStore()
+    await world(store)
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30, scope=[("r0", 0)], rollouts=["r0", "r1"])
+    await episode(store, "r7")  # type: ignore[arg-type]  # another framework's
+    reply = await coordinator.restore("ck", time.time() + 30)
+    assert (reply["continued"], reply["fresh_dispatch"]) == (1, 1)
+    rows = await store.attempt_rows(["r5", "r7"])
+    assert set(rows) == {("r5", 0), ("r7", 0)}
+
+
+@pytest.mark.parametrize("refusal", [InvalidCheckpointState("staging failed"), OSError("gone")])
+async def test_a_participant_that_cannot_stage_installs_nothing(refusal: Exception) -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30)
+    head = await store.head()
+    parts[1].replies["restore"] = refusal
+    with pytest.raises(InvalidCheckpointState, match="staging failed|participant agent could not restore: gone"):
+        await coordinator.restore("ck", time.time() + 30)
+    assert await store.head() == head
+
+
+async def test_retire_and_forget_go_callers_first() -> None:
+    journal: list[tuple[str, str]] = []
+    coordinator = Coordinator(MemoryCutStore(), four(journal))
+    await coordinator.retire("ck", [("r0", 0)])
+    await coordinator.forget("ck", ["r0"])
+    order = ["environment", "agent", "model", "resources"]
+    assert journal == [("retire", n) for n in order] + [("forget", n) for n in order]
+
+
+async def test_an_open_checkpoint_past_its_lease_is_aborted_once_and_a_closed_one_never() -> None:
+    store = MemoryCutStore()
+    for ck, deadline in (("old", 1000.0), ("fresh", 2000.0), ("done", 1000.0)):
+        await append_one(store, checkpoint_started(ck, deadline=deadline))
+    await append_one(store, CheckpointPhases("old").fire("prepared", restarts=[]))
+    assert not await abort_if_expired(store, "old", now=1001.0)  # within the grace
+    assert not await abort_if_expired(store, "nothing", now=1e9)
+    assert await abort_checkpoint(store, "done", "operator")
+    assert not await abort_checkpoint(store, "done", "again")
+    assert not await abort_checkpoint(store, "nothing", "none")
+    assert await abort_expired(store, now=1500.0) == ["old"]
+    assert await abort_expired(store, now=1500.0) == []
+    assert kinds(store, "old") == [CHECKPOINT_STARTED, CHECKPOINT_PREPARED, CHECKPOINT_ABORTED]
+    assert store.events[-1].data["reason"] == "lease expired"
+    assert kinds(store, "fresh") == [CHECKPOINT_STARTED]
+    assert await abort_expired(store, now=2002.5) == ["fresh"]
+
+
+async def test_a_committed_checkpoint_is_never_aborted() -> None:
+    store = MemoryCutStore()
+    await world(store)
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30)
+    assert not await abort_checkpoint(store, "ck", "late")
+    assert not await abort_if_expired(store, "ck", now=time.time() + 1e6)
+
+
+def test_a_step_is_timed_in_milliseconds_to_two_decimals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "perf_counter", lambda: 10.0)
+    timing = StepTiming()
+    timing.record("prepare", 10.0 - 0.1234567)
+    assert timing.ms == {"prepare": 123.46}
+
+
+async def test_when_several_refuse_a_commit_the_first_participants_refusal_is_the_answer() -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    parts[0].replies["commit"] = AdmissionClosed("resources said no")
+    parts[2].replies["commit"] = AdmissionClosed("environment said no")
+    with pytest.raises(AdmissionClosed, match="resources said no"):
+        await coordinator.commit("ck", time.time() + 30)
+    assert store.events[-1].data["reason"] == "commit refused by resources: resources said no"
+
+
+async def test_resume_retire_and_forget_give_each_participant_thirty_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    parts = four([])
+    coordinator = Coordinator(MemoryCutStore(), parts)
+    await coordinator.resume("ck")
+    await coordinator.retire("ck", [("r0", 2)])
+    await coordinator.forget("ck", ["r0"])
+    assert parts[0].bodies == [
+        ("resume", {"checkpoint_id": "ck", "deadline": 1030.0}),
+        ("retire", {"checkpoint_id": "ck", "deadline": 1030.0, "rollouts": [{"rollout_id": "r0", "through": 2}]}),
+        ("forget", {"checkpoint_id": "ck", "deadline": 1030.0, "rollout_ids": ["r0"]}),
+    ]
+
+
+async def test_an_abort_that_loses_the_race_to_another_writer_says_so_and_writes_nothing() -> None:
+    class Racing(MemoryCutStore):
+        async def read_stream(self, stream: str, after_version: int = 0) -> list[Any]:
+            events = await super().read_stream(stream, after_version)
+            if events and not getattr(self, "raced", False):
+                self.raced = True  # another coordinator commits the checkpoint right after this read
+                await MemoryCutStore.append(self, AppendRequest((CheckpointPhases("ck", "prepared").fire("aborted",
+                                                                                                          reason="other"),)))
+            return events
+
+    store = Racing()
+    await append_one(store, checkpoint_started("ck", deadline=1.0))
+    await append_one(store, CheckpointPhases("ck").fire("prepared", restarts=[]))
+    store.raced = False
+    assert not await abort_checkpoint(store, "ck", "mine")
+    assert [e.data.get("reason") for e in store.events if e.kind == CHECKPOINT_ABORTED] == ["other"]
+
+
+async def test_a_participants_own_refusal_of_a_restore_is_the_answer() -> None:
+    store, parts = MemoryCutStore(), four([])
+    await world(store)
+    coordinator = Coordinator(store, parts)
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30)
+    parts[2].replies["restore"] = AdmissionClosed("this process already served sessions")
+    with pytest.raises(AdmissionClosed, match="this process already served sessions"):
+        await coordinator.restore("ck", time.time() + 30)

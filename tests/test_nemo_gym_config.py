@@ -1,0 +1,90 @@
+"""The `[nemo_gym.<name>]` tables: each names a NeMo Gym resources server as an environment of that name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from apps import config as cfg
+from apps.nemo_gym_install import installed_python
+from apps.nemo_gym_tasks import convert
+from engine.errors import ConfigError, InvalidRequest
+
+SERVERS = {k: cfg.ServerConfig(port=9000 + i) for i, k in enumerate(cfg.KINDS)}
+WORKPLACE = "resources_servers.workplace_assistant.app"
+
+
+def config(**nemo_gym: cfg.NemoGymConfig) -> cfg.Config:
+    return cfg.Config(control_token="control-t0k", data_token="data-t0ken", servers=SERVERS, nemo_gym=nemo_gym)
+
+
+def test_a_table_round_trips_and_each_server_is_an_environment_of_the_deployment(tmp_path: Path) -> None:
+    written = config(gym_workplace=cfg.NemoGymConfig(module=WORKPLACE, state="replay", python="/opt/gym/bin/python",
+                                                     paths=["/src/Gym"], port=9100),
+                     gym_ruler=cfg.NemoGymConfig(module="resources_servers.ruler.app", url="http://127.0.0.1:9200"),
+                     gym_plain=cfg.NemoGymConfig(module=WORKPLACE))
+    cfg.write(written, tmp_path / "rollbook.toml")
+    loaded = cfg.load(tmp_path / "rollbook.toml")
+    assert loaded.nemo_gym == written.nemo_gym
+    assert {"gym_workplace", "gym_ruler", "gym_plain"} <= loaded.environments()
+    servers = {s.name: s for s in loaded.gym_servers(port=lambda: 9300)}
+    assert servers["gym_workplace"].state == "replay" and servers["gym_workplace"].paths == ("/src/Gym",)
+    assert servers["gym_workplace"].port == 9100  # its own port wins
+    assert (servers["gym_ruler"].url, servers["gym_ruler"].python, servers["gym_ruler"].port) == \
+        ("http://127.0.0.1:9200", None, None)  # the operator runs it: nothing to start
+    # A server that declares nothing is restart_only; rollbook starts it with the installed NeMo Gym.
+    assert servers["gym_plain"].state == "restart_only"
+    assert (servers["gym_plain"].python, servers["gym_plain"].port) == (str(installed_python()), 9300)
+
+
+@pytest.mark.parametrize("table, problem", [
+    ('[nemo_gym.workplace]\nmodule = "resources_servers.workplace_assistant.app"\n', "nemo_gym.workplace"),
+    ('[nemo_gym.g]\nmodule = "resources_servers.x.app"\nstate = "deterministic"\n', "nemo_gym.g.state"),
+    ('[nemo_gym.g]\nmodule = "../../etc/passwd"\n', "nemo_gym.g.module"),
+    ('[nemo_gym.g]\nmodule = "m"\ncookie = "x"\n', "nemo_gym.g.cookie"),
+], ids=["shadows-a-registered-environment", "unknown-state", "not-a-module", "unknown-key"])
+def test_a_bad_table_is_refused_naming_it(tmp_path: Path, table: str, problem: str) -> None:
+    cfg.write(config(), tmp_path / "rollbook.toml")
+    path = tmp_path / "rollbook.toml"
+    path.write_text(path.read_text() + "\n" + table)
+    with pytest.raises(ConfigError) as caught:
+        cfg.load(path)
+    assert problem in str(caught.value)
+
+
+def test_from_gym_with_an_environment_binds_each_data_row_as_it_is() -> None:
+    rows = [{"id": 7, "responses_create_params": {"input": [{"role": "system", "content": "Today is Monday."},
+                                                            {"role": "user", "content": "Reply to Ana."}],
+                                                  "tools": [{"type": "function", "name": "email_reply_email",
+                                                             "parameters": {"type": "object"}}]},
+             "ground_truth": [], "category": "email", "environment_name": "workplace_assistant"},
+            {"responses_create_params": {"input": "What is 2 + 2?"}, "outputs": ["4"]}]
+    tasks = convert([json.dumps(r) for r in rows], "rows.jsonl", "gym_workplace")
+    assert [(t.env, t.task_id, t.prompt) for t in tasks] == [
+        ("gym_workplace", "7", "Today is Monday.\n\nReply to Ana."), ("gym_workplace", "1", "What is 2 + 2?")]
+    assert [t.params["row"] for t in tasks] == rows  # verify gets the row's own fields back
+    with pytest.raises(InvalidRequest, match="rows.jsonl:2"):
+        convert([json.dumps(rows[0]), json.dumps({"id": 1})], "rows.jsonl", "gym_workplace")
+
+
+def test_rollbook_run_takes_tasks_of_the_configs_nemo_gym_servers_and_no_other_unknown_one(tmp_path: Path) -> None:
+    from apps.run import load_tasks
+
+    tasks = convert([json.dumps({"id": 3, "responses_create_params": {"input": "hi"}})], "rows.jsonl", "gym_workplace")
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(tasks[0].to_json()) + "\n")
+    assert load_tasks(path, frozenset({"gym_workplace"})) == tasks
+    with pytest.raises(ConfigError, match="unknown environment 'gym_workplace'"):
+        load_tasks(path)
+
+
+def test_a_tool_name_never_reaches_another_path_or_an_endpoint_of_the_server() -> None:
+    from participants.environments import ToolError
+    from participants.nemo_gym_relay import Live, NemoGymEnvironment
+
+    live = Live("http://127.0.0.1:9", None, 1.0)  # nothing listens: a request sent would be LiveGone
+    for name in ("../verify", "verify", "seed_session", "a/b", "email..x?y", "x" * 129):
+        with pytest.raises(ToolError, match="not a tool of this server"):
+            NemoGymEnvironment._send(live, name, {})
