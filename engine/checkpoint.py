@@ -385,19 +385,23 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
         upto_cut = upto[rollout_id]
         mine_start = start.get(rollout_id, {})
         heads[rollout_id] = _rechain(upto_cut, mine_start) if rehash else _recorded_heads(upto_cut, mine_start)
-        for s in entries:
-            mine = [e for e in upto_cut if e.attempt == s.attempt]
-            history = [e for e in mine if e.position <= s.boundary]
-            if not any(e.position == s.boundary for e in history):
-                raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
-            _check_lineage(s, history, cut.position, mine)
-            with_messages(history)  # every agent boundary's conversation rebuilds from its deltas, or the cut is refused
-            items.append(RestoreItem(s, tuple(history)))
+        items += [_restore_item(s, upto_cut, cut.position) for s in entries]
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
     order = {(s.rollout_id, s.attempt): i for i, s in enumerate(cut.scope)}
     items.sort(key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
     return CutHistory(cut, {r: tuple(evs) for r, evs in events.items()}, tuple(items))
+
+
+def _restore_item(s: ScopeEntry, upto_cut: Sequence[RecordedEvent], position: int) -> RestoreItem:
+    """A scoped attempt's history up to its boundary, checked: the boundary is there, its lineage holds."""
+    mine = [e for e in upto_cut if e.attempt == s.attempt]
+    history = [e for e in mine if e.position <= s.boundary]
+    if not any(e.position == s.boundary for e in history):
+        raise InvalidCheckpointState(f"the boundary of {s.rollout_id} attempt {s.attempt} is missing")
+    _check_lineage(s, history, position, mine)
+    with_messages(history)  # every agent boundary's conversation rebuilds from its deltas, or the cut is refused
+    return RestoreItem(s, tuple(history))
 
 
 async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:

@@ -326,25 +326,13 @@ class ModelParticipant(Participant):
                 chain = replaces.split(",")
                 reserved = await self._reserve_replacement(chain[0], call_id, rollout_id, attempt)
                 accepted["replaces"] = call.extra["replaces"] = chain[0]
-                # The newest call of the chain that left something durable: a reply or a cut prefix.
-                old = None
-                for candidate in chain:
-                    old = await self._replaced(candidate, rollout_id, attempt)
-                    if old is not None and old.status in ("completed", "cut"):
-                        break
+                old = await self._newest_durable(chain, rollout_id, attempt)
                 if old is not None and old.status == "completed":
                     return await self._link(call, accepted, old, seen)
                 if old is not None and old.status == "cut" and source is None:  # its own later cut is longer
                     source = old
             if source is not None:
-                receipt = Receipt.from_json(source.data["receipt"])
-                generated = await self.token_store.get(receipt.blob_id)
-                prompt = source.data.get("prompt_receipt")
-                prompt_ids = (await self.token_store.get(Receipt.from_json(prompt).blob_id)).ids if prompt else ()
-                call.restart_from(Prefix(prompt_ids, generated.ids, generated.logprobs or (), source.data.get("partial") or {}))
-                call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
-                accepted["continues"] = {"call_id": source.call_id, "receipt": receipt.to_json()}
-                call.extra["prefix_tokens"] = len(generated.ids)
+                accepted["continues"] = await self._continue_from(call, source)
             # Taken at the version decided on: of two instances that decided alike, one appends, one re-reads.
             await self.store.append(claim((NewEvent(stream_name, ev.CALL_ACCEPTED, accepted, rollout_id, attempt),),
                                           stream_name, seen))
@@ -357,6 +345,26 @@ class ModelParticipant(Participant):
         call.state = "generating"
         call.task = asyncio.get_running_loop().create_task(self._run(call))
         return call
+
+    async def _newest_durable(self, chain: list[str], rollout_id: str, attempt: int) -> CallRecord | None:
+        """The newest call of a replacement chain that left something durable: a reply or a cut prefix."""
+        old = None
+        for candidate in chain:
+            old = await self._replaced(candidate, rollout_id, attempt)
+            if old is not None and old.status in ("completed", "cut"):
+                break
+        return old
+
+    async def _continue_from(self, call: LiveCall, source: CallRecord) -> dict[str, Any]:
+        """Start `call` from the durable prefix `source` cut; what `call_accepted` records of it."""
+        receipt = Receipt.from_json(source.data["receipt"])
+        generated = await self.token_store.get(receipt.blob_id)
+        prompt = source.data.get("prompt_receipt")
+        prompt_ids = (await self.token_store.get(Receipt.from_json(prompt).blob_id)).ids if prompt else ()
+        call.restart_from(Prefix(prompt_ids, generated.ids, generated.logprobs or (), source.data.get("partial") or {}))
+        call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
+        call.extra["prefix_tokens"] = len(generated.ids)
+        return {"call_id": source.call_id, "receipt": receipt.to_json()}
 
     async def _reserve_replacement(self, replaces: str, call_id: str, rollout_id: str, attempt: int) -> tuple[str, int]:
         """One call per attempt may replace a given call (engine.calls.Replacements)."""
