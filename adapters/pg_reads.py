@@ -263,7 +263,10 @@ class LogReads:
                 "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) AS k(r, a, b)"
                 " WHERE EXISTS ("
                 " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = :opened"
-                " AND o.position <= k.b AND o.data->>'state_mode' = 'restart_only' AND NOT EXISTS ("
+                " AND o.position <= k.b AND COALESCE(NULLIF(o.data->>'state_mode', ''), (SELECT s.data->>'state_mode'"
+                "  FROM rollbook.events s WHERE s.rollout_id = k.r AND s.attempt = k.a AND s.kind = :step"
+                "  AND s.data->>'step' = 'seed' AND s.position < o.position ORDER BY s.position DESC LIMIT 1)) = 'restart_only'"
+                " AND NOT EXISTS ("
                 "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
                 "  AND c.position > o.position AND c.position <= k.b)"
                 ") OR EXISTS ("
@@ -273,7 +276,7 @@ class LogReads:
                 "  AND c.position > g.position AND c.position <= k.b))"),
                 {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "bs": [boundaries[k] for k in keys],
                  "opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
-                 "completed": ev.ACTIVATION_COMPLETED})
+                 "completed": ev.ACTIVATION_COMPLETED, "step": ev.EPISODE_STEP})
             return sorted((r.r, r.a) for r in rows)
 
     @retrying("reading a retire mark")

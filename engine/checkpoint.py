@@ -34,7 +34,7 @@ from engine.events import (
 )
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
-from engine.sessions import boundary_disagreement, session_revisions
+from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -218,19 +218,14 @@ def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
     resources session of a restart-only environment is open there, or an activation is in progress
     there on an agent that cannot continue one. The rule of CutStore.restart_only_at, which the
     PostgreSQL store answers in one query."""
-    rebuildable = continuable = True
-    for e in own:
-        if e.position > boundary:
-            break
-        if e.kind == ev.SESSION_OPENED:
-            rebuildable = e.data.get("state_mode") != "restart_only"
-        elif e.kind == ev.SESSION_CLOSED:
-            rebuildable = True
-        elif e.kind == ev.AGENT_BOUNDARY:
+    before = [e for e in own if e.position <= boundary]
+    continuable = True
+    for e in before:
+        if e.kind == ev.AGENT_BOUNDARY:
             continuable = continuable and e.data.get("continuable") is not False
         elif e.kind == ev.ACTIVATION_COMPLETED:
             continuable = True
-    return not (rebuildable and continuable)
+    return open_session_mode(before) == "restart_only" or not continuable
 
 
 async def _attempts(store: CutStore, named: Sequence[str], rollouts: Sequence[str] | None) -> dict[Key, dict[str, Any]]:

@@ -37,7 +37,7 @@ from engine import catalog as ev
 from engine.errors import InvalidRequest, NotABoundary, RequestConflict, RestartOnlyBoundary, UnknownRollout
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
-from engine.recovery import open_session_mode
+from engine.sessions import open_session_mode
 
 MAX_FORKS = 256
 FORKABLE_KINDS = (ev.EPISODE_STEP, ev.AGENT_BOUNDARY)

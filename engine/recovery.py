@@ -33,8 +33,9 @@ from engine.boundaries import full_boundary
 from engine.catalog import ACTIVATION_COMPLETED, AGENT_BOUNDARY, ROLLOUT_RECOVERED
 from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import is_session_stream, rollout_stream
+from engine.identity import rollout_stream
 from engine.ownership import Verdict
+from engine.sessions import open_session_mode
 from engine.tool_replay import DIVERGENCE_REASON
 
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
@@ -60,22 +61,6 @@ class Recovery:
 
 def latest_boundary(history: Sequence[RecordedEvent]) -> RecordedEvent | None:
     return next((e for e in reversed(history) if e.kind in BOUNDARY_KINDS), None)
-
-
-def open_session_mode(history: Sequence[RecordedEvent]) -> str | None:
-    """The state mode of the resources session open at the end of `history` (None: none open)."""
-    mode: str | None = None
-    seeded: str | None = None
-    for e in history:
-        if e.kind == ev.EPISODE_STEP and e.data.get("step") == "seed":
-            seeded = e.data.get("state_mode")
-        if not is_session_stream(e.stream):
-            continue
-        if e.kind == ev.SESSION_OPENED:
-            mode = e.data.get("state_mode") or seeded or "exported"
-        elif e.kind == ev.SESSION_CLOSED:
-            mode = None
-    return mode
 
 
 def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lost: Lost | None = None) -> Recovery:

@@ -19,7 +19,7 @@ event's position; callers say what it means for them (a refused restore, a repla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -121,3 +121,19 @@ class SessionReplay:
             self.open = False
             return "closed"
         return "recorded"
+
+
+def open_session_mode(history: Sequence[RecordedEvent]) -> str | None:
+    """The state mode of the resources session open at the end of `history` (None: none open)."""
+    mode: str | None = None
+    seeded: str | None = None
+    for e in history:
+        if e.kind == ev.EPISODE_STEP and e.data.get("step") == "seed":
+            seeded = e.data.get("state_mode")
+        if not is_session_stream(e.stream):
+            continue
+        if e.kind == ev.SESSION_OPENED:
+            mode = e.data.get("state_mode") or seeded or "exported"
+        elif e.kind == ev.SESSION_CLOSED:
+            mode = None
+    return mode

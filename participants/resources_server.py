@@ -54,8 +54,8 @@ from engine.identity import (
     session_stream,
     validate_tool_call_key,
 )
-from engine.recovery import open_session_mode, tool_call_outcomes
-from engine.sessions import SessionReplay, boundary_disagreement
+from engine.recovery import tool_call_outcomes
+from engine.sessions import SessionReplay, boundary_disagreement, open_session_mode
 from participants.environments import (
     ENVIRONMENTS,
     Environment,

@@ -273,8 +273,12 @@ class LogContract:
     async def test_what_cannot_be_continued_from_a_boundary_is_read_from_the_log(self, log_store: ParticipantStore) -> None:
         """engine.checkpoint.restart_only_at, as both stores answer it: a restart-only session open at
         the boundary, or an activation in progress there on an agent that cannot continue one."""
-        for r in ("s1", "s2", "g1", "g2"):
+        for r in ("s1", "s2", "s3", "g1", "g2"):
             await start_attempt(log_store, r, 0)
+        # a session opened without its mode takes the one its episode's seed step named
+        await append_one(log_store, ev(episode_stream("s3", 0), catalog.EPISODE_STEP, "s3", 0, step="seed",
+                                       state_mode="restart_only"))
+        await append_one(log_store, ev(session_stream("s3", 0), catalog.SESSION_OPENED, "s3", 0, env="sandbox"))
         opened = await append_one(log_store, ev(session_stream("s1", 0), catalog.SESSION_OPENED, "s1", 0, env="sandbox",
                                                 state_mode="restart_only"))
         closed = await append_one(log_store, ev(session_stream("s1", 0), catalog.SESSION_CLOSED, "s1", 0))
@@ -285,8 +289,8 @@ class LogContract:
         done = await append_one(log_store, ev(agent_stream("g1", 0), catalog.ACTIVATION_COMPLETED, "g1", 0))
         await append_one(log_store, ev(agent_stream("g2", 0), catalog.AGENT_BOUNDARY, "g2", 0, turn=0))
         head = await log_store.head()
-        asked = {("s1", 0): opened.position, ("s2", 0): head, ("g1", 0): stuck.position, ("g2", 0): head}
-        assert await log_store.restart_only_at(asked) == [("g1", 0), ("s1", 0)]
+        asked = {("s1", 0): opened.position, ("s2", 0): head, ("s3", 0): head, ("g1", 0): stuck.position, ("g2", 0): head}
+        assert await log_store.restart_only_at(asked) == [("g1", 0), ("s1", 0), ("s3", 0)]
         later = {("s1", 0): closed.position, ("g1", 0): done.position}  # closed, completed: nothing live is lost
         assert await log_store.restart_only_at(later) == []
         assert await log_store.restart_only_at({}) == []

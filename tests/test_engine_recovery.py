@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import recovery
+from engine import recovery, sessions
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.catalog import ROLLOUT_RECOVERED
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
@@ -16,25 +16,25 @@ OPENED = ev(3, "session_opened", session_stream("r", 0), env="sandbox")
 
 def test_a_session_opened_without_a_mode_takes_the_mode_its_episode_seeded() -> None:
     seeded = ev(2, "episode_step", episode_stream("r", 0), step="seed", state_mode="restart_only")
-    assert recovery.open_session_mode([seeded, OPENED]) == "restart_only"
-    assert recovery.open_session_mode([OPENED]) == "exported"
+    assert sessions.open_session_mode([seeded, OPENED]) == "restart_only"
+    assert sessions.open_session_mode([OPENED]) == "exported"
 
 
 def test_only_an_episodes_seed_step_seeds_a_mode() -> None:
     other_step = ev(2, "episode_step", episode_stream("r", 0), step="act", state_mode="restart_only")
     not_a_step = ev(2, "episode_started", episode_stream("r", 0), step="seed", state_mode="restart_only")
-    assert recovery.open_session_mode([other_step, OPENED]) == "exported"
-    assert recovery.open_session_mode([not_a_step, OPENED]) == "exported"
+    assert sessions.open_session_mode([other_step, OPENED]) == "exported"
+    assert sessions.open_session_mode([not_a_step, OPENED]) == "exported"
 
 
 def test_a_mode_the_session_names_wins_over_the_seeded_one() -> None:
     seeded = ev(2, "episode_step", episode_stream("r", 0), step="seed", state_mode="restart_only")
     named = ev(3, "session_opened", session_stream("r", 0), env="w", state_mode="exported")
-    assert recovery.open_session_mode([seeded, named]) == "exported"
+    assert sessions.open_session_mode([seeded, named]) == "exported"
 
 
 def test_events_outside_a_session_stream_open_nothing() -> None:
-    assert recovery.open_session_mode([ev(3, "session_opened", episode_stream("r", 0), env="w")]) is None
+    assert sessions.open_session_mode([ev(3, "session_opened", episode_stream("r", 0), env="w")]) is None
 
 
 def test_only_this_attempts_finish_makes_it_finished() -> None:

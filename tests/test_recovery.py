@@ -6,7 +6,7 @@ import pytest
 
 from adapters.memory_store import MemoryEventStore
 from apps.stack import MemoryBacking
-from engine import recovery
+from engine import recovery, sessions
 from engine.attempts import ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.checkpoint import effective_history
 from engine.errors import StaleAttempt
@@ -70,8 +70,8 @@ def test_an_attempt_whose_restart_only_state_is_gone_starts_over_from_its_input(
 
 def test_a_closed_session_does_not_count_as_open() -> None:
     closed = [*HISTORY, ev(7, "session_closed", session_stream("r", 0))]
-    assert recovery.open_session_mode(HISTORY) == "exported"
-    assert recovery.open_session_mode(closed) is None
+    assert sessions.open_session_mode(HISTORY) == "exported"
+    assert sessions.open_session_mode(closed) is None
 
 
 def test_resume_point_is_the_last_boundary_of_an_unfinished_activation_only() -> None:
