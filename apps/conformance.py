@@ -75,6 +75,14 @@ class Pin:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+async def hold_before_model(pin: Pin | None, generation: int, participant: model_server.ModelParticipant | None) -> None:
+    """Hold the generation of the pinned turn until the model server has closed admission for prepare."""
+    if pin is not None and pin.state == "before_model" and generation == pin.turn and participant is not None:
+        pin.reached.set()
+        while participant.admission_open:
+            await asyncio.sleep(0.002)
+
+
 class HoldingBackend(ScriptedBackend):
     """Holds the generation of one turn until the model server has closed admission for prepare."""
 
@@ -86,10 +94,7 @@ class HoldingBackend(ScriptedBackend):
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
         pin, n = self.pin, self.generations
-        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
-            pin.reached.set()
-            while self.participant.admission_open:
-                await asyncio.sleep(0.002)
+        await hold_before_model(pin, n, self.participant)
         async for event in super().generate(request, prefix):
             yield event
 
@@ -127,10 +132,7 @@ class HoldingUpstream(OpenAICompatibleBackend):
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         pin, n = self.pin, self.generations
         self.generations += 1
-        if pin is not None and pin.state == "before_model" and n == pin.turn and self.participant is not None:
-            pin.reached.set()
-            while self.participant.admission_open:
-                await asyncio.sleep(0.002)
+        await hold_before_model(pin, n, self.participant)
         async for event in super().generate(request, prefix):
             yield event
 
