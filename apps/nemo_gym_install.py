@@ -16,6 +16,7 @@ A user with a NeMo Gym checkout of their own does not need this: `python` and `p
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import shutil
@@ -80,11 +81,19 @@ def install(python: Path | None = None) -> tuple[Path, float]:
     venv = venv_dir()
     if (venv / "complete").exists():
         return venv / "bin" / "python", 0.0
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".install.lock", "w") as lock:  # a second install waits, then finds it built
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / "complete").exists():
+            return venv / "bin" / "python", 0.0
+        return _build(venv, python)
+
+
+def _build(venv: Path, python: Path | None) -> tuple[Path, float]:
     t0 = time.monotonic()
     # Built where it will live (a virtual environment names its folder in its scripts); the marker,
     # written last, is what says it is finished, so an interrupted build is built again.
     shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(python or python313()), "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                     "--no-deps", "--ignore-requires-python", NEMO_GYM, *REQUIREMENTS], check=True, timeout=3600)

@@ -9,6 +9,7 @@ downloads the wheel (about 1 MB). Nothing is installed into the virtual environm
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -25,26 +26,30 @@ def target() -> Path:
 
 
 def ensure() -> Path:
-    """The folder that holds `nemo_gym`, installed on first use and put on sys.path."""
+    """The folder that holds `nemo_gym`, installed on first use and put on sys.path. Test workers race to
+    it on a fresh machine: one installs under a lock while the others wait, then find it made."""
     folder = target()
     marker = folder / "nemo_gym" / "token_id_capture" / "conformance.py"
     if not marker.exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".nemo-gym-", dir=folder.parent))
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                 "--ignore-requires-python", "--target", str(scratch), NEMO_GYM],
-                check=True, timeout=600,
-            )
-            shutil.rmtree(folder, ignore_errors=True)  # a half-made folder from an interrupted run
-            try:
-                os.rename(scratch, folder)  # whole or not at all
-            except OSError:
-                if not marker.exists():  # not a concurrent installer that got there first
-                    raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with open(folder.parent / ".nemo-gym.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not marker.exists():
+                _install(folder)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     return folder
+
+
+def _install(folder: Path) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix=".nemo-gym-", dir=folder.parent))
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+             "--ignore-requires-python", "--target", str(scratch), NEMO_GYM],
+            check=True, timeout=600,
+        )
+        shutil.rmtree(folder, ignore_errors=True)  # a half-made folder from an interrupted run
+        os.rename(scratch, folder)  # whole or not at all
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
