@@ -173,3 +173,27 @@ async def test_an_append_that_waited_for_the_lock_plans_from_what_the_append_bef
     assert (landed.position, landed.stream_version) == (3, 3)
     assert landed.hash == chain_hash(h2, "race", 3, third, encode_payload(third.data))
     assert [e.data["n"] for e in await store.read_stream("race")] == [1, 2, 3]
+
+
+async def test_a_due_hint_rides_in_the_appends_own_statement(dsn: str, store: PostgresEventStore,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A subscriber's wake-up costs no statement of its own while appends come: the first append after a
+    # quiet interval carries it, delivered at its commit.
+    import asyncio
+
+    import adapters.postgres as pg
+
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {pg.CHANNEL}")
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 1}),)))
+        assert store._notify is None  # no sender of its own was started
+        assert [n.channel for n in listener.notifies(timeout=30, stop_after=1)] == [pg.CHANNEL]
+        # One that comes before the interval has passed carries none: a hint is owed, and the sender waits
+        # to send it until an interval after that commit, unless an append carries it first.
+        monkeypatch.setattr(pg, "NOTIFY_INTERVAL_S", 3600.0)
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 2}),)))
+        assert store._notify is not None and store._notify_owed is not None
+        store._last_notify = asyncio.get_running_loop().time() - 7200  # as if the interval had passed
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 3}),)))
+        assert store._notify_owed is None  # carried by that append: the sender has nothing left to send
+        assert [n.channel for n in listener.notifies(timeout=30, stop_after=1)] == [pg.CHANNEL]
