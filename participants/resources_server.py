@@ -5,7 +5,9 @@ revision. Mutations of one session are serialized by its lock; each one that has
 `mutation_applied` event on the session's stream, appended before the new state is installed and
 before the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every
 scoped session from the log alone (initial state, then each effect in order), validates the whole
-set, stages it, and installs it under the rollout's new attempt only at resume.
+set, stages it, and installs it under the rollout's new attempt only at resume. A verify that
+passes closes its session: `session_verified` and `session_closed` are one append, and the reply
+says `closed`, so the environment's close step has nothing to ask for.
 
 After a crash of this server, a session of a live attempt is rebuilt from the log the first time
 the attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that
