@@ -274,10 +274,11 @@ class ModelParticipant(Participant):
             # A call id is almost always new: the first try claims it without reading its stream, expecting
             # the stream empty; a stream that is not (a repeat, a call cut or held elsewhere) refuses that
             # append, and the tries after it read the log first.
+            if not self._adopted:
+                await self.adopt_policy_version()
             # Admission closed: a new call is recorded as excluded, a known one is answered from the log, so
-            # read. Open: nothing awaits between here and the accept's admission check (the policy version
-            # is adopted), so it is still open there.
-            read = not self.admission.is_open or not self._adopted
+            # read. Open: nothing awaits between here and the accept's admission check, so it is still open there.
+            read = not self.admission.is_open
             for _ in range(CLAIM_TRIES):
                 try:
                     return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest, read)

@@ -423,20 +423,9 @@ class ResourcesParticipant(Participant):
                 raise  # the attempt or its server is gone: nothing was verified
             except Exception as exc:  # any verifier failure is recorded, then reported
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
-            async with s.lock:
-                if self.sessions.get(key) is not s:
-                    raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
-                data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
-                                        "final_answer": answer.get("final_answer")}
-                if error is not None:
-                    data["error"] = error
-                # A successful terminal session is retired, its close in the verify's own append; a
-                # failed one keeps its state to inspect or retry.
-                closing = {"status": status, "reason": "verified", "revision": s.revision} if status == "passed" else None
-                await self._append(s, ev.SESSION_VERIFIED, data, (ev.SESSION_CLOSED, closing) if closing else None)
-                s.verify_status = status
-                if closing is not None:
-                    await self._forget_session(s)
+            data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
+                                    "final_answer": answer.get("final_answer"), **({"error": error} if error else {})}
+            await self._record_verify(s, key, data)
         finally:
             s.verifying -= 1
             if s.verifying == 0:
@@ -445,6 +434,19 @@ class ResourcesParticipant(Participant):
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
         return web.json_response({"reward": reward, "status": status, "revision": revision,
                                   **({"closed": True} if status == "passed" else {})})
+
+    async def _record_verify(self, s: Session, key: Key, data: dict[str, Any]) -> None:
+        """A successful terminal session is retired, its close in the verify's own append; a failed one
+        keeps its state to inspect or retry."""
+        async with s.lock:
+            if self.sessions.get(key) is not s:
+                raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
+            passed = data["status"] == "passed"
+            closing = {"status": data["status"], "reason": "verified", "revision": s.revision}
+            await self._append(s, ev.SESSION_VERIFIED, data, (ev.SESSION_CLOSED, closing) if passed else None)
+            s.verify_status = data["status"]
+            if passed:
+                await self._forget_session(s)
 
     async def close_session(self, request: web.Request, _body: None) -> web.Response:
         key = await self._enter(request)
