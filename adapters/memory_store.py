@@ -225,6 +225,9 @@ class MemoryEventStore:
         row = self.log.row("attempt_state", rollout_id, attempt)
         return (None if row is None else row["status"]), await self.retired_through(rollout_id)
 
+    async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
+        return (await self.fence_position(), *await self.attempt_status(rollout_id, attempt))
+
     async def open_sessions(self) -> dict[Key, str]:
         attempts = self.log.tables["attempt_state"]
         return {key: row["env"] for key, row in self.log.tables["session_state"].items()

@@ -58,8 +58,10 @@ def make_engine(dsn: str, pool: PoolLimits | None = None) -> AsyncEngine:
     lost connection, the pool drops every connection opened before (SQLAlchemy does so on a disconnect;
     `drop_pool` where psycopg raised past it) and `with_retry` runs the operation again on a fresh one."""
     pool = pool or PoolLimits()
+    # No hstore column exists: looking its type up cost each process five statements at its first connection.
     return create_async_engine(sqlalchemy_url(dsn), pool_size=pool.size, max_overflow=pool.overflow,
-                               pool_timeout=pool.timeout_s, pool_pre_ping=False, json_deserializer=load_stored_json)
+                               pool_timeout=pool.timeout_s, pool_pre_ping=False, json_deserializer=load_stored_json,
+                               use_native_hstore=False)
 
 
 @contextlib.asynccontextmanager

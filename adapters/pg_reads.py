@@ -244,6 +244,17 @@ class LogReads:
                 "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
             return row[0], -1 if row[1] is None else int(row[1])
 
+    @retrying("reading an attempt")
+    async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
+        """engine.attempts.AttemptStore: the fence position, the attempt's status and its rollout's retire
+        mark, in one statement (one snapshot)."""
+        async with self._reading() as conn:
+            row = (await conn.execute(text(
+                "SELECT (SELECT fence_position FROM rollbook.log_head WHERE id = 1), "
+                "(SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
+                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
+            return int(row[0] or 0), row[1], -1 if row[2] is None else int(row[2])
+
     @retrying("reading sessions")
     async def open_sessions(self) -> dict[tuple[str, int], str]:
         """The environment of each live attempt's open resources session, as the log records it."""

@@ -93,8 +93,12 @@ ADVANCE_HEADS = (
     "ak AS (INSERT INTO rollbook.append_keys (key, first_position, last_position) "
     "SELECT * FROM unnest(%(kk)s::text[], %(kf)s::bigint[], %(kl)s::bigint[]))"
 )
-MOVE_LOG_HEAD = ("UPDATE rollbook.log_head SET position = %(head)s, fence_position = greatest(fence_position, %(fence)s) "
-                 "WHERE id = 1")
+_SET_LOG_HEAD = ("UPDATE rollbook.log_head SET position = %(head)s, "
+                 "fence_position = greatest(fence_position, %(fence)s) ")
+MOVE_LOG_HEAD = _SET_LOG_HEAD + "WHERE id = 1"
+# The subscribers' hint, sent by the append's own statement when one is due (see NOTIFY_INTERVAL_S). In
+# FROM, where a volatile call is evaluated; in EXISTS the planner drops the select list unevaluated.
+MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1"
 MAX_GROUP_EVENTS = 2000
 # A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
 # group stops taking requests once it reaches it (one request is atomic, so it is never split).
@@ -104,7 +108,9 @@ MAX_GROUP_BYTES = 8 * 1024 * 1024
 INSERT_CHUNK_EVENTS = 100
 # The hint a subscriber waits on (NOTIFY) goes out at most this often per process, the last one after
 # the last append: a reader wakes within this long of an append, and a process appending every few
-# milliseconds sends a statement every this long, not one per append. The poll is the truth.
+# milliseconds sends one hint every this long, not one per append. The poll is the truth. A hint that is
+# due when an append is written rides in that append's last statement (delivered at its commit); only
+# the trailing one after a burst is a statement of its own.
 NOTIFY_INTERVAL_S = 0.25
 # How long an append's idempotency key is kept (`rollbook db prune-keys`). A key is only ever looked
 # up by a retry of the same append, and the store retries an append only within its patience
@@ -165,7 +171,9 @@ class PostgresEventStore(LogReads):
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._notify: asyncio.Task[None] | None = None
-        self._notify_wanted = False
+        self._last_notify = -NOTIFY_INTERVAL_S  # loop time of the latest hint sent or ridden in an append
+        self._notify_owed: float | None = None  # loop time of the first commit no hint has covered yet
+        self._notify_inline = False  # the group being committed carries the hint
         self.observers: list[StoreObserver] = []  # told of every append and database fault (a server's metrics)
 
     @classmethod
@@ -232,6 +240,7 @@ class PostgresEventStore(LogReads):
                 group = self._next_group()
                 requests = [p.request for p in group]
                 self._carrying, self._carried = self._carried, {}
+                self._notify_inline = False
                 try:
                     # A lost connection is retried: the keys make a retry of a committed group return it.
                     outcomes = await with_retry(lambda r=requests: self._commit_group(r),  # type: ignore[misc]
@@ -240,13 +249,16 @@ class PostgresEventStore(LogReads):
                     for write, rows in self._carrying.items():
                         self._carried.setdefault(write, [])[:0] = rows
                     self._carrying = {}
+                    if self._notify_inline:  # the hint it carried, and any it stood for, did not go
+                        self._schedule_notify()
                     for p in group:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
                 self._carrying = {}
                 self._settle(group, outcomes)
-                self._schedule_notify()
+                if not self._notify_inline:  # no hint rode in that transaction: one is owed
+                    self._schedule_notify()
 
     def _settle(self, group: list[_Pending], outcomes: list[Outcome]) -> None:
         # Requests past the group's byte bound were not planned: first in line for the next group.
@@ -355,26 +367,42 @@ class PostgresEventStore(LogReads):
             ctes += [ADVANCE_HEADS, *upserts]
             params.update(more, **(self._event_params(unsent) if unsent else {}), **_head_params(plan, written, state))
         if ctes:
-            await conn.execute("WITH " + ", ".join(ctes) + " " + (MOVE_LOG_HEAD if written else "SELECT 1"), params)
+            move = MOVE_LOG_HEAD_NOTIFY if written and self._take_notify() else MOVE_LOG_HEAD
+            await conn.execute("WITH " + ", ".join(ctes) + " " + (move if written else "SELECT 1"), params)
         await guarded_updates(conn, changes)
 
+    def _take_notify(self) -> bool:
+        """Whether this append's statement carries the hint: when none went out for NOTIFY_INTERVAL_S.
+        A NOTIFY holds a cluster-wide lock through its commit, so at most one transaction per interval
+        carries one; an append already holds the log head through its commit, so that costs the
+        writers little, and it saves a statement and a transaction per hint."""
+        now = asyncio.get_running_loop().time()
+        self._notify_inline = now - self._last_notify >= NOTIFY_INTERVAL_S
+        if self._notify_inline:
+            self._last_notify, self._notify_owed = now, None
+        return self._notify_inline
+
     def _schedule_notify(self) -> None:
-        # NOTIFY serializes commits cluster-wide, so it stays off the append transaction, and it is
-        # coalesced: one sender per process, at most one NOTIFY per NOTIFY_INTERVAL_S, the last one
-        # after the last append. Readers treat it as a hint only.
-        self._notify_wanted = True
+        """A commit no hint covered: one is owed within NOTIFY_INTERVAL_S of it. The sender waits that
+        long, so that an append meanwhile (past the interval since the last hint) carries it instead."""
+        if self._notify_owed is None:
+            self._notify_owed = asyncio.get_running_loop().time()
         if self._notify is None or self._notify.done():
             self._notify = asyncio.get_running_loop().create_task(self._send_notifies())
 
     async def _send_notifies(self) -> None:
-        while self._notify_wanted:
-            self._notify_wanted = False
+        loop = asyncio.get_running_loop()
+        while self._notify_owed is not None:
+            wait = self._notify_owed + NOTIFY_INTERVAL_S - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            self._notify_owed, self._last_notify = None, loop.time()
             try:
                 async with self._reading() as conn:
                     await conn.execute(text(f"NOTIFY {CHANNEL}"))
             except Exception:  # a lost hint only delays readers until their poll
                 log.debug("notify failed", exc_info=True)
-            await asyncio.sleep(NOTIFY_INTERVAL_S)
 
     async def prune_append_keys(self, older_than_s: float = DEFAULT_KEY_RETENTION_S, batch: int = 10_000) -> int:
         """Delete the idempotency keys of appends committed more than `older_than_s` ago; the count.

@@ -119,6 +119,11 @@ class AttemptStore(Protocol):
         """The attempt's projected status (None: never started) and its rollout's retire mark (-1: none)."""
         ...
 
+    async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
+        """The fence position, the attempt's status and its rollout's retire mark, read together (one
+        snapshot): what `fence_position` and `attempt_status` answer, as of one moment."""
+        ...
+
 
 class AttemptGate:
     """The attempt check of every request, answered from memory while no fence has landed.
@@ -129,8 +134,10 @@ class AttemptGate:
     reads the attempt itself only when the position moved since it last found that attempt live. A
     fence committed by any server before a request arrives has moved the position that request
     reads: the stale attempt is refused on its very next request, exactly as without the cache.
-    Reading the position *before* the attempt keeps a fence that lands between the two reads from
-    being cached under the older position. Refusals are never cached (`forget` can lift them).
+    An attempt not found live at the current position is read together with the position, in one
+    snapshot (`attempt_reading`): a fence cannot land between the two and be cached under the older
+    position, and the first request of an attempt costs one read, not two. Refusals are never cached
+    (`forget` can lift them).
 
     Concurrent checks share one read of the fence position, as long as that read began after each
     of them arrived (a read already under way may predate a fence they must see): a check that
@@ -167,11 +174,11 @@ class AttemptGate:
                 batch.set_exception(exc)
 
     async def check(self, rollout_id: str, attempt: int) -> None:
-        fence = await self.fence_position()
         key = (rollout_id, attempt)
-        if fence == self._fence and key in self._live:
+        # Only an attempt found live before can be answered by the fence position alone.
+        if key in self._live and await self.fence_position() == self._fence and key in self._live:
             return
-        status, mark = await self._store.attempt_status(rollout_id, attempt)
+        fence, status, mark = await self._store.attempt_reading(rollout_id, attempt)
         check_current(rollout_id, attempt, status, mark)
         if fence > self._fence:  # a fence landed: every attempt found live before it must be read again
             self._fence, self._live = fence, set()

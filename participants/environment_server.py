@@ -50,7 +50,7 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import MAX_FORKS, ForkPlan, Origin, fork_seed, plan_forks
-from engine.identity import episode_stream, rollout_stream, validate_id
+from engine.identity import Key, episode_stream, rollout_stream, validate_id
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Identifier, Int64, Route
@@ -125,6 +125,7 @@ class Episode:
     status: str = "running"  # running | parked | finished | failed
     step: str | None = None  # the step in progress
     error: str | None = None
+    closed_by_verify: int | None = None  # the attempt whose session a passed verify closed
 
     def recorded(self, step: str) -> dict[str, Any] | None:
         return next((d for d in self.done if d["step"] == step), None)
@@ -206,16 +207,16 @@ class EnvironmentParticipant(Participant):
             if task is not None and not task.done() and running is not None and running.task != requested:
                 raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
             if task is None or task.done():
-                done = await self._from_log(rid, requested)
+                rows = await self.store.attempt_rows([rid])  # one read for both questions below
+                done = await self._from_log(rid, requested, rows)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
                 self.admission.require_open("a new episode")
-                ep = await self._open_episode(rid, requested, req.seed, req.max_steps)
+                ep = await self._open_episode(rid, requested, req.seed, req.max_steps, rows)
                 task = self._launch(ep)
         return web.json_response(await asyncio.shield(task))
 
-    async def _from_log(self, rid: str, requested: Task) -> dict[str, Any] | None:
-        rows = await self.store.attempt_rows([rid])
+    async def _from_log(self, rid: str, requested: Task, rows: dict[Key, dict[str, Any]]) -> dict[str, Any] | None:
         if not rows:
             return None
         attempt = max(a for _, a in rows)
@@ -227,9 +228,12 @@ class EnvironmentParticipant(Participant):
         steps = [d["step"] for d in ep.done] if ep else []
         return {"rollout_id": rid, "attempt": attempt, "reward": rows[(rid, attempt)]["reward"], "steps": steps}
 
-    async def _open_episode(self, rid: str, task: Task, seed: int, max_steps: int) -> Episode:
-        """Start attempt 0, or pick up the rollout's live attempt where its log leaves it."""
-        rows = await self.store.attempt_rows([rid])
+    async def _open_episode(self, rid: str, task: Task, seed: int, max_steps: int,
+                            rows: dict[Key, dict[str, Any]] | None = None) -> Episode:
+        """Start attempt 0, or pick up the rollout's live attempt where its log leaves it (`rows`: the
+        rollout's attempts, when the caller has just read them)."""
+        if rows is None:
+            rows = await self.store.attempt_rows([rid])
         started = NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, {
             "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps,
             "status": "running"}, rid, 0)
@@ -357,10 +361,12 @@ class EnvironmentParticipant(Participant):
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         # The resources server reads the answer and the conversation from the log itself.
         out = await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {})
+        ep.closed_by_verify = ep.attempt if out.get("closed") else None
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
-        await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
+        if ep.closed_by_verify != ep.attempt:  # a passed verify closed this attempt's session in its own append
+            await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
         return {"reward": ep.reward}
 
     async def episode_status(self, request: web.Request, _body: None) -> web.Response:

@@ -271,19 +271,28 @@ class ModelParticipant(Participant):
                 check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
                 check_same_request(call_id, live.digest or None, digest)
                 return live
+            # A call id is almost always new: the first try claims it without reading its stream, expecting
+            # the stream empty; a stream that is not (a repeat, a call cut or held elsewhere) refuses that
+            # append, and the tries after it read the log first.
+            if not self._adopted:
+                await self.adopt_policy_version()
+            # Admission closed: a new call is recorded as excluded, a known one is answered from the log, so
+            # read. Open: nothing awaits between here and the accept's admission check, so it is still open there.
+            read = not self.admission.is_open
             for _ in range(CLAIM_TRIES):
                 try:
-                    return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest)
+                    return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest, read)
                 except VersionConflict:
-                    continue  # another instance claimed the call between our read and our append: read again
+                    read = True  # the stream was not empty, or another instance claimed the call meanwhile: read again
             return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest)
 
     async def _claim(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: ChatRequest, stream: bool, digest: str,
+        payload: ChatRequest, stream: bool, digest: str, read: bool = True,
     ) -> LiveCall:
-        """Decide from the log, once no other live instance holds the call (engine.ownership)."""
-        events = await settled(self, call_stream(call_id), _holder(call_id))
+        """Decide from the log, once no other live instance holds the call (engine.ownership); `read`
+        False: as if its stream were empty, which the accepting append then requires."""
+        events = await settled(self, call_stream(call_id), _holder(call_id)) if read else []
         seen = events[-1].stream_version if events else 0
         record = call_records(events).get(call_id)
         if record is not None:

@@ -5,7 +5,9 @@ revision. Mutations of one session are serialized by its lock; each one that has
 `mutation_applied` event on the session's stream, appended before the new state is installed and
 before the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every
 scoped session from the log alone (initial state, then each effect in order), validates the whole
-set, stages it, and installs it under the rollout's new attempt only at resume.
+set, stages it, and installs it under the rollout's new attempt only at resume. A verify that
+passes closes its session: `session_verified` and `session_closed` are one append, and the reply
+says `closed`, so the environment's close step has nothing to ask for.
 
 After a crash of this server, a session of a live attempt is rebuilt from the log the first time
 the attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that
@@ -72,6 +74,9 @@ from participants.owners import orphaned_sessions
 from participants.participant import Participant, PrepareReport
 from participants.wire import TOOL_CALL_HEADER, Execution, TaskBody, data_path, identity
 
+# How many closed sessions a server remembers (see ResourcesParticipant._closed).
+MAX_CLOSED_REMEMBERED = 65_536
+
 
 def refused(exc: ToolError) -> ToolCallRefused:
     return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
@@ -105,6 +110,7 @@ class VerifyReply(BaseModel):
     status: str
     revision: int
     repeated: bool | None = None  # the recorded answer of a verify asked again
+    closed: bool | None = None  # the verify passed and closed the session in its own append: no close is needed
 
 
 class StateReply(BaseModel):
@@ -192,6 +198,9 @@ class ResourcesParticipant(Participant):
         self.staged: dict[Key, Staged] = {}
         self.staged_from: str | None = None
         self._recovering: dict[Key, asyncio.Lock] = {}
+        # Sessions this process closed (their `session_closed` is durable): a close asked again, as the
+        # environment's close step does after a passed verify, is answered without reading the log.
+        self._closed: dict[Key, None] = {}
 
     # ---- data plane -------------------------------------------------------------------------
 
@@ -258,11 +267,14 @@ class ResourcesParticipant(Participant):
         self._recovering.pop(key, None)
         return s
 
-    async def _append(self, s: Session, kind: str, data: dict[str, Any]) -> RecordedEvent:
+    async def _append(self, s: Session, kind: str, data: dict[str, Any],
+                      then: tuple[str, dict[str, Any]] | None = None) -> RecordedEvent:
+        """`kind`'s event, and `then`'s after it in the same append; the first is returned."""
+        events = (s.event(kind, data), *((s.event(*then),) if then else ()))
         # Expecting the stream version we last wrote makes a second writer of this session a conflict.
-        (recorded,) = await self.store.append(AppendRequest((s.event(kind, data),), {s.stream: s.stream_version}))
-        s.stream_version = recorded.stream_version
-        return recorded
+        recorded = await self.store.append(AppendRequest(events, {s.stream: s.stream_version}))
+        s.stream_version = recorded[-1].stream_version
+        return recorded[0]
 
     async def open_session(self, request: web.Request, body: OpenRequest) -> web.Response:
         identity(request)
@@ -411,28 +423,35 @@ class ResourcesParticipant(Participant):
                 raise  # the attempt or its server is gone: nothing was verified
             except Exception as exc:  # any verifier failure is recorded, then reported
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
-            async with s.lock:
-                if self.sessions.get(key) is not s:
-                    raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
-                data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
-                                        "final_answer": answer.get("final_answer")}
-                if error is not None:
-                    data["error"] = error
-                await self._append(s, ev.SESSION_VERIFIED, data)
-                s.verify_status = status
-                if status == "passed":
-                    # A successful terminal session is retired; a failed one keeps its state to inspect or retry.
-                    await self._retire_session(s, {"status": status, "reason": "verified"})
+            data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
+                                    "final_answer": answer.get("final_answer"), **({"error": error} if error else {})}
+            await self._record_verify(s, key, data)
         finally:
             s.verifying -= 1
             if s.verifying == 0:
                 s.verify_idle.set()
         if error is not None:
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
-        return web.json_response({"reward": reward, "status": status, "revision": revision})
+        return web.json_response({"reward": reward, "status": status, "revision": revision,
+                                  **({"closed": True} if status == "passed" else {})})
+
+    async def _record_verify(self, s: Session, key: Key, data: dict[str, Any]) -> None:
+        """A successful terminal session is retired, its close in the verify's own append; a failed one
+        keeps its state to inspect or retry."""
+        async with s.lock:
+            if self.sessions.get(key) is not s:
+                raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
+            passed = data["status"] == "passed"
+            closing = {"status": data["status"], "reason": "verified", "revision": s.revision}
+            await self._append(s, ev.SESSION_VERIFIED, data, (ev.SESSION_CLOSED, closing) if passed else None)
+            s.verify_status = data["status"]
+            if passed:
+                await self._forget_session(s)
 
     async def close_session(self, request: web.Request, _body: None) -> web.Response:
         key = await self._enter(request)
+        if key in self._closed and key not in self.sessions:
+            return web.json_response({})  # closed by this process: its close is in the log
         s = self.sessions.get(key) or await self._recover(key)
         if s is None:
             # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
@@ -450,7 +469,15 @@ class ResourcesParticipant(Participant):
     async def _retire_session(self, s: Session, data: dict[str, Any]) -> None:
         """Under the session's lock: record the close, then free the session."""
         await self._append(s, ev.SESSION_CLOSED, {**data, "revision": s.revision})
-        self.sessions.pop((s.rollout_id, s.attempt), None)
+        await self._forget_session(s)
+
+    async def _forget_session(self, s: Session) -> None:
+        """Free a session whose `session_closed` is durable."""
+        key = (s.rollout_id, s.attempt)
+        self.sessions.pop(key, None)
+        if len(self._closed) >= MAX_CLOSED_REMEMBERED:
+            del self._closed[next(iter(self._closed))]  # the oldest: a repeat of its close reads the log
+        self._closed[key] = None
         await self._close_live(s)
 
     async def get_state(self, request: web.Request, _body: None) -> web.Response:

@@ -222,6 +222,9 @@ class LogContract:
         assert await log_store.attempt_status("r4", 0) == ("fenced", 1)  # an ended one kept its own
         assert await log_store.retired_through("r4") == 1
         assert await log_store.fence_position() == retire.position
+        # The gate's first check of an attempt: the same three, in one read.
+        assert await log_store.attempt_reading("r4", 1) == (retire.position, "retired", 1)
+        assert await log_store.attempt_reading("r4", 2) == (retire.position, None, 1)
         await append_one(log_store, ev(rollout_stream("r4"), ROLLOUT_FORGOTTEN, "r4", 1))
         assert await log_store.retired_through("r4") == -1
         assert await log_store.retired_through("never") == -1

@@ -27,9 +27,11 @@ class FakeAttempts:
         self.status: dict[tuple[str, int], str] = {}
         self.marks: dict[str, int] = {}
         self.reads = 0
+        self.fence_reads = 0
         self.moves: list[tuple[int, tuple[str, int], str]] = []
 
     async def fence_position(self) -> int:
+        self.fence_reads += 1
         return self.fence
 
     async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
@@ -38,6 +40,10 @@ class FakeAttempts:
             self.fence, key, status = self.moves.pop(0)
             self.status[key] = status
         return self.status.get((rollout_id, attempt)), self.marks.get(rollout_id, -1)
+
+    async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
+        status, mark = await self.attempt_status(rollout_id, attempt)  # one snapshot: `moves` land before it
+        return self.fence, status, mark
 
 
 @pytest.mark.parametrize("status, mark, why", [(None, -1, "unknown"), ("fenced", -1, "fenced"), ("live", 0, "retired"),
@@ -83,16 +89,19 @@ async def test_gate_never_remembers_a_refusal() -> None:
     await gate.check("r", 0)
 
 
-async def test_gate_does_not_remember_an_attempt_under_a_fence_position_read_before_it_was_fenced() -> None:
+async def test_an_attempt_not_found_live_before_is_read_together_with_the_fence_position() -> None:
+    # One snapshot for both: a fence cannot land between the position and the attempt and be
+    # remembered under the older position, and the first request of an attempt costs one read.
     store = FakeAttempts()
-    # The fence lands after the gate read the position (5) but before it read the attempt: the
-    # attempt reads live at the older position, then fenced. Remembered under 5, it must not pass at 6.
     store.fence = 5
-    store.moves = [(6, ("r", 0), "live"), (6, ("r", 0), "fenced")]
+    store.moves = [(6, ("r", 0), "fenced")]  # lands as the gate reads: the reading holds both
     gate = AttemptGate(store)
-    await gate.check("r", 0)
     with pytest.raises(StaleAttempt):
         await gate.check("r", 0)
+    store.status[("r", 1)] = "live"
+    for _ in range(3):
+        await gate.check("r", 1)
+    assert (store.reads, store.fence_reads) == (2, 2)  # the later checks of attempt 1: the position alone
 
 
 async def test_the_fence_position_moves_with_fences_and_retire_marks_only(store: PostgresEventStore) -> None:
@@ -119,14 +128,14 @@ async def test_a_fence_by_one_server_is_refused_by_the_other_on_its_very_next_re
     async with serving(dsn, "resources-a") as (http_a, a), serving(dsn, "resources-b") as (http_b, b):
         await open_session(http_b, "g2", "workplace", 2)
         reads = 0
-        status_of = b.store.attempt_status
+        status_of = b.store.attempt_reading
 
-        async def counted(rollout_id: str, attempt: int) -> tuple[str | None, int]:
+        async def counted(rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
             nonlocal reads
             reads += 1
             return await status_of(rollout_id, attempt)
 
-        b.store.attempt_status = counted  # type: ignore[method-assign]
+        b.store.attempt_reading = counted  # type: ignore[method-assign]
         for _ in range(2):
             status, _reply = await call(http_b, "GET", f"{prefix('g2', 0)}/state")
             assert status == 200
@@ -171,6 +180,7 @@ async def test_concurrent_checks_share_one_fence_read_that_began_after_they_arri
     store = SlowFence()
     store.status[("r", 0)] = "live"
     gate = AttemptGate(store)
+    await gate.check("r", 0)  # found live: from here on its checks read the fence position alone
     first = asyncio.ensure_future(gate.check("r", 0))
     await until(lambda: len(store.gates) == 1)  # the first read is under way
     later = [asyncio.ensure_future(gate.check("r", 0)) for _ in range(5)]
@@ -187,28 +197,33 @@ async def test_a_check_that_arrives_during_a_fence_read_waits_for_the_next_read(
     store = SlowFence()
     store.status[("r", 0)] = "live"
     gate = AttemptGate(store)
-    primed = asyncio.ensure_future(gate.check("r", 0))  # attempt 0 found live at fence position 0
-    await until(lambda: len(store.gates) == 1)
-    store.gates[0].set()
-    await primed
+    await gate.check("r", 0)  # attempt 0 found live at fence position 0
     first = asyncio.ensure_future(gate.check("r", 0))
-    await until(lambda: len(store.gates) == 2)  # its read is under way and will answer position 0
+    await until(lambda: len(store.gates) == 1)  # its read is under way and will answer position 0
     # The fence lands now; a check that arrives after it must not take the answer of a read that began before.
     store.fence, store.status[("r", 0)] = 3, "fenced"
     second = asyncio.ensure_future(gate.check("r", 0))
-    store.gates[1].set()
+    store.gates[0].set()
     await first  # arrived before the fence: admitted from memory, as it may be
-    await until(lambda: len(store.gates) == 3)
-    store.gates[2].set()
+    await until(lambda: len(store.gates) == 2)
+    store.gates[1].set()
     with pytest.raises(StaleAttempt):
         await second
 
 
 async def test_a_failed_fence_read_fails_each_check_waiting_on_it() -> None:
     class Down(FakeAttempts):
-        async def fence_position(self) -> int:
-            raise DatabaseUnavailable("the database did not answer")
+        down = False
 
-    gate = AttemptGate(Down())
+        async def fence_position(self) -> int:
+            if self.down:
+                raise DatabaseUnavailable("the database did not answer")
+            return await super().fence_position()
+
+    store = Down()
+    store.status[("r", 0)] = "live"
+    gate = AttemptGate(store)
+    await gate.check("r", 0)  # found live: its next checks wait on the shared fence read
+    store.down = True
     for outcome in await asyncio.gather(gate.check("r", 0), gate.check("r", 0), return_exceptions=True):
         assert isinstance(outcome, DatabaseUnavailable)

@@ -185,7 +185,7 @@ READS = {
     "stream_hashes": ([("s", 1)],), "attempt_rows": (["r"],), "live_attempts": (),
     "latest_boundaries": ([("r", 0)], 1, ["agent_boundary"]), "rollout_heads_at": (["r"], 1),
     "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
-    "fence_position": (), "attempt_status": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),
+    "fence_position": (), "attempt_status": ("r", 0), "attempt_reading": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),
 }
 NOT_READS = {"append", "carry", "close", "subscribe", "rebuild_projections", "connect",
              "prune_append_keys"}  # maintenance: each of its batches is retried

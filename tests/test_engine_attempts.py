@@ -128,6 +128,9 @@ class Reads:
         self.reads += 1
         return "live", -1
 
+    async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
+        return (await self.fence_position(), *await self.attempt_status(rollout_id, attempt))
+
 
 async def test_the_gate_remembers_at_most_max_entries_attempts() -> None:
     store = Reads()
@@ -168,11 +171,17 @@ async def test_a_fence_read_cut_short_by_a_shutdown_reports_nothing_to_the_loop(
         never = asyncio.Event()
 
         class Hanging(Reads):
+            hang = False
+
             async def fence_position(self) -> int:
-                await never.wait()
+                if self.hang:
+                    await never.wait()
                 return 0
 
-        gate = AttemptGate(Hanging())
+        store = Hanging()
+        gate = AttemptGate(store)
+        await gate.check("r", 0)  # found live: its next check reads the fence position alone, in the gate's reader
+        store.hang = True
         check = asyncio.ensure_future(gate.check("r", 0))
         await asyncio.sleep(0.01)
         reader = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "AttemptGate._read"]

@@ -173,3 +173,69 @@ async def test_an_append_that_waited_for_the_lock_plans_from_what_the_append_bef
     assert (landed.position, landed.stream_version) == (3, 3)
     assert landed.hash == chain_hash(h2, "race", 3, third, encode_payload(third.data))
     assert [e.data["n"] for e in await store.read_stream("race")] == [1, 2, 3]
+
+
+async def test_a_due_hint_rides_in_the_appends_own_statement(dsn: str, store: PostgresEventStore,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A subscriber's wake-up costs no statement of its own while appends come: the first append after a
+    # quiet interval carries it, delivered at its commit.
+    import asyncio
+
+    import adapters.postgres as pg
+
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {pg.CHANNEL}")
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 1}),)))
+        assert store._notify is None  # no sender of its own was started
+        assert [n.channel for n in listener.notifies(timeout=30, stop_after=1)] == [pg.CHANNEL]
+        # One that comes before the interval has passed carries none: a hint is owed, and the sender waits
+        # to send it until an interval after that commit, unless an append carries it first.
+        monkeypatch.setattr(pg, "NOTIFY_INTERVAL_S", 3600.0)
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 2}),)))
+        assert store._notify is not None and store._notify_owed is not None
+        store._last_notify = asyncio.get_running_loop().time() - 7200  # as if the interval had passed
+        await store.append(AppendRequest((NewEvent("hint", "noted", {"n": 3}),)))
+        assert store._notify_owed is None  # carried by that append: the sender has nothing left to send
+        assert [n.channel for n in listener.notifies(timeout=30, stop_after=1)] == [pg.CHANNEL]
+
+
+async def test_an_episode_reads_no_new_calls_stream_its_attempts_once_and_asks_no_close_a_passed_verify_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import Counter
+
+    from adapters.memory_store import MemoryEventStore
+    from apps.stack import MemoryBacking, start_stack
+    from participants.environments.tasks import make_tasks
+    from participants.resources_server import ResourcesParticipant
+    from participants.scripted_model import ScriptedBackend
+
+    reads: Counter[tuple[str, str]] = Counter()
+    read_stream, attempt_rows, close = MemoryEventStore.read_stream, MemoryEventStore.attempt_rows, ResourcesParticipant.close_session
+
+    async def counted_stream(self: MemoryEventStore, stream: str, *a: Any) -> Any:
+        reads[(self.writer.split("-")[0], stream.split(":")[0])] += 1
+        return await read_stream(self, stream, *a)
+
+    async def counted_rows(self: MemoryEventStore, ids: Any) -> Any:
+        reads[(self.writer.split("-")[0], "attempt_rows")] += 1
+        return await attempt_rows(self, ids)
+
+    async def counted_close(self: ResourcesParticipant, *a: Any) -> Any:
+        reads[("resources", "close")] += 1
+        return await close(self, *a)
+
+    monkeypatch.setattr(MemoryEventStore, "read_stream", counted_stream)
+    monkeypatch.setattr(MemoryEventStore, "attempt_rows", counted_rows)
+    monkeypatch.setattr(ResourcesParticipant, "close_session", counted_close)
+    stack = await start_stack(MemoryBacking(), "pc", ScriptedBackend())
+    try:
+        result = await stack.episode(make_tasks(1, 3, ["math"])[0], "pc-ep")
+    finally:
+        await stack.close()
+    assert result["reward"] and result["reward"] > 0 and result["steps"][-1] == "close"
+    # A new call is claimed by an append that expects its stream empty, not after reading it.
+    assert reads[("model", "call")] == 0
+    # Whether the rollout is done or live: one read for both.
+    assert reads[("environment", "attempt_rows")] == 1
+    # The passed verify closed the session in its own append: the close step asks nothing.
+    assert reads[("resources", "close")] == 0

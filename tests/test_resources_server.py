@@ -149,8 +149,12 @@ async def test_open_tool_verify_close_record_one_event_per_change(served: Served
     mutation = events[1].data
     assert (mutation["revision"], mutation["tool"], mutation["arguments"]) == (1, "update_deal", args)
 
+    sizes, commit = list[int](), store.log.commit
+    store.log.commit = lambda request, *a: sizes.append(len(request.events)) or commit(request, *a)  # type: ignore[method-assign]
     status, passed = await call(http, "POST", f"{prefix('w1', 0)}/verify", {})
-    assert status == 200 and passed == {"reward": 1.0, "status": "passed", "revision": 2}
+    store.log.commit = commit  # type: ignore[method-assign]
+    assert status == 200 and passed == {"reward": 1.0, "status": "passed", "revision": 2, "closed": True}
+    assert sizes == [2]  # the verification and the close it makes: one append, never one without the other
     # A passed verify retires the session; an explicit close afterwards is a harmless repeat.
     assert (await state(http, "w1"))[0] == 404
     assert await call(http, "POST", f"{prefix('w1', 0)}/close") == (200, {})
