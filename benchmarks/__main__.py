@@ -198,13 +198,15 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
 MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_1s", 1.0)]
 
 # The calls of a run cut by a checkpoint and finished later: continued from their prefix, or started
-# over (their prefix's tokens generated again).
+# over. Tokens generated again: the prefixes of those started over, and what each cut received past
+# the durable prefix it kept (participants.model_progress).
 CUT_CALLS = """
 SELECT count(*) FILTER (WHERE kind = 'call_cut') AS cuts,
        count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'continued') AS continued,
        count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated') AS regenerated,
        coalesce(sum((data->>'prefix_tokens')::int) FILTER (WHERE kind = 'call_completed'
-                AND data->'continuation'->>'mode' = 'regenerated'), 0) AS tokens_again
+                AND data->'continuation'->>'mode' = 'regenerated'), 0)
+       + coalesce(sum((data->>'unsaved')::int) FILTER (WHERE kind = 'call_cut'), 0) AS tokens_again
 FROM rollbook.events WHERE starts_with(rollout_id, :p) AND kind IN ('call_cut', 'call_completed')
 """
 
@@ -385,6 +387,17 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
             f"off {_f(rate.get('off'))} rollouts/s", f"{_f(c.get('ratio_online_5s'))} (every 1 s: {_f(c.get('ratio_online_1s'))}); "
             f"cut + publish p50 {_f((c.get('online_ms') or {}).get('p50'), ' ms')}", ">= 0.98 every 1 s",
             None if c.get("ratio_online_1s") is None else bool(ge(c["ratio_online_1s"], 0.98)))
+        for m, b in (c.get("by_mode") or {}).items():
+            if m == "off":
+                continue
+            pm, rm = b.get("prepare_ms") or {}, b.get("resume_ms") or {}
+            row(f"{m}: rollouts/s vs none; checkpoints; prepare, resume p50/p99 ({c['in_flight']} in flight)",
+                f"off {_f(rate.get('off'))} rollouts/s",
+                f"{_f(c.get('ratio_' + m))}; {b.get('checkpoints')} checkpoints; prepare {_f(pm.get('p50'))}/{_f(pm.get('p99'), ' ms')}, "
+                f"resume {_f(rm.get('p50'))}/{_f(rm.get('p99'), ' ms')}; {b.get('cuts')} cuts, {b.get('cuts_continued')} continued, "
+                f"{b.get('cuts_regenerated')} started over ({b.get('tokens_generated_again')} tokens generated again)",
+                ">= 0.98 online every 1 s; no cut started over",
+                None if not m.startswith("online_1") else ge(c.get("ratio_" + m), 0.98))
         p = c.get("prepare_ms", {})
         row(f"prepare, {c['in_flight']} rollouts in flight (n={p.get('n')})", "NeMo Gym reports <= 8 ms",
             f"p50 {_f(p.get('p50'), ' ms')}, p99 {_f(p.get('p99'), ' ms')} ({_f(p.get('min'))}-{_f(p.get('max'))})",

@@ -454,7 +454,7 @@ class ModelParticipant(Participant):
         are recorded one by one, so a fenced attempt's refusal never costs another rollout its cut."""
         if not calls:
             return
-        outcomes = [await self._cut_data(c) for c in calls]
+        outcomes = await asyncio.gather(*(self._cut_data(c) for c in calls))  # concurrent puts share a transaction
         events = [NewEvent(call_stream(c.call_id), ev.CALL_CUT, data, c.rollout_id, c.attempt) for c, data in zip(calls, outcomes, strict=True)]
         try:
             await self.store.append(AppendRequest(tuple(events)))
@@ -477,10 +477,12 @@ class ModelParticipant(Participant):
     async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
         d = call.durable
         if d is None:  # nothing saved yet: its tokens go into the cut's own append
-            receipt, prompt = await self.token_store.stage(call.ids, call.logprobs), await self.token_store.stage(list(call.prompt_ids))
+            receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
+                                                   self.token_store.stage(list(call.prompt_ids)))
             d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())
         return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
-                "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial}
+                "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,
+                "unsaved": max(0, len(call.ids) - d.tokens)}
 
     async def _record_outcome(self, call: LiveCall, kind: str, data: dict[str, Any]) -> None:
         # Staged, not put: the blobs are written in the transaction that appends the outcome naming them.

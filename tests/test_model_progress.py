@@ -72,6 +72,7 @@ async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_wr
         await start_attempt(store, r)
     backend = Paced(allowed=3)
     _, full, full_lps = planned(ScriptedBackend(), MATH)
+    five = sum(len(step.ids) for step in ScriptedBackend().plan(MATH)[1][:5])
     async with model_server(store, backend, tokens) as client:
         model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         pending = [asyncio.ensure_future(client.post(url(r), json={**MATH, "stream": i % 2 == 0},
@@ -97,6 +98,7 @@ async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_wr
     for r in rollouts:
         cut = (await store.read_stream(call_stream(f"{r}.0.t0")))[1]
         assert cut.kind == "call_cut" and cut.data["tokens"] == saved[f"{r}.0.t0"] < len(full)
+        assert cut.data["tokens"] + cut.data["unsaved"] == five  # what it had received, counted as generated again
         n = cut.data["tokens"]
         assert await tokens.get(cut.data["receipt"]["blob_id"]) == TokenArray(tuple(full[:n]), tuple(full_lps[:n]))
     assert [int(e["token"][9:]) for e in body["choices"][0]["logprobs"]["content"]] == full
