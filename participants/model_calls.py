@@ -96,8 +96,8 @@ class LiveCall:
     prefix_segments: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
     digest: str = ""  # request_digest of the body it was accepted with
-    # accepting -> generating -> completed | cut | failed | stale; generating -> cutting (a prepare records
-    # the cut for it, at its durable prefix) -> cut
+    # accepting -> generating -> recording (its own task appends its outcome) -> completed | cut | failed |
+    # stale; generating -> cutting (a prepare records the cut for it, at its durable prefix) -> cut
     state: str = "accepting"
     prompt_ids: tuple[int, ...] = ()
     ids: list[int] = field(default_factory=list)

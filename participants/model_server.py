@@ -420,6 +420,7 @@ class ModelParticipant(Participant):
             cut = await call.pump(self.backend)
             if call.state != "generating":
                 return  # prepare records (or has recorded) this call's cut, at its durable prefix (_record_cuts)
+            call.state = "recording"  # no await since the check: a prepare from now on waits for this outcome
             if cut:
                 await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
             else:

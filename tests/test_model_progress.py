@@ -104,3 +104,31 @@ async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_wr
     assert [int(e["token"][9:]) for e in body["choices"][0]["logprobs"]["content"]] == full
     done = (await store.read_stream(call_stream("pg1.0.t0")))[-1]
     assert done.kind == "call_completed" and done.data["continuation"]["mode"] == "continued"
+
+
+async def test_a_call_recording_its_reply_when_prepare_comes_ends_with_that_reply_alone(memory_store, memory_tokens) -> None:
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "pr")
+    held, release = asyncio.Event(), asyncio.Event()
+    append = store.append
+
+    async def slow_completion(request: Any) -> Any:
+        if any(e.kind == "call_completed" for e in request.events):
+            held.set()
+            await release.wait()  # the reply is being recorded when the checkpoint comes
+        return await append(request)
+
+    store.append = slow_completion
+    async with model_server(store, ScriptedBackend(), tokens) as client:
+        pending = asyncio.ensure_future(client.post(url("pr"), json=MATH, headers=call_headers("pr.0.t0")))
+        await asyncio.wait_for(held.wait(), 30)
+        prepare = asyncio.ensure_future(control(client, "prepare", "ck-pr"))
+        await asyncio.sleep(0.05)  # prepare has looked at the call by now (it is waiting for it)
+        release.set()
+        prepared = await prepare
+        await control(client, "resume", "ck-pr")
+        reply = await pending
+        body = await reply.json()
+    assert prepared["ready"] and prepared["counts"]["completed"] == 1 and prepared["counts"]["cut"] == 0
+    assert [e.kind for e in await store.read_stream(call_stream("pr.0.t0"))] == ["call_accepted", "call_completed"]
+    assert reply.status == 200 and body["choices"][0]["message"] == ScriptedBackend().reply(MATH)
