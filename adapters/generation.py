@@ -133,6 +133,18 @@ def final_message(partial: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def partial_message(partial: dict[str, Any]) -> dict[str, Any]:
+    """The cut reply as the final assistant message of a continuation request: its text so far and,
+    when the cut fell inside a tool call, that call as far as it got (an upstream that renders the
+    message needs both to know where it stands). The text a chat template would render for a partial
+    tool call is not something rollbook can know, so exactness rests on `required_prefix_token_ids`
+    and the check of the upstream's prompt ids, never on this rendering."""
+    out: dict[str, Any] = {"role": "assistant", "content": partial.get("content") or ""}
+    if partial.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": dict(c.get("function") or {})} for c in partial["tool_calls"]]
+    return out
+
+
 def max_tokens(request: dict[str, Any]) -> int | None:
     value = request.get("max_completion_tokens", request.get("max_tokens"))
     return None if value is None else int(value)
@@ -170,10 +182,10 @@ class OpenAICompatibleBackend:
     `required_prefix_token_ids` = prompt ids + generated prefix ids (NeMo Gym's field: the exact
     token sequence the upstream's prompt must be), and `max_tokens` reduced by the prefix. The
     continuation is accepted only if the upstream's `prompt_token_ids` equal that sequence, so the
-    concatenated ids are exactly prefix + continuation. Otherwise (an upstream that refuses the
-    request, retokenizes the partial text differently, reports no prompt ids, or a cut inside a
-    tool call, whose text form the chat API does not give back) the call is regenerated from the
-    start and the reason recorded."""
+    concatenated ids are exactly prefix + continuation. A cut inside a tool call goes the same way
+    (the partial call rides in the message, the ids say where it stands). Otherwise (an upstream
+    that refuses the request, retokenizes the partial text differently or reports no prompt ids)
+    the call is regenerated from the start and the reason recorded."""
 
     def __init__(
         self,
@@ -237,35 +249,32 @@ class OpenAICompatibleBackend:
 
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         if prefix is not None and prefix.ids:
-            reason = "the cut fell inside a tool call, whose text the chat API does not return" if prefix.message.get(
-                "tool_calls") else None
-            if reason is None:
-                body = self.body(request)
-                body["messages"] = [*body.get("messages", []), {"role": "assistant", "content": prefix.message.get("content") or ""}]
-                body.update(continue_final_message=True, add_generation_prompt=False,
-                            required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
-                limit = max_tokens(request)
-                if limit is not None:
-                    body.pop("max_completion_tokens", None)
-                    body["max_tokens"] = max(1, limit - len(prefix.ids))
-                try:
-                    resp = await self._post(body)
-                except GenerationFailed as exc:
-                    reason = f"the upstream refused the continuation: {exc.detail[:200]}"
-                else:
-                    events = self._events(resp)
-                    first = await anext(events, None)
-                    want = (*prefix.prompt_token_ids, *prefix.ids)
-                    if isinstance(first, Start) and first.prompt_token_ids == want:
-                        yield Start(prefix.prompt_token_ids, {"mode": "continued", "prefix_tokens": len(prefix.ids),
-                                                              "via": "required_prefix_token_ids"})
-                        async for event in events:
-                            yield event
-                        return
-                    await events.aclose()
-                    got = len(first.prompt_token_ids) if isinstance(first, Start) else 0
-                    reason = (f"the upstream's prompt_token_ids ({got} ids) are not the prompt plus the prefix "
-                              f"({len(want)} ids): it did not continue the exact prefix")
+            body = self.body(request)
+            body["messages"] = [*body.get("messages", []), partial_message(prefix.message)]
+            body.update(continue_final_message=True, add_generation_prompt=False,
+                        required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
+            limit = max_tokens(request)
+            if limit is not None:
+                body.pop("max_completion_tokens", None)
+                body["max_tokens"] = max(1, limit - len(prefix.ids))
+            try:
+                resp = await self._post(body)
+            except GenerationFailed as exc:
+                reason = f"the upstream refused the continuation: {exc.detail[:200]}"
+            else:
+                events = self._events(resp)
+                first = await anext(events, None)
+                want = (*prefix.prompt_token_ids, *prefix.ids)
+                if isinstance(first, Start) and first.prompt_token_ids == want:
+                    yield Start(prefix.prompt_token_ids, {"mode": "continued", "prefix_tokens": len(prefix.ids),
+                                                          "via": "required_prefix_token_ids"})
+                    async for event in events:
+                        yield event
+                    return
+                await events.aclose()
+                got = len(first.prompt_token_ids) if isinstance(first, Start) else 0
+                reason = (f"the upstream's prompt_token_ids ({got} ids) are not the prompt plus the prefix "
+                          f"({len(want)} ids): it did not continue the exact prefix")
             start: Start | None = None
             async for event in self._events(await self._post(self.body(request))):
                 if isinstance(event, Start):

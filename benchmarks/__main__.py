@@ -120,7 +120,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     store = PostgresEventStore.connect(url, writer="bench-driver")
     # Paused checkpoints (prepare, commit, publish, resume) and online ones (a cut from the log, no pause),
     # interleaved with the run without checkpoints in every repeat.
-    modes = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_1s", 1.0)]
+    modes = [(m, e) for m, e in MODES if m in args.modes]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m, _ in modes}
     out: dict[str, Any] = {"tasks": args.tasks, "in_flight": args.in_flight}
     try:
@@ -155,7 +155,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                     seconds, done = cut_off or (wall, args.tasks)
                     runs[mode].append({"seconds": round(seconds, 2), "rollouts_per_s": round(done / seconds, 2),
                                        "finished_in_window": done, "hit_limit": cut_off is not None,
-                                       "checkpoints": checkpoints})
+                                       "checkpoints": checkpoints, **await _cuts(store, run_id)})
                     progress(f"collection {mode} #{rep}: {done} rollouts in {seconds:.1f} s, {len(checkpoints)} checkpoints"
                              + (" (hit the time limit)" if cut_off else ""))
             out["demo_restore"] = await _demo_restore(session, config, store, procs, url, args)
@@ -164,26 +164,24 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
         await store.close()
         server.drop_database(url)
     rate = {m: med([r["rollouts_per_s"] for r in rs]) for m, rs in runs.items()}
-    cks = [c for m in ("every_5s", "every_1s") for r in runs[m] for c in r["checkpoints"]]
+    out["by_mode"] = {m: _mode_summary(rs) for m, rs in runs.items()}
+    cks = [c for m in ("every_5s", "every_1s") for r in runs.get(m, []) for c in r["checkpoints"]]
     prepare = [c["prepare"] for c in cks if "prepare" in c]
     per_participant = {k.split(":", 1)[1]: med([c[k] for c in cks if k in c])
                        for k in sorted({k for c in cks for k in c if k.startswith("prepare:")})}
     by_index: dict[int, list[float]] = {}
     for m in ("every_5s", "every_1s"):
-        for r in runs[m]:
+        for r in runs.get(m, []):
             for i, c in enumerate(r["checkpoints"], start=1):
                 if "publish" in c:
                     by_index.setdefault(i, []).append(c["publish"])
     last = max(by_index) if by_index else None
     out.update({
         "rollouts_per_s": rate,
-        "ratio_every_5s": ratio(rate["every_5s"], rate["off"]),
-        "ratio_every_1s": ratio(rate["every_1s"], rate["off"]),
-        "ratio_online_5s": ratio(rate["online_5s"], rate["off"]),
-        "ratio_online_1s": ratio(rate["online_1s"], rate["off"]),
-        "online_ms": {"p50": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs[m]
+        **{f"ratio_{m}": ratio(rate.get(m), rate.get("off")) for m, _ in MODES if m != "off"},
+        "online_ms": {"p50": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
                                   for c in r["checkpoints"] if "commit" in c], 50),
-                      "p99": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs[m]
+                      "p99": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
                                   for c in r["checkpoints"] if "commit" in c], 99)},
         "prepare_ms": {"p50": pct(prepare, 50), "p99": pct(prepare, 99), "min": min(prepare, default=None),
                        "max": max(prepare, default=None), "n": len(prepare),
@@ -195,6 +193,44 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     })
     out["publish_growth"] = ratio(out["publish_last_ms"], out["publish_first_ms"])
     return out
+
+
+MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_1s", 1.0)]
+
+# The calls of a run cut by a checkpoint and finished later: continued from their prefix, or started
+# over. Tokens generated again: the prefixes of those started over, and what each cut received past
+# the durable prefix it kept (participants.model_progress).
+CUT_CALLS = """
+SELECT count(*) FILTER (WHERE kind = 'call_cut') AS cuts,
+       count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'continued') AS continued,
+       count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated') AS regenerated,
+       coalesce(sum((data->>'prefix_tokens')::int) FILTER (WHERE kind = 'call_completed'
+                AND data->'continuation'->>'mode' = 'regenerated'), 0)
+       + coalesce(sum((data->>'unsaved')::int) FILTER (WHERE kind = 'call_cut'), 0) AS tokens_again
+FROM rollbook.events WHERE starts_with(rollout_id, :p) AND kind IN ('call_cut', 'call_completed')
+"""
+
+
+async def _cuts(store: PostgresEventStore, run_id: str) -> dict[str, int]:
+    from sqlalchemy import text
+
+    async with store.engine.connect() as conn:
+        row = (await conn.execute(text(CUT_CALLS), {"p": f"{run_id}-"})).one()
+    return dict(zip(("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again"), (int(x) for x in row), strict=True))
+
+
+def _mode_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's checkpoints: prepare and resume p50/p99 (and prepare's per participant), cuts."""
+    cks = [c for r in rs for c in r["checkpoints"]]
+
+    def spread(key: str) -> dict[str, float | None]:
+        values = [c[key] for c in cks if key in c]
+        return {"p50": pct(values, 50), "p99": pct(values, 99)}
+
+    keys = sorted({k for c in cks for k in c if k.startswith("prepare:")})
+    return {"checkpoints": len(cks), "prepare_ms": spread("prepare"), "resume_ms": spread("resume"),
+            "commit_ms": spread("commit"), "prepare_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in keys},
+            **{k: sum(r.get(k, 0) for r in rs) for k in ("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again")}}
 
 
 async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, store: PostgresEventStore,
@@ -351,6 +387,17 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
             f"off {_f(rate.get('off'))} rollouts/s", f"{_f(c.get('ratio_online_5s'))} (every 1 s: {_f(c.get('ratio_online_1s'))}); "
             f"cut + publish p50 {_f((c.get('online_ms') or {}).get('p50'), ' ms')}", ">= 0.98 every 1 s",
             None if c.get("ratio_online_1s") is None else bool(ge(c["ratio_online_1s"], 0.98)))
+        for m, b in (c.get("by_mode") or {}).items():
+            if m == "off":
+                continue
+            pm, rm = b.get("prepare_ms") or {}, b.get("resume_ms") or {}
+            row(f"{m}: rollouts/s vs none; checkpoints; prepare, resume p50/p99 ({c['in_flight']} in flight)",
+                f"off {_f(rate.get('off'))} rollouts/s",
+                f"{_f(c.get('ratio_' + m))}; {b.get('checkpoints')} checkpoints; prepare {_f(pm.get('p50'))}/{_f(pm.get('p99'), ' ms')}, "
+                f"resume {_f(rm.get('p50'))}/{_f(rm.get('p99'), ' ms')}; {b.get('cuts')} cuts, {b.get('cuts_continued')} continued, "
+                f"{b.get('cuts_regenerated')} started over ({b.get('tokens_generated_again')} tokens generated again)",
+                ">= 0.98 online every 1 s; no cut started over",
+                None if not m.startswith("online_1") else ge(c.get("ratio_" + m), 0.98))
         p = c.get("prepare_ms", {})
         row(f"prepare, {c['in_flight']} rollouts in flight (n={p.get('n')})", "NeMo Gym reports <= 8 ms",
             f"p50 {_f(p.get('p50'), ' ms')}, p99 {_f(p.get('p99'), ' ms')} ({_f(p.get('min'))}-{_f(p.get('max'))})",
@@ -403,8 +450,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="override the mode's number of repeats")
     p.add_argument("--tasks", type=int, help="override the collection's number of rollouts")
     p.add_argument("--in-flight", type=int, help="override how many rollouts the collection keeps in flight")
+    p.add_argument("--modes", default=",".join(m for m, _ in MODES), help="comma list of the collection's modes")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
     args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "off" not in args.modes or not set(args.modes) <= {m for m, _ in MODES}:
+        p.error(f"--modes must name 'off' and only these: {', '.join(m for m, _ in MODES)}")
     overrides = {k: getattr(args, k) for k in ("repeats", "tasks", "in_flight") if getattr(args, k)}
     full = {"tasks": 320, "in_flight": 80, "repeats": 3, "limit_factor": 3.0, "episodes": 1000, "seconds": 3.0, "warmup": 0.75,
             "export_sessions": 1000}

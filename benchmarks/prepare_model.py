@@ -1,7 +1,7 @@
 """The model server's prepare with many calls mid-generation: it cuts, it never waits for a generation.
 
     .venv/bin/python benchmarks/prepare_model.py [--calls 80] [--repeats 5] [--token-latency-s 0.05]
-                                                 [--backend scripted|upstream] [--dsn DSN] [--out PATH]
+                                                 [--backend scripted|upstream] [--settle-s 0.2] [--dsn DSN] [--out PATH]
 
 One model server (aiohttp on a real port, its log on a real PostgreSQL: a throwaway embedded one
 unless --dsn is given, migrated fresh) serves `--calls` concurrent calls, half streamed to their
@@ -58,7 +58,7 @@ def progress(msg: str) -> None:
 
 
 async def one_round(session: aiohttp.ClientSession, base: str, participant: Any, round_no: int, calls: int,
-                    store: PostgresEventStore) -> dict[str, Any]:
+                    store: PostgresEventStore, settle_s: float = 0.0) -> dict[str, Any]:
     rollouts = [f"bench-{round_no}-{i}" for i in range(calls)]
     await store.append(AppendRequest(tuple(NewEvent(rollout_stream(r), ATTEMPT_STARTED, {"parent_attempt": None}, r, 0)
                                            for r in rollouts)))
@@ -78,7 +78,11 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
         await asyncio.sleep(0.005)
         if time.monotonic() - started > 60:
             raise RuntimeError("the calls did not all start generating within 60 s")
-    mid = {"tokens_min": min(len(c.ids) for c in live), "tokens_max": max(len(c.ids) for c in live)}
+    # A checkpoint comes at any moment of a generation; right after a token it finds that token not yet
+    # saved (participants.model_progress): --settle-s waits that long before prepare (0: right after).
+    await asyncio.sleep(settle_s)
+    mid = {"tokens_min": min(len(c.ids) for c in live), "tokens_max": max(len(c.ids) for c in live),
+           "saved_before_prepare": sum(1 for c in live if getattr(c, "durable", None) is not None)}
     t0 = time.perf_counter()
     async with session.post(f"{base}{CONTROL}/prepare", json={"checkpoint_id": f"bench-ck{round_no}",
                                                                "deadline": time.time() + 30},
@@ -110,7 +114,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         admin, cleanup = embedded.throwaway("rbprep-")
     dsn = database.scratch_database(admin, f"rollbook_prep_{int(time.time())}")
     store = PostgresEventStore.connect(dsn, writer="bench-model")
-    tokens = PostgresTokenStore(store.engine)
+    tokens = PostgresTokenStore(store)  # as `rollbook serve` builds it: staged blobs ride in the next append
     fake = None
     if args.backend == "upstream":
         from testkit.fake_vllm import FakeVLLM
@@ -132,7 +136,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             for r in range(args.repeats):
-                rounds.append(await one_round(session, base, participant, r, args.calls, store))
+                rounds.append(await one_round(session, base, participant, r, args.calls, store, args.settle_s))
                 progress(f"round {r}: prepare {rounds[-1]['prepare_ms']} ms, {rounds[-1]['calls_cut']} cut")
     finally:
         await runner.cleanup()
@@ -146,7 +150,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "model server prepare with calls mid-generation",
         "command": " ".join(["benchmarks/prepare_model.py", *sys.argv[1:]]),
-        "backend": args.backend, "calls": args.calls, "token_latency_s": args.token_latency_s,
+        "backend": args.backend, "calls": args.calls, "token_latency_s": args.token_latency_s, "settle_s": args.settle_s,
         "reply_steps": reply_steps, "generation_s_per_reply": round(reply_steps * args.token_latency_s, 2),
         "prepare_ms_median": med, "rounds": rounds,
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -159,6 +163,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--token-latency-s", type=float, default=0.5)
     parser.add_argument("--backend", choices=["scripted", "upstream"], default="scripted")
+    parser.add_argument("--settle-s", type=float, default=0.0, help="wait this long after every call has a token")
     parser.add_argument("--dsn")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prepare_model.json"))
     args = parser.parse_args()

@@ -339,6 +339,7 @@ CALL_CUT = _kind(
     may("partial", "object", "the partial message"), may("receipt", "object", "token-store receipt"),
     may("prompt_receipt", "object", "token-store receipt of the prompt"), may("segments", "array", "tokens per policy version"),
     may("policy_version", "string|null", "the policy"),
+    may("unsaved", "integer", "tokens generated after the durable prefix the cut kept: generated again"),
 )
 CALL_FAILED = _kind(
     "call_failed", CALL, f"{_MODEL}; {_CAPTURE}",

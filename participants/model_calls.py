@@ -58,6 +58,30 @@ def call_records(events: list[RecordedEvent]) -> dict[str, CallRecord]:
     return out
 
 
+@dataclass(frozen=True)
+class DurablePrefix:
+    """Tokens of a generation in flight that are already in the token store: what a cut records
+    without writing a blob (participants.model_progress keeps it fresh)."""
+
+    tokens: int
+    receipt: Receipt
+    prompt_receipt: Receipt
+    partial: dict[str, Any]
+    segments: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A generation's tokens as they stand, copied at once so they agree with each other."""
+
+    call: LiveCall
+    ids: list[int]
+    logprobs: list[float]
+    prompt_ids: tuple[int, ...]
+    partial: dict[str, Any]
+    segments: list[dict[str, Any]]
+
+
 @dataclass(eq=False)
 class LiveCall:
     """A call this process is serving. Mutable on purpose: it is live state, never logged as such."""
@@ -72,7 +96,9 @@ class LiveCall:
     prefix_segments: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # merged into call_completed
     digest: str = ""  # request_digest of the body it was accepted with
-    state: str = "accepting"  # accepting -> generating -> completed | cut | failed | stale
+    # accepting -> generating -> recording (its own task appends its outcome) -> completed | cut | failed |
+    # stale; generating -> cutting (a prepare records the cut for it, at its durable prefix) -> cut
+    state: str = "accepting"
     prompt_ids: tuple[int, ...] = ()
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -89,6 +115,20 @@ class LiveCall:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     task: asyncio.Task[None] | None = None
+    durable: DurablePrefix | None = None  # the longest prefix known to be in the token store
+
+    def progress(self) -> Progress | None:
+        """What to make durable now: None while the durable prefix is as long as the tokens (or there
+        are none yet: a cut before the first token has nothing to keep)."""
+        if self.state != "generating" or not self.ids or (self.durable is not None and self.durable.tokens >= len(self.ids)):
+            return None
+        return Progress(self, list(self.ids), list(self.logprobs), self.prompt_ids, _copy_message(self.message), self.segments())
+
+    def saved(self, progress: Progress, receipt: Receipt, prompt_receipt: Receipt) -> None:
+        """`progress` is durable; it becomes the durable prefix unless the tokens started over since."""
+        n = len(progress.ids)
+        if self.ids[:n] == progress.ids and (self.durable is None or self.durable.tokens < n):
+            self.durable = DurablePrefix(n, receipt, prompt_receipt, progress.partial, progress.segments)
 
     @classmethod
     def stored(cls, record: CallRecord, stream: bool) -> LiveCall:
@@ -103,12 +143,11 @@ class LiveCall:
         self.ids = list(p.ids) if p else []
         self.logprobs = list(p.logprobs) if p else []
         self.tops = [()] * len(self.ids)
-        self.message = {k: (list(v) if isinstance(v, list) else v) for k, v in (p.message if p else {}).items()}
-        if p and p.message.get("tool_calls"):
-            self.message["tool_calls"] = [{**c, "function": dict(c["function"])} for c in p.message["tool_calls"]]
+        self.message = _copy_message(p.message if p else {})
         self.steps = []  # the prefix joins them once the backend says it continues it (see pump)
         if not p:
             self.prefix_segments = []
+            self.durable = None  # started over: an older durable prefix is not a prefix of this generation
 
     def segments(self) -> list[dict[str, Any]]:
         """Which policy version produced which tokens: a call cut under one version and continued under
@@ -173,6 +212,13 @@ class LiveCall:
 
 
 
+def _copy_message(message: dict[str, Any]) -> dict[str, Any]:
+    out = {k: (list(v) if isinstance(v, list) else v) for k, v in message.items()}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": dict(c["function"])} for c in message["tool_calls"]]
+    return out
+
+
 # Options that choose how the reply is shown, not what is generated: a call cut by a checkpoint may be
 # asked again with them changed (streamed this time, with logprobs) and is still the same call.
 PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
@@ -184,4 +230,4 @@ def request_digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(same).encode()).hexdigest()
 
 
-__all__ = ["CUSTODY", "CallRecord", "LiveCall", "TokenStore", "call_records", "request_digest"]
+__all__ = ["CUSTODY", "CallRecord", "DurablePrefix", "LiveCall", "Progress", "TokenStore", "call_records", "request_digest"]

@@ -62,7 +62,15 @@ from engine.ownership import claim
 from engine.recovery import call_lost
 from engine.tokens import Receipt
 from participants.guard import Header, Route
-from participants.model_calls import CallRecord, LiveCall, TokenStore, call_records, request_digest
+from participants.model_calls import (
+    CallRecord,
+    DurablePrefix,
+    LiveCall,
+    TokenStore,
+    call_records,
+    request_digest,
+)
+from participants.model_progress import ProgressSaver
 from participants.model_replies import CallReplies
 from participants.openai_wire import ChatCompletion, ChatRequest, models_body, usage
 from participants.owners import owner_verdict, settled
@@ -102,16 +110,22 @@ class ModelParticipant(Participant):
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
+        self.progress = ProgressSaver(token_store, lambda: self.calls.values())
 
     # ---- control plane hooks ---------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
+        # Every generation is cut, streamed to its client or not, and never waited for. One that is
+        # generating is cut at its durable prefix (participants.model_progress): all of them in one
+        # append that writes no blob. One not yet accepted in the log records its own cut once it is.
+        cutting = [c for c in inflight if c.state == "generating"]
         for c in inflight:
-            # Every generation is cut, streamed to its client or not: prepare waits for the cut to be
-            # durable (a token-store put and an append), never for a generation to finish.
+            if c.state == "generating":
+                c.state = "cutting"  # no await since the check: its own task will not record an outcome now
             c.cut_requested.set()
+        await self._record_cuts(cutting)
         await wait_for_all([c.done for c in inflight], deadline)
         blockers = [c.call_id for c in inflight if not c.done.is_set()]
         counts = {
@@ -144,6 +158,7 @@ class ModelParticipant(Participant):
         return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
 
     async def stop(self) -> None:
+        await self.progress.stop()
         tasks = [c.task for c in list(self.calls.values()) if c.task is not None]
         for t in tasks:
             t.cancel()
@@ -353,6 +368,7 @@ class ModelParticipant(Participant):
             raise
         call.state = "generating"
         call.task = asyncio.get_running_loop().create_task(self._run(call))
+        self.progress.start()
         return call
 
     async def _newest_durable(self, chain: list[str], rollout_id: str, attempt: int) -> CallRecord | None:
@@ -373,6 +389,9 @@ class ModelParticipant(Participant):
         call.restart_from(Prefix(prompt_ids, generated.ids, generated.logprobs or (), source.data.get("partial") or {}))
         call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
         call.extra["prefix_tokens"] = len(generated.ids)
+        if prompt:  # the prefix is durable already: a cut before any new token is saved records it again
+            call.durable = DurablePrefix(len(generated.ids), receipt, Receipt.from_json(prompt),
+                                         source.data.get("partial") or {}, call.prefix_segments)
         return {"call_id": source.call_id, "receipt": receipt.to_json()}
 
     async def _reserve_replacement(self, replaces: str, call_id: str, rollout_id: str, attempt: int) -> tuple[str, int]:
@@ -407,7 +426,11 @@ class ModelParticipant(Participant):
 
     async def _run(self, call: LiveCall) -> None:
         try:
-            if await call.pump(self.backend):
+            cut = await call.pump(self.backend)
+            if call.state != "generating":
+                return  # prepare records (or has recorded) this call's cut, at its durable prefix (_record_cuts)
+            call.state = "recording"  # no await since the check: a prepare from now on waits for this outcome
+            if cut:
                 await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
             else:
                 await self._record_outcome(call, ev.CALL_COMPLETED, {
@@ -434,6 +457,42 @@ class ModelParticipant(Participant):
                 error = lost
             finally:
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
+
+    async def _record_cuts(self, calls: list[LiveCall]) -> None:
+        """The cut of every call at its durable prefix, in one append. A call with nothing saved yet
+        stages its tokens into that same append. If one call's attempt was fenced meanwhile, the others
+        are recorded one by one, so a fenced attempt's refusal never costs another rollout its cut."""
+        if not calls:
+            return
+        outcomes = await asyncio.gather(*(self._cut_data(c) for c in calls))  # concurrent puts share a transaction
+        events = [NewEvent(call_stream(c.call_id), ev.CALL_CUT, data, c.rollout_id, c.attempt) for c, data in zip(calls, outcomes, strict=True)]
+        try:
+            await self.store.append(AppendRequest(tuple(events)))
+        except StaleAttempt:
+            for c, event, data in zip(calls, events, outcomes, strict=True):
+                try:
+                    await self._append(event)
+                except RollbookError as exc:
+                    await self._finish(c, "stale" if isinstance(exc, StaleAttempt) else "failed", error=exc)
+                else:
+                    await self._finish(c, "cut", result=data)
+            return
+        except RollbookError as exc:
+            for c in calls:
+                await self._finish(c, "failed", error=exc)
+            raise
+        for c, data in zip(calls, outcomes, strict=True):
+            await self._finish(c, "cut", result=data)
+
+    async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
+        d = call.durable
+        if d is None:  # nothing saved yet: its tokens go into the cut's own append
+            receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
+                                                   self.token_store.stage(list(call.prompt_ids)))
+            d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())
+        return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
+                "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,
+                "unsaved": max(0, len(call.ids) - d.tokens)}
 
     async def _record_outcome(self, call: LiveCall, kind: str, data: dict[str, Any]) -> None:
         # Staged, not put: the blobs are written in the transaction that appends the outcome naming them.

@@ -1,0 +1,52 @@
+"""Paused checkpoints every second against a slow vLLM-style upstream: a tool call that needs more
+tokens than fit between two checkpoints is cut again and again, and still finishes, because every
+cut is continued from its durable prefix (the four servers and the upstream as real processes).
+
+With each cut tool call generated again from scratch, such a call never gets past the tokens that
+fit in one interval and its rollout never finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from participants.environments.tasks import make_tasks
+
+from .conftest import assert_invariants
+
+TOKEN_LATENCY_S = 0.05  # a workplace task's first tool call is about 30 tokens: 1.5 s of generation
+INTERVAL_S = 1.0
+MAX_CHECKPOINTS = 40  # then the checkpoints stop, so a run that cannot finish under them still ends
+
+OUTCOMES = """
+SELECT data->'continuation'->>'mode' AS mode, coalesce((data->>'prefix_tokens')::int, 0) AS prefix
+FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE :p AND data ? 'continuation'
+"""
+
+
+async def test_cut_tool_calls_continue_so_every_rollout_finishes_under_checkpoints_every_second(cluster_factory, rng) -> None:
+    c = await cluster_factory(token_latency_s=TOKEN_LATENCY_S, upstream=True)
+    coll = c.collection("ctc", make_tasks(4, rng.randrange(1 << 20), ["workplace"]), seed=rng.randrange(1000))
+    run = asyncio.create_task(coll.dispatch(c.session))
+    await c.wait_count("ctc", "attempt_started", len(coll.tasks))
+    taken = 0
+    while not run.done() and taken < MAX_CHECKPOINTS:
+        await asyncio.wait({run}, timeout=INTERVAL_S)
+        if run.done():
+            break
+        taken += 1
+        ck = await coll.checkpoint(c.session, f"ctc-ck{taken}")
+        assert ck["published"], ck
+    await asyncio.wait_for(run, 120)
+    assert taken >= 2, "the run ended before the checkpoints cut anything"
+    cuts_in_tool_calls = await c.scalar(
+        "SELECT count(*) FROM rollbook.events WHERE kind = 'call_cut' AND rollout_id LIKE 'ctc-%' "
+        "AND data->'partial' ? 'tool_calls'")
+    assert cuts_in_tool_calls > 0, "no checkpoint fell inside a tool call"
+    outcomes = await c.rows(OUTCOMES, p="ctc-%")
+    dropped = [o for o in outcomes if o.mode != "continued"]
+    again = sum(o.prefix for o in dropped)  # tokens generated again after a cut: every dropped prefix
+    print(f"{taken} checkpoints, {cuts_in_tool_calls} cuts inside a tool call, {len(outcomes)} calls cut and finished, "
+          f"{again} tokens generated again")
+    assert not dropped, f"cut calls generated again from scratch ({again} tokens): {dropped}"
+    print(await assert_invariants(c, coll))

@@ -1,0 +1,134 @@
+"""The token progress of generations in flight is saved in the background, and a prepare records the
+cut of every call at its durable prefix in one append that writes no blob.
+
+The model server runs on a real aiohttp server with its log and token store in memory; the backend is
+the scripted policy, held at a step the test chooses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from adapters.generation import Prefix, Step
+from engine.identity import call_stream
+from engine.tokens import TokenArray
+from participants.app import PARTICIPANT
+from participants.scripted_model import ScriptedBackend
+from tests.test_model_server import MATH, call_headers, control, model_server, planned, start_attempt, url
+from tests.waiting import eventually
+
+
+class Paced(ScriptedBackend):
+    """Every generation stops before step `allowed` until the test allows more (a cut cancels the wait)."""
+
+    def __init__(self, allowed: int) -> None:
+        super().__init__()
+        self.allowed = allowed
+        self.more = asyncio.Condition()
+
+    async def allow(self, steps: int) -> None:
+        async with self.more:
+            self.allowed = steps
+            self.more.notify_all()
+
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None):  # type: ignore[override]
+        sent = 0
+        async for event in super().generate(request, prefix):
+            if isinstance(event, Step) and prefix is None:
+                async with self.more:
+                    await self.more.wait_for(lambda n=sent: n < self.allowed)
+                sent += 1
+            yield event
+
+
+class Spy:
+    """Wraps a store's append and a token store's writes: what each append carried, and every write."""
+
+    def __init__(self, store: Any, tokens: Any) -> None:
+        self.appends: list[list[str]] = []
+        self.writes = 0
+        append, put, stage = store.append, tokens.put, tokens.stage
+
+        async def spy_append(request: Any) -> Any:
+            self.appends.append([e.kind for e in request.events])
+            return await append(request)
+
+        async def spy_put(*a: Any, **k: Any) -> Any:
+            self.writes += 1
+            return await put(*a, **k)
+
+        async def spy_stage(*a: Any, **k: Any) -> Any:
+            self.writes += 1
+            return await stage(*a, **k)
+
+        store.append, tokens.put, tokens.stage = spy_append, spy_put, spy_stage
+
+
+async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_writes_no_blob(memory_store, memory_tokens) -> None:
+    store, tokens = memory_store, memory_tokens
+    rollouts = [f"pg{i}" for i in range(6)]
+    for r in rollouts:
+        await start_attempt(store, r)
+    backend = Paced(allowed=3)
+    _, full, full_lps = planned(ScriptedBackend(), MATH)
+    five = sum(len(step.ids) for step in ScriptedBackend().plan(MATH)[1][:5])
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        pending = [asyncio.ensure_future(client.post(url(r), json={**MATH, "stream": i % 2 == 0},
+                                                     headers=call_headers(f"{r}.0.t0"))) for i, r in enumerate(rollouts)]
+        calls = model.calls
+        await eventually("every call three steps in", lambda: len(calls) == len(rollouts) and all(len(c.steps) >= 3 for c in calls.values()))
+        await eventually("every call's three steps saved", lambda: all(c.durable is not None and c.durable.tokens == len(c.ids)
+                                                                      for c in calls.values()))
+        saved = {c.call_id: c.durable.tokens for c in calls.values()}
+        await model.progress.stop()  # the saver sees no more steps: the cut must be at the saved prefix
+        await backend.allow(5)  # two more steps each
+        await eventually("every call five steps in", lambda: all(len(c.steps) >= 5 for c in calls.values()))
+        spy = Spy(store, tokens)
+        prepared = await control(client, "prepare", "ck-pg")
+        assert prepared["ready"] and prepared["counts"]["cut"] == len(rollouts)
+        await asyncio.gather(*pending)
+        cut_appends = [kinds for kinds in spy.appends if "call_cut" in kinds]
+        assert cut_appends == [["call_cut"] * len(rollouts)]  # one append for every cut
+        assert spy.writes == 0  # the prefixes were durable already: prepare wrote no blob
+        await control(client, "resume", "ck-pg")
+        await backend.allow(len(full))
+        body = await (await client.post(url("pg1"), json={**MATH, "logprobs": True}, headers=call_headers("pg1.0.t0"))).json()
+    for r in rollouts:
+        cut = (await store.read_stream(call_stream(f"{r}.0.t0")))[1]
+        assert cut.kind == "call_cut" and cut.data["tokens"] == saved[f"{r}.0.t0"] < len(full)
+        assert cut.data["tokens"] + cut.data["unsaved"] == five  # what it had received, counted as generated again
+        n = cut.data["tokens"]
+        assert await tokens.get(cut.data["receipt"]["blob_id"]) == TokenArray(tuple(full[:n]), tuple(full_lps[:n]))
+    assert [int(e["token"][9:]) for e in body["choices"][0]["logprobs"]["content"]] == full
+    done = (await store.read_stream(call_stream("pg1.0.t0")))[-1]
+    assert done.kind == "call_completed" and done.data["continuation"]["mode"] == "continued"
+
+
+async def test_a_call_recording_its_reply_when_prepare_comes_ends_with_that_reply_alone(memory_store, memory_tokens) -> None:
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "pr")
+    held, release = asyncio.Event(), asyncio.Event()
+    append = store.append
+
+    async def slow_completion(request: Any) -> Any:
+        if any(e.kind == "call_completed" for e in request.events):
+            held.set()
+            await release.wait()  # the reply is being recorded when the checkpoint comes
+        return await append(request)
+
+    store.append = slow_completion
+    async with model_server(store, ScriptedBackend(), tokens) as client:
+        pending = asyncio.ensure_future(client.post(url("pr"), json=MATH, headers=call_headers("pr.0.t0")))
+        await asyncio.wait_for(held.wait(), 30)
+        prepare = asyncio.ensure_future(control(client, "prepare", "ck-pr"))
+        await asyncio.sleep(0.05)  # prepare has looked at the call by now (it is waiting for it)
+        release.set()
+        prepared = await prepare
+        await control(client, "resume", "ck-pr")
+        reply = await pending
+        body = await reply.json()
+    assert prepared["ready"] and prepared["counts"]["completed"] == 1 and prepared["counts"]["cut"] == 0
+    assert [e.kind for e in await store.read_stream(call_stream("pr.0.t0"))] == ["call_accepted", "call_completed"]
+    assert reply.status == 200 and body["choices"][0]["message"] == ScriptedBackend().reply(MATH)
