@@ -94,9 +94,9 @@ def main() -> int:
             failures.append({"seed": args.first, "error": f"{type(exc).__name__}: {str(exc)[:1000]}"})
     finally:
         if world is not None:
-            world.procs.stop()
+            world.stop()
             # No server may print a traceback for any of these faults.
-            for found in tracebacks(world.procs.log_dir):
+            for found in tracebacks(world.log_dir):
                 print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
                 failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})
         server.close()
