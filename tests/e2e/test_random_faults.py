@@ -85,6 +85,7 @@ def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None
     finally:
         machine.teardown()
     assert not (found := tracebacks(world.log_dir)), "\n".join(found)
+    return machine
 
 
 ALL = set(cfg.KINDS)
