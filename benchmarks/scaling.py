@@ -1,6 +1,6 @@
 """The same rollouts with 1, 2 and 4 processes of every kind on one database, side by side in one run.
 
-    .venv/bin/python benchmarks/scaling.py [--tasks 200] [--shapes 1x1,2x1,4x1] [--in-flight 64]
+    .venv/bin/python benchmarks/scaling.py [--tasks 200] [--shapes 1x1,2x1,4x1] [--in-flight 32,200]
                                            [--token-latency-s 0.004] [--dsn ADMIN_DSN] [--out PATH]
 
 A shape IxW is I instances of every kind (each started with `rollbook serve`) of W workers each.
@@ -10,9 +10,9 @@ environment calls its agent and resources instances, and every agent reaches eve
 (participants/routing.py). Workers per instance (`[servers.KIND] workers`) plug in through W once
 the config has them; until then a shape with W > 1 is refused.
 
-Every shape runs the same `--tasks` tasks (workplace, blackjack and math, seed 7) with `--in-flight`
-dispatched at a time, in a fresh migrated database of one throwaway embedded PostgreSQL (fsync on),
-one shape after another. For each shape: rollouts/s over the dispatch, the model calls generated, and
+Every shape runs the same `--tasks` tasks (workplace, blackjack and math, seed 7) once per
+`--in-flight` level (that many dispatched at a time), in a fresh migrated database per shape of one
+throwaway embedded PostgreSQL (fsync on), one shape after another. For each shape: rollouts/s over the dispatch, the model calls generated, and
 the CPU-seconds per model call of every process: each server (user + system time from
 /proc/PID/stat, its waited-for children included), PostgreSQL (the postmaster with every backend, the
 ones that exited included) and this driver. While it runs it samples pg_stat_activity every 0.2 s:
@@ -148,43 +148,57 @@ async def model_calls(dsn: str, run_id: str) -> int:
     return int(row[0]) if row else 0
 
 
-async def run_shape(server: Server, shape: tuple[int, int], args: argparse.Namespace, postmaster: int) -> dict[str, Any]:
+async def run_shape(server: Server, shape: tuple[int, int], args: argparse.Namespace, postmaster: int) -> list[dict[str, Any]]:
+    """Start the shape's processes on a fresh database, then run the tasks once per in-flight level."""
     instances, workers = shape
     dsn = server.new_database()
     work = Path(tempfile.mkdtemp(prefix=f"rb-scaling-{instances}x{workers}-"))
     sets = configs(dsn, instances, workers, args.token_latency_s, work)
     store = PostgresEventStore.connect(dsn, writer="scaling-driver")
-    run_id = f"s{instances}x{workers}"
+    out = []
     try:
         for procs in sets:
             procs.start(120.0)
-        coll = Spread(sets[0].config, store, run_id, make_tasks(args.tasks, TASK_SEED, ENVS), seed=TASK_SEED,
-                      concurrency=args.in_flight)
-        coll.environments = [procs.config.url("environment") for procs in sets]
-        pids = {f"{k}{i}": procs.procs[k].pid for i, procs in enumerate(sets) for k in cfg.KINDS}
-        before = {name: cpu_s(pid) for name, pid in pids.items()}
-        pg_before, me_before = postgres_cpu_s(postmaster), cpu_s(os.getpid())
-        samples: list[tuple[int, int, int]] = []
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_activity(dsn, samples, stop))
-        t0 = time.perf_counter()
-        async with unpooled_session() as session:
-            await coll.dispatch(session)
-        wall = time.perf_counter() - t0
-        stop.set()
-        await sampler
-        cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
-        cpu["postgres"] = postgres_cpu_s(postmaster) - pg_before
-        cpu["driver"] = cpu_s(os.getpid()) - me_before
-        calls = await model_calls(dsn, run_id)
-        unfinished = len(await coll.unfinished())
+        for in_flight in args.in_flight:
+            out.append(await measure(dsn, store, sets, shape, in_flight, args, postmaster))
+            r = out[-1]
+            progress(f"{r['shape']} with {in_flight} in flight: {args.tasks - r['unfinished']} rollouts in {r['seconds']} s, "
+                     f"{r['model_calls']} model calls")
     finally:
         for procs in sets:
             procs.stop()
         await store.close()
         server.drop_database(dsn)
+    return out
+
+
+async def measure(dsn: str, store: PostgresEventStore, sets: list[ServerProcesses], shape: tuple[int, int], in_flight: int,
+                  args: argparse.Namespace, postmaster: int) -> dict[str, Any]:
+    instances, workers = shape
+    run_id = f"s{instances}x{workers}f{in_flight}"
+    coll = Spread(sets[0].config, store, run_id, make_tasks(args.tasks, TASK_SEED, ENVS), seed=TASK_SEED,
+                  concurrency=in_flight)
+    coll.environments = [procs.config.url("environment") for procs in sets]
+    pids = {f"{k}{i}": procs.procs[k].pid for i, procs in enumerate(sets) for k in cfg.KINDS}
+    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    pg_before, me_before = postgres_cpu_s(postmaster), cpu_s(os.getpid())
+    samples: list[tuple[int, int, int]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_activity(dsn, samples, stop))
+    t0 = time.perf_counter()
+    async with unpooled_session() as session:
+        await coll.dispatch(session)
+    wall = time.perf_counter() - t0
+    stop.set()
+    await sampler
+    cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    cpu["postgres"] = postgres_cpu_s(postmaster) - pg_before
+    cpu["driver"] = cpu_s(os.getpid()) - me_before
+    calls = await model_calls(dsn, run_id)
+    unfinished = len(await coll.unfinished())
     return {"shape": f"{instances}x{workers}", "instances": instances, "workers": workers, "tasks": args.tasks,
-            "unfinished": unfinished, "seconds": round(wall, 2), "rollouts_per_s": round((args.tasks - unfinished) / wall, 2),
+            "in_flight": in_flight, "unfinished": unfinished, "seconds": round(wall, 2),
+            "rollouts_per_s": round((args.tasks - unfinished) / wall, 2),
             "model_calls": calls, "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
             "cpu_ms_per_call": {k: round(1000 * v / max(calls, 1), 2) for k, v in cpu.items()},
             "connections": _spread([s[0] for s in samples]), "running": _spread([s[1] for s in samples]),
@@ -205,7 +219,8 @@ def by_kind(r: dict[str, Any]) -> dict[str, float]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = [("shape (instances x workers)", lambda r: r["shape"]), ("rollouts/s", lambda r: r["rollouts_per_s"]),
+    rows = [("shape (instances x workers)", lambda r: r["shape"]), ("rollouts in flight", lambda r: r["in_flight"]),
+            ("rollouts/s", lambda r: r["rollouts_per_s"]),
             ("seconds", lambda r: r["seconds"]), ("unfinished", lambda r: r["unfinished"]),
             ("model calls", lambda r: r["model_calls"])]
     rows += [(f"CPU ms/call {k}", lambda r, k=k: by_kind(r)[k]) for k in [*cfg.KINDS, "postgres", "driver", "total"]]
@@ -227,9 +242,7 @@ async def main(args: argparse.Namespace) -> None:
         postmaster = postmaster_pid(server.admin_dsn)
         results = []
         for shape in shapes:
-            results.append(await run_shape(server, shape, args, postmaster))
-            r = results[-1]
-            progress(f"{r['shape']}: {args.tasks - r['unfinished']} rollouts in {r['seconds']} s, {r['model_calls']} model calls")
+            results += await run_shape(server, shape, args, postmaster)
     finally:
         server.close()
     print(table(results))
@@ -237,14 +250,16 @@ async def main(args: argparse.Namespace) -> None:
            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "shapes": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({"shapes": {r["shape"]: {"rollouts_per_s": r["rollouts_per_s"], **by_kind(r)} for r in results}}))
+    print(json.dumps({"runs": {f"{r['shape']}@{r['in_flight']}": {"rollouts_per_s": r["rollouts_per_s"], **by_kind(r)}
+                               for r in results}}))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=200)
     p.add_argument("--shapes", default="1x1,2x1,4x1", help="INSTANCESxWORKERS of every kind, comma-separated")
-    p.add_argument("--in-flight", type=int, default=64, help="rollouts dispatched at a time")
+    p.add_argument("--in-flight", type=lambda t: [int(x) for x in t.split(",")], default=[32, 200],
+                   help="rollouts dispatched at a time, comma-separated: each shape runs the tasks once per level")
     p.add_argument("--token-latency-s", type=float, default=0.004, help="the scripted model's time per token")
     p.add_argument("--dsn", default=None, help="an admin DSN of a PostgreSQL to use instead of a throwaway one")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scaling.json")

@@ -228,11 +228,14 @@ class EnvironmentParticipant(Participant):
             rows = await self.store.attempt_rows([rid])
             if not rows or rows[(rid, attempt := max(a for _, a in rows))]["status"] != "live":
                 return
-            owner = _episode_holder(await self.store.read_stream(episode_stream(rid, attempt)))
-            if owner is None or owner == self.instance or await owner_verdict(self, owner, held_here=False) != "held":
+            if not await self._claimed_elsewhere(await self.store.read_stream(episode_stream(rid, attempt))):
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, LAST_POLL_S)
+
+    async def _claimed_elsewhere(self, events: Sequence[RecordedEvent]) -> bool:
+        owner = _episode_holder(events)
+        return owner not in (None, self.instance) and await owner_verdict(self, owner, held_here=False) == "held"
 
     async def _from_log(self, rid: str, requested: Task) -> dict[str, Any] | None:
         rows = await self.store.attempt_rows([rid])
@@ -508,6 +511,8 @@ class EnvironmentParticipant(Participant):
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
                 stream = episode_stream(rid, ep.attempt)
                 seen = await self.store.read_stream(stream)
+                if await self._claimed_elsewhere(seen):
+                    continue
                 try:  # every instance of this kind staged the cut: the one whose claim lands continues it
                     await self.store.append(claim((NewEvent(stream, ev.EPISODE_CONTINUED, {
                         "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,
