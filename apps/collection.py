@@ -80,6 +80,11 @@ class Collection:
         members = LoggedParticipants(self.store, [(k, self.config.url(k)) for k in KINDS], self.config.control_token, session)
         return Coordinator(self.store, clients, members)
 
+    def episodes_url(self, i: int) -> str:
+        """Where rollout i is dispatched: the configured environment server. A framework that spreads
+        its rollouts over several environment instances answers one of theirs, the same one every time."""
+        return self.config.url("environment") + "/episodes"
+
     async def unfinished(self) -> list[int]:
         done = await CollectionStore(self.store).finished_rollouts(f"{self.run_id}-")
         self.finished |= done
@@ -88,13 +93,13 @@ class Collection:
     async def dispatch(self, session: aiohttp.ClientSession) -> dict[str, Any]:
         """Run every unfinished rollout to its end; a rollout cut off by a crash just returns None."""
         gate = asyncio.Semaphore(self.concurrency)
-        url = self.config.url("environment") + "/episodes"
         headers = {"Authorization": f"Bearer {self.config.data_token}"}  # dispatch is data-plane work
-        # An episode's reply comes when it ends: bounded by the config's work_s of silence, not by its length.
-        timeout = self.config.limits.peer_timeouts().for_url(url)
 
         async def one(i: int) -> dict[str, Any] | None:
             rid = self.rollout_id(i)
+            url = self.episodes_url(i)
+            # An episode's reply comes when it ends: bounded by the config's work_s of silence, not by its length.
+            timeout = self.config.limits.peer_timeouts().for_url(url)
             body = {"rollout_id": rid, "task": self.tasks[i].to_json(), "seed": self.seed * 100_000 + i,
                     "max_steps": self.max_steps}
             async with gate:

@@ -84,12 +84,16 @@ class ServerProcesses:
     log_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     generation: int = 0
+    name: str = ""  # prefixes its log files: several sets of servers may log into one folder
+
+    def log(self, kind: str) -> Path:
+        return self.log_dir / f"{self.name}{kind}-{self.generation}.log"
 
     def start(self, timeout: float = 60.0, kinds: tuple[str, ...] = KINDS) -> None:
         """Start fresh processes of the given kinds (default all four) and wait until each control plane answers."""
         self.generation += 1
         for kind in kinds:
-            log = open(self.log_dir / f"{kind}-{self.generation}.log", "wb")  # noqa: SIM115  (the child owns it)
+            log = open(self.log(kind), "wb")  # noqa: SIM115  (the child owns it)
             self.procs[kind] = subprocess.Popen(
                 [sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -98,7 +102,7 @@ class ServerProcesses:
         for kind in kinds:
             while not self._answers(kind):
                 if self.procs[kind].poll() is not None:
-                    tail = (self.log_dir / f"{kind}-{self.generation}.log").read_text()[-2000:]
+                    tail = self.log(kind).read_text()[-2000:]
                     raise RuntimeError(f"the {kind} server exited with {self.procs[kind].returncode}:\n{tail}")
                 if time.time() > deadline:
                     raise RuntimeError(f"the {kind} server did not answer within {timeout} s")

@@ -8,12 +8,13 @@ step and at the end, of one of two machines:
   commit, publish, resume, crash-and-restore, retire, forget against the four servers in process,
   on one throwaway embedded PostgreSQL (about 1 s a sequence);
 - `processes`: testkit/stateful_processes.FaultMachine, the same operations plus the real faults
-  (SIGKILL of any subset of the four server processes, of a coordinator process mid-checkpoint,
-  a PostgreSQL restart, dropped connections) on an embedded PostgreSQL of its own (several
-  seconds a sequence). A violation is shrunk by hypothesis to a short sequence
+  over two instances of every kind (SIGKILL of every instance of any subset of the four kinds, of
+  one instance of one kind, of a coordinator process mid-checkpoint, a PostgreSQL restart, dropped
+  connections) on an embedded PostgreSQL of its own (several seconds a sequence). A violation is shrunk by hypothesis to a short sequence
 and printed with its seed and a reproduction blob; with `--machine processes` a traceback in any server's log counts as
 a violation too. Prints a table (each operation that took
-effect, counted over every sequence including shrinking) and writes JSON; never asserts a time.
+effect, counted over every sequence including shrinking, and for the processes machine the share of
+sequences in which a commit, a publish and a restore took effect) and writes JSON; never asserts a time.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def main() -> int:
             failures.append({"seed": args.first, "error": f"{type(exc).__name__}: {str(exc)[:1000]}"})
     finally:
         if world is not None:
-            world.procs.stop()
+            world.stop()
             # No server may print a traceback for any of these faults.
-            for found in tracebacks(world.procs.log_dir):
+            for found in tracebacks(world.log_dir):
                 print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
                 failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})
         server.close()
@@ -111,6 +112,13 @@ def main() -> int:
     for op, n in sorted(tally_of_run.items()):
         print(f"{op:<36}{n:>10}")
     print(f"{'seconds':<36}{elapsed:>10.1f}")
+    # The operations the fault machine must line up (a cut committed, published and restored): in how
+    # many of the checked sequences each took effect at least once.
+    checked = tally_of_run.get("sequences_checked", 0)
+    for op in ("commit", "publish", "online", "crash_and_restore", "kill_instance", "kill_servers", "restart_postgres"):
+        n = tally_of_run.get(f"sequences_with_{op}", 0)
+        if checked and (n or args.machine == "processes"):
+            print(f"{'sequences with ' + op:<36}{n:>10}  {n / checked:.0%} of {checked}")
     print(json.dumps({k: v for k, v in result.items() if k != "failures"}))
     return 1 if failures else 0
 

@@ -196,13 +196,14 @@ ROLLOUT_FORKED = _kind(
 # ---- an attempt's episode (environment server) -------------------------------------------------
 
 _EPISODE_STATUS = may("status", "string", "running, finished or failed (episode_state.status)")
+_EPISODE_OWNER = may("instance", "string", "the environment server instance that drives the episode (engine/ownership.py)")
 EPISODE_STARTED = _kind(
     "episode_started", EPISODE, _ENV,
     "The attempt's episode starts from its input.",
     need("env", "string", "the environment"), need("task_id", "string", "the task"),
     may("task", "object", "the whole task: env, task_id, prompt, params"),
     may("seed", "integer", "the episode seed the agent and model get"), may("max_steps", "integer", "the agent's turn cap"),
-    _EPISODE_STATUS,
+    _EPISODE_STATUS, _EPISODE_OWNER,
     may("gym", "object", "NeMo Gym's episode id and task id, when its collector asked"),
 )
 EPISODE_CONTINUED = _kind(
@@ -213,7 +214,7 @@ EPISODE_CONTINUED = _kind(
     may("next_step", "string|null", "the first step not yet recorded"),
     may("restored_from", "string", "the checkpoint restored"), may("recovered", "boolean", "true after a crash"),
     may("forked_from", "string", "a fork's origin rollout (its steps are the origin attempt's up to the boundary)"),
-    _EPISODE_STATUS,
+    _EPISODE_STATUS, _EPISODE_OWNER,
     may("gym", "object", "NeMo Gym's episode id and task id, when its collector asked"),
 )
 # The environment server's steps of an episode, in the order it runs them.

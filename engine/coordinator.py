@@ -154,6 +154,14 @@ class Coordinator:
         self.timing = StepTiming()
         self.restarts: dict[str, list[Key]] = {}
 
+    async def _current(self) -> list[ParticipantClient]:
+        """The participants, read again from the members where there are any. A coordinator that did not
+        prepare (another process, or a new one after a crash) must still reach every live instance
+        when it restores, resumes, retires or forgets, not only the configured ones."""
+        if self.members is not None:
+            self.participants = list(await self.members.current())
+        return self.participants
+
     def _body(self, checkpoint_id: str, deadline: float, **extra: Any) -> dict[str, Any]:
         return {"checkpoint_id": checkpoint_id, "deadline": deadline, **extra}
 
@@ -170,8 +178,7 @@ class Coordinator:
         except VersionConflict as exc:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
-        if self.members is not None:
-            self.participants = list(await self.members.current())
+        await self._current()
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
@@ -280,7 +287,8 @@ class Coordinator:
 
     async def resume(self, checkpoint_id: str) -> dict[str, Any]:
         started = time.perf_counter()
-        failures = await self._resume(checkpoint_id, self.participants)
+        # Every live instance reopens, one that joined while the checkpoint was open included.
+        failures = await self._resume(checkpoint_id, await self._current())
         self.timing.record("resume", started)
         return {"checkpoint_id": checkpoint_id, "failures": failures}
 
@@ -305,8 +313,7 @@ class Coordinator:
         await validate_cut(self.store, cut)
         self.timing.record("restore:validate", started)
         staging = time.perf_counter()
-        if self.members is not None:
-            self.participants = list(await self.members.current())
+        await self._current()
         body = self._body(checkpoint_id, deadline)
         results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
         failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}
@@ -337,12 +344,12 @@ class Coordinator:
 
     async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:
         body = self._body(checkpoint_id, time.time() + 30, rollouts=[{"rollout_id": r, "through": t} for r, t in rollouts])
-        for p in _ordered(self.participants, RETIRE_ORDER):
+        for p in _ordered(await self._current(), RETIRE_ORDER):
             await p.call("retire", body)
 
     async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:
         body = self._body(checkpoint_id, time.time() + 30, rollout_ids=list(rollout_ids))
-        for p in _ordered(self.participants, RETIRE_ORDER):
+        for p in _ordered(await self._current(), RETIRE_ORDER):
             await p.call("forget", body)
 
 

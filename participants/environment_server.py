@@ -19,6 +19,7 @@ continuing from N's latest boundary, or from its input when its state cannot be 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -47,13 +48,16 @@ from engine.errors import (
     StaleAttempt,
     ToolCallRefused,
     UnknownRollout,
+    VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import MAX_FORKS, ForkPlan, Origin, fork_seed, plan_forks
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
+from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Identifier, Int64, Route
+from participants.owners import FIRST_POLL_S, LAST_POLL_S, owner_verdict
 from participants.participant import Participant, PrepareReport
 from participants.wire import ACTIVATION_HEADER, TaskBody
 
@@ -207,7 +211,7 @@ class EnvironmentParticipant(Participant):
             if task is not None and not task.done() and running is not None and running.task != requested:
                 raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
             if task is None or task.done():
-                rows = await self.store.attempt_rows([rid])  # one read for both questions below
+                rows = await self._held_elsewhere(rid)  # the rollout's attempts, read once for the questions below
                 done = await self._from_log(rid, requested, rows)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
@@ -215,6 +219,24 @@ class EnvironmentParticipant(Participant):
                 ep = await self._open_episode(rid, requested, req.seed, req.max_steps, rows)
                 task = self._launch(ep)
         return web.json_response(await asyncio.shield(task))
+
+    async def _held_elsewhere(self, rid: str) -> dict[Key, dict[str, Any]]:
+        """Wait while another live instance drives the rollout's live episode (engine/ownership.py): it
+        claimed it by an expected version, at a restore's resume. Its outcome, or its death, ends the
+        wait; the log then says whether there is anything left to run here. The attempts it read last."""
+        delay = FIRST_POLL_S
+        while True:
+            rows = await self.store.attempt_rows([rid])
+            if not rows or rows[(rid, attempt := max(a for _, a in rows))]["status"] != "live":
+                return rows
+            if not await self._claimed_elsewhere(await self.store.read_stream(episode_stream(rid, attempt))):
+                return rows
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, LAST_POLL_S)
+
+    async def _claimed_elsewhere(self, events: Sequence[RecordedEvent]) -> bool:
+        owner = _episode_holder(events)
+        return owner not in (None, self.instance) and await owner_verdict(self, owner, held_here=False) == "held"
 
     async def _from_log(self, rid: str, requested: Task, rows: dict[Key, dict[str, Any]]) -> dict[str, Any] | None:
         if not rows:
@@ -236,7 +258,7 @@ class EnvironmentParticipant(Participant):
             rows = await self.store.attempt_rows([rid])
         started = NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, {
             "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps,
-            "status": "running"}, rid, 0)
+            "status": "running", "instance": self.instance}, rid, 0)
         if not rows:
             # One request: the attempt never exists without its episode's input.
             await self.store.append(AppendRequest((
@@ -492,9 +514,17 @@ class EnvironmentParticipant(Participant):
                     continue
                 origin, ep.attempt = ep.attempt, target
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
-                await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_CONTINUED, {
-                    "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,
-                    "restored_from": checkpoint_id, "status": "running"}, rid, ep.attempt),)))
+                stream = episode_stream(rid, ep.attempt)
+                seen = await self.store.read_stream(stream)
+                if await self._claimed_elsewhere(seen):
+                    continue
+                try:  # every instance of this kind staged the cut: the one whose claim lands continues it
+                    await self.store.append(claim((NewEvent(stream, ev.EPISODE_CONTINUED, {
+                        "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": origin, "next_step": nxt,
+                        "restored_from": checkpoint_id, "status": "running", "instance": self.instance}, rid, ep.attempt),),
+                        stream, seen[-1].stream_version if seen else 0))
+                except VersionConflict:
+                    continue
                 self._launch(ep)
                 continued += 1
             self.staged, self.staged_from = {}, None
@@ -538,4 +568,13 @@ def _same_task(rid: str, ep: Episode | None, requested: Task) -> None:
         raise RequestConflict(f"rollout {rid} was started with another task; a rollout id names one task")
 
 
+def _episode_holder(events: Sequence[RecordedEvent]) -> str | None:
+    """The instance that claimed an unfinished episode: its latest start or continuation names it."""
+    if any(e.data.get("status") in ("finished", "failed") for e in events):
+        return None
+    claims = [e for e in events if e.kind in (ev.EPISODE_STARTED, ev.EPISODE_CONTINUED)]
+    return str(claims[-1].data["instance"]) if claims and claims[-1].data.get("instance") else None
+
+
 __all__ = ["EnvironmentParticipant", "Episode", "EpisodeRequest", "STEPS"]
+

@@ -47,6 +47,7 @@ from engine.errors import (
     RolloutIdRequired,
     StaleAttempt,
     ToolCallRefused,
+    VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import (
@@ -574,7 +575,13 @@ class ResourcesParticipant(Participant):
             for old, s in fresh
         )
         # Expecting version 0: the new attempt's stream must be empty, or someone opened it already.
-        recorded = [] if not events else await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
+        try:
+            recorded = [] if not events else await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
+        except VersionConflict:
+            # Another instance of this kind staged the same cut and installed it first: those sessions
+            # are its (engine/ownership.py), and a request for one reaches it or takes it over from the log.
+            self.staged, self.staged_from = {}, None
+            return 0
         for (_, s), e in zip(fresh, recorded, strict=True):
             s.stream_version = e.stream_version
             # Sessions of older attempts of the same rollout are fenced: nothing may use them again.

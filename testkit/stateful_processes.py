@@ -1,17 +1,25 @@
 """Control operations and real faults in random order, against real processes.
 
-The four servers run as separate processes (apps.processes.ServerProcesses, each in its own
-process group) on a PostgreSQL server of the suite's own (testkit.pg.restartable_server), so the
-faults are the real ones:
+Two instances of each of the four kinds run as separate processes (apps.processes.ServerProcesses,
+each in its own process group, each started with `rollbook serve`) on a PostgreSQL server of the
+suite's own (testkit.pg.restartable_server). The second set's config names its own peers, as a
+second machine's would: the framework dispatches even rollouts to the first environment instance
+and odd ones to the second, each environment instance calls the agent and resources instances of
+its set, and every agent reaches both model instances (participants/routing.py), so calls really
+spread over two instances of every kind and a checkpoint drives all eight (apps/participant_set.py).
+The faults are the real ones:
 
-- kill_servers: SIGKILL of any non-empty subset of the four, restarted after a pause in which the
-  framework's dispatches go on against whatever is left;
+- kill_servers: SIGKILL of every instance of any non-empty subset of the four kinds, restarted
+  after a pause in which the framework's dispatches go on against whatever is left;
+- kill_instance: SIGKILL of one process of one kind, the other instance of the kind still
+  serving, restarted at the same address after a pause (the fresh process supersedes the dead
+  one's membership);
 - kill_coordinator: a coordinator process (testkit/coordinator_child.py, which checkpoints as
   `rollbook run` does) SIGKILLed a drawn delay into its checkpoint: its lease runs out on the
   servers, and a cut it managed to commit is restorable like any other;
 - restart_postgres: `pg_ctl restart -m fast` while the rollouts run (every connection dropped);
 - drop_connections: pg_terminate_backend of every other connection to the database;
-- crash_and_restore: SIGKILL of all four, fresh processes restore the latest committed cut;
+- crash_and_restore: SIGKILL of all eight, fresh processes restore the latest committed cut;
 
 mixed with the control operations of testkit/stateful_control.py (dispatch, prepare, commit,
 publish, resume, retire, forget). After every step the invariants of testkit/stateful_control.py
@@ -21,6 +29,12 @@ redid its own work); at the end of each sequence every rollout that was not
 retired must have finished exactly once by its latest attempt, nothing may have been done twice
 within an attempt or again by a continued attempt (testkit/log_queries.py), and
 every server must be idle.
+
+Whether an operation takes effect depends on the state (a commit needs a prepared checkpoint, a
+publish a committed one), so drawn one by one they rarely line up: checkpoint_and_publish takes
+one whole (prepare, commit, publish) from whatever state it meets, crash_and_restore takes a cut
+first when there is none, and publish_crash_and_restore does both. TALLY counts every operation that took effect and, as
+`sequences_with_OP`, the sequences in which it did at least once.
 
 The processes and the database live for the whole hypothesis run (starting them per sequence
 would not fit CI); each sequence works under its own run prefix, restarts what it killed, and
@@ -67,6 +81,7 @@ from testkit.stateful_control import (
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = ["math", "blackjack", "workplace", "sandbox"]
 ROLLOUTS = 4
+INSTANCES = 2  # of every kind
 DEADLINE_S = 20.0
 COORDINATOR_DEADLINE_S = 2.0  # a killed coordinator's checkpoint holds the servers this long (plus the grace)
 TALLY: dict[str, int] = {}
@@ -93,38 +108,60 @@ FROM rollbook.attempts WHERE rollout_id LIKE :p GROUP BY rollout_id
 """
 
 
-def _count(op: str) -> None:
-    TALLY[op] = TALLY.get(op, 0) + 1
-
-
 @dataclass
 class World:
-    """What lives across sequences: the database, its restart, and the four server processes."""
+    """What lives across sequences: the database, its restart, and two server processes of each kind."""
 
     dsn: str
     restart_db: Any
-    config: cfg.Config
+    config: cfg.Config  # the first set's; the coordinator finds the second set in the log
     config_path: Path
-    procs: ServerProcesses
+    sets: list[ServerProcesses]  # one per instance of every kind
 
-    def dead(self) -> tuple[str, ...]:
-        return tuple(k for k in cfg.KINDS if k not in self.procs.procs or self.procs.procs[k].poll() is not None)
+    @property
+    def log_dir(self) -> Path:
+        return self.sets[0].log_dir
+
+    def dead(self, which: int) -> tuple[str, ...]:
+        procs = self.sets[which].procs
+        return tuple(k for k in cfg.KINDS if k not in procs or procs[k].poll() is not None)
+
+    def revive(self) -> None:
+        """Start a fresh process of every kind of every set whose process is dead (at its old address)."""
+        for which, procs in enumerate(self.sets):
+            if dead := self.dead(which):
+                procs.start(90.0, dead)
+
+    def urls(self, kind: str) -> list[str]:
+        return [procs.config.url(kind) for procs in self.sets]  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for procs in self.sets:
+            procs.stop()
 
 
 def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 0.015) -> World:
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
-               for k in cfg.KINDS}
-    config = cfg.Config(dsn=dsn, control_token="faults-c0ntrol", data_token="faults-d4ta", servers=servers,
-                        sandbox=cfg.SandboxConfig())  # the sandbox environment is off unless configured
     work.mkdir(parents=True, exist_ok=True)
-    cfg.write(config, work / "rollbook.toml")
-    procs = ServerProcesses(config, work / "rollbook.toml", work)
-    procs.start()
-    return World(dsn, restart_db, config, work / "rollbook.toml", procs)
+    sets = []
+    for which in range(INSTANCES):
+        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
+                   for k in cfg.KINDS}
+        config = cfg.Config(dsn=dsn, control_token="faults-c0ntrol", data_token="faults-d4ta", servers=servers,
+                            sandbox=cfg.SandboxConfig())  # the sandbox environment is off unless configured
+        path = work / ("rollbook.toml" if which == 0 else f"rollbook-{which}.toml")
+        cfg.write(config, path)
+        sets.append(ServerProcesses(config, path, work, name="" if which == 0 else f"i{which}-"))
+    for procs in sets:
+        procs.start()
+    return World(dsn, restart_db, sets[0].config, sets[0].config_path, sets)
 
 
 class _Collection(Collection):
     retired: set[str]
+    environments: list[str]  # every environment instance's address: rollout i goes to i modulo their number
+
+    def episodes_url(self, i: int) -> str:
+        return self.environments[i % len(self.environments)] + "/episodes"
 
     async def unfinished(self) -> list[int]:
         return [i for i in await super().unfinished() if self.rollout_id(i) not in self.retired]
@@ -153,6 +190,11 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         self.counter = itertools.count(1)
         self.lease_until = 0.0  # a killed coordinator's checkpoint may hold the servers until then
         self.steps: list[str] = []
+        self.effects: set[str] = set()  # the operations that took effect in this sequence
+
+    def _count(self, op: str) -> None:
+        TALLY[op] = TALLY.get(op, 0) + 1
+        self.effects.add(op)
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -171,14 +213,16 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
                 return list(await conn.execute(text(sql), {"p": f"{self.run_id}-%", **params}))
         return await with_retry(read, what="an invariant's query")  # across a restarted PostgreSQL
 
-    def _restart(self, kinds: tuple[str, ...]) -> None:
-        if kinds:
-            self.run(asyncio.to_thread(self.world.procs.start, 90.0, kinds))
+    def _revive(self) -> None:
+        self.run(asyncio.to_thread(self.world.revive))
+
+    def _kill(self, which: int, kinds: tuple[str, ...] = cfg.KINDS) -> None:
+        self.run(asyncio.to_thread(self.world.sets[which].kill, kinds))
 
     def _live_now(self, fault: str) -> None:
         """Count a fault that lands while some rollout of the sequence is live (the ones that test recovery)."""
         if self.run(self._rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE :p AND status = 'live' LIMIT 1")):
-            _count(f"{fault}_on_live_rollouts")
+            self._count(f"{fault}_on_live_rollouts")
 
     def _stop_dispatch(self) -> None:
         if self.dispatching is not None:
@@ -190,11 +234,12 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
 
     @initialize()
     def boot(self) -> None:
-        self._restart(self.world.dead())  # a sequence that failed may have left a server dead
+        self._revive()  # a sequence that failed may have left a server dead
         self.session = self.run(self._new_session())
         self.coll = _Collection(self.world.config, self.store, self.run_id, make_tasks(ROLLOUTS, 3, ENVS), max_steps=6)
         self.coll.retired = set()
-        _count("sequences")
+        self.coll.environments = self.world.urls("environment")
+        self._count("sequences")
         self.dispatch()
         self.run(self._wait_started(ROLLOUTS))
 
@@ -216,7 +261,7 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         self.retired[rid] = through
         self.coll.retired.add(rid)
         self.steps.append(f"retire {rid} through {through}")
-        _count("retire")
+        self._count("retire")
 
     @rule(i=st.integers(0, ROLLOUTS - 1))
     def forget(self, i: int) -> None:
@@ -226,21 +271,35 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
             return
         self.run(self.coordinator().forget(f"{self.run_id}-forget", [rid]))
         self.steps.append(f"forget {rid}")
-        _count("forget")
+        self._count("forget")
 
     # ---- faults ------------------------------------------------------------------------------
 
     @rule(kinds=st.sets(st.sampled_from(cfg.KINDS), min_size=1), pause=st.sampled_from([0.0, 0.3]))
     def kill_servers(self, kinds: set[str], pause: float) -> None:
-        """SIGKILL a subset; the framework's dispatches meet whatever is left, then fresh ones start."""
+        """SIGKILL every instance of a subset of kinds; the framework's dispatches meet whatever is
+        left, then fresh ones start."""
         killed = tuple(k for k in cfg.KINDS if k in kinds)
         self._live_now("kill_servers")
-        self.run(asyncio.to_thread(self.world.procs.kill, killed))
+        for which in range(INSTANCES):
+            self._kill(which, killed)
         self.run(asyncio.sleep(pause))
-        self._restart(killed)
+        self._revive()
         self.steps.append(f"SIGKILL {','.join(killed)}")
-        _count("kill_servers")
-        _count(f"kill_{len(killed)}_servers")
+        self._count("kill_servers")
+        self._count(f"kill_{len(killed)}_servers")
+
+    @rule(kind=st.sampled_from(cfg.KINDS), which=st.integers(0, INSTANCES - 1), pause=st.sampled_from([0.0, 0.3, 1.0]))
+    def kill_instance(self, kind: str, which: int, pause: float) -> None:
+        """SIGKILL one process of one kind while the other instance of the kind serves on: its callers
+        meet a dead address that the log still holds live until a fresh process takes it over."""
+        self._live_now("kill_instance")
+        self._kill(which, (kind,))
+        self.run(asyncio.sleep(pause))
+        self._revive()
+        self.steps.append(f"SIGKILL {kind} instance {which}")
+        self._count("kill_instance")
+        self._count(f"kill_instance_{kind}")
 
     @rule(delay=st.sampled_from([0.1, 0.25, 0.5]))  # its first 0.1 s or so is reading the log
     def kill_coordinator(self, delay: float) -> None:
@@ -272,15 +331,15 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
             self.restorable.append(ck)  # its cut is whole in the log: restorable, whoever wrote it
         self.lease_until = time.time() + COORDINATOR_DEADLINE_S + LEASE_GRACE_S + 1.0
         self.steps.append(f"SIGKILL coordinator {delay} s into {ck} (left {phase})")
-        _count("kill_coordinator")
-        _count(f"kill_coordinator_left_{phase}")
+        self._count("kill_coordinator")
+        self._count(f"kill_coordinator_left_{phase}")
 
     @rule()
     def restart_postgres(self) -> None:
         self._live_now("restart_postgres")
         self.run(asyncio.to_thread(self.world.restart_db))
         self.steps.append("restart PostgreSQL")
-        _count("restart_postgres")
+        self._count("restart_postgres")
 
     @rule()
     def drop_connections(self) -> None:
@@ -292,7 +351,26 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
                 return int(row[0]) if row else 0
         n = self.run(asyncio.to_thread(drop))
         self.steps.append(f"drop {n} connections")
-        _count("drop_connections")
+        self._count("drop_connections")
+
+    @rule()
+    def checkpoint_and_publish(self) -> None:
+        """A whole paused checkpoint from whatever state it meets: prepare unless one is open, commit it
+        if prepared, publish it if committed (resume is a rule of its own). Drawn one by one, prepare,
+        commit and publish line up in too few sequences for the faults to meet a committed cut."""
+        if self.active is None:
+            self.prepare()
+        if self.phase == "prepared":
+            self.commit()
+        if self.phase == "committed":
+            self.publish()
+
+    @rule()
+    def publish_crash_and_restore(self) -> None:
+        """A published cut restored at once: with crash_and_restore, a restore is drawn twice as often
+        as any other operation, so that it takes effect in a quarter of the sequences or more."""
+        self.checkpoint_and_publish()
+        self.crash_and_restore()
 
     @rule()
     def crash_and_restore(self) -> None:
@@ -309,14 +387,15 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
                 return
         self._live_now("crash_and_restore")
         self._stop_dispatch()
-        self.run(asyncio.to_thread(self.world.procs.kill))
-        self._restart(cfg.KINDS)
+        for which in range(INSTANCES):
+            self._kill(which)
+        self._revive()
         ck = self.restorable[-1]
         self.run(self.coordinator().restore(ck, time.time() + DEADLINE_S))
         self.run(self.coordinator().resume(ck))
         self.active, self.phase = None, "idle"
         self.steps.append(f"SIGKILL all, restore {ck}")
-        _count("crash_and_restore")
+        self._count("crash_and_restore")
 
     # ---- invariants ----------------------------------------------------------------------------
 
@@ -340,6 +419,9 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
             if self.coll is not None:
                 self.run(self._finish())
         finally:
+            for op in self.effects:
+                if not op.startswith("sequences"):
+                    TALLY[f"sequences_with_{op}"] = TALLY.get(f"sequences_with_{op}", 0) + 1
             self.run(self._close())
             self.loop.close()
 
@@ -348,9 +430,10 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         while True:
             phases = {}
             for kind in cfg.KINDS:
-                async with self.session.get(self.world.config.url(kind) + "/rollbook/v1/control/status",
-                                            headers={"Authorization": f"Bearer {self.world.config.control_token}"}) as resp:
-                    phases[kind] = (await resp.json())["phase"]
+                for which, url in enumerate(self.world.urls(kind)):
+                    async with self.session.get(url + "/rollbook/v1/control/status",
+                                                headers={"Authorization": f"Bearer {self.world.config.control_token}"}) as resp:
+                        phases[f"{kind}{which}"] = (await resp.json())["phase"]
             if all(p == "idle" for p in phases.values()) or time.time() > until:
                 return phases
             await asyncio.sleep(0.1)
@@ -388,7 +471,7 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
             rows = await self._rows(sql)
             assert not rows, f"{name}: {rows[:5]} after {self.steps}"
         print(f"{self.run_id}: {len(self.steps)} steps checked: {'; '.join(self.steps)}", file=sys.stderr)
-        _count("sequences_checked")
+        self._count("sequences_checked")
         TALLY["rollouts_finished"] = TALLY.get("rollouts_finished", 0) + ROLLOUTS - len(self.retired)
         if self.progress is not None:
             self.progress(TALLY)

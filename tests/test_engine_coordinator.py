@@ -284,6 +284,33 @@ async def test_retire_and_forget_go_callers_first() -> None:
     assert journal == [("retire", n) for n in order] + [("forget", n) for n in order]
 
 
+class Members:
+    """The live instances the log records (apps/participant_set.py), here a list the test changes."""
+
+    def __init__(self, participants: list[Participant]) -> None:
+        self.participants = participants
+
+    async def current(self) -> list[Participant]:
+        return list(self.participants)
+
+
+async def test_a_coordinator_that_did_not_prepare_resumes_retires_and_forgets_every_recorded_instance() -> None:
+    """A second instance of a kind is known only from the log: a coordinator built after a crash, or in
+    another process, that resumes, retires or forgets must reach it too, not only the configured four."""
+    journal: list[tuple[str, str]] = []
+    configured = four(journal)
+    second = Participant("model", journal, name="model:second")
+    members = Members([*configured, second])
+    for operation, call in (("resume", lambda c: c.resume("ck")), ("retire", lambda c: c.retire("ck", [("r0", 0)])),
+                            ("forget", lambda c: c.forget("ck", ["r0"]))):
+        await call(Coordinator(MemoryCutStore(), configured, members))
+        assert (operation, "model:second") in journal, (operation, journal)
+    members.participants.remove(second)  # its lease ran out: no longer driven
+    journal.clear()
+    await Coordinator(MemoryCutStore(), configured, members).resume("ck")
+    assert {n for _, n in journal} == {"resources", "agent", "environment", "model"}
+
+
 async def test_an_open_checkpoint_past_its_lease_is_aborted_once_and_a_closed_one_never() -> None:
     store = MemoryCutStore()
     for ck, deadline in (("old", 1000.0), ("fresh", 2000.0), ("done", 1000.0)):

@@ -1,10 +1,12 @@
 """Control operations and real faults in random order against real processes, and the sequences
 that random order once found broken, replayed as fixed tests.
 
-testkit/stateful_processes.FaultMachine: SIGKILL of any subset of the four server processes, of a
-coordinator process mid-checkpoint, a PostgreSQL restart and dropped connections, mixed with
-dispatch, prepare, commit, publish, resume, restore, retire and forget; every invariant read
-through the public SQL views after every step and at the end of every sequence.
+testkit/stateful_processes.FaultMachine, over two instances of every kind: SIGKILL of every instance
+of any subset of the four kinds, of one instance of one kind, of a coordinator process mid-checkpoint,
+a PostgreSQL restart and dropped connections, mixed with dispatch, prepare, commit, publish, resume,
+restore, retire and forget; every invariant read through the public SQL views after every step and at
+the end of every sequence. The run prints how often each operation took effect, and in how many
+sequences.
 
 CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4, of up to ROLLBOOK_STATEFUL_STEPS=10 steps; raise it to run more, or run
 `benchmarks/soak.py --machine processes --seeds N`). The seed is printed before the run; a
@@ -14,6 +16,7 @@ with a `@reproduce_failure` blob, and ROLLBOOK_STATEFUL_SEED=<seed> replays the 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import tempfile
@@ -23,12 +26,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
+from sqlalchemy import text
 
 from adapters import database
+from adapters.postgres import PostgresEventStore
 from apps import config as cfg
+from participants.routing import pick
 from testkit import pg
 from testkit.log_queries import tracebacks
-from testkit.stateful_processes import TALLY, FaultMachine, World, start_world
+from testkit.stateful_processes import INSTANCES, ROLLOUTS, TALLY, FaultMachine, World, start_world
 
 EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
@@ -45,7 +51,7 @@ def world() -> Iterator[World]:
     try:
         yield w
     finally:
-        w.procs.stop()
+        w.stop()
         server.close()
 
 
@@ -62,13 +68,15 @@ def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(wo
         suppress_health_check=list(HealthCheck)))
     print(f"random faults: operations that took effect: {dict(sorted(TALLY.items()))}")
     # No server prints a traceback for any of these faults (a database outage included).
-    assert not (found := tracebacks(world.procs.log_dir)), "\n".join(found)
+    assert not (found := tracebacks(world.log_dir)), "\n".join(found)
 
 
-def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None]]]) -> None:
+def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None]]],
+            before: Callable[[FaultMachine], None] = lambda m: None) -> FaultMachine:
     """Run one fixed sequence as hypothesis would: boot, each step followed by the invariants, teardown
     (every rollout not retired finishes exactly once, every server idle, lineage checked)."""
     machine = type("Fixed", (FaultMachine,), {"world": world})()
+    before(machine)
     try:
         machine.boot()
         for step in steps(machine):
@@ -76,7 +84,8 @@ def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None
             machine.the_log_stays_honest()
     finally:
         machine.teardown()
-    assert not (found := tracebacks(world.procs.log_dir)), "\n".join(found)
+    assert not (found := tracebacks(world.log_dir)), "\n".join(found)
+    return machine
 
 
 ALL = set(cfg.KINDS)
@@ -105,3 +114,52 @@ def test_retire_restart_postgres_kill_the_coordinator_then_crash_and_restore(wor
     _replay(world, lambda m: [
         m.crash_and_restore, lambda: m.retire(2), m.restart_postgres, m.dispatch, lambda: no_new_cut(m),
         lambda: m.kill_servers(ALL, 0.0), m.commit, m.crash_and_restore])
+
+
+# The addresses of the instances that wrote each kind's events of one run's rollouts.
+WRITTEN_BY = """
+SELECT p.kind, array_agg(DISTINCT p.address) AS addresses FROM rollbook.events e
+JOIN rollbook.participants p ON p.instance = e.writer WHERE e.rollout_id LIKE :p GROUP BY p.kind
+"""
+
+
+def _both_model_instances(world: World) -> Callable[[FaultMachine], None]:
+    """A run id whose first attempts hash to both model instances (participants/routing.py), so the
+    test does not depend on the luck of the draw."""
+    def choose(m: FaultMachine) -> None:
+        models = world.urls("model")
+        while len({pick(models, f"{m.run_id}-{i:04d}", 0) for i in range(ROLLOUTS)}) < INSTANCES:
+            m.run_id += "y"
+    return choose
+
+
+def test_one_instance_of_each_kind_killed_while_the_other_serves_then_a_restore_of_a_published_cut(
+        world: World) -> None:
+    """Calls spread over both instances of every kind; one process of each kind is SIGKILLed in turn
+    (its callers meet a dead address the log holds live until a fresh process supersedes it), around a
+    published checkpoint that every instance is then restored from. Each rollout still finishes exactly
+    once with nothing done twice, and the tally says which operations took effect in this sequence."""
+    before = dict(TALLY)
+    m = _replay(world, lambda m: [
+        lambda: m.let_time_pass(0.2), lambda: m.kill_instance("model", 1, 0.3), lambda: m.kill_instance("agent", 0, 0.0),
+        m.checkpoint_and_publish, m.resume, lambda: m.kill_instance("resources", 1, 0.0),
+        lambda: m.kill_instance("environment", 0, 0.0), m.dispatch, m.crash_and_restore], before=_both_model_instances(world))
+    gained = {op: n - before.get(op, 0) for op, n in TALLY.items() if n != before.get(op, 0)}
+    for op in ("commit", "publish", "crash_and_restore", "kill_instance"):
+        assert gained.get(f"sequences_with_{op}") == 1, gained
+    assert gained["kill_instance"] == 4, gained
+    written = _written_by(m, world)
+    for kind in cfg.KINDS:
+        assert written.get(kind) == set(world.urls(kind)), f"{kind}: written by {written.get(kind)}"
+
+
+def _written_by(m: FaultMachine, world: World) -> dict[str, set[str]]:
+    async def read() -> dict[str, set[str]]:
+        store = PostgresEventStore.connect(world.dsn, writer="spread")
+        try:
+            async with store.engine.connect() as conn:
+                rows = await conn.execute(text(WRITTEN_BY), {"p": f"{m.run_id}-%"})
+                return {r.kind: {a.rstrip("/") for a in r.addresses} for r in rows}
+        finally:
+            await store.close()
+    return asyncio.run(read())
