@@ -284,8 +284,8 @@ class Config(Strict):
     @property
     def processes(self) -> int:
         """How many rollbook processes share the database: [limits] processes, else one per configured
-        server, `rollbook run` and one command."""
-        return self.limits.processes or len(self.servers) + 2
+        server process (each worker, and the front of a server with workers), `rollbook run` and one command."""
+        return self.limits.processes or sum(s.workers + (s.workers > 1) for s in self.servers.values()) + 2
 
     def database_pool(self, dsn: str) -> PoolLimits:
         """This process's pool: [limits] pool_size + max_overflow, shrunk so that `processes` of them
