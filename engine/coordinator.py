@@ -151,6 +151,7 @@ class Coordinator:
         # sees the open checkpoint and stays closed (participants/instances.py), one recorded earlier
         # is in this set and is prepared; either way no instance serves through the cut unseen.
         self.members = members
+        self._members_read = False
         self.timing = StepTiming()
         self.restarts: dict[str, list[Key]] = {}
 
@@ -172,6 +173,7 @@ class Coordinator:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
         if self.members is not None:
             self.participants = list(await self.members.current())
+            self._members_read = True
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
@@ -280,6 +282,10 @@ class Coordinator:
 
     async def resume(self, checkpoint_id: str) -> dict[str, Any]:
         started = time.perf_counter()
+        if self.members is not None and not self._members_read:
+            # Not this coordinator's prepare (a fresh one ending a failed checkpoint, a command): every
+            # live member reopens, not only the configured addresses (a front of workers drives none).
+            self.participants = list(await self.members.current())
         failures = await self._resume(checkpoint_id, self.participants)
         self.timing.record("resume", started)
         return {"checkpoint_id": checkpoint_id, "failures": failures}
@@ -307,6 +313,7 @@ class Coordinator:
         staging = time.perf_counter()
         if self.members is not None:
             self.participants = list(await self.members.current())
+            self._members_read = True
         body = self._body(checkpoint_id, deadline)
         results = await asyncio.gather(*(p.call("restore", body) for p in self.participants), return_exceptions=True)
         failed = {p.name: r for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)}
