@@ -98,8 +98,7 @@ def _record_instance(app: web.Application, kind: Kind, instance: str, config: Co
     for peers in vars(participant).values():
         if isinstance(peers, Peers):
             peers.source = lambda k=peers.kind: reader.live_addresses(k)
-    if hasattr(participant, "address"):
-        participant.address = config.url(kind)
+    participant.address = config.url(kind)
     app.setdefault(AFTER_BIND, []).append(joining.join)
 
     async def leave(app: web.Application) -> None:

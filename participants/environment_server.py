@@ -175,9 +175,6 @@ class EnvironmentParticipant(Participant):
         self.agent_url, self.resources_url = agent_url, resources_url
         # Each step's request goes where participants/routing.py says for its attempt, read from the log.
         self.agent_peers, self.resources_peers = Peers(agent_url, "agent"), Peers(resources_url, "resources")
-        # This server's own kind: a restored episode is continued by the worker its rollout routes to.
-        self.episode_peers = Peers("", "environment")
-        self.address: str | None = None  # where the others reach this worker, once it is recorded
         self.environments = environments
         self.episodes: dict[str, Episode] = {}
         self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
@@ -492,7 +489,9 @@ class EnvironmentParticipant(Participant):
             rows = await self.store.attempt_rows(sorted(self.staged))
             for rid, ep in self.staged.items():
                 target = restored_attempt(rows, rid, ep.attempt, checkpoint_id)
-                if target is None or not await self._routed_here(rid):
+                # Every live environment worker staged the cut; only the one the rollout's dispatch routes to
+                # continues it, so it runs once.
+                if target is None or not await self.routed_here(rid, EPISODE_ATTEMPT):
                     continue
                 origin, ep.attempt = ep.attempt, target
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
@@ -504,13 +503,6 @@ class EnvironmentParticipant(Participant):
             self.staged, self.staged_from = {}, None
         await super().resume(checkpoint_id, restored)
         return {"continued": continued}
-
-    async def _routed_here(self, rollout_id: str) -> bool:
-        """Whether this worker drives the rollout's episode: every live environment worker stages the
-        cut, and only the one its dispatch routes to continues it, so it runs once."""
-        if self.episode_peers.source is None or self.address is None:
-            return True  # not recorded in a log: the one environment server
-        return await self.episode_peers.url(rollout_id, EPISODE_ATTEMPT) == self.address.rstrip("/")
 
     async def retire(self, rollout_id: str, through: int) -> None:
         ep, task = self.episodes.get(rollout_id), self.tasks.get(rollout_id)

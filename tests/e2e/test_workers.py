@@ -235,6 +235,7 @@ def restored_rollouts(dsn: str, checkpoint_id: str) -> int:
                      f"AND data->>'restored_from' = '{checkpoint_id}'")[0][0]
 
 
+@pytest.mark.timeout(900)
 def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_restore_into_one_of_three(
         dsn: str, cleanup: list[Deployment]) -> None:
     """The issue's Done-when: two instances of every kind, each with two workers, run 200 tasks with a
@@ -276,7 +277,8 @@ def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_r
     three = d.config.model_copy(update={"servers": {k: s.model_copy(update={"workers": 3})
                                                     for k, s in d.config.servers.items()}})
     cfg.write(three, d.path)
-    reshaped = Deployment(d.work, three, d.path, ServerProcesses(three, d.path, d.work))
+    (d.work / "reshaped").mkdir()
+    reshaped = Deployment(d.work, three, d.path, ServerProcesses(three, d.path, d.work / "reshaped"))
     cleanup.append(reshaped)
     reshaped.first.start()
     deadline = time.time() + 60
