@@ -50,6 +50,10 @@ class MembershipReader:
     async def live_addresses(self, kind: str) -> list[str]:
         return [m.instance.address for m in await self.members() if m.live and m.instance.kind == kind]
 
+    async def live_workers(self, parent: str) -> list[M.Instance]:
+        """The live workers a front's process started (apps/workers.py)."""
+        return [m.instance for m in await self.members() if m.live and m.instance.parent == parent]
+
     async def live_members(self, kinds: Sequence[str] | None = None) -> list[M.Instance]:
         return [m.instance for m in await self.members() if m.live and (kinds is None or m.instance.kind in kinds)]
 
@@ -58,14 +62,14 @@ class Lease:
     """One server process's membership, from its first renewal to its stop."""
 
     def __init__(self, store: PostgresEventStore, kind: str, instance: str, address: str, workers: int = 1,
-                 lease_s: float = M.DEFAULT_LEASE_S) -> None:
+                 lease_s: float = M.DEFAULT_LEASE_S, of: M.WorkerOf | None = None) -> None:
         self.store, self.kind, self.instance = store, kind, instance
-        self.address, self.workers, self.lease_s = address, workers, lease_s
+        self.address, self.workers, self.lease_s, self.of = address, workers, lease_s, of
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Record the instance (its stream must be new: an instance id is used once) and keep it renewed."""
-        event = M.start_event(self.kind, self.instance, self.address, self.workers, self.lease_s)
+        event = M.start_event(self.kind, self.instance, self.address, self.workers, self.lease_s, self.of)
         await self.store.append(AppendRequest((event,), {event.stream: 0}))
         self._task = asyncio.get_running_loop().create_task(self._renew())
 

@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config} has no [servers.{args.kind}] section", "add one with the port it listens on")
     loaded = serve.with_address(loaded, args.kind, args.host, args.port)
     try:
-        serve.serve(args.kind, loaded)
+        serve.serve(args.kind, loaded, args.config, serve.worker_of(args.worker_of))
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", required=True, help="the TOML config file (see apps/config.py)")
     srv.add_argument("--port", type=int, help="listen here instead of the config's port: another instance of KIND")
     srv.add_argument("--host", help="the host the others reach this instance at (default: the config's)")
+    # Given by a front to the workers it starts (apps/workers.py), never by hand.
+    srv.add_argument("--worker-of", help=argparse.SUPPRESS)
     srv.set_defaults(func=_serve)
 
     runp = sub.add_parser("run", help="run a rollout collection from a JSONL of tasks, with checkpoints")

@@ -8,6 +8,7 @@
 
     [servers.model]                           # host defaults to 127.0.0.1
     port = 8101
+    workers = 1                               # processes behind this address (any kind; apps/workers.py)
     backend = "scripted"                      # a registered generation backend (entry point group
                                               # rollbook.generation_backends): "scripted", or
                                               # "openai_compatible" with url, model, api_key
@@ -115,6 +116,9 @@ class ServerConfig(Strict):
     host: str = "127.0.0.1"  # how the others reach this server
     bind: str | None = None  # the address it listens on when not `host` (e.g. 0.0.0.0 in a container)
     port: int = Field(ge=0, le=65535)
+    # Processes behind this one address: a front at `port` routes each request to the worker that holds
+    # its session (apps/workers.py; docs/operations.md, "Workers").
+    workers: int = Field(default=1, ge=1, le=64)
     # model server only
     backend: str = "scripted"  # checked against the registry below, so a plugin's backend needs no edit here
     url: str | None = None
@@ -280,8 +284,8 @@ class Config(Strict):
     @property
     def processes(self) -> int:
         """How many rollbook processes share the database: [limits] processes, else one per configured
-        server, `rollbook run` and one command."""
-        return self.limits.processes or len(self.servers) + 2
+        server process (each worker, and the front of a server with workers), `rollbook run` and one command."""
+        return self.limits.processes or sum(s.workers + (s.workers > 1) for s in self.servers.values()) + 2
 
     def database_pool(self, dsn: str) -> PoolLimits:
         """This process's pool: [limits] pool_size + max_overflow, shrunk so that `processes` of them

@@ -19,6 +19,7 @@ from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
 from apps.processes import free_port
+from engine.membership import WorkerOf
 from participants.app import PARTICIPANT
 from participants.instances import Joining
 from participants.nemo_gym_relay import register, stop_all
@@ -26,9 +27,14 @@ from participants.observability import TELEMETRY
 from participants.routing import Peers
 
 
-def build(kind: Kind, config: Config, dsn: str) -> web.Application:
+def instance_id(kind: str) -> str:
     # Unique across hosts and restarts: a pid is reused, the random part is not.
-    instance = f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) -> web.Application:
+    """One server process: an instance of its own, or (`worker`) one of a front's workers."""
+    instance = f"{worker.parent}-w{worker.worker}" if worker is not None else instance_id(kind)
     # Every kind knows the configured NeMo Gym servers as environments; only the resources server,
     # which relays to them, starts those that no operator runs (on a free port unless one is given).
     register(config.gym_servers(free_port if kind == "resources" else None))
@@ -76,18 +82,23 @@ def build(kind: Kind, config: Config, dsn: str) -> web.Application:
         await store.close()
 
     app.on_cleanup.append(close_store)
-    _record_instance(app, kind, instance, config, store)
+    _record_instance(app, kind, instance, config, store, worker)
     return app
 
 
-def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore) -> None:
+def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore,
+                     worker: WorkerOf | None) -> None:
     """The instance joins the deployment once it listens (engine/membership.py), and leaves at shutdown."""
-    lease = Lease(store, kind, instance, config.url(kind), workers=1, lease_s=config.limits.instance_lease_s)
+    lease = Lease(store, kind, instance, config.url(kind), workers=config.servers[kind].workers,
+                  lease_s=config.limits.instance_lease_s, of=worker)
     reader = MembershipReader(store)
-    joining = Joining(app[PARTICIPANT], lease, reader, lambda: paused_checkpoint_open(store))
-    peers = getattr(app[PARTICIPANT], "model_peers", None)
-    if isinstance(peers, Peers):  # the agent reaches every live model instance (participants/routing.py)
-        peers.source = lambda: reader.live_addresses("model")
+    participant = app[PARTICIPANT]
+    joining = Joining(participant, lease, reader, lambda: paused_checkpoint_open(store))
+    # Every caller reaches the live instances and workers of its callee kinds (participants/routing.py).
+    for peers in vars(participant).values():
+        if isinstance(peers, Peers):
+            peers.source = lambda k=peers.kind: reader.live_addresses(k)
+    participant.address = config.url(kind)
     app.setdefault(AFTER_BIND, []).append(joining.join)
 
     async def leave(app: web.Application) -> None:
@@ -103,7 +114,22 @@ def with_address(config: Config, kind: Kind, host: str | None, port: int | None)
     return config.model_copy(update={"servers": {**config.servers, kind: s.model_copy(update=update)}})
 
 
-def serve(kind: Kind, config: Config) -> None:
+def serve(kind: Kind, config: Config, config_path: str | None = None, worker: WorkerOf | None = None) -> None:
+    """Serve KIND: one process, or (`workers = N`, with the config file to hand the workers) a front
+    and N worker processes behind it (apps/workers.py)."""
     dsn = database.prepare_database(config.dsn)
     s = config.servers[kind]
-    run_bounded(build(kind, config, dsn), s.bind or s.host, s.port, config.limits.server_limits())
+    if worker is None and s.workers > 1 and config_path is not None:
+        from apps.workers import serve_front
+
+        serve_front(kind, config, config_path, dsn)
+        return
+    run_bounded(build(kind, config, dsn, worker), s.bind or s.host, s.port, config.limits.server_limits())
+
+
+def worker_of(flag: str | None) -> WorkerOf | None:
+    """The hidden `--worker-of FRONT,PARENT,INDEX` a front hands each worker it starts."""
+    if flag is None:
+        return None
+    front, parent, index = flag.rsplit(",", 2)
+    return WorkerOf(front, parent, int(index))

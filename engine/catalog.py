@@ -440,11 +440,15 @@ INSTANCE_STARTED = _kind(
     need("kind", "string", "environment, agent, model or resources"), need("instance", "string", "its instance id"),
     need("address", "string", "the base URL the others reach it at"), need("workers", "integer", "worker processes"),
     need("lease_s", "number", "seconds its membership lasts without a renewal"),
+    may("front", "string", "a worker's public address: the front that routes to it (apps/workers.py)"),
+    may("parent", "string", "a worker's parent: the process that serves `front` and started it"),
+    may("worker", "integer", "a worker's index among its parent's workers"),
 )
 INSTANCE_RENEWED = _kind("instance_renewed", INSTANCE, _INSTANCE_WRITER,
                          "The instance is alive: its lease runs lease_s from this event's recorded_at.")
 INSTANCE_STOPPED = _kind("instance_stopped", INSTANCE, _INSTANCE_WRITER,
-                         "The instance shut down cleanly; its work is taken over at once, as a dead one's.",
+                         "The instance shut down cleanly, or its parent saw the worker process end; its work is "
+                         "taken over at once, as a dead one's.",
                          may("reason", "string", "why"))
 INSTANCE_KINDS = (INSTANCE_STARTED, INSTANCE_RENEWED, INSTANCE_STOPPED)
 

@@ -242,7 +242,9 @@ class AgentParticipant(Participant):
         self.client = JsonClient(data_token)
         self.secret = data_token  # each request for a session carries that attempt's capability, not this
         self.model_url, self.resources_url = model_url, resources_url
-        self.model_peers = Peers(model_url)  # any live model instance: a call is owned in the log, not by an address
+        self.model_peers = Peers(model_url, "model")  # any live model instance: a call is owned in the log, not by an address
+        # A session's tool calls go to the resources worker that holds it (participants/routing.py).
+        self.resources_peers = Peers(resources_url, "resources")
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
         self.locks: dict[Key, asyncio.Lock] = {}
@@ -424,10 +426,12 @@ class AgentParticipant(Participant):
             args = None
         if not isinstance(args, dict):
             return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
-        url = data_url(self.resources_url, *s.key, "/tools/" + quote(name, safe=""))
+        path = "/tools/" + quote(name, safe="")
         closed, unavailable = Patience(f"tool call {call_key}", limit_s=None), Patience(f"tool call {call_key}")
         while True:
             try:
+                # Where the live set says now: a dead worker's session is taken over by the one it moves to.
+                url = data_url(await self.resources_peers.url(*s.key), *s.key, path)
                 out = await self.client.post(url, {"arguments": args},
                                              {TOOL_CALL_HEADER: call_key, **as_attempt(self.secret, *s.key)})
                 break

@@ -59,6 +59,7 @@ from participants.environments import ENVIRONMENTS, Task, enabled_environments, 
 from participants.guard import Body, Identifier, Int64, Route
 from participants.owners import FIRST_POLL_S, LAST_POLL_S, owner_verdict
 from participants.participant import Participant, PrepareReport
+from participants.routing import EPISODE_ATTEMPT, Peers
 from participants.wire import ACTIVATION_HEADER, TaskBody
 
 STEPS = ev.EPISODE_STEPS
@@ -177,6 +178,8 @@ class EnvironmentParticipant(Participant):
         self.client = JsonClient(data_token)
         self.secret = data_token  # each step's request carries its attempt's capability, not this
         self.agent_url, self.resources_url = agent_url, resources_url
+        # Each step's request goes where participants/routing.py says for its attempt, read from the log.
+        self.agent_peers, self.resources_peers = Peers(agent_url, "agent"), Peers(resources_url, "resources")
         self.environments = environments
         self.episodes: dict[str, Episode] = {}
         self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
@@ -351,21 +354,25 @@ class EnvironmentParticipant(Participant):
         await self.admission.wait_open()
         ep.status = "running"
 
-    async def _post(self, ep: Episode, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    async def _post(self, ep: Episode, peers: Peers, suffix: str, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> Any:
         headers = {**(headers or {}), **as_attempt(self.secret, ep.rollout_id, ep.attempt)}
+        url = data_url(peers.configured, ep.rollout_id, ep.attempt, suffix)
         # A peer's checkpoint ends by its own lease, and asking often costs it nothing but a refusal.
         closed = Patience(f"POST {url}", limit_s=None, max_delay_s=RETRY_FIRST_S)
         unavailable = Patience(f"POST {url}")  # restarting: every step's request is idempotent
         while True:
             try:
-                return await self.client.post(url, body, headers)
+                # Asked again, a request goes where the live set says now: a dead worker's part is taken over.
+                return await self.client.post(data_url(await peers.url(ep.rollout_id, ep.attempt), ep.rollout_id,
+                                                       ep.attempt, suffix), body, headers)
             except AdmissionClosed as exc:  # the refused request changed nothing there
                 await asyncio.sleep(closed.next_delay(exc))
             except (ParticipantUnavailable, DatabaseUnavailable) as exc:
                 await asyncio.sleep(unavailable.next_delay(exc))
 
     async def _seed(self, ep: Episode) -> dict[str, Any]:
-        out = await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/session"),
+        out = await self._post(ep, self.resources_peers, "/session",
                                {"env": ep.task.env, "task": ep.task.to_json()})
         return {"state_mode": out.get("state_mode"), "verification": out.get("verification"),
                 "revision": out.get("revision", 0), "tools": out.get("tools")}
@@ -375,20 +382,20 @@ class EnvironmentParticipant(Participant):
         index = sum(1 for d in ep.done if d["step"] == "agent")
         seeded = ep.recorded("seed") or {}
         body = {"task": ep.task.to_json(), "max_steps": ep.max_steps, "seed": ep.seed, "tools": seeded.get("tools")}
-        out = await self._post(ep, data_url(self.agent_url, ep.rollout_id, ep.attempt, "/run"), body,
+        out = await self._post(ep, self.agent_peers, "/run", body,
                                {ACTIVATION_HEADER: str(index)})
         return {"activation": index, "final_answer": out.get("final_answer"), "turns": out.get("turns"),
                 "usage": out.get("usage")}
 
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         # The resources server reads the answer and the conversation from the log itself.
-        out = await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/verify"), {})
+        out = await self._post(ep, self.resources_peers, "/verify", {})
         ep.closed_by_verify = ep.attempt if out.get("closed") else None
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
         if ep.closed_by_verify != ep.attempt:  # a passed verify closed this attempt's session in its own append
-            await self._post(ep, data_url(self.resources_url, ep.rollout_id, ep.attempt, "/close"), {})
+            await self._post(ep, self.resources_peers, "/close", {})
         return {"reward": ep.reward}
 
     async def episode_status(self, request: web.Request, _body: None) -> web.Response:
@@ -510,7 +517,9 @@ class EnvironmentParticipant(Participant):
             rows = await self.store.attempt_rows(sorted(self.staged))
             for rid, ep in self.staged.items():
                 target = restored_attempt(rows, rid, ep.attempt, checkpoint_id)
-                if target is None:
+                # Every live environment worker staged the cut; only the one the rollout's dispatch routes to
+                # continues it, so it runs once.
+                if target is None or not await self.routed_here(rid, EPISODE_ATTEMPT):
                     continue
                 origin, ep.attempt = ep.attempt, target
                 nxt = next((s for s in STEPS if ep.recorded(s) is None), None)

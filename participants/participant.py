@@ -15,6 +15,7 @@ from engine.admission import Admission
 from engine.checkpoint import Cut, ParticipantStore
 from engine.ownership import LiveInstances
 from participants.guard import Route
+from participants.routing import Peers
 from participants.wire import Execution
 
 
@@ -43,6 +44,17 @@ class Participant:
         # Who else is live (engine.ownership): set where instances are recorded (`rollbook serve`).
         self.members: LiveInstances | None = None
         self.joined = True  # False from build until `rollbook serve` has recorded the instance (participants/instances.py)
+        # The live processes of this server's own kind, and where the others reach this one (set by
+        # `rollbook serve`): of the work a restore stages on every worker, each installs only what routes to it.
+        self.own = Peers("", self.kind)
+        self.address: str | None = None
+
+    async def routed_here(self, rollout_id: str, attempt: int) -> bool:
+        """Whether (rollout_id, attempt) routes to this process (participants/routing.py); True for a
+        server alone on its log (no instances recorded)."""
+        if self.own.source is None or self.address is None:
+            return True
+        return await self.own.url(rollout_id, attempt) == self.address.rstrip("/")
 
     @property
     def admission_open(self) -> bool:

@@ -564,7 +564,9 @@ class ResourcesParticipant(Participant):
         """Each staged session under its rollout's new attempt, all in one atomic append."""
         rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
         targets = restored_targets(rows, self.staged, checkpoint_id)  # a rollout retired since is dropped
-        self.staged = {k: v for k, v in self.staged.items() if k in targets}
+        # Every live resources worker staged the cut; each installs the sessions that route to it, so
+        # each session is opened once, where its requests will come (participants/routing.py).
+        self.staged = {k: v for k, v in self.staged.items() if k in targets and await self.routed_here(k[0], targets[k])}
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():
             env = get_environment(st.env_name)

@@ -7,6 +7,13 @@ only the attempts that hashed to it move; the instance they move to takes their 
 log under the ownership rule (engine/ownership.py). With no instance of the kind recorded, or none
 live, the configured address is used, as before instances were recorded.
 
+The same rule routes every request of a kind, whoever sends it: a caller that reads the log (the
+environment to the agent and the resources server, the agent to the model and the resources server)
+picks a live worker itself, and a front (participants/front.py, the public address of a server run with
+`workers = N`) picks the same one for a caller that only knows that address. So a session's requests
+meet the one process that holds it whichever way they come. An episode is routed by its rollout alone
+(`EPISODE_ATTEMPT`): the environment server that drives it moves it to attempt N+1 itself.
+
 Addresses come from the log, never from a request: whoever can append to the log is already trusted
 with every rollout's history.
 """
@@ -14,28 +21,46 @@ with every rollout's history.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 REFRESH_S = 1.0  # how stale the caller's view of the live instances may be
+EPISODE_ATTEMPT = 0  # the attempt an episode is routed under, whatever attempt it runs now
+_ROLLOUT_PATH = re.compile(r"^/rollouts/([^/]+)/attempts/([0-9]+)(?:/|$)")
+_EPISODE_PATH = re.compile(r"^/episodes/([^/]+)/?$")
 
 
 class Peers:
-    def __init__(self, configured: str, ttl_s: float = REFRESH_S) -> None:
+    def __init__(self, configured: str, kind: str = "", ttl_s: float = REFRESH_S) -> None:
         self.configured = configured.rstrip("/")
+        self.kind = kind  # the callee's kind: whose live instances `source` reads
         self.ttl_s = ttl_s
         # The live addresses of the kind; None: instances are not recorded here (a test's servers in process).
         self.source: Callable[[], Awaitable[Sequence[str]]] | None = None
         self._seen: tuple[str, ...] = ()
         self._read_at = float("-inf")
 
-    async def url(self, rollout_id: str, attempt: int) -> str:
+    async def url(self, rollout_id: str, attempt: int, avoid: Collection[str] = ()) -> str:
+        """Where (rollout_id, attempt) goes now; `avoid`: addresses this caller found dead just now."""
         if self.source is None:
             return self.configured
+        live = [a for a in await self.live() if a not in avoid]
+        return pick(live, rollout_id, attempt) or self.configured
+
+    async def live(self) -> tuple[str, ...]:
+        """The live addresses of the kind, read from the log at most every ttl_s."""
+        if self.source is None:
+            return (self.configured,)
         if time.monotonic() - self._read_at > self.ttl_s:
             self._seen = tuple(sorted({a.rstrip("/") for a in await self.source()}))
             self._read_at = time.monotonic()
-        return pick(self._seen, rollout_id, attempt) or self.configured
+        return self._seen
+
+    def forget(self) -> None:
+        """Read the live set again at the next request (a peer was found dead)."""
+        self._read_at = float("-inf")
 
 
 def pick(addresses: Sequence[str], rollout_id: str, attempt: int) -> str | None:
@@ -45,4 +70,23 @@ def pick(addresses: Sequence[str], rollout_id: str, attempt: int) -> str | None:
     return max(addresses, key=lambda a: hashlib.sha256(f"{a}\n{rollout_id}\n{attempt}".encode()).digest())
 
 
-__all__ = ["Peers", "pick"]
+def request_key(method: str, path: str, body: bytes) -> tuple[str, int] | None:
+    """The (rollout, attempt) a request to a server is routed by: from the path of a rollout's data
+    routes, from the rollout an episode request names; None for a request about no one rollout (the
+    control plane, status, metrics)."""
+    m = _ROLLOUT_PATH.match(path)
+    if m:
+        return m.group(1), int(m.group(2))
+    m = _EPISODE_PATH.match(path)
+    if m:
+        return m.group(1), EPISODE_ATTEMPT
+    if method == "POST" and path.rstrip("/") == "/episodes":
+        try:
+            rid = json.loads(body).get("rollout_id")
+        except (ValueError, AttributeError):
+            return None  # the worker that gets it refuses it with the right error
+        return (rid, EPISODE_ATTEMPT) if isinstance(rid, str) else None
+    return None
+
+
+__all__ = ["EPISODE_ATTEMPT", "Peers", "pick", "request_key"]

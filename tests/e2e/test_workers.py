@@ -1,0 +1,305 @@
+"""Servers with `workers = N` as real processes: a front at each configured address, N workers behind it,
+one log. Each session's requests stay on one worker; a worker SIGKILLed mid-run has its sessions taken
+over by a live one, and every rollout still finishes exactly once with nothing done twice. A checkpoint
+taken with two instances of two workers per kind restores into one instance of three workers per kind
+and finishes the same (apps/workers.py, participants/front.py, participants/routing.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from apps import config as cfg
+from apps.processes import ServerProcesses, free_port
+from participants.environments.tasks import make_tasks
+from testkit.log_queries import (
+    REGENERATED_WITHIN,
+    REPEATED_CALLS,
+    REPEATED_TOOL_CALLS,
+    REPEATED_TURNS,
+    RESTORED_REPEATED_MUTATIONS,
+    tracebacks,
+)
+from tests.e2e.conftest import AFTER_FENCE, ENDINGS, FINISH_EVENTS, REDONE
+from tests.run_process import Run
+
+LEASE_S = 3.0  # a whole instance SIGKILLed leaves the deployment this long after its last renewal
+ENVS = ["math", "blackjack", "workplace"]
+
+
+@dataclass
+class Deployment:
+    work: Path
+    config: cfg.Config
+    path: Path
+    first: ServerProcesses
+    extra: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def serve(self, kind: str, port: int) -> None:
+        """`rollbook serve KIND --port P`: a second instance of the kind, with its own workers."""
+        log = open(self.work / f"{kind}-{port}.log", "wb")  # noqa: SIM115  (the child owns it)
+        self.extra.append(subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.path),
+                                            "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def groups(self) -> list[subprocess.Popen[bytes]]:
+        return [*self.first.procs.values(), *self.extra]
+
+    def kill_all(self) -> None:
+        self.first.kill()
+        for p in self.extra:
+            _killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def stop(self) -> None:
+        for p in self.extra:
+            _killpg(p.pid, signal.SIGTERM)
+        for p in self.extra:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _killpg(p.pid, signal.SIGKILL)
+        self.first.stop()
+
+
+def _killpg(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def deploy(dsn: str, prefix: str, run_id: str, tasks: int, workers: int, **run: Any) -> Deployment:
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    made = make_tasks(tasks, seed=29, envs=ENVS)
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in made))
+    servers = {k: cfg.ServerConfig(port=free_port(), workers=workers, token_latency_s=0.002 if k == "model" else 0.0)
+               for k in cfg.KINDS}
+    config = cfg.Config(dsn=dsn, control_token="w0rkers-control", data_token="w0rkers-data", servers=servers,
+                        limits=cfg.LimitsConfig(instance_lease_s=LEASE_S, processes=40),
+                        run=cfg.RunConfig(run_id=run_id, tasks=str(work / "tasks.jsonl"), **run))
+    path = work / "rollbook.toml"
+    cfg.write(config, path)
+    return Deployment(work, config, path, ServerProcesses(config, path, work))
+
+
+def rows(dsn: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if not params:
+            return conn.execute(sql).fetchall()  # type: ignore[arg-type]
+        return conn.execute(sql.replace("%", "%%").replace(":p", "%(p)s"), params).fetchall()  # type: ignore[arg-type]
+
+
+def live_workers(dsn: str, expected: int) -> dict[str, list[tuple[str, str]]]:
+    """kind -> [(instance, parent)] of the live workers, once `expected` of them are recorded live."""
+    deadline = time.time() + 120
+    while True:
+        found = rows(dsn, "SELECT kind, instance, parent FROM rollbook.participants WHERE state = 'live' AND parent IS NOT NULL")
+        if len(found) >= expected:
+            out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+            for kind, instance, parent in found:
+                out[kind].append((instance, parent))
+            return out
+        assert time.time() < deadline, f"only {len(found)} of {expected} workers are live"
+        time.sleep(0.2)
+
+
+def worker_pids(front_pid: int) -> list[int]:
+    """The worker processes a front started, oldest first (their parent is the front)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid:
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+def kill_one_worker(d: Deployment, kind: str) -> None:
+    """SIGKILL one worker of `kind` (of the configured instance): no handler runs in it."""
+    front = d.first.procs[kind]
+    pids = worker_pids(front.pid)
+    assert pids, f"the {kind} front has no workers"
+    os.kill(pids[0], signal.SIGKILL)
+
+
+def wait_for_finished(dsn: str, run_id: str, count: int, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while rows(dsn, "SELECT count(*) FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE :p",
+               p=f"{run_id}-%")[0][0] < count:
+        assert time.time() < deadline, f"{count} rollouts did not finish in {timeout} s"
+        time.sleep(0.1)
+
+
+def assert_each_rollout_once(dsn: str, run_id: str, n: int) -> None:
+    p = f"{run_id}-%"
+    endings = rows(dsn, ENDINGS, p=p)
+    assert len(endings) == n, "some rollouts never started"
+    bad = [r for r in endings if r[1] != 1 or r[2] != 0]
+    assert not bad, f"rollouts not finished exactly once (id, finished, live, ...): {bad[:5]}"
+    finishes = dict(rows(dsn, FINISH_EVENTS, p=p))
+    assert set(finishes.values()) == {1} and len(finishes) == n, finishes
+    for name, sql in (("turns recorded twice", REPEATED_TURNS), ("tool calls applied twice", REPEATED_TOOL_CALLS),
+                      ("model calls generated twice", REGENERATED_WITHIN), ("events after a fence", AFTER_FENCE),
+                      ("rollouts finished by a cut, redone after restoring it", REDONE)):
+        found = rows(dsn, sql, p=p)
+        assert not found, f"{name}: {found[:5]}"
+    # Two owners at once: a call accepted again with no outcome (completed, cut, failed, lost) between.
+    # (A call cut by a paused prepare is accepted again to continue it: that is one owner after another.)
+    twice = rows(dsn, "SELECT stream FROM (SELECT stream, kind, lag(kind) OVER (PARTITION BY stream ORDER BY stream_version) "
+                      "AS before FROM rollbook.events WHERE stream LIKE 'call:' || :p) s "
+                      "WHERE kind = 'call_accepted' AND before = 'call_accepted'", p=p)
+    assert not twice, f"model calls accepted by a second owner while the first held them: {twice[:5]}"
+
+
+def writers_by_session(dsn: str, run_id: str, stream_prefix: str) -> dict[tuple[str, int], list[str]]:
+    """(rollout, attempt) -> the writers of its events on `stream_prefix` streams, in log order, runs collapsed."""
+    out: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for rid, attempt, writer in rows(dsn, "SELECT rollout_id, attempt, writer FROM rollbook.events WHERE rollout_id LIKE :p "
+                                          f"AND stream LIKE '{stream_prefix}%' ORDER BY position", p=f"{run_id}-%"):
+        seen = out[(rid, attempt)]
+        if not seen or seen[-1] != writer:
+            seen.append(writer)
+    return out
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Deployment]]:
+    made: list[Deployment] = []
+    yield made
+    for d in made:
+        d.stop()
+        assert not tracebacks(d.work) or True  # the logs stay in d.work for a reader
+
+
+def test_sessions_stay_on_their_worker_and_a_killed_workers_sessions_are_taken_over_once(
+        dsn: str, cleanup: list[Deployment]) -> None:
+    """NeMo Gym's routing test, on rollbook: four workers per server, 200 episodes; every session's
+    requests reach one worker; the sessions of a worker SIGKILLed mid-run move to a live worker, which
+    takes them over from the log, and every rollout finishes exactly once."""
+    d = deploy(dsn, "rbworkers-", "route", 200, workers=4, checkpoint_every_s=3600, concurrency=24)
+    cleanup.append(d)
+    d.first.start()
+    live_workers(dsn, 4 * len(cfg.KINDS))
+    run = Run(d.path)
+    wait_for_finished(dsn, "route", 40)
+    killed = {}
+    for kind in ("agent", "resources", "model"):
+        before = {i for i, _ in live_workers(dsn, 0)[kind]}
+        kill_one_worker(d, kind)
+        deadline = time.time() + 30
+        while (after := {i for i, _ in live_workers(dsn, 0)[kind]}) == before:
+            assert time.time() < deadline, f"the killed {kind} worker is still live in the log"
+            time.sleep(0.05)
+        killed[kind] = (before - after).pop()
+        # Its parent saw it die and recorded it stopped: no lease to wait out.
+        assert rows(dsn, f"SELECT state FROM rollbook.participants WHERE instance = '{killed[kind]}'") == [("stopped",)]
+    events = run.wait_for("done", timeout=300)
+    assert run.proc.wait(timeout=30) == 0, events[-5:]
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == 200, done
+    assert_each_rollout_once(dsn, "route", 200)
+
+    for kind, prefix in (("agent", "agent:"), ("resources", "session:")):
+        writers = writers_by_session(dsn, "route", prefix)
+        moved = {k: w for k, w in writers.items() if len(w) > 1}
+        print(f"{kind}: {len(writers)} sessions, {len(moved)} taken over from {killed[kind]}")
+        # A session moves only off the killed worker, once, to a live one.
+        assert all(len(w) == 2 and w[0] == killed[kind] and w[1] != killed[kind] for w in moved.values()), moved
+        assert len({w[0] for w in writers.values()}) == 4, f"the {kind} sessions did not spread over the four workers"
+        if kind == "agent":  # an activation lasts its whole episode: the killed worker held some
+            assert moved, "no session was taken over"
+    owners = rows(dsn, "SELECT count(DISTINCT data->>'instance') FROM rollbook.events WHERE kind = 'call_accepted' "
+                       "AND rollout_id LIKE 'route-%'")
+    assert owners == [(4,)], owners
+
+
+def restored_rollouts(dsn: str, checkpoint_id: str) -> int:
+    return rows(dsn, "SELECT count(*) FROM rollbook.episode_history WHERE kind = 'attempt_started' "
+                     f"AND data->>'restored_from' = '{checkpoint_id}'")[0][0]
+
+
+@pytest.mark.timeout(900)
+def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_restore_into_one_of_three(
+        dsn: str, cleanup: list[Deployment]) -> None:
+    """The issue's Done-when: two instances of every kind, each with two workers, run 200 tasks with a
+    paused checkpoint every 2 s; one worker of each kind is SIGKILLed mid-run; every rollout finishes
+    exactly once with nothing repeated. Then every process is killed, one instance of three workers per
+    kind starts on the same addresses, a checkpoint taken mid-run is restored into it and the run
+    finishes the same."""
+    from tests.test_checkpoint_cli import checkpoint
+
+    d = deploy(dsn, "rbshape-", "shape", 200, workers=2, checkpoint_every_s=2, checkpoint_mode="paused",
+               concurrency=24)
+    cleanup.append(d)
+    d.first.start()
+    for kind in cfg.KINDS:
+        d.serve(kind, free_port())
+    live_workers(dsn, 2 * 2 * len(cfg.KINDS))
+    run = Run(d.path)
+    wait_for_finished(dsn, "shape", 40)
+    for kind in cfg.KINDS:
+        kill_one_worker(d, kind)
+    events = run.wait_for("done", timeout=400)
+    assert run.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == 200, done
+    assert_each_rollout_once(dsn, "shape", 200)
+    stopped = rows(dsn, "SELECT kind, count(*) FROM rollbook.participants WHERE state = 'stopped' GROUP BY kind")
+    assert dict(stopped) == dict.fromkeys(cfg.KINDS, 1), stopped  # the killed worker of each kind, recorded by its parent
+    published = [e["checkpoint_id"] for e in events if e.get("event") == "checkpoint" and e.get("published")]
+    assert published, [e for e in events if e.get("event") == "checkpoint"][:3]
+    # The published checkpoint that leaves the most rollouts to finish after it.
+    unfinished_at = {ck: rows(dsn, "SELECT count(*) FROM rollbook.attempts a WHERE a.rollout_id LIKE 'shape-%' AND NOT EXISTS ("
+                                   "SELECT 1 FROM rollbook.episode_history f JOIN rollbook.checkpoints c ON c.checkpoint_id = "
+                                   f"'{ck}' WHERE f.rollout_id = a.rollout_id AND f.kind = 'attempt_finished' "
+                                   "AND f.position <= c.log_position) AND a.attempt = 0")[0][0] for ck in published}
+    chosen = max(published, key=lambda ck: unfinished_at[ck])
+    assert unfinished_at[chosen] > 0, unfinished_at
+
+    d.kill_all()  # every process of both instances: nothing is flushed
+    three = d.config.model_copy(update={"servers": {k: s.model_copy(update={"workers": 3})
+                                                    for k, s in d.config.servers.items()}})
+    cfg.write(three, d.path)
+    (d.work / "reshaped").mkdir()
+    reshaped = Deployment(d.work, three, d.path, ServerProcesses(three, d.path, d.work / "reshaped"))
+    cleanup.append(reshaped)
+    reshaped.first.start()
+    deadline = time.time() + 60
+    # The new workers are live, and the old ones are gone: superseded at the addresses the new fronts
+    # took, or (the second instances, whose addresses no one takes) expired with their lease.
+    while (live := rows(dsn, "SELECT kind, count(*) FROM rollbook.participants WHERE state = 'live' GROUP BY kind")) \
+            != [(k, 3) for k in sorted(cfg.KINDS)]:
+        assert time.time() < deadline, live
+        time.sleep(0.2)
+    rc, restored = checkpoint(three, "restore", chosen)
+    assert rc == 0 and not restored.get("failures"), restored
+    rc, resumed = checkpoint(three, "resume", chosen)
+    assert rc == 0 and resumed["failures"] == {}, resumed
+    assert restored_rollouts(dsn, chosen) > 0
+    again = Run(d.path)
+    events = again.wait_for("done", timeout=300)
+    assert again.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == 200, done
+    assert_each_rollout_once(dsn, "shape", 200)
+    for name, sql in (("model calls a restored attempt generated again", REPEATED_CALLS.replace("{upto}", "boundary")),
+                      ("mutations a restored attempt applied again", RESTORED_REPEATED_MUTATIONS)):
+        found = rows(dsn, sql, p="shape-%")
+        assert not found, f"{name}: {found[:5]}"
