@@ -10,6 +10,7 @@ browser is never a skip.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -30,7 +31,9 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
 
 def _apt(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    return subprocess.run(["apt-get", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    # Another apt on the machine (an unattended upgrade) holds dpkg's lock for a while: wait for it.
+    return subprocess.run(["apt-get", "-o", f"DPkg::Lock::Timeout={int(timeout)}", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 def ensure_chromium() -> Path:
@@ -40,6 +43,15 @@ def ensure_chromium() -> Path:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         pytest.fail(f"{CHROMIUM} is missing and this process cannot install it (needs apt-get as root): "
                     "run `apt-get install -y --no-install-recommends chromium` as root")
+    # Test workers reach here at once on a fresh machine: one installs, the others wait and find it.
+    with open(Path(tempfile.gettempdir()) / "rollbook-chromium.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not CHROMIUM.exists():
+            _install_chromium()
+    return CHROMIUM
+
+
+def _install_chromium() -> None:
     problems = []
     for step in (("update",), ("install", "-y", "--no-install-recommends", "chromium")):
         done = _apt(*step, timeout=900)
@@ -49,7 +61,6 @@ def ensure_chromium() -> Path:
                 break
     if not CHROMIUM.exists():
         pytest.fail(f"installing Debian's chromium failed, so the browser tests cannot run: {' | '.join(problems)}")
-    return CHROMIUM
 
 
 @contextmanager

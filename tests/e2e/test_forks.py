@@ -238,7 +238,8 @@ async def test_forks_sigkilled_mid_episode_finish_exactly_once_when_the_same_com
 
 
 async def test_forks_in_a_checkpoints_scope_are_restored_after_a_sigkill_and_finish_once(cluster_factory) -> None:
-    c = await cluster_factory(token_latency_s=0.03)
+    # Slow enough tokens that a fork is still generating when prepare closes the servers, on a loaded machine too.
+    c = await cluster_factory(token_latency_s=0.07)
     origin = await origin_rollout(c, "fr", seed=14)
     at = await mid_episode(c, origin)
     ids = [f["rollout_id"] for f in (await fork(c, origin, 0, at, 2, "--no-wait"))["forks"]]
