@@ -486,7 +486,11 @@ class ModelParticipant(Participant):
 
     async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
         d = call.durable
-        if d is None:  # nothing saved yet: its tokens go into the cut's own append
+        started = len(call.prefix.ids) if call.prefix is not None else 0
+        if d is None or d.tokens <= started:
+            # Nothing of this generation saved yet (a saver behind a loaded database, or a checkpoint
+            # right after it started): its tokens go into the cut's own append, so every cut keeps
+            # what its generation made, and checkpoints more frequent than saves never starve it.
             receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
                                                    self.token_store.stage(list(call.prompt_ids)))
             d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())

@@ -20,7 +20,8 @@ from tests.waiting import eventually
 
 
 class Paced(ScriptedBackend):
-    """Every generation stops before step `allowed` until the test allows more (a cut cancels the wait)."""
+    """Every generation (a continuation too) stops before its step `allowed` until the test allows more (a
+    cut cancels the wait)."""
 
     def __init__(self, allowed: int) -> None:
         super().__init__()
@@ -35,7 +36,7 @@ class Paced(ScriptedBackend):
     async def generate(self, request: dict[str, Any], prefix: Prefix | None):  # type: ignore[override]
         sent = 0
         async for event in super().generate(request, prefix):
-            if isinstance(event, Step) and prefix is None:
+            if isinstance(event, Step):
                 async with self.more:
                     await self.more.wait_for(lambda n=sent: n < self.allowed)
                 sent += 1
@@ -132,3 +133,29 @@ async def test_a_call_recording_its_reply_when_prepare_comes_ends_with_that_repl
     assert prepared["ready"] and prepared["counts"]["completed"] == 1 and prepared["counts"]["cut"] == 0
     assert [e.kind for e in await store.read_stream(call_stream("pr.0.t0"))] == ["call_accepted", "call_completed"]
     assert reply.status == 200 and body["choices"][0]["message"] == ScriptedBackend().reply(MATH)
+
+
+async def test_a_cut_with_nothing_of_its_generation_saved_keeps_every_token_it_received(memory_store, memory_tokens) -> None:
+    """Checkpoints more frequent than the saves (a loaded database) must not starve a generation: a
+    continued call cut before the saver saw its new tokens keeps them, not only the prefix it began from."""
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "ns")
+    backend = Paced(allowed=2)
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(client.post(url("ns"), json=MATH, headers=call_headers("ns.0.t0")))
+        await eventually("two steps in", lambda: "ns.0.t0" in model.calls and len(model.calls["ns.0.t0"].steps) >= 2)
+        await control(client, "prepare", "ck-ns1")
+        await first
+        await backend.allow(0)
+        await control(client, "resume", "ck-ns1")
+        again = asyncio.ensure_future(client.post(url("ns"), json=MATH, headers=call_headers("ns.0.t0")))
+        await eventually("the call continued", lambda: "ns.0.t0" in model.calls and model.calls["ns.0.t0"].state == "generating")
+        await model.progress.stop()  # no save happens from here on
+        await backend.allow(3)
+        await eventually("three more steps in", lambda: len(model.calls["ns.0.t0"].steps) >= 4)  # the prefix, then three
+        received = len(model.calls["ns.0.t0"].ids)
+        await control(client, "prepare", "ck-ns2")
+        await again
+    cut1, cut2 = [e for e in await store.read_stream(call_stream("ns.0.t0")) if e.kind == "call_cut"]
+    assert cut1.data["tokens"] < cut2.data["tokens"] == received and cut2.data["unsaved"] == 0

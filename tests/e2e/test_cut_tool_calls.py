@@ -45,7 +45,10 @@ async def test_cut_tool_calls_continue_so_every_rollout_finishes_under_checkpoin
     assert cuts_in_tool_calls > 0, "no checkpoint fell inside a tool call"
     outcomes = await c.rows(OUTCOMES, p="ctc-%")
     dropped = [o for o in outcomes if o.mode != "continued"]
-    again = sum(o.prefix for o in dropped)  # tokens generated again after a cut: every dropped prefix
+    unsaved = await c.scalar("SELECT coalesce(sum((data->>'unsaved')::int), 0) FROM rollbook.events "
+                             "WHERE kind = 'call_cut' AND rollout_id LIKE 'ctc-%'")
+    # Tokens generated again after a cut: every dropped prefix, and what each cut received past its durable prefix.
+    again = sum(o.prefix for o in dropped) + unsaved
     print(f"{taken} checkpoints, {cuts_in_tool_calls} cuts inside a tool call, {len(outcomes)} calls cut and finished, "
           f"{again} tokens generated again")
     assert not dropped, f"cut calls generated again from scratch ({again} tokens): {dropped}"
