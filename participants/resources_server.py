@@ -273,7 +273,15 @@ class ResourcesParticipant(Participant):
         """`kind`'s event, and `then`'s after it in the same append; the first is returned."""
         events = (s.event(kind, data), *((s.event(*then),) if then else ()))
         # Expecting the stream version we last wrote makes a second writer of this session a conflict.
-        recorded = await self.store.append(AppendRequest(events, {s.stream: s.stream_version}))
+        try:
+            recorded = await self.store.append(AppendRequest(events, {s.stream: s.stream_version}))
+        except VersionConflict:
+            # Another instance wrote the session since this copy was made (it took the session over, or
+            # installed a restore this one also staged): the copy is stale. The caller is refused this
+            # once; its next request rebuilds the session from the log here.
+            if self.sessions.get((s.rollout_id, s.attempt)) is s:
+                del self.sessions[(s.rollout_id, s.attempt)]
+            raise
         s.stream_version = recorded[-1].stream_version
         return recorded[0]
 
