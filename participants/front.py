@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from adapters.http_client import CONTROL, PeerTimeouts
 from participants.http_errors import error_response
@@ -97,9 +98,11 @@ class Front:
 
     async def _relay(self, request: web.Request, url: str, headers: dict[str, str], body: bytes) -> web.StreamResponse:
         assert self.session is not None
-        target = url + request.path_qs
+        # The path as it came, still escaped: a tool name is one escaped segment (the agent makes it so), and
+        # decoding it here would let "a%2F..%2F.." name another route on the worker.
+        target = URL(url + request.raw_path, encoded=True)
         async with self.session.request(request.method, target, headers=headers, data=body,
-                                        timeout=self.timeouts.for_url(target), allow_redirects=False) as upstream:
+                                        timeout=self.timeouts.for_url(str(target)), allow_redirects=False) as upstream:
             reply = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
             await reply.prepare(request)
@@ -120,14 +123,15 @@ class Front:
         workers = list(self.own())
         if not workers:
             raise NoWorker
-        replies = await asyncio.gather(*(self._call(u + request.path_qs, headers, body) for u in workers))
+        replies = await asyncio.gather(*(self._call(URL(u + request.raw_path, encoded=True), headers, body)
+                                         for u in workers))
         status, text, ctype = next((r for r in replies if r[0] >= 400), replies[0])
         return web.Response(status=status, body=text, content_type=ctype)
 
-    async def _call(self, url: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes, str]:
+    async def _call(self, url: URL, headers: dict[str, str], body: bytes) -> tuple[int, bytes, str]:
         assert self.session is not None
         try:
-            async with self.session.post(url, headers=headers, data=body, timeout=self.timeouts.for_url(url)) as resp:
+            async with self.session.post(url, headers=headers, data=body, timeout=self.timeouts.for_url(str(url))) as resp:
                 return resp.status, await resp.read(), resp.content_type
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # A worker that does not answer fails the operation closed, as a member that does not answer would.

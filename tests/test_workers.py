@@ -93,7 +93,7 @@ async def test_a_checkpoint_drives_every_live_worker_and_not_the_front_they_stan
 
 async def _worker_app(name: str, seen: list[tuple[str, str]]) -> web.Application:
     async def any_route(request: web.Request) -> web.Response:
-        seen.append((name, request.path))
+        seen.append((name, request.raw_path))
         if request.path.endswith("/prepare") and name == "refuses":
             return web.json_response({"error": {"code": "admission_closed"}}, status=409)
         return web.json_response({"worker": name, "body": (await request.read()).decode()})
@@ -159,6 +159,9 @@ async def test_the_front_sends_each_session_to_the_worker_the_rule_picks_and_a_d
             # Where the rule says, with the body passed on whole.
             assert await resp.json() == {"worker": f.name_of(rollout, 0), "body": '{"x": 1}'}
         assert {n for n, _ in f.seen} == {"w0", "w1", "w2"}
+        # A path reaches the worker as it was sent, still escaped: an escaped tool name stays one segment.
+        resp = await client.post("/rollouts/r-0/attempts/0/tools/a%2F..%2F..%2Fx?q=1", data=b"{}")
+        assert resp.status == 200 and f.seen[-1] == (f.name_of("r-0", 0), "/rollouts/r-0/attempts/0/tools/a%2F..%2F..%2Fx?q=1")
         busy = f.name_of("r-0", 0)
         # The worker holding r-0 dies: its socket is closed, as a SIGKILL leaves it, and the live set still
         # names it. The request finds it dead and goes where the rule says once the set no longer does.

@@ -31,7 +31,6 @@ from testkit.log_queries import (
     REPEATED_TOOL_CALLS,
     REPEATED_TURNS,
     RESTORED_REPEATED_MUTATIONS,
-    tracebacks,
 )
 from tests.e2e.conftest import AFTER_FENCE, ENDINGS, FINISH_EVENTS, REDONE
 from tests.run_process import Run
@@ -184,8 +183,7 @@ def cleanup() -> Iterator[list[Deployment]]:
     made: list[Deployment] = []
     yield made
     for d in made:
-        d.stop()
-        assert not tracebacks(d.work) or True  # the logs stay in d.work for a reader
+        d.stop()  # the servers' logs stay in d.work for a reader
 
 
 def test_sessions_stay_on_their_worker_and_a_killed_workers_sessions_are_taken_over_once(
