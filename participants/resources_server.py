@@ -111,7 +111,7 @@ class VerifyReply(BaseModel):
     status: str
     revision: int
     repeated: bool | None = None  # the recorded answer of a verify asked again
-    closed: bool | None = None  # the verify passed and closed the session in its own append: no close is needed
+    closed: bool | None = None  # the session is closed (a passed verify closes it in its own append): ask no close
 
 
 class StateReply(BaseModel):
@@ -404,10 +404,10 @@ class ResourcesParticipant(Participant):
             # A passed verify retires its session; a caller that crashed before it heard the answer
             # asks again and gets the recorded verification, not a second one.
             verified = [e for e in history if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
-            if verified:
+            if verified:  # and no session is open: it was closed
                 d = verified[-1].data
                 return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
-                                          "repeated": True})
+                                          "closed": True, "repeated": True})
             s = await self._session(key)  # raises not_found
         replies = completed_activations(history)
         if not replies:
