@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
@@ -69,11 +68,19 @@ from participants.environments import (
 )
 from participants.environments.base import JSON, Trajectory
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.guard import Body, Empty, Header, Identifier, Route
+from participants.guard import Empty, Header, Route
 from participants.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.owners import orphaned_sessions
 from participants.participant import Participant, PrepareReport
-from participants.wire import TOOL_CALL_HEADER, Execution, TaskBody, data_path, identity
+from participants.resources_wire import (
+    OpenRequest,
+    SessionReply,
+    StateReply,
+    ToolReply,
+    ToolRequest,
+    VerifyReply,
+)
+from participants.wire import TOOL_CALL_HEADER, Execution, data_path, identity
 
 # How many closed sessions a server remembers (see ResourcesParticipant._closed).
 MAX_CLOSED_REMEMBERED = 65_536
@@ -81,42 +88,6 @@ MAX_CLOSED_REMEMBERED = 65_536
 
 def refused(exc: ToolError) -> ToolCallRefused:
     return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
-
-
-class OpenRequest(Body):
-    env: Identifier
-    task: TaskBody
-
-
-class ToolRequest(Body):
-    arguments: dict[str, Any] = {}
-
-
-class SessionReply(BaseModel):
-    state_mode: str
-    verification: str
-    revision: int
-    tools: list[dict[str, Any]]
-
-
-class ToolReply(BaseModel):
-    output: Any
-    revision: int
-    done: bool
-    repeated: bool | None = None
-
-
-class VerifyReply(BaseModel):
-    reward: float
-    status: str
-    revision: int
-    repeated: bool | None = None  # the recorded answer of a verify asked again
-    closed: bool | None = None  # the session is closed (a passed verify closes it in its own append): ask no close
-
-
-class StateReply(BaseModel):
-    state: Any
-    revision: int
 
 
 @dataclass

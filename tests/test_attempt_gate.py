@@ -15,7 +15,7 @@ from engine.errors import DatabaseUnavailable, StaleAttempt
 from engine.events import AppendRequest, NewEvent
 from engine.identity import episode_stream, rollout_stream
 from engine.retry import Takeover, takeover_request
-from tests.test_resources_server import AUTH, CONTROL, call, open_session, prefix, serving, start
+from tests.resources_harness import AUTH, CONTROL, call, open_session, prefix, serving, start
 
 
 class FakeAttempts:

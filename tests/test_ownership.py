@@ -18,11 +18,11 @@ from engine.identity import call_stream, session_stream
 from engine.ownership import verdict
 from participants.app import PARTICIPANT
 from participants.scripted_model import ScriptedBackend
+from tests.resources_harness import call, control, open_session, prefix, start
+from tests.resources_harness import serving as resources_serving
 from tests.waiting import eventually
 
 from .test_model_server import DATA, MATH, model_server, start_attempt, url
-from .test_resources_server import call, control, open_session, prefix, start
-from .test_resources_server import serving as resources_serving
 
 # ---- the rules, without a database --------------------------------------------------------------
 

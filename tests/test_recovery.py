@@ -15,8 +15,7 @@ from engine.identity import agent_stream, episode_stream, rollout_stream, sessio
 from participants.environments.tasks import make_task
 from participants.replay import replay
 from tests.answers import answered
-
-from .test_resources_server import call, email_seed, kinds, open_session, prefix, serving, start, state
+from tests.resources_harness import call, email_seed, kinds, open_session, prefix, serving, start, state
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from adapters.postgres import PostgresEventStore
 from engine.checkpoint import make_cut, read_cut, validate_cut
 from engine.errors import InvalidCheckpointState
 from engine.identity import session_stream
+from tests.resources_harness import checkpoint, control, open_session, serving, start, tool
 from tests.test_checkpoint_engine import episode
-from tests.test_resources_server import checkpoint, control, open_session, serving, start, tool
 
 READS = ("_select_events", "read_rollouts", "stream_hashes")
 
