@@ -233,6 +233,63 @@ def restored_rollouts(dsn: str, checkpoint_id: str) -> int:
                      f"AND data->>'restored_from' = '{checkpoint_id}'")[0][0]
 
 
+def most_unfinished_checkpoint(dsn: str, run_id: str, events: list[dict[str, Any]]) -> str:
+    """Of the run's published checkpoints, the one that leaves the most rollouts to finish after it."""
+    published = [e["checkpoint_id"] for e in events if e.get("event") == "checkpoint" and e.get("published")]
+    assert published, [e for e in events if e.get("event") == "checkpoint"][:3]
+    unfinished_at = {ck: rows(dsn, f"SELECT count(*) FROM rollbook.attempts a WHERE a.rollout_id LIKE '{run_id}-%' AND NOT EXISTS ("
+                                   "SELECT 1 FROM rollbook.episode_history f JOIN rollbook.checkpoints c ON c.checkpoint_id = "
+                                   f"'{ck}' WHERE f.rollout_id = a.rollout_id AND f.kind = 'attempt_finished' "
+                                   "AND f.position <= c.log_position) AND a.attempt = 0")[0][0] for ck in published}
+    chosen = max(published, key=lambda ck: unfinished_at[ck])
+    assert unfinished_at[chosen] > 0, unfinished_at
+    return chosen
+
+
+def wait_for_live(dsn: str, per_kind: int) -> None:
+    """Exactly `per_kind` live processes of every kind: the new ones up, the old ones gone (superseded at
+    the addresses new fronts took, or, where no one takes an address again, expired with their lease)."""
+    deadline = time.time() + 60
+    while (live := rows(dsn, "SELECT kind, count(*) FROM rollbook.participants WHERE state = 'live' GROUP BY kind")) \
+            != [(k, per_kind) for k in sorted(cfg.KINDS)]:
+        assert time.time() < deadline, live
+        time.sleep(0.2)
+
+
+def restore_and_finish(dsn: str, path: Path, run_id: str, chosen: str, n: int) -> None:
+    """Restore `chosen` into the processes now live, resume, run again: every rollout finished once, and no
+    restored attempt generated a model call or applied a mutation again."""
+    from tests.test_checkpoint_cli import checkpoint
+
+    config = cfg.load(path)
+    rc, restored = checkpoint(config, "restore", chosen)
+    assert rc == 0 and not restored.get("failures"), restored
+    rc, resumed = checkpoint(config, "resume", chosen)
+    assert rc == 0 and resumed["failures"] == {}, resumed
+    assert restored_rollouts(dsn, chosen) > 0
+    again = Run(path)
+    events = again.wait_for("done", timeout=300)
+    assert again.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    done = next(e for e in events if e.get("event") == "done")
+    assert done["finished"] == done["rollouts"] == n, done
+    assert_each_rollout_once(dsn, run_id, n)
+    for name, sql in (("model calls a restored attempt generated again", REPEATED_CALLS.replace("{upto}", "boundary")),
+                      ("mutations a restored attempt applied again", RESTORED_REPEATED_MUTATIONS)):
+        found = rows(dsn, sql, p=f"{run_id}-%")
+        assert not found, f"{name}: {found[:5]}"
+
+
+def reshaped(d: Deployment, workers: int, name: str) -> Deployment:
+    """The same addresses and database, every server now with `workers` workers; its first instances started."""
+    config = d.config.model_copy(update={"servers": {k: s.model_copy(update={"workers": workers})
+                                                     for k, s in d.config.servers.items()}})
+    cfg.write(config, d.path)
+    (d.work / name).mkdir()
+    new = Deployment(d.work, config, d.path, ServerProcesses(config, d.path, d.work / name))
+    new.first.start()
+    return new
+
+
 @pytest.mark.timeout(900)
 def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_restore_into_one_of_three(
         dsn: str, cleanup: list[Deployment]) -> None:
@@ -241,8 +298,6 @@ def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_r
     exactly once with nothing repeated. Then every process is killed, one instance of three workers per
     kind starts on the same addresses, a checkpoint taken mid-run is restored into it and the run
     finishes the same."""
-    from tests.test_checkpoint_cli import checkpoint
-
     # Short tasks (blackjack mutates its session, math does not): the suite's wall time stays reasonable.
     d = deploy(dsn, "rbshape-", "shape", 200, workers=2, envs=["blackjack", "math"], checkpoint_every_s=2,
                checkpoint_mode="paused", concurrency=24)
@@ -262,43 +317,34 @@ def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_r
     assert_each_rollout_once(dsn, "shape", 200)
     stopped = rows(dsn, "SELECT kind, count(*) FROM rollbook.participants WHERE state = 'stopped' GROUP BY kind")
     assert dict(stopped) == dict.fromkeys(cfg.KINDS, 1), stopped  # the killed worker of each kind, recorded by its parent
-    published = [e["checkpoint_id"] for e in events if e.get("event") == "checkpoint" and e.get("published")]
-    assert published, [e for e in events if e.get("event") == "checkpoint"][:3]
-    # The published checkpoint that leaves the most rollouts to finish after it.
-    unfinished_at = {ck: rows(dsn, "SELECT count(*) FROM rollbook.attempts a WHERE a.rollout_id LIKE 'shape-%' AND NOT EXISTS ("
-                                   "SELECT 1 FROM rollbook.episode_history f JOIN rollbook.checkpoints c ON c.checkpoint_id = "
-                                   f"'{ck}' WHERE f.rollout_id = a.rollout_id AND f.kind = 'attempt_finished' "
-                                   "AND f.position <= c.log_position) AND a.attempt = 0")[0][0] for ck in published}
-    chosen = max(published, key=lambda ck: unfinished_at[ck])
-    assert unfinished_at[chosen] > 0, unfinished_at
-
+    chosen = most_unfinished_checkpoint(dsn, "shape", events)
     d.kill_all()  # every process of both instances: nothing is flushed
-    three = d.config.model_copy(update={"servers": {k: s.model_copy(update={"workers": 3})
-                                                    for k, s in d.config.servers.items()}})
-    cfg.write(three, d.path)
-    (d.work / "reshaped").mkdir()
-    reshaped = Deployment(d.work, three, d.path, ServerProcesses(three, d.path, d.work / "reshaped"))
-    cleanup.append(reshaped)
-    reshaped.first.start()
-    deadline = time.time() + 60
-    # The new workers are live, and the old ones are gone: superseded at the addresses the new fronts
-    # took, or (the second instances, whose addresses no one takes) expired with their lease.
-    while (live := rows(dsn, "SELECT kind, count(*) FROM rollbook.participants WHERE state = 'live' GROUP BY kind")) \
-            != [(k, 3) for k in sorted(cfg.KINDS)]:
-        assert time.time() < deadline, live
-        time.sleep(0.2)
-    rc, restored = checkpoint(three, "restore", chosen)
-    assert rc == 0 and not restored.get("failures"), restored
-    rc, resumed = checkpoint(three, "resume", chosen)
-    assert rc == 0 and resumed["failures"] == {}, resumed
-    assert restored_rollouts(dsn, chosen) > 0
-    again = Run(d.path)
-    events = again.wait_for("done", timeout=300)
-    assert again.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
-    done = next(e for e in events if e.get("event") == "done")
-    assert done["finished"] == done["rollouts"] == 200, done
-    assert_each_rollout_once(dsn, "shape", 200)
-    for name, sql in (("model calls a restored attempt generated again", REPEATED_CALLS.replace("{upto}", "boundary")),
-                      ("mutations a restored attempt applied again", RESTORED_REPEATED_MUTATIONS)):
-        found = rows(dsn, sql, p="shape-%")
-        assert not found, f"{name}: {found[:5]}"
+    cleanup.append(reshaped(d, 3, "reshaped"))
+    wait_for_live(dsn, 3)
+    restore_and_finish(dsn, d.path, "shape", chosen, 200)
+
+
+@pytest.mark.timeout(600)
+def test_a_checkpoint_of_one_instance_of_three_workers_restores_into_two_instances_of_two(
+        dsn: str, cleanup: list[Deployment]) -> None:
+    """The other way round: one instance of three workers per kind, a paused checkpoint every 2 s; every
+    process killed; the checkpoint that leaves the most to do restored into two instances of two workers
+    per kind (the second one started by `rollbook serve`), and the run finishes the same."""
+    d = deploy(dsn, "rbshape3-", "shape3", 80, workers=3, envs=["blackjack", "math"], checkpoint_every_s=2,
+               checkpoint_mode="paused", concurrency=24)
+    cleanup.append(d)
+    d.first.start()
+    live_workers(dsn, 3 * len(cfg.KINDS))
+    run = Run(d.path)
+    events = run.wait_for("done", timeout=300)
+    assert run.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    assert_each_rollout_once(dsn, "shape3", 80)
+    chosen = most_unfinished_checkpoint(dsn, "shape3", events)
+
+    d.kill_all()
+    two = reshaped(d, 2, "reshaped")
+    cleanup.append(two)
+    for kind in cfg.KINDS:
+        two.serve(kind, free_port())
+    wait_for_live(dsn, 4)
+    restore_and_finish(dsn, d.path, "shape3", chosen, 80)
