@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,10 +128,13 @@ class World:
         return tuple(k for k in cfg.KINDS if k not in procs or procs[k].poll() is not None)
 
     def revive(self) -> None:
-        """Start a fresh process of every kind of every set whose process is dead (at its old address)."""
-        for which, procs in enumerate(self.sets):
-            if dead := self.dead(which):
-                procs.start(90.0, dead)
+        """Start a fresh process of every kind of every set whose process is dead (at its old address),
+        the sets side by side: each start waits for Python's import, which is most of a restart."""
+        with ThreadPoolExecutor(len(self.sets)) as pool:
+            starting = [pool.submit(procs.start, 90.0, dead)
+                        for which, procs in enumerate(self.sets) if (dead := self.dead(which))]
+            for done in starting:
+                done.result()  # a server that did not start fails the step, with its log's tail
 
     def urls(self, kind: str) -> list[str]:
         return [procs.config.url(kind) for procs in self.sets]  # type: ignore[arg-type]
@@ -151,9 +155,9 @@ def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 
         path = work / ("rollbook.toml" if which == 0 else f"rollbook-{which}.toml")
         cfg.write(config, path)
         sets.append(ServerProcesses(config, path, work, name="" if which == 0 else f"i{which}-"))
-    for procs in sets:
-        procs.start()
-    return World(dsn, restart_db, sets[0].config, sets[0].config_path, sets)
+    world = World(dsn, restart_db, sets[0].config, sets[0].config_path, sets)
+    world.revive()
+    return world
 
 
 class _Collection(Collection):
