@@ -7,8 +7,8 @@ A shape IxW is I instances of every kind (each started with `rollbook serve`) of
 Instance i of every kind has a config of its own that names the other kinds' instance i, as a
 machine of its own would: the framework dispatches rollout r to environment instance r mod I, the
 environment calls its agent and resources instances, and every agent reaches every model instance
-(participants/routing.py). Workers per instance (`[servers.KIND] workers`) plug in through W once
-the config has them; until then a shape with W > 1 is refused.
+(participants/routing.py). W > 1 sets `[servers.KIND] workers = W`: a front at each address and W
+workers behind it, measured together with the front (the process tree).
 
 Every shape runs the same `--tasks` tasks (workplace, blackjack and math, seed 7) once per
 `--in-flight` level (that many dispatched at a time), in a fresh migrated database per shape of one
@@ -77,6 +77,22 @@ def cpu_s(pid: int, children: bool = True) -> float:
     return (utime + stime + ((cutime + cstime) if children else 0)) / TICK
 
 
+def tree_cpu_s(pid: int) -> float:
+    """A server's process and its live descendants (a front's workers), each by its own time."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu_s(p)
+        todo += parents.get(p, [])
+    return total
+
+
 def postgres_cpu_s(postmaster: int) -> float:
     """The postmaster with every backend: live children by their own time, exited ones in its cutime."""
     total = cpu_s(postmaster)
@@ -99,16 +115,15 @@ def postmaster_pid(dsn: str) -> int:
 
 def configs(dsn: str, instances: int, workers: int, token_latency_s: float, work: Path) -> list[ServerProcesses]:
     control, data = secrets.token_hex(16), secrets.token_hex(16)
-    # Every process's pool fits the server's connections: 4 kinds x instances, the driver and one more.
-    limits = cfg.LimitsConfig(processes=len(cfg.KINDS) * instances + 2)
+    # Every process's pool fits the server's connections: 4 kinds x instances x (workers, and a front where
+    # there are several), the driver and one more.
+    limits = cfg.LimitsConfig(processes=len(cfg.KINDS) * instances * (workers + (workers > 1)) + 2)
     sets = []
     for i in range(instances):
         servers = {}
         for k in cfg.KINDS:
-            extra: dict[str, Any] = {"workers": workers} if workers > 1 else {}
-            if extra and "workers" not in cfg.ServerConfig.model_fields:
-                raise SystemExit("a shape with workers > 1 needs [servers.KIND] workers, which this build does not have")
-            servers[k] = cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0, **extra)
+            servers[k] = cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
+                                          workers=workers)
         config = cfg.Config(dsn=dsn, control_token=control, data_token=data, servers=servers, limits=limits)
         path = work / f"rollbook-{i}.toml"
         cfg.write(config, path)
@@ -180,7 +195,7 @@ async def measure(dsn: str, store: PostgresEventStore, sets: list[ServerProcesse
                   concurrency=in_flight)
     coll.environments = [procs.config.url("environment") for procs in sets]
     pids = {f"{k}{i}": procs.procs[k].pid for i, procs in enumerate(sets) for k in cfg.KINDS}
-    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
     pg_before, me_before = postgres_cpu_s(postmaster), cpu_s(os.getpid())
     samples: list[tuple[int, int, int]] = []
     stop = asyncio.Event()
@@ -191,7 +206,7 @@ async def measure(dsn: str, store: PostgresEventStore, sets: list[ServerProcesse
     wall = time.perf_counter() - t0
     stop.set()
     await sampler
-    cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
+    cpu = {name: tree_cpu_s(pid) - before[name] for name, pid in pids.items()}
     cpu["postgres"] = postgres_cpu_s(postmaster) - pg_before
     cpu["driver"] = cpu_s(os.getpid()) - me_before
     calls = await model_calls(dsn, run_id)

@@ -111,7 +111,8 @@ FROM rollbook.attempts WHERE rollout_id LIKE :p GROUP BY rollout_id
 
 @dataclass
 class World:
-    """What lives across sequences: the database, its restart, and two server processes of each kind."""
+    """What lives across sequences: the database, its restart, and two instances of each kind (the second
+    with two workers)."""
 
     dsn: str
     restart_db: Any
@@ -148,10 +149,16 @@ def start_world(dsn: str, restart_db: Any, work: Path, token_latency_s: float = 
     work.mkdir(parents=True, exist_ok=True)
     sets = []
     for which in range(INSTANCES):
-        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
+        # The second instance of every kind runs two workers behind a front (apps/workers.py): a SIGKILL of
+        # it takes the front and its workers; callers reach its workers straight from the log.
+        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
+                                       workers=2 if which else 1)
                    for k in cfg.KINDS}
         config = cfg.Config(dsn=dsn, control_token="faults-c0ntrol", data_token="faults-d4ta", servers=servers,
-                            sandbox=cfg.SandboxConfig())  # the sandbox environment is off unless configured
+                            sandbox=cfg.SandboxConfig(),  # the sandbox environment is off unless configured
+                            # every process of both instances shares the database's connections: 4 + 4 x 3, and
+                            # the driver, a coordinator child and one more
+                            limits=cfg.LimitsConfig(processes=len(cfg.KINDS) * 4 + 3))
         path = work / ("rollbook.toml" if which == 0 else f"rollbook-{which}.toml")
         cfg.write(config, path)
         sets.append(ServerProcesses(config, path, work, name="" if which == 0 else f"i{which}-"))
