@@ -25,7 +25,9 @@ from participants.model_calls import LiveCall, Progress, TokenStore
 
 log = logging.getLogger(__name__)
 
-PROGRESS_S = 0.2  # how often the tokens of the generations in flight are made durable, at most
+# How often the tokens of the generations in flight are made durable, at most. Measured on a shared
+# 2-core machine (benchmarks/README.md), 0.1 s saves starved a loaded model server; 1 s did not.
+PROGRESS_S = 1.0
 # A save costs CPU in this process (each prefix checked, float32-rounded and hashed whole: about 0.4 ms
 # per 100 tokens on a loaded 2-core machine, so 35 ms for 80 calls): the saver waits at least 1/SHARE - 1
 # times its last save's duration, so it never takes more than SHARE of the process's time.
