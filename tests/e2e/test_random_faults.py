@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -118,7 +119,7 @@ def test_retire_restart_postgres_kill_the_coordinator_then_crash_and_restore(wor
 
 # The addresses of the instances that wrote each kind's events of one run's rollouts.
 WRITTEN_BY = """
-SELECT p.kind, array_agg(DISTINCT p.address) AS addresses FROM rollbook.events e
+SELECT p.kind, array_agg(DISTINCT COALESCE(p.front, p.address)) AS addresses FROM rollbook.events e
 JOIN rollbook.participants p ON p.instance = e.writer WHERE e.rollout_id LIKE :p GROUP BY p.kind
 """
 
@@ -127,8 +128,12 @@ def _both_model_instances(world: World) -> Callable[[FaultMachine], None]:
     """A run id whose first attempts hash to both model instances (participants/routing.py), so the
     test does not depend on the luck of the draw."""
     def choose(m: FaultMachine) -> None:
-        models = world.urls("model")
-        while len({pick(models, f"{m.run_id}-{i:04d}", 0) for i in range(ROLLOUTS)}) < INSTANCES:
+        # The live model processes, each with its instance's address (a worker's front): the routing
+        # rule picks among the processes, and the test wants both instances.
+        with psycopg.connect(database.libpq_dsn(world.dsn), autocommit=True) as conn:
+            site = dict(conn.execute("SELECT address, COALESCE(front, address) FROM rollbook.participants "
+                                     "WHERE kind = 'model' AND state = 'live'").fetchall())
+        while len({site[pick(list(site), f"{m.run_id}-{i:04d}", 0)] for i in range(ROLLOUTS)}) < INSTANCES:
             m.run_id += "y"
     return choose
 
