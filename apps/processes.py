@@ -144,3 +144,17 @@ class ServerProcesses:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def worker_pids(front_pid: int) -> list[int]:
+    """The worker processes a front started, oldest first (their parent is the front)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid:
+                out.append(int(entry.name))
+    return sorted(out)

@@ -115,7 +115,7 @@ def main() -> int:
     # The operations the fault machine must line up (a cut committed, published and restored): in how
     # many of the checked sequences each took effect at least once.
     checked = tally_of_run.get("sequences_checked", 0)
-    for op in ("commit", "publish", "online", "crash_and_restore", "kill_instance", "kill_servers", "restart_postgres"):
+    for op in ("commit", "publish", "online", "crash_and_restore", "kill_instance", "kill_worker", "kill_servers", "restart_postgres"):
         n = tally_of_run.get(f"sequences_with_{op}", 0)
         if checked and (n or args.machine == "processes"):
             print(f"{'sequences with ' + op:<36}{n:>10}  {n / checked:.0%} of {checked}")

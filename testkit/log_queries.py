@@ -105,3 +105,11 @@ def tracebacks(folder: Path) -> list[str]:
     """Each server log in `folder` that holds a traceback, with the traceback."""
     return [f"{log.name}: {log.read_text()[log.read_text().index('Traceback'):][:1500]}"
             for log in sorted(folder.glob("*.log")) if "Traceback" in log.read_text()]
+
+# Two owners of a model call at once: a call accepted again with no outcome (completed, cut, failed,
+# lost) between. A call cut by a paused prepare is accepted again to continue it: one owner after another.
+ACCEPTED_TWICE = """
+SELECT stream FROM (SELECT stream, kind, lag(kind) OVER (PARTITION BY stream ORDER BY stream_version) AS before
+                    FROM rollbook.events WHERE stream LIKE 'call:' || :p) s
+WHERE kind = 'call_accepted' AND before = 'call_accepted'
+"""

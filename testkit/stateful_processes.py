@@ -14,6 +14,8 @@ The faults are the real ones:
 - kill_instance: SIGKILL of one process of one kind, the other instance of the kind still
   serving, restarted at the same address after a pause (the fresh process supersedes the dead
   one's membership);
+- kill_worker: SIGKILL of one worker of the second instance of a kind (it runs two behind a front):
+  the live worker takes its sessions over, then the instance restarts after a pause;
 - kill_coordinator: a coordinator process (testkit/coordinator_child.py, which checkpoints as
   `rollbook run` does) SIGKILLed a drawn delay into its checkpoint: its lease runs out on the
   servers, and a cut it managed to commit is restorable like any other;
@@ -65,7 +67,7 @@ from adapters.pg_pool import with_retry
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.collection import Collection
-from apps.processes import ServerProcesses, free_port
+from apps.processes import ServerProcesses, free_port, worker_pids
 from engine.coordinator import Coordinator
 from engine.phases import LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
@@ -311,6 +313,26 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         self.steps.append(f"SIGKILL {kind} instance {which}")
         self._count("kill_instance")
         self._count(f"kill_instance_{kind}")
+
+    @rule(kind=st.sampled_from(cfg.KINDS), pause=st.sampled_from([0.3, 1.0]))
+    def kill_worker(self, kind: str, pause: float) -> None:
+        """SIGKILL one worker of the second instance of a kind: its front records it stopped and the live
+        worker takes its sessions over from the log for `pause` s; then the instance starts afresh (a
+        front does not restart a worker), so the next sequence meets two workers again."""
+        front = self.world.sets[1].procs.get(kind)
+        workers = worker_pids(front.pid) if front is not None and front.poll() is None else []
+        if not workers:
+            return
+        self._live_now("kill_worker")
+        try:
+            os.kill(workers[0], signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.run(asyncio.sleep(pause))
+        self._kill(1, (kind,))
+        self._revive()
+        self.steps.append(f"SIGKILL one {kind} worker")
+        self._count("kill_worker")
 
     @rule(delay=st.sampled_from([0.1, 0.25, 0.5]))  # its first 0.1 s or so is reading the log
     def kill_coordinator(self, delay: float) -> None:

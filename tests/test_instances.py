@@ -31,6 +31,7 @@ from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
 from participants.environments.tasks import make_tasks
 from participants.wire import CONTROL
+from testkit.log_queries import ACCEPTED_TWICE
 
 from .test_checkpoint_cli import checkpoint
 
@@ -227,8 +228,7 @@ def test_a_run_reaches_both_model_instances_through_paused_checkpoints_and_finis
     with psycopg.connect(dsn) as conn:
         owners = dict(conn.execute("SELECT data->>'instance', count(*) FROM rollbook.events WHERE kind = 'call_accepted' "
                                    "AND rollout_id LIKE 'two-%' GROUP BY 1").fetchall())
-        twice = conn.execute("SELECT stream FROM rollbook.events WHERE kind = 'call_accepted' GROUP BY stream "
-                             "HAVING count(*) > 1").fetchall()
+        twice = conn.execute(ACCEPTED_TWICE.replace(":p", "%(p)s"), {"p": "two-%"}).fetchall()
         per_rollout = dict(conn.execute("SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') "
                                         "FROM rollbook.attempts WHERE rollout_id LIKE 'two-%' GROUP BY 1").fetchall())
         prepared = conn.execute("SELECT count(DISTINCT stream) FROM rollbook.events WHERE kind = 'participant_prepared' "

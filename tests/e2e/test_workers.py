@@ -23,9 +23,10 @@ import psycopg
 import pytest
 
 from apps import config as cfg
-from apps.processes import ServerProcesses, free_port
+from apps.processes import ServerProcesses, free_port, worker_pids
 from participants.environments.tasks import make_tasks
 from testkit.log_queries import (
+    ACCEPTED_TWICE,
     REGENERATED_WITHIN,
     REPEATED_CALLS,
     REPEATED_TOOL_CALLS,
@@ -116,20 +117,6 @@ def live_workers(dsn: str, expected: int) -> dict[str, list[tuple[str, str]]]:
         time.sleep(0.2)
 
 
-def worker_pids(front_pid: int) -> list[int]:
-    """The worker processes a front started, oldest first (their parent is the front)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid:
-                out.append(int(entry.name))
-    return sorted(out)
-
-
 def kill_one_worker(d: Deployment, kind: str) -> None:
     """SIGKILL one worker of `kind` (of the configured instance): no handler runs in it."""
     front = d.first.procs[kind]
@@ -159,11 +146,7 @@ def assert_each_rollout_once(dsn: str, run_id: str, n: int) -> None:
                       ("rollouts finished by a cut, redone after restoring it", REDONE)):
         found = rows(dsn, sql, p=p)
         assert not found, f"{name}: {found[:5]}"
-    # Two owners at once: a call accepted again with no outcome (completed, cut, failed, lost) between.
-    # (A call cut by a paused prepare is accepted again to continue it: that is one owner after another.)
-    twice = rows(dsn, "SELECT stream FROM (SELECT stream, kind, lag(kind) OVER (PARTITION BY stream ORDER BY stream_version) "
-                      "AS before FROM rollbook.events WHERE stream LIKE 'call:' || :p) s "
-                      "WHERE kind = 'call_accepted' AND before = 'call_accepted'", p=p)
+    twice = rows(dsn, ACCEPTED_TWICE, p=p)
     assert not twice, f"model calls accepted by a second owner while the first held them: {twice[:5]}"
 
 
