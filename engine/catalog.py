@@ -252,6 +252,8 @@ AGENT_BOUNDARY = _kind(
     need("state", "string", "awaiting_model, awaiting_tool, finished ..."), need("activation", "integer", "the activation index"),
     may("done", "boolean", "the activation is over"), may("finished", "boolean", "the agent gave its final answer"),
     may("final_answer", "string|null", "the answer"), may("policy_version", "string|null", "the policy that answered last"),
+    may("instance", "string", "the agent server instance that claimed the activation (engine/ownership.py): on its "
+        "first boundary, and on the boundary a takeover records again"),
 )
 ACTIVATION_COMPLETED = _kind(
     "agent_activation_completed", AGENT, _AGENT,
