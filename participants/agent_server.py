@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, as_attempt, data_url
 from engine.admission import drain, retired
 from engine.boundaries import boundary_messages, completed_activations, full_boundary
-from engine.catalog import ACTIVATION_COMPLETED
+from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
@@ -230,7 +230,8 @@ def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | N
     def holder(events: Sequence[RecordedEvent]) -> str | None:
         if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == index for e in events):
             return None
-        claims = [e for e in events if e.kind == BOUNDARY and e.data.get("activation", 0) == index and e.data.get("instance")]
+        claims = [e for e in events if e.kind == ACTIVATION_CLAIMED and e.data["index"] == index
+                  or e.kind == BOUNDARY and e.data.get("activation", 0) == index and e.data.get("instance")]
         return str(claims[-1].data["instance"]) if claims else None
     return holder
 
@@ -318,12 +319,14 @@ class AgentParticipant(Participant):
 
     async def _claim(self, s: Session, seen: int) -> None:
         """Take the activation: its first boundary names this instance and lands only at the stream
-        version read. A takeover (the session goes on from a boundary in the log) records that boundary
-        again, naming its new owner; the turn loop then parks at it instead of recording it."""
+        version read; the turn loop then parks at it instead of recording it. A takeover (the session
+        goes on from a boundary in the log) appends a claim naming its new owner, at that version too."""
         if s.finished or s.turn >= s.request.max_steps:
             return  # nothing left to run but the completion, which says the same whoever appends it
-        pending = self._call_id(s, s.turn)
-        data = {**s.boundary_data("before_model", s.turn, pending), "instance": self.instance}
+        if s.resumed:  # its boundary is in the log: a takeover names its new owner beside it
+            await self._record(s, self._event(s, ACTIVATION_CLAIMED, {"index": s.index, "instance": self.instance}), seen=seen)
+            return
+        data = {**s.boundary_data("before_model", s.turn, self._call_id(s, s.turn)), "instance": self.instance}
         await self._record(s, self._event(s, BOUNDARY, data), seen=seen)
         s.resumed = True
 

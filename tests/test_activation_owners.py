@@ -116,8 +116,9 @@ async def test_an_activation_held_by_a_live_agent_is_awaited_and_taken_over_once
             await gone.stop()  # the owner leaves with its activation unfinished
             reply = await waiting
         events = await store.read_stream(agent_stream("held", 0))
-        assert [e.data["instance"] for e in of(events, AGENT_BOUNDARY) if e.data.get("instance")] == [
-            "agent-gone", "agent-ho-b"]  # the takeover's claim, once
+        assert [(e.kind, e.data["instance"]) for e in events if e.data.get("instance")] == [
+            (AGENT_BOUNDARY, "agent-gone"), ("agent_activation_claimed", "agent-ho-b")]  # the takeover's claim, once
+        assert len(of(events, AGENT_BOUNDARY)) == 2 * reply["turns"]  # the claimed boundary is not recorded again
         (completed,) = of(events, "agent_activation_completed")
         assert completed.data["reply"]["turns"] == reply["turns"]
 
