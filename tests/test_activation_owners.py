@@ -19,7 +19,7 @@ from adapters.postgres import PostgresEventStore
 from apps.stack import CREDS, SEED, Stack, all_events, of, start_stack
 from engine.catalog import AGENT_BOUNDARY
 from engine.events import AppendRequest, NewEvent
-from engine.identity import agent_stream
+from engine.identity import agent_stream, episode_stream, rollout_stream
 from participants.agent_server import RunRequest, fresh_session
 from participants.app import PARTICIPANT
 from participants.environments.tasks import make_task
@@ -138,3 +138,28 @@ async def test_two_environment_servers_racing_for_the_same_new_episode_run_it_ex
             assert started.data["instance"] in {"environment-re", "environment-re-b"}
             assert [e.data["step"] for e in of(events, "episode_step")] == ["seed", "agent", "verify", "close"]
             assert len(of(events, "agent_activation_completed")) == 1
+
+
+async def test_an_episode_held_by_a_live_environment_is_awaited_and_taken_over_once_its_owner_is_gone(
+        dsn: str, store: PostgresEventStore) -> None:
+    async with stack(dsn, "he") as s, second(dsn, "environment", "he", s) as (b_url, _):
+        body = {"rollout_id": "orphan", "task": WORKPLACE.to_json(), "seed": SEED}
+        async with leased(dsn, "environment", "environment-gone", "http://gone:1") as (_, gone):
+            # Attempt 0 of an episode started by an instance that then stops answering.
+            await store.append(AppendRequest((
+                NewEvent(rollout_stream("orphan"), "attempt_started", {"parent_attempt": None}, "orphan", 0),
+                NewEvent(episode_stream("orphan", 0), "episode_started", {
+                    "env": WORKPLACE.env, "task_id": WORKPLACE.task_id, "task": WORKPLACE.to_json(), "seed": SEED,
+                    "max_steps": 16, "status": "running", "instance": "environment-gone"}, "orphan", 0))))
+            waiting = asyncio.ensure_future(s.client.post(f"{b_url}/episodes", body))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # its owner is live: nothing runs here
+            assert len(await store.read_rollout("orphan")) == 2
+            await gone.stop()
+            result = await waiting
+        assert result["steps"] == ["seed", "agent", "verify", "close"]
+        events = await store.read_rollout("orphan")
+        assert [(e.kind, e.data["instance"]) for e in events if e.kind.startswith("episode_") and e.data.get("instance")] == [
+            ("episode_started", "environment-gone"), ("episode_continued", "environment-he-b")]  # the takeover, once
+        assert [e.data["step"] for e in of(events, "episode_step")] == ["seed", "agent", "verify", "close"]
+        assert len(of(events, "attempt_finished")) == 1
