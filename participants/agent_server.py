@@ -62,7 +62,7 @@ from engine.recovery import resume_point
 from participants.environments import ENVIRONMENTS, get_environment
 from participants.guard import Body, Header, Int64, Route
 from participants.openai_wire import ToolSpec
-from participants.owners import settled
+from participants.owners import CLAIM_TRIES, settled
 from participants.participant import Participant, PrepareReport
 from participants.routing import Peers
 from participants.wire import (
@@ -282,12 +282,13 @@ class AgentParticipant(Participant):
             if current is not None and current[0] == index:
                 task = current[1]  # a repeat of the running activation waits for the same result
             else:
-                while True:
+                for tries in range(1, CLAIM_TRIES + 1):
                     try:
                         started = await self._start(key, index, req, current)
                         break
                     except VersionConflict:
-                        continue  # another instance claimed it first: read again, now seeing its owner
+                        if tries == CLAIM_TRIES:
+                            raise  # otherwise another instance claimed it first: read again, now seeing its owner
                 if isinstance(started, dict):
                     return web.json_response(started)
                 task = started

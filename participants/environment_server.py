@@ -57,7 +57,7 @@ from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Identifier, Int64, Route
-from participants.owners import FIRST_POLL_S, LAST_POLL_S, owner_verdict
+from participants.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S, owner_verdict
 from participants.participant import Participant, PrepareReport
 from participants.routing import EPISODE_ATTEMPT, Peers
 from participants.wire import ACTIVATION_HEADER, TaskBody
@@ -213,6 +213,7 @@ class EnvironmentParticipant(Participant):
             running = self.episodes.get(rid)
             if task is not None and not task.done() and running is not None and running.task != requested:
                 raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
+            tries = 0
             while task is None or task.done():
                 rows = await self._held_elsewhere(rid)  # the rollout's attempts, read once for the questions below
                 done = await self._from_log(rid, requested, rows)
@@ -220,16 +221,16 @@ class EnvironmentParticipant(Participant):
                     return web.json_response(done)  # already finished: its result, never a second run
                 self.admission.require_open("a new episode")
                 try:
-                    ep = await self._open_episode(rid, requested, req.seed, req.max_steps, rows)
+                    task = self._launch(await self._open_episode(rid, requested, req.seed, req.max_steps, rows))
                 except VersionConflict:
-                    continue  # another instance claimed the episode first: wait for its result instead
-                task = self._launch(ep)
+                    tries += 1  # another instance claimed it first: wait for its result instead
+                    if tries == CLAIM_TRIES:
+                        raise
         return web.json_response(await asyncio.shield(task))
 
     async def _held_elsewhere(self, rid: str) -> dict[Key, dict[str, Any]]:
-        """Wait while another live instance drives the rollout's live episode (it claimed it by an
-        expected version, engine/ownership.py). Its outcome, or its death, ends the wait; the log then
-        says whether anything is left to run here. The attempts it read last."""
+        """Wait while another live instance drives the rollout's live episode (engine/ownership.py); its
+        outcome or death ends the wait, and the log then says what is left to run here. Its last read."""
         delay = FIRST_POLL_S
         while True:
             rows = await self.store.attempt_rows([rid])
@@ -262,8 +263,7 @@ class EnvironmentParticipant(Participant):
         attempts, when just read), claimed for this instance (engine/ownership.py) or VersionConflict."""
         rows = rows if rows is not None else await self.store.attempt_rows([rid])
         started = {"env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps, "status": "running", "instance": self.instance}
-        if not rows:
-            # One request: the attempt never exists without its episode's input; of two instances, one lands.
+        if not rows:  # one append: the attempt never exists without its episode's input; of two instances, one lands
             await self._claim(rollout_stream(rid), (
                 NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
                 NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, started, rid, 0)))
