@@ -252,6 +252,14 @@ AGENT_BOUNDARY = _kind(
     need("state", "string", "awaiting_model, awaiting_tool, finished ..."), need("activation", "integer", "the activation index"),
     may("done", "boolean", "the activation is over"), may("finished", "boolean", "the agent gave its final answer"),
     may("final_answer", "string|null", "the answer"), may("policy_version", "string|null", "the policy that answered last"),
+    may("instance", "string", "the agent server instance that claimed the activation (engine/ownership.py): on its "
+        "first boundary only"),
+)
+ACTIVATION_CLAIMED = _kind(
+    "agent_activation_claimed", AGENT, _AGENT,
+    "An agent server instance takes over an unfinished activation whose owner is gone (engine/ownership.py); it "
+    "goes on from the activation's last boundary, which it does not record again.",
+    need("index", "integer", "the activation index"), need("instance", "string", "the instance that took it over"),
 )
 ACTIVATION_COMPLETED = _kind(
     "agent_activation_completed", AGENT, _AGENT,

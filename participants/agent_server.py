@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 from urllib.parse import quote
@@ -36,7 +37,7 @@ from pydantic import BaseModel, Field
 from adapters.http_client import JsonClient, as_attempt, data_url
 from engine.admission import drain, retired
 from engine.boundaries import boundary_messages, completed_activations, full_boundary
-from engine.catalog import ACTIVATION_COMPLETED
+from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
 from engine.errors import (
@@ -50,15 +51,18 @@ from engine.errors import (
     RollbookError,
     StaleAttempt,
     ToolCallRefused,
+    VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import inherited_boundary
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
+from engine.ownership import claim
 from engine.patience import Patience
 from engine.recovery import resume_point
 from participants.environments import ENVIRONMENTS, get_environment
 from participants.guard import Body, Header, Int64, Route
 from participants.openai_wire import ToolSpec
+from participants.owners import CLAIM_TRIES, settled
 from participants.participant import Participant, PrepareReport
 from participants.routing import Peers
 from participants.wire import (
@@ -220,6 +224,18 @@ def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
     return full_boundary(history, last)
 
 
+def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | None]:
+    """The instance that claimed activation `index` of a stream while it has not completed: the one
+    its latest claiming boundary names (participants.owners.settled)."""
+    def holder(events: Sequence[RecordedEvent]) -> str | None:
+        if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == index for e in events):
+            return None
+        claims = [e for e in events if e.kind == ACTIVATION_CLAIMED and e.data["index"] == index
+                  or e.kind == BOUNDARY and e.data.get("activation", 0) == index and e.data.get("instance")]
+        return str(claims[-1].data["instance"]) if claims else None
+    return holder
+
+
 def activation_index(request: web.Request) -> int:
     return parse_attempt(request.headers.get(ACTIVATION_HEADER), f"header {ACTIVATION_HEADER}")
 
@@ -266,23 +282,54 @@ class AgentParticipant(Participant):
             if current is not None and current[0] == index:
                 task = current[1]  # a repeat of the running activation waits for the same result
             else:
-                history = await effective_history(self.store, *key)
-                completed = completed_activations(history)
-                last = max(completed, default=-1)
-                if index == last and last >= 0:
-                    return web.json_response(completed[index])
-                if current is not None or index != last + 1:
-                    raise ActivationOutOfOrder(
-                        f"activation {index} of {key[0]} attempt {key[1]}: completed is {last}"
-                        + (f", {current[0]} is running" if current else f", so only {last + 1} may start"),
-                        rollout_id=key[0], attempt=key[1], completed=last)
-                self.admission.require_open("a new activation")
-                session = self._session_for(key, index, req, history)
-                task = asyncio.get_running_loop().create_task(self._drive(session))
-                self.sessions[key] = session
-                self.running[key] = (index, task)
-                task.add_done_callback(lambda _t, k=key: self._finished(k))
+                for tries in range(1, CLAIM_TRIES + 1):
+                    try:
+                        started = await self._start(key, index, req, current)
+                        break
+                    except VersionConflict:
+                        if tries == CLAIM_TRIES:
+                            raise  # otherwise another instance claimed it first: read again, now seeing its owner
+                if isinstance(started, dict):
+                    return web.json_response(started)
+                task = started
         return web.json_response(await asyncio.shield(task))
+
+    async def _start(self, key: Key, index: int, req: RunRequest,
+                     current: tuple[int, asyncio.Task[dict[str, Any]]] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
+        """The activation's reply from the log, or its task here once this instance has claimed it
+        (engine/ownership.py). While another live instance holds it, this waits for its outcome."""
+        own = await settled(self, agent_stream(*key), activation_holder(index))
+        history = await effective_history(self.store, *key)
+        completed = completed_activations(history)
+        last = max(completed, default=-1)
+        if index == last and last >= 0:
+            return completed[index]
+        if current is not None or index != last + 1:
+            raise ActivationOutOfOrder(
+                f"activation {index} of {key[0]} attempt {key[1]}: completed is {last}"
+                + (f", {current[0]} is running" if current else f", so only {last + 1} may start"),
+                rollout_id=key[0], attempt=key[1], completed=last)
+        self.admission.require_open("a new activation")
+        session = self._session_for(key, index, req, history)
+        await self._claim(session, own[-1].stream_version if own else 0)
+        task = asyncio.get_running_loop().create_task(self._drive(session))
+        self.sessions[key] = session
+        self.running[key] = (index, task)
+        task.add_done_callback(lambda _t, k=key: self._finished(k))
+        return task
+
+    async def _claim(self, s: Session, seen: int) -> None:
+        """Take the activation: its first boundary names this instance and lands only at the stream
+        version read; the turn loop then parks at it instead of recording it. A takeover (the session
+        goes on from a boundary in the log) appends a claim naming its new owner, at that version too."""
+        if s.finished or s.turn >= s.request.max_steps:
+            return  # nothing left to run but the completion, which says the same whoever appends it
+        if s.resumed:  # its boundary is in the log: a takeover names its new owner beside it
+            await self._record(s, self._event(s, ACTIVATION_CLAIMED, {"index": s.index, "instance": self.instance}), seen=seen)
+            return
+        data = {**s.boundary_data("before_model", s.turn, self._call_id(s, s.turn)), "instance": self.instance}
+        await self._record(s, self._event(s, BOUNDARY, data), seen=seen)
+        s.resumed = True
 
     def _finished(self, key: Key) -> None:
         self.running.pop(key, None)
@@ -354,12 +401,13 @@ class AgentParticipant(Participant):
     def _event(s: Session, kind: str, data: dict[str, Any]) -> NewEvent:
         return NewEvent(agent_stream(*s.key), kind, data, *s.key)
 
-    async def _record(self, s: Session, *events: NewEvent) -> None:
+    async def _record(self, s: Session, *events: NewEvent, seen: int | None = None) -> None:
+        """Append `events`; with `seen`, only while the session's stream is at that version (a claim)."""
         if not self.supports_continuation:
             # An online checkpoint reads from the log which activations it must restart (engine.checkpoint).
             events = tuple(replace(e, data={**e.data, "continuable": False}) if e.kind == BOUNDARY else e
                            for e in events)
-        await self.store.append(AppendRequest(events))
+        await self.store.append(AppendRequest(events) if seen is None else claim(events, agent_stream(*s.key), seen))
 
     async def _boundary(self, s: Session, state: str, turn: int, pending: str | None) -> None:
         await self._record(s, self._event(s, BOUNDARY, s.boundary_data(state, turn, pending)))

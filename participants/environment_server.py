@@ -57,7 +57,7 @@ from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Identifier, Int64, Route
-from participants.owners import FIRST_POLL_S, LAST_POLL_S, owner_verdict
+from participants.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S, owner_verdict
 from participants.participant import Participant, PrepareReport
 from participants.routing import EPISODE_ATTEMPT, Peers
 from participants.wire import ACTIVATION_HEADER, TaskBody
@@ -213,20 +213,24 @@ class EnvironmentParticipant(Participant):
             running = self.episodes.get(rid)
             if task is not None and not task.done() and running is not None and running.task != requested:
                 raise RequestConflict(f"rollout {rid} is running another task; a rollout id names one task")
-            if task is None or task.done():
+            tries = 0
+            while task is None or task.done():
                 rows = await self._held_elsewhere(rid)  # the rollout's attempts, read once for the questions below
                 done = await self._from_log(rid, requested, rows)
                 if done is not None:
                     return web.json_response(done)  # already finished: its result, never a second run
                 self.admission.require_open("a new episode")
-                ep = await self._open_episode(rid, requested, req.seed, req.max_steps, rows)
-                task = self._launch(ep)
+                try:
+                    task = self._launch(await self._open_episode(rid, requested, req.seed, req.max_steps, rows))
+                except VersionConflict:
+                    tries += 1  # another instance claimed it first: wait for its result instead
+                    if tries == CLAIM_TRIES:
+                        raise
         return web.json_response(await asyncio.shield(task))
 
     async def _held_elsewhere(self, rid: str) -> dict[Key, dict[str, Any]]:
-        """Wait while another live instance drives the rollout's live episode (engine/ownership.py): it
-        claimed it by an expected version, at a restore's resume. Its outcome, or its death, ends the
-        wait; the log then says whether there is anything left to run here. The attempts it read last."""
+        """Wait while another live instance drives the rollout's live episode (engine/ownership.py); its
+        outcome or death ends the wait, and the log then says what is left to run here. Its last read."""
         delay = FIRST_POLL_S
         while True:
             rows = await self.store.attempt_rows([rid])
@@ -255,17 +259,14 @@ class EnvironmentParticipant(Participant):
 
     async def _open_episode(self, rid: str, task: Task, seed: int, max_steps: int,
                             rows: dict[Key, dict[str, Any]] | None = None) -> Episode:
-        """Start attempt 0, or pick up the rollout's live attempt where its log leaves it (`rows`: the
-        rollout's attempts, when the caller has just read them)."""
-        if rows is None:
-            rows = await self.store.attempt_rows([rid])
-        started = NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, {
-            "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps,
-            "status": "running", "instance": self.instance}, rid, 0)
-        if not rows:
-            # One request: the attempt never exists without its episode's input.
-            await self.store.append(AppendRequest((
-                NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0), started)))
+        """Start attempt 0, or pick up the rollout's live attempt where its log leaves it (`rows`: its
+        attempts, when just read), claimed for this instance (engine/ownership.py) or VersionConflict."""
+        rows = rows if rows is not None else await self.store.attempt_rows([rid])
+        started = {"env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": seed, "max_steps": max_steps, "status": "running", "instance": self.instance}
+        if not rows:  # one append: the attempt never exists without its episode's input; of two instances, one lands
+            await self._claim(rollout_stream(rid), (
+                NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
+                NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, started, rid, 0)))
             return Episode(rid, 0, task, seed, max_steps)
         attempt = max(a for _, a in rows)
         if rows[(rid, attempt)]["status"] != "live":
@@ -274,11 +275,21 @@ class EnvironmentParticipant(Participant):
         history = await effective_history(self.store, rid, attempt)
         ep = episode_from_history(rid, attempt, history, history)
         _same_task(rid, ep, task)
+        stream = episode_stream(rid, attempt)
         if ep is None:  # a fresh dispatch: the attempt exists, its episode starts from input
-            await self.store.append(AppendRequest((NewEvent(episode_stream(rid, attempt), started.kind, started.data,
-                                                            rid, attempt),)))
-            ep = Episode(rid, attempt, task, seed, max_steps)
+            await self._claim(stream, (NewEvent(stream, ev.EPISODE_STARTED, started, rid, attempt),))
+            return Episode(rid, attempt, task, seed, max_steps)
+        nxt = next((s for s in STEPS if ep.recorded(s) is None), None)  # its owner is gone: taken over, once
+        await self._claim(stream, (NewEvent(stream, ev.EPISODE_CONTINUED, {"env": task.env, "task_id": task.task_id,
+            "next_step": nxt, "recovered": True, "status": "running", "instance": self.instance}, rid, attempt),))
         return ep
+
+    async def _claim(self, stream: str, events: tuple[NewEvent, ...]) -> None:
+        """Append `events` at `stream`'s version if it is as the decision found it (no attempt, no live claim)."""
+        seen = await self.store.read_stream(stream)
+        if any(e.kind == ev.ATTEMPT_STARTED for e in seen) or await self._claimed_elsewhere(seen):
+            raise VersionConflict(f"{stream} was claimed by another instance meanwhile")
+        await self.store.append(claim(events, stream, seen[-1].stream_version if seen else 0))
 
     def _launch(self, ep: Episode) -> asyncio.Task[dict[str, Any]]:
         self.episodes[ep.rollout_id] = ep
@@ -321,14 +332,14 @@ class EnvironmentParticipant(Participant):
             ep.done = []
             await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_STARTED, {
                 "env": ep.task.env, "task_id": ep.task.task_id, "task": ep.task.to_json(), "seed": ep.seed,
-                "max_steps": ep.max_steps, "status": "running"}, rid, ep.attempt),)))
+                "max_steps": ep.max_steps, "status": "running", "instance": self.instance}, rid, ep.attempt),)))
         else:
             inherited = await effective_history(self.store, rid, ep.attempt)
             ep.done = [dict(e.data) for e in inherited if e.kind == ev.EPISODE_STEP]
             nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
             await self.store.append(AppendRequest((NewEvent(episode_stream(rid, ep.attempt), ev.EPISODE_CONTINUED, {
                 "env": ep.task.env, "task_id": ep.task.task_id, "origin_attempt": decision.attempt, "next_step": nxt,
-                "recovered": True, "status": "running"}, rid, ep.attempt),)))
+                "recovered": True, "status": "running", "instance": self.instance}, rid, ep.attempt),)))
 
     async def _steps(self, ep: Episode) -> None:
         for step in STEPS:

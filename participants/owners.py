@@ -14,6 +14,9 @@ from participants.participant import Participant
 
 FIRST_POLL_S = 0.02
 LAST_POLL_S = 0.5  # a live owner's outcome is read at least this often
+# A refused claim reads the log again and then waits for the winner: one refusal per race. More in a
+# row is a stream that keeps changing under the claimer, reported rather than retried for ever.
+CLAIM_TRIES = 3
 
 
 async def owner_verdict(p: Participant, owner: str | None, held_here: bool) -> Verdict:
@@ -52,4 +55,4 @@ async def orphaned_sessions(p: Participant, keys: Sequence[tuple[str, int]]) -> 
     return out
 
 
-__all__ = ["orphaned_sessions", "owner_verdict", "settled"]
+__all__ = ["CLAIM_TRIES", "orphaned_sessions", "owner_verdict", "settled"]
