@@ -103,8 +103,8 @@ def pinned(agent_cls: type[AgentParticipant]) -> type[AgentParticipant]:
     class Pinned(agent_cls):  # type: ignore[valid-type, misc]
         pin: ClassVar[Pin | None] = None
 
-        async def _record(self, s: agent_server.Session, *events: NewEvent) -> None:
-            await super()._record(s, *events)
+        async def _record(self, s: agent_server.Session, *events: NewEvent, seen: int | None = None) -> None:
+            await super()._record(s, *events, seen=seen)
             pin = self.pin
             if (pin is not None and s.key == (pin.rollout_id, 0) and pin.state == "after_turn"
                     and any(e.kind == agent_server.BOUNDARY and (e.data["state"], e.data["turn"]) == (pin.state, pin.turn)
