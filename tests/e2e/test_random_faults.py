@@ -124,16 +124,24 @@ JOIN rollbook.participants p ON p.instance = e.writer WHERE e.rollout_id LIKE :p
 """
 
 
-def _both_model_instances(world: World) -> Callable[[FaultMachine], None]:
-    """A run id whose first attempts hash to both model instances (participants/routing.py), so the
-    test does not depend on the luck of the draw."""
+def _every_instance(world: World) -> Callable[[FaultMachine], None]:
+    """A run id whose first attempts hash to both instances of every kind (participants/routing.py:
+    each hop picks among the live processes of the callee's kind by (rollout, attempt), an episode
+    under attempt 0), so the test does not depend on the luck of the draw."""
     def choose(m: FaultMachine) -> None:
-        # The live model processes, each with its instance's address (a worker's front): the routing
-        # rule picks among the processes, and the test wants both instances.
+        # The live processes of each kind, each with its instance's address (a worker's front): the
+        # routing rule picks among the processes, and the test wants both instances of every kind.
         with psycopg.connect(database.libpq_dsn(world.dsn), autocommit=True) as conn:
-            site = dict(conn.execute("SELECT address, COALESCE(front, address) FROM rollbook.participants "
-                                     "WHERE kind = 'model' AND state = 'live'").fetchall())
-        while len({site[pick(list(site), f"{m.run_id}-{i:04d}", 0)] for i in range(ROLLOUTS)}) < INSTANCES:
+            rows = conn.execute("SELECT kind, address, COALESCE(front, address) FROM rollbook.participants "
+                                "WHERE state = 'live'").fetchall()
+        sites: dict[str, dict[str, str]] = {}
+        for kind, address, site in rows:
+            sites.setdefault(kind, {})[address] = site
+        assert set(sites) == set(cfg.KINDS), sites
+
+        def spread(site: dict[str, str]) -> bool:
+            return len({site[pick(list(site), f"{m.run_id}-{i:04d}", 0)] for i in range(ROLLOUTS)}) == INSTANCES
+        while not all(spread(site) for site in sites.values()):
             m.run_id += "y"
     return choose
 
@@ -148,7 +156,7 @@ def test_one_instance_of_each_kind_killed_while_the_other_serves_then_a_restore_
     m = _replay(world, lambda m: [
         lambda: m.let_time_pass(0.2), lambda: m.kill_instance("model", 1, 0.3), lambda: m.kill_instance("agent", 0, 0.0),
         m.checkpoint_and_publish, m.resume, lambda: m.kill_instance("resources", 1, 0.0),
-        lambda: m.kill_instance("environment", 0, 0.0), m.dispatch, m.crash_and_restore], before=_both_model_instances(world))
+        lambda: m.kill_instance("environment", 0, 0.0), m.dispatch, m.crash_and_restore], before=_every_instance(world))
     gained = {op: n - before.get(op, 0) for op, n in TALLY.items() if n != before.get(op, 0)}
     for op in ("commit", "publish", "crash_and_restore", "kill_instance"):
         assert gained.get(f"sequences_with_{op}") == 1, gained
