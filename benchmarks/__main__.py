@@ -134,7 +134,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                     # A run with checkpoints gets at most `limit` times the run without: a checkpoint cycle
                     # longer than its interval can starve the rollouts, and the figure must still come back.
                     off = [r["seconds"] for r in runs["off"]]
-                    limit = args.limit_factor * max(off) if off and every is not None else None
+                    limit = args.limit_factor * max(off) if off and every is not None and args.limit_factor else None
                     t0 = time.perf_counter()
                     dispatch = asyncio.create_task(coll.dispatch(session))
                     checkpoints = []
@@ -157,7 +157,8 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                                        "finished_in_window": done, "hit_limit": cut_off is not None,
                                        "checkpoints": checkpoints, **await _cuts(store, run_id)})
                     progress(f"collection {mode} #{rep}: {done} rollouts in {seconds:.1f} s, {len(checkpoints)} checkpoints"
-                             + (" (hit the time limit)" if cut_off else ""))
+                             + (" (hit the time limit)" if cut_off else "")
+                             + (f"; started over: {runs[mode][-1]['regenerated_because']}" if runs[mode][-1]["cuts_regenerated"] else ""))
             out["demo_restore"] = await _demo_restore(session, config, store, procs, url, args)
     finally:
         procs.stop()
@@ -211,12 +212,22 @@ FROM rollbook.events WHERE starts_with(rollout_id, :p) AND kind IN ('call_cut', 
 """
 
 
-async def _cuts(store: PostgresEventStore, run_id: str) -> dict[str, int]:
+# Why the calls started over were not continued, most frequent first.
+REGENERATED_BECAUSE = """
+SELECT data->'continuation'->>'reason' AS reason, count(*) AS n FROM rollbook.events
+WHERE starts_with(rollout_id, :p) AND kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated'
+GROUP BY 1 ORDER BY 2 DESC LIMIT 5
+"""
+
+
+async def _cuts(store: PostgresEventStore, run_id: str) -> dict[str, Any]:
     from sqlalchemy import text
 
     async with store.engine.connect() as conn:
         row = (await conn.execute(text(CUT_CALLS), {"p": f"{run_id}-"})).one()
-    return dict(zip(("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again"), (int(x) for x in row), strict=True))
+        because = (await conn.execute(text(REGENERATED_BECAUSE), {"p": f"{run_id}-"})).all()
+    counts = zip(("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again"), (int(x) for x in row), strict=True)
+    return {**dict(counts), "regenerated_because": {r.reason: r.n for r in because}}
 
 
 def _mode_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,6 +256,8 @@ async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, stor
         await asyncio.wait([dispatch], timeout=1.5)
         ck = f"{run_id}-ck1"
         result = await coll.checkpoint(session, ck, resume=False)
+        if not result["published"]:  # nothing to restore: say what the prepare answered, not only that it failed
+            raise RuntimeError(f"demo restore: checkpoint {ck} was not ready: {result['prepare']}")
         procs.kill()
         await asyncio.gather(dispatch, return_exceptions=True)
         procs.start()
@@ -451,12 +464,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, help="override the collection's number of rollouts")
     p.add_argument("--in-flight", type=int, help="override how many rollouts the collection keeps in flight")
     p.add_argument("--modes", default=",".join(m for m, _ in MODES), help="comma list of the collection's modes")
+    p.add_argument("--limit-factor", type=float,
+                   help="a run with checkpoints stops checkpointing after this many times the run without (0: never)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "off" not in args.modes or not set(args.modes) <= {m for m, _ in MODES}:
         p.error(f"--modes must name 'off' and only these: {', '.join(m for m, _ in MODES)}")
-    overrides = {k: getattr(args, k) for k in ("repeats", "tasks", "in_flight") if getattr(args, k)}
+    overrides = {k: getattr(args, k) for k in ("repeats", "tasks", "in_flight", "limit_factor")
+                 if getattr(args, k) is not None}
     full = {"tasks": 320, "in_flight": 80, "repeats": 3, "limit_factor": 3.0, "episodes": 1000, "seconds": 3.0, "warmup": 0.75,
             "export_sessions": 1000}
     quick = {"tasks": 120, "in_flight": 80, "repeats": 1, "limit_factor": 2.0, "episodes": 200, "seconds": 1.5, "warmup": 0.5,

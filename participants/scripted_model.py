@@ -179,6 +179,12 @@ def _continue(prompt: list[int], steps: list[Step], prefix: Prefix) -> tuple[dic
         covered += len(steps[k].ids)
         k += 1
     flat = tuple(i for s in steps[:k] for i in s.ids)
-    if tuple(prompt) == prefix.prompt_token_ids and covered == n and flat == prefix.ids:
+    if tuple(prompt) != prefix.prompt_token_ids:
+        reason = "the stored prefix was generated for another prompt"
+    elif covered != n:
+        reason = f"the stored prefix of {n} tokens ends inside a step (the step ends at {covered})"
+    elif flat != prefix.ids:
+        reason = "the stored prefix is not a prefix of this generation"
+    else:
         return {"mode": "continued", "prefix_tokens": n}, steps[k:]
-    return {"mode": "regenerated", "reason": "the stored prefix is not a prefix of this generation"}, steps
+    return {"mode": "regenerated", "reason": reason}, steps
