@@ -189,12 +189,9 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int, int]) -> dict[str
             "coalesce(sum(octet_length(data::text)) FILTER (WHERE kind = %s), 0), "
             "coalesce(sum(pg_column_size(data)), 0) FROM rollbook.events WHERE rollout_id LIKE %s",
             (ev.AGENT_BOUNDARY, ours)).fetchone()
-        replies = conn.execute(
-            "SELECT data->'reply'->'messages' FROM rollbook.events WHERE kind = %s AND rollout_id LIKE %s",
-            (ev.ACTIVATION_COMPLETED, ours)).fetchall()
         finished = conn.execute(
             "SELECT count(*) FROM rollbook.attempts WHERE status = 'finished' AND rollout_id LIKE %s", (ours,)).fetchone()[0]
-    tool_calls = sum(1 for (msgs,) in replies for m in (msgs or []) if m.get("role") == "tool")
+    mutations = int(count.get(ev.MUTATION_APPLIED, 0))  # the tool calls that changed a session
     model_calls = int(count.get(ev.CALL_ACCEPTED, 0))
     by_verb: dict[str, int] = {}
     for q, c in stmts.items():
@@ -207,7 +204,7 @@ def measure(dsn: str, ids: list[str], appends: tuple[int, int, int]) -> dict[str
     inserts = sum(c for q, c in stmts.items() if "INSERT INTO ROLLBOOK.EVENTS" in q.upper())
     n = max(model_calls, 1)
     return {
-        "rollouts": len(ids), "finished": int(finished), "model_calls": model_calls, "tool_calls": tool_calls,
+        "rollouts": len(ids), "finished": int(finished), "model_calls": model_calls, "mutations": mutations,
         "events": event_count, "events_by_kind": dict(sorted(count.items())),
         "append_requests": appends[0], "append_transactions": inserts, "pool_checkouts": appends[2],
         "transactions_begin": by_verb.get("BEGIN", 0), "transactions": int(xacts), "statements": total, "statements_by_verb": dict(sorted(by_verb.items())),
@@ -230,7 +227,7 @@ def table(r: dict[str, Any]) -> str:
     p = r["per_model_call"]
     rows = [
         ("rollouts (finished)", f"{r['rollouts']} ({r['finished']})"),
-        ("model calls / tool calls", f"{r['model_calls']} / {r['tool_calls']}"),
+        ("model calls / mutations applied", f"{r['model_calls']} / {r['mutations']}"),
         ("events per model call", p["events"]),
         ("append requests per model call", p["append_requests"]),
         *((f"  by the {k} server", v) for k, v in p.get("append_requests_by_server", {}).items()),
