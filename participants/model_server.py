@@ -430,8 +430,10 @@ class ModelParticipant(Participant):
             if call.state != "generating":
                 return  # prepare records (or has recorded) this call's cut, at its durable prefix (_record_cuts)
             call.state = "recording"  # no await since the check: a prepare from now on waits for this outcome
-            if cut:
-                await self._record_outcome(call, ev.CALL_CUT, {"tokens": len(call.ids), "partial": call.message})
+            if cut:  # cut when accepted after a prepare began: recorded as prepare records its own cuts
+                data = await self._cut_data(call)
+                await self._append(NewEvent(call_stream(call.call_id), ev.CALL_CUT, data, call.rollout_id, call.attempt))
+                await self._finish(call, "cut", result=data)
             else:
                 await self._record_outcome(call, ev.CALL_COMPLETED, {
                     "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
@@ -487,12 +489,15 @@ class ModelParticipant(Participant):
     async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
         d = call.durable
         started = len(call.prefix.ids) if call.prefix is not None else 0
-        if d is None or d.tokens <= started:
+        if d is None or (d.tokens <= started and len(call.ids) > d.tokens):
             # Nothing of this generation saved yet (a saver behind a loaded database, or a checkpoint
             # right after it started): its tokens go into the cut's own append, so every cut keeps
             # what its generation made, and checkpoints more frequent than saves never starve it.
+            # A continued call whose backend has not answered yet holds no prompt ids of its own: its
+            # prefix's prompt is the prompt (an empty one would make the next continuation start over).
+            prompt_ids = call.prompt_ids or (call.prefix.prompt_token_ids if call.prefix is not None else ())
             receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
-                                                   self.token_store.stage(list(call.prompt_ids)))
+                                                   self.token_store.stage(list(prompt_ids)))
             d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())
         return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
                 "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,

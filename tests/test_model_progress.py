@@ -159,3 +159,50 @@ async def test_a_cut_with_nothing_of_its_generation_saved_keeps_every_token_it_r
         await again
     cut1, cut2 = [e for e in await store.read_stream(call_stream("ns.0.t0")) if e.kind == "call_cut"]
     assert cut1.data["tokens"] < cut2.data["tokens"] == received and cut2.data["unsaved"] == 0
+
+
+class HeldStart(Paced):
+    """Paced, and while `starting` is clear a generation waits before its first event (the backend has
+    not answered yet: the call holds its prefix and no prompt ids of this generation)."""
+
+    def __init__(self, allowed: int) -> None:
+        super().__init__(allowed)
+        self.starting = asyncio.Event()
+        self.starting.set()
+
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None):  # type: ignore[override]
+        await self.starting.wait()
+        async for event in super().generate(request, prefix):
+            yield event
+
+
+async def test_a_continued_call_cut_before_its_backend_answers_keeps_its_prompt_and_continues_later(
+        memory_store, memory_tokens) -> None:
+    """A checkpoint lands between a continued call's acceptance and its backend's first event: its cut
+    records the prefix it holds with the prompt that prefix was generated for, not an empty prompt, so
+    the next continuation still continues (a loaded server under checkpoints every second met this)."""
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "hs")
+    backend = HeldStart(allowed=2)
+    _, full, _ = planned(ScriptedBackend(), MATH)
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0")))
+        await eventually("two steps in", lambda: "hs.0.t0" in model.calls and len(model.calls["hs.0.t0"].steps) >= 2)
+        await control(client, "prepare", "ck-hs1")
+        await first
+        backend.starting.clear()
+        await control(client, "resume", "ck-hs1")
+        again = asyncio.ensure_future(client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0")))
+        await eventually("the call continued", lambda: "hs.0.t0" in model.calls and model.calls["hs.0.t0"].state == "generating")
+        await control(client, "prepare", "ck-hs2")  # the backend has not answered the continuation yet
+        await again
+        backend.starting.set()
+        await backend.allow(len(full))
+        await control(client, "resume", "ck-hs2")
+        done = await client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0"))
+        assert done.status == 200
+    events = await store.read_stream(call_stream("hs.0.t0"))
+    cut1, cut2 = [e for e in events if e.kind == "call_cut"]
+    assert cut2.data["prompt_receipt"] == cut1.data["prompt_receipt"] and cut2.data["receipt"] == cut1.data["receipt"]
+    assert events[-1].kind == "call_completed" and events[-1].data["continuation"]["mode"] == "continued"
