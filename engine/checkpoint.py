@@ -35,6 +35,7 @@ from engine.events import (
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
 from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
+from engine.snapshots import SnapshotStore
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -68,7 +69,7 @@ class CutStore(EventStore, Protocol):
         ...
 
 
-class ParticipantStore(CutStore, AttemptStore, Protocol):
+class ParticipantStore(CutStore, AttemptStore, SnapshotStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
     are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
 

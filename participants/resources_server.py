@@ -57,7 +57,8 @@ from engine.identity import (
     validate_tool_call_key,
 )
 from engine.recovery import tool_call_outcomes
-from engine.sessions import SessionReplay, boundary_disagreement, open_session_mode
+from engine.sessions import boundary_disagreement, open_session_mode
+from engine.snapshots import SnapshotStore, fold_session
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -127,18 +128,19 @@ class Staged:
     revision: int
 
 
-def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent]) -> Staged | None:
+async def rebuild(store: SnapshotStore, rollout_id: str, attempt: int, boundary: int,
+                  history: list[RecordedEvent]) -> Staged | None:
     """A session's state at a boundary from the log alone (engine.sessions); None when no session
     was open there.
 
     `history` is the attempt's effective history (its origins' events first), so a session restored
-    earlier continues from its origin's replay. Raises InvalidCheckpointState on anything that does
-    not add up, RestartInScope for a live session whose state cannot be rebuilt at all."""
+    earlier continues from its origin's replay. The fold starts at the newest matching snapshot of
+    it (engine.snapshots), and leaves one after a long fold. Raises InvalidCheckpointState on
+    anything that does not add up, RestartInScope for a live session whose state cannot be rebuilt
+    at all."""
     where = f"{rollout_id} attempt {attempt}"
-    replay = SessionReplay(open_from_log)
     try:
-        for e in history:
-            replay.apply(e)
+        replay = await fold_session(store, open_from_log, history)
     except ReplayDivergence as exc:
         raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
     if not replay.open or replay.env is None:
@@ -217,7 +219,7 @@ class ResourcesParticipant(Participant):
                                   "with a server restart; the rollout starts over under a new attempt",
                                   rollout_id=key[0], attempt=key[1], lost="session")
             try:
-                staged = rebuild(key[0], key[1], -1, history)
+                staged = await rebuild(self.store, key[0], key[1], -1, history)
             except RestartInScope as exc:  # a session logged before sessions named their state mode
                 raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: {exc.detail}", rollout_id=key[0], attempt=key[1],
                                   lost="session") from exc
@@ -526,7 +528,7 @@ class ResourcesParticipant(Participant):
         history = await read_cut(self.store, cut, rehash=False)
         staged: dict[Key, Staged] = {}
         for entry in cut.scope:
-            one = rebuild(entry.rollout_id, entry.attempt, entry.boundary,
+            one = await rebuild(self.store, entry.rollout_id, entry.attempt, entry.boundary,
                           history.effective(entry.rollout_id, entry.attempt, to=entry.boundary))
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one
