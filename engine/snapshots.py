@@ -195,12 +195,28 @@ def worth_writing(folded: int) -> bool:
     return folded >= SNAPSHOT_AFTER
 
 
-async def fold_session(store: SnapshotStore, opener: Opener, history: Sequence[RecordedEvent], *,
-                       write: bool = True) -> SessionReplay:
-    """SessionReplay over an effective history (log order), started from the newest snapshot that
-    matches, then the events after it. Raises ReplayDivergence as the fold from the start would.
-    With `write`, a long tail folded leaves a snapshot of where it ended (`worth_writing`)."""
-    snap = choose(await store.session_snapshots(lineage_bounds(history)), history) if history else None
+Row = tuple[str, int, dict[str, Any], str]  # a stored snapshot: stream, position, data, digest
+
+
+def merged_bounds(histories: Sequence[Sequence[RecordedEvent]]) -> dict[str, int]:
+    """lineage_bounds of several histories, for one query: a stream two of them share (two forks
+    of one origin) is asked for at the lower bound, which serves both."""
+    out: dict[str, int] = {}
+    for history in histories:
+        for stream, bound in lineage_bounds(history).items():
+            out[stream] = min(bound, out.get(stream, bound))
+    return out
+
+
+def fold_from(rows: Sequence[Row], opener: Opener, history: Sequence[RecordedEvent], *,
+              write: bool = True) -> tuple[SessionReplay, SessionSnapshot | None]:
+    """SessionReplay over an effective history (log order), started from the newest of `rows` that
+    stands for a prefix of it and matches, then the events after it. Raises ReplayDivergence as the
+    fold from the start would. With `write`, a long tail folded gives the snapshot of where it
+    ended (`worth_writing`), for the caller to store with others in one insert."""
+    bounds = lineage_bounds(history)
+    mine = [r for r in rows if r[0] in bounds and r[1] <= bounds[r[0]]]
+    snap = choose(mine, history) if mine else None
     opened: Mapping[str, Any] | None
     if snap is None:
         replay, opened, tail = SessionReplay(opener), None, list(history)
@@ -212,8 +228,20 @@ async def fold_session(store: SnapshotStore, opener: Opener, history: Sequence[R
         opened = opening(e, opened)
         if replay.apply(e) is not None:
             folded += 1
-    new = capture(replay, history, opened) if write and worth_writing(folded) else None
-    if new is not None:
-        await store.put_session_snapshots([new])
-        COUNTS.written += 1
+    return replay, capture(replay, history, opened) if write and worth_writing(folded) else None
+
+
+async def store_snapshots(store: SnapshotStore, new: Sequence[SessionSnapshot | None]) -> None:
+    written = [s for s in new if s is not None]
+    if written:
+        await store.put_session_snapshots(written)
+        COUNTS.written += len(written)
+
+
+async def fold_session(store: SnapshotStore, opener: Opener, history: Sequence[RecordedEvent], *,
+                       write: bool = True) -> SessionReplay:
+    """fold_from one history with the store's snapshots (one query), storing the one it leaves."""
+    rows = await store.session_snapshots(lineage_bounds(history)) if history else []
+    replay, new = fold_from(rows, opener, history, write=write)
+    await store_snapshots(store, [new])
     return replay

@@ -21,6 +21,7 @@ its live session, when gone, is rebuilt by replaying them (engine.tool_replay) o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,7 +59,7 @@ from engine.identity import (
 )
 from engine.recovery import tool_call_outcomes
 from engine.sessions import boundary_disagreement, open_session_mode
-from engine.snapshots import SnapshotStore, fold_session
+from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, merged_bounds, store_snapshots
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -128,23 +129,23 @@ class Staged:
     revision: int
 
 
-async def rebuild(store: SnapshotStore, rollout_id: str, attempt: int, boundary: int,
-                  history: list[RecordedEvent]) -> Staged | None:
+def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent],
+            snapshots: Sequence[Row] = ()) -> tuple[Staged | None, SessionSnapshot | None]:
     """A session's state at a boundary from the log alone (engine.sessions); None when no session
     was open there.
 
     `history` is the attempt's effective history (its origins' events first), so a session restored
-    earlier continues from its origin's replay. The fold starts at the newest matching snapshot of
-    it (engine.snapshots), and leaves one after a long fold. Raises InvalidCheckpointState on
-    anything that does not add up, RestartInScope for a live session whose state cannot be rebuilt
-    at all."""
+    earlier continues from its origin's replay. The fold starts at the newest of `snapshots` that
+    matches (engine.snapshots) and gives the snapshot a long fold leaves, for the caller to store.
+    Raises InvalidCheckpointState on anything that does not add up, RestartInScope for a live
+    session whose state cannot be rebuilt at all."""
     where = f"{rollout_id} attempt {attempt}"
     try:
-        replay = await fold_session(store, open_from_log, history)
+        replay, new = fold_from(snapshots, open_from_log, history)
     except ReplayDivergence as exc:
         raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
     if not replay.open or replay.env is None:
-        return None
+        return None, new
     if replay.env.state_mode == "restart_only":
         raise RestartInScope(f"{where} holds a live {replay.env.name} session, which cannot be rebuilt",
                              executions=[[rollout_id, attempt]])
@@ -153,7 +154,7 @@ async def rebuild(store: SnapshotStore, rollout_id: str, attempt: int, boundary:
     if wrong is not None:
         stream, seen, logged = wrong
         raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {seen}, the replay reaches {logged}")
-    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision)
+    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision), new
 
 
 def restart_only(env_name: str | None) -> bool:
@@ -219,7 +220,9 @@ class ResourcesParticipant(Participant):
                                   "with a server restart; the rollout starts over under a new attempt",
                                   rollout_id=key[0], attempt=key[1], lost="session")
             try:
-                staged = await rebuild(self.store, key[0], key[1], -1, history)
+                snapshots = await self.store.session_snapshots(lineage_bounds(history))
+                staged, new = rebuild(key[0], key[1], -1, history, snapshots)
+                await store_snapshots(self.store, [new])
             except RestartInScope as exc:  # a session logged before sessions named their state mode
                 raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: {exc.detail}", rollout_id=key[0], attempt=key[1],
                                   lost="session") from exc
@@ -527,11 +530,17 @@ class ResourcesParticipant(Participant):
         # giving the digest, lineage); the coordinator has re-derived every payload hash before asking.
         history = await read_cut(self.store, cut, rehash=False)
         staged: dict[Key, Staged] = {}
+        effective = {(e.rollout_id, e.attempt): history.effective(e.rollout_id, e.attempt, to=e.boundary) for e in cut.scope}
+        # Every scoped session's snapshots in one query, and the ones the folds leave in one insert.
+        snapshots = await self.store.session_snapshots(merged_bounds(list(effective.values())))
+        written: list[SessionSnapshot | None] = []
         for entry in cut.scope:
-            one = await rebuild(self.store, entry.rollout_id, entry.attempt, entry.boundary,
-                          history.effective(entry.rollout_id, entry.attempt, to=entry.boundary))
+            one, new = rebuild(entry.rollout_id, entry.attempt, entry.boundary,
+                               effective[(entry.rollout_id, entry.attempt)], snapshots)
+            written.append(new)
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one
+        await store_snapshots(self.store, written)
         self.staged, self.staged_from = staged, cut.checkpoint_id
         self.admission.close()  # a restored process stays paused until resume installs the sessions
         return {"staged": len(staged), "scope": len(cut.scope)}
