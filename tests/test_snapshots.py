@@ -25,6 +25,7 @@ from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.sessions import SessionReplay
 from engine.snapshots import COUNTS, SessionSnapshot, fold_session, snapshot_digest
 from participants.environments import get_environment, open_from_log
+from participants.replay import replay
 from tests.resources_harness import checkpoint, control, make_task, open_session, serving, start, tool
 
 _ids = itertools.count()
@@ -208,3 +209,15 @@ async def test_retention_leaves_every_snapshot_a_restore_uses(dsn: str, store: P
     history = await effective_history(store, "rt1", 0, to=(await store.latest_boundaries([("rt1", 0)], 10**9, ["agent_boundary"]))[("rt1", 0)])
     assert COUNTS.used == used + 1
     assert canonical_json(staged.state) == canonical_json(from_start(history).state)
+
+
+async def test_rollbook_replay_folds_every_step_and_leaves_a_snapshot_for_the_next_restore(
+        store: PostgresEventStore, snapshot_every: None) -> None:
+    """Replay's check is the fold itself, so it starts from no snapshot; it leaves one where it ended."""
+    await store.append(AppendRequest(tuple(history_events("rp1", [("deal", 3), ("boundary", 0), ("deal", 5)]))))
+    used = COUNTS.used
+    steps, state = await replay(store, "rp1", 0)
+    assert len(steps) == 5 and state.revision == 2 and COUNTS.used == used
+    history = await effective_history(store, "rp1", 0)
+    assert fingerprint(await fold_session(store, open_from_log, history, write=False)) == fingerprint(from_start(history))
+    assert COUNTS.used == used + 1
