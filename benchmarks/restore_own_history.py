@@ -1,11 +1,12 @@
 """Restore of a rollout with a long history of its own, with and without a session snapshot.
 
-    .venv/bin/python benchmarks/restore_own_history.py [--sizes 10000,100000] [--repeats 3] [--dsn ADMIN_DSN]
-                                                       [--out PATH]
+    .venv/bin/python benchmarks/restore_own_history.py [--sizes 10000,100000] [--repeats 3]
+                                                       [--tool update_deal|send_email] [--dsn ADMIN_DSN] [--out PATH]
 
 For each size N, a fresh database on a throwaway embedded PostgreSQL (or the server --dsn names)
 gets one rollout of N events of its own, appended through the store in batches of 1,000: a
-workplace session, then turns of ten events (a mutation `update_deal`, two model calls accepted and
+workplace session, then turns of ten events (a mutation, `--tool`: `update_deal` keeps the state's
+size, `send_email` grows it by a row; two model calls accepted and
 completed, an agent boundary naming the session's revision, four episode steps), and a cut at its
 last boundary. Timed, median of `--repeats`, in the same run:
 
@@ -16,8 +17,9 @@ last boundary. Timed, median of `--repeats`, in the same run:
 - `first_restore_ms`: one restore that folds from the start and writes the snapshot;
 - `restore_with_ms`: the same restore once the snapshot is there (read, check it, fold the tail);
 - `ratio`: restore_without_ms / restore_with_ms.
-The workplace reducer copies its state on every mutation (about 2 ms here), which is what a snapshot
-saves; the read of the events stays. Prints a table and writes one JSON object to
+The workplace reducer copies its state on every mutation, so a fold costs per mutation what the
+state's size does (with `send_email`, quadratic in the history): that is what a snapshot saves. The
+read of the scope's events (and restore's checks over them) stays, linear in the history. Prints a table and writes one JSON object to
 benchmarks/results/restore_own_history.json; it never asserts a time.
 """
 
@@ -54,7 +56,13 @@ ROLLOUT = "long"
 TURN = 10  # events per turn
 
 
-def history(n: int) -> list[NewEvent]:
+TOOLS = {  # the mutation of each turn: a deal updated (the state keeps its size) or an email sent (it grows)
+    "update_deal": lambda turn: {"deal_id": "D-103", "seats": turn % 50 + 1},
+    "send_email": lambda turn: {"to": "a@example.com", "subject": f"s{turn}", "body": "b"},
+}
+
+
+def history(n: int, tool: str) -> list[NewEvent]:
     r, ses = ROLLOUT, session_stream(ROLLOUT, 0)
     env, task = get_environment("workplace"), make_task("workplace", 11)
     state = env.initial_state(task)
@@ -63,9 +71,10 @@ def history(n: int) -> list[NewEvent]:
     revision = 0
     while len(events) + TURN <= n:
         revision += 1
-        outcome = env.call_tool(state, "update_deal", {"deal_id": "D-103", "seats": revision % 50 + 1})
+        outcome = env.call_tool(state, tool, TOOLS[tool](revision))
+        state = env.apply(state, outcome.effect)
         calls = [f"{r}-c{revision}-{k}" for k in (0, 1)]
-        events.append(NewEvent(ses, "mutation_applied", {"revision": revision, "tool": "update_deal",
+        events.append(NewEvent(ses, "mutation_applied", {"revision": revision, "tool": tool,
                                                           "effect": outcome.effect, "output": outcome.output}, r, 0))
         for c in calls:
             events += [NewEvent(call_stream(c), "call_accepted", {"call_id": c}, r, 0),
@@ -90,11 +99,11 @@ def empty_snapshots(dsn: str) -> None:
         conn.execute("DELETE FROM rollbook.stream_snapshots")
 
 
-async def measure(dsn: str, n: int, repeats: int) -> dict[str, Any]:
+async def measure(dsn: str, n: int, repeats: int, tool: str) -> dict[str, Any]:
     store = PostgresEventStore.connect(dsn, writer="bench-own-history")
     try:
         started = time.perf_counter()
-        events = history(n)
+        events = history(n, tool)
         for i in range(0, len(events), 1000):
             await store.append(AppendRequest(tuple(events[i:i + 1000])))
         fill_s = time.perf_counter() - started
@@ -132,14 +141,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for n in [int(x) for x in args.sizes.split(",")]:
             dsn = database.scratch_database(admin, f"rollbook_own_{n}_{int(time.time())}")
-            row = await measure(dsn, n, args.repeats)
+            row = await measure(dsn, n, args.repeats, args.tool)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             database.drop_database(dsn)
     finally:
         stop()
     return {"benchmark": "restore of a rollout with a long own history, with and without a session snapshot",
-            "events_per_turn": TURN, "repeats": args.repeats, "rows": rows,
+            "events_per_turn": TURN, "tool": args.tool, "repeats": args.repeats, "rows": rows,
             "command": " ".join(["benchmarks/restore_own_history.py", *sys.argv[1:]]), "python": platform.python_version()}
 
 
@@ -147,6 +156,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tool", choices=sorted(TOOLS), default="update_deal")
     parser.add_argument("--dsn", default=None, help="an admin DSN of the server to use")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "restore_own_history.json"))
     args = parser.parse_args()
