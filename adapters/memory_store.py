@@ -161,9 +161,11 @@ class MemoryEventStore:
         return [e for e in self.log.events if e.rollout_id == rollout_id and (attempt is None or e.attempt == attempt)
                 and (to is None or e.position <= to)]
 
-    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
-        wanted = set(rollout_ids)
-        return [e for e in self.log.events if e.rollout_id in wanted and (to is None or e.position <= to)]
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
+                            after: Mapping[str, int] | None = None) -> list[RecordedEvent]:
+        wanted, after = set(rollout_ids), after or {}
+        return [e for e in self.log.events if e.rollout_id in wanted and (to is None or e.position <= to)
+                and e.position > after.get(e.rollout_id, 0)]
 
     async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         wanted = set(versions)

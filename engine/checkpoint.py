@@ -13,7 +13,7 @@ attempt and starts every new one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -49,8 +49,10 @@ class CutStore(EventStore, Protocol):
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
 
-    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
-        """Every event of these rollouts (up to `to`), in log order: one query, whatever their number."""
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
+                            after: Mapping[str, int] | None = None) -> list[RecordedEvent]:
+        """Every event of these rollouts (up to `to`; of one in `after`, past that position only), in
+        log order: one query, whatever their number."""
         ...
 
     async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
@@ -354,7 +356,8 @@ class CutHistory:
         return own if origin is None else self.effective(*origin) + own
 
 
-async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
+async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False,
+                   after: Mapping[str, int] | None = None) -> CutHistory:
     """Read every scoped rollout's events in one query (plus one for chain predecessors, if any) and
     check them against the cut before anything is installed anywhere.
 
@@ -363,11 +366,19 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     participant, after the coordinator's check) the stream versions must be gap-free and the heads
     *as recorded* must still give the digest: a deleted event or a changed hash is refused there
     too, without paying for a second re-hash of every payload. `beyond_cut` also returns events
-    after P (an episode's input may land after its first boundary); they are never part of the check."""
+    after P (an episode's input may land after its first boundary); they are never part of the check.
+
+    `after` (a participant that holds a snapshot of a rollout as of a position, engine.snapshots)
+    reads that rollout's events past the position only: its heads at P come from the log's stream
+    heads (one query reading no data), which its tail's recorded heads must agree with, and its
+    lineage is not checked again here (the coordinator checked all of it before any participant
+    restores). Its items and its `events` hold the tail only."""
+    after = after or {}
+    assert not (rehash and after), "the coordinator's check reads every event"
     by_rollout: dict[str, list[ScopeEntry]] = {}
     for s in cut.scope:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    rows = await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position)
+    rows = await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position, after)
     events: dict[str, list[RecordedEvent]] = {r: [] for r in by_rollout}
     for e in rows:
         if e.rollout_id in events:
@@ -376,11 +387,19 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     await _read_fork_origins(store, events, cut.position, beyond_cut)
     start = await _predecessors(store, upto)
     heads: dict[str, list[tuple[str, int, bytes]]] = {}
+    logged = await store.rollout_heads_at(sorted(r for r in by_rollout if r in after), cut.position) if after else {}
     items: list[RestoreItem] = []
     for rollout_id, entries in sorted(by_rollout.items()):
         upto_cut = upto[rollout_id]
         mine_start = start.get(rollout_id, {})
         heads[rollout_id] = _rechain(upto_cut, mine_start) if rehash else _recorded_heads(upto_cut, mine_start)
+        if rollout_id in after:
+            if not set(heads[rollout_id]) <= set(logged[rollout_id]):
+                raise InvalidCheckpointState(f"{rollout_id}: its events no longer match the log's stream heads")
+            heads[rollout_id] = logged[rollout_id]
+            items += [RestoreItem(s, tuple(e for e in upto_cut if e.attempt == s.attempt and e.position <= s.boundary))
+                      for s in entries]
+            continue
         items += [_restore_item(s, upto_cut, cut.position) for s in entries]
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")

@@ -137,16 +137,18 @@ def lineage_bounds(history: Sequence[RecordedEvent]) -> dict[str, int]:
     return bounds
 
 
-def capture(replay: SessionReplay, history: Sequence[RecordedEvent], opened: Mapping[str, Any] | None) -> SessionSnapshot | None:
+def capture(replay: SessionReplay, history: Sequence[RecordedEvent], opened: Mapping[str, Any] | None,
+            base: Sequence[tuple[str, int, str]] = ()) -> SessionSnapshot | None:
     """The snapshot of `replay`, which has folded all of `history` (an effective history, in log
-    order); None for an empty history."""
+    order; after a snapshot with heads `base`, the events past it); None for an empty history."""
     if not history:
         return None
     last = history[-1]
     if last.rollout_id is None or last.attempt is None:
         return None
+    heads = {s: (v, h) for s, v, h in base} | {s: (v, h) for s, v, h in recorded_heads(history, last.position)}
     return SessionSnapshot(session_stream(last.rollout_id, last.attempt), last.position,
-                           recorded_heads(history, last.position), {
+                           tuple(sorted((s, v, h) for s, (v, h) in heads.items())), {
                                "opened": dict(opened) if opened is not None else None,
                                "state": replay.state, "revision": replay.revision, "open": replay.open,
                                "revisions": dict(replay.revisions)})
@@ -163,6 +165,11 @@ def resume(snapshot: SessionSnapshot, opener: Opener) -> tuple[SessionReplay, Ma
     return replay, opened
 
 
+def ignored(stream: str, position: int, why: str) -> None:
+    COUNTS.ignored += 1
+    log.warning("snapshot %s@%s does not match %s; the events are read from the start", stream, position, why)
+
+
 def choose(rows: Sequence[tuple[str, int, dict[str, Any], str]], history: Sequence[RecordedEvent]) -> SessionSnapshot | None:
     """Of the stored rows, the newest that matches both its own digest and the heads of the
     history's events it stands for; each one that does not is counted and logged, never raised."""
@@ -171,9 +178,7 @@ def choose(rows: Sequence[tuple[str, int, dict[str, Any], str]], history: Sequen
         if snap is not None and snap.heads == recorded_heads(history, snap.position) and _ends_at(history, snap):
             COUNTS.used += 1
             return snap
-        COUNTS.ignored += 1
-        log.warning("snapshot %s@%s does not match %s; the events are read from the start", stream, position,
-                    "its own digest" if snap is None else "the log's events")
+        ignored(stream, position, "its own digest" if snap is None else "the log's events")
     return None
 
 
@@ -208,15 +213,17 @@ def merged_bounds(histories: Sequence[Sequence[RecordedEvent]]) -> dict[str, int
     return out
 
 
-def fold_from(rows: Sequence[Row], opener: Opener, history: Sequence[RecordedEvent], *,
-              write: bool = True) -> tuple[SessionReplay, SessionSnapshot | None]:
+def fold_from(rows: Sequence[Row], opener: Opener, history: Sequence[RecordedEvent], *, write: bool = True,
+              start: SessionSnapshot | None = None) -> tuple[SessionReplay, SessionSnapshot | None]:
     """SessionReplay over an effective history (log order), started from the newest of `rows` that
     stands for a prefix of it and matches, then the events after it. Raises ReplayDivergence as the
     fold from the start would. With `write`, a long tail folded gives the snapshot of where it
-    ended (`worth_writing`), for the caller to store with others in one insert."""
+    ended (`worth_writing`), for the caller to store with others in one insert. `start`: a snapshot
+    the caller checked against the log already (engine.snapshot_reads), and `history` holds only
+    the events past it."""
     bounds = lineage_bounds(history)
     mine = [r for r in rows if r[0] in bounds and r[1] <= bounds[r[0]]]
-    snap = choose(mine, history) if mine else None
+    snap = start or (choose(mine, history) if mine else None)
     opened: Mapping[str, Any] | None
     if snap is None:
         replay, opened, tail = SessionReplay(opener), None, list(history)
@@ -228,7 +235,8 @@ def fold_from(rows: Sequence[Row], opener: Opener, history: Sequence[RecordedEve
         opened = opening(e, opened)
         if replay.apply(e) is not None:
             folded += 1
-    return replay, capture(replay, history, opened) if write and worth_writing(folded) else None
+    base = start.heads if start is not None else ()
+    return replay, capture(replay, history, opened, base) if write and worth_writing(folded) else None
 
 
 async def store_snapshots(store: SnapshotStore, new: Sequence[SessionSnapshot | None]) -> None:

@@ -30,7 +30,7 @@ from aiohttp import web
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
 from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_targets
+from engine.checkpoint import Cut, ParticipantStore, effective_history, restored_targets
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -59,7 +59,8 @@ from engine.identity import (
 )
 from engine.recovery import tool_call_outcomes
 from engine.sessions import boundary_disagreement, open_session_mode
-from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, merged_bounds, store_snapshots
+from engine.snapshot_reads import lineage_rows, read_scope
+from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, store_snapshots
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -129,19 +130,20 @@ class Staged:
     revision: int
 
 
-def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent],
-            snapshots: Sequence[Row] = ()) -> tuple[Staged | None, SessionSnapshot | None]:
+def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent], snapshots: Sequence[Row] = (),
+            start: SessionSnapshot | None = None) -> tuple[Staged | None, SessionSnapshot | None]:
     """A session's state at a boundary from the log alone (engine.sessions); None when no session
     was open there.
 
     `history` is the attempt's effective history (its origins' events first), so a session restored
     earlier continues from its origin's replay. The fold starts at the newest of `snapshots` that
-    matches (engine.snapshots) and gives the snapshot a long fold leaves, for the caller to store.
+    matches (engine.snapshots), or at `start` with `history` the events past it (engine.snapshot_reads),
+    and gives the snapshot a long fold leaves, for the caller to store.
     Raises InvalidCheckpointState on anything that does not add up, RestartInScope for a live
     session whose state cannot be rebuilt at all."""
     where = f"{rollout_id} attempt {attempt}"
     try:
-        replay, new = fold_from(snapshots, open_from_log, history)
+        replay, new = fold_from(snapshots, open_from_log, history, start=start)
     except ReplayDivergence as exc:
         raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
     if not replay.open or replay.env is None:
@@ -528,15 +530,14 @@ class ResourcesParticipant(Participant):
         """Rebuild every scoped session and validate the whole set before staging any of it."""
         # One read of every scoped rollout, checked against the cut (gap-free streams, recorded heads
         # giving the digest, lineage); the coordinator has re-derived every payload hash before asking.
-        history = await read_cut(self.store, cut, rehash=False)
+        history, starts = await read_scope(self.store, cut)  # past each scoped session's snapshot, if one agrees
         staged: dict[Key, Staged] = {}
         effective = {(e.rollout_id, e.attempt): history.effective(e.rollout_id, e.attempt, to=e.boundary) for e in cut.scope}
-        # Every scoped session's snapshots in one query, and the ones the folds leave in one insert.
-        snapshots = await self.store.session_snapshots(merged_bounds(list(effective.values())))
+        snapshots = await lineage_rows(self.store, cut, effective, starts)  # the folds leave theirs in one insert
         written: list[SessionSnapshot | None] = []
         for entry in cut.scope:
-            one, new = rebuild(entry.rollout_id, entry.attempt, entry.boundary,
-                               effective[(entry.rollout_id, entry.attempt)], snapshots)
+            one, new = rebuild(entry.rollout_id, entry.attempt, entry.boundary, effective[(entry.rollout_id, entry.attempt)],
+                               snapshots, starts.get(entry.rollout_id))
             written.append(new)
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one

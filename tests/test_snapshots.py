@@ -127,7 +127,8 @@ async def test_an_origins_snapshot_serves_the_attempt_restored_from_it(dsn: str,
     assert COUNTS.used == used + 1
 
 
-async def restore_twice(dsn: str, store: PostgresEventStore, rid: str, tamper: str | None = None) -> dict[str, Any]:
+async def restore_twice(dsn: str, store: PostgresEventStore, rid: str, tamper: str | None = None,
+                        forge: bool = False) -> dict[str, Any]:
     """A session of four mutations, a cut after them, then two restores in fresh processes: the first
     folds from the start and writes a snapshot, `tamper` edits it through SQL, the second restores again."""
     async with serving(dsn, "resources-a") as (http, _):
@@ -139,6 +140,14 @@ async def restore_twice(dsn: str, store: PostgresEventStore, rid: str, tamper: s
     out: dict[str, Any] = {"cut": cut}
     for name in ("first", "second"):
         async with serving(dsn, f"resources-{name}") as (http, participant):
+            read, out[f"{name}_read"] = participant.store.read_rollouts, []
+
+            async def counted(*args: Any, read: Any = read, name: str = name, **kw: Any) -> Any:
+                events = await read(*args, **kw)
+                out[f"{name}_read"].append(len(events))
+                return events
+
+            participant.store.read_rollouts = counted
             status, reply = await control(http, "restore")
             assert status == 200 and reply["detail"]["staged"] == 1, reply
             staged = participant.staged[(rid, 0)]
@@ -146,6 +155,8 @@ async def restore_twice(dsn: str, store: PostgresEventStore, rid: str, tamper: s
         if name == "first" and tamper is not None:
             with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
                 assert conn.execute(tamper).rowcount == 1
+        if name == "first" and forge:
+            forge_heads(dsn, rid)
     return out
 
 
@@ -155,9 +166,33 @@ async def test_a_restore_writes_a_snapshot_and_the_next_restore_uses_it(dsn: str
     out = await restore_twice(dsn, store, "sn1")
     assert out["second"] == out["first"]
     assert (COUNTS.written, COUNTS.used) == (written + 1, used + 1)
+    # The first read every event of the rollout; the second only those past the snapshot (none: it
+    # stands at the boundary, and the rollout wrote nothing after it up to the cut).
+    assert out["first_read"][0] > 0 and out["second_read"] == [0]
     with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM rollbook.stream_snapshots WHERE stream = %s",
                             (session_stream("sn1", 0),)).fetchone() == (1,)
+
+
+def forge_heads(dsn: str, rid: str) -> None:
+    """The rollout's snapshot made to name other hashes, its digest recomputed to match."""
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        stream, position, data = conn.execute("SELECT stream, position, data FROM rollbook.stream_snapshots "
+                                              "WHERE stream = %s", (session_stream(rid, 0),)).fetchone()
+        heads = [[s, v, "00" * 32] for s, v, _ in data["heads"]]
+        forged = SessionSnapshot(stream, position, tuple(tuple(h) for h in heads), data["state"])
+        assert forged.digest == snapshot_digest(stream, position, heads, data["state"])
+        conn.execute("UPDATE rollbook.stream_snapshots SET data = jsonb_set(data, '{heads}', %s::jsonb), digest = %s "
+                     "WHERE stream = %s", (canonical_json(heads), forged.digest, stream))
+
+
+async def test_a_restore_ignores_a_snapshot_whose_heads_are_not_the_logs(dsn: str, store: PostgresEventStore,
+                                                                        snapshot_every: None) -> None:
+    ignored, used = COUNTS.ignored, COUNTS.used
+    out = await restore_twice(dsn, store, "hr1", forge=True)
+    # the tail past the snapshot (none), then, the snapshot not agreeing with the log, every event again
+    assert out["second"] == out["first"] and out["second_read"] == [0, *out["first_read"]]
+    assert (COUNTS.ignored, COUNTS.used) == (ignored + 1, used)
 
 
 TAMPERED_STATE = "UPDATE rollbook.stream_snapshots SET data = jsonb_set(data, '{state,revision}', '99')"
@@ -176,14 +211,7 @@ async def test_a_snapshot_standing_for_other_events_is_ignored_even_with_a_match
     """A row consistent with itself (its digest recomputed) whose heads are not the log's: the events
     it was folded from are not the ones there now, so it is not used."""
     await restore_twice(dsn, store, "hd1")
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
-        stream, position, data = conn.execute("SELECT stream, position, data FROM rollbook.stream_snapshots "
-                                              "WHERE stream = %s", (session_stream("hd1", 0),)).fetchone()
-        heads = [[s, v, "00" * 32] for s, v, _ in data["heads"]]
-        forged = SessionSnapshot(stream, position, tuple(tuple(h) for h in heads), data["state"])
-        assert forged.digest == snapshot_digest(stream, position, heads, data["state"])
-        conn.execute("UPDATE rollbook.stream_snapshots SET data = jsonb_set(data, '{heads}', %s::jsonb), digest = %s",
-                     (canonical_json(heads), forged.digest))
+    forge_heads(dsn, "hd1")
     ignored = COUNTS.ignored
     history = await effective_history(store, "hd1", 0)
     assert fingerprint(await fold_session(store, open_from_log, history, write=False)) == fingerprint(from_start(history))
