@@ -373,39 +373,48 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     heads (one query reading no data), which its tail's recorded heads must agree with, and its
     lineage is not checked again here (the coordinator checked all of it before any participant
     restores). Its items and its `events` hold the tail only."""
-    after = after or {}
-    assert not (rehash and after), "the coordinator's check reads every event"
+    after = _tail_reads(after, rehash)
     by_rollout: dict[str, list[ScopeEntry]] = {}
     for s in cut.scope:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    rows = await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position, after)
-    events: dict[str, list[RecordedEvent]] = {r: [] for r in by_rollout}
-    for e in rows:
-        if e.rollout_id in events:
-            events[e.rollout_id].append(e)
+    events = _by_rollout(await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position, after), by_rollout)
     upto = {r: [e for e in events[r] if e.position <= cut.position] for r in by_rollout}
     await _read_fork_origins(store, events, cut.position, beyond_cut)
     start = await _predecessors(store, upto)
     heads: dict[str, list[tuple[str, int, bytes]]] = {}
-    logged = await store.rollout_heads_at(sorted(r for r in by_rollout if r in after), cut.position) if after else {}
+    logged = await store.rollout_heads_at(sorted(after), cut.position) if after else {}
     items: list[RestoreItem] = []
     for rollout_id, entries in sorted(by_rollout.items()):
         upto_cut = upto[rollout_id]
         mine_start = start.get(rollout_id, {})
         heads[rollout_id] = _rechain(upto_cut, mine_start) if rehash else _recorded_heads(upto_cut, mine_start)
         if rollout_id in after:
-            if not set(heads[rollout_id]) <= set(logged[rollout_id]):
-                raise InvalidCheckpointState(f"{rollout_id}: its events no longer match the log's stream heads")
-            heads[rollout_id] = logged[rollout_id]
-            items += [RestoreItem(s, tuple(e for e in upto_cut if e.attempt == s.attempt and e.position <= s.boundary))
-                      for s in entries]
-            continue
-        items += [_restore_item(s, upto_cut, cut.position) for s in entries]
+            heads[rollout_id] = _tail_heads(rollout_id, heads[rollout_id], logged[rollout_id])
+            items += [RestoreItem(s, tuple(_own(upto_cut, s))) for s in entries]
+        else:
+            items += [_restore_item(s, upto_cut, cut.position) for s in entries]
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
     order = {(s.rollout_id, s.attempt): i for i, s in enumerate(cut.scope)}
     items.sort(key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
     return CutHistory(cut, {r: tuple(evs) for r, evs in events.items()}, tuple(items))
+
+
+def _tail_reads(after: Mapping[str, int] | None, rehash: bool) -> Mapping[str, int]:
+    if after and rehash:
+        raise ValueError("the coordinator's check reads every event: no `after` with `rehash`")
+    return after or {}
+
+
+def _own(events: Iterable[RecordedEvent], s: ScopeEntry) -> list[RecordedEvent]:
+    return [e for e in events if e.attempt == s.attempt and e.position <= s.boundary]
+
+
+def _tail_heads(rollout_id: str, tail: list[tuple[str, int, bytes]], logged: list[tuple[str, int, bytes]]) -> list[tuple[str, int, bytes]]:
+    """A rollout read past a snapshot: its heads at P are the log's, which its tail must agree with."""
+    if not set(tail) <= set(logged):
+        raise InvalidCheckpointState(f"{rollout_id}: its events no longer match the log's stream heads")
+    return logged
 
 
 def _restore_item(s: ScopeEntry, upto_cut: Sequence[RecordedEvent], position: int) -> RestoreItem:
@@ -417,6 +426,14 @@ def _restore_item(s: ScopeEntry, upto_cut: Sequence[RecordedEvent], position: in
     _check_lineage(s, history, position, mine)
     with_messages(history)  # every agent boundary's conversation rebuilds from its deltas, or the cut is refused
     return RestoreItem(s, tuple(history))
+
+
+def _by_rollout(rows: Iterable[RecordedEvent], rollouts: Iterable[str]) -> dict[str, list[RecordedEvent]]:
+    events: dict[str, list[RecordedEvent]] = {r: [] for r in rollouts}
+    for e in rows:
+        if e.rollout_id in events:
+            events[e.rollout_id].append(e)
+    return events
 
 
 async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:
