@@ -11,23 +11,29 @@ and the revision of every session stream seen. It is keyed by (stream, position)
 stream of the attempt whose effective history was folded, and the log position folded up to. It
 stands for `effective_history(rollout, attempt, to=position)`.
 
-WHAT A READER DOES. `start_from` picks, for an effective history, the newest snapshot at or
-before each segment of its lineage ends (an origin's snapshot serves every attempt restored from a
-later boundary of it), checks it, and hands the fold that state plus the events after it.
+WHAT A READER DOES. `fold_from` picks, for an effective history it has read, the newest snapshot
+at or before each segment of its lineage ends (an origin's snapshot serves every attempt restored
+from a later boundary of it), checks it, and hands the fold that state plus the events after it:
+recovery (`_recover`) and a restore whose rollout has no snapshot of its own. The resources
+server's restore goes further (engine/snapshot_reads.py): with a snapshot of a scoped attempt's own
+session it reads only that rollout's events past the snapshot.
 
 THE CHECK, AND WHY IT IS CHEAP. A snapshot records its `heads`: each session stream it folded, at
 its last version at or below the position, with that event's recorded hash; this is the digest
 rule of the cut (engine.checkpoint.cut_digest): a stream's chain head covers every earlier event of
-the stream, so equal heads mean the very events the snapshot was folded from. The reader has
-already read the events it would otherwise fold (restore and recovery read the attempt's whole
-effective history for their other checks), so comparing the heads costs one pass of dictionary
-updates and no hashing of payloads. Restore's coordinator re-derives every one of those hashes from
-the payloads before any participant restores (engine.checkpoint.read_cut), so the heads a
-snapshot is compared with are the heads the cut's digest covers: the digest check still covers
-what the snapshot stands for. The row's own `digest` is sha256 over everything else in it (the
-state included), so a row edited in place (state, heads or position) no longer matches and is
-ignored. A snapshot that fails either check is ignored, the events are folded from the start, and
-`IGNORED` counts it (and the log says so): it is never an error to the user.
+the stream, so equal heads mean the very events the snapshot was folded from. Checking them never
+re-reads what the snapshot saves. A reader that has the events in hand (recovery reads the
+attempt's effective history for its other checks) compares heads in one pass of dictionary updates,
+no payload hashed. A restore that reads only the tail asks the log for the recorded hash at each
+named version and for the stream heads at P, two queries reading no event data, and requires each
+named stream's next event to be the first past the position (engine/snapshot_reads.py). Restore's
+coordinator re-derives every hash of the scope from the payloads before any participant restores
+(engine.checkpoint.validate_cut), so the heads a snapshot is compared with are those the cut's
+digest covers: the digest check still covers what the snapshot stands for. The row's own `digest`
+is sha256 over everything else in it (the state included), so a row edited in place (state, heads
+or position) no longer matches and is ignored. A snapshot that fails either check is ignored, the
+events are read and folded from the start, and `COUNTS.ignored` counts it (and the log says so):
+it is never an error to the user.
 
 What the check cannot see: someone able to write the table who also recomputes the row's digest
 over a forged state. Such a writer can equally rewrite the log's own rows and recompute their hash
@@ -40,7 +46,8 @@ every append's path, paid only by a reader that just paid far more for the fold.
 commit: a commit reads stream heads and no event data, so its cost grows with the number of streams
 in scope and never with their length; folding there would make every checkpoint pay for the longest
 session in scope, whether or not anyone ever restores it. The first restore, recovery or replay of
-a long session pays for the fold once; every later one starts at the snapshot.
+a long session pays for the fold once; every later one starts at the snapshot. `rollbook replay`
+never starts at one (the fold of every step is its check) but leaves one where it ended.
 """
 
 from __future__ import annotations
