@@ -15,17 +15,18 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from engine.attempts import FENCE_KINDS
 from engine.checkpoint import restart_only_at
 from engine.errors import RollbookError
-from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json
+from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json, stored_text
 from engine.identity import Key
 from engine.log import LogState, plan_batch
 from engine.projections import TABLES, Change, changes_for
+from engine.snapshots import SessionSnapshot
 
 # The columns of each projection table (migrations/versions/0001_event_log.py): a row read here has
 # every column, None where no event set it, as a row read from PostgreSQL has.
@@ -53,6 +54,8 @@ class MemoryLog:
         self.keys: dict[str, tuple[int, int]] = {}  # an append's idempotency key -> its first and last position
         self.fence_position = 0
         self._appended = asyncio.Condition()
+        # rollbook.stream_snapshots: (stream, position) -> (data, digest), JSON as stored (engine.snapshots)
+        self.snapshots: dict[tuple[str, int], tuple[dict[str, Any], str]] = {}
 
     def store(self, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> MemoryEventStore:
         return MemoryEventStore(self, writer, payload_limit)
@@ -158,13 +161,29 @@ class MemoryEventStore:
         return [e for e in self.log.events if e.rollout_id == rollout_id and (attempt is None or e.attempt == attempt)
                 and (to is None or e.position <= to)]
 
-    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
-        wanted = set(rollout_ids)
-        return [e for e in self.log.events if e.rollout_id in wanted and (to is None or e.position <= to)]
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
+                            after: Mapping[str, int] | None = None) -> list[RecordedEvent]:
+        wanted, after = set(rollout_ids), after or {}
+        return [e for e in self.log.events if e.rollout_id in wanted and (to is None or e.position <= to)
+                and e.position > after.get(e.rollout_id, 0)]
 
     async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
         wanted = set(versions)
         return {(e.stream, e.stream_version): e.hash for e in self.log.events if (e.stream, e.stream_version) in wanted}
+
+    async def session_snapshots(self, bounds: Mapping[str, int]) -> list[tuple[str, int, dict[str, Any], str]]:
+        out = []
+        for stream, bound in bounds.items():
+            found = [p for s, p in self.log.snapshots if s == stream and p <= bound]
+            if found:
+                data, digest = self.log.snapshots[(stream, max(found))]
+                out.append((stream, max(found), load_stored_json(stored_text(data)), digest))
+        return out
+
+    async def put_session_snapshots(self, snapshots: Sequence[SessionSnapshot]) -> None:
+        for snap in snapshots:  # through JSON, as PostgreSQL would store it
+            row = snap.row()
+            self.log.snapshots.setdefault((snap.stream, snap.position), (load_stored_json(stored_text(row["data"])), row["digest"]))
 
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
         """Catch up from `after`, then follow: woken by every append, as PostgreSQL's NOTIFY wakes a reader."""

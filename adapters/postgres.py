@@ -51,7 +51,8 @@ from adapters.pg_pool import (
     with_retry,
 )
 from adapters.pg_projections import apply_changes, guarded_updates, upsert_ctes
-from adapters.pg_reads import _COLUMNS, CHANNEL, LOCK_LOG_HEAD, LogReads, _row_to_event
+from adapters.pg_reads import _COLUMNS, CHANNEL, LOCK_LOG_HEAD, _row_to_event
+from adapters.pg_snapshots import SnapshotRows
 from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
@@ -157,7 +158,7 @@ class _Plan:
         return out
 
 
-class PostgresEventStore(LogReads):
+class PostgresEventStore(SnapshotRows):
     def __init__(self, engine: AsyncEngine, dsn: str, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
                  patience_s: float = DEFAULT_PATIENCE_S) -> None:
         self.engine = engine

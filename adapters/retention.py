@@ -13,7 +13,9 @@ default, never under MIN_KEY_RETENTION_S):
 Everything a kept checkpoint's restore reads is named: the cut's events (their receipts) are never
 deleted and its token snapshot lists its blobs; so are the blobs of every live attempt, every
 finished rollout (exported or not) and every open capture. Events themselves are kept: the log is
-the source of truth and its positions are gap-free.
+the source of truth and its positions are gap-free. Session snapshots (rollbook.stream_snapshots)
+are left alone: they name no blob, and a restore that starts at one reads the events after it,
+which are kept.
 
 Safe while servers write. A blob is "written" whenever any writer upserts it (`created_at` is set
 again on every write, adapters.token_store), and an event names a blob only after the blob was

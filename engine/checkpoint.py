@@ -13,7 +13,7 @@ attempt and starts every new one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from engine.events import (
 from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
 from engine.log import EventStore
 from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
+from engine.snapshots import SnapshotStore
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
 BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -48,8 +49,10 @@ class CutStore(EventStore, Protocol):
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
 
-    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None) -> list[RecordedEvent]:
-        """Every event of these rollouts (up to `to`), in log order: one query, whatever their number."""
+    async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
+                            after: Mapping[str, int] | None = None) -> list[RecordedEvent]:
+        """Every event of these rollouts (up to `to`; of one in `after`, past that position only), in
+        log order: one query, whatever their number."""
         ...
 
     async def stream_hashes(self, versions: Sequence[tuple[str, int]]) -> dict[tuple[str, int], bytes]:
@@ -68,7 +71,7 @@ class CutStore(EventStore, Protocol):
         ...
 
 
-class ParticipantStore(CutStore, AttemptStore, Protocol):
+class ParticipantStore(CutStore, AttemptStore, SnapshotStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
     are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
 
@@ -353,7 +356,8 @@ class CutHistory:
         return own if origin is None else self.effective(*origin) + own
 
 
-async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False) -> CutHistory:
+async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut: bool = False,
+                   after: Mapping[str, int] | None = None) -> CutHistory:
     """Read every scoped rollout's events in one query (plus one for chain predecessors, if any) and
     check them against the cut before anything is installed anywhere.
 
@@ -362,30 +366,55 @@ async def read_cut(store: CutStore, cut: Cut, *, rehash: bool = True, beyond_cut
     participant, after the coordinator's check) the stream versions must be gap-free and the heads
     *as recorded* must still give the digest: a deleted event or a changed hash is refused there
     too, without paying for a second re-hash of every payload. `beyond_cut` also returns events
-    after P (an episode's input may land after its first boundary); they are never part of the check."""
+    after P (an episode's input may land after its first boundary); they are never part of the check.
+
+    `after` (a participant that holds a snapshot of a rollout as of a position, engine.snapshots)
+    reads that rollout's events past the position only: its heads at P come from the log's stream
+    heads (one query reading no data), which its tail's recorded heads must agree with, and its
+    lineage is not checked again here (the coordinator checked all of it before any participant
+    restores). Its items and its `events` hold the tail only."""
+    after = _tail_reads(after, rehash)
     by_rollout: dict[str, list[ScopeEntry]] = {}
     for s in cut.scope:
         by_rollout.setdefault(s.rollout_id, []).append(s)
-    rows = await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position)
-    events: dict[str, list[RecordedEvent]] = {r: [] for r in by_rollout}
-    for e in rows:
-        if e.rollout_id in events:
-            events[e.rollout_id].append(e)
+    events = _by_rollout(await store.read_rollouts(sorted(by_rollout), None if beyond_cut else cut.position, after), by_rollout)
     upto = {r: [e for e in events[r] if e.position <= cut.position] for r in by_rollout}
     await _read_fork_origins(store, events, cut.position, beyond_cut)
     start = await _predecessors(store, upto)
     heads: dict[str, list[tuple[str, int, bytes]]] = {}
+    logged = await store.rollout_heads_at(sorted(after), cut.position) if after else {}
     items: list[RestoreItem] = []
     for rollout_id, entries in sorted(by_rollout.items()):
         upto_cut = upto[rollout_id]
         mine_start = start.get(rollout_id, {})
         heads[rollout_id] = _rechain(upto_cut, mine_start) if rehash else _recorded_heads(upto_cut, mine_start)
-        items += [_restore_item(s, upto_cut, cut.position) for s in entries]
+        if rollout_id in after:
+            heads[rollout_id] = _tail_heads(rollout_id, heads[rollout_id], logged[rollout_id])
+            items += [RestoreItem(s, tuple(_own(upto_cut, s))) for s in entries]
+        else:
+            items += [_restore_item(s, upto_cut, cut.position) for s in entries]
     if digest_of(cut, heads) != cut.digest:
         raise InvalidCheckpointState(f"checkpoint {cut.checkpoint_id}: the log no longer matches the cut's digest")
     order = {(s.rollout_id, s.attempt): i for i, s in enumerate(cut.scope)}
     items.sort(key=lambda i: order[(i.entry.rollout_id, i.entry.attempt)])
     return CutHistory(cut, {r: tuple(evs) for r, evs in events.items()}, tuple(items))
+
+
+def _tail_reads(after: Mapping[str, int] | None, rehash: bool) -> Mapping[str, int]:
+    if after and rehash:
+        raise ValueError("the coordinator's check reads every event: no `after` with `rehash`")
+    return after or {}
+
+
+def _own(events: Iterable[RecordedEvent], s: ScopeEntry) -> list[RecordedEvent]:
+    return [e for e in events if e.attempt == s.attempt and e.position <= s.boundary]
+
+
+def _tail_heads(rollout_id: str, tail: list[tuple[str, int, bytes]], logged: list[tuple[str, int, bytes]]) -> list[tuple[str, int, bytes]]:
+    """A rollout read past a snapshot: its heads at P are the log's, which its tail must agree with."""
+    if not set(tail) <= set(logged):
+        raise InvalidCheckpointState(f"{rollout_id}: its events no longer match the log's stream heads")
+    return logged
 
 
 def _restore_item(s: ScopeEntry, upto_cut: Sequence[RecordedEvent], position: int) -> RestoreItem:
@@ -397,6 +426,14 @@ def _restore_item(s: ScopeEntry, upto_cut: Sequence[RecordedEvent], position: in
     _check_lineage(s, history, position, mine)
     with_messages(history)  # every agent boundary's conversation rebuilds from its deltas, or the cut is refused
     return RestoreItem(s, tuple(history))
+
+
+def _by_rollout(rows: Iterable[RecordedEvent], rollouts: Iterable[str]) -> dict[str, list[RecordedEvent]]:
+    events: dict[str, list[RecordedEvent]] = {r: [] for r in rollouts}
+    for e in rows:
+        if e.rollout_id in events:
+            events[e.rollout_id].append(e)
+    return events
 
 
 async def validate_cut(store: CutStore, cut: Cut) -> list[RestoreItem]:

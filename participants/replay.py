@@ -9,15 +9,17 @@ disagreement is a `replay_divergence`, reported as an error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import catalog as ev
+from engine import snapshots
 from engine.boundaries import with_messages
 from engine.checkpoint import ParticipantStore, effective_history
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
+from engine.identity import is_session_stream
 from engine.sessions import SessionReplay, boundary_disagreement
 from participants.environments import get_environment, open_from_log
 from participants.environments.base import Task, Trajectory
@@ -192,8 +194,16 @@ async def replay(store: ParticipantStore, rollout_id: str, attempt: int, to: int
     if (rollout_id, attempt) not in rows:
         raise UnknownAttempt(f"rollout {rollout_id} has no attempt {attempt}", rollout_id=rollout_id, attempt=attempt)
     state, steps = ReplayState(), []
-    for e in with_messages(await effective_history(store, rollout_id, attempt, to)):  # whole conversations, not deltas
+    history = await effective_history(store, rollout_id, attempt, to)
+    opened: Mapping[str, Any] | None = None
+    folded = 0
+    for e in with_messages(history):  # whole conversations, not deltas
         steps.append(Step(e.position, e.attempt or 0, e.kind, apply(state, e)))
+        opened, folded = snapshots.opening(e, opened), folded + is_session_stream(e.stream)
+    # Replay re-derives every step (that is its check), so it starts from no snapshot; having paid
+    # for the whole fold, it leaves one for the next restore or recovery of this session.
+    if snapshots.worth_writing(folded):
+        await snapshots.store_snapshots(store, [snapshots.capture(state.session, history, opened)])
     if to is None:
         recorded = await store.session_revision(rollout_id, attempt)
         if recorded is not None and recorded != state.revision:

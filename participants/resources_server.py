@@ -21,6 +21,7 @@ its live session, when gone, is rebuilt by replaying them (engine.tool_replay) o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,7 +30,7 @@ from aiohttp import web
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
 from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_targets
+from engine.checkpoint import Cut, ParticipantStore, effective_history, restored_targets
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -57,7 +58,9 @@ from engine.identity import (
     validate_tool_call_key,
 )
 from engine.recovery import tool_call_outcomes
-from engine.sessions import SessionReplay, boundary_disagreement, open_session_mode
+from engine.sessions import boundary_disagreement, open_session_mode
+from engine.snapshot_reads import lineage_rows, read_scope
+from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, store_snapshots
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -127,22 +130,24 @@ class Staged:
     revision: int
 
 
-def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent]) -> Staged | None:
+def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent], snapshots: Sequence[Row] = (),
+            start: SessionSnapshot | None = None) -> tuple[Staged | None, SessionSnapshot | None]:
     """A session's state at a boundary from the log alone (engine.sessions); None when no session
     was open there.
 
     `history` is the attempt's effective history (its origins' events first), so a session restored
-    earlier continues from its origin's replay. Raises InvalidCheckpointState on anything that does
-    not add up, RestartInScope for a live session whose state cannot be rebuilt at all."""
+    earlier continues from its origin's replay. The fold starts at the newest of `snapshots` that
+    matches (engine.snapshots), or at `start` with `history` the events past it (engine.snapshot_reads),
+    and gives the snapshot a long fold leaves, for the caller to store.
+    Raises InvalidCheckpointState on anything that does not add up, RestartInScope for a live
+    session whose state cannot be rebuilt at all."""
     where = f"{rollout_id} attempt {attempt}"
-    replay = SessionReplay(open_from_log)
     try:
-        for e in history:
-            replay.apply(e)
+        replay, new = fold_from(snapshots, open_from_log, history, start=start)
     except ReplayDivergence as exc:
         raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
     if not replay.open or replay.env is None:
-        return None
+        return None, new
     if replay.env.state_mode == "restart_only":
         raise RestartInScope(f"{where} holds a live {replay.env.name} session, which cannot be rebuilt",
                              executions=[[rollout_id, attempt]])
@@ -151,7 +156,7 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
     if wrong is not None:
         stream, seen, logged = wrong
         raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {seen}, the replay reaches {logged}")
-    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision)
+    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision), new
 
 
 def restart_only(env_name: str | None) -> bool:
@@ -217,7 +222,9 @@ class ResourcesParticipant(Participant):
                                   "with a server restart; the rollout starts over under a new attempt",
                                   rollout_id=key[0], attempt=key[1], lost="session")
             try:
-                staged = rebuild(key[0], key[1], -1, history)
+                snapshots = await self.store.session_snapshots(lineage_bounds(history))
+                staged, new = rebuild(key[0], key[1], -1, history, snapshots)
+                await store_snapshots(self.store, [new])
             except RestartInScope as exc:  # a session logged before sessions named their state mode
                 raise AttemptLost(f"rollout {key[0]} attempt {key[1]}: {exc.detail}", rollout_id=key[0], attempt=key[1],
                                   lost="session") from exc
@@ -523,13 +530,18 @@ class ResourcesParticipant(Participant):
         """Rebuild every scoped session and validate the whole set before staging any of it."""
         # One read of every scoped rollout, checked against the cut (gap-free streams, recorded heads
         # giving the digest, lineage); the coordinator has re-derived every payload hash before asking.
-        history = await read_cut(self.store, cut, rehash=False)
+        history, starts = await read_scope(self.store, cut)  # past each scoped session's snapshot, if one agrees
         staged: dict[Key, Staged] = {}
+        effective = {(e.rollout_id, e.attempt): history.effective(e.rollout_id, e.attempt, to=e.boundary) for e in cut.scope}
+        snapshots = await lineage_rows(self.store, cut, effective, starts)  # the folds leave theirs in one insert
+        written: list[SessionSnapshot | None] = []
         for entry in cut.scope:
-            one = rebuild(entry.rollout_id, entry.attempt, entry.boundary,
-                          history.effective(entry.rollout_id, entry.attempt, to=entry.boundary))
+            one, new = rebuild(entry.rollout_id, entry.attempt, entry.boundary, effective[(entry.rollout_id, entry.attempt)],
+                               snapshots, starts.get(entry.rollout_id))
+            written.append(new)
             if one is not None:
                 staged[(entry.rollout_id, entry.attempt)] = one
+        await store_snapshots(self.store, written)
         self.staged, self.staged_from = staged, cut.checkpoint_id
         self.admission.close()  # a restored process stays paused until resume installs the sessions
         return {"staged": len(staged), "scope": len(cut.scope)}
