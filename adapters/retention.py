@@ -1,26 +1,57 @@
 """Retention: what the database may drop while the servers write (`rollbook db retain`).
 
-Two things are dropped, both older than the retention (`[limits] append_key_retention_s`, a day by
-default, never under MIN_KEY_RETENTION_S):
+What is dropped, in this order, each older than the retention (`[limits] append_key_retention_s`,
+a day by default, never under MIN_KEY_RETENTION_S):
 
-- append idempotency keys (PostgresEventStore.prune_append_keys says why an old key is never asked
-  for again);
-- token blobs that nothing names: no event's data holds their id (a receipt of a model call, of a
-  cut prefix it continues, of a captured entry, anywhere in the data) and no token snapshot lists
-  them. Such a blob is what a write left behind when the append that was to name it was refused or
-  never came (a fenced call's outcome, a crash between a put and its event).
+1. the events of attempts nothing needs any more. An attempt is *done* when it was fenced (a later
+   attempt superseded it) or finished and marked exported (`rollout_exported`, engine/exports.py). A
+   done attempt is dropped unless it is *needed*:
+   - it is an attempt of a rollout a *kept* checkpoint continues or dispatches afresh (its cut's
+     scope: restore re-hashes every event of a scoped rollout up to the cut, all attempts; its fresh
+     dispatches: their input is read from their events), or of a rollout such a rollout was forked
+     from (its lineage). A rollout a cut lists as completed needs no event at restore (its attempt's
+     row says it finished; restore leaves it as it is), and every later cut lists every finished
+     rollout as completed: counting those would keep every finished rollout for ever;
+   - it is in the lineage (`origin_attempt`, a fork's `origin_rollout_id`, recursively) of an attempt
+     that is not done: live, retired (forget may revive it), finished and not exported, or with an
+     open token capture (a capture stream without `capture_retired`).
+   *Kept* checkpoints: the newest `[limits] retention_keep_checkpoints` published ones, any
+   committed one (being published), and every checkpoint a needed attempt was restored from.
+   Dropped are the attempt's events outside its rollout's stream (its episode, agent, session,
+   capture and model-call streams), whole streams only, each event of them older than the retention,
+   with their projection rows (episode_state, session_state, model_call_state: the rows those events
+   alone derive, so a rebuild from the log still equals the live tables). The rollout's own stream
+   stays: a few events per attempt (started, fenced, finished, exported) that keep `attempts`, the
+   export mark and what `rollbook run` reads to know a rollout finished.
+   A restore of a checkpoint that is not kept may then fail validation (its rollouts' events are
+   gone): that is what not keeping it means.
+2. the token snapshots of checkpoints that ended (published or aborted) and are not kept;
+3. append idempotency keys (PostgresEventStore.prune_append_keys says why an old key is never asked
+   for again; a dropped event is older than the retention, and so is its key);
+4. token blobs that nothing names: no event's data holds their id (a receipt of a model call, of a
+   cut prefix it continues, of a captured entry, anywhere in the data) and no token snapshot lists
+   them. Such a blob is what a write left behind when the append that was to name it was refused or
+   never came (a fenced call's outcome, a crash between a put and its event), or what the events
+   and snapshots dropped above named.
 
-Everything a kept checkpoint's restore reads is named: the cut's events (their receipts) are never
-deleted and its token snapshot lists its blobs; so are the blobs of every live attempt, every
-finished rollout (exported or not) and every open capture. Events themselves are kept: the log is
-the source of truth and its positions are gap-free.
+Holes in positions. Dropping events leaves positions that no row holds. Every reader stays correct
+with them: `read_all` and `subscribe` select `position > after` in order (a hole is an event they
+never see, and nothing lands below the head later); restore's chain check (`_rechain`) is per stream
+and only whole streams are dropped, of rollouts no kept checkpoint names; the views and the UI read
+whatever rows are there. Only the log head says how many events were ever appended.
 
-Safe while servers write. A blob is "written" whenever any writer upserts it (`created_at` is set
-again on every write, adapters.token_store), and an event names a blob only after the blob was
-written, within the writer's database patience (seconds) or in the same transaction. The delete
-re-checks each row's age under its row lock, so a blob written again while retention runs (the same
-tokens generated anew) is kept, and a blob older than the retention cannot be named by an event
-still to come.
+Safe while servers write. Each batch of (1) decides and deletes in one transaction that holds the log
+head FOR SHARE, so no append commits in between: an attempt found done and unneeded cannot become
+needed before its events are gone (a restore's fence and its next start are one append). A
+checkpoint makes its cut after `checkpoint_started` lands, so (1) and (2) are skipped while a
+checkpoint is started or prepared (`deferred_by` names it) and such a cut never covers a stream
+being deleted. A blob is "written" whenever any writer upserts it (`created_at` is set again on
+every write, adapters.token_store), and an event names a blob only after the blob was written,
+within the writer's database patience (seconds) or in the same transaction. The delete re-checks
+each row's age under its row lock, so a blob written again while retention runs (the same tokens
+generated anew) is kept, and a blob older than the retention cannot be named by an event still to
+come. What is not guarded: a fork started from a boundary of a done attempt while retention drops
+it (its read of the origin came first) cannot be restored from its origin; fork from what is kept.
 """
 
 from __future__ import annotations
@@ -31,6 +62,74 @@ from sqlalchemy import text
 
 from adapters.pg_pool import retrying
 from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PostgresEventStore
+from engine import catalog as ev
+from engine.identity import rollout_stream
+from engine.phases import OPEN_CHECKPOINT_PHASES
+
+# How many published checkpoints stay restorable (`[limits] retention_keep_checkpoints`).
+DEFAULT_KEEP_CHECKPOINTS = 3
+
+# The attempts that are not done, and those their lineage goes back to (see the module's docstring).
+_NEEDED = f"""
+marked AS (SELECT DISTINCT rollout_id, attempt FROM rollbook.events WHERE kind = '{ev.ROLLOUT_EXPORTED}'),
+open_captures AS (SELECT rollout_id, attempt FROM rollbook.events WHERE kind IN ({", ".join(f"'{k}'" for k in ev.CAPTURE_KINDS)})
+                  GROUP BY rollout_id, attempt HAVING NOT bool_or(kind = '{ev.CAPTURE_RETIRED}')),
+starts AS (SELECT rollout_id, attempt, coalesce(data->>'origin_rollout_id', rollout_id) AS origin_rollout,
+                  (data->>'origin_attempt')::integer AS origin_attempt
+           FROM rollbook.events WHERE kind = '{ev.ATTEMPT_STARTED}'),
+done AS (SELECT a.rollout_id, a.attempt FROM rollbook.attempt_state a
+         WHERE a.status = 'fenced' OR (a.status = 'finished' AND (a.rollout_id, a.attempt) IN (SELECT * FROM marked))),
+needed (rollout_id, attempt) AS (
+    SELECT rollout_id, attempt FROM rollbook.attempt_state WHERE (rollout_id, attempt) NOT IN (SELECT * FROM done)
+    UNION SELECT rollout_id, attempt FROM open_captures
+    UNION SELECT s.origin_rollout, s.origin_attempt FROM needed n
+          JOIN starts s ON s.rollout_id = n.rollout_id AND s.attempt = n.attempt WHERE s.origin_attempt IS NOT NULL),
+kept AS (
+    SELECT checkpoint_id FROM (SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = 'published'
+                               ORDER BY published_position DESC LIMIT :keep) newest
+    UNION SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = 'committed'
+    UNION SELECT a.restored_from FROM rollbook.attempt_state a JOIN needed n USING (rollout_id, attempt)
+          WHERE a.restored_from IS NOT NULL),
+kept_rollouts (rollout_id) AS (
+    SELECT r.rollout_id FROM rollbook.checkpoint_rollouts r JOIN kept k USING (checkpoint_id)
+    WHERE r.disposition <> 'completed'
+    UNION SELECT s.origin_rollout FROM kept_rollouts k JOIN starts s USING (rollout_id)),
+droppable AS (SELECT d.rollout_id, d.attempt FROM done d
+              WHERE (d.rollout_id, d.attempt) NOT IN (SELECT * FROM needed)
+                AND d.rollout_id NOT IN (SELECT rollout_id FROM kept_rollouts))"""
+# Every event of an attempt outside its rollout's stream (`:rs` || rollout id spells that stream).
+_OWN = "e.rollout_id = d.rollout_id AND e.attempt = d.attempt AND e.stream <> :rs || d.rollout_id"
+# A batch of droppable attempts that have events to drop, each of those events old, and every event
+# of every stream they are in an old one of a droppable attempt: streams go whole or not at all.
+_BATCH = f"""WITH RECURSIVE {_NEEDED},
+batch AS (
+    SELECT d.rollout_id, d.attempt FROM droppable d
+    WHERE EXISTS (SELECT 1 FROM rollbook.events e WHERE {_OWN})
+      AND NOT EXISTS (
+        SELECT 1 FROM rollbook.events e JOIN rollbook.events o ON o.stream = e.stream
+        WHERE {_OWN} AND (o.recorded_at >= now() - make_interval(secs => :s)
+                          OR (o.rollout_id, o.attempt) NOT IN (SELECT * FROM droppable)
+                          OR o.rollout_id IS NULL OR o.attempt IS NULL))
+    LIMIT :n),
+streams AS (SELECT DISTINCT e.stream FROM batch d JOIN rollbook.events e ON {_OWN}),
+gone AS (DELETE FROM rollbook.events e USING streams s WHERE e.stream = s.stream
+         RETURNING e.rollout_id, e.attempt, e.kind, e.data->>'call_id' AS call_id, pg_column_size(e.*) AS bytes)
+SELECT rollout_id, attempt, kind, call_id, bytes FROM gone"""
+# The projection rows only the dropped events derived (engine.projections: episode_*, session_* and
+# mutation_applied by attempt, call_* by call id; none of those kinds goes to a rollout's stream).
+_DROP_PROJECTIONS = (
+    "WITH k AS (SELECT * FROM unnest(CAST(:r AS text[]), CAST(:a AS integer[])) AS k(rollout_id, attempt)), "
+    "es AS (DELETE FROM rollbook.episode_state t USING k WHERE t.rollout_id = k.rollout_id AND t.attempt = k.attempt), "
+    "ss AS (DELETE FROM rollbook.session_state t USING k WHERE t.rollout_id = k.rollout_id AND t.attempt = k.attempt) "
+    "DELETE FROM rollbook.model_call_state WHERE call_id = ANY(CAST(:c AS text[]))"
+)
+_OPEN_CHECKPOINT = ("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase IN "
+                    f"({', '.join(repr(p) for p in OPEN_CHECKPOINT_PHASES)}) ORDER BY checkpoint_id LIMIT 1")
+_HOLD_APPENDS = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR SHARE"
+_DROP_SNAPSHOTS = f"""WITH RECURSIVE {_NEEDED}
+DELETE FROM rollbook.token_snapshots t USING rollbook.checkpoint_state c
+WHERE c.checkpoint_id = t.checkpoint_id AND c.phase IN ('published', 'aborted')
+  AND t.checkpoint_id NOT IN (SELECT checkpoint_id FROM kept)"""
 
 # Every blob id anywhere in an event's data, and every blob a token snapshot lists.
 _NAMED = (
@@ -57,22 +156,73 @@ class Retained:
     token_blobs: int
     token_bytes: int  # the stored size of the dropped arrays (pg_column_size)
     older_than_s: float
+    events: int = 0
+    event_bytes: int = 0  # the stored size of the dropped rows (pg_column_size)
+    attempts: int = 0  # attempts whose events went
+    token_snapshots: int = 0
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    deferred_by: str | None = None  # a checkpoint started or prepared: no event or snapshot was dropped
+
+
+@dataclass
+class _Dropped:
+    events: int = 0
+    bytes: int = 0
+    attempts: int = 0
 
 
 async def retain(store: PostgresEventStore, older_than_s: float = DEFAULT_KEY_RETENTION_S,
-                 batch: int = 10_000) -> Retained:
-    """Drop the append keys and the unnamed token blobs older than `older_than_s`; raises ValueError
-    for a retention shorter than a writer may still retry or name what it wrote."""
+                 batch: int = 10_000, keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS) -> Retained:
+    """Drop what nothing needs (the module's docstring says what that is); raises ValueError for a
+    retention shorter than a writer may still retry or name what it wrote, or no kept checkpoint."""
     if older_than_s < max(MIN_KEY_RETENTION_S, store.patience_s):
         raise ValueError(f"a retention of {older_than_s:g} s is shorter than a writer may retry an append "
                          f"(at least {max(MIN_KEY_RETENTION_S, store.patience_s):g} s)")
+    if keep_checkpoints < 1:
+        raise ValueError("retention keeps at least the newest published checkpoint (keep_checkpoints >= 1)")
+    dropped, deferred_by = _Dropped(), None
+    while deferred_by is None:
+        deferred_by, n = await _drop_event_batch(store, older_than_s, max(1, batch // 10), keep_checkpoints, dropped)
+        if n == 0:
+            break
+    snapshots = 0 if deferred_by is not None else await _drop_snapshots(store, keep_checkpoints)
     keys = await store.prune_append_keys(older_than_s, batch)
     blobs = size = 0
     while True:
         sizes = await _drop_blob_batch(store, older_than_s, batch)
         blobs, size = blobs + len(sizes), size + sum(sizes)
         if len(sizes) < batch:
-            return Retained(keys, blobs, size, older_than_s)
+            return Retained(keys, blobs, size, older_than_s, dropped.events, dropped.bytes, dropped.attempts,
+                            snapshots, keep_checkpoints, deferred_by)
+
+
+@retrying("dropping events")  # decided again on every try, under the same lock: safe to repeat
+async def _drop_event_batch(store: PostgresEventStore, older_than_s: float, batch: int, keep: int,
+                            dropped: _Dropped) -> tuple[str | None, int]:
+    """One transaction: hold appends off, check no checkpoint is making its cut, drop a batch of
+    attempts' events and their projection rows. (the open checkpoint, the attempts dropped)"""
+    async with store.engine.begin() as conn:
+        await conn.execute(text(_HOLD_APPENDS))
+        open_checkpoint = (await conn.execute(text(_OPEN_CHECKPOINT))).scalar()
+        if open_checkpoint is not None:
+            return str(open_checkpoint), 0
+        rows = (await conn.execute(text(_BATCH), {"s": older_than_s, "n": batch, "keep": keep,
+                                                  "rs": rollout_stream("")})).all()
+        attempts = sorted({(r.rollout_id, r.attempt) for r in rows})
+        calls = sorted({r.call_id for r in rows if r.kind.startswith("call_") and r.call_id is not None})
+        if attempts:
+            await conn.execute(text(_DROP_PROJECTIONS), {"r": [r for r, _ in attempts], "a": [a for _, a in attempts],
+                                                         "c": calls})
+    dropped.events += len(rows)
+    dropped.bytes += sum(int(r.bytes or 0) for r in rows)
+    dropped.attempts += len(attempts)
+    return None, len(attempts)
+
+
+@retrying("dropping token snapshots")  # deleting what is not kept is safe to repeat
+async def _drop_snapshots(store: PostgresEventStore, keep: int) -> int:
+    async with store.engine.begin() as conn:
+        return int((await conn.execute(text(_DROP_SNAPSHOTS), {"keep": keep})).rowcount)
 
 
 @retrying("dropping token blobs")  # deleting unnamed old rows is safe to repeat
