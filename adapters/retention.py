@@ -20,7 +20,9 @@ a day by default, never under MIN_KEY_RETENTION_S):
    Dropped are the attempt's events outside its rollout's stream (its episode, agent, session,
    capture and model-call streams), whole streams only, each event of them older than the retention,
    with their projection rows (episode_state, session_state, model_call_state: the rows those events
-   alone derive, so a rebuild from the log still equals the live tables). The rollout's own stream
+   alone derive, so a rebuild from the log still equals the live tables) and their `stream_heads`
+   rows (an event appended to such a stream later, which only a finished attempt may still write,
+   starts a new chain at version 1 instead of following versions no row holds). The rollout's own stream
    stays: a few events per attempt (started, fenced, finished, exported) that keep `attempts`, the
    export mark and what `rollbook run` reads to know a rollout finished.
    A restore of a checkpoint that is not kept may then fail validation (its rollouts' events are
@@ -113,14 +115,15 @@ batch AS (
     LIMIT :n),
 streams AS (SELECT DISTINCT e.stream FROM batch d JOIN rollbook.events e ON {_OWN}),
 gone AS (DELETE FROM rollbook.events e USING streams s WHERE e.stream = s.stream
-         RETURNING e.rollout_id, e.attempt, e.kind, e.data->>'call_id' AS call_id, pg_column_size(e.*) AS bytes)
-SELECT rollout_id, attempt, kind, call_id, bytes FROM gone"""
+         RETURNING e.stream, e.rollout_id, e.attempt, e.kind, e.data->>'call_id' AS call_id, pg_column_size(e.*) AS bytes)
+SELECT stream, rollout_id, attempt, kind, call_id, bytes FROM gone"""
 # The projection rows only the dropped events derived (engine.projections: episode_*, session_* and
 # mutation_applied by attempt, call_* by call id; none of those kinds goes to a rollout's stream).
 _DROP_PROJECTIONS = (
     "WITH k AS (SELECT * FROM unnest(CAST(:r AS text[]), CAST(:a AS integer[])) AS k(rollout_id, attempt)), "
     "es AS (DELETE FROM rollbook.episode_state t USING k WHERE t.rollout_id = k.rollout_id AND t.attempt = k.attempt), "
-    "ss AS (DELETE FROM rollbook.session_state t USING k WHERE t.rollout_id = k.rollout_id AND t.attempt = k.attempt) "
+    "ss AS (DELETE FROM rollbook.session_state t USING k WHERE t.rollout_id = k.rollout_id AND t.attempt = k.attempt), "
+    "sh AS (DELETE FROM rollbook.stream_heads WHERE stream = ANY(CAST(:s AS text[]))) "
     "DELETE FROM rollbook.model_call_state WHERE call_id = ANY(CAST(:c AS text[]))"
 )
 _OPEN_CHECKPOINT = ("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase IN "
@@ -212,7 +215,7 @@ async def _drop_event_batch(store: PostgresEventStore, older_than_s: float, batc
         calls = sorted({r.call_id for r in rows if r.kind.startswith("call_") and r.call_id is not None})
         if attempts:
             await conn.execute(text(_DROP_PROJECTIONS), {"r": [r for r, _ in attempts], "a": [a for _, a in attempts],
-                                                         "c": calls})
+                                                         "c": calls, "s": sorted({r.stream for r in rows})})
     dropped.events += len(rows)
     dropped.bytes += sum(int(r.bytes or 0) for r in rows)
     dropped.attempts += len(attempts)

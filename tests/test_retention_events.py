@@ -224,6 +224,8 @@ async def scenario(dsn: str, plan: Plan) -> None:
                            "LEFT JOIN rollbook.token_blobs t ON t.blob_id = n.b WHERE t.blob_id IS NULL")
         assert missing == []
         assert {c for (c,) in sql(dsn, "SELECT checkpoint_id FROM rollbook.token_snapshots")} == kept
+        assert sql(dsn, "SELECT stream FROM rollbook.stream_heads h WHERE NOT EXISTS "
+                        "(SELECT 1 FROM rollbook.events e WHERE e.stream = h.stream)") == []
         # The projections rebuilt from what is left equal the live tables.
         live = projections(dsn)
         await store.rebuild_projections()
