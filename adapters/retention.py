@@ -72,6 +72,7 @@ from engine.phases import OPEN_CHECKPOINT_PHASES
 DEFAULT_KEEP_CHECKPOINTS = 3
 
 # The attempts that are not done, and those their lineage goes back to (see the module's docstring).
+# Anti-joins are NOT EXISTS, never NOT IN: past work_mem a NOT IN set is scanned once per row.
 _NEEDED = f"""
 marked AS (SELECT DISTINCT rollout_id, attempt FROM rollbook.events WHERE kind = '{ev.ROLLOUT_EXPORTED}'),
 open_captures AS (SELECT rollout_id, attempt FROM rollbook.events WHERE kind IN ({", ".join(f"'{k}'" for k in ev.CAPTURE_KINDS)})
@@ -82,7 +83,8 @@ starts AS (SELECT rollout_id, attempt, coalesce(data->>'origin_rollout_id', roll
 done AS (SELECT a.rollout_id, a.attempt FROM rollbook.attempt_state a
          WHERE a.status = 'fenced' OR (a.status = 'finished' AND (a.rollout_id, a.attempt) IN (SELECT * FROM marked))),
 needed (rollout_id, attempt) AS (
-    SELECT rollout_id, attempt FROM rollbook.attempt_state WHERE (rollout_id, attempt) NOT IN (SELECT * FROM done)
+    SELECT a.rollout_id, a.attempt FROM rollbook.attempt_state a
+    WHERE NOT EXISTS (SELECT 1 FROM done d WHERE d.rollout_id = a.rollout_id AND d.attempt = a.attempt)
     UNION SELECT rollout_id, attempt FROM open_captures
     UNION SELECT s.origin_rollout, s.origin_attempt FROM needed n
           JOIN starts s ON s.rollout_id = n.rollout_id AND s.attempt = n.attempt WHERE s.origin_attempt IS NOT NULL),
@@ -97,8 +99,8 @@ kept_rollouts (rollout_id) AS (
     WHERE r.disposition <> 'completed'
     UNION SELECT s.origin_rollout FROM kept_rollouts k JOIN starts s USING (rollout_id)),
 droppable AS (SELECT d.rollout_id, d.attempt FROM done d
-              WHERE (d.rollout_id, d.attempt) NOT IN (SELECT * FROM needed)
-                AND d.rollout_id NOT IN (SELECT rollout_id FROM kept_rollouts))"""
+              WHERE NOT EXISTS (SELECT 1 FROM needed n WHERE n.rollout_id = d.rollout_id AND n.attempt = d.attempt)
+                AND NOT EXISTS (SELECT 1 FROM kept_rollouts k WHERE k.rollout_id = d.rollout_id))"""
 # Every event of an attempt outside its rollout's stream (`:rs` || rollout id spells that stream).
 _OWN = "e.rollout_id = d.rollout_id AND e.attempt = d.attempt AND e.stream <> :rs || d.rollout_id"
 # A batch of droppable attempts that have events to drop, each of those events old, and every event
@@ -110,8 +112,8 @@ batch AS (
       AND NOT EXISTS (
         SELECT 1 FROM rollbook.events e JOIN rollbook.events o ON o.stream = e.stream
         WHERE {_OWN} AND (o.recorded_at >= now() - make_interval(secs => :s)
-                          OR (o.rollout_id, o.attempt) NOT IN (SELECT * FROM droppable)
-                          OR o.rollout_id IS NULL OR o.attempt IS NULL))
+                          OR NOT EXISTS (SELECT 1 FROM droppable x WHERE x.rollout_id = o.rollout_id
+                                                                     AND x.attempt = o.attempt)))
     LIMIT :n),
 streams AS (SELECT DISTINCT e.stream FROM batch d JOIN rollbook.events e ON {_OWN}),
 gone AS (DELETE FROM rollbook.events e USING streams s WHERE e.stream = s.stream
@@ -132,7 +134,7 @@ _HOLD_APPENDS = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR SHARE"
 _DROP_SNAPSHOTS = f"""WITH RECURSIVE {_NEEDED}
 DELETE FROM rollbook.token_snapshots t USING rollbook.checkpoint_state c
 WHERE c.checkpoint_id = t.checkpoint_id AND c.phase IN ('published', 'aborted')
-  AND t.checkpoint_id NOT IN (SELECT checkpoint_id FROM kept)"""
+  AND NOT EXISTS (SELECT 1 FROM kept k WHERE k.checkpoint_id = t.checkpoint_id)"""
 
 # Every blob id anywhere in an event's data, and every blob a token snapshot lists.
 _NAMED = (
