@@ -340,3 +340,19 @@ async def test_retention_racing_appends_and_a_checkpoint_loses_nothing(dsn: str)
     finally:
         for s in stores:
             await s.close()
+
+
+async def test_rollbook_db_retain_takes_the_checkpoints_to_keep(dsn: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from apps import cli
+    from apps import config as cfg
+
+    servers = {k: cfg.ServerConfig(port=0) for k in cfg.KINDS}
+    cfg.write(cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
+                         limits=cfg.LimitsConfig(retention_keep_checkpoints=5)), tmp_path / "rollbook.toml")
+    assert await asyncio.to_thread(cli.main, ["db", "retain", "--config", str(tmp_path / "rollbook.toml")]) == 0
+    assert await asyncio.to_thread(cli.main, ["db", "retain", "--dsn", dsn, "--keep-checkpoints", "2"]) == 0
+    outs = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert [o["keep_checkpoints"] for o in outs] == [5, 2]
+    assert await asyncio.to_thread(cli.main, ["db", "retain", "--dsn", dsn, "--keep-checkpoints", "0"]) == 2
