@@ -42,12 +42,12 @@ never see, and nothing lands below the head later); restore's chain check (`_rec
 and only whole streams are dropped, of rollouts no kept checkpoint names; the views and the UI read
 whatever rows are there. Only the log head says how many events were ever appended.
 
-Safe while servers write. Each batch of (1) decides and deletes in one transaction that holds the log
-head FOR SHARE, so no append commits in between: an attempt found done and unneeded cannot become
-needed before its events are gone (a restore's fence and its next start are one append). A
-checkpoint makes its cut after `checkpoint_started` lands, so (1) and (2) are skipped while a
-checkpoint is started or prepared (`deferred_by` names it) and such a cut never covers a stream
-being deleted. A blob is "written" whenever any writer upserts it (`created_at` is set again on
+Safe while servers write. Each batch of (1) is decided without holding anything, then deleted in a
+transaction that holds the log head FOR SHARE (no append commits meanwhile) and first checks that
+nothing appended since the decision's head could have made a decided attempt needed
+(`_drop_event_batch` lists what could); if something did, the batch is decided again. A checkpoint
+makes its cut after `checkpoint_started` lands, so (1) and (2) are skipped while a checkpoint is
+started or prepared (`deferred_by` names it) and such a cut never covers a stream being deleted. A blob is "written" whenever any writer upserts it (`created_at` is set again on
 every write, adapters.token_store), and an event names a blob only after the blob was written,
 within the writer's database patience (seconds) or in the same transaction. The delete re-checks
 each row's age under its row lock, so a blob written again while retention runs (the same tokens
@@ -58,6 +58,7 @@ it (its read of the origin came first) cannot be restored from its origin; fork 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from sqlalchemy import text
@@ -105,7 +106,7 @@ droppable AS (SELECT d.rollout_id, d.attempt FROM done d
 _OWN = "e.rollout_id = d.rollout_id AND e.attempt = d.attempt AND e.stream <> :rs || d.rollout_id"
 # A batch of droppable attempts that have events to drop, each of those events old, and every event
 # of every stream they are in an old one of a droppable attempt: streams go whole or not at all.
-_BATCH = f"""WITH RECURSIVE {_NEEDED},
+_DECIDE = f"""WITH RECURSIVE {_NEEDED},
 batch AS (
     SELECT d.rollout_id, d.attempt FROM droppable d
     WHERE EXISTS (SELECT 1 FROM rollbook.events e WHERE {_OWN})
@@ -114,11 +115,24 @@ batch AS (
         WHERE {_OWN} AND (o.recorded_at >= now() - make_interval(secs => :s)
                           OR NOT EXISTS (SELECT 1 FROM droppable x WHERE x.rollout_id = o.rollout_id
                                                                      AND x.attempt = o.attempt)))
-    LIMIT :n),
-streams AS (SELECT DISTINCT e.stream FROM batch d JOIN rollbook.events e ON {_OWN}),
-gone AS (DELETE FROM rollbook.events e USING streams s WHERE e.stream = s.stream
-         RETURNING e.stream, e.rollout_id, e.attempt, e.kind, e.data->>'call_id' AS call_id, pg_column_size(e.*) AS bytes)
-SELECT stream, rollout_id, attempt, kind, call_id, bytes FROM gone"""
+    LIMIT :n)
+SELECT DISTINCT d.rollout_id, d.attempt, e.stream FROM batch d JOIN rollbook.events e ON {_OWN}"""
+# What, appended after the decision's head, could make a decided attempt needed (the docstring of
+# `_drop_event_batch`); any of it and the batch is decided again.
+_CHANGED_SINCE = f"""SELECT
+    EXISTS (SELECT 1 FROM rollbook.events WHERE kind = ANY(CAST(:ck AS text[])) AND position > :h)
+ OR EXISTS (SELECT 1 FROM rollbook.events WHERE kind = '{ev.ATTEMPT_STARTED}' AND position > :h
+            AND (data->>'origin_attempt' IS NOT NULL OR data->>'restored_from' IS NOT NULL))
+ OR EXISTS (SELECT 1 FROM rollbook.events e JOIN rollbook.attempt_state a USING (rollout_id, attempt)
+            WHERE e.kind = ANY(CAST(:cap AS text[])) AND e.position > :h AND a.status IN ('fenced', 'finished'))
+ OR EXISTS (SELECT 1 FROM unnest(CAST(:r AS text[]), CAST(:a AS integer[])) AS k(rollout_id, attempt)
+            JOIN rollbook.events e USING (rollout_id, attempt) WHERE e.position > :h)
+ OR EXISTS (SELECT 1 FROM rollbook.events WHERE stream = ANY(CAST(:st AS text[])) AND position > :h)"""
+_DELETE_STREAMS = ("DELETE FROM rollbook.events WHERE stream = ANY(CAST(:st AS text[])) "
+                   "RETURNING stream, rollout_id, attempt, kind, data->>'call_id' AS call_id, pg_column_size(events.*) AS bytes")
+_CHECKPOINT_KINDS = [ev.checkpoint_phase_kind(p) for p in ("started", "prepared", "committed", "published", "aborted")]
+# A batch decided again this many times in a row, each time overtaken by the log, ends the run's event step.
+DECIDE_TRIES = 20
 # The projection rows only the dropped events derived (engine.projections: episode_*, session_* and
 # mutation_applied by attempt, call_* by call id; none of those kinds goes to a rollout's stream).
 _DROP_PROJECTIONS = (
@@ -131,6 +145,7 @@ _DROP_PROJECTIONS = (
 _OPEN_CHECKPOINT = ("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase IN "
                     f"({', '.join(repr(p) for p in OPEN_CHECKPOINT_PHASES)}) ORDER BY checkpoint_id LIMIT 1")
 _HOLD_APPENDS = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR SHARE"
+_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1"
 _DROP_SNAPSHOTS = f"""WITH RECURSIVE {_NEEDED}
 DELETE FROM rollbook.token_snapshots t USING rollbook.checkpoint_state c
 WHERE c.checkpoint_id = t.checkpoint_id AND c.phase IN ('published', 'aborted')
@@ -167,6 +182,7 @@ class Retained:
     token_snapshots: int = 0
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
     deferred_by: str | None = None  # a checkpoint started or prepared: no event or snapshot was dropped
+    longest_hold_s: float = 0.0  # the longest a batch held the log head: what an append waited at most
 
 
 @dataclass
@@ -174,6 +190,7 @@ class _Dropped:
     events: int = 0
     bytes: int = 0
     attempts: int = 0
+    longest_hold_s: float = 0.0
 
 
 async def retain(store: PostgresEventStore, older_than_s: float = DEFAULT_KEY_RETENTION_S,
@@ -198,30 +215,55 @@ async def retain(store: PostgresEventStore, older_than_s: float = DEFAULT_KEY_RE
         blobs, size = blobs + len(sizes), size + sum(sizes)
         if len(sizes) < batch:
             return Retained(keys, blobs, size, older_than_s, dropped.events, dropped.bytes, dropped.attempts,
-                            snapshots, keep_checkpoints, deferred_by)
+                            snapshots, keep_checkpoints, deferred_by, round(dropped.longest_hold_s, 3))
 
 
-@retrying("dropping events")  # decided again on every try, under the same lock: safe to repeat
+@retrying("dropping events")  # decided again on every try: safe to repeat
 async def _drop_event_batch(store: PostgresEventStore, older_than_s: float, batch: int, keep: int,
                             dropped: _Dropped) -> tuple[str | None, int]:
-    """One transaction: hold appends off, check no checkpoint is making its cut, drop a batch of
-    attempts' events and their projection rows. (the open checkpoint, the attempts dropped)"""
-    async with store.engine.begin() as conn:
-        await conn.execute(text(_HOLD_APPENDS))
-        open_checkpoint = (await conn.execute(text(_OPEN_CHECKPOINT))).scalar()
-        if open_checkpoint is not None:
-            return str(open_checkpoint), 0
-        rows = (await conn.execute(text(_BATCH), {"s": older_than_s, "n": batch, "keep": keep,
-                                                  "rs": rollout_stream("")})).all()
+    """Decide a batch without holding appends off, then delete it in a transaction that does, if nothing
+    appended since the decision's head could have changed it. (why nothing was dropped, attempts dropped)
+
+    The decision reads the log at head H. A decided attempt is done (fenced, or finished and marked:
+    neither ever undone) and not needed; only an event after H can make it needed or its rollout kept:
+    a checkpoint's move (a new cut, a new kept set), an attempt started with an origin or restored from
+    a checkpoint (a lineage reaching it), a capture event of a done attempt (an open capture), or any
+    event of a decided attempt or in a decided stream. The delete's transaction holds the log head,
+    so none can land between that check and the delete. The expensive decision holds nothing."""
+    for _ in range(DECIDE_TRIES):
+        async with store.engine.begin() as conn:
+            head = int((await conn.execute(text(_HEAD))).scalar_one())
+            rows = (await conn.execute(text(_DECIDE), {"s": older_than_s, "n": batch, "keep": keep,
+                                                       "rs": rollout_stream("")})).all()
+        if not rows:
+            return None, 0
         attempts = sorted({(r.rollout_id, r.attempt) for r in rows})
-        calls = sorted({r.call_id for r in rows if r.kind.startswith("call_") and r.call_id is not None})
-        if attempts:
+        streams = sorted({r.stream for r in rows})
+        await _decided()
+        async with store.engine.begin() as conn:
+            await conn.execute(text(_HOLD_APPENDS))
+            held = time.perf_counter()
+            open_checkpoint = (await conn.execute(text(_OPEN_CHECKPOINT))).scalar()
+            if open_checkpoint is not None:
+                return str(open_checkpoint), 0
+            if (await conn.execute(text(_CHANGED_SINCE), {
+                    "h": head, "ck": _CHECKPOINT_KINDS, "cap": list(ev.CAPTURE_KINDS), "r": [r for r, _ in attempts],
+                    "a": [a for _, a in attempts], "st": streams})).scalar():
+                continue
+            gone = (await conn.execute(text(_DELETE_STREAMS), {"st": streams})).all()
+            calls = sorted({g.call_id for g in gone if g.kind.startswith("call_") and g.call_id is not None})
             await conn.execute(text(_DROP_PROJECTIONS), {"r": [r for r, _ in attempts], "a": [a for _, a in attempts],
-                                                         "c": calls, "s": sorted({r.stream for r in rows})})
-    dropped.events += len(rows)
-    dropped.bytes += sum(int(r.bytes or 0) for r in rows)
-    dropped.attempts += len(attempts)
-    return None, len(attempts)
+                                                         "c": calls, "s": streams})
+        dropped.longest_hold_s = max(dropped.longest_hold_s, time.perf_counter() - held)  # to the commit
+        dropped.events += len(gone)
+        dropped.bytes += sum(int(g.bytes or 0) for g in gone)
+        dropped.attempts += len(attempts)
+        return None, len(attempts)
+    return f"the log changed under {DECIDE_TRIES} decisions in a row (checkpoints, restores): run it again", 0
+
+
+async def _decided() -> None:
+    """Between a batch's decision and its delete: nothing. Tests append here, as a server would."""
 
 
 @retrying("dropping token snapshots")  # deleting what is not kept is safe to repeat

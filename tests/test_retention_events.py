@@ -356,3 +356,43 @@ async def test_rollbook_db_retain_takes_the_checkpoints_to_keep(dsn: str, tmp_pa
     outs = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:]]
     assert [o["keep_checkpoints"] for o in outs] == [5, 2]
     assert await asyncio.to_thread(cli.main, ["db", "retain", "--dsn", dsn, "--keep-checkpoints", "0"]) == 2
+
+
+@pytest.mark.parametrize("meanwhile", ["a checkpoint scoping the rollout", "an attempt continuing the decided one"])
+async def test_what_lands_between_the_decision_and_the_delete_makes_it_decide_again(
+        dsn: str, meanwhile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters import retention
+
+    store = PostgresEventStore.connect(dsn, writer="ret-between")
+    tokens = PostgresTokenStore(store)
+    try:
+        if meanwhile.startswith("a checkpoint"):  # r0's fenced attempt 0 is decided; then a cut of r0 is published
+            await write(store, tokens, Plan([{"attempts": [FRESH, FRESH], "end": "live", "capture": None}], {}, 1))
+        else:  # r0's exported attempt 0 is decided; then an attempt 1 continuing from it starts
+            await write(store, tokens, Plan([{"attempts": [FRESH], "end": "exported", "capture": None}], {}, 1))
+        age_everything(dsn)
+        before = events_by_attempt(dsn)
+        landed: list[str] = []
+
+        async def append_meanwhile() -> None:
+            if landed:
+                return
+            if meanwhile.startswith("a checkpoint"):
+                await write_checkpoint(store, tokens, World(), "ck-meanwhile", "published")
+            else:
+                boundary = max(e.position for e in await store.read_rollout("r0", 0) if e.kind == ev.EPISODE_STEP)
+                await store.append(AppendRequest((NewEvent(rollout_stream("r0"), ev.ATTEMPT_STARTED, {
+                    "parent_attempt": 0, "origin_attempt": 0, "origin_position": boundary, "disposition": "continue"},
+                    "r0", 1),)))
+            landed.append(meanwhile)
+
+        monkeypatch.setattr(retention, "_decided", append_meanwhile)
+        done = await retain(store, older_than_s=3600)
+        assert landed and (done.attempts, done.deferred_by) == (0, None)
+        assert all(events_by_attempt(dsn)[k] == rows for k, rows in before.items())
+        if meanwhile.startswith("a checkpoint"):
+            await validate_cut(store, (await load_cut(store, "ck-meanwhile"))[0])
+        else:
+            assert any(e.kind == ev.EPISODE_STEP for e in await effective_history(store, "r0", 1))  # inherited from 0
+    finally:
+        await store.close()
