@@ -23,10 +23,14 @@ A fork (engine/forks.py) is exported with the run it was forked from (its id sta
 its turns begin with its origin's, marked `shared` and masked, so a trainer groups a fork group's
 samples by `fork_group` and trains each on what it generated; the origin's own record carries the
 shared turns unmasked.
+
+Each exported attempt is marked `rollout_exported` once the file is written (engine/exports.py:
+exporting again marks nothing new); retention drops a finished rollout's events only once it is marked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -38,6 +42,7 @@ from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
 from engine.checkpoint import effective_history
 from engine.errors import InvalidPayload
+from engine.exports import mark_exported
 from engine.forks import generated_by
 from engine.tokens import CallTokens, Receipt, TokenSource
 
@@ -150,8 +155,10 @@ async def export_command(dsn: str, run_id: str, out: str) -> dict[str, Any]:
     tokens = PostgresTokenStore(store.engine)
     try:
         records = await export_run(store, tokens, run_id)
+        fmt = write(records, out)
+        # Only once the file is written: the mark is what lets retention drop the rollout's events.
+        marked = await asyncio.gather(*(mark_exported(store, r["rollout_id"], r["attempt"], run_id, fmt) for r in records))
     finally:
         await store.close()
-    fmt = write(records, out)
     return {"run_id": run_id, "out": str(out), "format": fmt, "rollouts": len(records),
-            "turns": sum(len(r["turns"]) for r in records)}
+            "turns": sum(len(r["turns"]) for r in records), "newly_marked_exported": sum(marked)}

@@ -38,25 +38,29 @@ def _db(args: argparse.Namespace) -> int:
 
 def _prune_keys(args: argparse.Namespace, everything: bool = False) -> dict[str, object]:
     """Drop append idempotency keys older than the retention (adapters.postgres.prune_append_keys says
-    why that is safe while the servers write); with `everything` (`retain`), the token blobs nothing
-    names too (adapters.retention)."""
+    why that is safe while the servers write); with `everything` (`retain`), also the events, token
+    snapshots and token blobs nothing kept needs (adapters.retention)."""
     from adapters.postgres import DEFAULT_KEY_RETENTION_S
+    from adapters.retention import DEFAULT_KEEP_CHECKPOINTS
 
-    dsn, retention = args.dsn, DEFAULT_KEY_RETENTION_S
+    dsn, retention, keep = args.dsn, DEFAULT_KEY_RETENTION_S, DEFAULT_KEEP_CHECKPOINTS
     if args.config:
         from apps import config
 
         loaded = config.load(args.config)
         dsn, retention = dsn or loaded.dsn, loaded.limits.append_key_retention_s
+        keep = loaded.limits.retention_keep_checkpoints
     if args.older_than_s is not None:
         retention = args.older_than_s
+    if args.keep_checkpoints is not None:
+        keep = args.keep_checkpoints
 
     async def prune(store):  # type: ignore[no-untyped-def]
         from adapters.retention import retain
 
         try:
             if everything:
-                return dataclasses.asdict(await retain(store, retention))
+                return dataclasses.asdict(await retain(store, retention, keep_checkpoints=keep))
             return {"removed": await store.prune_append_keys(retention), "older_than_s": retention}
         except ValueError as exc:
             raise ConfigError(str(exc), "give --older-than-s (or [limits] append_key_retention_s) of at least that") from None
@@ -156,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--dsn", help="PostgreSQL DSN (default: ROLLBOOK_DSN, else the embedded server)")
     db.add_argument("--config", help="prune-keys, retain: take the DSN and [limits] append_key_retention_s from this file")
     db.add_argument("--older-than-s", type=float, help="prune-keys, retain: the retention in seconds (default: a day)")
+    db.add_argument("--keep-checkpoints", type=int,
+                    help="retain: how many of the newest published checkpoints stay restorable (default: 3)")
     db.set_defaults(func=_db)
 
     demo = sub.add_parser("demo", help="run rollouts, checkpoint them mid-flight, crash, restore and finish")

@@ -53,7 +53,10 @@
                                               # instance of every server, `rollbook run`, commands); default:
                                               # one per configured server + 2. Each pool shrinks to fit
                                               # max_connections of the server between them all
-    append_key_retention_s = 86400.0          # `rollbook db prune-keys` drops append keys older than this
+    append_key_retention_s = 86400.0          # `rollbook db prune-keys` drops append keys older than this;
+                                              # `rollbook db retain` drops only what is older than this
+    retention_keep_checkpoints = 3            # `rollbook db retain` keeps the newest 3 published checkpoints
+                                              # restorable (docs/operations.md#retention)
 
     [nemo_gym.gym_workplace]                  # a NeMo Gym resources server, unchanged, as the environment
                                               # `gym_workplace` (docs/nemo-gym.md)
@@ -95,6 +98,7 @@ from adapters.http_client import PeerTimeouts
 from adapters.http_server import ServerLimits
 from adapters.pg_pool import fit_pool, server_connection_limit
 from adapters.postgres import DEFAULT_KEY_RETENTION_S, MIN_KEY_RETENTION_S, PoolLimits
+from adapters.retention import DEFAULT_KEEP_CHECKPOINTS
 from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from engine.membership import DEFAULT_LEASE_S
@@ -207,6 +211,7 @@ class LimitsConfig(Strict):
     pool_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     processes: int | None = Field(default=None, ge=1, le=100_000)
     append_key_retention_s: float = Field(default=DEFAULT_KEY_RETENTION_S, ge=MIN_KEY_RETENTION_S)
+    retention_keep_checkpoints: int = Field(default=DEFAULT_KEEP_CHECKPOINTS, ge=1, le=1_000_000)
     # How long a server instance stays a member without renewing (engine/membership.py): a SIGKILLed
     # instance holds up checkpoints and keeps its work this long, unless one restarts at its address.
     instance_lease_s: float = Field(default=DEFAULT_LEASE_S, ge=0.5, le=3600)

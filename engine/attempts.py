@@ -15,10 +15,11 @@ from engine.catalog import (
     ATTEMPT_FENCED,
     ATTEMPT_FINISHED,
     ATTEMPT_STARTED,
+    ROLLOUT_EXPORTED,
     ROLLOUT_FORGOTTEN,
     ROLLOUT_RETIRED,
 )
-from engine.errors import InvalidIdentifier, StaleAttempt, UnknownAttempt
+from engine.errors import InvalidIdentifier, RolloutNotFinished, StaleAttempt, UnknownAttempt
 from engine.events import NewEvent
 from engine.identity import Key
 
@@ -85,6 +86,12 @@ def admit(event: NewEvent, rollout: RolloutState | None) -> RolloutState | None:
     if why is not None:
         raise StaleAttempt(
             f"attempt {n} of rollout {event.rollout_id} is {why}; nothing of it may be written",
+            rollout_id=event.rollout_id,
+            attempt=n,
+        )
+    if event.kind == ROLLOUT_EXPORTED and status != "finished":
+        raise RolloutNotFinished(
+            f"attempt {n} of rollout {event.rollout_id} is {status}, not finished: it has no result to export",
             rollout_id=event.rollout_id,
             attempt=n,
         )

@@ -193,6 +193,13 @@ ROLLOUT_FORKED = _kind(
     need("seed", "integer", "its own sampling seed"),
 )
 
+ROLLOUT_EXPORTED = _kind(
+    "rollout_exported", ROLLOUT, "`rollbook export` (adapters/export.py, through engine/exports.py)",
+    "The finished attempt's training record was written out; once per attempt. Retention may drop "
+    "the attempt's events from now on (adapters/retention.py).",
+    need("run_id", "string", "the run the export was of"), need("format", "string", "jsonl or parquet"),
+)
+
 # ---- an attempt's episode (environment server) -------------------------------------------------
 
 _EPISODE_STATUS = may("status", "string", "running, finished or failed (episode_state.status)")

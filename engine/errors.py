@@ -72,6 +72,14 @@ class UnknownAttempt(RollbookError):
     status = 409
 
 
+class RolloutNotFinished(RollbookError):
+    """A rollout attempt marked exported (`rollout_exported`) that has not finished: only a finished
+    attempt's result can have been written out."""
+
+    code = "rollout_not_finished"
+    status = 409
+
+
 class RolloutIdRequired(RollbookError):
     """A request that belongs to a rollout named none."""
 

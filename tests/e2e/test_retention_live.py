@@ -1,5 +1,5 @@
 """`rollbook db retain` while a real `rollbook run` writes: it frees what it promises (old append keys,
-token blobs nothing names), and a checkpoint kept from before it still restores into fresh server
+token blobs nothing names, the events of exported rollouts), and a checkpoint kept from before it still restores into fresh server
 processes, every rollout then finishing once with nothing repeated (the demo's invariants, in SQL)."""
 
 from __future__ import annotations
@@ -71,7 +71,15 @@ def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint
         # A run that has gone on for days: everything written so far is past the retention, and one blob is
         # named by nothing. Retention runs while the run goes on writing.
         orphan = orphan_blob(dsn)
+        # The rollouts finished so far are exported (and marked so): their episode and call streams may go,
+        # as the kept checkpoint lists them as completed and restore reads none of their events.
+        exported = subprocess.run([sys.executable, "-m", "apps.cli", "export", "--run", "ret", "--out",
+                                   str(work / "early.jsonl"), "--dsn", dsn], capture_output=True, text=True, timeout=120)
+        assert exported.returncode == 0, exported.stderr[-2000:]
+        marked = json.loads(exported.stdout.strip().splitlines()[-1])["newly_marked_exported"]
         age_everything(dsn, hours=48)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE rollbook.events SET recorded_at = now() - interval '48 hours'")
         with psycopg.connect(dsn, autocommit=True) as conn:
             aged_keys = conn.execute("SELECT count(*) FROM rollbook.append_keys "  # the run adds young ones meanwhile
                                      "WHERE recorded_at < now() - interval '1 day'").fetchone()[0]  # type: ignore[index]
@@ -90,6 +98,7 @@ def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint
             missing = conn.execute(MISSING_BLOBS).fetchone()[0]  # type: ignore[index]
         print(f"retention freed {freed}; the run appended {written_meanwhile - before} events meanwhile")
         assert freed["token_blobs"] >= 1 and freed["append_keys"] >= aged_keys > 0
+        assert freed["deferred_by"] is None and 0 < freed["attempts"] <= marked and freed["events"] > 0
         assert (left_aged, orphan_left, missing) == (0, 0, 0)
 
         # A crash with rollouts under way; fresh processes restore the checkpoint kept from before retention.
