@@ -296,13 +296,20 @@ class Coordinator:
         failures: dict[str, str] = {}
         body = self._body(checkpoint_id, time.time() + 30)
         for stage in _staged(participants, RESUME_STAGES):
-            results = await asyncio.gather(*(p.call("resume", body) for p in stage), return_exceptions=True)
+            results = await asyncio.gather(*(self._resume_one(p, body) for p in stage), return_exceptions=True)
             for p, r in zip(stage, results, strict=True):
                 if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
                     failures[p.name] = str(r)
                 elif isinstance(r, BaseException):
                     raise r  # a bug or a cancellation, not a participant's answer
         return failures
+
+    async def _resume_one(self, p: ParticipantClient, body: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            return await p.call("resume", body)
+        finally:
+            self.timing.record(f"resume:{p.name}", started)  # where a slow resume spends its time
 
     async def restore(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
         """Validate the whole cut, let every participant stage its part, then install all at once."""
