@@ -14,7 +14,7 @@ from adapters.database import code_revision
 from adapters.memory_store import MemoryEventStore
 from adapters.participant_client import HttpParticipant
 from engine.coordinator import Coordinator
-from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
+from engine.errors import STATUS, CheckpointConflict, DatabaseUnavailable, InvalidPhase, StaleCheckpoint
 from participants.app import build_app
 from participants.guard import Credentials
 from participants.participant import Participant, PrepareReport
@@ -138,6 +138,35 @@ async def test_prepare_commit_resume_with_idempotent_repeats_conflicts_and_stale
     assert kinds == ["participant_prepare", "participant_prepared", "participant_commit", "participant_resume"]
 
 
+async def test_resume_reopens_without_waiting_for_its_append_which_lands_after_the_reply(
+        one, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing waits for `participant_resume` (engine.coordinator: resume waits for nothing): the
+    database refusing it does not fail or hold the resume, and the event lands once it answers,
+    before any later transition of the participant."""
+    http, participant, _ = one
+    assert (await post(http, "prepare", body()))[0] == 200
+    append, refused = store.append, []
+
+    async def away_for_the_resume(request: Any) -> Any:
+        if any(e.kind == "participant_resume" for e in request.events) and not refused:
+            refused.append(request)
+            raise DatabaseUnavailable("the database does not answer")
+        return await append(request)
+
+    monkeypatch.setattr(store, "append", away_for_the_resume)
+    status, reply = await post(http, "resume", body())
+    assert (status, reply["phase"]) == (200, "idle") and participant.admission_open
+    assert refused  # the append was tried and refused
+    await eventually("the resume to be recorded", lambda: _kinds(store)[-1:] == ["participant_resume"])
+    assert (await post(http, "prepare", body(ck="ck-2")))[0] == 200
+    assert _kinds(store) == ["participant_prepare", "participant_prepared", "participant_resume",
+                             "participant_prepare", "participant_prepared"]
+
+
+def _kinds(store: MemoryEventStore) -> list[str]:
+    return [e.kind for e in store.log.events if e.stream == "participant:model:model-0"]
+
+
 @pytest.mark.parametrize("op", ["commit", "resume"])
 async def test_illegal_transitions_are_409_invalid_phase(one, op) -> None:
     http, _, _ = one
@@ -220,7 +249,7 @@ async def _cluster(store, calls, not_ready: str | None = None):
     return servers, clients, session
 
 
-async def test_coordinator_prepares_in_protocol_order_and_resumes_in_reverse(store) -> None:
+async def test_coordinator_prepares_in_protocol_order_and_resumes_all_at_once(store) -> None:
     calls: list[str] = []
     servers, clients, session = await _cluster(store, calls)
     coordinator = Coordinator(store, clients)
@@ -229,11 +258,10 @@ async def test_coordinator_prepares_in_protocol_order_and_resumes_in_reverse(sto
     await coordinator.commit("ck-o", time.time() + 30, scope=[])
     await coordinator.resume("ck-o")
     # engine.coordinator.PREPARE_STAGES: environment, model and agent at once, then resources;
-    # RESUME_STAGES: callees first (model and resources at once), then the agent, then the environment
+    # resume: all four at once
     assert sorted(calls[:3]) == ["prepare:agent", "prepare:environment", "prepare:model"]
     assert calls[3] == "prepare:resources"
-    assert sorted(calls[4:6]) == ["resume:model", "resume:resources"]
-    assert calls[6:] == ["resume:agent", "resume:environment"]
+    assert sorted(calls[4:]) == ["resume:agent", "resume:environment", "resume:model", "resume:resources"]
     phases = [e.kind for e in await store.read_stream("checkpoint:ck-o")]
     assert phases == ["checkpoint_started", "checkpoint_prepared", "checkpoint_committed"]
     await session.close()
@@ -247,9 +275,9 @@ async def test_prepare_stops_at_the_first_participant_not_ready_and_leaves_all_r
     result = await Coordinator(store, clients).prepare("ck-n", time.time() + 30)
     assert not result["ready"] and result["failed"] == "model"
     assert result["reports"]["model"]["blocker_count"] == 30 and len(result["reports"]["model"]["blockers"]) == 20
-    # its stage (environment, model, agent) prepared at once and resumes, callees first; resources were never told
+    # its stage (environment, model, agent) prepared at once and resumes at once; resources were never told
     assert sorted(calls[:3]) == ["prepare:agent", "prepare:environment", "prepare:model"]
-    assert calls[3:] == ["resume:model", "resume:agent", "resume:environment"]
+    assert sorted(calls[3:]) == ["resume:agent", "resume:environment", "resume:model"]
     assert (await store.read_stream("checkpoint:ck-n"))[-1].kind == "checkpoint_aborted"
     await session.close()
     for s in servers:
@@ -263,9 +291,9 @@ async def test_a_missing_participant_fails_prepare_and_the_others_resume(store) 
     result = await Coordinator(store, clients).prepare("ck-m", time.time() + 30)
     assert not result["ready"] and result["failed"] == "agent"
     assert result["reports"]["agent"]["error"]["code"] == "participant_unavailable"
-    # the agent's stage prepared at once (the agent never answered) and resumes callees first; resources were never told
+    # the agent's stage prepared at once (the agent never answered) and resumes at once; resources were never told
     assert sorted(calls[:2]) == ["prepare:environment", "prepare:model"]
-    assert calls[2:] == ["resume:model", "resume:environment"]
+    assert sorted(calls[2:]) == ["resume:environment", "resume:model"]
     await session.close()
     for s in servers:
         await s.close()
