@@ -63,8 +63,8 @@ class Admission:
 
     def callee_resuming(self, refusal: BaseException) -> bool:
         """Whether a peer's refusal names the checkpoint this server has already resumed from: the
-        coordinator sends every resume at once, so the peer's is on its way, and asking again at
-        once costs a refusal where a long back-off would cost the run its wait."""
+        coordinator resumes every participant of a checkpoint in one pass, so the peer's resume is
+        on its way, and asking again soon costs a refusal where a long back-off costs the run."""
         named = getattr(refusal, "context", {}).get("checkpoint_id")
         return self.is_open and named is not None and named == self.resumed_from
 

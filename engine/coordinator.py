@@ -1,9 +1,9 @@
 """The coordinator: one checkpoint across every participant, in the order the protocol needs.
 
 Prepare runs in stages (PREPARE_STAGES), the participants of a stage at once, and stops after the
-first stage in which one is not ready. Commit, restore and resume fan out to all at once; restore
-installs nothing unless every participant staged its part; resume carries on past failures. Retire
-and forget go callers first. The HTTP client that
+first stage in which one is not ready. Commit and restore fan out to all at once; restore installs
+nothing unless every participant staged its part. Resume goes callees first (RESUME_STAGES) and
+carries on past failures. Retire and forget go callers first. The HTTP client that
 talks to participants is in adapters.participant_client; this module sees only the protocol below.
 
 WHICH PREPARE ORDERINGS ARE REQUIRED, AND WHY. A participant that closes admission refuses new
@@ -21,21 +21,24 @@ waiting work already counts as parked, and fatal to prepare when it does not:
   resume while its own server waits for it to park, and prepare would fail at its deadline. So the
   resources server closes only once every caller has parked.
 
-RESUME NEEDS NO ORDER, AND WAITS FOR NOTHING. Every participant reopens at once. A caller that
-reopens before its callee sends its held work to a server still closed and is refused; the refusal
-changed nothing (admission_closed), and it names the checkpoint that holds the callee closed
-(participants/app.py). A caller that has itself resumed from that checkpoint knows the callee's
-resume was sent with its own, so it asks again after SOON_S, not after a back-off that grows to a
-second (engine.admission.Admission.callee_resuming, engine.patience). Resumed in stages instead
-(callees, then the agent, then the environment), each stage waited for the slowest resume of the
-one before, and a participant's resume appended its `participant_resume` on the request path
-behind the appends of the work it had just reopened: hundreds of milliseconds per stage under
-load, during which the later stages' work stayed parked. Now nothing on resume's request path
-writes to the log unless an invariant needs it: a restored participant's resume installs what it
-staged (a claim under the rollout's new attempt, which must be durable before any request uses
-it); `participant_resume` is appended right after the reply (participants/control_plane.py),
-since its one reader (an instance joining while a paused checkpoint is open) only stays closed
-until it lands.
+RESUME WAITS FOR ONE ROUND TRIP PER STAGE, AND NOTHING ELSE. Resume reopens callees before their
+callers (RESUME_STAGES): model and resources (they call no one) at once, then the agent (it calls
+both), then the environment (it calls the agent). The order is a cost argument, not an invariant: a
+caller reopened before its callee sends its held work to a server still closed and is refused, which
+changes nothing but costs a round trip (and, for a model call, a `call_excluded` append). Each stage
+is one round trip because nothing on resume's request path writes to the log unless an invariant
+needs it: `participant_resume` is appended right after the reply (participants/control_plane.py),
+since its one reader (an instance joining while a paused checkpoint is open, adapters/membership.py)
+only stays closed a little longer until it lands; what a restored participant's resume installs (a
+claim under the rollout's new attempt) stays on the path, since it must be durable before any
+request uses it. That append was nearly all of resume's time (the agent's waited ~0.5 s behind the
+appends of the sessions its own admission had just reopened) and held the later stages' work parked.
+A caller that is refused anyway (a stage that failed, an instance that joined meanwhile) sees a
+refusal naming the checkpoint that holds its callee closed (participants/app.py); having resumed
+from that checkpoint itself, it knows the callee's resume is on its way and asks again after SOON_S,
+not after a back-off that grows to a second (engine.admission.Admission.callee_resuming,
+engine.patience). All at once instead of in stages, resume measured the same (~20 ms), so the
+stages, which spare those refusals, stay.
 
 HOW MANY APPENDS. Six per prepare, and no fewer: `checkpoint_started` must be durable before any
 participant hears of the checkpoint (it holds the lease whose expiry anyone may record as an
@@ -92,6 +95,7 @@ from engine.phases import (
 
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent"), ("resources",))
 PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
+RESUME_STAGES: tuple[tuple[str, ...], ...] = (("model", "resources"), ("agent",), ("environment",))
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
 ONLINE_LEASE_S = 30.0  # an online checkpoint takes a few reads and two appends; past this anyone may abort it
 
@@ -304,13 +308,13 @@ class Coordinator:
     async def _resume(self, checkpoint_id: str, participants: Sequence[ParticipantClient]) -> dict[str, str]:
         failures: dict[str, str] = {}
         body = self._body(checkpoint_id, time.time() + 30)
-        # Every participant at once (see the module docstring: no order is needed, and none pays).
-        results = await asyncio.gather(*(self._resume_one(p, body) for p in participants), return_exceptions=True)
-        for p, r in zip(participants, results, strict=True):
-            if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
-                failures[p.name] = str(r)
-            elif isinstance(r, BaseException):
-                raise r  # a bug or a cancellation, not a participant's answer
+        for stage in _staged(participants, RESUME_STAGES):
+            results = await asyncio.gather(*(self._resume_one(p, body) for p in stage), return_exceptions=True)
+            for p, r in zip(stage, results, strict=True):
+                if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
+                    failures[p.name] = str(r)
+                elif isinstance(r, BaseException):
+                    raise r  # a bug or a cancellation, not a participant's answer
         return failures
 
     async def _resume_one(self, p: ParticipantClient, body: dict[str, Any]) -> dict[str, Any]:

@@ -193,10 +193,10 @@ async def test_prepare_parks_a_running_episode_and_resume_finishes_it(database: 
 
 async def test_callers_resumed_before_their_callees_ask_again_at_once_and_their_held_work_goes_through(
         database: MemoryBacking, store: MemoryEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coordinator resumes everyone at once, so a caller may reopen before its callee: its held
-    work meets a callee still closed for the same checkpoint. Counted in refusals: every one of them
-    is followed by SOON_S (the callee's resume is on its way), not by a back-off that grows towards a
-    second, and the work goes through once the callee reopens, ending as if never paused."""
+    """A caller may reopen before its callee (a resume stage that failed, a repeat after an abort):
+    its held work meets a callee still closed for the same checkpoint. Counted in refusals: every one
+    of them is followed by SOON_S (the callee's resume is on its way), not by a back-off that grows
+    towards a second, and the work goes through once the callee reopens, ending as if never paused."""
     reward, reply, muts = await uninterrupted(database, store, BLACKJACK, "soon-ref")
     refusals: list[tuple[str, Any, float]] = []  # (who waits, the checkpoint the refusal names, the delay chosen)
     next_delay, counting = Patience.next_delay, asyncio.Event()

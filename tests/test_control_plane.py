@@ -249,7 +249,7 @@ async def _cluster(store, calls, not_ready: str | None = None):
     return servers, clients, session
 
 
-async def test_coordinator_prepares_in_protocol_order_and_resumes_all_at_once(store) -> None:
+async def test_coordinator_prepares_in_protocol_order_and_resumes_in_reverse(store) -> None:
     calls: list[str] = []
     servers, clients, session = await _cluster(store, calls)
     coordinator = Coordinator(store, clients)
@@ -258,10 +258,11 @@ async def test_coordinator_prepares_in_protocol_order_and_resumes_all_at_once(st
     await coordinator.commit("ck-o", time.time() + 30, scope=[])
     await coordinator.resume("ck-o")
     # engine.coordinator.PREPARE_STAGES: environment, model and agent at once, then resources;
-    # resume: all four at once
+    # RESUME_STAGES: callees first (model and resources at once), then the agent, then the environment
     assert sorted(calls[:3]) == ["prepare:agent", "prepare:environment", "prepare:model"]
     assert calls[3] == "prepare:resources"
-    assert sorted(calls[4:]) == ["resume:agent", "resume:environment", "resume:model", "resume:resources"]
+    assert sorted(calls[4:6]) == ["resume:model", "resume:resources"]
+    assert calls[6:] == ["resume:agent", "resume:environment"]
     phases = [e.kind for e in await store.read_stream("checkpoint:ck-o")]
     assert phases == ["checkpoint_started", "checkpoint_prepared", "checkpoint_committed"]
     await session.close()
@@ -275,9 +276,9 @@ async def test_prepare_stops_at_the_first_participant_not_ready_and_leaves_all_r
     result = await Coordinator(store, clients).prepare("ck-n", time.time() + 30)
     assert not result["ready"] and result["failed"] == "model"
     assert result["reports"]["model"]["blocker_count"] == 30 and len(result["reports"]["model"]["blockers"]) == 20
-    # its stage (environment, model, agent) prepared at once and resumes at once; resources were never told
+    # its stage (environment, model, agent) prepared at once and resumes, callees first; resources were never told
     assert sorted(calls[:3]) == ["prepare:agent", "prepare:environment", "prepare:model"]
-    assert sorted(calls[3:]) == ["resume:agent", "resume:environment", "resume:model"]
+    assert calls[3:] == ["resume:model", "resume:agent", "resume:environment"]
     assert (await store.read_stream("checkpoint:ck-n"))[-1].kind == "checkpoint_aborted"
     await session.close()
     for s in servers:
@@ -291,9 +292,9 @@ async def test_a_missing_participant_fails_prepare_and_the_others_resume(store) 
     result = await Coordinator(store, clients).prepare("ck-m", time.time() + 30)
     assert not result["ready"] and result["failed"] == "agent"
     assert result["reports"]["agent"]["error"]["code"] == "participant_unavailable"
-    # the agent's stage prepared at once (the agent never answered) and resumes at once; resources were never told
+    # the agent's stage prepared at once (the agent never answered) and resumes callees first; resources were never told
     assert sorted(calls[:2]) == ["prepare:environment", "prepare:model"]
-    assert sorted(calls[2:]) == ["resume:environment", "resume:model"]
+    assert calls[2:] == ["resume:model", "resume:environment"]
     await session.close()
     for s in servers:
         await s.close()
