@@ -239,8 +239,10 @@ def _mode_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"p50": pct(values, 50), "p99": pct(values, 99)}
 
     keys = sorted({k for c in cks for k in c if k.startswith("prepare:")})
+    resumes = sorted({k for c in cks for k in c if k.startswith("resume:")})
     return {"checkpoints": len(cks), "prepare_ms": spread("prepare"), "resume_ms": spread("resume"),
             "commit_ms": spread("commit"), "prepare_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in keys},
+            "resume_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in resumes},
             **{k: sum(r.get(k, 0) for r in rs) for k in ("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again")}}
 
 

@@ -40,19 +40,33 @@ class Admission:
         self._open = asyncio.Event()
         self._open.set()
         self._holds: set[str] = set()
+        self.closed_for: str | None = None  # the checkpoint that holds it closed; its refusals name it
+        self.resumed_from: str | None = None  # the checkpoint of the latest resume here
 
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    def open(self, hold: str = CHECKPOINT) -> None:
+    def open(self, hold: str = CHECKPOINT, checkpoint_id: str | None = None) -> None:
         self._holds.discard(hold)
+        if hold == CHECKPOINT:
+            self.closed_for = None
+            self.resumed_from = checkpoint_id or self.resumed_from
         if not self._holds:
             self._open.set()
 
-    def close(self, hold: str = CHECKPOINT) -> None:
+    def close(self, hold: str = CHECKPOINT, checkpoint_id: str | None = None) -> None:
         self._holds.add(hold)
+        if hold == CHECKPOINT:
+            self.closed_for = checkpoint_id
         self._open.clear()
+
+    def callee_resuming(self, refusal: BaseException) -> bool:
+        """Whether a peer's refusal names the checkpoint this server has already resumed from: the
+        coordinator resumes every participant of a checkpoint in one pass, so the peer's resume is
+        on its way, and asking again soon costs a refusal where a long back-off costs the run."""
+        named = getattr(refusal, "context", {}).get("checkpoint_id")
+        return self.is_open and named is not None and named == self.resumed_from
 
     async def wait_open(self) -> None:
         await self._open.wait()

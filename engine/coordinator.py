@@ -21,11 +21,24 @@ waiting work already counts as parked, and fatal to prepare when it does not:
   resume while its own server waits for it to park, and prepare would fail at its deadline. So the
   resources server closes only once every caller has parked.
 
-Resume reopens callees before their callers (RESUME_STAGES): model and resources (they call no
-one) at once, then the agent (it calls both), then the environment (it calls the agent). A caller
-that reopened first would send its held work to a server still closed, be refused, and back off
-(up to a second per refusal in the agent), which measured as most of a checkpoint's cost to the
-run when checkpoints are frequent.
+RESUME WAITS FOR ONE ROUND TRIP PER STAGE, AND NOTHING ELSE. Resume reopens callees before their
+callers (RESUME_STAGES): model and resources (they call no one) at once, then the agent (it calls
+both), then the environment (it calls the agent). The order is a cost argument, not an invariant: a
+caller reopened before its callee sends its held work to a server still closed and is refused, which
+changes nothing but costs a round trip (and, for a model call, a `call_excluded` append). Each stage
+is one round trip because nothing on resume's request path writes to the log unless an invariant
+needs it: `participant_resume` is appended right after the reply (participants/control_plane.py),
+since its one reader (an instance joining while a paused checkpoint is open, adapters/membership.py)
+only stays closed a little longer until it lands; what a restored participant's resume installs (a
+claim under the rollout's new attempt) stays on the path, since it must be durable before any
+request uses it. That append was nearly all of resume's time (the agent's waited ~0.5 s behind the
+appends of the sessions its own admission had just reopened) and held the later stages' work parked.
+A caller that is refused anyway (a stage that failed, an instance that joined meanwhile) sees a
+refusal naming the checkpoint that holds its callee closed (participants/app.py); having resumed
+from that checkpoint itself, it knows the callee's resume is on its way and asks again after SOON_S,
+not after a back-off that grows to a second (engine.admission.Admission.callee_resuming,
+engine.patience). All at once instead of in stages, resume measured the same (~20 ms), so the
+stages, which spare those refusals, stay.
 
 HOW MANY APPENDS. Six per prepare, and no fewer: `checkpoint_started` must be durable before any
 participant hears of the checkpoint (it holds the lease whose expiry anyone may record as an
@@ -296,13 +309,20 @@ class Coordinator:
         failures: dict[str, str] = {}
         body = self._body(checkpoint_id, time.time() + 30)
         for stage in _staged(participants, RESUME_STAGES):
-            results = await asyncio.gather(*(p.call("resume", body) for p in stage), return_exceptions=True)
+            results = await asyncio.gather(*(self._resume_one(p, body) for p in stage), return_exceptions=True)
             for p, r in zip(stage, results, strict=True):
                 if isinstance(r, RollbookError | OSError):  # keep going: every other participant must reopen
                     failures[p.name] = str(r)
                 elif isinstance(r, BaseException):
                     raise r  # a bug or a cancellation, not a participant's answer
         return failures
+
+    async def _resume_one(self, p: ParticipantClient, body: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            return await p.call("resume", body)
+        finally:
+            self.timing.record(f"resume:{p.name}", started)  # where a slow resume spends its time
 
     async def restore(self, checkpoint_id: str, deadline: float) -> dict[str, Any]:
         """Validate the whole cut, let every participant stage its part, then install all at once."""

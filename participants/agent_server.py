@@ -427,7 +427,7 @@ class AgentParticipant(Participant):
         # at its boundary may wait for this server's own resume instead; one inside a tool round may
         # not, since this server's prepare waits for that round to end.
         if self.admission.is_open or not at_boundary:
-            await asyncio.sleep(closed.next_delay(exc))
+            await asyncio.sleep(closed.next_delay(exc, soon=self.admission.callee_resuming(exc)))
         else:
             await self.admission.wait_open()
 

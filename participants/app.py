@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.admission import Admission
+from engine.errors import AdmissionClosed
 from engine.phases import LEASE_GRACE_S
 from participants.control_plane import ControlPlane
 from participants.guard import MAX_BODY_BYTES, Credentials, Route, authenticate
@@ -35,7 +37,8 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     participants.nemo_gym_wire), mounted beside its own. Every route, the document included, needs a
     credential (participants.guard)."""
     plane = ControlPlane(participant, grace)
-    app = web.Application(middlewares=[errors_as_json, authenticate(credentials)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[errors_as_json, naming_the_checkpoint(participant.admission), authenticate(credentials)],
+                          client_max_size=MAX_BODY_BYTES)
     app[PARTICIPANT] = participant
 
     @functools.cache
@@ -69,4 +72,19 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     return app
 
 
-__all__ = ["PARTICIPANT", "build_app"]
+def naming_the_checkpoint(admission: Admission):  # type: ignore[no-untyped-def]
+    """Every `admission_closed` this server answers names the checkpoint that holds it closed, whichever
+    handler refused: a caller that has resumed from that checkpoint knows this server's resume is on its
+    way and asks again at once (engine.admission.Admission.callee_resuming) instead of backing off."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        try:
+            return await handler(request)
+        except AdmissionClosed as exc:
+            if admission.closed_for is not None:
+                exc.context.setdefault("checkpoint_id", admission.closed_for)
+            raise
+    return middleware
+
+
+__all__ = ["PARTICIPANT", "build_app", "naming_the_checkpoint"]

@@ -35,6 +35,7 @@ from engine.errors import (
     UnknownCheckpoint,
 )
 from engine.events import AppendRequest, NewEvent
+from engine.patience import Patience
 from engine.phases import LEASE_GRACE_S, Lease, ParticipantPhases
 from participants.guard import Body, Route
 from participants.participant import Participant, PrepareReport
@@ -63,6 +64,7 @@ class ControlPlane:
         self.replies: dict[tuple[str, str], dict[str, Any]] = {}
         self.lock = asyncio.Lock()
         self._unrecorded: list[NewEvent] = []  # deferred transitions, appended with the next one
+        self._flushing: asyncio.Task[None] | None = None  # appends a deferred resume (_flush)
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -73,6 +75,7 @@ class ControlPlane:
         # goes out with the next one, in the same append, so a prepare costs one append, not two.
         # Nothing reads `preparing` from the log while it lasts: a process that dies in it
         # leaves no paused state behind, and the coordinator records the checkpoint's abort.
+        # The move out of a checkpoint (`resume`) is deferred too, and flushed right after its reply.
         before, active = self.phases.state, self.phases.checkpoint_id
         event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
         if defer:
@@ -85,6 +88,26 @@ class ControlPlane:
         self._unrecorded.clear()
         self.phases._machine.set_state(after)
         self.phases.checkpoint_id = after_active
+
+    def _flush_soon(self) -> None:
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Append the deferred transitions now, retrying while the database is away; any later
+        transition's append takes them along instead if it comes first."""
+        patience = Patience("recording a resume", limit_s=None)
+        while True:
+            try:
+                async with self.lock:
+                    if not self._unrecorded or self.phases.state == "preparing":
+                        return  # gone out with a later append, or waiting for the next one (prepared)
+                    await self.p.store.append(AppendRequest(tuple(self._unrecorded)))
+                    self._unrecorded.clear()
+                    return
+            except (RollbookError, OSError) as exc:
+                log.warning("could not record a resume (%s: %s); retrying", type(exc).__name__, exc)
+                await asyncio.sleep(patience.next_delay(exc))
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
@@ -193,7 +216,12 @@ class ControlPlane:
                 log.error("resume of checkpoint %s failed (%s: %s); admission stays closed until a resume succeeds",
                           req.checkpoint_id, type(exc).__name__, exc)
                 raise
-            await self._record("resume", req.checkpoint_id)
+            # Recorded off the request path: nothing waits for this event. Work reopened the moment
+            # the hook opened admission, and what reads it (an instance joining, adapters/membership.py)
+            # only stays closed a little longer until it lands. It goes out after this reply, ahead of
+            # any later transition of this participant (the flush holds the lock).
+            await self._record("resume", req.checkpoint_id, defer=True)
+            self._flush_soon()
             self.finished.add(req.checkpoint_id)
             self.lease = None
             body = OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase, detail=detail).model_dump()

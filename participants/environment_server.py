@@ -378,7 +378,7 @@ class EnvironmentParticipant(Participant):
                 return await self.client.post(data_url(await peers.url(ep.rollout_id, ep.attempt), ep.rollout_id,
                                                        ep.attempt, suffix), body, headers)
             except AdmissionClosed as exc:  # the refused request changed nothing there
-                await asyncio.sleep(closed.next_delay(exc))
+                await asyncio.sleep(closed.next_delay(exc, soon=self.admission.callee_resuming(exc)))
             except (ParticipantUnavailable, DatabaseUnavailable) as exc:
                 await asyncio.sleep(unavailable.next_delay(exc))
 

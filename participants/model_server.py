@@ -154,7 +154,7 @@ class ModelParticipant(Participant):
                     await self.token_store.get(Receipt.from_json(record.data["prompt_receipt"]).blob_id)
         self.staged = staged
         self.staged_rollouts = {s.rollout_id for s in cut.scope}
-        self.admission.close()  # paused until resume
+        self.admission.close(checkpoint_id=cut.checkpoint_id)  # paused until resume
         return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
 
     async def stop(self) -> None:

@@ -62,7 +62,7 @@ class Participant:
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         """Close admission and park what runs; subclasses close first, then drain their own work."""
-        self.admission.close()
+        self.admission.close(checkpoint_id=checkpoint_id)
         return PrepareReport(ready=True)
 
     async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class Participant:
         return {}
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
-        self.admission.open()
+        self.admission.open(checkpoint_id=checkpoint_id)
         return {}
 
     async def retire(self, rollout_id: str, through: int) -> None:

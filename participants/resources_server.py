@@ -543,7 +543,7 @@ class ResourcesParticipant(Participant):
                 staged[(entry.rollout_id, entry.attempt)] = one
         await store_snapshots(self.store, written)
         self.staged, self.staged_from = staged, cut.checkpoint_id
-        self.admission.close()  # a restored process stays paused until resume installs the sessions
+        self.admission.close(checkpoint_id=cut.checkpoint_id)  # a restored process stays paused until resume installs the sessions
         return {"staged": len(staged), "scope": len(cut.scope)}
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:

@@ -6,6 +6,10 @@ SIGKILL and database restarts) drive the same coordinator the same way; only the
 A machine mixes this in before RuleBasedStateMachine and provides `run`, `coordinator`, `_rows`,
 `coll`, `session`, the state below, `CHECKPOINT_TAG` (the id's infix) and `tally` (its module's
 TALLY of the operations that took effect, which benchmarks/soak.py prints).
+
+`MODES` says which checkpoints a machine takes: both by default (paused and online drawn in one
+sequence), or one of them, so that a run of each mode covers its own commit, publish and restore
+(tests/e2e/test_random_faults.py). The rules of a mode not in MODES are never drawn.
 """
 
 from __future__ import annotations
@@ -14,15 +18,25 @@ import asyncio
 import time
 from typing import Any
 
-from hypothesis.stateful import rule
+from hypothesis.stateful import precondition, rule
 
 from adapters.token_store import PostgresTokenStore
 from engine.errors import RollbookError
 
 DEADLINE_S = 20.0
+PAUSED, ONLINE = "paused", "online"
+
+
+def paused(machine: CheckpointRules) -> bool:
+    return PAUSED in machine.MODES
+
+
+def online(machine: CheckpointRules) -> bool:
+    return ONLINE in machine.MODES
 
 
 class CheckpointRules:
+    MODES: tuple[str, ...] = (PAUSED, ONLINE)
     CHECKPOINT_TAG = "ck"
     START_TIMEOUT_S = 30.0
     tally: dict[str, int]
@@ -65,6 +79,7 @@ class CheckpointRules:
         self.steps.append("dispatch")
         self._count("dispatch")
 
+    @precondition(paused)
     @rule()
     def prepare(self) -> None:
         if self.active is not None:
@@ -76,6 +91,7 @@ class CheckpointRules:
         if reply["ready"]:
             self.active, self.phase = ck, "prepared"
 
+    @precondition(paused)
     @rule()
     def commit(self) -> None:
         if self.active is None or self.phase != "prepared":
@@ -91,17 +107,22 @@ class CheckpointRules:
         self.steps.append(f"commit -> {self.phase}")
         self._count("commit" if self.phase == "committed" else "commit_aborted")
 
+    @precondition(paused)
     @rule()
     def publish(self) -> None:
         if self.active is None or self.phase != "committed":
             return
-        tokens = PostgresTokenStore(self.store.engine)  # type: ignore[attr-defined]
-        ref = self.run(tokens.snapshot(self.active, []))
-        self.run(self.coordinator().publish(self.active, {"checkpoint_id": self.active}, ref, tokens))
+        self._publish(self.active)
         self.phase = "published"
-        self.steps.append("publish")
+
+    def _publish(self, ck: str) -> None:
+        tokens = PostgresTokenStore(self.store.engine)  # type: ignore[attr-defined]
+        ref = self.run(tokens.snapshot(ck, []))
+        self.run(self.coordinator().publish(ck, {"checkpoint_id": ck}, ref, tokens))
+        self.steps.append(f"publish {ck}")
         self._count("publish")
 
+    @precondition(paused)
     @rule()
     def resume(self) -> None:
         if self.active is None:
@@ -111,9 +132,14 @@ class CheckpointRules:
         self.steps.append("resume")
         self._count("resume")
 
+    @precondition(online)
     @rule()
     def checkpoint_online(self) -> None:
         """An online checkpoint, whatever else is going on: a paused one open, servers killed."""
+        self._online()
+
+    def _online(self) -> str | None:
+        """The online checkpoint's id once committed; None where the database refused it."""
         assert self.coll is not None
         ck = f"{self.run_id}-{self.CHECKPOINT_TAG}{next(self.counter)}"
         ours = [self.coll.rollout_id(i) for i in range(len(self.coll.tasks))]
@@ -123,7 +149,8 @@ class CheckpointRules:
             assert exc.code == "database_unavailable", exc
             self.steps.append(f"online {ck} refused: {exc.code}")
             self._count("online_refused")
-            return
+            return None
         self.restorable.append(ck)
         self.steps.append(f"online {ck}")
         self._count("online")
+        return ck

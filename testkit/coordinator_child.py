@@ -3,7 +3,8 @@
     python -m testkit.coordinator_child --config FILE --run-id ID --rollouts N --checkpoint CK --deadline-s S
 
 It does what `rollbook run` does at each checkpoint (apps.collection.Collection.checkpoint:
-prepare, commit, publish, resume) for the run's rollouts. It prints `ready` once it is connected
+prepare, commit, publish, resume; with `--mode online`, Collection.checkpoint_online: the cut from
+the log, publish) for the run's rollouts. It prints `ready` once it is connected
 and waits for a line on stdin before it starts, so the kill lands inside the checkpoint and not
 inside Python's start-up; at the end it prints the checkpoint's result as one JSON line.
 """
@@ -33,7 +34,8 @@ async def main(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession() as session:
             print("ready", flush=True)
             await asyncio.to_thread(sys.stdin.readline)
-            result = await coll.checkpoint(session, args.checkpoint, deadline_s=args.deadline_s)
+            take = coll.checkpoint if args.mode == "paused" else coll.checkpoint_online
+            result = await take(session, args.checkpoint, deadline_s=args.deadline_s)
             print(json.dumps(result), flush=True)
     finally:
         await store.close()
@@ -47,4 +49,5 @@ if __name__ == "__main__":
     p.add_argument("--rollouts", type=int, required=True)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--deadline-s", type=float, default=3.0)
+    p.add_argument("--mode", choices=["paused", "online"], default="paused")
     sys.exit(asyncio.run(main(p.parse_args())))

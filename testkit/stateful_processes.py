@@ -24,7 +24,9 @@ The faults are the real ones:
 - crash_and_restore: SIGKILL of all eight, fresh processes restore the latest committed cut;
 
 mixed with the control operations of testkit/stateful_control.py (dispatch, prepare, commit,
-publish, resume, retire, forget). After every step the invariants of testkit/stateful_control.py
+publish, resume, retire, forget) and online checkpoints; `MODES` (testkit/checkpoint_rules.py)
+limits a run to paused or to online checkpoints, and then every checkpoint the machine takes
+(checkpoint_and_publish, crash_and_restore's first cut, the killed coordinator's) is of that mode. After every step the invariants of testkit/stateful_control.py
 are read through the public SQL views, plus: no model call generated twice for one turn, no tool
 call applied twice and no agent turn recorded twice within one attempt (a restarted server that
 redid its own work); at the end of each sequence every rollout that was not
@@ -71,7 +73,7 @@ from apps.processes import ServerProcesses, free_port, worker_pids
 from engine.coordinator import Coordinator
 from engine.phases import LEASE_GRACE_S
 from participants.environments.tasks import make_tasks
-from testkit.checkpoint_rules import CheckpointRules
+from testkit.checkpoint_rules import ONLINE, PAUSED, CheckpointRules
 from testkit.log_queries import REGENERATED_ACROSS, REPEATED_CALLS, REPEATED_MUTATIONS, REPEATED_TURNS
 from testkit.stateful_control import (
     AFTER_FENCE,
@@ -336,14 +338,16 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
 
     @rule(delay=st.sampled_from([0.1, 0.25, 0.5]))  # its first 0.1 s or so is reading the log
     def kill_coordinator(self, delay: float) -> None:
-        """A coordinator process SIGKILLed `delay` s into a checkpoint (prepare, commit, publish, resume)."""
+        """A coordinator process SIGKILLed `delay` s into a checkpoint (prepare, commit, publish, resume;
+        online: the cut, publish)."""
         if self.active is not None:
             return
         ck = f"{self.run_id}-k{next(self.counter)}"
         self._live_now("kill_coordinator")
         child = subprocess.Popen(
             [sys.executable, "-m", "testkit.coordinator_child", "--config", str(self.world.config_path), "--run-id",
-             self.run_id, "--rollouts", str(ROLLOUTS), "--checkpoint", ck, "--deadline-s", str(COORDINATOR_DEADLINE_S)],
+             self.run_id, "--rollouts", str(ROLLOUTS), "--checkpoint", ck, "--deadline-s", str(COORDINATOR_DEADLINE_S),
+             "--mode", PAUSED if PAUSED in self.MODES else ONLINE],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
         assert child.stdin is not None and child.stdout is not None
         try:
@@ -362,7 +366,8 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         phase = phase[0].phase if phase else None
         if phase in ("committed", "published"):
             self.restorable.append(ck)  # its cut is whole in the log: restorable, whoever wrote it
-        self.lease_until = time.time() + COORDINATOR_DEADLINE_S + LEASE_GRACE_S + 1.0
+        if PAUSED in self.MODES:  # an online checkpoint holds no server
+            self.lease_until = time.time() + COORDINATOR_DEADLINE_S + LEASE_GRACE_S + 1.0
         self.steps.append(f"SIGKILL coordinator {delay} s into {ck} (left {phase})")
         self._count("kill_coordinator")
         self._count(f"kill_coordinator_left_{phase}")
@@ -388,15 +393,30 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
 
     @rule()
     def checkpoint_and_publish(self) -> None:
-        """A whole paused checkpoint from whatever state it meets: prepare unless one is open, commit it
-        if prepared, publish it if committed (resume is a rule of its own). Drawn one by one, prepare,
-        commit and publish line up in too few sequences for the faults to meet a committed cut."""
+        """A whole checkpoint from whatever state it meets, then published. Paused: prepare unless one
+        is open, commit it if prepared, publish it if committed (resume is a rule of its own); drawn one
+        by one, prepare, commit and publish line up in too few sequences for the faults to meet a
+        committed cut. Online: the cut from the log, committed in one step, then published."""
+        if ONLINE in self.MODES and PAUSED not in self.MODES:
+            if (ck := self._online()) is not None:
+                self._publish(ck)
+            return
         if self.active is None:
             self.prepare()
         if self.phase == "prepared":
             self.commit()
         if self.phase == "committed":
             self.publish()
+
+    def _take_a_cut(self) -> None:
+        """A committed cut, of the machine's mode, for a restore that has none yet."""
+        if PAUSED not in self.MODES:
+            self._online()
+            return
+        if self.active is None:
+            self.prepare()
+        if self.phase == "prepared":
+            self.commit()
 
     @rule()
     def publish_crash_and_restore(self) -> None:
@@ -409,13 +429,11 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
     def crash_and_restore(self) -> None:
         """Every server SIGKILLed with the framework's dispatches; fresh ones restore the latest cut.
 
-        With no committed cut yet, it first takes one (prepare, commit): drawing prepare, commit and
-        this rule in that order by chance is rare, and a restore of real processes must be tried."""
+        With no committed cut yet, it first takes one (prepare and commit, or an online cut): drawing
+        prepare, commit and this rule in that order by chance is rare, and a restore of real processes
+        must be tried."""
         if not self.restorable:
-            if self.active is None:
-                self.prepare()
-            if self.phase == "prepared":
-                self.commit()
+            self._take_a_cut()
             if not self.restorable:
                 return
         self._live_now("crash_and_restore")

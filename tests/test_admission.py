@@ -96,3 +96,34 @@ async def test_admission_opens_only_when_every_hold_is_released() -> None:
     assert not a.is_open
     a.open(JOINING)
     await asyncio.wait_for(a.wait_open(), 1)
+
+
+_STEPS = st.lists(st.tuples(st.sampled_from(["close", "open", "close_joining", "open_joining"]),
+                            st.sampled_from(["c1", "c2", "c3"])), max_size=12)
+
+
+@given(steps=_STEPS, named=st.one_of(st.none(), st.sampled_from(["c1", "c2", "c3"])))
+def test_a_refusal_is_about_to_end_only_when_it_names_the_checkpoint_this_server_last_resumed_from(
+        steps: list[tuple[str, str]], named: str | None) -> None:
+    """Whatever the order of checkpoints and joining holds: open here, and the peer refused for the
+    very checkpoint this server reopened from last (so the peer's resume was sent with this one's)."""
+    a, resumed, closed_for, holds = Admission(), None, None, set()
+    for op, ck in steps:
+        if op == "close":
+            a.close(checkpoint_id=ck)
+            holds.add("checkpoint")
+            closed_for = ck
+        elif op == "open":
+            a.open(checkpoint_id=ck)
+            holds.discard("checkpoint")
+            resumed, closed_for = ck, None
+        elif op == "close_joining":
+            a.close(JOINING)
+            holds.add(JOINING)
+        else:
+            a.open(JOINING)
+            holds.discard(JOINING)
+    refusal = AdmissionClosed("closed", **({} if named is None else {"checkpoint_id": named}))
+    assert a.is_open == (not holds)
+    assert a.callee_resuming(refusal) == (not holds and named is not None and named == resumed)
+    assert a.closed_for == closed_for  # what its refusals name

@@ -23,6 +23,7 @@ from apps.stack import SEED, TOKEN, MemoryBacking, Stack, of, start_stack, turn_
 from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
+from engine.patience import SOON_S, Patience
 from participants.agent_server import AgentParticipant
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
@@ -188,6 +189,41 @@ async def test_prepare_parks_a_running_episode_and_resume_finishes_it(database: 
     assert result["reward"] == reward
     assert final_reply(events, 0) == reply and mutations(events) == muts
     assert last.position < of(events, "agent_boundary")[-1].position
+
+
+async def test_callers_resumed_before_their_callees_ask_again_at_once_and_their_held_work_goes_through(
+        database: MemoryBacking, store: MemoryEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller may reopen before its callee (a resume stage that failed, a repeat after an abort):
+    its held work meets a callee still closed for the same checkpoint. Counted in refusals: every one
+    of them is followed by SOON_S (the callee's resume is on its way), not by a back-off that grows
+    towards a second, and the work goes through once the callee reopens, ending as if never paused."""
+    reward, reply, muts = await uninterrupted(database, store, BLACKJACK, "soon-ref")
+    refusals: list[tuple[str, Any, float]] = []  # (who waits, the checkpoint the refusal names, the delay chosen)
+    next_delay, counting = Patience.next_delay, asyncio.Event()
+
+    def noting(self: Patience, refusal: BaseException, now: float | None = None, soon: bool = False) -> float:
+        delay = next_delay(self, refusal, now, soon=soon)
+        if counting.is_set() and isinstance(refusal, AdmissionClosed):
+            refusals.append((self.what, refusal.context.get("checkpoint_id"), delay))
+        return delay
+
+    monkeypatch.setattr(Patience, "next_delay", noting)
+    async with stack(database, "soon", latency=0.15) as s:
+        agent, env = (HttpParticipant(k, k, s.url(k), TOKEN, s.session) for k in ("agent", "environment"))  # type: ignore[arg-type]
+        coordinator = s.coordinator(store)
+        running = asyncio.create_task(s.episode(BLACKJACK, "soon-1"))
+        await wait_for(store, "soon-1", "agent_boundary", 2, state="after_turn")
+        assert (await coordinator.prepare("soon-ck", time.time() + 60))["ready"]
+        counting.set()
+        for caller in (agent, env):  # the callers reopen; the model and the resources server stay closed
+            await caller.call("resume", {"checkpoint_id": "soon-ck", "deadline": time.time() + 10})
+        await eventually("the held work to be refused ten times", lambda: len(refusals) >= 10)
+        await coordinator.resume("soon-ck")  # the callees reopen (the callers answer their repeat)
+        result = await asyncio.wait_for(running, 30)
+    assert {ck for _, ck, _ in refusals} == {"soon-ck"}, refusals  # every refusal names the checkpoint
+    assert {delay for _, _, delay in refusals} == {SOON_S}, refusals
+    events = await store.read_rollout("soon-1")
+    assert result["reward"] == reward and final_reply(events, 0) == reply and mutations(events) == muts
 
 
 async def test_a_tool_round_refused_by_a_closed_resources_server_still_ends_while_the_agent_prepares(

@@ -14,7 +14,7 @@ from adapters.database import code_revision
 from adapters.memory_store import MemoryEventStore
 from adapters.participant_client import HttpParticipant
 from engine.coordinator import Coordinator
-from engine.errors import STATUS, CheckpointConflict, InvalidPhase, StaleCheckpoint
+from engine.errors import STATUS, CheckpointConflict, DatabaseUnavailable, InvalidPhase, StaleCheckpoint
 from participants.app import build_app
 from participants.guard import Credentials
 from participants.participant import Participant, PrepareReport
@@ -136,6 +136,35 @@ async def test_prepare_commit_resume_with_idempotent_repeats_conflicts_and_stale
     assert (status, reply["error"]["code"]) == (409, "stale_checkpoint")
     kinds = [e.kind for e in await store.read_stream("participant:model:model-0")]
     assert kinds == ["participant_prepare", "participant_prepared", "participant_commit", "participant_resume"]
+
+
+async def test_resume_reopens_without_waiting_for_its_append_which_lands_after_the_reply(
+        one, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing waits for `participant_resume` (engine.coordinator: resume waits for nothing): the
+    database refusing it does not fail or hold the resume, and the event lands once it answers,
+    before any later transition of the participant."""
+    http, participant, _ = one
+    assert (await post(http, "prepare", body()))[0] == 200
+    append, refused = store.append, []
+
+    async def away_for_the_resume(request: Any) -> Any:
+        if any(e.kind == "participant_resume" for e in request.events) and not refused:
+            refused.append(request)
+            raise DatabaseUnavailable("the database does not answer")
+        return await append(request)
+
+    monkeypatch.setattr(store, "append", away_for_the_resume)
+    status, reply = await post(http, "resume", body())
+    assert (status, reply["phase"]) == (200, "idle") and participant.admission_open
+    assert refused  # the append was tried and refused
+    await eventually("the resume to be recorded", lambda: _kinds(store)[-1:] == ["participant_resume"])
+    assert (await post(http, "prepare", body(ck="ck-2")))[0] == 200
+    assert _kinds(store) == ["participant_prepare", "participant_prepared", "participant_resume",
+                             "participant_prepare", "participant_prepared"]
+
+
+def _kinds(store: MemoryEventStore) -> list[str]:
+    return [e.kind for e in store.log.events if e.stream == "participant:model:model-0"]
 
 
 @pytest.mark.parametrize("op", ["commit", "resume"])

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from engine.errors import AdmissionClosed, DatabaseUnavailable
-from engine.patience import RETRY_FIRST_S, RETRY_MAX_S, Patience
+from engine.patience import RETRY_FIRST_S, RETRY_MAX_S, SOON_S, SOON_TRIES, Patience
 
 
 def test_it_backs_off_to_its_ceiling() -> None:
@@ -66,3 +66,10 @@ def test_each_refusal_doubles_the_delay_up_to_thirty_two_times_the_first() -> No
     delays = [wait.next_delay(AdmissionClosed("closed"), now=1.0) for _ in range(8)]
     assert delays == [RETRY_FIRST_S * 2**n for n in (0, 1, 2, 3, 4, 5, 5, 5)]
     assert wait.tries == 8
+
+
+def test_a_refusal_about_to_end_is_asked_again_soon_a_bounded_number_of_times_then_backs_off_as_before() -> None:
+    wait = Patience("w", since=0.0)
+    soon = [wait.next_delay(AdmissionClosed("closed"), now=1.0, soon=True) for _ in range(SOON_TRIES + 3)]
+    assert soon == [SOON_S] * SOON_TRIES + [RETRY_FIRST_S, 2 * RETRY_FIRST_S, 4 * RETRY_FIRST_S]
+    assert SOON_S < RETRY_FIRST_S

@@ -3,13 +3,16 @@ that random order once found broken, replayed as fixed tests.
 
 testkit/stateful_processes.FaultMachine, over two instances of every kind: SIGKILL of every instance
 of any subset of the four kinds, of one instance of one kind, of a coordinator process mid-checkpoint,
-a PostgreSQL restart and dropped connections, mixed with dispatch, prepare, commit, publish, resume,
-restore, retire and forget; every invariant read through the public SQL views after every step and at
-the end of every sequence. The run prints how often each operation took effect, and in how many
-sequences.
+a PostgreSQL restart and dropped connections, mixed with dispatch, checkpoints, publish, restore,
+retire and forget; every invariant read through the public SQL views after every step and at the end
+of every sequence. It runs once per checkpoint mode: a paused run (prepare, commit, publish, resume,
+and restores of paused cuts) and an online run (cuts from the log with every server running,
+published and restored), so each mode meets every fault. Each run prints how often each operation
+took effect, and in how many sequences.
 
-CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4, of up to ROLLBOOK_STATEFUL_STEPS=10 steps; raise it to run more, or run
-`benchmarks/soak.py --machine processes --seeds N`). The seed is printed before the run; a
+CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4: hypothesis' two simplest, then drawn ones)
+of up to ROLLBOOK_STATEFUL_STEPS=10 steps, the drawn ones split between the two modes, each of which
+also runs the two simplest (quick: they draw nothing); raise it to run more, or run `benchmarks/soak.py --machine processes --seeds N`). The seed is printed before the run; a
 failing sequence is shrunk by hypothesis and printed as a list of steps (`state.kill_servers(...)`)
 with a `@reproduce_failure` blob, and ROLLBOOK_STATEFUL_SEED=<seed> replays the same run.
 """
@@ -34,11 +37,13 @@ from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from participants.routing import pick
 from testkit import pg
+from testkit.checkpoint_rules import ONLINE, PAUSED
 from testkit.log_queries import tracebacks
 from testkit.stateful_processes import INSTANCES, ROLLOUTS, TALLY, FaultMachine, World, start_world
 
 EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
+SIMPLEST = 2  # the sequences hypothesis tries first in every run, whatever the seed (see below)
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +61,33 @@ def world() -> Iterator[World]:
         server.close()
 
 
-def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(world: World) -> None:
+# The operations only a paused checkpoint takes, and the one only an online checkpoint takes.
+PAUSED_ONLY = ("prepare", "prepare_not_ready", "commit", "commit_aborted", "resume")
+ONLINE_ONLY = ("online", "online_refused")
+
+
+@pytest.mark.parametrize("mode", [PAUSED, ONLINE])
+def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(world: World, mode: str) -> None:
+    # The drawn sequences are split between the two modes, not run again for each: the suite's time
+    # stays. Hypothesis starts every run with its simplest sequences (no step after boot, and its first
+    # rule over and over), which are quick and draw nothing, so each mode runs those on top of its share.
+    share = (EXAMPLES - SIMPLEST + 1) // 2 if mode == PAUSED else (EXAMPLES - SIMPLEST) // 2
+    examples = SIMPLEST + max(1, share)
     chosen = int(os.environ.get("ROLLBOOK_STATEFUL_SEED") or random.SystemRandom().randrange(1 << 31))
-    print(f"random faults: seed {chosen}, {EXAMPLES} sequences of up to {STEPS} steps "
+    print(f"random faults, {mode} checkpoints: seed {chosen}, {examples} sequences of up to {STEPS} steps "
           f"(replay: ROLLBOOK_STATEFUL_SEED={chosen})")
-    machine = seed(chosen)(type("Faults", (FaultMachine,), {"world": world}))
+    machine = seed(chosen)(type("Faults", (FaultMachine,), {"world": world, "MODES": (mode,)}))
+    before = dict(TALLY)
     # No shrinking: real processes under real faults do not replay a sequence exactly, so shrinking ends
     # in hypothesis' Flaky error and hides the failure it set out to shrink. The printed steps say what ran.
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None, print_blob=True,
+        max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None, print_blob=True,
         phases=(Phase.explicit, Phase.generate),
         suppress_health_check=list(HealthCheck)))
-    print(f"random faults: operations that took effect: {dict(sorted(TALLY.items()))}")
+    gained = {op: n - before.get(op, 0) for op, n in sorted(TALLY.items()) if n != before.get(op, 0)}
+    print(f"random faults, {mode} checkpoints: operations that took effect: {gained}")
+    other = ONLINE_ONLY if mode == PAUSED else PAUSED_ONLY
+    assert not {op for op in gained if op in other or op.removeprefix("sequences_with_") in other}, gained
     # No server prints a traceback for any of these faults (a database outage included).
     assert not (found := tracebacks(world.log_dir)), "\n".join(found)
 
@@ -164,6 +184,20 @@ def test_one_instance_of_each_kind_killed_while_the_other_serves_then_a_restore_
     written = _written_by(m, world)
     for kind in cfg.KINDS:
         assert written.get(kind) == set(world.urls(kind)), f"{kind}: written by {written.get(kind)}"
+
+
+def test_an_online_cut_published_then_restored_after_an_instance_died(world: World) -> None:
+    """The online run's commit, publish and restore, in one fixed sequence (the random one draws
+    them by chance): a cut from the log with every server running, published, one model instance
+    killed, then every server killed and the cut restored. No paused operation takes effect."""
+    before = dict(TALLY)
+    _replay(world, lambda m: [
+        lambda: m.let_time_pass(0.2), m.checkpoint_and_publish, lambda: m.kill_instance("model", 0, 0.0),
+        m.dispatch, m.crash_and_restore], before=lambda m: setattr(m, "MODES", (ONLINE,)))
+    gained = {op: n - before.get(op, 0) for op, n in TALLY.items() if n != before.get(op, 0)}
+    for op in ("online", "publish", "crash_and_restore"):
+        assert gained.get(f"sequences_with_{op}") == 1, gained
+    assert not {op for op in gained if op in PAUSED_ONLY}, gained
 
 
 def _written_by(m: FaultMachine, world: World) -> dict[str, set[str]]:
