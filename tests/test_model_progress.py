@@ -178,9 +178,10 @@ class HeldStart(Paced):
 
 async def test_a_continued_call_cut_before_its_backend_answers_keeps_its_prompt_and_continues_later(
         memory_store, memory_tokens) -> None:
-    """A checkpoint lands between a continued call's acceptance and its backend's first event: its cut
-    records the prefix it holds with the prompt that prefix was generated for, not an empty prompt, so
-    the next continuation still continues (a loaded server under checkpoints every second met this)."""
+    """A checkpoint lands between a continued call's acceptance and its backend's first event, and the
+    backend does not answer while prepare lets the call finish: its cut then records the prefix it
+    holds with the prompt that prefix was generated for, not an empty prompt, so the next continuation
+    still continues (a loaded server under checkpoints every second met this)."""
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "hs")
     backend = HeldStart(allowed=2)
@@ -206,3 +207,45 @@ async def test_a_continued_call_cut_before_its_backend_answers_keeps_its_prompt_
     cut1, cut2 = [e for e in events if e.kind == "call_cut"]
     assert cut2.data["prompt_receipt"] == cut1.data["prompt_receipt"] and cut2.data["receipt"] == cut1.data["receipt"]
     assert events[-1].kind == "call_completed" and events[-1].data["continuation"]["mode"] == "continued"
+
+
+async def test_a_continued_call_that_made_nothing_since_its_cut_is_let_finish_by_the_next_prepare(
+        memory_store, memory_tokens) -> None:
+    """Cut once, continued, and the next checkpoint comes before the continuation's first token: that
+    prepare does not cut it again (it would be where it was) but waits for its reply, so no call loses
+    more than one cut to checkpoints however often they come."""
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "lf")
+    backend = HeldStart(allowed=2)
+    _, full, _ = planned(ScriptedBackend(), MATH)
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
+        await eventually("two steps in", lambda: "lf.0.t0" in model.calls and len(model.calls["lf.0.t0"].steps) >= 2)
+        await control(client, "prepare", "ck-lf1")
+        await first
+        backend.starting.clear()
+        await control(client, "resume", "ck-lf1")
+        again = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
+        await eventually("the call continued", lambda: "lf.0.t0" in model.calls and model.calls["lf.0.t0"].state == "generating")
+        cut_now: list[list[str]] = []
+        cut = model._cut
+
+        async def spy(calls: list[Any]) -> None:
+            cut_now.append([c.call_id for c in calls])
+            await cut(calls)
+
+        model._cut = spy
+        prepare = asyncio.ensure_future(control(client, "prepare", "ck-lf2"))
+        await eventually("prepare chose what to cut", lambda: bool(cut_now))
+        backend.starting.set()
+        await backend.allow(len(full))
+        prepared = await prepare
+        await control(client, "resume", "ck-lf2")
+        reply = await again
+        assert reply.status == 200
+    assert prepared["ready"] and prepared["counts"]["cut"] == 0 and prepared["counts"]["completed"] == 1
+    assert all("lf.0.t0" not in ids for ids in cut_now)
+    events = await store.read_stream(call_stream("lf.0.t0"))
+    assert [e.kind for e in events] == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
+    assert events[-1].data["continuation"]["mode"] == "continued" and events[-1].data["tokens"] == len(full)
