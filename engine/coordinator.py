@@ -81,7 +81,13 @@ from engine.checkpoint import (
     started_after,
     validate_cut,
 )
-from engine.errors import InvalidCheckpointState, RollbookError, StaleCheckpoint, VersionConflict
+from engine.errors import (
+    InvalidCheckpointState,
+    RollbookError,
+    StaleAttempt,
+    StaleCheckpoint,
+    VersionConflict,
+)
 from engine.events import AppendRequest, RecordedEvent
 from engine.identity import Key, checkpoint_stream
 from engine.phases import (
@@ -97,6 +103,7 @@ PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent")
 PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
 RESUME_STAGES: tuple[tuple[str, ...], ...] = (("model", "resources"), ("agent",), ("environment",))
 RETIRE_ORDER = ("environment", "agent", "model", "resources")
+INSTALL_TRIES = 5  # reads of the attempts a restore's install is planned on, each overtaken by a restart
 ONLINE_LEASE_S = 30.0  # an online checkpoint takes a few reads and two appends; past this anyone may abort it
 
 
@@ -343,6 +350,25 @@ class Coordinator:
                 raise exc
             raise InvalidCheckpointState(f"participant {name} could not restore: {exc}")
         self.timing.record("restore:participants", staging)
+        for tries in range(1, INSTALL_TRIES + 1):
+            install, retired, late = await self._install_request(cut)
+            try:
+                await self.store.append(install)
+                break
+            except StaleAttempt:
+                # An attempt moved on between the read and the append: a server that came back from the
+                # crash restarted a rollout under N+1 (engine.recovery) while this restore staged. Read again.
+                if tries == INSTALL_TRIES:
+                    raise
+        self.timing.record("restore", started)
+        installed = install.events[-1].data
+        return {"checkpoint_id": checkpoint_id, "continued": installed["continued"],
+                "fresh_dispatch": sum(1 for r, _ in [*cut.fresh, *late] if r not in retired),
+                "completed": len(cut.completed), "left_retired": installed["left_retired"]}
+
+    async def _install_request(self, cut: Cut) -> tuple[AppendRequest, set[str], list[tuple[str, int]]]:
+        """The install of `cut` as the log stands now: each rollout's latest attempt fenced, the next
+        one started; and the rollouts retired since the cut, and the attempts started after it."""
         named = {s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *cut.completed]}
         if cut.rollouts is not None:  # the framework named its rollouts: one read of their attempts is all it takes
             rows = await self.store.attempt_rows(sorted(named | set(cut.rollouts)))
@@ -353,14 +379,8 @@ class Coordinator:
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)
-        retired = retired_since(rows)
-        install = install_request(cut, latest, late, retired)
-        await self.store.append(install)
-        self.timing.record("restore", started)
-        installed = install.events[-1].data
-        return {"checkpoint_id": checkpoint_id, "continued": installed["continued"],
-                "fresh_dispatch": sum(1 for r, _ in [*cut.fresh, *late] if r not in retired),
-                "completed": len(cut.completed), "left_retired": installed["left_retired"]}
+        retired = set(retired_since(rows))
+        return install_request(cut, latest, late, retired), retired, list(late)
 
     async def retire(self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]]) -> None:
         body = self._body(checkpoint_id, time.time() + 30, rollouts=[{"rollout_id": r, "through": t} for r, t in rollouts])

@@ -22,6 +22,7 @@ from engine.events import AppendRequest
 from engine.identity import checkpoint_stream
 from engine.log import append_one
 from engine.phases import CheckpointPhases, checkpoint_started
+from engine.recovery import Recovery, recovery_request
 from tests.memory_cut_store import MemoryCutStore
 from tests.test_checkpoint_engine import episode
 
@@ -246,6 +247,34 @@ async def test_restore_stages_every_participant_then_installs_the_cut() -> None:
     assert sorted(n for op, n in journal if op == "restore") == sorted(PREPARE_ORDER)
     latest = {r: a for r, a in (await store.attempt_rows(["r0", "r1", "r5", "r7"]))}
     assert latest == {"r0": 1, "r1": 1, "r5": 1, "r7": 1}
+
+
+async def test_a_restart_that_lands_between_the_restores_read_and_its_install_is_fenced_too() -> None:
+    """A server back from the crash restarts r0 under attempt 1 (engine.recovery) after the restore read
+    the attempts and before it installs: the install, planned on attempt 0, is refused as stale; the
+    restore reads again and installs over attempt 1 instead of failing the whole restore."""
+    store = MemoryCutStore()
+    await world(store)
+    coordinator = Coordinator(store, four([]))
+    await coordinator.prepare("ck", time.time() + 30)
+    await coordinator.commit("ck", time.time() + 30, scope=[("r0", 0)], rollouts=["r0", "r1", "r5"])
+    read = store.attempt_rows
+    restarts: list[str] = []
+
+    async def read_then_restart(ids: Any) -> Any:
+        rows = await read(ids)
+        if not restarts:
+            restarts.append("r0")
+            await store.append(recovery_request(Recovery("r0", 0, "continue", None, True, "call")))
+        return rows
+
+    store.attempt_rows = read_then_restart  # type: ignore[method-assign]
+    reply = await coordinator.restore("ck", time.time() + 30)
+    assert (reply["continued"], reply["fresh_dispatch"]) == (1, 2) and restarts == ["r0"]
+    rows = await read(["r0"])
+    assert {a: row["status"] for (_, a), row in rows.items()} == {0: "fenced", 1: "fenced", 2: "live"}
+    started = [e for e in await store.read_stream("rollout:r0") if e.kind == "attempt_started"][-1]
+    assert started.attempt == 2 and started.data["restored_from"] == "ck" and started.data["origin_attempt"] == 0
 
 
 async def test_restore_of_a_framework_that_named_its_rollouts_reads_only_theirs() -> None:

@@ -52,7 +52,9 @@ def orphan_blob(dsn: str) -> str:
 
 def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint_restores(dsn: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="rbretain-"))
-    tasks = make_tasks(12, seed=5, envs=["workplace", "blackjack", "math"])
+    # Enough rollouts that the run still writes through the export and retention commands that follow its
+    # checkpoint (12 ended during them on a loaded machine).
+    tasks = make_tasks(24, seed=5, envs=["workplace", "blackjack", "math"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     # Tokens take a while to come, so calls are under way while the checkpoint is cut and retention runs.
     servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.02 if k == "model" else 0.0) for k in cfg.KINDS}
@@ -115,7 +117,7 @@ def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint
     finally:
         procs.stop()
     done = next(e for e in events if e.get("event") == "done")
-    assert done["finished"] == done["rollouts"] == 12
+    assert done["finished"] == done["rollouts"] == len(tasks)
     with psycopg.connect(dsn, autocommit=True) as conn:
         finished = conn.execute("SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') FROM rollbook.attempts "
                                 "WHERE rollout_id LIKE 'ret-%%' GROUP BY rollout_id").fetchall()
@@ -123,5 +125,5 @@ def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint
         repeated = [conn.execute(q.replace(":p", "%(p)s"), p).fetchone()[0]  # type: ignore[index]
                     for q in (REPEATED_CALLS, REPEATED_MUTATIONS, REPEATED_MUTATIONS_WITHIN)]
         missing = conn.execute(MISSING_BLOBS).fetchone()[0]  # type: ignore[index]
-    assert len(finished) == 12 and all(n == 1 for _, n in finished), finished
+    assert len(finished) == len(tasks) and all(n == 1 for _, n in finished), finished
     assert repeated == [0, 0, 0] and missing == 0
