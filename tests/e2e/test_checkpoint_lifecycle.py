@@ -25,6 +25,7 @@ from apps.config import KINDS
 from engine.coordinator import Coordinator
 from engine.errors import InvalidCheckpointState, InvalidPhase, StaleCheckpoint
 from participants.environments.tasks import make_tasks
+from tests.waiting import NeverHappened
 
 from .conftest import Cluster, assert_invariants, finish
 
@@ -143,12 +144,17 @@ async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
     (call_cut) lands after its agent's before_model boundary and before P.
 
     In flight for sure: the upstream (a fake vLLM) is stalled first, and the call awaited is one
-    accepted after that, which therefore cannot complete before prepare cuts it."""
+    accepted after that, which therefore cannot complete before prepare cuts it. If every rollout
+    was already waiting on the model when the stall came, no call is accepted after it: then any
+    call still in flight will do (the stall holds its stream before its next step)."""
     coll, run = await launch(c, prefix, n=8)
     await c.wait_count(prefix, "call_completed", 3)
     await c.upstream_stall(True)
     stalled_at = await c.head()
-    await c.call_in_flight(prefix, after=stalled_at)
+    try:
+        await c.call_in_flight(prefix, after=stalled_at, timeout=10)
+    except NeverHappened:
+        await c.call_in_flight(prefix)
     try:
         ck = await coll.checkpoint(c.session, f"{prefix}-ck1")
     finally:
