@@ -8,8 +8,8 @@ fenced attempt leaves nothing: check_attempt and the append itself refuse it.
 Checkpoint behaviour:
 - prepare closes admission and cuts every generation at a token boundary, streamed or not (its
   durable prefix recorded in `call_cut`, the client's stream ending with a rollbook cut event),
-  except a call that continues a cut and has generated nothing since: it is let finish, for half
-  the drain's time at most (`prepare` says why). A reply that becomes ready while admission is
+  except a call that continues a cut and has generated nothing since: it is let run LET_FINISH_S
+  more first (`prepare` says why). A reply that becomes ready while admission is
   closed is HELD: the HTTP response waits for resume, so no agent can move past the boundary the
   checkpoint is recording.
 - restore stages the calls of the rollouts in the cut (as of the cut's position); a call that
@@ -94,6 +94,9 @@ MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
 POLICY_STREAM = policy_stream()
 CLAIM_TRIES = 8  # each conflict means another instance appended to the call: it cannot go on for long
+# How much longer a call that continues a cut, with nothing generated since, may run at a prepare before
+# it is cut again: enough for a loaded server to get its first tokens out (prepare says why).
+LET_FINISH_S = 2.0
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 
 class ModelParticipant(Participant):
@@ -123,13 +126,14 @@ class ModelParticipant(Participant):
         # A call that continues a cut and has made nothing since is let finish: cut again it would stay
         # where it was, and where checkpoints come faster than a loaded server gets its continued calls
         # going, that repeats until the run starves (measured at 500 in flight with a paused checkpoint
-        # every second: one call cut 12 times in 5 minutes with no token between). So each call loses
-        # at most one cut to a checkpoint. It is waited for half the drain's time at most, then cut.
+        # every second: one call cut 12 times in 5 minutes with no token between). So each checkpoint
+        # gives such a call LET_FINISH_S more to run (half the drain's time at most), then cuts it: a
+        # hung upstream costs a prepare that much, not its deadline.
         finishing = [c for c in inflight if c.continues_cut and c.generated_here() == 0 and c.state in ("accepting", "generating")]
         await self._cut([c for c in inflight if c not in finishing])
         if finishing:
             now = time.time()
-            await wait_for_all([c.done for c in finishing], now + (drain_until(deadline, now) - now) / 2)
+            await wait_for_all([c.done for c in finishing], now + min(LET_FINISH_S, (drain_until(deadline, now) - now) / 2))
             await self._cut([c for c in finishing if not c.done.is_set()])
         await wait_for_all([c.done for c in inflight], deadline)
         blockers = [c.call_id for c in inflight if not c.done.is_set()]
