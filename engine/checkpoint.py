@@ -180,7 +180,9 @@ def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key],
     if unknown:
         raise InvalidCheckpointState(f"scope names unknown or inactive execution {unknown[0][0]} attempt {unknown[0][1]}")
     continued = scope_set
-    fresh = (live_set - finished_set - continued) | (restart_set - finished_set)
+    # A restart reported for an attempt the cut does not hold live (a server still tracking an attempt
+    # the rollout has since moved past) names no execution of the cut: the live one is classified.
+    fresh = (live_set - finished_set - continued) | ((restart_set & live_set) - finished_set)
     return Classification(tuple(sorted(finished_set & (live_set | finished_set))), tuple(sorted(continued)), tuple(sorted(fresh)))
 
 

@@ -318,6 +318,18 @@ def test_a_scope_naming_restart_only_executions_is_refused_naming_the_first_and_
     assert refused.value.context == {"executions": [[f"r{i:02d}", 1] for i in range(10)]}
 
 
+def test_a_restart_reported_for_an_attempt_the_rollout_has_moved_past_names_nothing_of_the_cut() -> None:
+    """A server still tracking attempt 1 of r reports it restart-only, while r has moved on to attempt 2,
+    which the framework scopes: the cut continues r once. Naming it also to dispatch afresh made the
+    install fence r twice in one append and every restore of that cut fail stale_attempt (the random
+    fault suite's instances)."""
+    got = classify(live=[("r", 2), ("s", 0)], finished=[], scope=[("r", 2)], restarts=[("r", 1), ("s", 0), ("t", 0)])
+    assert (got.continued, got.fresh_dispatch) == ((("r", 2),), (("s", 0),))
+    cut = Cut("ck", 10, (ScopeEntry("r", 2, 5),), fresh=got.fresh_dispatch, completed=(), digest="d")
+    fenced = [(e.rollout_id, e.attempt) for e in install_request(cut, {"r": 2, "s": 0}).events if e.kind == ATTEMPT_FENCED]
+    assert fenced == [("r", 2), ("s", 0)]
+
+
 def test_refusals_of_a_scope_name_the_first_execution_of_each_kind() -> None:
     done = [("a", 2), ("b", 3)]
     with pytest.raises(InvalidCheckpointState, match=r"^2 execution\(s\) are both completed and in scope, e.g. a attempt 2$"):
