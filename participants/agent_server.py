@@ -8,7 +8,9 @@ what changed since the previous boundary (engine.boundaries). A turn's end and t
 start are one moment, so their two boundaries go in one append; so do the last turn's end and the
 activation's completion. A session is `idle` (restored,
 waiting for its activation), `running`, or `at_boundary` (parked, or waiting on the model, which
-counts as a boundary: the model server cuts or drains its calls during prepare). Activations are
+counts as a boundary: the model server holds a reply that comes while a checkpoint is open). Prepare
+does not wait for a tool round in progress: its mutations land after the session's latest boundary,
+and a restore of the cut applies them again to the state rebuilt there. Activations are
 idempotent by index: the completed index gets its stored reply again (read from the log), any
 index but completed + 1 is refused.
 
@@ -35,7 +37,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, as_attempt, data_url
-from engine.admission import drain, retired
+from engine.admission import retired
 from engine.boundaries import boundary_messages, completed_activations, full_boundary
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
@@ -424,8 +426,8 @@ class AgentParticipant(Participant):
     async def _wait_closed(self, closed: Patience, exc: RollbookError, at_boundary: bool) -> None:
         # Another server refused new work for a checkpoint: the refused call changed nothing, so ask
         # again later (backing off: each refusal of a model call is a `call_excluded` event). A session
-        # at its boundary may wait for this server's own resume instead; one inside a tool round may
-        # not, since this server's prepare waits for that round to end.
+        # at its boundary may wait for this server's own resume instead; one inside a tool round asks
+        # again, since the checkpoint that closed the callee may not be the one that closed this server.
         if self.admission.is_open or not at_boundary:
             await asyncio.sleep(closed.next_delay(exc, soon=self.admission.callee_resuming(exc)))
         else:
@@ -522,15 +524,13 @@ class AgentParticipant(Participant):
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
-        blockers = await drain(lambda: [s for s in self.sessions.values()
-                                        if s.state == "running" and self.supports_continuation], deadline)
-        total = len(self.sessions) + len(self.restored)
+        # Nothing to wait for: a session goes on to its next boundary and parks there (_park).
         restarts = [] if self.supports_continuation else [
             Execution(rollout_id=r, attempt=a) for r, a in [*self.sessions, *self.restored]]
+        running = sum(1 for s in self.sessions.values() if s.state == "running")
         return PrepareReport(
-            ready=not blockers,
-            blockers=[f"{s.rollout_id}:{s.attempt} turn {s.turn} is in a tool round" for s in blockers],
-            counts={"sessions": total, "parked": total - len(blockers)},
+            ready=True,
+            counts={"sessions": len(self.sessions) + len(self.restored), "running": running},
             restarts=restarts,
         )
 

@@ -2,9 +2,12 @@
 
 An episode's steps run in order and each is recorded as an `episode_step` event when it is done,
 so the log alone says where an episode stands: a restored episode continues from its next step
-under its new attempt, and nothing recorded before its boundary is done twice. During prepare an
-episode parks between steps; one inside its agent step counts as parked (the agent parks it at its
-own boundary). An episode that finishes while a checkpoint is being prepared has its
+under its new attempt, and nothing recorded before its boundary is done twice. While a checkpoint is
+open an episode parks before its next step, and an episode that finishes holds its reply until
+resume, so the framework sees nothing change during the pause. Prepare does not wait for a step in
+progress: the cut takes the episode's latest boundary at or below P, and a restore does the step
+again on the state rebuilt there. Only a `wait` verification is waited for, since its answer may
+not be asked for twice. An episode that finishes while a checkpoint is open has its
 `attempt_finished` in the log and is never continued.
 
 After a crash, dispatching a rollout again picks up its live attempt where the log leaves it: the
@@ -309,6 +312,7 @@ class EnvironmentParticipant(Participant):
                     if recoveries == MAX_RECOVERIES:
                         raise
                     await self._restart(ep, exc)
+            await self._park(ep)  # its result reaches the framework after the checkpoint, not during it
             ep.status = "finished"
             return ep.result()
         except asyncio.CancelledError:
@@ -496,16 +500,18 @@ class EnvironmentParticipant(Participant):
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
-        # Inside the agent step counts as parked: the agent parks it at its own boundary. So does a
-        # verify that may simply run again (`replay` verification): it changes nothing that is cut.
-        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step != "agent"
-                                        and not (ep.step == "verify" and replayable_verify(ep))], deadline)
+        # A step in progress is no blocker: what it does lands in the log after the episode's latest
+        # boundary, and a restore of the cut does it again from there. A `wait` verification is the
+        # exception: its environment says its answer may not be asked for twice.
+        blockers = await drain(lambda: [ep for ep in self._live() if ep.status != "parked" and ep.step == "verify"
+                                        and not replayable_verify(ep)], deadline)
         live = self._live()
         return PrepareReport(
             ready=not blockers,
             blockers=[f"{ep.rollout_id}:{ep.attempt} in step {ep.step}" for ep in blockers],
-            counts={"episodes": len(live), "parked": len(live) - len(blockers),
-                    "in_agent": sum(1 for ep in live if ep.step == "agent")},
+            counts={"episodes": len(live), "parked": sum(1 for ep in live if ep.status == "parked"),
+                    "in_agent": sum(1 for ep in live if ep.status != "parked" and ep.step == "agent"),
+                    "in_step": sum(1 for ep in live if ep.status != "parked" and ep.step not in (None, "agent"))},
         )
 
     async def restore(self, cut: Cut) -> dict[str, Any]:

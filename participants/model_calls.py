@@ -116,11 +116,15 @@ class LiveCall:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     task: asyncio.Task[None] | None = None
     durable: DurablePrefix | None = None  # the longest prefix known to be in the token store
-    continues_cut: bool = False  # it goes on from a cut: its own, or (most often) the call it replaces
 
     def generated_here(self) -> int:
         """The tokens this generation made itself, past the prefix it continues."""
         return len(self.ids) - (len(self.prefix.ids) if self.prefix is not None else 0)
+
+    def saved_here(self) -> DurablePrefix | None:
+        """The durable prefix, if it holds tokens this generation made past the prefix it continues."""
+        d = self.durable
+        return d if d is not None and d.tokens > len(self.ids) - self.generated_here() else None
 
     def progress(self) -> Progress | None:
         """What to make durable now: None while the durable prefix is as long as the tokens (or there

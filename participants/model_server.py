@@ -6,12 +6,12 @@ of `call_completed` (token receipt + reply), `call_cut` (receipt of the durable 
 fenced attempt leaves nothing: check_attempt and the append itself refuse it.
 
 Checkpoint behaviour:
-- prepare closes admission and cuts every generation at a token boundary, streamed or not (its
-  durable prefix recorded in `call_cut`, the client's stream ending with a rollbook cut event),
-  except a call that continues a cut and has generated nothing since: it is let run LET_FINISH_S
-  more first (`prepare` says why). A reply that becomes ready while admission is
-  closed is HELD: the HTTP response waits for resume, so no agent can move past the boundary the
-  checkpoint is recording.
+- prepare closes admission and cuts every generation that has made tokens of its own, at its
+  durable prefix (participants.model_progress) or with the tokens not saved yet, streamed or not
+  (recorded in `call_cut`, the client's stream ending with a rollbook cut event); the other calls
+  run on, and prepare waits for none of them. A reply that
+  becomes ready while admission is closed is HELD: the HTTP response waits for resume, so no agent
+  can move past the boundary the checkpoint is recording.
 - restore stages the calls of the rollouts in the cut (as of the cut's position); a call that
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -40,7 +39,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.generation import GenerationBackend, Prefix, final_message
 from engine import catalog as ev
-from engine.admission import drain_until, wait_for_all
 from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
 from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut, ParticipantStore, read_cut
@@ -94,9 +92,6 @@ MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
 POLICY_STREAM = policy_stream()
 CLAIM_TRIES = 8  # each conflict means another instance appended to the call: it cannot go on for long
-# How much longer a call that continues a cut, with nothing generated since, may run at a prepare before
-# it is cut again: enough for a loaded server to get its first tokens out (prepare says why).
-LET_FINISH_S = 2.0
 REPLACES_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 
 class ModelParticipant(Participant):
@@ -123,38 +118,20 @@ class ModelParticipant(Participant):
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
-        # A call that continues a cut and has made nothing since is let finish: cut again it would stay
-        # where it was, and where checkpoints come faster than a loaded server gets its continued calls
-        # going, that repeats until the run starves (measured at 500 in flight with a paused checkpoint
-        # every second: one call cut 12 times in 5 minutes with no token between). So each checkpoint
-        # gives such a call LET_FINISH_S more to run (half the drain's time at most), then cuts it: a
-        # hung upstream costs a prepare that much, not its deadline.
-        finishing = [c for c in inflight if c.continues_cut and c.generated_here() == 0 and c.state in ("accepting", "generating")]
-        await self._cut([c for c in inflight if c not in finishing])
-        if finishing:
-            now = time.time()
-            await wait_for_all([c.done for c in finishing], now + min(LET_FINISH_S, (drain_until(deadline, now) - now) / 2))
-            await self._cut([c for c in finishing if not c.done.is_set()])
-        await wait_for_all([c.done for c in inflight], deadline)
-        blockers = [c.call_id for c in inflight if not c.done.is_set()]
-        counts = {
-            "accepted": len(inflight),
-            "completed": sum(c.state == "completed" for c in inflight),
-            "cut": sum(c.state == "cut" for c in inflight),
-            "held": self.held(),
-        }
-        return PrepareReport(ready=not blockers, blockers=blockers, counts=counts)
-
-    async def _cut(self, calls: list[LiveCall]) -> None:
-        """Cut `calls`, never waiting for them: one that is generating at its durable prefix
-        (participants.model_progress), all of them in one append that writes no blob; one not yet
-        accepted in the log records its own cut once it is."""
-        cutting = [c for c in calls if c.state == "generating"]
-        for c in calls:
-            if c.state == "generating":
-                c.state = "cutting"  # no await since the check: its own task will not record an outcome now
+        # Cut where a cut keeps something: a generation that has made tokens of its own. Every other
+        # call runs on through the checkpoint, its reply held until resume: a cut of it would keep
+        # nothing and only make its caller ask again (where checkpoints come faster than a loaded server
+        # gets continued calls going, a call cut before its first token was cut again and again: one 12
+        # times in 5 minutes at 500 in flight and a checkpoint every second). A restore of the cut asks
+        # for such a call again from the boundary before it, as for any call in flight at P. Nothing
+        # here waits for a call: the one append is all a prepare costs.
+        cutting = [c for c in inflight if c.state == "generating" and c.generated_here() > 0]
+        for c in cutting:
+            c.state = "cutting"  # no await since the check: its own task will not record an outcome now
             c.cut_requested.set()
         await self._record_cuts(cutting)
+        counts = {"accepted": len(inflight), "cut": len(cutting), "running": len(inflight) - len(cutting), "held": self.held()}
+        return PrepareReport(ready=True, counts=counts)
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
         held = self.held()
@@ -356,9 +333,8 @@ class ModelParticipant(Participant):
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
             await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
-        # Registered before any await, so a prepare that starts now sees (and waits for or cuts) this call.
-        call = LiveCall(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version,
-                        continues_cut=(own is not None and own.status == "cut") or replaces is not None)
+        # Registered before any await, so a prepare that starts now sees this call.
+        call = LiveCall(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
         call.digest = request_digest(call.request)
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
@@ -447,19 +423,14 @@ class ModelParticipant(Participant):
 
     async def _run(self, call: LiveCall) -> None:
         try:
-            cut = await call.pump(self.backend)
+            await call.pump(self.backend)
             if call.state != "generating":
                 return  # prepare records (or has recorded) this call's cut, at its durable prefix (_record_cuts)
-            call.state = "recording"  # no await since the check: a prepare from now on waits for this outcome
-            if cut:  # cut when accepted after a prepare began: recorded as prepare records its own cuts
-                data = await self._cut_data(call)
-                await self._append(NewEvent(call_stream(call.call_id), ev.CALL_CUT, data, call.rollout_id, call.attempt))
-                await self._finish(call, "cut", result=data)
-            else:
-                await self._record_outcome(call, ev.CALL_COMPLETED, {
-                    "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
-                    "finish_reason": call.finish_reason, "usage": usage(len(call.prompt_ids), len(call.ids)),
-                    "upstream_usage": call.upstream_usage, **call.extra})
+            call.state = "recording"  # no await since the check: a prepare from now on leaves it be
+            await self._record_outcome(call, ev.CALL_COMPLETED, {
+                "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
+                "finish_reason": call.finish_reason, "usage": usage(len(call.prompt_ids), len(call.ids)),
+                "upstream_usage": call.upstream_usage, **call.extra})
         except StaleAttempt as exc:  # fenced while generating: nothing of it may land, and nothing did
             await self._finish(call, "stale", error=exc)
         except asyncio.CancelledError:
@@ -508,17 +479,13 @@ class ModelParticipant(Participant):
             await self._finish(c, "cut", result=data)
 
     async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
-        d = call.durable
-        started = len(call.ids) - call.generated_here()
-        if d is None or (d.tokens <= started and len(call.ids) > d.tokens):
+        d = call.saved_here()
+        if d is None:
             # Nothing of this generation saved yet (a saver behind a loaded database, or a checkpoint
             # right after it started): its tokens go into the cut's own append, so every cut keeps
             # what its generation made, and checkpoints more frequent than saves never starve it.
-            # A continued call whose backend has not answered yet holds no prompt ids of its own: its
-            # prefix's prompt is the prompt (an empty one would make the next continuation start over).
-            prompt_ids = call.prompt_ids or (call.prefix.prompt_token_ids if call.prefix is not None else ())
             receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
-                                                   self.token_store.stage(list(prompt_ids)))
+                                                   self.token_store.stage(list(call.prompt_ids)))
             d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())
         return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
                 "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,

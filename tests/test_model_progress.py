@@ -1,5 +1,6 @@
 """The token progress of generations in flight is saved in the background, and a prepare records the
-cut of every call at its durable prefix in one append that writes no blob.
+cut of every call that has made tokens of its own, at its durable prefix, in one append that writes
+no blob; the other calls run on through the checkpoint.
 
 The model server runs on a real aiohttp server with its log and token store in memory; the backend is
 the scripted policy, held at a step the test chooses.
@@ -107,7 +108,10 @@ async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_wr
     assert done.kind == "call_completed" and done.data["continuation"]["mode"] == "continued"
 
 
-async def test_a_call_recording_its_reply_when_prepare_comes_ends_with_that_reply_alone(memory_store, memory_tokens) -> None:
+async def test_a_call_recording_its_reply_when_prepare_comes_is_not_waited_for_and_its_reply_waits_for_resume(
+        memory_store, memory_tokens) -> None:
+    """Prepare answers while the call's completion is still being appended; the reply, ready during the
+    checkpoint, reaches the client only at resume, and the call ends with that reply alone."""
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "pr")
     held, release = asyncio.Event(), asyncio.Event()
@@ -121,16 +125,19 @@ async def test_a_call_recording_its_reply_when_prepare_comes_ends_with_that_repl
 
     store.append = slow_completion
     async with model_server(store, ScriptedBackend(), tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         pending = asyncio.ensure_future(client.post(url("pr"), json=MATH, headers=call_headers("pr.0.t0")))
         await asyncio.wait_for(held.wait(), 30)
-        prepare = asyncio.ensure_future(control(client, "prepare", "ck-pr"))
-        await asyncio.sleep(0.05)  # prepare has looked at the call by now (it is waiting for it)
+        call = model.calls["pr.0.t0"]
+        prepared = await asyncio.wait_for(control(client, "prepare", "ck-pr"), 10)  # without the release
         release.set()
-        prepared = await prepare
+        await eventually("the completion recorded", lambda: call.state == "completed")
+        await asyncio.sleep(0.1)
+        assert not pending.done()  # held: the checkpoint is still open
         await control(client, "resume", "ck-pr")
         reply = await pending
         body = await reply.json()
-    assert prepared["ready"] and prepared["counts"]["completed"] == 1 and prepared["counts"]["cut"] == 0
+    assert prepared["ready"] and prepared["counts"]["cut"] == 0 and prepared["counts"]["running"] == 1
     assert [e.kind for e in await store.read_stream(call_stream("pr.0.t0"))] == ["call_accepted", "call_completed"]
     assert reply.status == 200 and body["choices"][0]["message"] == ScriptedBackend().reply(MATH)
 
@@ -176,44 +183,12 @@ class HeldStart(Paced):
             yield event
 
 
-async def test_a_continued_call_cut_before_its_backend_answers_keeps_its_prompt_and_continues_later(
+async def test_a_continued_call_that_made_nothing_since_its_cut_is_not_cut_again_but_runs_on_through_the_checkpoint(
         memory_store, memory_tokens) -> None:
-    """A checkpoint lands between a continued call's acceptance and its backend's first event, and the
-    backend does not answer while prepare lets the call finish: its cut then records the prefix it
-    holds with the prompt that prefix was generated for, not an empty prompt, so the next continuation
-    still continues (a loaded server under checkpoints every second met this)."""
-    store, tokens = memory_store, memory_tokens
-    await start_attempt(store, "hs")
-    backend = HeldStart(allowed=2)
-    _, full, _ = planned(ScriptedBackend(), MATH)
-    async with model_server(store, backend, tokens) as client:
-        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
-        first = asyncio.ensure_future(client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0")))
-        await eventually("two steps in", lambda: "hs.0.t0" in model.calls and len(model.calls["hs.0.t0"].steps) >= 2)
-        await control(client, "prepare", "ck-hs1")
-        await first
-        backend.starting.clear()
-        await control(client, "resume", "ck-hs1")
-        again = asyncio.ensure_future(client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0")))
-        await eventually("the call continued", lambda: "hs.0.t0" in model.calls and model.calls["hs.0.t0"].state == "generating")
-        await control(client, "prepare", "ck-hs2")  # the backend has not answered the continuation yet
-        await again
-        backend.starting.set()
-        await backend.allow(len(full))
-        await control(client, "resume", "ck-hs2")
-        done = await client.post(url("hs"), json=MATH, headers=call_headers("hs.0.t0"))
-        assert done.status == 200
-    events = await store.read_stream(call_stream("hs.0.t0"))
-    cut1, cut2 = [e for e in events if e.kind == "call_cut"]
-    assert cut2.data["prompt_receipt"] == cut1.data["prompt_receipt"] and cut2.data["receipt"] == cut1.data["receipt"]
-    assert events[-1].kind == "call_completed" and events[-1].data["continuation"]["mode"] == "continued"
-
-
-async def test_a_continued_call_that_made_nothing_since_its_cut_is_let_finish_by_the_next_prepare(
-        memory_store, memory_tokens) -> None:
-    """Cut once, continued, and the next checkpoint comes before the continuation's first token: that
-    prepare does not cut it again (it would be where it was) but waits for its reply, so no call loses
-    more than one cut to checkpoints however often they come."""
+    """Cut once, continued, and the next checkpoint comes before the continuation's backend answers:
+    a cut would keep nothing it made, so that prepare leaves the call running (without waiting for
+    it), and it goes on to its reply, which waits for resume. However often checkpoints come, a call
+    is cut only where the cut keeps tokens it made."""
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "lf")
     backend = HeldStart(allowed=2)
@@ -222,30 +197,22 @@ async def test_a_continued_call_that_made_nothing_since_its_cut_is_let_finish_by
         model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         first = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
         await eventually("two steps in", lambda: "lf.0.t0" in model.calls and len(model.calls["lf.0.t0"].steps) >= 2)
-        await control(client, "prepare", "ck-lf1")
+        assert (await control(client, "prepare", "ck-lf1"))["counts"]["cut"] == 1
         await first
         backend.starting.clear()
         await control(client, "resume", "ck-lf1")
         again = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
         await eventually("the call continued", lambda: "lf.0.t0" in model.calls and model.calls["lf.0.t0"].state == "generating")
-        cut_now: list[list[str]] = []
-        cut = model._cut
-
-        async def spy(calls: list[Any]) -> None:
-            cut_now.append([c.call_id for c in calls])
-            await cut(calls)
-
-        model._cut = spy
-        prepare = asyncio.ensure_future(control(client, "prepare", "ck-lf2"))
-        await eventually("prepare chose what to cut", lambda: bool(cut_now))
+        call = model.calls["lf.0.t0"]
+        prepared = await control(client, "prepare", "ck-lf2")  # its backend has not answered
         backend.starting.set()
         await backend.allow(len(full))
-        prepared = await prepare
+        await eventually("the continuation completed", lambda: call.state == "completed")
+        assert not again.done()  # its reply waits for resume
         await control(client, "resume", "ck-lf2")
         reply = await again
         assert reply.status == 200
-    assert prepared["ready"] and prepared["counts"]["cut"] == 0 and prepared["counts"]["completed"] == 1
-    assert all("lf.0.t0" not in ids for ids in cut_now)
+    assert prepared["ready"] and prepared["counts"]["cut"] == 0 and prepared["counts"]["running"] == 1
     events = await store.read_stream(call_stream("lf.0.t0"))
     assert [e.kind for e in events] == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
     assert events[-1].data["continuation"]["mode"] == "continued" and events[-1].data["tokens"] == len(full)

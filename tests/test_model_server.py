@@ -438,7 +438,7 @@ async def test_a_stored_reply_asked_for_during_a_checkpoint_is_held_until_resume
     async with model_server(store, backend, tokens) as client:
         assert (await client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0"))).status == 200
         prepared = await control(client, "prepare", "ck-held")
-        assert prepared["ready"] and prepared["counts"] == {"accepted": 0, "completed": 0, "cut": 0, "held": 0}
+        assert prepared["ready"] and prepared["counts"] == {"accepted": 0, "cut": 0, "running": 0, "held": 0}
         # A repeat of the stored reply, whole or streamed, is held: its end would let the agent move on.
         pending = asyncio.ensure_future(client.post(url("r5"), json=MATH, headers=call_headers("r5.0.t0")))
         repeat = asyncio.ensure_future(stream_all(client, url("r5"), {**MATH, "stream": True}, call_headers("r5.0.t0")))
