@@ -71,10 +71,12 @@ class ControlPlane:
     async def _record(self, trigger: str, checkpoint_id: str, *, defer: bool = False, **data: Any) -> None:
         # The phase moves only once its event is in the log: while the append waits (a database
         # restart) status still shows the phase the log has, and a failed append changes nothing.
-        # Except a deferred transition (the move into `preparing`): it moves at once and its event
-        # goes out with the next one, in the same append, so a prepare costs one append, not two.
-        # Nothing reads `preparing` from the log while it lasts: a process that dies in it
-        # leaves no paused state behind, and the coordinator records the checkpoint's abort.
+        # Except a deferred transition (into `preparing`, then `prepared`): it moves at once and its
+        # event goes out with the next transition (commit, abort or resume), in the same append, so
+        # a prepare appends nothing and waits behind no other append (measured at 80 rollouts in
+        # flight: the `prepared` append alone took 10-100 ms, queued behind the run's own appends).
+        # Nothing reads a participant's `preparing` or `prepared` from the log: a process that dies
+        # in them leaves no paused state behind, and the coordinator records the checkpoint's abort.
         # The move out of a checkpoint (`resume`) is deferred too, and flushed right after its reply.
         before, active = self.phases.state, self.phases.checkpoint_id
         event = self.phases.fire(trigger, checkpoint_id, **data)  # checks the transition, builds its event
@@ -100,8 +102,8 @@ class ControlPlane:
         while True:
             try:
                 async with self.lock:
-                    if not self._unrecorded or self.phases.state == "preparing":
-                        return  # gone out with a later append, or waiting for the next one (prepared)
+                    if not self._unrecorded:
+                        return  # gone out with a later transition's append
                     await self.p.store.append(AppendRequest(tuple(self._unrecorded)))
                     self._unrecorded.clear()
                     return
@@ -155,8 +157,8 @@ class ControlPlane:
         async with self.lock:
             if self.phases.checkpoint_id != req.checkpoint_id:  # the lease ran out while we waited
                 return self._reply("prepare", req.checkpoint_id, self._prepare_body(req.checkpoint_id, report, "idle"))
-            if report.ready:
-                await self._record("prepared", req.checkpoint_id, counts=report.counts, restarts=len(report.restarts))
+            if report.ready:  # deferred too: a prepare appends nothing of its own (see _record)
+                await self._record("prepared", req.checkpoint_id, defer=True, counts=report.counts, restarts=len(report.restarts))
             body = self._prepare_body(req.checkpoint_id, report, self.phases.phase)
             return self._reply("prepare", req.checkpoint_id, body) if report.ready else web.json_response(body)
 

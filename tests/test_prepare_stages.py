@@ -1,5 +1,6 @@
-"""A checkpoint's prepare runs environment, model and agent at once, then resources, and records its
-phase transitions in one append per participant plus the checkpoint's own two (engine.coordinator)."""
+"""A checkpoint's prepare runs environment, model and agent at once, then resources, and appends only
+the checkpoint's own two events (engine.coordinator): each participant's transitions go out with its
+next one (participants/control_plane.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from adapters.postgres import PostgresEventStore
 from apps.stack import start_stack
 from participants.scripted_model import ScriptedBackend
+from tests.waiting import eventually
 
 
 def count_appends(store: PostgresEventStore, tally: list[str], name: str) -> None:
@@ -22,7 +24,7 @@ def count_appends(store: PostgresEventStore, tally: list[str], name: str) -> Non
     store.append = append  # type: ignore[method-assign]
 
 
-async def test_prepare_appends_once_per_participant_and_twice_for_the_checkpoint(dsn: str, store: PostgresEventStore) -> None:
+async def test_prepare_appends_twice_for_the_checkpoint_and_nothing_for_the_participants(dsn: str, store: PostgresEventStore) -> None:
     stack = await start_stack(dsn, "appends", ScriptedBackend())
     try:
         appends: list[str] = []
@@ -31,11 +33,14 @@ async def test_prepare_appends_once_per_participant_and_twice_for_the_checkpoint
             count_appends(stack.participant(kind).store, appends, kind)
         reply = await stack.coordinator(store).prepare("ck-a", time.time() + 30)
         assert reply["ready"], reply
-        # started + prepared for the checkpoint; each participant's preparing -> prepared in one append
-        assert sorted(appends) == sorted(["coordinator", "coordinator", "model", "resources", "agent", "environment"])
-        events = [e.kind for kind in stack.servers for e in await store.read_stream(f"participant:{kind}:{kind}-appends")]
-        assert events == ["participant_prepare", "participant_prepared"] * 4  # every transition is still an event
+        # started + prepared for the checkpoint; a participant's preparing -> prepared waits for its next transition
+        assert appends == ["coordinator", "coordinator"]
         await stack.coordinator(store).resume("ck-a")
+
+        async def recorded() -> bool:
+            events = [e.kind for kind in stack.servers for e in await store.read_stream(f"participant:{kind}:{kind}-appends")]
+            return events == ["participant_prepare", "participant_prepared", "participant_resume"] * 4
+        await eventually("every transition to be an event", recorded)  # each goes out right after the resume's reply
     finally:
         await stack.close()
 
