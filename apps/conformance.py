@@ -16,8 +16,9 @@ turn generated twice or any mutation revision applied twice; a restart-only one 
 fresh_dispatch and finish from its input.
 
 Pinning a checkpoint to a boundary: at a before_model boundary the backend holds the model call it
-just accepted until the model server closes admission (so the call is in flight at prepare and its
-reply is held, never delivered before the cut); at an after_turn boundary the agent under test,
+just accepted after its first token until the model server closes admission (so the call is in
+flight at prepare with tokens of its own, and prepare cuts it there: the restore continues it from
+that prefix); at an after_turn boundary the agent under test,
 subclassed only for this, waits right after recording that boundary until prepare has closed it.
 Neither changes what the servers do: each only removes the race of who gets there first.
 """
@@ -32,7 +33,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import text
 
-from adapters.generation import Event, OpenAICompatibleBackend, Prefix
+from adapters.generation import Event, OpenAICompatibleBackend, Prefix, Step
 from adapters.postgres import PostgresEventStore
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from apps.stack import Backing, MemoryBacking, Stack, backing_of, of, start_stack, turn_of
@@ -75,16 +76,22 @@ class Pin:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def hold_before_model(pin: Pin | None, generation: int, participant: model_server.ModelParticipant | None) -> None:
-    """Hold the generation of the pinned turn until the model server has closed admission for prepare."""
-    if pin is not None and pin.state == "before_model" and generation == pin.turn and participant is not None:
-        pin.reached.set()
-        while participant.admission_open:
-            await asyncio.sleep(0.002)
+async def held_after_first_step(events: AsyncIterator[Event], pin: Pin | None, generation: int,
+                                participant: model_server.ModelParticipant | None) -> AsyncIterator[Event]:
+    """The generation, and if it is the pinned turn's, held after its first token until the model
+    server has closed admission for prepare."""
+    held = pin is None or pin.state != "before_model" or generation != pin.turn or participant is None
+    async for event in events:
+        yield event
+        if not held and isinstance(event, Step):
+            held = True
+            pin.reached.set()  # type: ignore[union-attr]
+            while participant.admission_open:  # type: ignore[union-attr]
+                await asyncio.sleep(0.002)
 
 
 class HoldingBackend(ScriptedBackend):
-    """Holds the generation of one turn until the model server has closed admission for prepare."""
+    """Holds the generation of one turn after its first token until the model server has closed admission."""
 
     def __init__(self, pin: Pin | None) -> None:
         super().__init__(latency_s=LATENCY)
@@ -93,9 +100,8 @@ class HoldingBackend(ScriptedBackend):
 
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
         # Attempt 0 makes exactly one call per turn, in order, so generation n is turn n's call.
-        pin, n = self.pin, self.generations
-        await hold_before_model(pin, n, self.participant)
-        async for event in super().generate(request, prefix):
+        n = self.generations
+        async for event in held_after_first_step(super().generate(request, prefix), self.pin, n, self.participant):
             yield event
 
 
@@ -130,10 +136,9 @@ class HoldingUpstream(OpenAICompatibleBackend):
         self.generations = 0
 
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
-        pin, n = self.pin, self.generations
+        n = self.generations
         self.generations += 1
-        await hold_before_model(pin, n, self.participant)
-        async for event in super().generate(request, prefix):
+        async for event in held_after_first_step(super().generate(request, prefix), self.pin, n, self.participant):
             yield event
 
 

@@ -131,6 +131,11 @@ class LiveCall:
         are none yet: a cut before the first token has nothing to keep)."""
         if self.state != "generating" or not self.ids or (self.durable is not None and self.durable.tokens >= len(self.ids)):
             return None
+        return self.snapshot()
+
+    def snapshot(self) -> Progress:
+        """The tokens and the reply so far, copied together: the call's own task may add a step it had
+        already received after a cut was asked for, so what is kept must be taken before any await."""
         return Progress(self, list(self.ids), list(self.logprobs), self.prompt_ids, _copy_message(self.message), self.segments())
 
     def saved(self, progress: Progress, receipt: Receipt, prompt_receipt: Receipt) -> None:

@@ -484,9 +484,10 @@ class ModelParticipant(Participant):
             # Nothing of this generation saved yet (a saver behind a loaded database, or a checkpoint
             # right after it started): its tokens go into the cut's own append, so every cut keeps
             # what its generation made, and checkpoints more frequent than saves never starve it.
-            receipt, prompt = await asyncio.gather(self.token_store.stage(call.ids, call.logprobs),
-                                                   self.token_store.stage(list(call.prompt_ids)))
-            d = DurablePrefix(len(call.ids), receipt, prompt, call.message, call.segments())
+            now = call.snapshot()  # before any await (LiveCall.snapshot says why)
+            receipt, prompt = await asyncio.gather(self.token_store.stage(now.ids, now.logprobs),
+                                                   self.token_store.stage(list(now.prompt_ids)))
+            d = DurablePrefix(len(now.ids), receipt, prompt, now.partial, now.segments)
         return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
                 "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,
                 "unsaved": max(0, len(call.ids) - d.tokens)}

@@ -216,3 +216,39 @@ async def test_a_continued_call_that_made_nothing_since_its_cut_is_not_cut_again
     events = await store.read_stream(call_stream("lf.0.t0"))
     assert [e.kind for e in events] == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
     assert events[-1].data["continuation"]["mode"] == "continued" and events[-1].data["tokens"] == len(full)
+
+
+async def test_a_cut_keeps_tokens_and_reply_as_they_stood_together_though_a_step_lands_during_its_writes(
+        memory_store, memory_tokens) -> None:
+    """The call's own task may add a step it had already received after a cut was asked for. A cut
+    that read the reply after writing the tokens kept a reply one step ahead of its tokens, and the
+    continuation repeated that step (a cut tool call continued to arguments `{}{}`)."""
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "sn")
+    backend = Paced(allowed=2)
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(client.post(url("sn"), json=MATH, headers=call_headers("sn.0.t0")))
+        await eventually("two steps in", lambda: "sn.0.t0" in model.calls and len(model.calls["sn.0.t0"].steps) >= 2)
+        await model.progress.stop()  # nothing saved: the cut writes the tokens itself
+        call = model.calls["sn.0.t0"]
+        kept = (list(call.ids), dict(call.message))
+        landed: list[bool] = []
+        stage = tokens.stage
+
+        async def a_step_lands(ids: Any, *a: Any, **k: Any) -> Any:
+            receipt = await stage(ids, *a, **k)
+            if ids and call.ids == kept[0]:  # the call's own task adds the step it had received
+                call.ids.append(7)
+                call.logprobs.append(-0.5)
+                call.message = {**call.message, "content": (call.message.get("content") or "") + "!"}
+                landed.append(True)
+            return receipt
+
+        tokens.stage = a_step_lands
+        await control(client, "prepare", "ck-sn")
+        await first
+    assert landed
+    (cut,) = [e for e in await store.read_stream(call_stream("sn.0.t0")) if e.kind == "call_cut"]
+    assert cut.data["tokens"] == len(kept[0]) == len((await tokens.get(cut.data["receipt"]["blob_id"])).ids)
+    assert cut.data["partial"] == kept[1]
