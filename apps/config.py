@@ -16,6 +16,7 @@
                                               # sets another (POST /rollbook/v1/control/policy_version)
     token_latency_s = 0.0
     token_store = "postgres"                  # or "filesystem" with token_store_root
+    progress_s = 1.0                          # tokens in flight saved this often: the most a paused cut loses
 
     [servers.resources]
     port = 8102
@@ -106,6 +107,7 @@ from engine.tool_replay import declared
 from participants.environments import enabled_environments, registered_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
+from participants.model_progress import PROGRESS_S
 from participants.nemo_gym_relay import GymServer
 
 Kind = Literal["environment", "model", "agent", "resources"]
@@ -133,6 +135,10 @@ class ServerConfig(Strict):
     token_latency_s: float = 0.0
     token_store: Literal["postgres", "filesystem"] = "postgres"
     token_store_root: str | None = None
+    # How often the tokens of the generations in flight are saved (participants/model_progress.py): a
+    # paused checkpoint cuts a generation at its last save, so this is the most generation a cut sends
+    # back to be made again; shorter costs the model server more CPU (never over a fifth of it).
+    progress_s: float = Field(default=PROGRESS_S, gt=0, le=60)
 
     @field_validator("backend")
     @classmethod

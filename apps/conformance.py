@@ -78,13 +78,14 @@ class Pin:
 
 async def held_after_first_step(events: AsyncIterator[Event], pin: Pin | None, generation: int,
                                 participant: model_server.ModelParticipant | None) -> AsyncIterator[Event]:
-    """The generation, and if it is the pinned turn's, held after its first token until the model
-    server has closed admission for prepare."""
+    """The generation, and if it is the pinned turn's, held after its first token (saved, so that
+    prepare cuts the call there) until the model server has closed admission for prepare."""
     held = pin is None or pin.state != "before_model" or generation != pin.turn or participant is None
     async for event in events:
         yield event
         if not held and isinstance(event, Step):
             held = True
+            await participant.progress.save()  # type: ignore[union-attr]  # the step is the call's by now
             pin.reached.set()  # type: ignore[union-attr]
             while participant.admission_open:  # type: ignore[union-attr]
                 await asyncio.sleep(0.002)

@@ -70,7 +70,10 @@ async def run_demo(args: argparse.Namespace) -> int:
     if scratch:
         dsn = database.scratch_database(dsn, f"rollbook_demo_{os.getpid()}")
     work = Path(tempfile.mkdtemp(prefix="rollbook-demo-"))
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.004 if k == "model" else 0.0) for k in cfg.KINDS}
+    # Replies of a quarter second, their tokens saved every 50 ms: the checkpoint finds some calls
+    # mid-generation with tokens saved, and cuts them there (docs/model-calls.md).
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.01 if k == "model" else 0.0, progress_s=0.05)
+               for k in cfg.KINDS}
     # The sandbox drops each shell to an unprivileged user, which only a server started as root can do.
     sandbox = cfg.SandboxConfig() if os.geteuid() == 0 else None
     config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(16), data_token=secrets.token_hex(16), servers=servers,

@@ -53,7 +53,7 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
                                                           connect_s=config.limits.connect_s,
                                                           silence_s=config.limits.reply_s))
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store)
-        app = build_model_app(store, backend, tokens, config.credentials, instance=instance)
+        app = build_model_app(store, backend, tokens, config.credentials, instance=instance, progress_s=s.progress_s)
     elif kind == "resources":
         from participants.servers import build_resources_app
 

@@ -8,9 +8,11 @@ unless --dsn is given, migrated fresh) serves `--calls` concurrent calls, half s
 client and half not, each of a different rollout. The backend is the scripted policy with
 `--token-latency-s` per step (4.5 s per reply at the default 0.5 s), or with `--backend upstream` the
 OpenAI-compatible backend against the fake vLLM server of testkit/fake_vllm.py at the same pace.
-When every call has received at least one token, the control plane's prepare is called over HTTP
-and timed (the round trip as the coordinator sees it). Each in-flight call must end cut at a token
-boundary: the prefix in the token store and `call_cut` in the log. Then resume, new calls, again:
+When every call has tokens of its own saved (participants.model_progress), the control plane's
+prepare is called over HTTP and timed (the round trip as the coordinator sees it). Each in-flight
+call must end cut at a token boundary: the prefix in the token store and `call_cut` in the log, which
+the benchmark appends from the prepare's reply as the coordinator does with `checkpoint_prepared`
+(timed apart: `records_append_ms`). Then resume, new calls, again:
 `--repeats` times; the median is reported with each run, and with the time the generations would
 still have needed (what a drain would have waited).
 
@@ -43,6 +45,7 @@ from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
+from engine.prepare_records import PrepareRecord  # noqa: E402
 from participants.app import PARTICIPANT  # noqa: E402
 from participants.guard import Credentials  # noqa: E402
 from participants.scripted_model import ScriptedBackend  # noqa: E402
@@ -69,18 +72,17 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
             return resp.status, (await resp.text())[-200:]
 
     tasks = [asyncio.ensure_future(call(i, r)) for i, r in enumerate(rollouts)]
-    # Wait until every call is mid-generation: it has tokens and has not finished.
+    # Wait until every call is mid-generation with tokens of its own saved (participants.model_progress
+    # saves them every PROGRESS_S): the calls a prepare cuts. It has not finished.
     started = time.monotonic()
     while True:
         live = [c for c in participant.calls.values() if c.rollout_id in set(rollouts)]
-        if len(live) == calls and all(c.ids and not c.done.is_set() for c in live):
+        if len(live) == calls and all(c.saved_here() is not None and not c.done.is_set() for c in live):
             break
         await asyncio.sleep(0.005)
         if time.monotonic() - started > 60:
-            raise RuntimeError("the calls did not all start generating within 60 s")
-    # A checkpoint comes at any moment of a generation; right after a token it finds that token not yet
-    # saved (participants.model_progress): --settle-s waits that long before prepare (0: right after).
-    await asyncio.sleep(settle_s)
+            raise RuntimeError("the calls did not all have tokens saved within 60 s")
+    await asyncio.sleep(settle_s)  # tokens received since the last save are generated again after the cut
     mid = {"tokens_min": min(len(c.ids) for c in live), "tokens_max": max(len(c.ids) for c in live),
            "saved_before_prepare": sum(1 for c in live if getattr(c, "durable", None) is not None)}
     t0 = time.perf_counter()
@@ -89,18 +91,21 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
                             headers={"Authorization": f"Bearer {CREDS.control}"}) as resp:
         report = await resp.json()
     prepare_ms = (time.perf_counter() - t0) * 1000
-    results = await asyncio.gather(*tasks)
+    t0 = time.perf_counter()  # what the coordinator then appends with `checkpoint_prepared` (engine.prepare_records)
+    await asyncio.gather(*(store.append(PrepareRecord.from_json(r).request()) for r in report.get("records", [])))
+    records_ms = (time.perf_counter() - t0) * 1000
     async with session.post(f"{base}{CONTROL}/resume", json={"checkpoint_id": f"bench-ck{round_no}",
                                                               "deadline": time.time() + 30},
                             headers={"Authorization": f"Bearer {CREDS.control}"}) as resp:
         await resp.read()
+    results = await asyncio.gather(*tasks)  # a cut call's reply goes out at resume
     async with store.engine.connect() as conn:
         from sqlalchemy import text
 
         cut = (await conn.execute(text(
             "SELECT count(*), min((data->>'tokens')::int), max((data->>'tokens')::int) FROM rollbook.events "
             "WHERE kind = 'call_cut' AND starts_with(rollout_id, :p)"), {"p": f"bench-{round_no}-"})).one()
-    return {"prepare_ms": round(prepare_ms, 2), "ready": report.get("ready"), "counts": report.get("counts"),
+    return {"prepare_ms": round(prepare_ms, 2), "records_append_ms": round(records_ms, 2), "ready": report.get("ready"), "counts": report.get("counts"),
             "tokens_at_prepare": mid,
             "calls_cut": cut[0], "cut_prefix_tokens_min": cut[1], "cut_prefix_tokens_max": cut[2],
             "client_statuses": sorted({s for s, _ in results})}

@@ -40,11 +40,13 @@ not after a back-off that grows to a second (engine.admission.Admission.callee_r
 engine.patience). All at once instead of in stages, resume measured the same (~20 ms), so the
 stages, which spare those refusals, stay.
 
-HOW MANY APPENDS. Six per prepare, and no fewer: `checkpoint_started` must be durable before any
-participant hears of the checkpoint (it holds the lease whose expiry anyone may record as an
-abort); each participant writes its own `preparing`+`prepared` in one append, from its own
-process (control_plane defers the first); `checkpoint_prepared` carries the restart-only list that
-a commit from another process (`rollbook checkpoint commit`) reads back.
+HOW MANY APPENDS. Two on prepare's path, both the coordinator's, and no fewer: `checkpoint_started`
+must be durable before any participant hears of the checkpoint (it holds the lease whose expiry
+anyone may record as an abort); `checkpoint_prepared` carries the restart-only list that a commit
+from another process (`rollbook checkpoint commit`) reads back, and commits in one group with the
+events the participants' prepares handed over (engine.prepare_records: the model's cuts), so that
+no participant appends anything while it prepares. Each participant's own `preparing` and
+`prepared` go out with its next transition (participants/control_plane.py).
 
 TWO MODES: PAUSED AND ONLINE. A cut needs only each rollout's latest boundary at or below P, and
 lineage makes every boundary consistent with the sessions and model calls it names, so the log
@@ -88,7 +90,7 @@ from engine.errors import (
     StaleCheckpoint,
     VersionConflict,
 )
-from engine.events import AppendRequest, RecordedEvent
+from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import Key, checkpoint_stream
 from engine.phases import (
     LEASE_GRACE_S,
@@ -98,6 +100,7 @@ from engine.phases import (
     checkpoint_lease_expired,
     checkpoint_started,
 )
+from engine.prepare_records import PrepareRecord
 
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (("environment", "model", "agent"), ("resources",))
 PREPARE_ORDER = tuple(kind for stage in PREPARE_STAGES for kind in stage)
@@ -202,6 +205,7 @@ class Coordinator:
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
+        records: list[PrepareRecord] = []
         body = self._body(checkpoint_id, deadline)
         for stage in _staged(self.participants):
             replies = await asyncio.gather(*(_prepare_one(p, body, self.timing) for p in stage))
@@ -214,11 +218,29 @@ class Coordinator:
                 return {"checkpoint_id": checkpoint_id, "ready": False, "failed": failed.name, "reports": reports}
             prepared += stage
             restarts |= {(r["rollout_id"], r["attempt"]) for reply in replies for r in reply.get("restarts", [])}
+            records += [PrepareRecord.from_json(r) for reply in replies for r in reply.get("records", [])]
         phases = await self._phase(checkpoint_id)
-        await self.store.append(AppendRequest((phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)]),)))
+        event = phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)])
+        await self._record_prepared(checkpoint_id, prepared, event, records)
         self.restarts[checkpoint_id] = sorted(restarts)
         self.timing.record("prepare", started)
         return {"checkpoint_id": checkpoint_id, "ready": True, "reports": reports, "restarts": [list(k) for k in sorted(restarts)]}
+
+    async def _record_prepared(self, checkpoint_id: str, prepared: Sequence[ParticipantClient],
+                               event: NewEvent, records: Sequence[PrepareRecord]) -> None:
+        """`checkpoint_prepared` and what the participants' prepares handed over (engine.prepare_records),
+        queued together so they commit in one group: one append's wait, not two. A record refused
+        `stale_attempt` belongs to an attempt fenced since (nothing of it counts); any other failure
+        aborts the checkpoint, so no commit ever fixes P over a missing record."""
+        outcomes = await asyncio.gather(*(self.store.append(r.request()) for r in records),
+                                        self.store.append(AppendRequest((event,))), return_exceptions=True)
+        failed = next((o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, StaleAttempt)), None)
+        if failed is None:
+            return
+        if not isinstance(failed, RollbookError | OSError):
+            raise failed  # a bug or a cancellation
+        await self._abort(checkpoint_id, prepared, f"could not record the prepared checkpoint: {failed}")
+        raise failed
 
     async def _abort(self, checkpoint_id: str, touched: Sequence[ParticipantClient], reason: str) -> None:
         await abort_checkpoint(self.store, checkpoint_id, reason)

@@ -44,6 +44,7 @@ from participants.wire import (
     ControlRequest,
     ForgetRequest,
     OperationReply,
+    PreparedEvent,
     PrepareReply,
     RetireRequest,
     Status,
@@ -172,6 +173,7 @@ class ControlPlane:
             blocker_count=len(report.blockers),
             counts=report.counts,
             restarts=report.restarts,
+            records=[PreparedEvent(**r.to_json()) for r in report.records],
         ).model_dump()
 
     async def renew(self, request: web.Request, req: ControlRequest) -> web.Response:

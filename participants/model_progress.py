@@ -4,7 +4,8 @@ A checkpoint's prepare must leave every call it cuts durable. Writing each cut's
 time put 160 blobs in the prepare's path for 80 calls in flight; instead, a model server writes the
 tokens each generation has so far every PROGRESS_S, all calls in one token-store transaction, off
 any request's path, and remembers each call's longest durable prefix (`LiveCall.durable`). Prepare
-then records every cut at that prefix in one append, writing no blob (participants.model_server).
+then cuts each call at that prefix and writes nothing: the coordinator appends the cuts
+(participants.model_server, engine.prepare_records).
 
 What it costs: the tokens a generation made since its last save are generated again after a cut
 (PROGRESS_S of generation, more when saves are slow: see SHARE), and each save rewrites the whole

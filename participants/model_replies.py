@@ -2,9 +2,9 @@
 
 A reply that becomes ready while a checkpoint holds admission closed is HELD: the JSON reply, or the
 end of a stream, waits for resume, so no agent moves past the boundary the checkpoint is recording.
-A call cut at a token boundary ends its stream with a rollbook cut event (the client repeats it
-after resume and it continues from the cut); a stored reply (a repeat, or linked to the call it
-replaces) goes out whole.
+A call a prepare cut at a token boundary is finished at resume, once its cut is in the log, and
+ends its stream with a rollbook cut event (the client repeats it and it continues from the cut); a
+stored reply (a repeat, or linked to the call it replaces) goes out whole.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
 from engine.ownership import claim
+from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
 from engine.tokens import Receipt
 from participants.guard import Header, Route
@@ -71,7 +72,7 @@ from participants.model_calls import (
     call_records,
     request_digest,
 )
-from participants.model_progress import ProgressSaver
+from participants.model_progress import PROGRESS_S, ProgressSaver
 from participants.model_replies import CallReplies
 from participants.openai_wire import ChatCompletion, ChatRequest, models_body, usage
 from participants.owners import owner_verdict, settled
@@ -81,6 +82,7 @@ from participants.wire import (
     CONTROL,
     PARENT_HEADER,
     REPLACES_HEADER,
+    Execution,
     data_path,
     identity,
 )
@@ -98,7 +100,8 @@ class ModelParticipant(Participant):
     kind = "model"
     concurrency = "calls run concurrently; one call id is accepted once; control operations serialized"
 
-    def __init__(self, store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, instance: str) -> None:
+    def __init__(self, store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, instance: str,
+                 progress_s: float = PROGRESS_S) -> None:
         super().__init__(store, instance)
         self.backend = backend
         self.token_store = token_store
@@ -111,29 +114,38 @@ class ModelParticipant(Participant):
         self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
-        self.progress = ProgressSaver(token_store, lambda: self.calls.values())
+        self.progress = ProgressSaver(token_store, lambda: self.calls.values(), progress_s)
+        self.cuts: list[tuple[LiveCall, PrepareRecord]] = []  # cut by the last prepare, finished at resume
+        self.cuts_recorded = False  # its checkpoint was committed: they are in the log
 
     # ---- control plane hooks ---------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareReport:
         await super().prepare(checkpoint_id, deadline)
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
-        # Cut where a cut keeps something: a generation that has made tokens of its own. Every other
-        # call runs on through the checkpoint, its reply held until resume: a cut of it would keep
-        # nothing and only make its caller ask again (where checkpoints come faster than a loaded server
-        # gets continued calls going, a call cut before its first token was cut again and again: one 12
-        # times in 5 minutes at 500 in flight and a checkpoint every second). A restore of the cut asks
-        # for such a call again from the boundary before it, as for any call in flight at P. Nothing
-        # here waits for a call: the one append is all a prepare costs.
-        cutting = [c for c in inflight if c.state == "generating" and c.generated_here() > 0]
+        # Cut where a cut keeps something: a generation with tokens of its own already in the token
+        # store (participants.model_progress saves them off the request path). Every other call runs on
+        # through the checkpoint, its reply held until resume: a cut of it would keep nothing and only
+        # make its caller ask again (where checkpoints come faster than a loaded server gets continued
+        # calls going, a call cut before its first token was cut again and again: one 12 times in 5
+        # minutes at 500 in flight and a checkpoint every second). A restore of the cut asks for such a
+        # call again from the boundary before it, as for any call in flight at P. Nothing here waits or
+        # writes: the cuts go to the coordinator, which appends them with `checkpoint_prepared`
+        # (engine.prepare_records); the tokens made since the last save are generated again.
+        cutting = [c for c in inflight if c.state == "generating" and c.saved_here() is not None]
         for c in cutting:
             c.state = "cutting"  # no await since the check: its own task will not record an outcome now
             c.cut_requested.set()
-        await self._record_cuts(cutting)
+        self.cuts = [(c, PrepareRecord.of(checkpoint_id, self._cut_event(c))) for c in cutting]
         counts = {"accepted": len(inflight), "cut": len(cutting), "running": len(inflight) - len(cutting), "held": self.held()}
-        return PrepareReport(ready=True, counts=counts)
+        return PrepareReport(ready=True, counts=counts, records=[r for _, r in self.cuts])
+
+    async def commit(self, checkpoint_id: str, scope: list[Execution]) -> dict[str, Any]:
+        self.cuts_recorded = True  # a commit comes only once `checkpoint_prepared` is in the log, and the cuts with it
+        return {}
 
     async def resume(self, checkpoint_id: str, restored: bool) -> dict[str, Any]:
+        await self._settle_cuts()  # their replies go out now, like every reply held by the checkpoint
         held = self.held()
         await super().resume(checkpoint_id, restored)  # held replies wait on the admission: they go out now
         return {"released": held}
@@ -425,7 +437,7 @@ class ModelParticipant(Participant):
         try:
             await call.pump(self.backend)
             if call.state != "generating":
-                return  # prepare records (or has recorded) this call's cut, at its durable prefix (_record_cuts)
+                return  # prepare cut it, at its durable prefix: it is finished at resume (_settle_cuts)
             call.state = "recording"  # no await since the check: a prepare from now on leaves it be
             await self._record_outcome(call, ev.CALL_COMPLETED, {
                 "reply": final_message(call.message), "disposition": "generated", "tokens": len(call.ids),
@@ -452,45 +464,32 @@ class ModelParticipant(Participant):
             finally:
                 await self._finish(call, "failed" if not isinstance(error, StaleAttempt) else "stale", error=error)
 
-    async def _record_cuts(self, calls: list[LiveCall]) -> None:
-        """The cut of every call at its durable prefix, in one append. A call with nothing saved yet
-        stages its tokens into that same append. If one call's attempt was fenced meanwhile, the others
-        are recorded one by one, so a fenced attempt's refusal never costs another rollout its cut."""
-        if not calls:
-            return
-        outcomes = await asyncio.gather(*(self._cut_data(c) for c in calls))  # concurrent puts share a transaction
-        events = [NewEvent(call_stream(c.call_id), ev.CALL_CUT, data, c.rollout_id, c.attempt) for c, data in zip(calls, outcomes, strict=True)]
-        try:
-            await self.store.append(AppendRequest(tuple(events)))
-        except StaleAttempt:
-            for c, event, data in zip(calls, events, outcomes, strict=True):
-                try:
-                    await self._append(event)
-                except RollbookError as exc:
-                    await self._finish(c, "stale" if isinstance(exc, StaleAttempt) else "failed", error=exc)
-                else:
-                    await self._finish(c, "cut", result=data)
-            return
-        except RollbookError as exc:
-            for c in calls:
-                await self._finish(c, "failed", error=exc)
-            raise
-        for c, data in zip(calls, outcomes, strict=True):
-            await self._finish(c, "cut", result=data)
+    async def _settle_cuts(self) -> None:
+        """Finish the calls the last prepare cut. Unless its checkpoint was committed (which it is only
+        with them in the log), their cuts are appended first, under the keys the coordinator uses: one
+        copy in the log whoever appended first. A call whose attempt was fenced meanwhile is stale; a
+        refusal of one never costs another call its cut."""
+        cuts, recorded, self.cuts, self.cuts_recorded = self.cuts, self.cuts_recorded, [], False
+        outcomes: list[Any] = [None] * len(cuts)
+        if not recorded:
+            outcomes = await asyncio.gather(*(self.store.append(r.request()) for _, r in cuts), return_exceptions=True)
+        for (call, record), outcome in zip(cuts, outcomes, strict=True):
+            if outcome is None or isinstance(outcome, list):
+                await self._finish(call, "cut", result=record.event.data)
+            elif isinstance(outcome, RollbookError):
+                await self._finish(call, "stale" if isinstance(outcome, StaleAttempt) else "failed", error=outcome)
+            else:
+                raise outcome
 
-    async def _cut_data(self, call: LiveCall) -> dict[str, Any]:
+    @staticmethod
+    def _cut_event(call: LiveCall) -> NewEvent:
+        """The cut of `call` at its durable prefix (LiveCall.saved_here)."""
         d = call.saved_here()
-        if d is None:
-            # Nothing of this generation saved yet (a saver behind a loaded database, or a checkpoint
-            # right after it started): its tokens go into the cut's own append, so every cut keeps
-            # what its generation made, and checkpoints more frequent than saves never starve it.
-            now = call.snapshot()  # before any await (LiveCall.snapshot says why)
-            receipt, prompt = await asyncio.gather(self.token_store.stage(now.ids, now.logprobs),
-                                                   self.token_store.stage(list(now.prompt_ids)))
-            d = DurablePrefix(len(now.ids), receipt, prompt, now.partial, now.segments)
-        return {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
+        assert d is not None, "only a call with a durable prefix of its own is cut"
+        data = {"call_id": call.call_id, "receipt": d.receipt.to_json(), "prompt_receipt": d.prompt_receipt.to_json(),
                 "policy_version": call.policy_version, "segments": d.segments, "tokens": d.tokens, "partial": d.partial,
                 "unsaved": max(0, len(call.ids) - d.tokens)}
+        return NewEvent(call_stream(call.call_id), ev.CALL_CUT, data, call.rollout_id, call.attempt)
 
     async def _record_outcome(self, call: LiveCall, kind: str, data: dict[str, Any]) -> None:
         # Staged, not put: the blobs are written in the transaction that appends the outcome naming them.

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine import attempts as A
 from engine.admission import Admission
 from engine.checkpoint import Cut, ParticipantStore
 from engine.ownership import LiveInstances
+from engine.prepare_records import PrepareRecord
 from participants.guard import Route
 from participants.routing import Peers
 from participants.wire import Execution
@@ -26,6 +27,11 @@ class PrepareReport(BaseModel):
     blockers: list[str] = Field(default_factory=list)
     counts: dict[str, int] = Field(default_factory=dict)
     restarts: list[Execution] = Field(default_factory=list)
+    # Events the coordinator appends with `checkpoint_prepared`, so that the prepare appends nothing
+    # (engine.prepare_records); the participant appends what a checkpoint aborted before then left out.
+    records: list[PrepareRecord] = Field(default_factory=list)
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
 
 class Participant:

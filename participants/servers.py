@@ -19,6 +19,7 @@ from participants.environments import enabled_environments
 from participants.environments.sandbox import SandboxLimits
 from participants.guard import Credentials
 from participants.model_calls import TokenStore
+from participants.model_progress import PROGRESS_S
 from participants.model_server import ModelParticipant
 from participants.nemo_gym_wire import AgentFront, EnvironmentFront
 from participants.resources_server import ResourcesParticipant
@@ -26,9 +27,9 @@ from participants.resources_server import ResourcesParticipant
 
 def build_model_app(
     store: ParticipantStore, backend: GenerationBackend, token_store: TokenStore, credentials: Credentials,
-    instance: str = "model-0",
+    instance: str = "model-0", progress_s: float = PROGRESS_S,
 ) -> web.Application:
-    participant = ModelParticipant(store, backend, token_store, instance)
+    participant = ModelParticipant(store, backend, token_store, instance, progress_s)
     return build_app(participant, credentials)
 
 

@@ -111,6 +111,18 @@ class Status(BaseModel):
     joined: bool = True
 
 
+class PreparedEvent(BaseModel):
+    """An event a prepare hands over: the coordinator appends it, under `key`, with
+    `checkpoint_prepared` (engine.prepare_records)."""
+
+    key: str
+    stream: str
+    kind: str
+    data: dict[str, Any]
+    rollout_id: str | None
+    attempt: int | None
+
+
 class PrepareReply(BaseModel):
     checkpoint_id: str
     phase: str
@@ -119,6 +131,7 @@ class PrepareReply(BaseModel):
     blocker_count: int
     counts: dict[str, int]
     restarts: list[Execution]
+    records: list[PreparedEvent] = Field(default_factory=list)
 
 
 class OperationReply(BaseModel):
@@ -142,5 +155,5 @@ class ErrorReply(BaseModel):
 __all__ = [
     "ACTIVATION_HEADER", "CALL_ID_HEADER", "CONTROL", "OPENAPI_PATH", "PARENT_HEADER", "PREFIX", "REPLACES_HEADER",
     "TOOL_CALL_HEADER", "CommitRequest", "ControlRequest", "ErrorReply", "Execution", "ForgetRequest",
-    "OperationReply", "PrepareReply", "RetireRequest", "Status", "TaskBody", "data_path", "identity",
+    "OperationReply", "PreparedEvent", "PrepareReply", "RetireRequest", "Status", "TaskBody", "data_path", "identity",
 ]

@@ -217,15 +217,18 @@ async def test_callers_resumed_before_their_callees_ask_again_at_once_and_their_
         running = asyncio.create_task(s.episode(BLACKJACK, "soon-1"))
         await wait_for(store, "soon-1", "agent_boundary", 2, state="after_turn")
         model = s.participant("model")
-        # A call with tokens of its own is cut by the prepare: the agent then has work to send again.
         await eventually("a model call under way", lambda: any(c.generated_here() > 0 for c in model.calls.values()))
         assert (await coordinator.prepare("soon-ck", time.time() + 60))["ready"]
         counting.set()
         for caller in (agent, env):  # the callers reopen; the model and the resources server stay closed
             await caller.call("resume", {"checkpoint_id": "soon-ck", "deadline": time.time() + 10})
+        # The first episode's call waits for the model's resume, its reply held; a second episode's
+        # first call meets the model still closed.
+        second = asyncio.create_task(s.episode(BLACKJACK, "soon-2"))
         await eventually("the held work to be refused ten times", lambda: len(refusals) >= 10)
         await coordinator.resume("soon-ck")  # the callees reopen (the callers answer their repeat)
         result = await asyncio.wait_for(running, 30)
+        assert (await asyncio.wait_for(second, 30))["reward"] == reward
     assert {ck for _, ck, _ in refusals} == {"soon-ck"}, refusals  # every refusal names the checkpoint
     assert {delay for _, _, delay in refusals} == {SOON_S}, refusals
     events = await store.read_rollout("soon-1")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.catalog import CHECKPOINT_ABORTED, CHECKPOINT_PREPARED, CHECKPOINT_STARTED
+from engine.catalog import CALL_CUT, CHECKPOINT_ABORTED, CHECKPOINT_PREPARED, CHECKPOINT_STARTED
 from engine.coordinator import (
     PREPARE_ORDER,
     Coordinator,
@@ -17,11 +17,18 @@ from engine.coordinator import (
     abort_expired,
     abort_if_expired,
 )
-from engine.errors import AdmissionClosed, InvalidCheckpointState, InvalidPhase, StaleCheckpoint
-from engine.events import AppendRequest
-from engine.identity import checkpoint_stream
+from engine.errors import (
+    AdmissionClosed,
+    DatabaseUnavailable,
+    InvalidCheckpointState,
+    InvalidPhase,
+    StaleCheckpoint,
+)
+from engine.events import AppendRequest, NewEvent
+from engine.identity import call_stream, checkpoint_stream
 from engine.log import append_one
 from engine.phases import CheckpointPhases, checkpoint_started
+from engine.prepare_records import PrepareRecord
 from engine.recovery import Recovery, recovery_request
 from tests.memory_cut_store import MemoryCutStore
 from tests.test_checkpoint_engine import episode
@@ -62,6 +69,50 @@ async def test_prepare_runs_the_callers_first_and_the_resources_last_then_record
     assert {n for _, n in journal[:3]} == {"environment", "model", "agent"} and journal[3] == ("prepare", "resources")
     assert kinds(store, "ck") == [CHECKPOINT_STARTED, CHECKPOINT_PREPARED]
     assert store.events[-1].data["restarts"] == [["r9", 1]]
+
+
+def cut_record(checkpoint_id: str, rollout_id: str, attempt: int) -> dict[str, Any]:
+    call = f"{rollout_id}-c1"
+    return PrepareRecord.of(checkpoint_id, NewEvent(call_stream(call), CALL_CUT, {"call_id": call, "tokens": 3},
+                                                    rollout_id, attempt)).to_json()
+
+
+async def test_the_records_a_prepare_hands_over_land_with_prepared_once_and_a_fenced_attempts_alone_is_refused() -> None:
+    """The model's cuts (engine.prepare_records) are in the log before prepare returns, so below any P
+    a commit fixes. r1's attempt 0 was fenced since its cut was made: that record alone is refused,
+    the checkpoint is prepared, and a repeat of a record under its key writes no second copy."""
+    store, parts = MemoryCutStore(), four([])
+    await episode(store, "r0", complete_call=False)
+    await episode(store, "r1", complete_call=False)
+    await store.append(recovery_request(Recovery("r1", 0, "continue", None, True, "call")))  # fences r1's attempt 0
+    records = [cut_record("ck", "r0", 0), cut_record("ck", "r1", 0)]
+    parts[3].replies["prepare"] = {"ready": True, "records": records}  # the model
+    reply = await Coordinator(store, parts).prepare("ck", time.time() + 30)
+    assert reply["ready"] and kinds(store, "ck") == [CHECKPOINT_STARTED, CHECKPOINT_PREPARED]
+    assert [e.kind for e in await store.read_stream(call_stream("r0-c1"))][-1] == CALL_CUT
+    assert CALL_CUT not in [e.kind for e in await store.read_stream(call_stream("r1-c1"))]
+    again = await store.append(PrepareRecord.from_json(records[0]).request())  # the model, after an abort
+    assert [e.kind for e in await store.read_stream(call_stream("r0-c1"))].count(CALL_CUT) == 1
+    assert again[0].kind == CALL_CUT
+
+
+async def test_a_record_that_cannot_be_appended_aborts_the_checkpoint_and_resumes_every_participant() -> None:
+    journal: list[tuple[str, str]] = []
+    store, parts = MemoryCutStore(), four(journal)
+    await episode(store, "r0", complete_call=False)
+    parts[3].replies["prepare"] = {"ready": True, "records": [cut_record("ck", "r0", 0)]}
+    append = store.append
+
+    async def database_gone(request: AppendRequest) -> Any:
+        if request.events[0].kind == CALL_CUT:
+            raise DatabaseUnavailable("the database went away")
+        return await append(request)
+
+    store.append = database_gone  # type: ignore[method-assign]
+    with pytest.raises(DatabaseUnavailable):
+        await Coordinator(store, parts).prepare("ck", time.time() + 30)
+    assert kinds(store, "ck")[-1] == CHECKPOINT_ABORTED
+    assert {n for op, n in journal if op == "resume"} == {"resources", "agent", "environment", "model"}
 
 
 async def test_a_participant_of_an_unknown_kind_prepares_last_alone() -> None:

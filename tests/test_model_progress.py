@@ -1,9 +1,11 @@
-"""The token progress of generations in flight is saved in the background, and a prepare records the
-cut of every call that has made tokens of its own, at its durable prefix, in one append that writes
-no blob; the other calls run on through the checkpoint.
+"""The token progress of generations in flight is saved in the background, and a prepare cuts every
+call that has tokens of its own saved, at its durable prefix, appending nothing and writing no blob:
+it hands the cuts to the coordinator (engine.prepare_records); the other calls run on through the
+checkpoint.
 
 The model server runs on a real aiohttp server with its log and token store in memory; the backend is
-the scripted policy, held at a step the test chooses.
+the scripted policy, held at a step the test chooses. Without a coordinator, a resume appends the cuts
+a prepare handed over, as after a checkpoint aborted before its commit.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from adapters.generation import Prefix, Step
 from engine.identity import call_stream
+from engine.prepare_records import PrepareRecord
 from engine.tokens import TokenArray
 from participants.app import PARTICIPANT
 from participants.scripted_model import ScriptedBackend
@@ -67,7 +70,7 @@ class Spy:
         store.append, tokens.put, tokens.stage = spy_append, spy_put, spy_stage
 
 
-async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_writes_no_blob(memory_store, memory_tokens) -> None:
+async def test_prepare_hands_over_the_cut_of_every_call_at_its_saved_prefix_and_appends_nothing(memory_store, memory_tokens) -> None:
     store, tokens = memory_store, memory_tokens
     rollouts = [f"pg{i}" for i in range(6)]
     for r in rollouts:
@@ -90,16 +93,21 @@ async def test_prepare_cuts_every_call_at_its_saved_prefix_in_one_append_that_wr
         spy = Spy(store, tokens)
         prepared = await control(client, "prepare", "ck-pg")
         assert prepared["ready"] and prepared["counts"]["cut"] == len(rollouts)
+        assert spy.appends == [] and spy.writes == 0  # the prefixes were durable already: nothing written
+        records = [PrepareRecord.from_json(r) for r in prepared["records"]]
+        assert sorted(r.event.stream for r in records) == sorted(call_stream(f"{r}.0.t0") for r in rollouts)
+        for r in records[:3]:  # as the coordinator does, with `checkpoint_prepared`; the rest were left out
+            await store.append(r.request())
+        await control(client, "resume", "ck-pg")  # appends what was left out, under the same keys
         await asyncio.gather(*pending)
-        cut_appends = [kinds for kinds in spy.appends if "call_cut" in kinds]
-        assert cut_appends == [["call_cut"] * len(rollouts)]  # one append for every cut
-        assert spy.writes == 0  # the prefixes were durable already: prepare wrote no blob
-        await control(client, "resume", "ck-pg")
         await backend.allow(len(full))
         body = await (await client.post(url("pg1"), json={**MATH, "logprobs": True}, headers=call_headers("pg1.0.t0"))).json()
     for r in rollouts:
-        cut = (await store.read_stream(call_stream(f"{r}.0.t0")))[1]
-        assert cut.kind == "call_cut" and cut.data["tokens"] == saved[f"{r}.0.t0"] < len(full)
+        events = await store.read_stream(call_stream(f"{r}.0.t0"))
+        assert [e.kind for e in events][:2] == ["call_accepted", "call_cut"]
+        assert [e.kind for e in events].count("call_cut") == 1  # one copy, whoever appended it first
+        cut = events[1]
+        assert cut.data["tokens"] == saved[f"{r}.0.t0"] < len(full)
         assert cut.data["tokens"] + cut.data["unsaved"] == five  # what it had received, counted as generated again
         n = cut.data["tokens"]
         assert await tokens.get(cut.data["receipt"]["blob_id"]) == TokenArray(tuple(full[:n]), tuple(full_lps[:n]))
@@ -142,30 +150,28 @@ async def test_a_call_recording_its_reply_when_prepare_comes_is_not_waited_for_a
     assert reply.status == 200 and body["choices"][0]["message"] == ScriptedBackend().reply(MATH)
 
 
-async def test_a_cut_with_nothing_of_its_generation_saved_keeps_every_token_it_received(memory_store, memory_tokens) -> None:
-    """Checkpoints more frequent than the saves (a loaded database) must not starve a generation: a
-    continued call cut before the saver saw its new tokens keeps them, not only the prefix it began from."""
+async def test_a_call_with_nothing_of_its_generation_saved_is_not_cut_but_runs_on_to_its_reply(memory_store, memory_tokens) -> None:
+    """A cut keeps only what is durable already: a generation none of whose tokens the saver has
+    written would lose them all, so prepare leaves it running and its reply waits for resume."""
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "ns")
     backend = Paced(allowed=2)
+    _, full, _ = planned(ScriptedBackend(), MATH)
     async with model_server(store, backend, tokens) as client:
         model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         first = asyncio.ensure_future(client.post(url("ns"), json=MATH, headers=call_headers("ns.0.t0")))
         await eventually("two steps in", lambda: "ns.0.t0" in model.calls and len(model.calls["ns.0.t0"].steps) >= 2)
-        await control(client, "prepare", "ck-ns1")
-        await first
-        await backend.allow(0)
-        await control(client, "resume", "ck-ns1")
-        again = asyncio.ensure_future(client.post(url("ns"), json=MATH, headers=call_headers("ns.0.t0")))
-        await eventually("the call continued", lambda: "ns.0.t0" in model.calls and model.calls["ns.0.t0"].state == "generating")
         await model.progress.stop()  # no save happens from here on
-        await backend.allow(3)
-        await eventually("three more steps in", lambda: len(model.calls["ns.0.t0"].steps) >= 4)  # the prefix, then three
-        received = len(model.calls["ns.0.t0"].ids)
-        await control(client, "prepare", "ck-ns2")
-        await again
-    cut1, cut2 = [e for e in await store.read_stream(call_stream("ns.0.t0")) if e.kind == "call_cut"]
-    assert cut1.data["tokens"] < cut2.data["tokens"] == received and cut2.data["unsaved"] == 0
+        call = model.calls["ns.0.t0"]
+        prepared = await control(client, "prepare", "ck-ns")
+        await backend.allow(len(full))
+        await eventually("the call completed", lambda: call.state == "completed")
+        assert not first.done()  # its reply waits for resume
+        await control(client, "resume", "ck-ns")
+        reply = await first
+    assert prepared["counts"]["cut"] == 0 and prepared["counts"]["running"] == 1 and prepared["records"] == []
+    assert reply.status == 200
+    assert [e.kind for e in await store.read_stream(call_stream("ns.0.t0"))] == ["call_accepted", "call_completed"]
 
 
 class HeldStart(Paced):
@@ -197,10 +203,11 @@ async def test_a_continued_call_that_made_nothing_since_its_cut_is_not_cut_again
         model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         first = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
         await eventually("two steps in", lambda: "lf.0.t0" in model.calls and len(model.calls["lf.0.t0"].steps) >= 2)
+        assert await model.progress.save() == 1
         assert (await control(client, "prepare", "ck-lf1"))["counts"]["cut"] == 1
-        await first
         backend.starting.clear()
         await control(client, "resume", "ck-lf1")
+        await first
         again = asyncio.ensure_future(client.post(url("lf"), json=MATH, headers=call_headers("lf.0.t0")))
         await eventually("the call continued", lambda: "lf.0.t0" in model.calls and model.calls["lf.0.t0"].state == "generating")
         call = model.calls["lf.0.t0"]
@@ -218,11 +225,11 @@ async def test_a_continued_call_that_made_nothing_since_its_cut_is_not_cut_again
     assert events[-1].data["continuation"]["mode"] == "continued" and events[-1].data["tokens"] == len(full)
 
 
-async def test_a_cut_keeps_tokens_and_reply_as_they_stood_together_though_a_step_lands_during_its_writes(
+async def test_a_save_keeps_tokens_and_reply_as_they_stood_together_though_a_step_lands_during_its_writes(
         memory_store, memory_tokens) -> None:
-    """The call's own task may add a step it had already received after a cut was asked for. A cut
-    that read the reply after writing the tokens kept a reply one step ahead of its tokens, and the
-    continuation repeated that step (a cut tool call continued to arguments `{}{}`)."""
+    """The call's own task may add a step while the saver writes its tokens. A prefix that read the
+    reply after the write kept a reply one step ahead of its tokens, and a cut at it continued that
+    step twice (a cut tool call continued to arguments `{}{}`)."""
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "sn")
     backend = Paced(allowed=2)
@@ -230,25 +237,29 @@ async def test_a_cut_keeps_tokens_and_reply_as_they_stood_together_though_a_step
         model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
         first = asyncio.ensure_future(client.post(url("sn"), json=MATH, headers=call_headers("sn.0.t0")))
         await eventually("two steps in", lambda: "sn.0.t0" in model.calls and len(model.calls["sn.0.t0"].steps) >= 2)
-        await model.progress.stop()  # nothing saved: the cut writes the tokens itself
+        await model.progress.stop()
         call = model.calls["sn.0.t0"]
         kept = (list(call.ids), dict(call.message))
         landed: list[bool] = []
-        stage = tokens.stage
+        put = tokens.put
 
         async def a_step_lands(ids: Any, *a: Any, **k: Any) -> Any:
-            receipt = await stage(ids, *a, **k)
-            if ids and call.ids == kept[0]:  # the call's own task adds the step it had received
+            receipt = await put(ids, *a, **k)
+            if ids == kept[0] and call.ids == kept[0]:  # the call's own task adds a step it had received
                 call.ids.append(7)
                 call.logprobs.append(-0.5)
                 call.message = {**call.message, "content": (call.message.get("content") or "") + "!"}
                 landed.append(True)
             return receipt
 
-        tokens.stage = a_step_lands
-        await control(client, "prepare", "ck-sn")
+        tokens.put = a_step_lands
+        await model.progress.save()
+        prepared = await control(client, "prepare", "ck-sn")
+        await control(client, "resume", "ck-sn")
         await first
     assert landed
+    (record,) = prepared["records"]
     (cut,) = [e for e in await store.read_stream(call_stream("sn.0.t0")) if e.kind == "call_cut"]
+    assert cut.data == record["data"]
     assert cut.data["tokens"] == len(kept[0]) == len((await tokens.get(cut.data["receipt"]["blob_id"])).ids)
-    assert cut.data["partial"] == kept[1]
+    assert cut.data["partial"] == kept[1] and cut.data["unsaved"] == 1

@@ -110,6 +110,12 @@ async def control(client: TestClient, op: str, checkpoint_id: str) -> dict[str, 
     return body
 
 
+async def save_progress(client: Any) -> None:
+    """Save the tokens of the calls in flight now, as the saver does every PROGRESS_S: a prepare cuts
+    only a call with tokens of its own saved."""
+    await client.server.app[PARTICIPANT].progress.save()
+
+
 async def kinds(store: MemoryEventStore, call_id: str) -> list[str]:
     return [e.kind for e in await store.read_stream(call_stream(call_id))]
 
@@ -387,7 +393,9 @@ async def test_streaming_call_is_cut_during_prepare_and_its_replacement_finishes
         for _ in range(4):  # the role chunk and three steps on the wire, then checkpoint
             head.append(json.loads((await resp.content.readline()).decode()[6:]))
             await resp.content.readline()
+        await save_progress(client)
         prepared = await control(client, "prepare", "ck-cut")
+        await control(client, "resume", "ck-cut")  # the cut's end waits for resume, like any reply
         rest = await sse_events(resp)
         assert prepared["ready"] and prepared["counts"]["cut"] == 1
         cut = (await store.read_stream(call_stream("r4.0.t0")))[-1]
@@ -399,8 +407,6 @@ async def test_streaming_call_is_cut_during_prepare_and_its_replacement_finishes
         assert 1 <= n <= len(streamed) < len(full) and streamed == full[:len(streamed)] and rest[-1]["rollbook"]["tokens"] == n
         prefix = await tokens.get(cut.data["receipt"]["blob_id"])  # verifies the digest
         assert prefix == TokenArray(tuple(full[:n]), tuple(full_lps[:n]))
-
-        await control(client, "resume", "ck-cut")
         resp = await client.post(url("r4"), json=MATH, headers=call_headers("r4.0.t0b", replaces="r4.0.t0"))
         body = await resp.json()
     assert body["choices"][0]["message"] == backend.reply(MATH)
@@ -418,12 +424,14 @@ async def test_a_non_streaming_call_is_cut_by_prepare_without_waiting_and_contin
     async with model_server(store, backend, tokens) as client:
         pending = asyncio.ensure_future(client.post(url("r4b"), json=MATH, headers=call_headers("r4b.0.t0")))
         await asyncio.wait_for(backend.holding.wait(), 30)
+        await save_progress(client)
         prepared = await control(client, "prepare", "ck-nb")  # answers although the generation never ends
+        assert not pending.done()  # the cut's reply waits for resume
+        await control(client, "resume", "ck-nb")
         refused = await pending
         assert prepared["ready"] and prepared["counts"]["cut"] == 1
         assert backend.tokens_generated < len(full)  # cut where it stood, not finished first
         assert (refused.status, (await refused.json())["error"]["code"]) == (409, "admission_closed")
-        await control(client, "resume", "ck-nb")
         body = await (await client.post(url("r4b"), json={**MATH, "logprobs": True}, headers=call_headers("r4b.0.t0"))).json()
     assert await kinds(store, "r4b.0.t0") == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
     assert body["choices"][0]["message"] == backend.reply(MATH)
@@ -545,11 +553,12 @@ async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_cont
             pending = asyncio.ensure_future(client.post(url("rs"), json=MATH, headers=call_headers("rs.0.t0")))
             calls = client.server.app[PARTICIPANT].calls  # type: ignore[attr-defined]
             await eventually("3 steps of the call received", lambda: "rs.0.t0" in calls and len(calls["rs.0.t0"].steps) >= 3)
+            await save_progress(client)
             await control(client, "prepare", "ck-rs")
-            assert (await pending).status == 409
             if fake is not None:
                 fake.unstall()  # the repeat below streams to its end
             await control(client, "resume", "ck-rs")
+            assert (await pending).status == 409
             events = await stream_all(client, url("rs"), {**MATH, "stream": True, "logprobs": True}, call_headers("rs.0.t0"))
     finally:
         if fake is not None:

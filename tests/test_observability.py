@@ -36,6 +36,7 @@ from participants.environments.tasks import make_task
 from participants.observability import METRICS_PATH, TELEMETRY
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_resources_app
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,6 +120,11 @@ async def test_metrics_need_the_control_credential_on_every_server(dsn: str) -> 
         await s.close()
 
 
+async def _resumed(store: PostgresEventStore, participants: int) -> list[Any] | None:
+    events = await all_events(store)
+    return events if len(of(events, "participant_resume")) == participants else None
+
+
 async def test_an_episode_and_a_checkpoint_move_the_counts_histograms_and_gauges(dsn: str, store: PostgresEventStore) -> None:
     s = await start_stack(dsn, "m-e2e", ScriptedBackend())
     try:
@@ -142,7 +148,9 @@ async def test_an_episode_and_a_checkpoint_move_the_counts_histograms_and_gauges
         assert ("rollbook_tool_call_seconds_count", ()) not in model  # each server registers the calls it serves
 
         await checkpoint(s, store, "m-ck")
-        events = await all_events(store)
+        # A participant records its resume right after its reply (participants/control_plane.py).
+        events = await eventually("every participant's resume in the log",
+                                  lambda: _resumed(store, len(KINDS)))
         for kind in KINDS:
             after = await until(s, kind, "rollbook_rollouts_in_flight", 0)
             for phase in ("prepare", "commit", "resume"):

@@ -20,6 +20,7 @@ from adapters.token_store import MemoryTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
+from participants.app import PARTICIPANT
 from participants.guard import Credentials
 from participants.scripted_model import ScriptedBackend
 from participants.servers import build_model_app
@@ -147,11 +148,13 @@ async def test_a_stream_cut_by_a_checkpoint_raises_in_the_sdk(store, tokens) -> 
                 if chunk.choices and chunk.choices[0].delta.content:
                     got.append(chunk.choices[0].delta.content)
                     if len(got) == 3:
+                        await server.app[PARTICIPANT].progress.save()  # a prepare cuts a call with tokens saved
                         async with __import__("aiohttp").ClientSession() as http:
-                            resp = await http.post(str(server.make_url(f"{CONTROL}/prepare")),
-                                                   json={"checkpoint_id": "ck-sdk", "deadline": time.time() + 5},
-                                                   headers={"Authorization": f"Bearer {TOKEN}"})
-                            assert resp.status == 200 and (await resp.json())["ready"]
+                            for op in ("prepare", "resume"):  # the cut's end goes out at resume
+                                resp = await http.post(str(server.make_url(f"{CONTROL}/{op}")),
+                                                       json={"checkpoint_id": "ck-sdk", "deadline": time.time() + 5},
+                                                       headers={"Authorization": f"Bearer {TOKEN}"})
+                                assert resp.status == 200, await resp.text()
     assert "cut" in info.value.message and len(got) >= 3
     await asyncio.sleep(0)
     assert [e.kind for e in await store.read_stream(call_stream("s6.0.t0"))] == ["call_accepted", "call_cut"]

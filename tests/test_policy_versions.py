@@ -21,6 +21,7 @@ from tests.test_model_server import (
     control,
     model_server,
     planned,
+    save_progress,
     start_attempt,
     url,
 )
@@ -68,10 +69,11 @@ async def test_a_call_cut_under_one_version_and_continued_under_the_next_records
         pending = asyncio.ensure_future(client.post(url("pv"), json=MATH, headers=call_headers("pv.0.t0")))
         while backend.tokens_generated < len(planned(backend, {**MATH, "seed": 9})[1]) + 3:
             await asyncio.sleep(0.01)
+        await save_progress(client)
         await control(client, "prepare", "ck-pv")
-        assert (await pending).status == 409
         assert (await set_version(client, "step-1"))[0] == 200  # the weight sync happens while paused
         await control(client, "resume", "ck-pv")
+        assert (await pending).status == 409
         resp = await client.post(url("pv"), json=MATH, headers=call_headers("pv.0.t0"))
         assert resp.status == 200 and (await resp.json())["rollbook"]["policy_version"] == "step-1"
     cut, done = [e for e in await store.read_stream(call_stream("pv.0.t0")) if e.kind in ("call_cut", "call_completed")]

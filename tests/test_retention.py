@@ -25,6 +25,7 @@ from tests.test_model_server import (
     kinds,
     model_server,
     planned,
+    save_progress,
     start_attempt,
     url,
 )
@@ -52,7 +53,9 @@ async def test_retention_drops_unnamed_old_blobs_and_old_keys_and_a_kept_checkpo
         async with model_server(store, backend, tokens) as client:
             pending = asyncio.ensure_future(client.post(url("ret"), json=MATH, headers=call_headers("ret.0.t0")))
             await asyncio.wait_for(backend.holding.wait(), 30)
+            await save_progress(client)
             assert (await control(client, "prepare", "ck-ret"))["ready"]
+            await control(client, "resume", "ck-ret")  # appends the cut the prepare handed over, with no coordinator
             await pending
         cut_event = (await store.read_stream(call_stream("ret.0.t0")))[-1]
         assert cut_event.kind == "call_cut"

@@ -24,6 +24,7 @@ from tests.test_model_server import (
     kinds,
     model_server,
     planned,
+    save_progress,
     start_attempt,
     url,
 )
@@ -74,11 +75,14 @@ async def test_a_tool_call_cut_by_prepare_is_continued_and_its_reply_is_the_unin
             calls = client.server.app[PARTICIPANT].calls  # type: ignore[attr-defined]
             await eventually("the call stalled inside its tool call",
                              lambda: "tc.0.t0" in calls and len(calls["tc.0.t0"].steps) >= fake.stall_after)
+            await save_progress(client)
             await control(client, "prepare", "ck-tc")
-            assert (await pending).status == 409
+            cut_call = calls["tc.0.t0"]
+            await eventually("the cut generation's stream closed", lambda: cut_call.task is not None and cut_call.task.done())
             fake.unstall()
             sent_before = fake.steps_sent
             await control(client, "resume", "ck-tc")
+            assert (await pending).status == 409
             body = await (await client.post(url("tc"), json={**BLACKJACK, "logprobs": True},
                                             headers=call_headers("tc.0.t0"))).json()
     finally:

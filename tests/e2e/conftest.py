@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SEED_VARIABLE = "ROLLBOOK_E2E_SEED"
 POLL_CAP_S = 0.02  # short enough to catch a model call of a few tokens in flight
+PROGRESS_E2E_S = 0.1  # the model server saves tokens in flight this often (the default, 1 s, is for long replies)
 
 
 # ---- seeds -------------------------------------------------------------------------------------
@@ -210,8 +211,9 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
 
     async def make(token_latency_s: float = 0.006, upstream: bool = False,
                    nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
-        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0)
-                   for k in cfg.KINDS}
+        # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
+        servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
+                                       progress_s=PROGRESS_E2E_S) for k in cfg.KINDS}
         upstream_url = None
         if upstream:
             # The model server in front of a vLLM-style upstream (testkit/fake_vllm.py) in its own process,
@@ -223,7 +225,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
             upstream_url = f"http://127.0.0.1:{port}"
             servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
-                                                policy_version="scripted-v1")
+                                                policy_version="scripted-v1", progress_s=PROGRESS_E2E_S)
         config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
                             sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {})
         work = tmp_path / f"cluster{len(made)}"
