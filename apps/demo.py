@@ -33,6 +33,7 @@ from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine import catalog as ev
 from participants.environments.tasks import make_tasks
+from participants.observability import METRICS_PATH
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
 
@@ -120,6 +121,7 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
         if len(collection.finished) >= max(1, len(tasks) // 4) and await _mutations(store, run) >= len(tasks) // 4:
             break
         await asyncio.sleep(0.05)
+    await _a_call_to_cut(session, config)
     completed_before = len(collection.finished)
     ck = f"{run}-ck1"
     result = await collection.checkpoint(session, ck, resume=False)
@@ -135,6 +137,20 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
     timings = {**result.get("timings_ms", {}), **{k: v for k, v in restored["timings_ms"].items() if k in ("restore", "resume")}}
     return {"checkpoint_id": ck, "completed_before": completed_before, "continued": result.get("continued", 0),
             "restarted": result.get("fresh_dispatch", 0), "timings_ms": timings}
+
+
+async def _a_call_to_cut(session: aiohttp.ClientSession, config: cfg.Config, wait_s: float = 5.0) -> None:
+    """Wait (a few seconds at most) until the model server holds a call its prepare would cut, so that
+    the demo shows a generation cut and continued (its metric `rollbook_model_calls_cuttable`)."""
+    url = config.servers["model"].base_url + METRICS_PATH
+    headers = {"Authorization": f"Bearer {config.credentials.control}"}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        async with session.get(url, headers=headers) as resp:
+            if any(line.startswith("rollbook_model_calls_cuttable ") and float(line.split()[1]) > 0
+                   for line in (await resp.text()).splitlines()):
+                return
+        await asyncio.sleep(0.01)
 
 
 async def _mutations(store: PostgresEventStore, run: str) -> int:

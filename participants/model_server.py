@@ -132,7 +132,7 @@ class ModelParticipant(Participant):
         # call again from the boundary before it, as for any call in flight at P. Nothing here waits or
         # writes: the cuts go to the coordinator, which appends them with `checkpoint_prepared`
         # (engine.prepare_records); the tokens made since the last save are generated again.
-        cutting = [c for c in inflight if c.state == "generating" and c.saved_here() is not None]
+        cutting = self.cuttable()
         for c in cutting:
             c.state = "cutting"  # no await since the check: its own task will not record an outcome now
             c.cut_requested.set()
@@ -177,6 +177,10 @@ class ModelParticipant(Participant):
         for c in list(self.calls.values()):
             if c.rollout_id == rollout_id and c.attempt <= through and c.task is not None:
                 c.task.cancel()  # its appends would be refused anyway; stop spending the accelerator on it
+
+    def cuttable(self) -> list[LiveCall]:
+        """The calls a prepare would cut now: generating, with tokens of their own saved."""
+        return [c for c in self.calls.values() if c.state == "generating" and not c.done.is_set() and c.saved_here() is not None]
 
     def held(self) -> int:
         return sum(1 for c in self.consumers if c.state == "completed" and not c.delivered)

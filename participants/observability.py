@@ -102,6 +102,10 @@ class _ServerState(Collector):
         yield phase
         yield GaugeMetricFamily("rollbook_rollouts_in_flight", "rollout attempts with work in progress on this server",
                                 value=float(self.participant.in_flight()))
+        if hasattr(self.participant, "cuttable"):
+            yield GaugeMetricFamily("rollbook_model_calls_cuttable", "model calls in flight with tokens of their own "
+                                    "saved: what a paused checkpoint now would cut and keep",
+                                    value=float(len(self.participant.cuttable())))
 
 
 def observe(app: web.Application, routes: list[Route], participant: Any, phases: ParticipantPhases) -> list[Route]:

@@ -18,8 +18,18 @@ from engine.identity import call_stream
 from engine.prepare_records import PrepareRecord
 from engine.tokens import TokenArray
 from participants.app import PARTICIPANT
+from participants.observability import METRICS_PATH
 from participants.scripted_model import ScriptedBackend
-from tests.test_model_server import MATH, call_headers, control, model_server, planned, start_attempt, url
+from tests.test_model_server import (
+    MATH,
+    TOKEN,
+    call_headers,
+    control,
+    model_server,
+    planned,
+    start_attempt,
+    url,
+)
 from tests.waiting import eventually
 
 
@@ -45,6 +55,12 @@ class Paced(ScriptedBackend):
                     await self.more.wait_for(lambda n=sent: n < self.allowed)
                 sent += 1
             yield event
+
+
+async def cuttable(client: Any) -> float:
+    resp = await client.get(METRICS_PATH, headers={"Authorization": f"Bearer {TOKEN}"})
+    line = next(x for x in (await resp.text()).splitlines() if x.startswith("rollbook_model_calls_cuttable "))
+    return float(line.split()[1])
 
 
 class Spy:
@@ -87,6 +103,7 @@ async def test_prepare_hands_over_the_cut_of_every_call_at_its_saved_prefix_and_
         await eventually("every call's three steps saved", lambda: all(c.durable is not None and c.durable.tokens == len(c.ids)
                                                                       for c in calls.values()))
         saved = {c.call_id: c.durable.tokens for c in calls.values()}
+        assert await cuttable(client) == len(rollouts)  # what a prepare now would cut, on /metrics
         await model.progress.stop()  # the saver sees no more steps: the cut must be at the saved prefix
         await backend.allow(5)  # two more steps each
         await eventually("every call five steps in", lambda: all(len(c.steps) >= 5 for c in calls.values()))
@@ -94,6 +111,7 @@ async def test_prepare_hands_over_the_cut_of_every_call_at_its_saved_prefix_and_
         prepared = await control(client, "prepare", "ck-pg")
         assert prepared["ready"] and prepared["counts"]["cut"] == len(rollouts)
         assert spy.appends == [] and spy.writes == 0  # the prefixes were durable already: nothing written
+        assert await cuttable(client) == 0
         records = [PrepareRecord.from_json(r) for r in prepared["records"]]
         assert sorted(r.event.stream for r in records) == sorted(call_stream(f"{r}.0.t0") for r in rollouts)
         for r in records[:3]:  # as the coordinator does, with `checkpoint_prepared`; the rest were left out
