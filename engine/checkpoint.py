@@ -163,18 +163,19 @@ class Classification:
 
 
 def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key], restarts: Iterable[Key]) -> Classification:
-    """`live` are the executions known at the cut; `finished` completed at or before it."""
-    live_set, finished_set, scope_set, restart_set = set(live), set(finished), set(scope), set(restarts)
+    """`live` are the executions known at the cut; `finished` completed at or before it.
+
+    A scoped execution that finished at or before P is completed, not continued: a paused checkpoint
+    lets work in flight run on to its next boundary, an episode's last step included, so a framework
+    that named its running executions before P was fixed may name one that finished since (at 80
+    rollouts in flight and a checkpoint every second, twice in 12 checkpoints)."""
+    live_set, finished_set, restart_set = set(live), set(finished), set(restarts)
+    scope_set = set(scope) - finished_set
     bad = sorted(scope_set & restart_set)
     if bad:
         raise RestartInScope(
             f"{len(bad)} restart-only execution(s) named in the scope, e.g. {bad[0][0]} attempt {bad[0][1]}",
             executions=[list(k) for k in bad[:10]],
-        )
-    both = sorted(scope_set & finished_set)
-    if both:
-        raise InvalidCheckpointState(
-            f"{len(both)} execution(s) are both completed and in scope, e.g. {both[0][0]} attempt {both[0][1]}"
         )
     unknown = sorted(scope_set - live_set)
     if unknown:

@@ -403,13 +403,14 @@ async def test_altered_start_of_a_restored_attempt_is_refused(
 # ---- dispositions --------------------------------------------------------------------------
 
 
-async def test_completed_execution_in_scope_is_refused(
+async def test_a_scoped_execution_that_finished_before_the_cut_is_completed_not_continued(
     store: Store, world: dict[str, Positions]
 ) -> None:
-    # r4 finished before the cut: continuing it too would give it two dispositions.
-    with pytest.raises(InvalidCheckpointState, match="completed") as err:
-        await make_cut(store, "ck1", [*SCOPE, ("r4", 0)], RESTARTS)
-    assert err.value.code == "invalid_checkpoint_state"
+    # r4 finished before P: a framework that named its running executions a moment earlier (a paused
+    # checkpoint lets an episode's last step run on) named it too; it gets one disposition, completed.
+    cut = await make_cut(store, "ck1", [*SCOPE, ("r4", 0)], RESTARTS)
+    assert ("r4", 0) in cut.completed and "r4" not in {s.rollout_id for s in cut.scope}
+    await validate_cut(store, cut)
 
 
 async def test_restart_only_execution_in_scope_is_refused(
@@ -436,9 +437,9 @@ async def test_live_execution_outside_the_scope_is_dispatched_fresh(
     assert (set(cut.fresh), set(cut.completed)) == ({("r3", 0), ("r5", 0)}, {("r4", 0)})
 
 
-def test_completed_and_continued_together_is_refused_by_classify() -> None:
-    with pytest.raises(InvalidCheckpointState):
-        classify(live=[("a", 0)], finished=[("a", 0)], scope=[("a", 0)], restarts=[])
+def test_a_scoped_execution_finished_by_p_is_classified_completed_alone() -> None:
+    got = classify(live=[("a", 0), ("b", 0)], finished=[("a", 0)], scope=[("a", 0), ("b", 0)], restarts=[])
+    assert (got.completed, got.continued, got.fresh_dispatch) == ((("a", 0),), (("b", 0),), ())
 
 
 @pytest.mark.parametrize("seed", range(25))
