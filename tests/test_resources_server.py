@@ -152,20 +152,20 @@ async def test_a_mutation_whose_event_cannot_land_leaves_the_session_unchanged(
     assert "mutation_applied" not in await kinds(store, session_stream("w7", 0))
 
 
-async def test_prepare_waits_for_mutations_then_refuses_new_ones_but_serves_reads(
+async def test_prepare_waits_for_no_mutation_then_refuses_new_ones_but_serves_reads(
     served: Served, store: MemoryEventStore
 ) -> None:
+    """A mutation in flight lands after its rollout's latest boundary, where a restore rebuilds the
+    session: prepare answers without waiting for it."""
     http, participant = served
     await start(store, "w3")
     await start(store, "w4")
     await open_session(http, "w3", "workplace", 5)
     lock = participant.sessions[("w3", 0)].lock = QueuedLock()
-    await lock.acquire()  # a mutation in flight: prepare must not report ready before it finishes
-    preparing = asyncio.ensure_future(control(http, "prepare"))
-    await lock.queued(1)  # prepare waits for the session's lock, so it cannot have answered yet
-    assert not preparing.done() and not participant.admission_open
+    await lock.acquire()  # a mutation in flight holds the session's lock
+    status, report = await asyncio.wait_for(control(http, "prepare"), 10)
+    assert lock.locked() and not participant.admission_open
     lock.release()
-    status, report = await preparing
     assert status == 200 and report["ready"] and report["phase"] == "prepared"
     assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0, "replay": 0}
 
