@@ -62,6 +62,14 @@ class _BoundedHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         manager = self._manager
         if manager is not None and len(manager.connections) >= self._limits.max_connections:
+            # A connection kept alive between requests gives way first: at 500 rollouts in flight the
+            # callers' pools held every slot of the resources server idle, and a checkpoint's prepare,
+            # on a connection of its own, was refused.
+            idle = next((h for h in manager.connections if isinstance(h, _BoundedHandler) and h.idle()), None)
+            if idle is not None:
+                idle.force_close()
+                super().connection_made(transport)
+                return
             # Never handed to aiohttp: no task, no parser, the descriptor closed after one write.
             self._refused = True
             log.warning("refused a connection: %d open, the limit is %d", len(manager.connections),
@@ -71,6 +79,12 @@ class _BoundedHandler(RequestHandler):
             tr.close()
             return
         super().connection_made(transport)
+
+    def idle(self) -> bool:
+        """Kept alive after a request and waiting for the next: not one that never spoke (those hold
+        their slot until head_s), and not one in the middle of a request."""
+        return (self._request_count > 0 and self._current_request is None and not self._messages
+                and self._head_deadline is None and self._body is None and self.transport is not None)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused:

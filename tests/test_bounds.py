@@ -245,6 +245,29 @@ async def test_connections_past_the_cap_are_refused_with_a_retryable_503() -> No
         await runner.cleanup()
 
 
+async def test_at_the_cap_a_connection_kept_alive_between_requests_gives_way_to_a_new_one() -> None:
+    """Input: a cap of 8, filled by 4 connections kept alive after a request each and 4 in the middle
+    of one (/slow). A new client (a checkpoint's control request on a connection of its own) is
+    served: an idle kept-alive connection is closed for it; the busy ones all finish."""
+    runner, port, _ = await _bounded_server(ServerLimits(head_s=30, body_s=30, max_connections=8))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as kept, aiohttp.ClientSession() as working:
+            async def once(session: aiohttp.ClientSession, i: int) -> int:
+                async with session.post(f"{url}/slow", json={"seconds": 0.5, "i": i}) as r:
+                    return r.status
+            assert await asyncio.gather(*(once(kept, i) for i in range(4))) == [200] * 4  # kept alive, idle now
+            busy = [asyncio.ensure_future(once(working, i)) for i in range(4)]  # 4 more, in the middle of a request
+            await asyncio.sleep(0.2)
+            assert len(runner.server.connections) == 8  # type: ignore[union-attr]
+            async with aiohttp.ClientSession() as control, control.post(f"{url}/echo", json={"a": 1}) as r:
+                assert r.status == 200 and await r.json() == {"a": 1}
+            statuses = await asyncio.gather(*busy, return_exceptions=True)
+        assert statuses == [200] * 4
+    finally:
+        await runner.cleanup()
+
+
 def test_rollbook_serve_drops_a_half_header_and_caps_its_connections(dsn: str, tmp_path: Path) -> None:
     """Fault: the same half header and a connection flood, against `rollbook serve resources` as a real
     process with [limits] head_s = 1, max_connections = 8 in its config: the bounds reach the server
