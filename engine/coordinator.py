@@ -56,8 +56,9 @@ anything (engine.checkpoint.make_online_cut). What a pause still buys, and when 
 state to be "as of P": without a pause an episode can finish after P and before the framework
 snapshots, and restore would continue a rollout whose result the restored framework already
 consumed. A framework whose state is the log (`rollbook run`) reads it as of P and needs no pause.
-(2) The model's prepare turns every generation in flight into a durable prefix that restore
-continues; an online cut redoes each from its boundary, and redoes tool calls made after it.
+(2) The model's prepare cuts every generation in flight that has tokens saved, at that durable
+prefix, which restore continues; an online cut redoes each from its boundary, and redoes tool calls
+made after it.
 Restart-only executions are known either way: prepare reports them, and the log records them
 (`session_opened.state_mode`, an agent boundary's `continuable: false`).
 """
