@@ -134,8 +134,8 @@ class LiveCall:
         return self.snapshot()
 
     def snapshot(self) -> Progress:
-        """The tokens and the reply so far, copied together: the call's own task may add a step it had
-        already received after a cut was asked for, so what is kept must be taken before any await."""
+        """The tokens and the reply so far, copied together: the call's own task may add a step while
+        a save writes them, so what is kept must be taken before any await (a cut keeps the saved copy)."""
         return Progress(self, list(self.ids), list(self.logprobs), self.prompt_ids, _copy_message(self.message), self.segments())
 
     def saved(self, progress: Progress, receipt: Receipt, prompt_receipt: Receipt) -> None:
