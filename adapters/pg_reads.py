@@ -22,9 +22,12 @@ from engine import catalog as ev
 from engine.events import RecordedEvent
 
 CHANNEL = "rollbook_events"
-# Every append takes this lock first; so do a rebuild (no append may interleave) and head() (it
-# waits for an append in flight, so the head it returns counts that append).
+# Every append takes this lock first, and so does a rebuild (no append may interleave).
 LOCK_LOG_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
+# The head as committed: an append moves it in the transaction that writes its events, so every
+# event at or below it is visible, and one still in flight lands above it. No lock: a checkpoint
+# reading P every second must not queue behind (or hold up) the run's appends.
+READ_LOG_HEAD = "SELECT position FROM rollbook.log_head WHERE id = 1"
 
 
 _COLUMNS = "position, stream, stream_version, kind, data, schema_version, rollout_id, attempt, writer, hash, recorded_at"
@@ -82,7 +85,7 @@ class LogReads:
     @retrying("reading the log head")
     async def head(self) -> int:
         async with self._reading() as conn:
-            return int((await conn.execute(text(LOCK_LOG_HEAD))).scalar_one())
+            return int((await conn.execute(text(READ_LOG_HEAD))).scalar_one())
 
     async def read_stream(self, stream: str, after_version: int = 0, to_version: int | None = None) -> list[RecordedEvent]:
         where = "stream = :s AND stream_version > :v"

@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import math
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,25 +36,36 @@ from adapters.secret_files import write_private
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
-from engine.tokens import Receipt, TokenArray, f32
+from engine.tokens import Receipt, TokenArray
 
 BLOB_PREFIX = "sha256-"
 MAX_TOKEN_ID = 2**31 - 1  # integer[]
 
 
 def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[float, ...] | None) -> TokenArray:
-    """Check and canonicalize what is about to be stored: ids are int32 and >= 0, logprobs finite float32."""
-    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID for i in ids):
-        bad = next(i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID)
-        raise InvalidPayload(f"token ids must be integers from 0 to {MAX_TOKEN_ID}; got {bad!r}")
+    """Check and canonicalize what is about to be stored: ids are int32 and >= 0, logprobs finite float32.
+    Every generated token passes here, so the common case is checked at C speed (map, min, array)."""
+    if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID]
+        if bad:
+            raise InvalidPayload(f"token ids must be integers from 0 to {MAX_TOKEN_ID}; got {bad[0]!r}")
     lps = None
     if logprobs is not None:
         if len(logprobs) != len(ids):
             raise InvalidPayload(f"{len(ids)} token ids but {len(logprobs)} logprobs")
-        lps = tuple(f32(x) for x in logprobs)
-        if any(not math.isfinite(x) for x in lps):
+        try:
+            lps = _float32(logprobs)
+        except TypeError:
+            lps = (math.nan,)
+        if not all(map(math.isfinite, lps)):
             raise InvalidPayload("a logprob is not a finite number")
-    return TokenArray(tuple(int(i) for i in ids), lps)
+    return TokenArray(tuple(map(int, ids)), lps)
+
+
+def _float32(values: list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """Each value rounded to float32 as engine.tokens.f32 does, for a whole array at once (TypeError
+    when one is not a number; one too large for float32 becomes infinite)."""
+    return tuple(array("f", values).tolist())
 
 
 def token_digest(arr: TokenArray) -> str:
@@ -124,8 +136,13 @@ class _TokenStore:
         if row is None:
             raise InvalidCheckpointState(f"token blob {blob_id} is missing", blob_id=blob_id)
         arr, stored = row
-        arr = normalize(arr.ids, arr.logprobs)  # float4 text -> the same float32 value
-        actual = token_digest(arr)
+        # As written: ids from an integer column, logprobs rounded to float32 again (the text of a
+        # `real` parses to the nearest double). No range checks: the digest refuses any other value.
+        try:
+            arr = TokenArray(tuple(arr.ids), None if arr.logprobs is None else _float32(arr.logprobs))
+            actual = token_digest(arr)
+        except (TypeError, ValueError):  # not a number, or NaN: no writer hashed that
+            actual = None
         if actual != stored or blob_id != BLOB_PREFIX + actual:
             raise InvalidCheckpointState(f"token blob {blob_id} does not match its digest", blob_id=blob_id)
         return arr
@@ -185,8 +202,8 @@ class _TokenStore:
             loaded = await self._load_blobs(row.blob_ids)  # one read for the snapshot's blobs
             recomputed = []
             for blob_id in row.blob_ids:
-                arr = self._checked(blob_id, loaded.get(blob_id))  # raises on a missing or altered blob
-                recomputed.append((blob_id, token_digest(arr)))
+                self._checked(blob_id, loaded.get(blob_id))  # re-hashes; raises on a missing or altered blob
+                recomputed.append((blob_id, loaded[blob_id][1]))  # so the stored digest is the content's
             parent = None
             if row.parent_snapshot_id is not None:
                 parent = await self._load_snapshot(row.parent_snapshot_id)
@@ -270,8 +287,7 @@ class PostgresTokenStore(_TokenStore):
             ).first()
         if row is None:
             return None
-        lps = None if row.logprobs is None else tuple(float(x) for x in row.logprobs)
-        return TokenArray(tuple(row.token_ids), lps), row.digest
+        return TokenArray(tuple(row.token_ids), None if row.logprobs is None else tuple(row.logprobs)), row.digest
 
     @retrying("the token store")
     async def _load_blobs(self, blob_ids: list[str]) -> dict[str, tuple[TokenArray, str]]:
@@ -279,8 +295,8 @@ class PostgresTokenStore(_TokenStore):
             rows = await conn.execute(
                 text("SELECT blob_id, token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = ANY(CAST(:b AS text[]))"),
                 {"b": blob_ids})
-            return {r.blob_id: (TokenArray(tuple(r.token_ids), None if r.logprobs is None else tuple(float(x) for x in r.logprobs)),
-                                r.digest) for r in rows}
+            return {r.blob_id: (TokenArray(tuple(r.token_ids), None if r.logprobs is None else tuple(r.logprobs)), r.digest)
+                    for r in rows}
 
     @retrying("the token store")
     async def _blob_digests(self, blob_ids: list[str]) -> dict[str, str]:

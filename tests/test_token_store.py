@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import text
 
-from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore
+from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore, normalize
 from engine.errors import InvalidCheckpointState, InvalidPayload
 from engine.tokens import Receipt, TokenArray, f32
 
@@ -68,11 +71,56 @@ async def test_put_then_get_returns_the_same_ids_and_float32_logprobs_with_a_rec
     assert (await tokens.get(empty.blob_id)).ids == () and empty.blob_id != receipt.blob_id
 
 
-@pytest.mark.parametrize("ids,logprobs", [([-1], None), ([2**31], None), (["7"], None), ([1, 2], [-0.5]),
-                                          ([1], [float("nan")])])
+@pytest.mark.parametrize("ids,logprobs", [([-1], None), ([2**31], None), (["7"], None), ([True], None), ([1.0], None),
+                                          ([None], None), ([1, 2], [-0.5]), ([1], [float("nan")]), ([1], [float("-inf")]),
+                                          ([1], [-1e300]), ([1], ["-0.5"]), ([1], [None])])
 async def test_put_refuses_ids_that_are_not_int32_and_logprobs_that_do_not_fit(tokens, ids, logprobs) -> None:
     with pytest.raises(InvalidPayload):
         await tokens.put(ids, logprobs)
+
+
+def reference_normalize(ids: list, logprobs: list | None) -> TokenArray | None:
+    """The rule one value at a time (None: refused): what normalize must agree with at any length."""
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= 2**31 - 1 for i in ids):
+        return None
+    if logprobs is None:
+        return TokenArray(tuple(ids), None)
+    if len(logprobs) != len(ids) or any(isinstance(x, str) or x is None for x in logprobs):
+        return None
+    try:
+        lps = tuple(f32(x) for x in logprobs)
+    except OverflowError:  # too large for float32
+        return None
+    return TokenArray(tuple(ids), lps) if all(math.isfinite(x) for x in lps) else None
+
+
+ANY_ID = st.one_of(st.integers(0, 2**31 - 1), st.integers(-2**40, 2**40), st.booleans(), st.floats(), st.text(max_size=2), st.none())
+ANY_LOGPROB = st.one_of(st.floats(), st.floats(-100, 0, width=32), st.integers(-5, 0), st.text(max_size=2), st.none())
+
+
+@given(ids=st.lists(ANY_ID, max_size=8), logprobs=st.none() | st.lists(ANY_LOGPROB, max_size=8), same_length=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_normalize_keeps_exactly_the_int32_ids_and_finite_float32_logprobs_the_one_value_rule_keeps(ids, logprobs, same_length) -> None:
+    if logprobs is not None and same_length:
+        logprobs = (logprobs * (len(ids) + 1))[:len(ids)] if logprobs else [0.0] * len(ids)
+    expected = reference_normalize(ids, logprobs)
+    if expected is None:
+        with pytest.raises(InvalidPayload):
+            normalize(ids, logprobs)
+    else:
+        assert normalize(ids, logprobs) == expected
+
+
+async def test_get_refuses_a_blob_whose_logprob_was_replaced_by_something_that_is_not_a_number(tmp_path: Path) -> None:
+    tokens = FilesystemTokenStore(tmp_path / "tokens")
+    receipt = await tokens.put([1, 2], [-0.5, -0.25])
+    path = tokens.root / "blobs" / f"{receipt.blob_id}.json"
+    for hostile in ("-0.5", None, [1]):
+        row = json.loads(path.read_text())
+        row["logprobs"][0] = hostile
+        path.write_text(json.dumps(row))
+        with pytest.raises(InvalidCheckpointState, match="does not match its digest"):
+            await tokens.get(receipt.blob_id)
 
 
 async def test_get_refuses_a_tampered_or_missing_blob(tokens) -> None:
