@@ -31,7 +31,7 @@ from adapters.token_store import PostgresTokenStore
 from apps.config import KINDS, Config
 from apps.participant_set import LoggedParticipants
 from engine.checkpoint import Cut
-from engine.coordinator import Coordinator, abort_expired
+from engine.coordinator import Coordinator, Refs, abort_expired
 from engine.patience import PEER_PATIENCE_S, Patience
 from participants.environments.base import Task
 
@@ -160,8 +160,8 @@ class Collection:
         any other. This framework's state is the log itself, so "as of P" needs no pause here."""
         coordinator = self.coordinator(session)
         await abort_expired(self.store)
-        cut = await coordinator.checkpoint_online(checkpoint_id, self._ours(), time.time() + deadline_s)
-        await self._publish(coordinator, cut)
+        cut = await coordinator.checkpoint_online(checkpoint_id, self._ours(), time.time() + deadline_s,
+                                                  refs=self._refs)
         return self._report(coordinator, cut)
 
     def _ours(self) -> list[str]:
@@ -174,8 +174,12 @@ class Collection:
                 "timings_ms": dict(coordinator.timing.ms)}
 
     async def _publish(self, coordinator: Coordinator, cut: Cut) -> None:
+        started = time.perf_counter()
+        await coordinator.publish(cut.checkpoint_id, *await self._refs(cut))
+        coordinator.timing.record("publish", started)  # the snapshot, its validation and the append
+
+    async def _refs(self, cut: Cut) -> Refs:
         """The framework's state and the token snapshot, both under the checkpoint's id."""
-        publish_started = time.perf_counter()
         tokens = PostgresTokenStore(self.store.engine)
         parent_ref, since = await self._last_snapshot(cut.position)
         # Only the calls written since the last published checkpoint of this run: its snapshot is the parent
@@ -184,8 +188,7 @@ class Collection:
         token_ref = await tokens.snapshot(cut.checkpoint_id, blobs, parent=parent_ref)
         framework_ref = {"checkpoint_id": cut.checkpoint_id, "run_id": self.run_id, "tasks": len(self.tasks),
                          "position": cut.position}
-        await coordinator.publish(cut.checkpoint_id, framework_ref, token_ref, tokens)
-        coordinator.timing.record("publish", publish_started)  # the snapshot, its validation and the append
+        return framework_ref, token_ref, tokens
 
     async def restore(self, session: aiohttp.ClientSession, checkpoint_id: str, deadline_s: float = 60.0) -> dict[str, Any]:
         coordinator = self.coordinator(session)

@@ -58,6 +58,7 @@ from benchmarks import commit as bcommit  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
+from participants.model_progress import PROGRESS_S  # noqa: E402
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
 
@@ -189,7 +190,10 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                                   for c in r["checkpoints"] if "commit" in c], 99)},
         "prepare_ms": {"p50": pct(prepare, 50), "p99": pct(prepare, 99), "min": min(prepare, default=None),
                        "max": max(prepare, default=None), "n": len(prepare),
-                       "median_per_participant": per_participant},
+                       "median_per_participant": per_participant,
+                       # the coordinator's own share: the started append, then the phase read and the prepared append
+                       "median_coordinator": {k: med([c[f"prepare.{k}"] for c in cks if f"prepare.{k}" in c])
+                                              for k in ("started", "recorded")}},
         "publish_ms_by_index": {str(i): med(v) for i, v in sorted(by_index.items())},
         "publish_first_ms": med(by_index.get(1, [])), "publish_last_index": last,
         "publish_last_ms": med(by_index[last]) if last else None,
@@ -201,17 +205,24 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
 
 MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_1s", 1.0)]
 
-# The calls of a run cut by a checkpoint and finished later: continued from their prefix, or started
-# over. Tokens generated again: the prefixes of those started over, and what each cut received past
-# the durable prefix it kept (participants.model_progress).
+# The calls of a run cut by a checkpoint, each by what took it up (the same call asked again, or one
+# that replaces it): a call that continues its durable prefix, one that generates it again from the
+# start, or none yet. Tokens generated again: the prefixes of
+# those started over, and what each cut received past the durable prefix it kept (participants.model_progress).
 CUT_CALLS = """
-SELECT count(*) FILTER (WHERE kind = 'call_cut') AS cuts,
-       count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'continued') AS continued,
-       count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated') AS regenerated,
-       coalesce(sum((data->>'prefix_tokens')::int) FILTER (WHERE kind = 'call_completed'
-                AND data->'continuation'->>'mode' = 'regenerated'), 0)
-       + coalesce(sum((data->>'unsaved')::int) FILTER (WHERE kind = 'call_cut'), 0) AS tokens_again
-FROM rollbook.events WHERE starts_with(rollout_id, :p) AND kind IN ('call_cut', 'call_completed')
+WITH cut AS (
+  SELECT c.data->>'call_id' AS call_id, (c.data->>'unsaved')::int AS unsaved,
+         (SELECT r.data ? 'continues' FROM rollbook.events r WHERE r.rollout_id = c.rollout_id AND r.position > c.position
+          AND r.kind = 'call_accepted' AND c.data->>'call_id' IN (r.data->>'call_id', r.data->>'replaces')
+          ORDER BY r.position LIMIT 1) AS continued
+  FROM rollbook.events c WHERE starts_with(c.rollout_id, :p) AND c.kind = 'call_cut')
+SELECT (SELECT count(*) FROM cut) AS cuts,
+       (SELECT count(*) FROM cut WHERE continued) AS continued,
+       (SELECT count(*) FROM cut WHERE NOT continued) AS regenerated,
+       (SELECT count(*) FROM cut WHERE continued IS NULL) AS not_taken_up,
+       coalesce((SELECT sum((data->>'prefix_tokens')::int) FROM rollbook.events WHERE starts_with(rollout_id, :p)
+                 AND kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated'), 0)
+       + coalesce((SELECT sum(unsaved) FROM cut), 0) AS tokens_again
 """
 
 
@@ -229,7 +240,8 @@ async def _cuts(store: PostgresEventStore, run_id: str) -> dict[str, Any]:
     async with store.engine.connect() as conn:
         row = (await conn.execute(text(CUT_CALLS), {"p": f"{run_id}-"})).one()
         because = (await conn.execute(text(REGENERATED_BECAUSE), {"p": f"{run_id}-"})).all()
-    counts = zip(("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again"), (int(x) for x in row), strict=True)
+    counts = zip(("cuts", "cuts_continued", "cuts_regenerated", "cuts_not_taken_up", "tokens_generated_again"),
+                 (int(x) for x in row), strict=True)
     return {**dict(counts), "regenerated_because": {r.reason: r.n for r in because}}
 
 
@@ -246,7 +258,8 @@ def _mode_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"checkpoints": len(cks), "prepare_ms": spread("prepare"), "resume_ms": spread("resume"),
             "commit_ms": spread("commit"), "prepare_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in keys},
             "resume_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in resumes},
-            **{k: sum(r.get(k, 0) for r in rs) for k in ("cuts", "cuts_continued", "cuts_regenerated", "tokens_generated_again")}}
+            **{k: sum(r.get(k, 0) for r in rs) for k in ("cuts", "cuts_continued", "cuts_regenerated", "cuts_not_taken_up",
+                                                       "tokens_generated_again")}}
 
 
 async def _demo_restore(session: aiohttp.ClientSession, config: cfg.Config, store: PostgresEventStore,
@@ -413,7 +426,8 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
                 f"off {_f(rate.get('off'))} rollouts/s",
                 f"{_f(c.get('ratio_' + m))}; {b.get('checkpoints')} checkpoints; prepare {_f(pm.get('p50'))}/{_f(pm.get('p99'), ' ms')}, "
                 f"resume {_f(rm.get('p50'))}/{_f(rm.get('p99'), ' ms')}; {b.get('cuts')} cuts, {b.get('cuts_continued')} continued, "
-                f"{b.get('cuts_regenerated')} started over ({b.get('tokens_generated_again')} tokens generated again)",
+                f"{b.get('cuts_regenerated')} started over, {b.get('cuts_not_taken_up')} not taken up "
+                f"({b.get('tokens_generated_again')} tokens generated again)",
                 ">= 0.98 online every 1 s; no cut started over",
                 None if not m.startswith("online_1") else ge(c.get("ratio_" + m), 0.98))
         p = c.get("prepare_ms", {})
@@ -471,7 +485,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(m for m, _ in MODES), help="comma list of the collection's modes")
     p.add_argument("--limit-factor", type=float,
                    help="a run with checkpoints stops checkpointing after this many times the run without (0: never)")
-    p.add_argument("--progress-s", type=float, default=cfg.ServerConfig().progress_s,
+    p.add_argument("--progress-s", type=float, default=PROGRESS_S,
                    help="the model server's progress_s: tokens in flight saved this often, the most a paused cut loses")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "issue14.json")
     args = p.parse_args(argv)

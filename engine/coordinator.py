@@ -66,8 +66,9 @@ Restart-only executions are known either way: prepare reports them, and the log 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -140,6 +141,24 @@ class StepTiming:
         self.ms[name] = round((time.perf_counter() - started) * 1000, 2)
 
 
+# What a framework publishes a cut with: its own state's reference, the token snapshot's, and the store
+# that validates the latter.
+Refs = tuple[dict[str, Any], dict[str, Any], TokenSnapshots]
+MakeRefs = Callable[[Cut], Awaitable[Refs]]
+
+
+async def _published(phases: CheckpointPhases, framework_ref: dict[str, Any], token_ref: dict[str, Any],
+                     tokens: TokenSnapshots) -> NewEvent:
+    """`checkpoint_published`, once both references validate under the checkpoint's id."""
+    checkpoint_id = phases.checkpoint_id
+    if framework_ref.get("checkpoint_id") != checkpoint_id:
+        raise InvalidCheckpointState(
+            f"the framework state reference names checkpoint {framework_ref.get('checkpoint_id')!r}, not {checkpoint_id}"
+        )
+    await tokens.validate(token_ref, checkpoint_id)
+    return phases.fire("published", framework_ref=framework_ref, token_snapshot_ref=token_ref)
+
+
 def _ordered(participants: Sequence[ParticipantClient], order: Sequence[str]) -> list[ParticipantClient]:
     rank = {k: i for i, k in enumerate(order)}
     return sorted(participants, key=lambda p: rank.get(p.kind, len(order)))
@@ -202,6 +221,7 @@ class Coordinator:
         except VersionConflict as exc:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
+        self.timing.record("prepare.started", started)  # the coordinator's own share: its appends and reads
         await self._current()
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
@@ -220,9 +240,11 @@ class Coordinator:
             prepared += stage
             restarts |= {(r["rollout_id"], r["attempt"]) for reply in replies for r in reply.get("restarts", [])}
             records += [PrepareRecord.from_json(r) for reply in replies for r in reply.get("records", [])]
+        recording = time.perf_counter()
         phases = await self._phase(checkpoint_id)
         event = phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)])
         await self._record_prepared(checkpoint_id, prepared, event, records)
+        self.timing.record("prepare.recorded", recording)
         self.restarts[checkpoint_id] = sorted(restarts)
         self.timing.record("prepare", started)
         return {"checkpoint_id": checkpoint_id, "ready": True, "reports": reports, "restarts": [list(k) for k in sorted(restarts)]}
@@ -292,10 +314,13 @@ class Coordinator:
         return cut
 
     async def checkpoint_online(self, checkpoint_id: str, rollouts: Sequence[str] | None = None,
-                                deadline: float | None = None) -> Cut:
+                                deadline: float | None = None, refs: MakeRefs | None = None) -> Cut:
         """A checkpoint that pauses no one: the cut comes from the log alone (make_online_cut) and no
-        participant is asked anything. Started, then prepared and committed in one append; the lease
-        of `checkpoint_started` lets anyone abort it if this coordinator dies in between."""
+        participant is asked anything. `checkpoint_started` lands first (retention leaves alone what
+        a cut being made may cover, and its lease lets anyone abort a checkpoint whose coordinator
+        died); then prepared and committed in one append, with `published` too where `refs` makes the
+        framework's and the token store's references for the cut: a checkpoint every second costs
+        two appends, not four."""
         started = time.perf_counter()
         deadline = time.time() + ONLINE_LEASE_S if deadline is None else deadline
         check_deadline(deadline, time.time(), f"online checkpoint {checkpoint_id}")
@@ -305,11 +330,19 @@ class Coordinator:
         except VersionConflict as exc:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
-        cut = await make_online_cut(self.store, checkpoint_id, rollouts)
-        phases = CheckpointPhases(checkpoint_id, "started")
-        prepared = phases.fire("prepared", restarts=[list(k) for k in cut.fresh])
+        try:
+            cut = await make_online_cut(self.store, checkpoint_id, rollouts)
+            phases = CheckpointPhases(checkpoint_id, "started")
+            events = [phases.fire("prepared", restarts=[list(k) for k in cut.fresh]), committed_event(cut)]
+            phases._move("committed")
+            if refs is not None:
+                events.append(await _published(phases, *await refs(cut)))
+        except RollbookError as exc:  # nothing was committed: say so now rather than at the lease's end
+            with contextlib.suppress(RollbookError):  # the log away: the lease says it later
+                await abort_checkpoint(self.store, checkpoint_id, f"online checkpoint failed: {exc}")
+            raise
         try:  # expecting the stream as written: whoever aborted it meanwhile (an expired lease) wins
-            await self.store.append(AppendRequest((prepared, committed_event(cut)), {started_event.stream: 1}))
+            await self.store.append(AppendRequest(tuple(events), {started_event.stream: 1}))
         except VersionConflict as exc:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being committed") from exc
         self.timing.record("commit", started)
@@ -318,13 +351,7 @@ class Coordinator:
     async def publish(self, checkpoint_id: str, framework_ref: dict[str, Any], token_ref: dict[str, Any],
                       tokens: TokenSnapshots) -> dict[str, Any]:
         """Publish only when both references validate under this checkpoint id."""
-        phases = await self._phase(checkpoint_id)
-        if framework_ref.get("checkpoint_id") != checkpoint_id:
-            raise InvalidCheckpointState(
-                f"the framework state reference names checkpoint {framework_ref.get('checkpoint_id')!r}, not {checkpoint_id}"
-            )
-        await tokens.validate(token_ref, checkpoint_id)
-        event = phases.fire("published", framework_ref=framework_ref, token_snapshot_ref=token_ref)
+        event = await _published(await self._phase(checkpoint_id), framework_ref, token_ref, tokens)
         await self.store.append(AppendRequest((event,)))
         return {"checkpoint_id": checkpoint_id, "phase": "published"}
 

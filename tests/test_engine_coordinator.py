@@ -281,6 +281,56 @@ async def test_publish_needs_the_frameworks_reference_to_name_this_checkpoint() 
                                      "token_snapshot_ref": {"t": 1}}
 
 
+class CountingAppends(MemoryCutStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.appends: list[list[str]] = []
+
+    async def append(self, request: AppendRequest) -> Any:
+        self.appends.append([e.kind for e in request.events])
+        return await super().append(request)
+
+
+async def test_an_online_checkpoint_asks_no_one_and_commits_and_publishes_in_the_append_after_started() -> None:
+    store, journal = CountingAppends(), []
+    await world(store)
+    tokens, cuts = Tokens(), []
+
+    async def refs(cut: Any) -> Any:
+        cuts.append(cut)
+        return {"checkpoint_id": cut.checkpoint_id, "position": cut.position}, {"t": 1}, tokens
+
+    store.appends.clear()
+    cut = await Coordinator(store, four(journal)).checkpoint_online("ck", ["r0", "r1", "r5"], time.time() + 30, refs=refs)
+    # Two appends, whatever the run's size: the lease first, then the rest at once (a crash leaves no
+    # online checkpoint committed and unpublished).
+    assert store.appends == [["checkpoint_started"],
+                             ["checkpoint_prepared", "checkpoint_committed", "checkpoint_published"]]
+    assert journal == [] and cuts == [cut] and tokens.seen == [({"t": 1}, "ck")]
+    assert [(s.rollout_id, s.attempt) for s in cut.scope] == [("r0", 0), ("r1", 0), ("r5", 0)]
+    assert store.events[-1].data["framework_ref"] == {"checkpoint_id": "ck", "position": cut.position}
+
+
+@pytest.mark.parametrize("bad", ["framework ref of another checkpoint", "token snapshot refused", "refs fail"])
+async def test_an_online_checkpoint_whose_references_do_not_validate_is_aborted_at_once(bad: str) -> None:
+    store = MemoryCutStore()
+    await world(store)
+
+    class Refusing(Tokens):
+        async def validate(self, ref: dict[str, Any], checkpoint_id: str) -> None:
+            raise InvalidCheckpointState("token blob sha256-0 is missing")
+
+    async def refs(cut: Any) -> Any:
+        if bad == "refs fail":
+            raise InvalidCheckpointState("cannot snapshot checkpoint ck: 1 token blob(s) missing")
+        named = "other" if bad == "framework ref of another checkpoint" else cut.checkpoint_id
+        return {"checkpoint_id": named}, {"t": 1}, Refusing() if bad == "token snapshot refused" else Tokens()
+
+    with pytest.raises(InvalidCheckpointState):
+        await Coordinator(store, four([])).checkpoint_online("ck", None, time.time() + 30, refs=refs)
+    assert kinds(store, "ck") == [CHECKPOINT_STARTED, CHECKPOINT_ABORTED]  # not left open until its lease runs out
+
+
 async def test_restore_stages_every_participant_then_installs_the_cut() -> None:
     journal: list[tuple[str, str]] = []
     store, parts = MemoryCutStore(), four(journal)

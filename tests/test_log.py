@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
+from adapters.database import libpq_dsn
 from adapters.postgres import INSERT_CHUNK_EVENTS, PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED
 from engine.errors import StaleAttempt
@@ -109,3 +111,20 @@ async def test_a_committed_append_outlives_its_store(dsn: str) -> None:
         assert (read.position, read.hash, read.writer) == (written.position, written.hash, "first")
     finally:
         await second.close()
+
+
+async def test_the_head_is_the_last_committed_position_and_waits_for_no_append_in_flight(dsn: str) -> None:
+    """A checkpoint every second reads P from here: it must not queue behind the run's appends, and an
+    append still in flight lands above the head it returns (so a cut at that head is whole)."""
+    store = PostgresEventStore.connect(dsn, writer="head")
+    try:
+        committed = await append_one(store, ev("before", n=1))
+        # An append in flight elsewhere: it holds the log head's lock and has moved the head, uncommitted.
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as other:
+            await other.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            await other.execute("UPDATE rollbook.log_head SET position = position + 1 WHERE id = 1")
+            assert await asyncio.wait_for(store.head(), timeout=5) == committed.position
+            await other.rollback()
+        assert await store.head() == committed.position
+    finally:
+        await store.close()
