@@ -184,6 +184,10 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     out.update({
         "rollouts_per_s": rate,
         **{f"ratio_{m}": ratio(rate.get(m), rate.get("off")) for m, _ in MODES if m != "off"},
+        # Each repeat's own ratio (its runs minutes apart, not a quarter of an hour): what a shared machine's
+        # drift moves least.
+        **{f"pair_ratios_{m}": [ratio(r["rollouts_per_s"], o["rollouts_per_s"]) for r, o in zip(rs, runs["off"], strict=False)]
+           for m, rs in runs.items() if m != "off"},
         "online_ms": {"p50": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
                                   for c in r["checkpoints"] if "commit" in c], 50),
                       "p99": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
@@ -416,6 +420,8 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
             None if c.get("ratio_every_5s") is None else bool(ge(c["ratio_every_5s"], 0.97) and ge(c.get("ratio_every_1s"), 0.9)))
         row(f"rollouts/s, online checkpoint every 5 s (every 1 s) vs none ({c['tasks']} tasks, {c['in_flight']} in flight)",
             f"off {_f(rate.get('off'))} rollouts/s", f"{_f(c.get('ratio_online_5s'))} (every 1 s: {_f(c.get('ratio_online_1s'))}); "
+            f"median of each repeat's own ratio {_f(med([x for x in c.get('pair_ratios_online_1s', []) if x is not None]))} "
+            f"({', '.join(_f(x) for x in c.get('pair_ratios_online_1s', []))}); "
             f"cut + publish p50 {_f((c.get('online_ms') or {}).get('p50'), ' ms')}", ">= 0.98 every 1 s",
             None if c.get("ratio_online_1s") is None else bool(ge(c["ratio_online_1s"], 0.98)))
         for m, b in (c.get("by_mode") or {}).items():
