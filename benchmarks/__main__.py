@@ -18,7 +18,8 @@ database, the peers in this same process (benchmarks/peers.py; `pip install -e '
   rollbook's commit of the same number of sessions (make_cut).
 
 Figures are medians over `--repeats` (the cases interleaved, so a noisy moment does not land on one
-case); ratios are what to read on a shared machine. It prints the table and writes every figure,
+case, and odd repeats in reverse, so no case always runs last); ratios are what to read on a shared
+machine, and each repeat's own ratio beside the ratio of medians. It prints the table and writes every figure,
 the raw runs and the machine's load to benchmarks/results/issue14.json. It never asserts a time.
 `--quick` shrinks every part so the whole command takes a few minutes.
 """
