@@ -71,6 +71,11 @@ class Admission:
     async def wait_open(self) -> None:
         await self._open.wait()
 
+    @property
+    def joining(self) -> bool:
+        """Closed only because this instance is still joining: a moment after it listens, no checkpoint."""
+        return self._holds == {JOINING}
+
     def require_open(self, what: str) -> None:
         """Refuse new work while closed: `what` says which work, for the caller's log."""
         if not self.is_open:

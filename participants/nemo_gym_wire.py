@@ -26,6 +26,7 @@ server's own routes by whoever builds its app (participants.servers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -60,6 +61,7 @@ from participants.guard import Route
 FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]
 STAGE_OF_STEP: dict[str, FailureStage] = {"seed": "seed", "agent": "agent", "verify": "verification", "close": "cleanup"}
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+JOIN_WAIT_S = 10.0  # a join is one append; past this the instance is not coming, and the row fails as before
 TASKSET_SLUG_LENGTH = 40
 TASKSET_HASH_LENGTH = 12
 
@@ -405,6 +407,11 @@ class EnvironmentFront:
                 return self._result(req, rid, finished)
             decision = retry.decide(rid, req.episode_id.attempt, None if recorded is None else recorded["attempt"],
                                     finished=False)
+            if decision != "join" and p.admission.joining:
+                # Gym's collector records a refused row as failed and moves on, so a /run that reaches a
+                # fresh instance before it is in the log waits out the join instead of being refused.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(p.admission.wait_open(), JOIN_WAIT_S)
             if decision != "join" and not p.admission_open:
                 return _failure(req, "a checkpoint is in progress; new work waits for resume",
                                 "rollbook:admission_closed", "admission")

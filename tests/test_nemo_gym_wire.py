@@ -6,6 +6,7 @@ collector-level test against the real `ng_collect_rollouts` is tests/e2e/test_ne
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -24,6 +25,7 @@ from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from apps.run import load_tasks
 from apps.stack import CREDS, TOKEN, Stack, start_stack
+from engine.admission import JOINING
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
 from participants.nemo_gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
@@ -291,3 +293,18 @@ async def test_a_new_episode_during_a_checkpoint_is_a_non_terminal_admission_fai
     assert body["failure"] == {"failure_reason": "a checkpoint is in progress; new work waits for resume",
                                "terminal": False, "failure_kind": "rollbook:admission_closed", "stage": "admission"}
     assert "result" in after
+
+
+async def test_a_run_that_reaches_an_instance_still_joining_waits_for_the_join_not_a_failure(
+        dsn: str, store: PostgresEventStore) -> None:
+    # A fresh process listens before it is in the log (apps/serve.py); Gym's collector does not ask
+    # again after a failure row, so the first /run after a restart must not be refused for the join.
+    async with stack(dsn, "joining") as s:
+        admission = s.participant("environment").admission
+        admission.close(JOINING)
+        run = asyncio.create_task(post(f"{s.url('environment')}/run", episode("math:a", "0-0", MATH)))
+        await asyncio.sleep(0.3)
+        assert not run.done()  # waiting, not refused
+        admission.open(JOINING)
+        status, body = await run
+    assert status == 200 and "failure" not in body and "result" in body
