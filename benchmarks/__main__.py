@@ -130,8 +130,8 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
         procs.start()
         async with unpooled_session() as session:  # 500 in flight are 500 in flight
             for rep in range(args.repeats):
-                # Every run leaves the database larger and the next run a little slower: odd repeats take
-                # the modes in reverse, so no mode always runs last on the largest database.
+                # A shared machine drifts over a quarter of an hour (one command's same mode took 29, 34 and
+                # 42 s): odd repeats take the modes in reverse, so no mode always runs last.
                 for mode, every in (modes if rep % 2 == 0 else modes[::-1]):
                     run_id = f"b{rep}{mode.replace('_', '')}"
                     coll = Collection(config, store, run_id, make_tasks(args.tasks, rep, DEMO_ENVS), seed=rep,
