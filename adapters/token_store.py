@@ -55,9 +55,10 @@ def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[fl
             raise InvalidPayload(f"{len(ids)} token ids but {len(logprobs)} logprobs")
         try:
             lps = _float32(logprobs)
-        except TypeError:
-            lps = (math.nan,)
-        if not all(map(math.isfinite, lps)):
+            finite = all(map(math.isfinite, lps))
+        except TypeError:  # a string, None, a list
+            finite = False
+        if not finite:
             raise InvalidPayload("a logprob is not a finite number")
     return TokenArray(tuple(map(int, ids)), lps)
 
