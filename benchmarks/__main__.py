@@ -56,7 +56,7 @@ from apps.collection import Collection  # noqa: E402
 from apps.processes import ServerProcesses, free_port  # noqa: E402
 from benchmarks import append as bappend  # noqa: E402
 from benchmarks import commit as bcommit  # noqa: E402
-from benchmarks import peers  # noqa: E402
+from benchmarks import cpu, peers  # noqa: E402
 from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
 from participants.model_progress import PROGRESS_S  # noqa: E402
@@ -97,6 +97,14 @@ async def _select_ms(url: str, rollouts: list[str], position: int) -> float:
         return (time.perf_counter() - t0) * 1000
 
 
+async def _postmaster(url: str) -> int:
+    """The PostgreSQL server's main process: the parent of a backend."""
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(url)) as conn:
+        backend = (await (await conn.execute("SELECT pg_backend_pid()")).fetchone())[0]  # type: ignore[index]
+    stat = Path(f"/proc/{backend}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 async def _round_trip_ms(session: aiohttp.ClientSession, config: cfg.Config) -> float:
     """One control-plane round trip to each server (status), summed: what 'one round trip per server' costs."""
     total = 0.0
@@ -128,6 +136,8 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     out: dict[str, Any] = {"tasks": args.tasks, "in_flight": args.in_flight, "progress_s": args.progress_s}
     try:
         procs.start()
+        # Each run's CPU by process: the run is CPU-bound on a small machine, so a mode costs what it spends.
+        groups = {kind: p.pid for kind, p in procs.procs.items()} | {"postgres": await _postmaster(url)}
         async with unpooled_session() as session:  # 500 in flight are 500 in flight
             for rep in range(args.repeats):
                 # A shared machine drifts over a quarter of an hour (one command's same mode took 29, 34 and
@@ -140,6 +150,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                     # longer than its interval can starve the rollouts, and the figure must still come back.
                     off = [r["seconds"] for r in runs["off"]]
                     limit = args.limit_factor * max(off) if off and every is not None and args.limit_factor else None
+                    cpu_before = cpu.sample(groups)
                     t0 = time.perf_counter()
                     dispatch = asyncio.create_task(coll.dispatch(session))
                     checkpoints = []
@@ -157,9 +168,10 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
                         cut_off = (time.perf_counter() - t0, len(coll.finished))
                     await dispatch
                     wall = time.perf_counter() - t0
+                    cpu_s = cpu.spent(cpu_before, cpu.sample(groups))
                     seconds, done = cut_off or (wall, args.tasks)
                     runs[mode].append({"seconds": round(seconds, 2), "rollouts_per_s": round(done / seconds, 2),
-                                       "finished_in_window": done, "hit_limit": cut_off is not None,
+                                       "finished_in_window": done, "hit_limit": cut_off is not None, "cpu_s": cpu_s,
                                        "checkpoints": checkpoints, **await _cuts(store, run_id)})
                     progress(f"collection {mode} #{rep}: {done} rollouts in {seconds:.1f} s, {len(checkpoints)} checkpoints"
                              + (" (hit the time limit)" if cut_off else "")
@@ -263,6 +275,8 @@ def _mode_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"checkpoints": len(cks), "prepare_ms": spread("prepare"), "resume_ms": spread("resume"),
             "commit_ms": spread("commit"), "prepare_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in keys},
             "resume_ms_per_participant": {k.split(":", 1)[1]: spread(k) for k in resumes},
+            # Median CPU seconds of a run, by process ('idle': what the cores had left).
+            "cpu_s": {k: med([r["cpu_s"].get(k) for r in rs if r.get("cpu_s")]) for k in sorted({k for r in rs for k in r.get("cpu_s") or {}})},
             **{k: sum(r.get(k, 0) for r in rs) for k in ("cuts", "cuts_continued", "cuts_regenerated", "cuts_not_taken_up",
                                                        "tokens_generated_again")}}
 
@@ -437,6 +451,10 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
                 f"({b.get('tokens_generated_again')} tokens generated again)",
                 ">= 0.98 online every 1 s; no cut started over",
                 None if not m.startswith("online_1") else ge(c.get("ratio_" + m), 0.98))
+        groups = ("driver", "postgres", "environment", "agent", "model", "resources", "idle")
+        row("CPU seconds of a run by process (" + ", ".join(groups) + "), median", "-",
+            "; ".join(f"{m}: " + " / ".join(_f((b.get("cpu_s") or {}).get(g)) for g in groups)
+                      for m, b in (c.get("by_mode") or {}).items()), "(where a mode's cost goes)", None)
         p = c.get("prepare_ms", {})
         row(f"prepare, {c['in_flight']} rollouts in flight (n={p.get('n')})", "NeMo Gym reports <= 8 ms",
             f"p50 {_f(p.get('p50'), ' ms')}, p99 {_f(p.get('p99'), ' ms')} ({_f(p.get('min'))}-{_f(p.get('max'))})",
