@@ -10,9 +10,11 @@ step and at the end, of one of two machines:
 - `processes`: testkit/stateful_processes.FaultMachine, the same operations plus the real faults
   over two instances of every kind (SIGKILL of every instance of any subset of the four kinds, of
   one instance of one kind, of a coordinator process mid-checkpoint, a PostgreSQL restart, dropped
-  connections) on an embedded PostgreSQL of its own (several seconds a sequence). A violation is shrunk by hypothesis to a short sequence
-and printed with its seed and a reproduction blob; with `--machine processes` a traceback in any server's log counts as
-a violation too. Prints a table (each operation that took
+  connections) on an embedded PostgreSQL of its own (several seconds a sequence), each sequence
+drawn whole before it runs (testkit/programs.py). A violation is printed with its seed (shrunk by
+hypothesis to a short sequence for `control`; real processes do not replay a sequence exactly, so
+not for `processes`); with `--machine processes` a traceback in any server's log counts as a
+violation too. Prints a table (each operation that took
 effect, counted over every sequence including shrinking, and for the processes machine the share of
 sequences in which a commit, a publish and a restore took effect) and writes JSON; never asserts a time.
 """
@@ -34,7 +36,7 @@ from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from adapters import database  # noqa: E402
-from testkit import pg, stateful_control, stateful_processes  # noqa: E402
+from testkit import pg, programs, stateful_control, stateful_processes  # noqa: E402
 from testkit.log_queries import tracebacks  # noqa: E402
 
 
@@ -84,9 +86,12 @@ def main() -> int:
 
         machine = seed(args.first)(type("SoakMachine", (base,), {"progress": staticmethod(progress)}))
         try:
-            run_state_machine_as_test(machine, settings=settings(
-                max_examples=args.seeds, stateful_step_count=args.steps, deadline=None, database=None,
-                suppress_health_check=list(HealthCheck), print_blob=True))
+            if args.machine == "processes":  # drawn whole before they run: real processes do not replay
+                programs.run_drawn(machine, examples=args.seeds, most=args.steps, chosen=args.first)
+            else:
+                run_state_machine_as_test(machine, settings=settings(
+                    max_examples=args.seeds, stateful_step_count=args.steps, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True))
         except Exception as exc:  # a violation, already shrunk: report it with the seed that found it
             print(f"seed {args.first}: VIOLATION {type(exc).__name__}: {str(exc)[:400]}\n"
                   f"reproduce: benchmarks/soak.py --machine {args.machine} --first {args.first} --seeds {args.seeds} "

@@ -10,11 +10,13 @@ and restores of paused cuts) and an online run (cuts from the log with every ser
 published and restored), so each mode meets every fault. Each run prints how often each operation
 took effect, and in how many sequences.
 
-CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4: hypothesis' two simplest, then drawn ones)
+CI runs ROLLBOOK_STATEFUL_EXAMPLES sequences (default 4: hypothesis' simplest, then drawn ones)
 of up to ROLLBOOK_STATEFUL_STEPS=10 steps, the drawn ones split between the two modes, each of which
-also runs the two simplest (quick: they draw nothing); raise it to run more, or run `benchmarks/soak.py --machine processes --seeds N`). The seed is printed before the run; a
-failing sequence is shrunk by hypothesis and printed as a list of steps (`state.kill_servers(...)`)
-with a `@reproduce_failure` blob, and ROLLBOOK_STATEFUL_SEED=<seed> replays the same run.
+also runs the simplest (boot alone, quick); raise it to run more, or run `benchmarks/soak.py
+--machine processes --seeds N`. Each sequence is drawn whole before it runs (testkit/programs.py).
+The seed is printed before the run; a failing sequence is printed as hypothesis' falsifying example
+(a list of rule names and arguments), not shrunk, and ROLLBOOK_STATEFUL_SEED=<seed> draws the same
+sequences again (real processes do not replay them exactly).
 """
 
 from __future__ import annotations
@@ -28,22 +30,20 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.stateful import run_state_machine_as_test
 from sqlalchemy import text
 
 from adapters import database
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from participants.routing import pick
-from testkit import pg
+from testkit import pg, programs
 from testkit.checkpoint_rules import ONLINE, PAUSED
 from testkit.log_queries import tracebacks
 from testkit.stateful_processes import INSTANCES, ROLLOUTS, TALLY, FaultMachine, World, start_world
 
 EXAMPLES = int(os.environ.get("ROLLBOOK_STATEFUL_EXAMPLES", "4"))
 STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
-SIMPLEST = 2  # the sequences hypothesis tries first in every run, whatever the seed (see below)
+SIMPLEST = 1  # the sequence hypothesis tries first in every run, whatever the seed: no step after boot
 
 
 @pytest.fixture(scope="module")
@@ -69,21 +69,18 @@ ONLINE_ONLY = ("online", "online_refused")
 @pytest.mark.parametrize("mode", [PAUSED, ONLINE])
 def test_random_faults_against_real_processes_keep_every_invariant_of_the_log(world: World, mode: str) -> None:
     # The drawn sequences are split between the two modes, not run again for each: the suite's time
-    # stays. Hypothesis starts every run with its simplest sequences (no step after boot, and its first
-    # rule over and over), which are quick and draw nothing, so each mode runs those on top of its share.
+    # stays. Hypothesis starts every run with its simplest sequence (no step after boot), which is quick,
+    # so each mode runs it on top of its share.
     share = (EXAMPLES - SIMPLEST + 1) // 2 if mode == PAUSED else (EXAMPLES - SIMPLEST) // 2
     examples = SIMPLEST + max(1, share)
     chosen = int(os.environ.get("ROLLBOOK_STATEFUL_SEED") or random.SystemRandom().randrange(1 << 31))
     print(f"random faults, {mode} checkpoints: seed {chosen}, {examples} sequences of up to {STEPS} steps "
           f"(replay: ROLLBOOK_STATEFUL_SEED={chosen})")
-    machine = seed(chosen)(type("Faults", (FaultMachine,), {"world": world, "MODES": (mode,)}))
+    machine = type("Faults", (FaultMachine,), {"world": world, "MODES": (mode,)})
     before = dict(TALLY)
-    # No shrinking: real processes under real faults do not replay a sequence exactly, so shrinking ends
-    # in hypothesis' Flaky error and hides the failure it set out to shrink. The printed steps say what ran.
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None, print_blob=True,
-        phases=(Phase.explicit, Phase.generate),
-        suppress_health_check=list(HealthCheck)))
+    # Each sequence is drawn whole before it runs (testkit/programs.py): real processes under real
+    # faults do not replay a sequence exactly, which hypothesis' own stateful runner requires.
+    programs.run_drawn(machine, examples=examples, most=STEPS, chosen=chosen)
     gained = {op: n - before.get(op, 0) for op, n in sorted(TALLY.items()) if n != before.get(op, 0)}
     print(f"random faults, {mode} checkpoints: operations that took effect: {gained}")
     other = ONLINE_ONLY if mode == PAUSED else PAUSED_ONLY
@@ -98,13 +95,7 @@ def _replay(world: World, steps: Callable[[FaultMachine], list[Callable[[], None
     (every rollout not retired finishes exactly once, every server idle, lineage checked)."""
     machine = type("Fixed", (FaultMachine,), {"world": world})()
     before(machine)
-    try:
-        machine.boot()
-        for step in steps(machine):
-            step()
-            machine.the_log_stays_honest()
-    finally:
-        machine.teardown()
+    programs.run(machine, steps(machine))
     assert not (found := tracebacks(world.log_dir)), "\n".join(found)
     return machine
 
