@@ -192,29 +192,43 @@ class _TokenStore:
         return row
 
     async def validate(self, ref: dict[str, Any], checkpoint_id: str, deep: bool = False) -> None:
-        """Re-hash every blob this snapshot lists: a restore must not continue from tokens that are not
-        what was cut. A snapshot that extends a parent checks the parent's recorded digest (which its
-        own digest covers) without re-hashing the parent's blobs: they were re-hashed when the parent
-        was published, and blobs are content-addressed (any later read re-hashes what it returns).
-        `deep` walks the whole chain and re-hashes every blob of it (an audit, not a publish)."""
+        """What publish checks: the reference names this checkpoint's row, every blob the row lists is
+        present under its own digest, and the row's digest is the digest of those (and of its parent's
+        recorded digest, which a parent's own publish checked). Publish reads no tokens: a blob's id is
+        the digest of its tokens, computed when it was written, and every read re-hashes what it
+        returns (`get`), so a restore never continues from tokens that are not what was cut. `deep`
+        re-hashes the tokens of every blob of the whole chain (an audit, not a publish)."""
         row = await self._check_ref_row(ref, checkpoint_id)
         snapshot_id = str(ref["snapshot_id"])
         while True:
-            loaded = await self._load_blobs(row.blob_ids)  # one read for the snapshot's blobs
-            recomputed = []
-            for blob_id in row.blob_ids:
-                self._checked(blob_id, loaded.get(blob_id))  # re-hashes; raises on a missing or altered blob
-                recomputed.append((blob_id, loaded[blob_id][1]))  # so the stored digest is the content's
+            recorded = await (self._rehashed(row.blob_ids) if deep else self._recorded(row.blob_ids))
             parent = None
             if row.parent_snapshot_id is not None:
                 parent = await self._load_snapshot(row.parent_snapshot_id)
                 if parent is None:
                     raise InvalidCheckpointState(f"token snapshot {row.parent_snapshot_id}, parent of {snapshot_id}, is missing")
-            if row.digest != snapshot_digest(row.checkpoint_id, recomputed, parent.digest if parent else None):
+            if row.digest != snapshot_digest(row.checkpoint_id, recorded, parent.digest if parent else None):
                 raise InvalidCheckpointState(f"token snapshot {snapshot_id} does not match its digest")
             if parent is None or not deep:
                 return
             snapshot_id, row = str(row.parent_snapshot_id), parent
+
+    async def _recorded(self, blob_ids: list[str]) -> list[tuple[str, str]]:
+        """Each blob's recorded digest, in one read of no tokens; missing, or not its id's, is refused."""
+        digests = await self._blob_digests(blob_ids)
+        for blob_id in blob_ids:
+            if blob_id not in digests:
+                raise InvalidCheckpointState(f"token blob {blob_id} is missing", blob_id=blob_id)
+            if blob_id != BLOB_PREFIX + digests[blob_id]:
+                raise InvalidCheckpointState(f"token blob {blob_id} does not match its digest", blob_id=blob_id)
+        return [(b, digests[b]) for b in blob_ids]
+
+    async def _rehashed(self, blob_ids: list[str]) -> list[tuple[str, str]]:
+        """Each blob's digest, its tokens read and re-hashed (`_checked` refuses any that do not match)."""
+        loaded = await self._load_blobs(blob_ids)  # one read for the snapshot's blobs
+        for blob_id in blob_ids:
+            self._checked(blob_id, loaded.get(blob_id))  # raises on a missing or altered blob
+        return [(b, loaded[b][1]) for b in blob_ids]  # so each stored digest is its content's
 
 
 class PostgresTokenStore(_TokenStore):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore, normalize
+from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore, normalize, token_digest
 from engine.errors import InvalidCheckpointState, InvalidPayload
 from engine.tokens import Receipt, TokenArray, f32
 
@@ -32,20 +32,23 @@ async def tokens(request: pytest.FixtureRequest, tmp_path: Path):
     await s.close()
 
 
-async def tamper(store, blob_id: str) -> None:
-    """Change one token of a stored blob behind the store's back (digest column left as it was)."""
+async def tamper(store, blob_id: str, digest: str | None = None) -> None:
+    """Change one token of a stored blob behind the store's back; its recorded digest is left as it
+    was, or set to `digest` (a forger who also rewrites the digest)."""
     if isinstance(store, PostgresTokenStore):
         async with store.engine.begin() as conn:
             await conn.execute(
-                text("UPDATE rollbook.token_blobs SET token_ids[1] = token_ids[1] + 1 WHERE blob_id = :b"), {"b": blob_id}
+                text("UPDATE rollbook.token_blobs SET token_ids[1] = token_ids[1] + 1, "
+                     "digest = COALESCE(:d, digest) WHERE blob_id = :b"), {"b": blob_id, "d": digest}
             )
     elif isinstance(store, MemoryTokenStore):
-        arr, digest = store.blobs[blob_id]
-        store.blobs[blob_id] = (TokenArray((arr.ids[0] + 1, *arr.ids[1:]), arr.logprobs), digest)
+        arr, recorded = store.blobs[blob_id]
+        store.blobs[blob_id] = (TokenArray((arr.ids[0] + 1, *arr.ids[1:]), arr.logprobs), digest or recorded)
     else:
         path = store.root / "blobs" / f"{blob_id}.json"
         row = json.loads(path.read_text())
         row["token_ids"][0] += 1
+        row["digest"] = digest or row["digest"]
         path.write_text(json.dumps(row))
 
 
@@ -151,13 +154,18 @@ async def test_validate_refuses_a_snapshot_of_another_checkpoint(tokens) -> None
         await tokens.validate({**other, "snapshot_id": ref["snapshot_id"]}, "ck-2")
 
 
-async def test_validate_refuses_a_tampered_blob_a_missing_blob_and_a_wrong_digest(tokens) -> None:
+async def test_validate_refuses_a_rewritten_digest_a_missing_blob_and_a_wrong_snapshot_digest(tokens) -> None:
     a, b = await tokens.put([1, 2]), await tokens.put([3], [-0.5])
     ref = await tokens.snapshot("ck-1", [a.blob_id, b.blob_id])
     with pytest.raises(InvalidCheckpointState, match="digest"):
         await tokens.validate({**ref, "digest": "0" * 64}, "ck-1")
-    await tamper(tokens, a.blob_id)
-    with pytest.raises(InvalidCheckpointState, match=a.blob_id):
+    await tamper(tokens, a.blob_id)  # the tokens only: publish reads digests, not tokens ...
+    await tokens.validate(ref, "ck-1")
+    for check in (tokens.get(a.blob_id), tokens.validate(ref, "ck-1", deep=True)):  # ... every read re-hashes
+        with pytest.raises(InvalidCheckpointState, match=a.blob_id):
+            await check
+    await tamper(tokens, a.blob_id, digest=token_digest(TokenArray((9, 9))))  # tokens and digest rewritten
+    with pytest.raises(InvalidCheckpointState, match=f"{a.blob_id} does not match its digest"):
         await tokens.validate(ref, "ck-1")
     only_b = await tokens.snapshot("ck-2", [b.blob_id])
     await delete(tokens, b.blob_id)
@@ -171,17 +179,19 @@ async def test_snapshot_refuses_a_missing_blob(tokens) -> None:
 
 
 class CountingReads:
-    """Counts the blobs a snapshot's validation reads (each one is re-hashed), around the store's own method."""
+    """Counts the blobs a snapshot's validation reads, their digests or their tokens, around the
+    store's own methods."""
 
     def __init__(self, store) -> None:
         self.count = 0
-        inner = store._load_blobs
+        for name in ("_load_blobs", "_blob_digests"):
+            setattr(store, name, self._counted(getattr(store, name)))
 
-        async def load(blob_ids: list[str]):
+    def _counted(self, inner):
+        async def read(blob_ids: list[str]):
             self.count += len(blob_ids)
             return await inner(blob_ids)
-
-        store._load_blobs = load
+        return read
 
 
 async def test_the_tenth_chained_snapshot_validates_no_more_blobs_than_the_first(tokens) -> None:
