@@ -159,7 +159,9 @@ class Collection:
         """A checkpoint that pauses no one (engine.checkpoint.make_online_cut), then published like
         any other. This framework's state is the log itself, so "as of P" needs no pause here."""
         coordinator = self.coordinator(session)
+        started = time.perf_counter()
         await abort_expired(self.store)
+        coordinator.timing.record("online:abort_expired", started)
         cut = await coordinator.checkpoint_online(checkpoint_id, self._ours(), time.time() + deadline_s,
                                                   refs=self._refs)
         return self._report(coordinator, cut)

@@ -184,6 +184,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     rate = {m: med([r["rollouts_per_s"] for r in rs]) for m, rs in runs.items()}
     out["by_mode"] = {m: _mode_summary(rs) for m, rs in runs.items()}
     cks = [c for m in ("every_5s", "every_1s") for r in runs.get(m, []) for c in r["checkpoints"]]
+    online = [c for m in ("online_5s", "online_1s") for r in runs.get(m, []) for c in r["checkpoints"] if "commit" in c]
     prepare = [c["prepare"] for c in cks if "prepare" in c]
     per_participant = {k.split(":", 1)[1]: med([c[k] for c in cks if k in c])
                        for k in sorted({k for c in cks for k in c if k.startswith("prepare:")})}
@@ -201,10 +202,11 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
         # drift moves least.
         **{f"pair_ratios_{m}": [ratio(r["rollouts_per_s"], o["rollouts_per_s"]) for r, o in zip(rs, runs["off"], strict=False)]
            for m, rs in runs.items() if m != "off"},
-        "online_ms": {"p50": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
-                                  for c in r["checkpoints"] if "commit" in c], 50),
-                      "p99": pct([c["commit"] + c.get("publish", 0) for m in ("online_5s", "online_1s") for r in runs.get(m, [])
-                                  for c in r["checkpoints"] if "commit" in c], 99)},
+        "online_ms": {"p50": pct([c["commit"] + c.get("publish", 0) for c in online], 50),
+                      "p99": pct([c["commit"] + c.get("publish", 0) for c in online], 99),
+                      # each step's median: the started append, the cut, the snapshot, its check, the commit's append
+                      "median_steps": {k.split(":", 1)[1]: med([c[k] for c in online if k in c])
+                                       for k in sorted({k for c in online for k in c if k.startswith("online:")})}},
         "prepare_ms": {"p50": pct(prepare, 50), "p99": pct(prepare, 99), "min": min(prepare, default=None),
                        "max": max(prepare, default=None), "n": len(prepare),
                        "median_per_participant": per_participant,

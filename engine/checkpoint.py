@@ -214,9 +214,10 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequenc
     live, finished = attempts_at(rows, position)
     running = sorted(set(live) - set(finished))
     # What cannot be rebuilt at the boundary it would continue from restarts from its input instead.
-    restarts = set(await store.restart_only_at(await store.latest_boundaries(running, position, BOUNDARY_KINDS)))
+    boundaries = await store.latest_boundaries(running, position, BOUNDARY_KINDS)
+    restarts = set(await store.restart_only_at(boundaries))
     scope = [k for k in running if k not in restarts]
-    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts, boundaries)
 
 
 def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
@@ -249,8 +250,11 @@ def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Ke
 
 
 async def _cut_at(store: CutStore, checkpoint_id: str, position: int, cls: Classification,
-                  rollouts: Sequence[str] | None) -> Cut:
-    boundaries = await store.latest_boundaries(list(cls.continued), position, BOUNDARY_KINDS)
+                  rollouts: Sequence[str] | None, boundaries: dict[Key, int] | None = None) -> Cut:
+    """The cut at `position`; `boundaries` where the caller already read them at `position` (every
+    continued attempt's, or more)."""
+    if boundaries is None:
+        boundaries = await store.latest_boundaries(list(cls.continued), position, BOUNDARY_KINDS)
     missing = [k for k in cls.continued if k not in boundaries]
     if missing:
         raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")

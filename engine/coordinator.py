@@ -330,21 +330,31 @@ class Coordinator:
         except VersionConflict as exc:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
+        self.timing.record("online:started", started)  # where an online checkpoint spends its time
         try:
+            step = time.perf_counter()
             cut = await make_online_cut(self.store, checkpoint_id, rollouts)
+            self.timing.record("online:cut", step)
             phases = CheckpointPhases(checkpoint_id, "started")
             events = [phases.fire("prepared", restarts=[list(k) for k in cut.fresh]), committed_event(cut)]
             phases._move("committed")
             if refs is not None:
-                events.append(await _published(phases, *await refs(cut)))
+                step = time.perf_counter()
+                made = await refs(cut)
+                self.timing.record("online:refs", step)
+                step = time.perf_counter()
+                events.append(await _published(phases, *made))
+                self.timing.record("online:validate", step)
         except RollbookError as exc:  # nothing was committed: say so now rather than at the lease's end
             with contextlib.suppress(RollbookError):  # the log away: the lease says it later
                 await abort_checkpoint(self.store, checkpoint_id, f"online checkpoint failed: {exc}")
             raise
+        step = time.perf_counter()
         try:  # expecting the stream as written: whoever aborted it meanwhile (an expired lease) wins
             await self.store.append(AppendRequest(tuple(events), {started_event.stream: 1}))
         except VersionConflict as exc:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being committed") from exc
+        self.timing.record("online:committed", step)
         self.timing.record("commit", started)
         return cut
 
