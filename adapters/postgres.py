@@ -15,9 +15,10 @@ A transaction is two statements whatever it holds, in one implicit transaction o
 BEGIN, no COMMIT): the lock with the read of what the plan needs (LOCK_AND_READ), and one statement
 that writes the last chunk of events, the heads, the keys and the projections. One more when the
 lock had to wait for another append (the read is repeated), for a group past INSERT_CHUNK_EVENTS
-events, or for a retire's guarded update.
+events, for a retire's guarded update, or for carried rows.
 Rows of other tables that must be durable no later than the events that name them (a model call's
-token blobs, adapters.token_store) ride in the next append transaction of the process (`carry`).
+token blobs, adapters.token_store) ride in the next append transaction of the process (`carry`),
+written before the lock is asked for, so that no other append waits while they are.
 
 Database faults (adapters.pg_pool): a lost connection is found where it fails, and the operation
 retried. A retried append is safe even when its first try did commit and only the answer was lost:
@@ -283,6 +284,7 @@ class PostgresEventStore(SnapshotRows):
         # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
         async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
             try:
+                await self._write_carried(conn)
                 state, plan = await self._read_plan_inputs(conn, requests)
                 unsent = await self._plan_and_send(conn, plan, state)
                 await self._write_rest(conn, plan, unsent, state)
@@ -354,23 +356,34 @@ class PostgresEventStore(SnapshotRows):
         heads, each request's idempotency key, the projections and the log head. A fence or a retire
         mark moves the fence position in the same statement: the attempt checks that servers answer
         from memory (engine.attempts.AttemptGate) are invalid from here."""
+        written = [pe.event for o in plan.planned if isinstance(o, list) for pe in o]
+        changes = [ch for e in written for ch in changes_for(e)]
+        if written:
+            upserts, more = upsert_ctes(changes)
+            params: dict[str, Any] = dict(more)
+            ctes = [f"ev AS ({INSERT_EVENTS})"] if unsent else []
+            ctes += [ADVANCE_HEADS, *upserts]
+            params.update(**(self._event_params(unsent) if unsent else {}), **_head_params(plan, written, state))
+            move = MOVE_LOG_HEAD_NOTIFY if self._take_notify() else MOVE_LOG_HEAD
+            await conn.execute("WITH " + ", ".join(ctes) + " " + move, params)
+        await guarded_updates(conn, changes)
+
+    async def _write_carried(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """The rows carried for this transaction (a model call's token blobs), before the log's lock is
+        asked for: every append of every process waits on that lock, and these rows need no position
+        (the model server's blobs, parsed from their JSON, were most of the time its appends held it).
+        One transaction still commits them with the events that name them. No deadlock: no transaction
+        writes a carried row while it holds the lock, so one waiting on another's carried row never
+        holds the lock that other waits for."""
+        if not self._carrying:
+            return
         ctes: list[str] = []
         params: dict[str, Any] = {}
         for i, (write, rows) in enumerate(self._carrying.items()):
             sql, more = write(rows, f"c{i}")
             ctes.append(f"c{i} AS ({sql})")
             params.update(more)
-        written = [pe.event for o in plan.planned if isinstance(o, list) for pe in o]
-        changes = [ch for e in written for ch in changes_for(e)]
-        if written:
-            upserts, more = upsert_ctes(changes)
-            ctes += [f"ev AS ({INSERT_EVENTS})"] if unsent else []
-            ctes += [ADVANCE_HEADS, *upserts]
-            params.update(more, **(self._event_params(unsent) if unsent else {}), **_head_params(plan, written, state))
-        if ctes:
-            move = MOVE_LOG_HEAD_NOTIFY if written and self._take_notify() else MOVE_LOG_HEAD
-            await conn.execute("WITH " + ", ".join(ctes) + " " + (move if written else "SELECT 1"), params)
-        await guarded_updates(conn, changes)
+        await conn.execute("WITH " + ", ".join(ctes) + " SELECT 1", params)
 
     def _take_notify(self) -> bool:
         """Whether this append's statement carries the hint: when none went out for NOTIFY_INTERVAL_S.

@@ -1,4 +1,4 @@
-"""Less per call: an append is one transaction of two statements, whatever it holds."""
+"""Less per call: an append is one transaction of two statements, whatever it holds (and one more, before the lock, for rows it carries)."""
 
 from __future__ import annotations
 
@@ -239,3 +239,45 @@ async def test_an_episode_reads_no_new_calls_stream_its_attempts_once_and_asks_n
     assert reads[("environment", "attempt_rows")] == 1
     # The passed verify closed the session in its own append: the close step asks nothing.
     assert reads[("resources", "close")] == 0
+
+
+async def test_carried_rows_are_written_before_the_log_lock_is_asked_for(dsn: str) -> None:
+    """Every append of every process waits on the log head's lock, so a model call's token blobs are
+    not parsed and written under it: while an append waits for the lock (held here by a transaction
+    of the test's), its transaction already holds the row lock of the blob it carries."""
+    import asyncio
+
+    from adapters.database import libpq_dsn
+    from adapters.token_store import PostgresTokenStore
+
+    store = PostgresEventStore.connect(dsn, writer="carry-first")
+    tokens = PostgresTokenStore(store)
+    try:
+        await store.append(AppendRequest((NewEvent("carry-first", "noted", {"n": 0}),)))  # the pool is warm
+        receipt = await tokens.stage([9, 8, 7], [-0.5, -0.25, -0.125])
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as holder:
+            await holder.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
+            append = asyncio.create_task(store.append(AppendRequest((NewEvent("carry-first", "noted", {"n": 1}),))))
+            waiting: list[Any] = []
+            for _ in range(1000):  # the append's backend, waiting for the held lock (this database only)
+                waiting = await (await holder.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE '%log_head%'"
+                )).fetchall()
+                if waiting:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(waiting) == 1, "the append never waited for the log head's lock"
+            blobs_locked = await (await holder.execute(
+                "SELECT count(*) FROM pg_locks WHERE pid = %s AND relation = 'rollbook.token_blobs'::regclass",
+                (waiting[0][0],))).fetchone()
+            assert blobs_locked is not None and blobs_locked[0] >= 1, "the blob was not written before the lock"
+            assert not append.done()
+            await holder.rollback()  # the lock goes; the append commits, blob and event in one transaction
+        (landed,) = await append
+        assert (await tokens.get(receipt.blob_id)).ids == (9, 8, 7)
+        assert await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s",
+                          receipt.blob_id) == await xmin(
+            store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", landed.position)
+    finally:
+        await store.close()
