@@ -290,6 +290,10 @@ class CountingAppends(MemoryCutStore):
         self.appends.append([e.kind for e in request.events])
         return await super().append(request)
 
+    async def latest_boundaries(self, keys: Any, position: int, kinds: Any) -> Any:
+        self.boundary_reads = getattr(self, "boundary_reads", 0) + 1
+        return await super().latest_boundaries(keys, position, kinds)
+
 
 async def test_an_online_checkpoint_asks_no_one_and_commits_and_publishes_in_the_append_after_started() -> None:
     store, journal = CountingAppends(), []
@@ -301,7 +305,13 @@ async def test_an_online_checkpoint_asks_no_one_and_commits_and_publishes_in_the
         return {"checkpoint_id": cut.checkpoint_id, "position": cut.position}, {"t": 1}, tokens
 
     store.appends.clear()
-    cut = await Coordinator(store, four(journal)).checkpoint_online("ck", ["r0", "r1", "r5"], time.time() + 30, refs=refs)
+    coordinator = Coordinator(store, four(journal))
+    cut = await coordinator.checkpoint_online("ck", ["r0", "r1", "r5"], time.time() + 30, refs=refs)
+    # Each running attempt's boundary is read once, for the restart-only check and the cut alike;
+    # each step's time is recorded (the benchmark's online_ms.median_steps).
+    assert store.boundary_reads == 1
+    assert {"online:started", "online:cut", "online:refs", "online:validate", "online:committed", "commit"} <= \
+        set(coordinator.timing.ms)
     # Two appends, whatever the run's size: the lease first, then the rest at once (a crash leaves no
     # online checkpoint committed and unpublished).
     assert store.appends == [["checkpoint_started"],
