@@ -336,6 +336,9 @@ class AgentParticipant(Participant):
     def _finished(self, key: Key) -> None:
         self.running.pop(key, None)
         self.sessions.pop(key, None)
+        lock = self.locks.get(key)
+        if lock is not None and not lock.locked():  # held by a start of this key: that start keeps it
+            del self.locks[key]
 
     def _session_for(self, key: Key, index: int, req: RunRequest, history: list[RecordedEvent]) -> Session:
         boundary = self.restored.pop(key, None)

@@ -407,3 +407,22 @@ async def test_a_continued_attempt_can_be_checkpointed_and_restored_again(databa
     origins = {e.attempt: e.data for e in of(events, "attempt_started")}
     kept = [e for e in history if e.attempt == 2 or e.position <= origins[e.attempt + 1]["origin_position"]]
     assert mutations(kept) == muts
+
+
+async def test_a_finished_episode_leaves_the_servers_memory_and_is_answered_from_the_log(
+        database: MemoryBacking, store: MemoryEventStore) -> None:
+    """A server that runs rollouts for days holds only those it is running: its prepare walks them (it
+    grew from 4 to 20 ms p50 over 27,000 finished rollouts when it held them all). A finished one is
+    still answered, its status with its steps and a repeated start with its result, from the log."""
+    async with stack(database, "forgets") as s:
+        env = s.participant("environment")
+        result = await s.episode(WORKPLACE, "fin-1")
+        await asyncio.sleep(0)  # the task's done callbacks run on the next turn of the loop
+        assert "fin-1" not in env.episodes and "fin-1" not in env.tasks and "fin-1" not in env.locks
+        agent = s.participant("agent")
+        assert not [k for k in [*agent.locks, *agent.running, *agent.sessions] if k[0] == "fin-1"]
+        status = await s.client.get(f"{s.url('environment')}/episodes/fin-1")
+        assert (status["status"], status["attempt"], status["reward"], status["steps"]) == (
+            "finished", 0, result["reward"], ["seed", "agent", "verify", "close"])
+        assert await s.episode(WORKPLACE, "fin-1") == result  # not run again
+    assert len(of(await store.read_rollout("fin-1"), "attempt_started")) == 1
