@@ -50,6 +50,12 @@ def _row_to_event(row: Any) -> RecordedEvent:
     )
 
 
+# Asked at every checkpoint, answered from partial indexes of what is open (migration 0013), so their
+# cost follows what is live, not the run's history.
+OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
+                 "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
+CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
+
 class LogReads:
     """The reads of the store; PostgresEventStore (adapters.postgres) adds the append path."""
 
@@ -223,10 +229,7 @@ class LogReads:
     @retrying("reading checkpoints")
     async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
         async with self._reading() as conn:
-            rows = await conn.execute(
-                text("SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"),
-                {"ph": list(phases)},
-            )
+            rows = await conn.execute(text(CHECKPOINTS_IN_PHASE), {"ph": list(phases)})
             return [r for (r,) in rows]
 
     @retrying("reading a retire mark")
@@ -268,9 +271,7 @@ class LogReads:
     async def open_sessions(self) -> dict[tuple[str, int], str]:
         """The environment of each live attempt's open resources session, as the log records it."""
         async with self._reading() as conn:
-            rows = await conn.execute(text(
-                "SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
-                "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'"))
+            rows = await conn.execute(text(OPEN_SESSIONS))
             return {(r.rollout_id, r.attempt): r.env for r in rows}
 
     @retrying("reading restart-only executions")

@@ -48,3 +48,22 @@ def test_the_revisions_read_from_the_migration_files_are_alembics() -> None:
     head, known = database.known_revisions()
     assert head == scripts.get_current_head()
     assert known == {rev.revision for rev in scripts.walk_revisions()}
+
+
+@pytest.mark.parametrize("query", ["open_sessions", "open_checkpoints", "last_snapshot"])
+def test_what_a_checkpoint_asks_about_open_state_can_be_answered_from_the_open_state_indexes(dsn: str, query: str) -> None:
+    """Asked at every checkpoint: with a sequential scan ruled out, each question reads a partial index
+    of what is open (or published) rather than every row the run ever projected."""
+    from adapters.collection_store import LAST_SNAPSHOT
+    from adapters.pg_reads import CHECKPOINTS_IN_PHASE, OPEN_SESSIONS
+    sql, params, index = {
+        "open_sessions": (OPEN_SESSIONS, {}, "session_state_open"),
+        "open_checkpoints": (CHECKPOINTS_IN_PHASE.replace(":ph", "%(ph)s"), {"ph": ["started", "prepared"]},
+                             "checkpoint_state_open"),
+        "last_snapshot": (LAST_SNAPSHOT.replace(":p", "%(p)s").replace(":b", "%(b)s"), {"p": "run-ck%", "b": 10**6},
+                          "checkpoint_state_published"),
+    }[query]
+    with psycopg.connect(database.libpq_dsn(dsn), autocommit=True) as conn:
+        conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params).fetchall())
+    assert index in plan, plan

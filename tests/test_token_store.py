@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from adapters.token_store import FilesystemTokenStore, MemoryTokenStore, PostgresTokenStore, normalize, token_digest
+from adapters.token_store import (
+    FilesystemTokenStore,
+    MemoryTokenStore,
+    PostgresTokenStore,
+    normalize,
+    token_digest,
+)
 from engine.errors import InvalidCheckpointState, InvalidPayload
 from engine.tokens import Receipt, TokenArray, f32
 
