@@ -101,7 +101,7 @@ async def _postmaster(url: str) -> int:
     """The PostgreSQL server's main process: the parent of a backend."""
     async with await psycopg.AsyncConnection.connect(libpq_dsn(url)) as conn:
         backend = (await (await conn.execute("SELECT pg_backend_pid()")).fetchone())[0]  # type: ignore[index]
-    stat = Path(f"/proc/{backend}/stat").read_text()
+        stat = Path(f"/proc/{backend}/stat").read_text()  # while connected: the backend exits with its connection
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
