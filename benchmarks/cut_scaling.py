@@ -1,0 +1,71 @@
+"""What an online checkpoint costs as the run it names grows, with nothing in flight.
+
+    .venv/bin/python -m benchmarks.cut_scaling [--sizes 1500,15000,60000]
+
+For each size N: a fresh database holding N finished attempts named `run-000001`... (inserted
+directly, no servers), then seven online checkpoints of a framework naming all N rollouts, as
+`rollbook run` names its tasks. Prints each checkpoint's p50 wall time, the driving process's CPU,
+and the size of the committed event, or the refusal. The committed cut lists every rollout the
+framework named and every completed attempt, so its cost and size grow with the run, not with what
+is in flight (benchmarks/README.md, "An online checkpoint costs what the run has done").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adapters.database import libpq_dsn  # noqa: E402
+from adapters.postgres import PostgresEventStore  # noqa: E402
+from benchmarks import append as bappend  # noqa: E402
+from engine.coordinator import Coordinator  # noqa: E402
+from engine.errors import RollbookError  # noqa: E402
+
+
+async def main(sizes: list[int]) -> None:
+    server = bappend.start_server(None)
+    try:
+        for n in sizes:
+            url = server.new_database()
+            with psycopg.connect(libpq_dsn(url), autocommit=True) as c:
+                c.execute("INSERT INTO rollbook.attempt_state (rollout_id, attempt, status, started_position, ended_position) "
+                          "SELECT 'run-'||lpad(g::text, 6, '0'), 0, 'finished', g, g FROM generate_series(1, %s) g", (n,))
+                c.execute("UPDATE rollbook.log_head SET position = %s", (n + 1,))
+                c.execute("ANALYZE")
+            store = PostgresEventStore.connect(url, writer="scale")
+            names = [f"run-{i:06d}" for i in range(1, n + 1)]
+            ts = []
+            try:
+                for i in range(7):
+                    t, c0 = time.perf_counter(), time.process_time()
+                    cut = await Coordinator(store, []).checkpoint_online(f"ck{i}", names, time.time() + 30)
+                    ts.append(((time.perf_counter() - t) * 1000, (time.process_time() - c0) * 1000))
+            except RollbookError as exc:
+                print(f"{n} named rollouts: the online checkpoint is refused: {exc.code}: {exc.detail[:120]}", flush=True)
+                await store.close()
+                continue
+            async with store.engine.connect() as conn:
+                size = (await conn.execute(text(
+                    "SELECT pg_column_size(data) FROM rollbook.events WHERE kind = 'checkpoint_committed' "
+                    "ORDER BY position DESC LIMIT 1"))).scalar()
+            print(f"{n} named rollouts, {len(cut.completed)} completed: online checkpoint p50 "
+                  f"{statistics.median(t for t, _ in ts):.1f} ms wall, driver CPU {statistics.median(c for _, c in ts):.1f} ms; "
+                  f"committed event {size} bytes stored", flush=True)
+            await store.close()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1500,15000,60000", help="comma list of run sizes (named rollouts)")
+    asyncio.run(main([int(x) for x in p.parse_args().sizes.split(",")]))
