@@ -63,6 +63,7 @@ from engine.patience import Patience
 from engine.recovery import resume_point
 from participants.environments import ENVIRONMENTS, get_environment
 from participants.guard import Body, Header, Int64, Route
+from participants.keyed_locks import KeyedLocks
 from participants.openai_wire import ToolSpec
 from participants.owners import CLAIM_TRIES, settled
 from participants.participant import Participant, PrepareReport
@@ -265,7 +266,7 @@ class AgentParticipant(Participant):
         self.resources_peers = Peers(resources_url, "resources")
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}
-        self.locks: dict[Key, asyncio.Lock] = {}
+        self.locks: KeyedLocks[Key] = KeyedLocks()
         self.staged: dict[str, tuple[int, dict[str, Any]]] = {}  # rollout -> (origin attempt, boundary data)
         self.staged_from: str | None = None
         self.restored: dict[Key, dict[str, Any]] = {}  # new attempt -> the boundary it continues from
@@ -279,7 +280,7 @@ class AgentParticipant(Participant):
             raise InvalidRequest(f"no environment named {req.task.env!r} to take the tools from; name the tools")
         await self.check_attempt(*key)
         self.served_sessions = True
-        async with self.locks.setdefault(key, asyncio.Lock()):
+        async with self.locks(key):
             current = self.running.get(key)
             if current is not None and current[0] == index:
                 task = current[1]  # a repeat of the running activation waits for the same result
@@ -336,9 +337,6 @@ class AgentParticipant(Participant):
     def _finished(self, key: Key) -> None:
         self.running.pop(key, None)
         self.sessions.pop(key, None)
-        lock = self.locks.get(key)
-        if lock is not None and not lock.locked():  # held by a start of this key: that start keeps it
-            del self.locks[key]
 
     def _session_for(self, key: Key, index: int, req: RunRequest, history: list[RecordedEvent]) -> Session:
         boundary = self.restored.pop(key, None)
@@ -570,9 +568,6 @@ class AgentParticipant(Participant):
             self.running[key][1].cancel()
         for key in retired(self.restored, rollout_id, through):
             del self.restored[key]
-
-    async def forget(self, rollout_id: str) -> None:
-        self.locks = {k: v for k, v in self.locks.items() if k[0] != rollout_id or k in self.running}
 
     async def close(self) -> None:
         await self.client.close()

@@ -60,6 +60,7 @@ from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
 from participants.guard import Body, Identifier, Int64, Route
+from participants.keyed_locks import KeyedLocks
 from participants.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S, owner_verdict
 from participants.participant import Participant, PrepareReport
 from participants.routing import EPISODE_ATTEMPT, Peers
@@ -186,7 +187,7 @@ class EnvironmentParticipant(Participant):
         self.environments = environments
         self.episodes: dict[str, Episode] = {}
         self.tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
-        self.locks: dict[str, asyncio.Lock] = {}
+        self.locks: KeyedLocks[str] = KeyedLocks()
         self.staged: dict[str, Episode] = {}
         self.staged_from: str | None = None
 
@@ -211,7 +212,7 @@ class EnvironmentParticipant(Participant):
     async def start_episode(self, request: web.Request, req: EpisodeRequest) -> web.Response:
         rid = req.rollout_id
         requested = self._check_task(req.task)
-        async with self.locks.setdefault(rid, asyncio.Lock()):
+        async with self.locks(rid):
             task = self.tasks.get(rid)
             running = self.episodes.get(rid)
             if task is not None and not task.done() and running is not None and running.task != requested:
@@ -311,9 +312,6 @@ class EnvironmentParticipant(Participant):
         if self.tasks.get(rid) is not task or task.cancelled() or task.exception() is not None:
             return
         del self.episodes[rid], self.tasks[rid]
-        lock = self.locks.get(rid)
-        if lock is not None and not lock.locked():  # a start of this rollout that holds it keeps it
-            del self.locks[rid]
 
     async def _drive(self, ep: Episode) -> dict[str, Any]:
         try:
@@ -457,7 +455,7 @@ class EnvironmentParticipant(Participant):
         rollout. Asked again with the same group, it writes nothing and drives the forks that are
         neither finished nor running here (after this server restarted, say)."""
         self.admission.require_open("a fork")
-        async with self.locks.setdefault(f"fork:{req.rollout_id}", asyncio.Lock()):
+        async with self.locks(f"fork:{req.rollout_id}"):
             plan = await self._fork_plan(req)
             if not plan.existing:
                 await self.store.append(plan.request())
@@ -485,7 +483,7 @@ class EnvironmentParticipant(Participant):
 
     async def _drive_fork(self, rid: str) -> int:
         """Drive fork `rid` here unless it has finished or is running; 1 when it was launched."""
-        async with self.locks.setdefault(rid, asyncio.Lock()):
+        async with self.locks(rid):
             task = self.tasks.get(rid)
             if task is not None and not task.done():
                 return 0
@@ -587,7 +585,6 @@ class EnvironmentParticipant(Participant):
         if task is None or task.done():
             self.episodes.pop(rollout_id, None)
             self.tasks.pop(rollout_id, None)
-            self.locks.pop(rollout_id, None)
 
     async def close(self) -> None:
         await self.client.close()

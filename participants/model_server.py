@@ -28,10 +28,9 @@ attempt from the boundary before that call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -64,6 +63,7 @@ from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
 from engine.tokens import Receipt
 from participants.guard import Header, Route
+from participants.keyed_locks import KeyedLocks
 from participants.model_calls import (
     CallRecord,
     DurablePrefix,
@@ -111,7 +111,7 @@ class ModelParticipant(Participant):
         self.staged: dict[str, CallRecord] = {}
         self.staged_rollouts: set[str] = set()
         self.replacements = Replacements()  # (replaced call, attempt) -> the call that replaced it (engine.calls)
-        self._locks: dict[str, list[Any]] = {}  # call id -> [lock, holders and waiters]
+        self._locks: KeyedLocks[str] = KeyedLocks()  # one decision at a time per call id
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
         self.progress = ProgressSaver(token_store, lambda: self.calls.values(), progress_s)
@@ -274,25 +274,12 @@ class ModelParticipant(Participant):
             if self.consumers[call] <= 0:
                 del self.consumers[call]
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, key: str) -> AsyncIterator[None]:
-        """One decision at a time per call id; the lock is dropped once nobody holds or awaits it."""
-        entry = self._locks.setdefault(key, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._locks[key]
-
     async def _admit(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
         payload: ChatRequest, stream: bool,
     ) -> LiveCall:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
-        async with self._locked(call_id):
+        async with self._locks(call_id):
             digest = request_digest(payload.backend_request())
             live = self.calls.get(call_id)
             if live is not None:

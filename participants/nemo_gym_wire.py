@@ -398,7 +398,7 @@ class EnvironmentFront:
         task = task_for(req.task.task_id, req.task.task_input)
         p = self.p
         p.admit_task(task)  # known, enabled here, and its params fit: refused before anything is written
-        async with p.locks.setdefault(rid, asyncio.Lock()):
+        async with p.locks(rid):
             events = await p.store.read_rollout(rid)
             recorded = _gym_record(events)
             _check_same_task(req, rid, task, events, recorded)
