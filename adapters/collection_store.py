@@ -21,6 +21,7 @@ LAST_SNAPSHOT = ("SELECT c.position, p.data->'token_snapshot_ref' AS ref FROM ro
                  "JOIN rollbook.events p ON p.position = c.published_position WHERE c.phase = 'published' "
                  "AND c.checkpoint_id LIKE :p AND c.position < :b ORDER BY c.position DESC LIMIT 1")
 
+
 class CollectionStore:
     def __init__(self, store: PostgresEventStore) -> None:
         self.store = store

@@ -56,6 +56,7 @@ OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_st
                  "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
 CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
 
+
 class LogReads:
     """The reads of the store; PostgresEventStore (adapters.postgres) adds the append path."""
 
@@ -309,4 +310,3 @@ class LogReads:
                 await conn.execute(text("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r"), {"r": rollout_id})
             ).scalar()
             return -1 if mark is None else int(mark)
-

@@ -56,6 +56,14 @@ async def xmin(store: PostgresEventStore, sql: str, *args: Any) -> int:
     return int(row[0])
 
 
+async def event_xmin(store: PostgresEventStore, position: int) -> int:
+    return await xmin(store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", position)
+
+
+async def blob_xmin(store: PostgresEventStore, blob_id: str) -> int:
+    return await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s", blob_id)
+
+
 async def test_a_model_calls_token_blobs_are_written_by_the_transaction_that_appends_its_outcome(dsn: str) -> None:
     from adapters.token_store import PostgresTokenStore
     from participants.scripted_model import ScriptedBackend
@@ -69,12 +77,11 @@ async def test_a_model_calls_token_blobs_are_written_by_the_transaction_that_app
             assert reply.status == 200, await reply.text()
         accepted, completed = (await store.read_rollout("bx", 0))[-2:]
         assert (accepted.kind, completed.kind) == (ev.CALL_ACCEPTED, ev.CALL_COMPLETED)
-        outcome = await xmin(store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", completed.position)
+        outcome = await event_xmin(store, completed.position)
         for receipt in (completed.data["receipt"], completed.data["prompt_receipt"]):
-            blob = await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s", receipt["blob_id"])
+            blob = await blob_xmin(store, receipt["blob_id"])
             assert blob == outcome  # one transaction: the outcome is never durable without its tokens
-        assert outcome != await xmin(store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s",
-                                     accepted.position)  # accepted is its own append, before the generation
+        assert outcome != await event_xmin(store, accepted.position)  # accepted is its own append, before the generation
     finally:
         await store.close()
 
@@ -99,9 +106,7 @@ async def test_carried_rows_of_a_transaction_that_failed_go_with_the_next_append
             await store.append(AppendRequest((NewEvent("carry-s", "noted", {"n": 1}),)))
         (landed,) = await store.append(AppendRequest((NewEvent("carry-s", "noted", {"n": 2}),)))
         assert (await tokens.get(receipt.blob_id)).ids == (5, 6, 7)
-        assert await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s",
-                          receipt.blob_id) == await xmin(
-            store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", landed.position)
+        assert await blob_xmin(store, receipt.blob_id) == await event_xmin(store, landed.position)
     finally:
         await store.close()
 
@@ -276,8 +281,6 @@ async def test_carried_rows_are_written_before_the_log_lock_is_asked_for(dsn: st
             await holder.rollback()  # the lock goes; the append commits, blob and event in one transaction
         (landed,) = await append
         assert (await tokens.get(receipt.blob_id)).ids == (9, 8, 7)
-        assert await xmin(store, "SELECT xmin::text::bigint FROM rollbook.token_blobs WHERE blob_id = %s",
-                          receipt.blob_id) == await xmin(
-            store, "SELECT xmin::text::bigint FROM rollbook.events WHERE position = %s", landed.position)
+        assert await blob_xmin(store, receipt.blob_id) == await event_xmin(store, landed.position)
     finally:
         await store.close()
