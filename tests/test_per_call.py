@@ -260,12 +260,16 @@ async def test_carried_rows_are_written_before_the_log_lock_is_asked_for(dsn: st
     try:
         await store.append(AppendRequest((NewEvent("carry-first", "noted", {"n": 0}),)))  # the pool is warm
         receipt = await tokens.stage([9, 8, 7], [-0.5, -0.25, -0.125])
-        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as holder:
+        # The observer polls in a transaction per query: within one transaction pg_stat_activity's
+        # `query` comes from a snapshot of the first read (its wait columns are live), so a poll from
+        # the holder's transaction kept whatever statement the append's backend ran at that read.
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as holder, \
+                await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as observer:
             await holder.execute("SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE")
             append = asyncio.create_task(store.append(AppendRequest((NewEvent("carry-first", "noted", {"n": 1}),))))
             waiting: list[Any] = []
             for _ in range(1000):  # the append's backend, waiting for the held lock (this database only)
-                waiting = await (await holder.execute(
+                waiting = await (await observer.execute(
                     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
                     "AND wait_event_type = 'Lock' AND query LIKE '%log_head%'"
                 )).fetchall()
@@ -273,7 +277,7 @@ async def test_carried_rows_are_written_before_the_log_lock_is_asked_for(dsn: st
                     break
                 await asyncio.sleep(0.01)
             assert len(waiting) == 1, "the append never waited for the log head's lock"
-            blobs_locked = await (await holder.execute(
+            blobs_locked = await (await observer.execute(
                 "SELECT count(*) FROM pg_locks WHERE pid = %s AND relation = 'rollbook.token_blobs'::regclass",
                 (waiting[0][0],))).fetchone()
             assert blobs_locked is not None and blobs_locked[0] >= 1, "the blob was not written before the lock"
