@@ -326,6 +326,10 @@ async def test_an_episode_finishing_during_a_checkpoint_is_neither_lost_nor_redo
     base = make_tasks(N, rng.randrange(1 << 20), ["math", "workplace", "math", "blackjack"])
     # A non-integer answer that integer arithmetic never produces: verify fails, the session stays open.
     tasks = [Task(t.env, t.task_id, t.prompt, {**t.params, "answer": 0.5}) if t.env == "math" else t for t in base]
+    # The model is held from the start, so no episode gets past its seed (the agent's first call
+    # waits) until the resources server is held too: every math episode then stops at verify, however
+    # slowly this test's probes run. Each hold is a prepare on a server's own control plane.
+    await c.control("model", "prepare", "fin-hold-m")
     coll, run = await launch(c, rng, "fin", tasks=tasks)
     math = [coll.rollout_id(i) for i, t in enumerate(tasks) if t.env == "math"]
 
@@ -339,6 +343,7 @@ async def test_an_episode_finishing_during_a_checkpoint_is_neither_lost_nor_redo
 
     await c.wait_for("every session open", seeded)
     await c.control("resources", "prepare", "fin-hold-r1")  # verify, close, mutations now wait
+    await c.control("model", "resume", "fin-hold-m")  # the agents' turns run, up to verify
     await c.wait_for("math episodes in verify", lambda: steps(("verify", "close")))
     await c.control("environment", "prepare", "fin-hold-e")  # each parks before its next step
     await c.control("resources", "resume", "fin-hold-r1")  # verify runs; each episode parks before close
