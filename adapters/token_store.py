@@ -22,7 +22,6 @@ import asyncio
 import hashlib
 import json
 import math
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from adapters.secret_files import write_private
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
-from engine.tokens import Receipt, TokenArray
+from engine.tokens import Receipt, TokenArray, f32s
 
 BLOB_PREFIX = "sha256-"
 MAX_TOKEN_ID = 2**31 - 1  # integer[]
@@ -54,19 +53,13 @@ def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[fl
         if len(logprobs) != len(ids):
             raise InvalidPayload(f"{len(ids)} token ids but {len(logprobs)} logprobs")
         try:
-            lps = _float32(logprobs)
+            lps = f32s(logprobs)
             finite = all(map(math.isfinite, lps))
         except TypeError:  # a string, None, a list
             finite = False
         if not finite:
             raise InvalidPayload("a logprob is not a finite number")
     return TokenArray(tuple(map(int, ids)), lps)
-
-
-def _float32(values: list[float] | tuple[float, ...]) -> tuple[float, ...]:
-    """Each value rounded to float32 as engine.tokens.f32 does, for a whole array at once (TypeError
-    when one is not a number; one too large for float32 becomes infinite)."""
-    return tuple(array("f", values).tolist())
 
 
 def token_digest(arr: TokenArray) -> str:
@@ -140,7 +133,7 @@ class _TokenStore:
         # As written: ids from an integer column, logprobs rounded to float32 again (the text of a
         # `real` parses to the nearest double). No range checks: the digest refuses any other value.
         try:
-            arr = TokenArray(tuple(arr.ids), None if arr.logprobs is None else _float32(arr.logprobs))
+            arr = TokenArray(tuple(arr.ids), None if arr.logprobs is None else f32s(arr.logprobs))
             actual = token_digest(arr)
         except (TypeError, ValueError):  # not a number, or NaN: no writer hashed that
             actual = None

@@ -19,7 +19,8 @@ parent_call_id, rollout_id) so an adapter converts it without loss.
 
 from __future__ import annotations
 
-import struct
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +28,13 @@ from typing import Any, Protocol
 def f32(x: float) -> float:
     """A logprob as the token store keeps it (PostgreSQL `real`): rounded to float32 once, at the edge,
     so what a client was told, what the store holds and what an export writes are the same number."""
-    return float(struct.unpack("<f", struct.pack("<f", float(x)))[0])
+    return f32s((float(x),))[0]
+
+
+def f32s(values: Iterable[float]) -> tuple[float, ...]:
+    """f32 of each value, a whole array at once: TypeError where one is not a number; one too large
+    for float32 becomes infinite, which the token store refuses as not finite."""
+    return tuple(array("f", values).tolist())
 
 
 @dataclass(frozen=True)
