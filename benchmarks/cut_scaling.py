@@ -1,6 +1,6 @@
 """What an online checkpoint costs as the run it names grows, with nothing in flight.
 
-    .venv/bin/python -m benchmarks.cut_scaling [--sizes 1500,15000,60000]
+    .venv/bin/python -m benchmarks.cut_scaling [--sizes 1500,15000,60000] [--unnamed]
 
 For each size N: a fresh database holding N finished attempts named `run-000001`... (inserted
 directly, no servers), then seven online checkpoints of a framework naming all N rollouts, as
@@ -8,6 +8,9 @@ directly, no servers), then seven online checkpoints of a framework naming all N
 and the size of the committed event, or the refusal. The committed cut lists every rollout the
 framework named and every completed attempt, so its cost and size grow with the run, not with what
 is in flight (benchmarks/README.md, "An online checkpoint costs what the run has done").
+With --unnamed the framework names no rollouts, as a framework checkpointing over HTTP does (the
+paused protocol's commit, NeMo Gym's): every attempt in the database is the cut's, so the N
+finished attempts may as well be earlier runs'.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from engine.coordinator import Coordinator  # noqa: E402
 from engine.errors import RollbookError  # noqa: E402
 
 
-async def main(sizes: list[int]) -> None:
+async def main(sizes: list[int], unnamed: bool) -> None:
     server = bappend.start_server(None)
     try:
         for n in sizes:
@@ -42,7 +45,7 @@ async def main(sizes: list[int]) -> None:
                 c.execute("UPDATE rollbook.log_head SET position = %s", (n + 1,))
                 c.execute("ANALYZE")
             store = PostgresEventStore.connect(url, writer="scale")
-            names = [f"run-{i:06d}" for i in range(1, n + 1)]
+            names = None if unnamed else [f"run-{i:06d}" for i in range(1, n + 1)]
             ts = []
             try:
                 for i in range(7):
@@ -50,14 +53,14 @@ async def main(sizes: list[int]) -> None:
                     cut = await Coordinator(store, []).checkpoint_online(f"ck{i}", names, time.time() + 30)
                     ts.append(((time.perf_counter() - t) * 1000, (time.process_time() - c0) * 1000))
             except RollbookError as exc:
-                print(f"{n} named rollouts: the online checkpoint is refused: {exc.code}: {exc.detail[:120]}", flush=True)
+                print(f"{n} {'finished attempts' if unnamed else 'named rollouts'}: the online checkpoint is refused: {exc.code}: {exc.detail[:120]}", flush=True)
                 await store.close()
                 continue
             async with store.engine.connect() as conn:
                 size = (await conn.execute(text(
                     "SELECT pg_column_size(data) FROM rollbook.events WHERE kind = 'checkpoint_committed' "
                     "ORDER BY position DESC LIMIT 1"))).scalar()
-            print(f"{n} named rollouts, {len(cut.completed)} completed: online checkpoint p50 "
+            print(f"{n} {'finished attempts' if unnamed else 'named rollouts'}, {len(cut.completed)} completed: online checkpoint p50 "
                   f"{statistics.median(t for t, _ in ts):.1f} ms wall, driver CPU {statistics.median(c for _, c in ts):.1f} ms; "
                   f"committed event {size} bytes stored", flush=True)
             await store.close()
@@ -68,4 +71,6 @@ async def main(sizes: list[int]) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1500,15000,60000", help="comma list of run sizes (named rollouts)")
-    asyncio.run(main([int(x) for x in p.parse_args().sizes.split(",")]))
+    p.add_argument("--unnamed", action="store_true", help="the framework names no rollouts: the cut is every one in the database")
+    args = p.parse_args()
+    asyncio.run(main([int(x) for x in args.sizes.split(",")], args.unnamed))
