@@ -23,7 +23,7 @@ from engine.attempts import FENCE_KINDS
 from engine.checkpoint import restart_only_at
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json, stored_text
-from engine.identity import Key
+from engine.identity import Key, in_run
 from engine.log import LogState, plan_batch
 from engine.projections import TABLES, Change, changes_for
 from engine.snapshots import SessionSnapshot
@@ -202,9 +202,10 @@ class MemoryEventStore:
         return {key: {**row, "retired_through": (self.log.row("rollout_state", key[0]) or {}).get("retired_through")}
                 for key, row in self.log.tables["attempt_state"].items() if key[0] in wanted}
 
-    async def live_attempts(self) -> dict[Key, dict[str, Any]]:
+    async def running_attempts(self, position: int, run: str | None) -> dict[Key, dict[str, Any]]:
         return {key: dict(row) for key, row in self.log.tables["attempt_state"].items()
-                if row["status"] in ("live", "finished")}
+                if (row["status"] == "live" or (row["status"] == "finished" and (row["ended_position"] or 0) > position))
+                and in_run(key[0], run)}
 
     async def latest_boundaries(self, keys: Sequence[Key], position: int, kinds: Sequence[str]) -> dict[Key, int]:
         wanted, kinds_ = set(keys), set(kinds)

@@ -52,6 +52,8 @@ def _row_to_event(row: Any) -> RecordedEvent:
 
 # Asked at every checkpoint, answered from partial indexes of what is open (migration 0013), so their
 # cost follows what is live, not the run's history.
+# engine.identity.run_of in SQL: a rollout's run is its id less a trailing `-<digits>`.
+RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
 OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
                  "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
 CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
@@ -181,8 +183,11 @@ class LogReads:
                                     (list(rollout_ids),))
 
     @retrying("reading attempts")
-    async def live_attempts(self) -> dict[tuple[str, int], dict[str, Any]]:
-        return await self._attempts("SELECT * FROM rollbook.attempt_state WHERE status IN ('live', 'finished')", ())
+    async def running_attempts(self, position: int, run: str | None) -> dict[tuple[str, int], dict[str, Any]]:
+        # Two partial indexes answer it (attempt_state_live, attempt_state_finished): the run's history is never read.
+        return await self._attempts(
+            "SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %s)) "
+            f"AND (%s::text IS NULL OR {RUN_OF} = %s)", (position, run, run))
 
     async def _attempts(self, sql: str, params: tuple[Any, ...]) -> dict[tuple[str, int], dict[str, Any]]:
         """Each attempt's row as a dict, by (rollout, attempt), read without SQLAlchemy's row processing:

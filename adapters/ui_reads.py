@@ -8,7 +8,6 @@ so); a rollout's state is its latest attempt's.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,13 +15,13 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from adapters.pg_pool import with_retry
+from adapters.pg_reads import RUN_OF
 from adapters.postgres import make_engine
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
 from engine.errors import InvalidCheckpointState
 from engine.tokens import Receipt
 
-RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
 FAILED = "failed"
 
 _ROLLOUTS = f"""
@@ -48,6 +47,13 @@ SELECT last.rollout_id, {RUN_OF.replace('rollout_id', 'last.rollout_id')} AS run
 FROM last JOIN n USING (rollout_id) LEFT JOIN h USING (rollout_id)
 """
 
+
+# The checkpoints of each run: the committed cuts that name the run, or (a cut of every rollout) that
+# continue or restart one of its rollouts. Never through the view's `completed` rows, which a cut
+# naming its run derives from every finish in the log up to its position.
+RUN_CHECKPOINTS = (f"(SELECT {RUN_OF} AS run_id, checkpoint_id FROM rollbook.checkpoint_rollouts WHERE disposition <> 'completed' "
+                   "UNION SELECT data->>'run', data->>'checkpoint_id' FROM rollbook.events "
+                   "WHERE kind = 'checkpoint_committed' AND data->>'run' IS NOT NULL)")
 
 @dataclass
 class Rollout:
@@ -105,8 +111,7 @@ class UiReads:
             run["last_position"] = max(run["last_position"], r["last_position"] or 0)
             if r["state"] == "finished" and r["reward"] is not None:
                 run["rewards"].append(float(r["reward"]))
-        cks = await self._rows(f"SELECT {RUN_OF} AS run_id, count(DISTINCT checkpoint_id) AS n "
-                               "FROM rollbook.checkpoint_rollouts GROUP BY 1")
+        cks = await self._rows(f"SELECT run_id, count(DISTINCT checkpoint_id) AS n FROM {RUN_CHECKPOINTS} rc GROUP BY 1")
         per_run = {c["run_id"]: c["n"] for c in cks}
         out = []
         for run in sorted(runs.values(), key=lambda r: -r["last_position"]):
@@ -120,7 +125,7 @@ class UiReads:
     async def run_checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         return await self._rows(
             "SELECT c.checkpoint_id, c.phase, c.log_position, c.scope_size, c.published_at FROM rollbook.checkpoints c "
-            f"WHERE c.checkpoint_id IN (SELECT checkpoint_id FROM rollbook.checkpoint_rollouts WHERE {RUN_OF} = :run) "
+            f"WHERE c.checkpoint_id IN (SELECT checkpoint_id FROM {RUN_CHECKPOINTS} rc WHERE run_id = :run) "
             "ORDER BY c.log_position", run=run_id)
 
     async def rollout(self, rollout_id: str) -> Rollout | None:
@@ -193,8 +198,3 @@ class UiReads:
             "LEFT JOIN rollbook.attempts n ON n.rollout_id = c.rollout_id AND n.restored_from_checkpoint = c.checkpoint_id "
             "WHERE c.checkpoint_id = :c ORDER BY c.disposition, c.rollout_id", c=checkpoint_id)
         return {"checkpoint": rows[0], "rollouts": cut}
-
-
-def run_of(rollout_id: str) -> str:
-    """The run a rollout belongs to (the SQL above spells the same rule)."""
-    return re.sub(r"-[0-9]+$", "", rollout_id)

@@ -72,6 +72,7 @@ class Collection:
     retries: int = 0  # dispatches asked again after admission_closed / database_unavailable
 
     def rollout_id(self, i: int) -> str:
+        """`<run>-<i>`: its checkpoints name the run, whose rollouts these are (engine.identity.run_of)."""
         return f"{self.run_id}-{i:04d}"
 
     def coordinator(self, session: aiohttp.ClientSession) -> Coordinator:
@@ -146,9 +147,9 @@ class Collection:
             return {"checkpoint_id": checkpoint_id, "published": False, "prepare": prepared}
         # The framework names what it continues: its own live rollouts, less those reported restart-only.
         restarts = {tuple(k) for k in prepared["restarts"]}
-        rows = await self.store.attempt_rows(self._ours())
+        rows = await self.store.running_attempts(await self.store.head(), self.run_id)
         scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
-        cut = await coordinator.commit(checkpoint_id, deadline, scope, rollouts=self._ours())
+        cut = await coordinator.commit(checkpoint_id, deadline, scope, run=self.run_id)
         await self._publish(coordinator, cut)
         if resume:
             await coordinator.resume(checkpoint_id)
@@ -162,17 +163,14 @@ class Collection:
         started = time.perf_counter()
         await abort_expired(self.store)
         coordinator.timing.record("online:abort_expired", started)
-        cut = await coordinator.checkpoint_online(checkpoint_id, self._ours(), time.time() + deadline_s,
+        cut = await coordinator.checkpoint_online(checkpoint_id, self.run_id, time.time() + deadline_s,
                                                   refs=self._refs)
         return self._report(coordinator, cut)
-
-    def _ours(self) -> list[str]:
-        return [self.rollout_id(i) for i in range(len(self.tasks))]
 
     @staticmethod
     def _report(coordinator: Coordinator, cut: Cut) -> dict[str, Any]:
         return {"checkpoint_id": cut.checkpoint_id, "published": True, "position": cut.position,
-                "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh), "completed": len(cut.completed),
+                "continued": len(cut.scope), "fresh_dispatch": len(cut.fresh),
                 "timings_ms": dict(coordinator.timing.ms)}
 
     async def _publish(self, coordinator: Coordinator, cut: Cut) -> None:

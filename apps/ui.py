@@ -19,9 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from adapters.ui_reads import UiReads, run_of
+from adapters.ui_reads import UiReads
 from apps import ui_pages as pages
 from engine.errors import ConfigError, NotFound, Unauthorized
+from engine.identity import run_of
 
 COOKIE = "rollbook_ui"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "

@@ -1,16 +1,16 @@
-"""What an online checkpoint costs as the run it names grows, with nothing in flight.
+"""What an online checkpoint costs as the run, or the database, grows, with nothing in flight.
 
     .venv/bin/python -m benchmarks.cut_scaling [--sizes 1500,15000,60000] [--unnamed]
 
 For each size N: a fresh database holding N finished attempts named `run-000001`... (inserted
-directly, no servers), then seven online checkpoints of a framework naming all N rollouts, as
-`rollbook run` names its tasks. Prints each checkpoint's p50 wall time, the driving process's CPU,
-and the size of the committed event, or the refusal. The committed cut lists every rollout the
-framework named and every completed attempt, so its cost and size grow with the run, not with what
-is in flight (benchmarks/README.md, "An online checkpoint costs what the run has done").
-With --unnamed the framework names no rollouts, as a framework checkpointing over HTTP does (the
-paused protocol's commit, NeMo Gym's): every attempt in the database is the cut's, so the N
-finished attempts may as well be earlier runs'.
+directly, no servers), then seven online checkpoints of a framework naming their run, as `rollbook
+run` names its own. Prints each checkpoint's p50 wall time, the driving process's CPU, and the size
+of the committed event, or the refusal. A cut holds what is in flight at P, never what finished
+before it, so none of the three should grow with N (benchmarks/README.md, "An online checkpoint
+costs what the run has done" has the figures from when the cut listed every completed attempt).
+With --unnamed the framework names no run, as a framework checkpointing over HTTP does (the paused
+protocol's commit, NeMo Gym's): every rollout in the database is the cut's, so the N finished
+attempts may as well be earlier runs'.
 """
 
 from __future__ import annotations
@@ -45,22 +45,22 @@ async def main(sizes: list[int], unnamed: bool) -> None:
                 c.execute("UPDATE rollbook.log_head SET position = %s", (n + 1,))
                 c.execute("ANALYZE")
             store = PostgresEventStore.connect(url, writer="scale")
-            names = None if unnamed else [f"run-{i:06d}" for i in range(1, n + 1)]
+            run = None if unnamed else "run"
             ts = []
             try:
                 for i in range(7):
                     t, c0 = time.perf_counter(), time.process_time()
-                    cut = await Coordinator(store, []).checkpoint_online(f"ck{i}", names, time.time() + 30)
+                    cut = await Coordinator(store, []).checkpoint_online(f"ck{i}", run, time.time() + 30)
                     ts.append(((time.perf_counter() - t) * 1000, (time.process_time() - c0) * 1000))
             except RollbookError as exc:
-                print(f"{n} {'finished attempts' if unnamed else 'named rollouts'}: the online checkpoint is refused: {exc.code}: {exc.detail[:120]}", flush=True)
+                print(f"{n} {'finished attempts in the database' if unnamed else 'finished attempts in the run'}: the online checkpoint is refused: {exc.code}: {exc.detail[:120]}", flush=True)
                 await store.close()
                 continue
             async with store.engine.connect() as conn:
                 size = (await conn.execute(text(
                     "SELECT pg_column_size(data) FROM rollbook.events WHERE kind = 'checkpoint_committed' "
                     "ORDER BY position DESC LIMIT 1"))).scalar()
-            print(f"{n} {'finished attempts' if unnamed else 'named rollouts'}, {len(cut.completed)} completed: online checkpoint p50 "
+            print(f"{n} {'finished attempts in the database' if unnamed else 'finished attempts in the run'}, {len(cut.scope)} continued: online checkpoint p50 "
                   f"{statistics.median(t for t, _ in ts):.1f} ms wall, driver CPU {statistics.median(c for _, c in ts):.1f} ms; "
                   f"committed event {size} bytes stored", flush=True)
             await store.close()

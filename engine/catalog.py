@@ -418,8 +418,8 @@ CHECKPOINT_COMMITTED = _kind(
     "The cut is durable: written only after every participant accepted the commit.",
     _CK, need("position", "integer", "the cut's log position P"), need("scope", "array", "each continued attempt and its boundary"),
     need("digest", "string", "covers the lists and every scoped stream's chain head at P"),
-    may("fresh_dispatch", "array", "attempts restarting from input"), may("completed", "array", "attempts finished at P"),
-    may("rollouts", "array|null", "the framework's rollouts, when it named them"),
+    may("fresh_dispatch", "array", "attempts restarting from input"),
+    may("run", "string|null", "the framework's run, whose rollouts are `<run>-<n>`; null: every rollout in the database"),
 )
 CHECKPOINT_PUBLISHED = _kind("checkpoint_published", CHECKPOINT, _COORDINATOR,
                              "The framework published the checkpoint with its own state; it can be restored.",

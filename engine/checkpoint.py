@@ -3,9 +3,14 @@
 Commit fixes P at the head of the log and, for each rollout attempt in scope, the latest boundary
 at or below P. It copies no session state: the digest combines, for every rollout in scope, the
 hash-chain head at P of each of its streams (each head covers every event before it in its
-stream), together with the cut's own lists (continue, fresh_dispatch, completed). So its cost
+stream), together with the cut's own lists (continue, fresh_dispatch) and its run. So its cost
 grows with the number of streams in scope, never with their size, and yet an edit of any event of
-a scoped rollout up to P, or of the lists, changes it. Restore re-reads each scoped rollout up to
+a scoped rollout up to P, or of the lists, changes it.
+
+A cut is the size of what is in flight at P, never of what the run (or the database) has done:
+it lists the attempts it continues and the ones it restarts, not the ones already finished. Restore
+learns which rollouts were complete at P from their own events up to P (`complete_at`), and asks
+only about the rollouts it would otherwise fence. Restore re-reads each scoped rollout up to
 P, re-derives the chain heads and checks lineage, before one atomic append fences every old
 attempt and starts every new one.
 """
@@ -32,7 +37,7 @@ from engine.events import (
     has_large_float,
     stored_text,
 )
-from engine.identity import Key, checkpoint_stream, restore_stream, rollout_stream
+from engine.identity import Key, checkpoint_stream, in_run, restore_stream, rollout_stream
 from engine.log import EventStore
 from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
 from engine.snapshots import SnapshotStore
@@ -61,7 +66,11 @@ class CutStore(EventStore, Protocol):
 
     async def attempt_rows(self, rollout_ids: Sequence[str]) -> dict[Key, dict[str, Any]]: ...
 
-    async def live_attempts(self) -> dict[Key, dict[str, Any]]: ...
+    async def running_attempts(self, position: int, run: str | None) -> dict[Key, dict[str, Any]]:
+        """Each attempt of the run's rollouts (every rollout's, with no run) live now or finished after
+        `position`: what was in flight at `position`, plus what started since. Its rows only, whatever
+        the run has finished before."""
+        ...
 
     async def restart_only_at(self, boundaries: dict[Key, int]) -> list[Key]:
         """Of these attempts, the ones that cannot be continued from the given boundary position: a
@@ -98,10 +107,9 @@ class Cut:
     position: int
     scope: tuple[ScopeEntry, ...]
     fresh: tuple[Key, ...]  # executions that restart from their input (restart-only or not continued)
-    completed: tuple[Key, ...]
     digest: str
     refs: dict[str, Any] = field(default_factory=dict)
-    rollouts: tuple[str, ...] | None = None  # the rollouts the framework named; None: every one in the database
+    run: str | None = None  # the framework's rollouts are this run's (engine.identity.run_of); None: every one
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,27 +117,31 @@ class Cut:
             "position": self.position,
             "scope": [s.to_json() for s in self.scope],
             "fresh_dispatch": [list(k) for k in self.fresh],
-            "completed": [list(k) for k in self.completed],
             "digest": self.digest,
-            "rollouts": list(self.rollouts) if self.rollouts is not None else None,
+            "run": self.run,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any], refs: dict[str, Any] | None = None) -> Cut:
+        if "completed" in d:
+            # Its digest covers the lists it kept: a cut of this version would never match it.
+            raise InvalidCheckpointState(
+                f"checkpoint {d.get('checkpoint_id')} was committed by an earlier rollbook, whose cut listed every "
+                "completed attempt; this version cannot check it: take a new checkpoint",
+                checkpoint_id=d.get("checkpoint_id"))
         return cls(
             d["checkpoint_id"],
             d["position"],
             tuple(ScopeEntry(s["rollout_id"], s["attempt"], s["boundary"]) for s in d["scope"]),
             tuple((r, a) for r, a in d.get("fresh_dispatch", [])),
-            tuple((r, a) for r, a in d.get("completed", [])),
             d["digest"],
             refs or {},
-            tuple(d["rollouts"]) if d.get("rollouts") is not None else None,
+            d.get("run"),
         )
 
 
 def cut_digest(heads: dict[str, list[tuple[str, int, bytes]]], scope: Iterable[ScopeEntry], *, position: int,
-               fresh: Iterable[Key] = (), completed: Iterable[Key] = (), rollouts: Iterable[str] | None = None) -> str:
+               fresh: Iterable[Key] = (), run: str | None = None) -> str:
     """One digest over the cut's lists and, per scoped rollout, its streams' chain heads at P.
 
     `heads` maps each scoped rollout to (stream, version, hash) of every stream holding its
@@ -139,8 +151,7 @@ def cut_digest(heads: dict[str, list[tuple[str, int, bytes]]], scope: Iterable[S
         "position": position,
         "continue": sorted([s.rollout_id, s.attempt, s.boundary] for s in scope),
         "fresh_dispatch": sorted([r, a] for r, a in fresh),
-        "completed": sorted([r, a] for r, a in completed),
-        "rollouts": sorted(rollouts) if rollouts is not None else None,
+        "run": run,
     }).encode())
     for rollout_id in sorted({s.rollout_id for s in scope}):
         streams = sorted(heads.get(rollout_id, []))
@@ -149,8 +160,7 @@ def cut_digest(heads: dict[str, list[tuple[str, int, bytes]]], scope: Iterable[S
 
 
 def digest_of(cut: Cut, heads: dict[str, list[tuple[str, int, bytes]]]) -> str:
-    return cut_digest(heads, cut.scope, position=cut.position, fresh=cut.fresh, completed=cut.completed,
-                      rollouts=cut.rollouts)
+    return cut_digest(heads, cut.scope, position=cut.position, fresh=cut.fresh, run=cut.run)
 
 
 @dataclass(frozen=True)
@@ -188,20 +198,22 @@ def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key],
 
 
 async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], restarts: Sequence[Key],
-                   rollouts: Sequence[str] | None = None) -> Cut:
+                   run: str | None = None) -> Cut:
     """Fix P at the head of the log and each scoped attempt's resume boundary at or below it.
 
-    Every execution of `rollouts` (default: every live one in the database) gets a disposition,
-    named in the scope or not; a framework sharing the database with others names its own."""
+    Every execution in flight at P of the `run` (default: of every rollout in the database) gets a
+    disposition, named in the scope or not; a framework sharing the database with others names its run."""
     position = await store.head()
-    if rollouts is not None:  # participants report restart-only executions of every framework they serve
-        restarts = [k for k in restarts if k[0] in set(rollouts)]
-    rows = await _attempts(store, sorted({r for r, _ in [*scope, *restarts]} | set(rollouts or ())), rollouts)
+    # participants report restart-only executions of every framework they serve
+    restarts = [k for k in restarts if in_run(k[0], run)]
+    # A scoped attempt may have finished before P (a paused checkpoint lets work run on to its next
+    # boundary): its own row says so, and it is completed, not continued.
+    rows = {**await store.running_attempts(position, run), **await store.attempt_rows(sorted({r for r, _ in scope}))}
     live, finished = attempts_at(rows, position)
-    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts)
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run)
 
 
-async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequence[str] | None = None) -> Cut:
+async def make_online_cut(store: CutStore, checkpoint_id: str, run: str | None = None) -> Cut:
     """The cut of a checkpoint that pauses no one: P is the head of the log, and every attempt live
     at P continues from its latest boundary at or below P, except the restart-only ones, which the
     log knows (engine/checkpoint.py `restart_only_at`): they restart from their input.
@@ -210,14 +222,13 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, rollouts: Sequenc
     from the boundary, and that work is done again under the new attempt (a model call in flight is
     generated again, a tool call after the boundary is applied again to the state rebuilt at it)."""
     position = await store.head()
-    rows = await _attempts(store, sorted(set(rollouts or ())), rollouts)
-    live, finished = attempts_at(rows, position)
+    live, finished = attempts_at(await store.running_attempts(position, run), position)
     running = sorted(set(live) - set(finished))
     # What cannot be rebuilt at the boundary it would continue from restarts from its input instead.
     boundaries = await store.latest_boundaries(running, position, BOUNDARY_KINDS)
     restarts = set(await store.restart_only_at(boundaries))
     scope = [k for k in running if k not in restarts]
-    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), rollouts, boundaries)
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run, boundaries)
 
 
 def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
@@ -235,11 +246,6 @@ def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
     return open_session_mode(before) == "restart_only" or not continuable
 
 
-async def _attempts(store: CutStore, named: Sequence[str], rollouts: Sequence[str] | None) -> dict[Key, dict[str, Any]]:
-    rows = await store.attempt_rows(named)
-    return rows if rollouts is not None else {**await store.live_attempts(), **rows}
-
-
 def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Key], list[Key]]:
     """The attempts started at or below `position` (live then, or finished since), and of those the
     ones finished at or below it."""
@@ -250,7 +256,7 @@ def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Ke
 
 
 async def _cut_at(store: CutStore, checkpoint_id: str, position: int, cls: Classification,
-                  rollouts: Sequence[str] | None, boundaries: dict[Key, int] | None = None) -> Cut:
+                  run: str | None, boundaries: dict[Key, int] | None = None) -> Cut:
     """The cut at `position`; `boundaries` where the caller already read them at `position` (every
     continued attempt's, or more)."""
     if boundaries is None:
@@ -260,8 +266,7 @@ async def _cut_at(store: CutStore, checkpoint_id: str, position: int, cls: Class
         raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")
     entries = tuple(ScopeEntry(r, a, boundaries[(r, a)]) for r, a in cls.continued)
     heads = await store.rollout_heads_at(sorted({s.rollout_id for s in entries}), position)
-    cut = Cut(checkpoint_id, position, entries, cls.fresh_dispatch, cls.completed, "",
-              rollouts=tuple(rollouts) if rollouts is not None else None)
+    cut = Cut(checkpoint_id, position, entries, cls.fresh_dispatch, "", run=run)
     return replace(cut, digest=digest_of(cut, heads))
 
 
@@ -479,15 +484,28 @@ def _check_lineage(s: ScopeEntry, history: Sequence[RecordedEvent], position: in
         raise InvalidCheckpointState(f"{s.rollout_id}: boundary saw {wrong[0]} at revision {wrong[1]}, the log has {wrong[2]}")
 
 
-def started_after(cut: Cut, attempts: dict[Key, dict[str, Any]]) -> list[Key]:
-    """Attempts (live or finished) the cut never saw: started after P in one of its rollouts. In the
-    restored world they were never dispatched, so restore fences them and starts each afresh."""
-    known = {s.rollout_id for s in cut.scope} | {r for r, _ in (*cut.fresh, *cut.completed)}
-    return sorted(
-        k for k, row in attempts.items()
-        if row["status"] in ("live", "finished") and (row["started_position"] or 0) > cut.position
-        and k[0] not in known and (cut.rollouts is None or k[0] in cut.rollouts)
-    )
+async def started_after(store: CutStore, cut: Cut) -> list[Key]:
+    """Attempts (live or finished) the cut never saw: started after P in one of its run's rollouts
+    that had no attempt in flight or complete at P. In the restored world they were never
+    dispatched, so restore fences them and starts each afresh. A rollout complete at P is left as it
+    is: the cut does not list those, so their own events up to P say which they are."""
+    named = {s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh}
+    rows = await store.running_attempts(cut.position, cut.run)
+    later = sorted(k for k, row in rows.items() if (row["started_position"] or 0) > cut.position and k[0] not in named)
+    if not later:
+        return []
+    complete = {r for r, _ in complete_at(await store.read_rollouts(sorted({r for r, _ in later}), cut.position), cut.position)}
+    return [k for k in later if k[0] not in complete]
+
+
+def complete_at(events: Iterable[RecordedEvent], position: int) -> set[Key]:
+    """The attempts complete at `position`: finished at or below it, and not fenced there since (the
+    same reading of the log that attempt_state gives of its head, as of `position`)."""
+    ended: dict[Key, str] = {}
+    for e in events:
+        if e.position <= position and e.attempt is not None and e.kind in (ev.ATTEMPT_FINISHED, ev.ATTEMPT_FENCED):
+            ended[(str(e.rollout_id), e.attempt)] = e.kind
+    return {k for k, kind in ended.items() if kind == ev.ATTEMPT_FINISHED}
 
 
 def restored_attempt(rows: dict[Key, dict[str, Any]], rollout_id: str, origin: int, checkpoint_id: str) -> int | None:

@@ -276,7 +276,7 @@ class Coordinator:
         return [(k[0], k[1]) for e in events if e.kind == ev.CHECKPOINT_PREPARED for k in e.data.get("restarts", [])]
 
     async def commit(self, checkpoint_id: str, deadline: float, scope: Sequence[Key] | None = None,
-                     rollouts: Sequence[str] | None = None) -> Cut:
+                     run: str | None = None) -> Cut:
         """Fix the cut (engine.checkpoint.make_cut), tell every participant at once, and record the
         commit only once every one of them accepted it: a refusal (a lease that ran out, a crash)
         aborts the checkpoint in the log instead, so the log never says committed for a cut the
@@ -290,9 +290,9 @@ class Coordinator:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id}: its lease expired before commit; it was aborted")
         restarts = await self._restarts_of(checkpoint_id)
         if scope is None:
-            live = await self.store.live_attempts()
+            live = await self.store.running_attempts(await self.store.head(), run)
             scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
-        cut = await make_cut(self.store, checkpoint_id, scope, restarts, rollouts)
+        cut = await make_cut(self.store, checkpoint_id, scope, restarts, run)
         body = self._body(checkpoint_id, deadline, scope=[{"rollout_id": s.rollout_id, "attempt": s.attempt} for s in cut.scope])
         results = await asyncio.gather(*(p.call("commit", body) for p in self.participants), return_exceptions=True)
         refused = [(p, r) for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)]
@@ -313,7 +313,7 @@ class Coordinator:
         self.timing.record("commit", started)
         return cut
 
-    async def checkpoint_online(self, checkpoint_id: str, rollouts: Sequence[str] | None = None,
+    async def checkpoint_online(self, checkpoint_id: str, run: str | None = None,
                                 deadline: float | None = None, refs: MakeRefs | None = None) -> Cut:
         """A checkpoint that pauses no one: the cut comes from the log alone (make_online_cut) and no
         participant is asked anything. `checkpoint_started` lands first (retention leaves alone what
@@ -333,7 +333,7 @@ class Coordinator:
         self.timing.record("online:started", started)  # where an online checkpoint spends its time
         try:
             step = time.perf_counter()
-            cut = await make_online_cut(self.store, checkpoint_id, rollouts)
+            cut = await make_online_cut(self.store, checkpoint_id, run)
             self.timing.record("online:cut", step)
             phases = CheckpointPhases(checkpoint_id, "started")
             events = [phases.fire("prepared", restarts=[list(k) for k in cut.fresh]), committed_event(cut)]
@@ -424,18 +424,14 @@ class Coordinator:
         installed = install.events[-1].data
         return {"checkpoint_id": checkpoint_id, "continued": installed["continued"],
                 "fresh_dispatch": sum(1 for r, _ in [*cut.fresh, *late] if r not in retired),
-                "completed": len(cut.completed), "left_retired": installed["left_retired"]}
+                "left_retired": installed["left_retired"]}
 
     async def _install_request(self, cut: Cut) -> tuple[AppendRequest, set[str], list[tuple[str, int]]]:
         """The install of `cut` as the log stands now: each rollout's latest attempt fenced, the next
         one started; and the rollouts retired since the cut, and the attempts started after it."""
-        named = {s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *cut.completed]}
-        if cut.rollouts is not None:  # the framework named its rollouts: one read of their attempts is all it takes
-            rows = await self.store.attempt_rows(sorted(named | set(cut.rollouts)))
-            late = started_after(cut, rows)
-        else:
-            late = started_after(cut, await self.store.live_attempts())
-            rows = await self.store.attempt_rows(sorted(named | {r for r, _ in late}))
+        late = await started_after(self.store, cut)
+        named = {s.rollout_id for s in cut.scope} | {r for r, _ in [*cut.fresh, *late]}
+        rows = await self.store.attempt_rows(sorted(named))
         latest: dict[str, int] = {}
         for r, a in rows:
             latest[r] = max(latest.get(r, -1), a)

@@ -63,6 +63,22 @@ def parse_attempt(raw: object, what: str = "attempt") -> int:
     return int(raw)
 
 
+# A run's rollouts are `<run>-<n>` (`rollbook run` names its task i `<run>-0001`...): a rollout's
+# run is its id less a trailing `-<digits>`, so run `exp` never holds `exp-2-0001` (run `exp-2`'s).
+# A framework names its rollouts by run, and a cut of its run stays the size of what is in flight.
+# adapters.pg_reads.RUN_OF spells the same rule for SQL.
+_RUN_SUFFIX = re.compile(r"-[0-9]+\Z")
+
+
+def run_of(rollout_id: str) -> str:
+    return _RUN_SUFFIX.sub("", rollout_id)
+
+
+def in_run(rollout_id: str, run: str | None) -> bool:
+    """Whether the rollout is the run's; with no run, every rollout is."""
+    return run is None or run_of(rollout_id) == run
+
+
 def rollout_stream(rollout_id: str) -> str:
     return f"rollout:{rollout_id}"
 

@@ -97,9 +97,8 @@ class CheckpointRules:
         if self.active is None or self.phase != "prepared":
             return
         assert self.coll is not None
-        ours = [self.coll.rollout_id(i) for i in range(len(self.coll.tasks))]
         try:
-            self.run(self.coordinator().commit(self.active, time.time() + DEADLINE_S, None, rollouts=ours))
+            self.run(self.coordinator().commit(self.active, time.time() + DEADLINE_S, None, run=self.coll.run_id))
             self.phase = "committed"
             self.restorable.append(self.active)
         except RollbookError:  # refused (e.g. a participant was killed since prepare): aborted and resumed
@@ -142,9 +141,8 @@ class CheckpointRules:
         """The online checkpoint's id once committed; None where the database refused it."""
         assert self.coll is not None
         ck = f"{self.run_id}-{self.CHECKPOINT_TAG}{next(self.counter)}"
-        ours = [self.coll.rollout_id(i) for i in range(len(self.coll.tasks))]
         try:
-            self.run(self.coordinator().checkpoint_online(ck, ours, time.time() + DEADLINE_S))
+            self.run(self.coordinator().checkpoint_online(ck, self.coll.run_id, time.time() + DEADLINE_S))
         except RollbookError as exc:  # only the database being away may refuse it
             assert exc.code == "database_unavailable", exc
             self.steps.append(f"online {ck} refused: {exc.code}")

@@ -229,7 +229,7 @@ class LogContract:
         assert await log_store.retired_through("r4") == -1
         assert await log_store.retired_through("never") == -1
 
-    async def test_attempt_rows_and_live_attempts_read_the_projection(self, log_store: ParticipantStore) -> None:
+    async def test_attempt_rows_and_running_attempts_read_the_projection(self, log_store: ParticipantStore) -> None:
         await start_attempt(log_store, "r5", 0)
         await append_one(log_store, ev(rollout_stream("r5"), catalog.ATTEMPT_FINISHED, "r5", 0, reward=0.5))
         await start_attempt(log_store, "r6", 0)
@@ -240,8 +240,15 @@ class LogContract:
         assert (rows[("r5", 0)]["status"], rows[("r5", 0)]["reward"], rows[("r5", 0)]["started_position"],
                 rows[("r5", 0)]["ended_position"], rows[("r5", 0)]["retired_through"]) == ("finished", 0.5, 1, 2, None)
         assert rows[("r6", 0)]["status"] == "fenced" and rows[("r6", 0)]["parent_attempt"] is None
-        live = await log_store.live_attempts()
+        live = await log_store.running_attempts(0, None)  # live now, or finished after position 0
         assert sorted(live) == [("r5", 0), ("r7", 0)] and live[("r7", 0)]["status"] == "live"
+        assert sorted(await log_store.running_attempts(2, None)) == [("r7", 0)]  # r5 finished at 2
+        for r in ("x-1", "x-9-2", "x", "xy-3"):
+            await start_attempt(log_store, r, 0)
+        # a rollout's run is its id less a trailing -<n> (engine.identity.run_of): x-9-2 is run x-9's,
+        # xy-3 run xy's, and x (no suffix) run x's
+        assert sorted(await log_store.running_attempts(0, "x")) == [("x", 0), ("x-1", 0)]
+        assert sorted(await log_store.running_attempts(0, "x-9")) == [("x-9-2", 0)]
 
     async def test_sessions_boundaries_and_heads_as_of_a_position(self, log_store: ParticipantStore) -> None:
         await start_attempt(log_store, "r8", 0)

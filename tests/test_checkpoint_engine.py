@@ -409,7 +409,7 @@ async def test_a_scoped_execution_that_finished_before_the_cut_is_completed_not_
     # r4 finished before P: a framework that named its running executions a moment earlier (a paused
     # checkpoint lets an episode's last step run on) named it too; it gets one disposition, completed.
     cut = await make_cut(store, "ck1", [*SCOPE, ("r4", 0)], RESTARTS)
-    assert ("r4", 0) in cut.completed and "r4" not in {s.rollout_id for s in cut.scope}
+    assert "r4" not in {s.rollout_id for s in cut.scope} | {r for r, _ in cut.fresh}
     await validate_cut(store, cut)
 
 
@@ -434,7 +434,7 @@ async def test_live_execution_outside_the_scope_is_dispatched_fresh(
 ) -> None:
     # r3 is live and named neither in the scope nor as restart-only; r4 finished.
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
-    assert (set(cut.fresh), set(cut.completed)) == ({("r3", 0), ("r5", 0)}, {("r4", 0)})
+    assert set(cut.fresh) == {("r3", 0), ("r5", 0)}
 
 
 def test_a_scoped_execution_finished_by_p_is_classified_completed_alone() -> None:
@@ -460,13 +460,40 @@ def test_every_execution_gets_exactly_one_disposition(seed: int) -> None:
     assert sets[1] == {k for k in executions if role[k] == "scope"}
 
 
-async def test_a_framework_naming_its_rollouts_leaves_other_frameworks_executions_alone(
-    store: Store, world: dict[str, Positions]
-) -> None:
-    # Two collections share the database: this one owns r0-r2, r5 (restart-only); r3 and r4 are another's.
-    cut = await make_cut(store, "ck1", SCOPE, [*RESTARTS, ("r3", 0)], rollouts=["r0", "r1", "r2", "r5"])
-    assert {s.rollout_id for s in cut.scope} == {"r0", "r1", "r2"}
-    assert (set(cut.fresh), set(cut.completed)) == ({("r5", 0)}, set())
+async def test_a_framework_naming_its_run_leaves_other_frameworks_executions_alone(store: Store) -> None:
+    # Two collections share the database: run fw owns fw-0..fw-2 and fw-5 (restart-only); run other
+    # owns other-3 (live) and other-4 (finished).
+    for r in ("fw-0", "fw-1", "fw-2", "fw-5", "other-3", "other-4"):
+        await episode(store, r)
+    await append_one(store, E(rollout_stream("other-4"), ATTEMPT_FINISHED, "other-4", 0, reward=1.0))
+    ours = [("fw-0", 0), ("fw-1", 0), ("fw-2", 0)]
+    cut = await make_cut(store, "ck1", ours, [("fw-5", 0), ("other-3", 0)], run="fw")
+    assert ({(s.rollout_id, s.attempt) for s in cut.scope}, set(cut.fresh)) == (set(ours), {("fw-5", 0)})
+    await validate_cut(store, cut)
+
+
+async def test_a_cut_is_the_size_of_what_is_in_flight_not_of_what_the_run_finished(store: Store) -> None:
+    """The committed record names what it continues and restarts; the run's finished attempts are in
+    the log (restore reads them there, engine.checkpoint.complete_at), so a long run's checkpoint
+    costs what a short run's does."""
+    for r in ("run-0", "run-1"):
+        await episode(store, r)
+    records = []
+    for finished in range(2, 42):
+        if finished in (2, 41):
+            cut = await make_cut(store, f"ck{finished}", [("run-0", 0), ("run-1", 0)], [], run="run")
+            records.append({k: v for k, v in cut.to_json().items() if k not in ("checkpoint_id", "position", "digest")})
+        await episode(store, f"run-{finished}")
+        await append_one(store, E(rollout_stream(f"run-{finished}"), ATTEMPT_FINISHED, f"run-{finished}", 0, reward=1.0))
+    assert records[0] == records[1]  # 39 more finished attempts, not one more entry
+
+
+def test_a_cut_committed_by_the_version_that_listed_completed_attempts_is_refused_by_name() -> None:
+    old = {"checkpoint_id": "ck-old", "position": 9, "scope": [], "fresh_dispatch": [], "completed": [["r", 0]],
+           "digest": "d", "rollouts": None}
+    with pytest.raises(InvalidCheckpointState, match="ck-old was committed by an earlier rollbook") as err:
+        Cut.from_json(old)
+    assert err.value.code == "invalid_checkpoint_state"
 
 
 # ---- the digest covers everything up to P and the cut's lists -----------------------------
@@ -484,17 +511,17 @@ async def test_validate_refuses_an_edited_event_between_the_boundary_and_the_cut
         await validate_cut(store, cut)
 
 
-@pytest.mark.parametrize("edit", ["completed", "fresh", "scope_boundary"])
+@pytest.mark.parametrize("edit", ["run", "fresh", "scope_boundary"])
 async def test_validate_refuses_a_cut_whose_lists_were_edited(
     store: Store, world: dict[str, Positions], edit: str
 ) -> None:
     import dataclasses
 
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
-    assert cut.completed and cut.fresh
+    assert cut.fresh
     edited = {
-        "completed": dataclasses.replace(cut, completed=()),
-        "fresh": dataclasses.replace(cut, fresh=(*cut.fresh, *cut.completed)),
+        "run": dataclasses.replace(cut, run="r0"),
+        "fresh": dataclasses.replace(cut, fresh=(*cut.fresh, ("r4", 0))),
         "scope_boundary": dataclasses.replace(cut, scope=(dataclasses.replace(cut.scope[0], boundary=world["r0"]["step"]),
                                                           *cut.scope[1:])),
     }[edit]
@@ -508,8 +535,8 @@ async def test_load_cut_refuses_an_edited_committed_record(
 ) -> None:
     cut = await make_cut(store, "ck1", SCOPE, RESTARTS)
     recorded = await append_one(store, committed_event(cut))
-    await tamper(store, """UPDATE rollbook.events SET data = jsonb_set(data, '{completed}', '[]') WHERE position = %(p)s""",
-                 recorded.position, lambda d: {**d, "completed": []})
+    await tamper(store, """UPDATE rollbook.events SET data = jsonb_set(data, '{fresh_dispatch}', '[]') WHERE position = %(p)s""",
+                 recorded.position, lambda d: {**d, "fresh_dispatch": []})
     with pytest.raises(InvalidCheckpointState, match="checkpoint:ck1@1 does not match"):
         await load_cut(store, "ck1")
 
@@ -534,7 +561,7 @@ def test_an_install_leaves_every_rollout_retired_since_the_cut_as_it_is() -> Non
     fenced (its retire mark refuses the write, which used to fail the whole restore) nor restarted;
     the rest are, and the install names what it left."""
     cut = Cut("ck", 10, (ScopeEntry("kept", 0, 5), ScopeEntry("gone-scoped", 0, 6)),
-              fresh=(("fresh", 0), ("gone-fresh", 0)), completed=(), digest="d")
+              fresh=(("fresh", 0), ("gone-fresh", 0)), digest="d")
     rows = {(r, 0): {"retired_through": 0 if r.startswith("gone") else None} for r in
             ("kept", "gone-scoped", "fresh", "gone-fresh", "gone-late")}
     retired = retired_since(rows)

@@ -192,7 +192,7 @@ async def test_a_resume_whose_record_cannot_be_written_yet_reopens_and_is_record
 # `retired_through`, which every attempt check calls, do exactly that).
 READS = {
     "head": (), "read_stream": ("s",), "read_all": (), "read_rollout": ("r", 0), "read_rollouts": (["r"],),
-    "stream_hashes": ([("s", 1)],), "attempt_rows": (["r"],), "live_attempts": (),
+    "stream_hashes": ([("s", 1)],), "attempt_rows": (["r"],), "running_attempts": (0, "r"),
     "latest_boundaries": ([("r", 0)], 1, ["agent_boundary"]), "rollout_heads_at": (["r"], 1),
     "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
     "fence_position": (), "attempt_status": ("r", 0), "attempt_reading": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),

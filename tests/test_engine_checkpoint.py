@@ -68,8 +68,9 @@ async def test_a_cut_takes_p_at_the_head_and_each_scoped_attempts_latest_boundar
     cut = await make_cut(mem, "ck1", SCOPE, RESTARTS)
     assert cut.position == await mem.head()
     assert {(s.rollout_id, s.attempt): s.boundary for s in cut.scope} == {(r, 0): world[r]["boundary"] for r in ("r0", "r1", "r2")}
-    assert (set(cut.fresh), set(cut.completed)) == ({("r3", 0), ("r5", 0)}, {("r4", 0)})
-    assert cut.rollouts is None
+    assert set(cut.fresh) == {("r3", 0), ("r5", 0)}
+    # r4 finished before P: nothing of it is the cut's, so a cut stays the size of what is in flight
+    assert cut.run is None and "r4" not in str(cut.to_json())
     assert [i.entry.rollout_id for i in await validate_cut(mem, cut)] == ["r0", "r1", "r2"]
 
 
@@ -80,9 +81,9 @@ async def test_an_attempt_started_or_finished_after_p_is_not_the_cuts(mem: Memor
     rows = await mem.attempt_rows(["r3", "r6"])
     # as the log read at the early cut's P: r6 had not started and r3 had not finished
     mem.state.position = early.position  # the head as it was: nothing after P is the cut's
-    cut = await make_cut(mem, "ck1", SCOPE, RESTARTS, rollouts=["r0", "r1", "r2", "r3", "r5", "r6"])
-    assert ("r6", 0) not in {*cut.fresh, *cut.completed}
-    assert ("r3", 0) in cut.fresh and ("r3", 0) not in cut.completed
+    cut = await make_cut(mem, "ck1", SCOPE, RESTARTS)
+    assert ("r6", 0) not in cut.fresh
+    assert ("r3", 0) in cut.fresh  # in flight at P, finished since
     assert rows[("r6", 0)]["started_position"] > early.position
 
 
@@ -104,10 +105,14 @@ async def test_scope_and_restarts_are_refused_where_they_give_two_dispositions(
         await make_cut(mem, "ck1", SCOPE, RESTARTS)
 
 
-async def test_a_framework_naming_its_rollouts_gets_only_theirs(mem: MemoryCutStore, world: dict[str, Positions]) -> None:
-    cut = await make_cut(mem, "ck1", SCOPE, [*RESTARTS, ("r3", 0)], rollouts=["r0", "r1", "r2", "r5"])
-    assert {s.rollout_id for s in cut.scope} == {"r0", "r1", "r2"}
-    assert (set(cut.fresh), set(cut.completed), cut.rollouts) == ({("r5", 0)}, set(), ("r0", "r1", "r2", "r5"))
+async def test_a_framework_naming_its_run_gets_only_its_rollouts(mem: MemoryCutStore) -> None:
+    # fw-9-0 is run fw-9's (engine.identity.run_of), not fw's, though its id starts with "fw-"
+    for r in ("fw-0", "fw-1", "fw-2", "fw-3", "fw-9-0", "other-0"):
+        await episode(mem, r)
+    await append_one(mem, E(rollout_stream("fw-3"), ATTEMPT_FINISHED, "fw-3", 0, reward=1.0))
+    cut = await make_cut(mem, "ck1", [("fw-0", 0), ("fw-1", 0)], [("fw-2", 0), ("other-0", 0)], run="fw")
+    assert {s.rollout_id for s in cut.scope} == {"fw-0", "fw-1"}
+    assert (set(cut.fresh), cut.run) == ({("fw-2", 0)}, "fw")
     await validate_cut(mem, cut)
     assert Cut.from_json(cut.to_json()) == cut
 
@@ -121,13 +126,11 @@ async def test_the_digest_covers_the_lists_and_every_scoped_stream_up_to_p(
     assert (await make_cut(mem, "ck3", SCOPE, RESTARTS)).digest != cut.digest
     await validate_cut(mem, cut)  # events after its P are not the older cut's business
     heads = await mem.rollout_heads_at(["r0", "r1", "r2"], cut.position)
-    for changed in (dataclasses.replace(cut, position=cut.position + 1), dataclasses.replace(cut, rollouts=("r0",)),
-                    dataclasses.replace(cut, fresh=cut.fresh[:1]), dataclasses.replace(cut, completed=()),
-                    dataclasses.replace(cut, scope=cut.scope[:2])):
-        assert cut_digest(heads, changed.scope, position=changed.position, fresh=changed.fresh,
-                          completed=changed.completed, rollouts=changed.rollouts) != cut.digest
+    for changed in (dataclasses.replace(cut, position=cut.position + 1), dataclasses.replace(cut, run="r0"),
+                    dataclasses.replace(cut, fresh=cut.fresh[:1]), dataclasses.replace(cut, scope=cut.scope[:2])):
+        assert cut_digest(heads, changed.scope, position=changed.position, fresh=changed.fresh, run=changed.run) != cut.digest
     with pytest.raises(InvalidCheckpointState, match="checkpoint ck1: the log no longer matches the cut's digest"):
-        await validate_cut(mem, dataclasses.replace(cut, completed=()))
+        await validate_cut(mem, dataclasses.replace(cut, run="r0"))
 
 
 @pytest.mark.parametrize("victim", ["rev1", "rev2", "start", "boundary", "late_call"])
@@ -277,13 +280,28 @@ async def test_a_checkpoint_of_a_restored_attempt_validates(mem: MemoryCutStore,
         await validate_cut(mem, cut)
 
 
-def test_started_after_names_the_attempts_the_cut_never_saw() -> None:
-    cut = Cut("ck", 10, (ScopeEntry("a", 0, 5),), fresh=(("b", 0),), completed=(("c", 0),), digest="d")
-    rows = {("a", 1): {"status": "live", "started_position": 11}, ("d", 0): {"status": "live", "started_position": 12},
-            ("e", 0): {"status": "finished", "started_position": 13}, ("f", 0): {"status": "fenced", "started_position": 14},
-            ("g", 0): {"status": "live", "started_position": 10}, ("h", 0): {"status": "live", "started_position": None}}
-    assert started_after(cut, rows) == [("d", 0), ("e", 0)]
-    assert started_after(dataclasses.replace(cut, rollouts=("a", "e")), rows) == [("e", 0)]
+async def test_started_after_names_the_attempts_the_cut_never_saw(mem: MemoryCutStore) -> None:
+    """a is continued and b restarted by the cut; c finished before P; g finished and was fenced
+    before P. After P: a, c and g start their next attempt, d starts, e starts and finishes, f starts
+    and is fenced, x-1 (run x's) starts."""
+    async def start(r: str, n: int = 0) -> None:
+        if n:
+            await append_one(mem, E(rollout_stream(r), ATTEMPT_FENCED, r, n - 1, reason="test"))
+        await append_one(mem, E(rollout_stream(r), ATTEMPT_STARTED, r, n))
+
+    for r in ("a", "b", "c", "g"):
+        await start(r)
+    await append_one(mem, E(rollout_stream("c"), ATTEMPT_FINISHED, "c", 0, reward=1.0))
+    await append_one(mem, E(rollout_stream("g"), ATTEMPT_FINISHED, "g", 0, reward=1.0))
+    await append_one(mem, E(rollout_stream("g"), ATTEMPT_FENCED, "g", 0, reason="restore"))
+    cut = Cut("ck", await mem.head(), (ScopeEntry("a", 0, 1),), fresh=(("b", 0),), digest="d")
+    for r, n in (("a", 1), ("c", 1), ("g", 1), ("d", 0), ("e", 0), ("f", 0), ("x-1", 0)):
+        await start(r, n) if r not in ("c", "g") else await append_one(mem, E(rollout_stream(r), ATTEMPT_STARTED, r, n))
+    await append_one(mem, E(rollout_stream("e"), ATTEMPT_FINISHED, "e", 0, reward=0.0))
+    await append_one(mem, E(rollout_stream("f"), ATTEMPT_FENCED, "f", 0, reason="test"))
+    # c was complete at P: its later attempt is not the cut's to fence; g was not (fenced by P)
+    assert await started_after(mem, cut) == [("d", 0), ("e", 0), ("g", 1), ("x-1", 0)]
+    assert await started_after(mem, dataclasses.replace(cut, run="x")) == [("x-1", 0)]
 
 
 def test_restored_targets_name_the_latest_live_attempt_the_restore_installed() -> None:
@@ -300,7 +318,7 @@ def test_restored_targets_name_the_latest_live_attempt_the_restore_installed() -
 
 def test_an_install_leaves_rollouts_retired_since_the_cut_and_says_so() -> None:
     cut = Cut("ck", 10, (ScopeEntry("kept", 0, 5), ScopeEntry("gone", 0, 6)), fresh=(("fresh", 0), ("gone2", 0)),
-              completed=(), digest="d")
+              digest="d")
     request = install_request(cut, {"kept": 2}, late=[("late", 0)], retired={"gone", "gone2"})
     fenced = [(e.rollout_id, e.attempt) for e in request.events if e.kind == ATTEMPT_FENCED]
     assert fenced == [("kept", 2), ("fresh", 0), ("late", 0)]
@@ -323,7 +341,7 @@ def test_a_restart_reported_for_an_attempt_the_rollout_has_moved_past_names_noth
     fault suite's instances)."""
     got = classify(live=[("r", 2), ("s", 0)], finished=[], scope=[("r", 2)], restarts=[("r", 1), ("s", 0), ("t", 0)])
     assert (got.continued, got.fresh_dispatch) == ((("r", 2),), (("s", 0),))
-    cut = Cut("ck", 10, (ScopeEntry("r", 2, 5),), fresh=got.fresh_dispatch, completed=(), digest="d")
+    cut = Cut("ck", 10, (ScopeEntry("r", 2, 5),), fresh=got.fresh_dispatch, digest="d")
     fenced = [(e.rollout_id, e.attempt) for e in install_request(cut, {"r": 2, "s": 0}).events if e.kind == ATTEMPT_FENCED]
     assert fenced == [("r", 2), ("s", 0)]
 
@@ -337,7 +355,7 @@ async def test_a_framework_that_names_its_rollouts_still_may_not_scope_its_resta
     mem: MemoryCutStore, world: dict[str, Positions]
 ) -> None:
     with pytest.raises(RestartInScope):
-        await make_cut(mem, "ck1", [("r5", 0)], RESTARTS, rollouts=["r0", "r5"])
+        await make_cut(mem, "ck1", [("r5", 0)], RESTARTS, run="r5")
 
 
 async def test_an_attempt_started_by_the_last_event_before_the_cut_is_the_cuts(mem: MemoryCutStore) -> None:
@@ -359,7 +377,7 @@ async def test_a_rollouts_part_of_a_shared_stream_chains_from_the_event_before_i
     await append_one(mem, NewEvent("notes", "test_note", {"n": 2}, "r", 0))
     await append_one(mem, NewEvent("notes", "test_note", {"n": 3}, "r", 0))
     await append_one(mem, E(episode_stream("r", 0), "episode_step", "r", 0, step="x"))
-    cut = await make_cut(mem, "ck", [("r", 0)], [], rollouts=["r"])
+    cut = await make_cut(mem, "ck", [("r", 0)], [], run="r")
     assert [i.entry.rollout_id for i in await validate_cut(mem, cut)] == ["r"]
     await read_cut(mem, cut, rehash=False)
     mem.delete(first.position)

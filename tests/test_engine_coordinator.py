@@ -169,13 +169,15 @@ async def test_commit_scopes_every_live_attempt_but_the_restart_only_ones_and_re
     assert store.events[-1].data["digest"] == cut.digest
 
 
-async def test_commit_of_a_named_scope_and_rollouts() -> None:
+async def test_commit_of_a_named_scope_and_run() -> None:
     store = MemoryCutStore()
     await world(store)
+    for r in ("fw-0", "fw-1"):
+        await episode(store, r)  # type: ignore[arg-type]
     coordinator = Coordinator(store, four([]))
     await coordinator.prepare("ck", time.time() + 30)
-    cut = await coordinator.commit("ck", time.time() + 30, scope=[("r1", 0)], rollouts=["r1"])
-    assert ([(s.rollout_id, s.attempt) for s in cut.scope], cut.rollouts, cut.fresh) == ([("r1", 0)], ("r1",), ())
+    cut = await coordinator.commit("ck", time.time() + 30, scope=[("fw-1", 0)], run="fw")
+    assert ([(s.rollout_id, s.attempt) for s in cut.scope], cut.run, cut.fresh) == ([("fw-1", 0)], "fw", (("fw-0", 0),))
 
 
 @pytest.mark.parametrize("refusal", [AdmissionClosed("lease expired"), OSError("gone")])
@@ -306,7 +308,7 @@ async def test_an_online_checkpoint_asks_no_one_and_commits_and_publishes_in_the
 
     store.appends.clear()
     coordinator = Coordinator(store, four(journal))
-    cut = await coordinator.checkpoint_online("ck", ["r0", "r1", "r5"], time.time() + 30, refs=refs)
+    cut = await coordinator.checkpoint_online("ck", None, time.time() + 30, refs=refs)
     # Each running attempt's boundary is read once, for the restart-only check and the cut alike;
     # each step's time is recorded (the benchmark's online_ms.median_steps).
     assert store.boundary_reads == 1
@@ -354,7 +356,7 @@ async def test_restore_stages_every_participant_then_installs_the_cut() -> None:
         await coordinator.restore("gone", time.time() + 30)
     await episode(store, "r7")  # type: ignore[arg-type]  # started after the cut: fenced and started afresh
     reply = await coordinator.restore("ck", time.time() + 30)
-    assert reply == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 3, "completed": 0, "left_retired": []}
+    assert reply == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 3, "left_retired": []}
     assert sorted(n for op, n in journal if op == "restore") == sorted(PREPARE_ORDER)
     latest = {r: a for r, a in (await store.attempt_rows(["r0", "r1", "r5", "r7"]))}
     assert latest == {"r0": 1, "r1": 1, "r5": 1, "r7": 1}
@@ -368,7 +370,7 @@ async def test_a_restart_that_lands_between_the_restores_read_and_its_install_is
     await world(store)
     coordinator = Coordinator(store, four([]))
     await coordinator.prepare("ck", time.time() + 30)
-    await coordinator.commit("ck", time.time() + 30, scope=[("r0", 0)], rollouts=["r0", "r1", "r5"])
+    await coordinator.commit("ck", time.time() + 30, scope=[("r0", 0)])
     read = store.attempt_rows
     restarts: list[str] = []
 
@@ -388,17 +390,20 @@ async def test_a_restart_that_lands_between_the_restores_read_and_its_install_is
     assert started.attempt == 2 and started.data["restored_from"] == "ck" and started.data["origin_attempt"] == 0
 
 
-async def test_restore_of_a_framework_that_named_its_rollouts_reads_only_theirs() -> None:
+async def test_restore_of_a_framework_that_named_its_run_touches_only_its_rollouts() -> None:
     store = MemoryCutStore()
-    await world(store)
+    await world(store)  # r0, r1, r5: no framework's run
+    for r in ("fw-0", "fw-1"):
+        await episode(store, r)  # type: ignore[arg-type]
     coordinator = Coordinator(store, four([]))
     await coordinator.prepare("ck", time.time() + 30)
-    await coordinator.commit("ck", time.time() + 30, scope=[("r0", 0)], rollouts=["r0", "r1"])
-    await episode(store, "r7")  # type: ignore[arg-type]  # another framework's
+    await coordinator.commit("ck", time.time() + 30, scope=[("fw-0", 0)], run="fw")
+    for r in ("r7", "fw-7"):  # started after the cut: another framework's, and this run's
+        await episode(store, r)  # type: ignore[arg-type]
     reply = await coordinator.restore("ck", time.time() + 30)
-    assert (reply["continued"], reply["fresh_dispatch"]) == (1, 1)
-    rows = await store.attempt_rows(["r5", "r7"])
-    assert set(rows) == {("r5", 0), ("r7", 0)}
+    assert (reply["continued"], reply["fresh_dispatch"]) == (1, 2)  # fw-1 restarts; fw-7 was never dispatched at P
+    rows = await store.attempt_rows(["r5", "r7", "fw-7"])
+    assert set(rows) == {("r5", 0), ("r7", 0), ("fw-7", 0), ("fw-7", 1)}
 
 
 @pytest.mark.parametrize("refusal", [InvalidCheckpointState("staging failed"), OSError("gone")])

@@ -67,3 +67,28 @@ def test_what_a_checkpoint_asks_about_open_state_can_be_answered_from_the_open_s
         conn.execute("SET enable_seqscan = off")
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params).fetchall())
     assert index in plan, plan
+
+
+def test_sql_and_python_agree_on_the_run_of_any_rollout_id(dsn: str) -> None:
+    """A cut names its run, and the PostgreSQL store picks the run's attempts in SQL
+    (adapters.pg_reads.RUN_OF) while the memory store and restore use engine.identity.run_of: for any
+    id in the identifier alphabet, dashes and digits weighted in, the two give one run."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from adapters.pg_reads import RUN_OF
+    from engine.identity import in_run, run_of
+
+    ids = st.text(alphabet=st.sampled_from("ab9-0-1.x_-"), min_size=0, max_size=12).map(lambda t: "r" + t)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+
+        @settings(max_examples=300, deadline=None)
+        @given(rollout_id=ids, other=ids)
+        def agree(rollout_id: str, other: str) -> None:
+            row = conn.execute(f"SELECT {RUN_OF}, {RUN_OF.replace('rollout_id', '%(o)s')} = %(run)s "
+                               "FROM (SELECT %(r)s::text AS rollout_id) t",
+                               {"r": rollout_id, "o": other, "run": run_of(rollout_id)}).fetchone()
+            assert row is not None and row[0] == run_of(rollout_id)
+            assert row[1] == in_run(other, run_of(rollout_id))
+
+        agree()
