@@ -54,6 +54,10 @@ def _row_to_event(row: Any) -> RecordedEvent:
 # cost follows what is live, not the run's history.
 # engine.identity.run_of in SQL: a rollout's run is its id less a trailing `-<digits>`.
 RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
+# What a cut reads of attempts: two partial indexes answer it (attempt_state_live, attempt_state_finished),
+# so the run's history is never read.
+RUNNING_ATTEMPTS = ("SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %(p)s)) "
+                    f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)")
 OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
                  "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
 CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
@@ -184,12 +188,9 @@ class LogReads:
 
     @retrying("reading attempts")
     async def running_attempts(self, position: int, run: str | None) -> dict[tuple[str, int], dict[str, Any]]:
-        # Two partial indexes answer it (attempt_state_live, attempt_state_finished): the run's history is never read.
-        return await self._attempts(
-            "SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %s)) "
-            f"AND (%s::text IS NULL OR {RUN_OF} = %s)", (position, run, run))
+        return await self._attempts(RUNNING_ATTEMPTS, {"p": position, "run": run})
 
-    async def _attempts(self, sql: str, params: tuple[Any, ...]) -> dict[tuple[str, int], dict[str, Any]]:
+    async def _attempts(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
         """Each attempt's row as a dict, by (rollout, attempt), read without SQLAlchemy's row processing:
         a cut reads every attempt of the rollouts its framework names, and that processing was most of
         the driver's CPU in a checkpoint of a 15,000-rollout run."""

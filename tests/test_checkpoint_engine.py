@@ -460,6 +460,7 @@ def test_every_execution_gets_exactly_one_disposition(seed: int) -> None:
     assert sets[1] == {k for k in executions if role[k] == "scope"}
 
 
+@ON_BOTH
 async def test_a_framework_naming_its_run_leaves_other_frameworks_executions_alone(store: Store) -> None:
     # Two collections share the database: run fw owns fw-0..fw-2 and fw-5 (restart-only); run other
     # owns other-3 (live) and other-4 (finished).
@@ -472,6 +473,7 @@ async def test_a_framework_naming_its_run_leaves_other_frameworks_executions_alo
     await validate_cut(store, cut)
 
 
+@ON_BOTH
 async def test_a_cut_is_the_size_of_what_is_in_flight_not_of_what_the_run_finished(store: Store) -> None:
     """The committed record names what it continues and restarts; the run's finished attempts are in
     the log (restore reads them there, engine.checkpoint.complete_at), so a long run's checkpoint
@@ -486,6 +488,31 @@ async def test_a_cut_is_the_size_of_what_is_in_flight_not_of_what_the_run_finish
         await episode(store, f"run-{finished}")
         await append_one(store, E(rollout_stream(f"run-{finished}"), ATTEMPT_FINISHED, f"run-{finished}", 0, reward=1.0))
     assert records[0] == records[1]  # 39 more finished attempts, not one more entry
+
+
+async def test_the_view_reads_the_attempts_complete_at_a_cut_from_the_log(dsn: str) -> None:
+    """checkpoint_rollouts' `completed` rows for a cut that does not list them: the attempts of its run
+    finished at or below P and not fenced there since. v-2 finished and was fenced by P, v-3 finished
+    after P, w-1 is another run's."""
+    store = PostgresEventStore.connect(dsn, writer="test")
+    try:
+        for r in ("v-0", "v-1", "v-2", "v-3", "w-1"):
+            await episode(store, r)
+        for r in ("v-1", "v-2", "w-1"):
+            await append_one(store, E(rollout_stream(r), ATTEMPT_FINISHED, r, 0, reward=1.0))
+        await append_one(store, E(rollout_stream("v-2"), ATTEMPT_FENCED, "v-2", 0, reason="restore"))
+        for ck, run in (("ck-v", "v"), ("ck-all", None)):
+            await append_one(store, committed_event(await make_cut(store, ck, [("v-0", 0)], [], run=run)))
+        await append_one(store, E(rollout_stream("v-3"), ATTEMPT_FINISHED, "v-3", 0, reward=1.0))
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
+            rows = await (await conn.execute(
+                "SELECT checkpoint_id, rollout_id, disposition FROM rollbook.checkpoint_rollouts ORDER BY 1, 2")).fetchall()
+    finally:
+        await store.close()
+    assert [tuple(r) for r in rows] == [
+        ("ck-all", "v-0", "continue"), ("ck-all", "v-1", "completed"), ("ck-all", "v-3", "fresh_dispatch"),
+        ("ck-all", "w-1", "completed"),
+        ("ck-v", "v-0", "continue"), ("ck-v", "v-1", "completed"), ("ck-v", "v-3", "fresh_dispatch")]
 
 
 def test_a_cut_committed_by_the_version_that_listed_completed_attempts_is_refused_by_name() -> None:

@@ -50,13 +50,15 @@ def test_the_revisions_read_from_the_migration_files_are_alembics() -> None:
     assert known == {rev.revision for rev in scripts.walk_revisions()}
 
 
-@pytest.mark.parametrize("query", ["open_sessions", "open_checkpoints", "last_snapshot"])
+@pytest.mark.parametrize("query", ["open_sessions", "open_checkpoints", "last_snapshot", "running_attempts"])
 def test_what_a_checkpoint_asks_about_open_state_can_be_answered_from_the_open_state_indexes(dsn: str, query: str) -> None:
     """Asked at every checkpoint: with a sequential scan ruled out, each question reads a partial index
     of what is open (or published) rather than every row the run ever projected."""
     from adapters.collection_store import LAST_SNAPSHOT
-    from adapters.pg_reads import CHECKPOINTS_IN_PHASE, OPEN_SESSIONS
+    from adapters.pg_reads import CHECKPOINTS_IN_PHASE, OPEN_SESSIONS, RUNNING_ATTEMPTS
     sql, params, index = {
+        # a cut's attempts: live ones through one index, those finished after P through the other
+        "running_attempts": (RUNNING_ATTEMPTS, {"p": 10, "run": "run"}, "attempt_state_finished"),
         "open_sessions": (OPEN_SESSIONS, {}, "session_state_open"),
         "open_checkpoints": (CHECKPOINTS_IN_PHASE.replace(":ph", "%(ph)s"), {"ph": ["started", "prepared"]},
                              "checkpoint_state_open"),
@@ -67,6 +69,7 @@ def test_what_a_checkpoint_asks_about_open_state_can_be_answered_from_the_open_s
         conn.execute("SET enable_seqscan = off")
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql, params).fetchall())
     assert index in plan, plan
+    assert query != "running_attempts" or "attempt_state_live" in plan, plan
 
 
 def test_sql_and_python_agree_on_the_run_of_any_rollout_id(dsn: str) -> None:
