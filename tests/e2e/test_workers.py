@@ -161,6 +161,20 @@ def writers_by_session(dsn: str, run_id: str, stream_prefix: str) -> dict[tuple[
     return out
 
 
+def unfinished_activations(dsn: str, run_id: str, instance: str) -> set[tuple[str, int]]:
+    """(rollout, attempt) of each agent session with an activation `instance` began (wrote its first
+    event) and did not complete itself."""
+    owner: dict[tuple[str, int, int], str] = {}
+    completed_by: dict[tuple[str, int, int], str] = {}
+    for rid, attempt, kind, index, writer in rows(
+            dsn, "SELECT rollout_id, attempt, kind, coalesce(data->>'activation', data->>'index')::int, writer "
+                 "FROM rollbook.events WHERE rollout_id LIKE :p AND stream LIKE 'agent:%' ORDER BY position", p=f"{run_id}-%"):
+        owner.setdefault((rid, attempt, index), writer)
+        if kind == "agent_activation_completed":
+            completed_by[(rid, attempt, index)] = writer
+    return {(r, a) for (r, a, i), w in owner.items() if w == instance and completed_by.get((r, a, i)) != instance}
+
+
 @pytest.fixture
 def cleanup() -> Iterator[list[Deployment]]:
     made: list[Deployment] = []
@@ -204,8 +218,12 @@ def test_sessions_stay_on_their_worker_and_a_killed_workers_sessions_are_taken_o
         # A session moves only off the killed worker, once, to a live one.
         assert all(len(w) == 2 and w[0] == killed[kind] and w[1] != killed[kind] for w in moved.values()), moved
         assert len({w[0] for w in writers.values()}) == 4, f"the {kind} sessions did not spread over the four workers"
-        if kind == "agent":  # an activation lasts its whole episode: the killed worker held some
-            assert moved, "no session was taken over"
+        if kind == "agent":
+            # Every activation the killed worker began and did not complete went on elsewhere, once: taken
+            # over on its session, or (where recovery restarted the rollout) under the next attempt. How many
+            # it held at the kill is timing: on a loaded machine its episodes may all sit outside the agent.
+            held = unfinished_activations(dsn, "route", killed[kind])
+            assert held <= set(moved) | {(r, a) for r, a in held if (r, a + 1) in writers}, (held, moved)
     owners = rows(dsn, "SELECT count(DISTINCT data->>'instance') FROM rollbook.events WHERE kind = 'call_accepted' "
                        "AND rollout_id LIKE 'route-%'")
     assert owners == [(4,)], owners
