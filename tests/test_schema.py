@@ -95,3 +95,16 @@ def test_sql_and_python_agree_on_the_run_of_any_rollout_id(dsn: str) -> None:
             assert row[1] == in_run(other, run_of(rollout_id))
 
         agree()
+
+
+def test_reading_a_cuts_own_lists_from_the_view_never_joins_the_finishes_of_the_log(dsn: str) -> None:
+    """Retention and the UI's per-run counts read checkpoint_rollouts without its `completed` rows; the
+    planner drops the branch that derives them from every finish up to each cut's position."""
+    from adapters.ui_reads import RUN_CHECKPOINTS
+    with psycopg.connect(database.libpq_dsn(dsn), autocommit=True) as conn:
+        for sql in ("SELECT rollout_id FROM rollbook.checkpoint_rollouts WHERE disposition <> 'completed'",
+                    f"SELECT run_id, count(DISTINCT checkpoint_id) FROM {RUN_CHECKPOINTS} rc GROUP BY 1"):
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql).fetchall())
+            assert "attempt_finished" not in plan and "attempt_fenced" not in plan, plan
+        everything = "\n".join(r[0] for r in conn.execute("EXPLAIN SELECT * FROM rollbook.checkpoint_rollouts").fetchall())
+    assert "attempt_finished" in everything  # the derived branch is there when `completed` rows are asked for
