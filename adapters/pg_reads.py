@@ -50,12 +50,11 @@ def _row_to_event(row: Any) -> RecordedEvent:
     )
 
 
-# Asked at every checkpoint, answered from partial indexes of what is open (migration 0013), so their
-# cost follows what is live, not the run's history.
 # engine.identity.run_of in SQL: a rollout's run is its id less a trailing `-<digits>`.
 RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
-# What a cut reads of attempts: two partial indexes answer it (attempt_state_live, attempt_state_finished),
-# so the run's history is never read.
+# Asked at every checkpoint, answered from partial indexes of what is open (migrations 0013, 0014),
+# so their cost follows what is live, not the run's history. A cut's attempts: the live ones through
+# attempt_state_live, those finished after P through attempt_state_finished.
 RUNNING_ATTEMPTS = ("SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %(p)s)) "
                     f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)")
 OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "

@@ -55,6 +55,7 @@ RUN_CHECKPOINTS = (f"(SELECT {RUN_OF} AS run_id, checkpoint_id FROM rollbook.che
                    "UNION SELECT data->>'run', data->>'checkpoint_id' FROM rollbook.events "
                    "WHERE kind = 'checkpoint_committed' AND data->>'run' IS NOT NULL)")
 
+
 @dataclass
 class Rollout:
     rollout_id: str

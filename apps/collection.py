@@ -145,11 +145,8 @@ class Collection:
         prepared = await coordinator.prepare(checkpoint_id, deadline)
         if not prepared["ready"]:
             return {"checkpoint_id": checkpoint_id, "published": False, "prepare": prepared}
-        # The framework names what it continues: its own live rollouts, less those reported restart-only.
-        restarts = {tuple(k) for k in prepared["restarts"]}
-        rows = await self.store.running_attempts(await self.store.head(), self.run_id)
-        scope = [k for k, row in rows.items() if row["status"] == "live" and k not in restarts]
-        cut = await coordinator.commit(checkpoint_id, deadline, scope, run=self.run_id)
+        # It continues every rollout of its run in flight at P, less those prepare reported restart-only.
+        cut = await coordinator.commit(checkpoint_id, deadline, None, run=self.run_id)
         await self._publish(coordinator, cut)
         if resume:
             await coordinator.resume(checkpoint_id)

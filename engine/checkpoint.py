@@ -197,19 +197,22 @@ def classify(live: Iterable[Key], finished: Iterable[Key], scope: Iterable[Key],
     return Classification(tuple(sorted(finished_set & (live_set | finished_set))), tuple(sorted(continued)), tuple(sorted(fresh)))
 
 
-async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key], restarts: Sequence[Key],
+async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key] | None, restarts: Sequence[Key],
                    run: str | None = None) -> Cut:
     """Fix P at the head of the log and each scoped attempt's resume boundary at or below it.
 
     Every execution in flight at P of the `run` (default: of every rollout in the database) gets a
-    disposition, named in the scope or not; a framework sharing the database with others names its run."""
+    disposition, named in the scope or not; a framework sharing the database with others names its run.
+    No scope: every execution in flight at P continues, less the restart-only ones."""
     position = await store.head()
     # participants report restart-only executions of every framework they serve
     restarts = [k for k in restarts if in_run(k[0], run)]
     # A scoped attempt may have finished before P (a paused checkpoint lets work run on to its next
     # boundary): its own row says so, and it is completed, not continued.
-    rows = {**await store.running_attempts(position, run), **await store.attempt_rows(sorted({r for r, _ in scope}))}
+    rows = {**await store.running_attempts(position, run), **await store.attempt_rows(sorted({r for r, _ in scope or ()}))}
     live, finished = attempts_at(rows, position)
+    if scope is None:
+        scope = sorted(set(live) - set(finished) - set(restarts))
     return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run)
 
 

@@ -288,11 +288,7 @@ class Coordinator:
         if _lease_expired(events, time.time()):
             await self._abort(checkpoint_id, self.participants, "lease expired before commit")
             raise StaleCheckpoint(f"checkpoint {checkpoint_id}: its lease expired before commit; it was aborted")
-        restarts = await self._restarts_of(checkpoint_id)
-        if scope is None:
-            live = await self.store.running_attempts(await self.store.head(), run)
-            scope = [k for k, row in live.items() if row["status"] == "live" and k not in set(restarts)]
-        cut = await make_cut(self.store, checkpoint_id, scope, restarts, run)
+        cut = await make_cut(self.store, checkpoint_id, scope, await self._restarts_of(checkpoint_id), run)
         body = self._body(checkpoint_id, deadline, scope=[{"rollout_id": s.rollout_id, "attempt": s.attempt} for s in cut.scope])
         results = await asyncio.gather(*(p.call("commit", body) for p in self.participants), return_exceptions=True)
         refused = [(p, r) for p, r in zip(self.participants, results, strict=True) if isinstance(r, BaseException)]
