@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 from engine.events import escape_strings
-from engine.projections import TABLES, Change
+from engine.projections import POSITION_COLUMNS, TABLES, Change
 
 
 def merge_changes(changes: Iterable[Change]) -> list[Change]:
@@ -30,9 +30,11 @@ def merge_changes(changes: Iterable[Change]) -> list[Change]:
     return list(merged.values())
 
 
-def upsert_ctes(changes: Iterable[Change], prefix: str = "u") -> tuple[list[str], dict[str, str]]:
+def upsert_ctes(changes: Iterable[Change], prefix: str = "u", moved_by: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The upserts of `changes` as `name AS (INSERT ...)` expressions and their parameters. Each row
-    is touched by one of them at most (merge_changes), as one statement requires."""
+    is touched by one of them at most (merge_changes), as one statement requires. `moved_by` names a
+    relation of the same statement with one column, `delta`, added to every position column
+    (engine.projections.POSITION_COLUMNS); an empty relation writes no row."""
     groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for ch in merge_changes(changes):
         # Projected values come from event data: stored in the same escaped spelling as the events
@@ -43,10 +45,13 @@ def upsert_ctes(changes: Iterable[Change], prefix: str = "u") -> tuple[list[str]
     for i, ((table, cols), rows) in enumerate(groups.items()):
         keys = TABLES[table]
         allcols = ", ".join(keys + cols)
+        values = allcols if moved_by is None else ", ".join(
+            f"r.{c} + {moved_by}.delta" if c in POSITION_COLUMNS else f"r.{c}" for c in keys + cols)
+        source = "" if moved_by is None else f" AS r, {moved_by}"
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols) or f"{keys[0]} = EXCLUDED.{keys[0]}"
         name = f"{prefix}{i}"
-        ctes.append(f"{name} AS (INSERT INTO rollbook.{table} ({allcols}) SELECT {allcols} FROM "
-                    f"jsonb_populate_recordset(NULL::rollbook.{table}, %({name})s::jsonb) "
+        ctes.append(f"{name} AS (INSERT INTO rollbook.{table} ({allcols}) SELECT {values} FROM "
+                    f"jsonb_populate_recordset(NULL::rollbook.{table}, %({name})s::jsonb){source} "
                     f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates})")
         params[name] = json.dumps(rows)
     return ctes, params

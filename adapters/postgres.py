@@ -1,21 +1,25 @@
 """The event log on PostgreSQL (SQLAlchemy 2 async on psycopg 3): the append path.
 
-Gap-free positions: every append transaction starts by locking the one row of `log_head`
-(SELECT ... FOR UPDATE) and takes its positions from it. PostgreSQL makes a transaction visible
-before it releases its row locks, so the next writer cannot commit a higher position until the
-lower one is visible: readers that select `position > P` in order never see a later position
-before an earlier one. The same lock serializes fencing with appends (both are appends).
+Gap-free positions: every append transaction locks the one row of `log_head` (SELECT ... FOR
+UPDATE) and takes its positions from it. PostgreSQL makes a transaction visible before it releases
+its row locks, so the next writer cannot commit a higher position until the lower one is visible:
+readers that select `position > P` in order never see a later position before an earlier one. The
+same lock serializes fencing with appends (both are appends).
 
 That lock would cap throughput at one commit (one fsync) per append, so appends are grouped:
 concurrent `append` calls in a process queue up and one transaction writes them all, each
 request still atomic and checked on its own (engine.log.plan_batch). A caller's append returns
-only after the transaction holding it has committed. Within the transaction the rows go to the
-server in pipeline mode, a chunk at a time, so PostgreSQL writes while Python plans the rest.
-A transaction is two statements whatever it holds, in one implicit transaction of the pipeline (no
-BEGIN, no COMMIT): the lock with the read of what the plan needs (LOCK_AND_READ), and one statement
-that writes the last chunk of events, the heads, the keys and the projections. One more when the
-lock had to wait for another append (the read is repeated), for a group past INSERT_CHUNK_EVENTS
-events, for a retire's guarded update, or for carried rows.
+only after the transaction holding it has committed.
+
+Every writer of every process waits for the lock as long as one holds it, so an append holds it for
+no round trip to its process and no Python: it reads what its plan needs without the lock (READ),
+plans, then sends the lock and one statement that writes everything, and the Sync that commits,
+in one flush (pipeline mode: no BEGIN, no COMMIT; every statement up to the Sync is one implicit
+transaction). That statement checks, in a snapshot taken after the lock, that what the plan read is
+still what the log holds, and moves each planned position by how far the head has moved since
+(PLANNED_FROM). When another writer changed a stream or rollout of the group in between, it writes
+nothing, and the group is planned again after the lock (LOCK_AND_READ), as it is from the start
+when it must be: a retry that found its keys, or a retire's guarded update.
 Rows of other tables that must be durable no later than the events that name them (a model call's
 token blobs, adapters.token_store) ride in the next append transaction of the process (`carry`),
 written before the lock is asked for, so that no other append waits while they are.
@@ -58,56 +62,71 @@ from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
 from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
-from engine.projections import TABLES, changes_for
+from engine.projections import TABLES, Change, changes_for
 
-# What an append plans from, read in one statement once the log head is locked: the requests' keys
-# already recorded (k), the streams' heads (h), the rollouts' retire marks (r) and attempts (a).
+# What an append plans from, read in one statement: the requests' keys already recorded (k), the
+# streams' heads (h), the rollouts' retire marks (r) and attempts (a).
 READ_HEADS = (
     "SELECT 'k', key, first_position, last_position, NULL::text, NULL::bytea FROM rollbook.append_keys "
-    "WHERE key = ANY(%s) "
-    "UNION ALL SELECT 'h', stream, version, NULL, NULL, hash FROM rollbook.stream_heads WHERE stream = ANY(%s) "
+    "WHERE key = ANY(%(keys)s) "
+    "UNION ALL SELECT 'h', stream, version, NULL, NULL, hash FROM rollbook.stream_heads WHERE stream = ANY(%(streams)s) "
     "UNION ALL SELECT 'r', rollout_id, retired_through, NULL, NULL, NULL FROM rollbook.rollout_state "
-    "WHERE rollout_id = ANY(%s) "
-    "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state WHERE rollout_id = ANY(%s)"
+    "WHERE rollout_id = ANY(%(rollouts)s) "
+    "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state "
+    "WHERE rollout_id = ANY(%(rollouts)s)"
 )
-# The lock and the read in one statement. The read's snapshot is taken when the statement starts,
-# before the lock may have to wait, so the statement also reads the position that snapshot saw (`seen`)
-# next to the one the lock returns (the newest, once granted). Equal: no append committed in between
-# (every append moves the position), so what was read is what a read after the lock would return.
-# Different: the statement waited out an append, and READ_HEADS is read again, after the lock.
+# The log's position (l) with them, without the lock: a plan made from this is checked when written.
+READ = "SELECT 'l', NULL, position, position, NULL::text, NULL::bytea FROM rollbook.log_head WHERE id = 1 UNION ALL " + READ_HEADS
+# The lock and the read in one statement, for a plan that must not be stale. The read's snapshot is
+# taken when the statement starts, before the lock may have to wait, so the statement also reads the
+# position that snapshot saw (`seen`) next to the one the lock returns (the newest, once granted).
+# Equal: no append committed in between (every append moves the position), so what was read is what a
+# read after the lock would return. Different: the statement waited out an append, and READ_HEADS is
+# read again, after the lock.
 LOCK_AND_READ = (
     "SELECT 'l', NULL, (SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE), "
     "(SELECT position FROM rollbook.log_head WHERE id = 1), NULL::text, NULL::bytea UNION ALL " + READ_HEADS
 )
+# A plan is written only if what it was planned from is what the log holds: READ_HEADS again, in the
+# writing statement's own snapshot (taken after the lock), compared both ways with the rows the plan
+# read (sent back as arrays). Then `d` holds one row: how far the log's head has moved since the plan
+# was made, added to every planned position (a chain hash does not depend on the position, so nothing
+# else a plan decided changes). Every write joins `d`, so a stale plan writes nothing.
+PLANNED_FROM = (
+    "ok AS (SELECT NOT EXISTS (((" + READ_HEADS + ") EXCEPT ALL (SELECT * FROM unnest(%(rt)s::text[], "
+    "%(rn)s::text[], %(rx)s::bigint[], %(ry)s::bigint[], %(rs)s::text[], %(rh)s::bytea[]))) UNION ALL "
+    "((SELECT * FROM unnest(%(rt)s::text[], %(rn)s::text[], %(rx)s::bigint[], %(ry)s::bigint[], %(rs)s::text[], "
+    "%(rh)s::bytea[])) EXCEPT ALL (" + READ_HEADS + "))) AS same), "
+    "d AS (SELECT position - %(planned_from)s AS delta FROM rollbook.log_head, ok WHERE id = 1 AND ok.same)"
+)
 # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which measured
 # as half the cost of a 2,000-event insert.
 INSERT_EVENTS = (
-    "INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
+    "ev AS (INSERT INTO rollbook.events (position, stream, stream_version, kind, data, schema_version, "
     "rollout_id, attempt, writer, hash) "
-    "SELECT p, s, v, k, d::jsonb, sv, r, a, %(w)s, h FROM unnest("
-    "%(p)b::bigint[], %(s)b::text[], %(v)b::int[], %(k)b::text[], %(d)b::text[], "
-    "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, d, sv, r, a, h)"
+    "SELECT p + d.delta, s, v, k, j::jsonb, sv, r, a, %(w)s, h FROM unnest("
+    "%(p)b::bigint[], %(s)b::text[], %(v)b::int[], %(k)b::text[], %(j)b::text[], "
+    "%(sv)b::smallint[], %(r)b::text[], %(a)b::int[], %(h)b::bytea[]) AS t(p, s, v, k, j, sv, r, a, h), d)"
 )
 ADVANCE_HEADS = (
     "sh AS (INSERT INTO rollbook.stream_heads (stream, version, hash) "
-    "SELECT * FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) "
+    "SELECT t.s, t.v, t.h FROM unnest(%(hs)b::text[], %(hv)b::int[], %(hh)b::bytea[]) AS t(s, v, h), d "
     "ON CONFLICT (stream) DO UPDATE SET version = EXCLUDED.version, hash = EXCLUDED.hash), "
     "ak AS (INSERT INTO rollbook.append_keys (key, first_position, last_position) "
-    "SELECT * FROM unnest(%(kk)s::text[], %(kf)s::bigint[], %(kl)s::bigint[]))"
+    "SELECT t.k, t.f + d.delta, t.l + d.delta FROM unnest(%(kk)s::text[], %(kf)s::bigint[], %(kl)s::bigint[]) "
+    "AS t(k, f, l), d)"
 )
-_SET_LOG_HEAD = ("UPDATE rollbook.log_head SET position = %(head)s, "
-                 "fence_position = greatest(fence_position, %(fence)s) ")
-MOVE_LOG_HEAD = _SET_LOG_HEAD + "WHERE id = 1"
+# A group without a fence passes NULL, which greatest() ignores.
+_SET_LOG_HEAD = ("UPDATE rollbook.log_head SET position = %(head)s + d.delta, "
+                 "fence_position = greatest(fence_position, %(fence)s::bigint + d.delta) ")
+MOVE_LOG_HEAD = _SET_LOG_HEAD + "FROM d WHERE id = 1 RETURNING d.delta"
 # The subscribers' hint, sent by the append's own statement when one is due (see NOTIFY_INTERVAL_S). In
 # FROM, where a volatile call is evaluated; in EXISTS the planner drops the select list unevaluated.
-MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1"
+MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM d, (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1 RETURNING d.delta"
 MAX_GROUP_EVENTS = 2000
 # A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
 # group stops taking requests once it reaches it (one request is atomic, so it is never split).
 MAX_GROUP_BYTES = 8 * 1024 * 1024
-# Rows per INSERT of a group: enough that per-statement cost stays small (a group of 64 one-event
-# appends is one statement), few enough that the server has rows to write while the next are planned.
-INSERT_CHUNK_EVENTS = 100
 # The hint a subscriber waits on (NOTIFY) goes out at most this often per process, the last one after
 # the last append: a reader wakes within this long of an append, and a process appending every few
 # milliseconds sends one hint every this long, not one per append. The poll is the truth. A hint that is
@@ -140,14 +159,20 @@ class _Pending:
 @dataclasses.dataclass
 class _Plan:
     """What one group's transaction decided: requests already committed by an earlier try (their
-    keys were found), and the plan of the rest (None past the group's byte bound)."""
+    keys were found), and the plan of the rest (None past the group's byte bound), made from the log
+    as it was at position `planned_from` and the rows `read` then."""
 
     done: dict[str, tuple[int, int]]
     earlier: dict[str, list[RecordedEvent]]
     todo: list[AppendRequest]
+    planned_from: int
+    read: list[tuple[Any, ...]]
+    inputs: dict[str, list[str]]  # the keys, streams and rollouts whose rows were read
     planned: list[list[PlannedEvent] | RollbookError] = dataclasses.field(default_factory=list)
 
-    def outcomes(self, requests: Sequence[AppendRequest]) -> list[Outcome]:
+    def outcomes(self, requests: Sequence[AppendRequest], delta: int) -> list[Outcome]:
+        """Each request's outcome, its events moved by `delta`: how far the log's head had moved past
+        `planned_from` when they were written."""
         fresh = iter(self.planned)
         out: list[Outcome] = []
         for r in requests:
@@ -155,7 +180,9 @@ class _Plan:
                 out.append(self.earlier[r.key])  # type: ignore[index]
                 continue
             o = next(fresh, None)
-            out.append(o if o is None or isinstance(o, RollbookError) else [pe.event for pe in o])
+            out.append(o if o is None or isinstance(o, RollbookError)
+                       else [dataclasses.replace(pe.event, position=pe.event.position + delta) if delta else pe.event
+                             for pe in o])
         return out
 
 
@@ -276,41 +303,68 @@ class PostgresEventStore(SnapshotRows):
     async def _commit_group(self, requests: Sequence[AppendRequest]) -> list[Outcome]:
         """Each request's events or refusal; None for a request left for the next group (the group's
         payloads had reached MAX_GROUP_BYTES before it). The carried rows the worker took for this
-        group are written too, on every try."""
-        # Pipeline mode: the server writes one request's rows while Python plans the next (on two
-        # cores that overlap is most of a large group's cost; benchmarks/README.md). The reads
-        # below fetch, so they still wait for the lock before the heads are read.
+        group are written too, on every try.
+        Planned before the lock, written under it with no round trip to this process in between;
+        planned again after the lock only when what it read had changed by then (another writer on
+        the same stream or rollout), or when it must read after the lock (a retry of a group that may
+        have committed, a retire's guarded update)."""
+        outcomes = await self._try_group(requests, locked=False)
+        if outcomes is None:
+            outcomes = await self._try_group(requests, locked=True)
+        assert outcomes is not None  # planned under the lock: nothing it read can change
+        return outcomes
+
+    async def _try_group(self, requests: Sequence[AppendRequest], locked: bool) -> list[Outcome] | None:
+        """One transaction of the group, its plan read before the lock (`locked` False) or after it.
+        None when a plan read before the lock was stale at the lock, or needs reading after it: the
+        transaction then committed the carried rows alone (written again, as they are, by the next)."""
         # No BEGIN, no COMMIT: in pipeline mode every statement up to the Sync that ends the pipeline
         # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
         async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
             try:
                 await self._write_carried(conn)
-                state, plan = await self._read_plan_inputs(conn, requests)
-                unsent = await self._plan_and_send(conn, plan, state)
-                await self._write_rest(conn, plan, unsent, state)
+                state, plan = await self._read_plan_inputs(conn, requests, locked)
+                written = self._plan(plan, state)
+                changes = [ch for e in written for ch in changes_for(e)]
+                if not locked and (plan.done or any(ch.guard for ch in changes)):
+                    return None
+                if not written:  # every request refused, from a consistent read: nothing to lock for
+                    return plan.outcomes(requests, 0)
+                if not locked:
+                    await conn.execute(LOCK_LOG_HEAD)
+                moved = await conn.execute(*self._write(plan, written, changes, state))
+                if locked:  # one round trip under the lock, only on this path: nothing stale is written
+                    if await moved.fetchone() is None:
+                        raise RuntimeError("a plan read after the log's lock was stale under it")
+                    await guarded_updates(conn, changes)
             except BaseException:
                 # The Sync on the way out would commit what was sent so far: the connection goes
                 # instead, and the server rolls the transaction back.
                 await conn.close()
                 raise
-        return plan.outcomes(requests)
+        if locked:
+            return plan.outcomes(requests, 0)
+        row = await moved.fetchone()
+        return None if row is None else plan.outcomes(requests, int(row[0]))
 
-    async def _read_plan_inputs(self, conn: psycopg.AsyncConnection[Any],
-                                requests: Sequence[AppendRequest]) -> tuple[LogState, _Plan]:
-        """The log state the plan starts from, read after the lock, and what earlier tries committed."""
+    async def _read_plan_inputs(self, conn: psycopg.AsyncConnection[Any], requests: Sequence[AppendRequest],
+                                locked: bool) -> tuple[LogState, _Plan]:
+        """The log state a plan starts from, read before the lock or after it, and (after it) what
+        earlier tries committed."""
         keys = [r.key for r in requests if r.key is not None]
         streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
         rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
-        params = (keys, streams, rollouts, rollouts)
-        rows = await (await conn.execute(LOCK_AND_READ, params)).fetchall()
-        locked, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
-        if locked is None:
+        params: dict[str, list[str]] = {"keys": keys, "streams": streams, "rollouts": rollouts}
+        rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params)).fetchall()
+        position, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
+        if position is None:
             raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
-        if locked != seen:  # an append committed while this one waited for the lock: read after it
+        if position != seen:  # an append committed while this one waited for the lock: read after it
             rows = await (await conn.execute(READ_HEADS, params)).fetchall()
-        state, done = _log_state(locked, [r for r in rows if r[0] != "l"])
-        earlier = await self._earlier(conn, done) if done else {}
-        return state, _Plan(done, earlier, [r for r in requests if r.key not in done])
+        read = [tuple(r) for r in rows if r[0] != "l"]
+        state, done = _log_state(position, read)
+        earlier = await self._earlier(conn, done) if done and locked else {}
+        return state, _Plan(done, earlier, [r for r in requests if r.key not in done], position, read, params)
 
     @staticmethod
     async def _earlier(conn: psycopg.AsyncConnection[Any], done: dict[str, tuple[int, int]]) -> dict[str, list[RecordedEvent]]:
@@ -322,51 +376,40 @@ class PostgresEventStore(SnapshotRows):
             rows = [_row_to_event(r) for r in await cur.fetchall()]
         return {key: [e for e in rows if first <= e.position <= last] for key, (first, last) in done.items()}
 
-    async def _plan_and_send(self, conn: psycopg.AsyncConnection[Any], plan: _Plan, state: LogState) -> list[PlannedEvent]:
-        """Plan the requests in order, sending every full chunk of rows as it is planned; the rows of
-        the last, partial chunk are returned to go with the heads. Sized as planned (the payload is
-        encoded once, here): the group stops once it holds MAX_GROUP_BYTES, and the requests after
-        that point wait for the next transaction."""
-        unsent: list[PlannedEvent] = []
+    def _plan(self, plan: _Plan, state: LogState) -> list[RecordedEvent]:
+        """Plan the requests in order, the payload encoded once, here; the events to write. The group
+        stops once it holds MAX_GROUP_BYTES, and the requests after that point wait for the next."""
         size = 0
         for outcome in plan_batch(plan.todo, state, self.writer, self.payload_limit):
             plan.planned.append(outcome)
             if isinstance(outcome, list):
-                unsent.extend(outcome)
                 size += sum(len(pe.payload) for pe in outcome)
-            if len(unsent) >= INSERT_CHUNK_EVENTS:
-                await conn.execute(INSERT_EVENTS, self._event_params(unsent))
-                unsent = []
             if size >= MAX_GROUP_BYTES:
                 break
-        return unsent
+        return [pe.event for o in plan.planned if isinstance(o, list) for pe in o]
+
+    def _write(self, plan: _Plan, written: list[RecordedEvent], changes: list[Change],
+               state: LogState) -> tuple[str, dict[str, Any]]:
+        """One statement and its parameters: the check of what the plan read, the events, the stream
+        heads, each request's idempotency key, the projections and the log head. A fence or a retire
+        mark moves the fence position in the same statement: the attempt checks that servers answer
+        from memory (engine.attempts.AttemptGate) are invalid from here."""
+        upserts, params = upsert_ctes(changes, moved_by="d")
+        move = MOVE_LOG_HEAD_NOTIFY if self._take_notify() else MOVE_LOG_HEAD
+        planned = [pe for o in plan.planned if isinstance(o, list) for pe in o]
+        columns = [list(c) for c in zip(*plan.read, strict=True)] or [[] for _ in range(6)]
+        return ("WITH " + ", ".join([PLANNED_FROM, INSERT_EVENTS, ADVANCE_HEADS, *upserts]) + " " + move, {
+            **params, **self._event_params(planned), **_head_params(plan, written, state), **plan.inputs,
+            "planned_from": plan.planned_from, **dict(zip(("rt", "rn", "rx", "ry", "rs", "rh"), columns, strict=True))})
 
     def _event_params(self, planned: list[PlannedEvent]) -> dict[str, Any]:
         evs = [pe.event for pe in planned]
         return {
             "p": [e.position for e in evs], "s": [e.stream for e in evs], "v": [e.stream_version for e in evs],
-            "k": [e.kind for e in evs], "d": [pe.payload for pe in planned], "sv": [e.schema_version for e in evs],
+            "k": [e.kind for e in evs], "j": [pe.payload for pe in planned], "sv": [e.schema_version for e in evs],
             "r": [e.rollout_id for e in evs], "a": [e.attempt for e in evs], "h": [e.hash for e in evs],
             "w": self.writer,
         }
-
-    async def _write_rest(self, conn: psycopg.AsyncConnection[Any], plan: _Plan, unsent: list[PlannedEvent],
-                          state: LogState) -> None:
-        """One statement: the rows carried for this transaction, the events not sent yet, the stream
-        heads, each request's idempotency key, the projections and the log head. A fence or a retire
-        mark moves the fence position in the same statement: the attempt checks that servers answer
-        from memory (engine.attempts.AttemptGate) are invalid from here."""
-        written = [pe.event for o in plan.planned if isinstance(o, list) for pe in o]
-        changes = [ch for e in written for ch in changes_for(e)]
-        if written:
-            upserts, more = upsert_ctes(changes)
-            params: dict[str, Any] = dict(more)
-            ctes = [f"ev AS ({INSERT_EVENTS})"] if unsent else []
-            ctes += [ADVANCE_HEADS, *upserts]
-            params.update(**(self._event_params(unsent) if unsent else {}), **_head_params(plan, written, state))
-            move = MOVE_LOG_HEAD_NOTIFY if self._take_notify() else MOVE_LOG_HEAD
-            await conn.execute("WITH " + ", ".join(ctes) + " " + move, params)
-        await guarded_updates(conn, changes)
 
     async def _write_carried(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """The rows carried for this transaction (a model call's token blobs), before the log's lock is
@@ -473,7 +516,7 @@ def _head_params(plan: _Plan, written: list[RecordedEvent], state: LogState) -> 
     heads = {e.stream: state.streams[e.stream] for e in written}
     return {"hs": list(heads), "hv": [h.version for h in heads.values()], "hh": [h.hash for h in heads.values()],
             "kk": [k for k, _, _ in landed], "kf": [f for _, f, _ in landed], "kl": [t for _, _, t in landed],
-            "head": state.position, "fence": max((e.position for e in written if e.kind in FENCE_KINDS), default=0)}
+            "head": state.position, "fence": max((e.position for e in written if e.kind in FENCE_KINDS), default=None)}
 
 
 def _log_state(position: int, rows: Sequence[Any]) -> tuple[LogState, dict[str, tuple[int, int]]]:
@@ -495,6 +538,6 @@ def _log_state(position: int, rows: Sequence[Any]) -> tuple[LogState, dict[str, 
     return state, done
 
 
-__all__ = ["CHANNEL", "DEFAULT_KEY_RETENTION_S", "DEFAULT_PATIENCE_S", "INSERT_CHUNK_EVENTS", "LOCK_LOG_HEAD",
+__all__ = ["CHANNEL", "DEFAULT_KEY_RETENTION_S", "DEFAULT_PATIENCE_S", "LOCK_LOG_HEAD",
            "MAX_GROUP_BYTES", "MIN_KEY_RETENTION_S", "PoolLimits", "PostgresEventStore", "StoreObserver",
            "connection_lost", "make_engine", "retrying", "with_retry"]

@@ -38,6 +38,13 @@ TABLES: dict[str, tuple[str, ...]] = {
 }
 
 
+# The columns a change sets to the position of the event that makes it, and no others: an append
+# that plans before it knows its positions (adapters.postgres) moves exactly these by the same amount
+# as its events. A position an event's data names (origin_position, a checkpoint's cut) is not one.
+POSITION_COLUMNS = frozenset({"started_position", "ended_position", "updated_position", "accepted_position",
+                              "published_position"})
+
+
 def _attempt_key(e: RecordedEvent) -> dict[str, Any]:
     return {"rollout_id": e.rollout_id, "attempt": e.attempt}
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from engine import catalog as ev
 from engine.events import RecordedEvent
-from engine.projections import Change, changes_for
+from engine.projections import POSITION_COLUMNS, Change, changes_for
 
 AT = {"rollout_id": "r", "attempt": 2}
 
@@ -92,3 +95,26 @@ def test_checkpoint_events_carry_their_phase_and_positions() -> None:
 def test_other_events_change_no_table() -> None:
     assert changes_for(rec(ev.AGENT_BOUNDARY, {"messages": []})) == []
     assert changes_for(rec(ev.POLICY_VERSION_CHANGED, {"version": "v"})) == []
+
+
+# Every kind the catalog knows, with data naming every field some kind's change reads (and positions of
+# its own, which are not the event's).
+ANY_DATA = {"through": 1, "call_id": "c", "checkpoint_id": "k", "scope": ["a"], "digest": "d", "revision": 2,
+            "parent_attempt": 1, "restored_from": "ck", "reward": 0.5, "env": "m", "task_id": "t", "step": 3,
+            "receipt": {"blob_id": "b"}, "parent_call_id": "p", "tokens": 4, "disposition": "kept"}
+
+
+@given(kind=st.sampled_from(sorted(ev.CATALOG)), position=st.integers(1, 2**40), moved=st.integers(1, 2**20),
+       named=st.integers(1, 2**40))
+def test_a_change_moves_with_its_events_position_in_the_position_columns_and_nowhere_else(
+        kind: str, position: int, moved: int, named: int) -> None:
+    # The append writes a plan made before its positions were known, moving exactly these columns.
+    data = {**ANY_DATA, "origin_position": named, "position": named}
+    here, there = changes_for(rec(kind, data, position)), changes_for(rec(kind, data, position + moved))
+    assert [(c.table, c.key, c.guard, set(c.values)) for c in here] == [(c.table, c.key, c.guard, set(c.values)) for c in there]
+    for a, b in zip(here, there, strict=True):
+        for column, value in a.values.items():
+            if column in POSITION_COLUMNS:
+                assert (value, b.values[column]) == (position, position + moved), (kind, column)
+            else:
+                assert b.values[column] == value, (kind, column)

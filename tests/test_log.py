@@ -7,19 +7,19 @@ The store-agnostic contract lives in tests/log_contract.py (the memory store pas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import psycopg
 import pytest
 
 from adapters.database import libpq_dsn
-from adapters.postgres import INSERT_CHUNK_EVENTS, PostgresEventStore
+from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED
 from engine.errors import StaleAttempt
-from engine.events import AppendRequest
+from engine.events import AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import rollout_stream
 from engine.log import append_one
-from tests.log_contract import GROUP, LogContract, OpenStore, ev, start_attempt
+from tests.log_contract import LogContract, OpenStore, ev, start_attempt
 
 
 class TestPostgresLog(LogContract):
@@ -34,10 +34,6 @@ class TestPostgresLog(LogContract):
         yield open_
         for s in opened:
             await s.close()
-
-
-def test_the_contracts_request_spans_more_than_one_chunk_of_rows() -> None:
-    assert GROUP > INSERT_CHUNK_EVENTS  # so its refusal test has rows on the wire before the refusal
 
 
 async def test_positions_are_gap_free_in_commit_order_under_concurrent_writers(any_dsn: str) -> None:
@@ -128,3 +124,89 @@ async def test_the_head_is_the_last_committed_position_and_waits_for_no_append_i
         assert await store.head() == committed.position
     finally:
         await store.close()
+
+
+def interrupted(store: PostgresEventStore, meanwhile: Callable[[], Awaitable[object]]) -> list[bool]:
+    """Have `meanwhile` commit between `store`'s first read of what it plans from and its lock (as
+    another process would); the list records, per read, whether it was taken after the lock."""
+    real, reads = store._read_plan_inputs, []
+
+    async def read(conn, requests, locked):  # type: ignore[no-untyped-def]
+        got = await real(conn, requests, locked)
+        reads.append(locked)
+        if len(reads) == 1:
+            await meanwhile()
+        return got
+
+    store._read_plan_inputs = read  # type: ignore[method-assign]
+    return reads
+
+
+async def test_an_append_planned_before_another_writer_fenced_its_attempt_is_refused(dsn: str) -> None:
+    # Input: an agent's turn for attempt 0, planned while the attempt was live; the coordinator's
+    # fence commits before the agent's write takes the lock.
+    agent = PostgresEventStore.connect(dsn, writer="agent")
+    coordinator = PostgresEventStore.connect(dsn, writer="coordinator")
+    try:
+        await start_attempt(agent, "pf", 0)
+        fences: list[int] = []
+        reads = interrupted(agent, lambda: append_one(coordinator, ev(rollout_stream("pf"), ATTEMPT_FENCED, "pf", 0,
+                                                                      reason="restore")))
+        with pytest.raises(StaleAttempt):
+            await append_one(agent, ev("agent:pf:0", "turn", "pf", 0, i=1))
+        assert reads == [False, True]  # the stale plan wrote nothing; the one after the lock refused
+        fences = [e.position for e in await agent.read_rollout("pf", 0) if e.kind == ATTEMPT_FENCED]
+        assert len(fences) == 1 and await agent.read_stream("agent:pf:0") == [] and await agent.head() == fences[0]
+    finally:
+        await agent.close()
+        await coordinator.close()
+
+
+async def test_an_append_planned_before_another_writer_took_its_streams_next_version_lands_after_it(dsn: str) -> None:
+    mine = PostgresEventStore.connect(dsn, writer="mine")
+    other = PostgresEventStore.connect(dsn, writer="other")
+    try:
+        reads = interrupted(mine, lambda: append_one(other, ev("shared", n="other")))
+        written = await append_one(mine, ev("shared", n="mine"))
+        assert reads == [False, True]
+        first, second = await mine.read_stream("shared")
+        assert (first.writer, first.stream_version, second.writer, second.stream_version) == ("other", 1, "mine", 2)
+        assert (written.position, written.stream_version, written.hash) == (second.position, 2, second.hash)
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
+            (version, digest), = await (await conn.execute(
+                "SELECT version, hash FROM rollbook.stream_heads WHERE stream = 'shared'")).fetchall()
+        assert (version, bytes(digest)) == (2, second.hash)
+        assert chain_hash(first.hash, "shared", 2, NewEvent("shared", "noted", {"n": "mine"}),
+                          encode_payload({"n": "mine"})) == second.hash
+    finally:
+        await mine.close()
+        await other.close()
+
+
+async def test_an_append_planned_before_other_streams_moved_the_head_is_written_at_the_head_it_finds(dsn: str) -> None:
+    # Nothing it read changed, so it is not planned again: its positions, its key and its projections'
+    # position columns move by the events committed in between.
+    mine = PostgresEventStore.connect(dsn, writer="mine")
+    other = PostgresEventStore.connect(dsn, writer="other")
+    try:
+        await start_attempt(mine, "pm", 0)
+
+        async def five_elsewhere() -> None:
+            await other.append(AppendRequest(tuple(ev("elsewhere", n=i) for i in range(5))))
+
+        reads = interrupted(mine, five_elsewhere)
+        fenced, = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
+                                                  key="pm-fence"))
+        assert reads == [False]
+        assert fenced.position == 7 and await mine.head() == 7
+        assert [e.position for e in await mine.read_all()] == list(range(1, 8))
+        again = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
+                                                key="pm-fence"))
+        assert [e.position for e in again] == [7]  # the key was recorded at the moved position
+        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
+            row = await (await conn.execute("SELECT a.ended_position, h.fence_position FROM rollbook.attempt_state a, "
+                                            "rollbook.log_head h WHERE a.rollout_id = 'pm'")).fetchone()
+        assert row == (7, 7)
+    finally:
+        await mine.close()
+        await other.close()

@@ -1,4 +1,4 @@
-"""Less per call: an append is one transaction of two statements, whatever it holds (and one more, before the lock, for rows it carries)."""
+"""Less per call: an append is one transaction of three statements, whatever it holds (and one more, before them, for rows it carries), and it holds the log's lock for none of its round trips."""
 
 from __future__ import annotations
 
@@ -7,37 +7,52 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.postgres import INSERT_CHUNK_EVENTS, PostgresEventStore
+from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, session_stream
 
 
-async def test_an_append_reads_what_it_plans_from_in_one_statement_after_the_lock(
+async def test_an_append_plans_before_the_lock_and_holds_it_for_no_round_trip(
         store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
     await store.append(AppendRequest((NewEvent(rollout_stream("pc-1"), ev.ATTEMPT_STARTED, {"parent_attempt": None},
                                                "pc-1", 0),)))
-    sent: list[str] = []
-    execute = psycopg.AsyncConnection.execute
+    wire: list[str] = []  # what went to the server and when the process waited for an answer, in order
+    execute, fetchall, fetchone = psycopg.AsyncConnection.execute, psycopg.AsyncCursor.fetchall, psycopg.AsyncCursor.fetchone
+    pipeline_exit = psycopg.AsyncPipeline.__aexit__
 
-    async def recorded(self: psycopg.AsyncConnection[Any], query: Any, *args: Any, **kw: Any) -> Any:
-        sent.append(str(query))
+    async def sent(self: psycopg.AsyncConnection[Any], query: Any, *args: Any, **kw: Any) -> Any:
+        wire.append(str(query))
         return await execute(self, query, *args, **kw)
 
-    monkeypatch.setattr(psycopg.AsyncConnection, "execute", recorded)
+    async def waited_all(self: psycopg.AsyncCursor[Any]) -> Any:
+        wire.append("<answer>")
+        return await fetchall(self)
+
+    async def waited_one(self: psycopg.AsyncCursor[Any]) -> Any:
+        wire.append("<answer>")
+        return await fetchone(self)
+
+    async def synced(self: psycopg.AsyncPipeline, *args: Any) -> Any:
+        wire.append("<sync>")
+        return await pipeline_exit(self, *args)
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "execute", sent)
+    monkeypatch.setattr(psycopg.AsyncCursor, "fetchall", waited_all)
+    monkeypatch.setattr(psycopg.AsyncCursor, "fetchone", waited_one)
+    monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", synced)
     (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_OPENED,
                                                            {"env": "math", "task": {}}, "pc-1", 0),)))
     monkeypatch.undo()
-    # Stream heads, idempotency keys, retire marks and attempts: one read, in the statement that takes
-    # the log-head lock (nothing waited for the lock here, so the read is not repeated).
-    reads = [q for q in sent if "FROM rollbook.stream_heads" in q or "FROM rollbook.append_keys" in q
-             or "FROM rollbook.rollout_state" in q or "FROM rollbook.attempt_state" in q]
-    assert len(reads) == 1 and sent.index(reads[0]) == 0 and "FOR UPDATE" in sent[0]
-    # The keys are recorded by the statement that moves the heads, not by one of their own.
-    assert [q for q in sent if "INSERT INTO rollbook.append_keys" in q] == [q for q in sent if "stream_heads (stream" in q]
-    # Lock and read, then one statement writes the events, the heads, the key and the projections.
-    assert len(sent) == 2, sent
-    assert "INSERT INTO rollbook.events" in sent[1] and "INSERT INTO rollbook.session_state" in sent[1]
+    # Stream heads, idempotency keys, retire marks and attempts: one read, before the lock, answered
+    # before the plan is made.
+    read, answer, lock, write, sync, outcome = wire
+    assert "FROM rollbook.stream_heads" in read and "FROM rollbook.attempt_state" in read and "FOR UPDATE" not in read
+    assert answer == "<answer>" and "FOR UPDATE" in lock
+    # From the lock to the commit the process waits for nothing: one statement writes the events, the
+    # heads, the key and the projections, and the Sync that commits goes with it.
+    assert "INSERT INTO rollbook.events" in write and "INSERT INTO rollbook.session_state" in write
+    assert "INSERT INTO rollbook.append_keys" in write and (sync, outcome) == ("<sync>", "<answer>")
     # And what it read was right: the stream was new, and a key recorded that way answers a retry.
     assert opened.stream_version == 1
     closed = NewEvent(session_stream("pc-1", 0), ev.SESSION_CLOSED, {}, "pc-1", 0)
@@ -111,21 +126,26 @@ async def test_carried_rows_of_a_transaction_that_failed_go_with_the_next_append
         await store.close()
 
 
-async def test_an_append_that_fails_after_sending_rows_commits_none_of_them(store: PostgresEventStore,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # No BEGIN/COMMIT: the pipeline's closing Sync commits. A failure after a full chunk of rows was
-    # sent must not let that Sync commit them.
-    async def broken(*args: Any) -> None:
-        raise RuntimeError("planning failed after the first chunk was sent")
+async def test_an_append_that_fails_after_writing_its_events_commits_none_of_them(store: PostgresEventStore,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # No BEGIN/COMMIT: the pipeline's closing Sync commits. A retire's guarded update goes after the
+    # statement that wrote its events; if it fails, that Sync must not commit them.
+    await store.append(AppendRequest((NewEvent(rollout_stream("gf"), ev.ATTEMPT_STARTED, {"parent_attempt": None},
+                                               "gf", 0),)))
+    head = await store.head()
 
-    monkeypatch.setattr(store, "_write_rest", broken)
-    many = tuple(NewEvent("partial", "noted", {"n": i}) for i in range(INSERT_CHUNK_EVENTS + 20))
+    async def broken(*args: Any) -> None:
+        raise RuntimeError("the guarded update failed after the events were written")
+
+    monkeypatch.setattr("adapters.postgres.guarded_updates", broken)
+    retire = NewEvent(rollout_stream("gf"), ev.ROLLOUT_RETIRED, {"through": 0}, "gf", 0)
     with pytest.raises(RuntimeError):
-        await store.append(AppendRequest(many))
+        await store.append(AppendRequest((retire,)))
     monkeypatch.undo()
-    assert await store.read_stream("partial") == [] and await store.head() == 0
-    (after,) = await store.append(AppendRequest((NewEvent("partial", "noted", {"n": 0}),)))
-    assert after.position == 1 and after.stream_version == 1
+    assert [e.kind for e in await store.read_stream(rollout_stream("gf"))] == [ev.ATTEMPT_STARTED]
+    assert await store.head() == head
+    (after,) = await store.append(AppendRequest((retire,)))
+    assert after.position == head + 1 and after.stream_version == 2
 
 
 async def test_a_pooled_connection_is_not_pinged_at_checkout(store: PostgresEventStore,

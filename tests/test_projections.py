@@ -95,3 +95,39 @@ async def test_a_retire_ends_the_live_attempts_at_or_below_its_mark_and_leaves_f
     live = _dump(dsn)
     await store.rebuild_projections(page=2)
     assert _dump(dsn) == live
+
+
+async def test_projections_written_by_concurrent_writers_equal_their_rebuild(dsn: str) -> None:
+    # Each writer plans before the log's lock and has its positions moved by whatever the others
+    # committed meanwhile: the position columns of the projections must move with them.
+    import asyncio
+
+    writers = [PostgresEventStore.connect(dsn, writer=f"w{i}") for i in range(4)]
+
+    def E(stream, kind, r=None, a=None, **d):  # type: ignore[no-untyped-def]
+        return NewEvent(stream, kind, d, r, a)
+
+    async def lifecycle(store: PostgresEventStore, r: str, finished: bool) -> None:
+        await store.append(AppendRequest((E(rollout_stream(r), ATTEMPT_STARTED, r, 0, parent_attempt=None),)))
+        await store.append(AppendRequest((E(episode_stream(r, 0), "episode_started", r, 0, env="math"),
+                                          E(session_stream(r, 0), "session_opened", r, 0, env="math"))))
+        await store.append(AppendRequest((E(call_stream(f"c-{r}"), "call_accepted", r, 0, call_id=f"c-{r}"),)))
+        await store.append(AppendRequest((E(call_stream(f"c-{r}"), "call_completed", r, 0, call_id=f"c-{r}"),
+                                          E(episode_stream(r, 0), "episode_step", r, 0, step="agent"))))
+        await store.append(AppendRequest((E(rollout_stream(r), ATTEMPT_FINISHED if finished else ATTEMPT_FENCED,
+                                            r, 0, reward=1.0),)))
+
+    try:
+        await asyncio.gather(*(lifecycle(w, f"cw{i}-{j}", j % 2 == 0) for i, w in enumerate(writers) for j in range(6)))
+        live = _dump(dsn)
+        with psycopg.connect(dsn) as conn:
+            started = dict(conn.execute("SELECT rollout_id, position FROM rollbook.events "
+                                        "WHERE kind = 'attempt_started'").fetchall())
+        assert len(live["attempt_state"]) == 24 and len(live["model_call_state"]) == 24
+        await writers[0].rebuild_projections()
+        assert _dump(dsn) == live
+        with psycopg.connect(dsn) as conn:
+            assert dict(conn.execute("SELECT rollout_id, started_position FROM rollbook.attempt_state").fetchall()) == started
+    finally:
+        for w in writers:
+            await w.close()

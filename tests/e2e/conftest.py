@@ -187,6 +187,14 @@ class Cluster:
                 "AND accepted_position > :a ORDER BY accepted_position DESC LIMIT 1", p=f"{prefix}-%", a=after)
         return str(await self.wait_for(f"a model call of {prefix} in flight after {after}", probe, timeout))
 
+    async def cuttable_calls(self) -> float:
+        """The model calls a paused checkpoint would cut now: in flight, with tokens saved (its /metrics)."""
+        async with self.session.get(self.config.url("model") + "/metrics",
+                                    headers={"Authorization": f"Bearer {self.config.control_token}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            lines = (await resp.text()).splitlines()
+        return float(next(x for x in lines if x.startswith("rollbook_model_calls_cuttable ")).split()[1])
+
     async def phase(self, checkpoint_id: str) -> str | None:
         return await self.scalar("SELECT phase FROM rollbook.checkpoints WHERE checkpoint_id = :c", c=checkpoint_id)
 

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 
 import pytest
 from sqlalchemy import text
@@ -158,6 +159,9 @@ async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
         await c.call_in_flight(prefix, after=stalled_at, timeout=10)
     except NeverHappened:
         await c.call_in_flight(prefix)
+    # Prepare cuts only a call with tokens saved (participants.model_server); on a loaded machine the
+    # saver can lag the stall, and a call with none runs on through the checkpoint, uncut.
+    await c.wait_for("a stalled model call with tokens saved", lambda: _some(c.cuttable_calls()), timeout=20)
     try:
         ck = await coll.checkpoint(c.session, f"{prefix}-ck1")
     finally:
@@ -167,6 +171,10 @@ async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
                         "AND data->>'checkpoint_id' = :c", c=f"{prefix}-ck1"))[0].data
     await c.crash(run)
     return coll, cut
+
+
+async def _some(count: Awaitable[float]) -> bool:
+    return await count >= 1
 
 
 async def refused_with_nothing_installed(c: Cluster, coll, checkpoint_id: str, edit: str, **params) -> None:
