@@ -9,7 +9,7 @@ expressions of the statement that moves the heads (adapters.postgres).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
@@ -57,21 +57,30 @@ def upsert_ctes(changes: Iterable[Change], prefix: str = "u", moved_by: str | No
     return ctes, params
 
 
-async def guarded_updates(conn: psycopg.AsyncConnection[Any], changes: Iterable[Change]) -> None:
-    """The changes that apply only to rows in a given state, after every upsert of the same group: no
-    event the append check admits after a retire (in the same group) can touch an attempt it ended,
-    so applying them last is in log order."""
-    for ch in changes:
-        if ch.guard == "live_through":
-            sets = ", ".join(f"{c} = %({c})s" for c in sorted(ch.values))
-            await conn.execute(f"UPDATE rollbook.{ch.table} SET {sets} WHERE rollout_id = %(rollout_id)s "
-                               "AND attempt <= %(attempt)s AND status = 'live'", {**ch.key, **ch.values})
+def until_guarded(changes: Sequence[Change]) -> tuple[list[Change], list[Change]]:
+    """The changes before the first one that applies only to rows in a given state, and the rest
+    (from that one on). The upserts before it are one statement; it must see what they wrote and
+    nothing written after it: retire, forget and a new start of the same attempt in one group would
+    otherwise retire the attempt started after the retire."""
+    i = next((k for k, ch in enumerate(changes) if ch.guard is not None), len(changes))
+    return list(changes[:i]), list(changes[i:])
+
+
+async def _guarded_update(conn: psycopg.AsyncConnection[Any], ch: Change) -> None:
+    if ch.guard == "live_through":
+        sets = ", ".join(f"{c} = %({c})s" for c in sorted(ch.values))
+        await conn.execute(f"UPDATE rollbook.{ch.table} SET {sets} WHERE rollout_id = %(rollout_id)s "
+                           "AND attempt <= %(attempt)s AND status = 'live'", {**ch.key, **ch.values})
 
 
 async def apply_changes(conn: psycopg.AsyncConnection[Any], changes: Iterable[Change]) -> None:
-    """Every change, in one upsert statement then the guarded updates (a rebuild's page)."""
-    changes = list(changes)
-    ctes, params = upsert_ctes(changes)
-    if ctes:
-        await conn.execute("WITH " + ", ".join(ctes) + " SELECT 1", params)
-    await guarded_updates(conn, changes)
+    """Every change in log order: each run of upserts in one statement, each guarded change after the
+    upserts before it and before those after it (a rebuild's page, the rest of an append's group)."""
+    rest = list(changes)
+    while rest:
+        upserts, rest = until_guarded(rest)
+        ctes, params = upsert_ctes(upserts)
+        if ctes:
+            await conn.execute("WITH " + ", ".join(ctes) + " SELECT 1", params)
+        if rest:
+            await _guarded_update(conn, rest.pop(0))

@@ -55,7 +55,7 @@ from adapters.pg_pool import (
     retrying,
     with_retry,
 )
-from adapters.pg_projections import apply_changes, guarded_updates, upsert_ctes
+from adapters.pg_projections import apply_changes, until_guarded, upsert_ctes
 from adapters.pg_reads import _COLUMNS, CHANNEL, LOCK_LOG_HEAD, _row_to_event
 from adapters.pg_snapshots import SnapshotRows
 from engine.attempts import FENCE_KINDS, RolloutState
@@ -332,11 +332,12 @@ class PostgresEventStore(SnapshotRows):
                     return plan.outcomes(requests, 0)
                 if not locked:
                     await conn.execute(LOCK_LOG_HEAD)
-                moved = await conn.execute(*self._write(plan, written, changes, state))
+                upserts, rest = until_guarded(changes)
+                moved = await conn.execute(*self._write(plan, written, upserts, state))
                 if locked:  # one round trip under the lock, only on this path: nothing stale is written
                     if await moved.fetchone() is None:
                         raise RuntimeError("a plan read after the log's lock was stale under it")
-                    await guarded_updates(conn, changes)
+                    await apply_changes(conn, rest)
             except BaseException:
                 # The Sync on the way out would commit what was sent so far: the connection goes
                 # instead, and the server rolls the transaction back.

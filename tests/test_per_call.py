@@ -137,7 +137,7 @@ async def test_an_append_that_fails_after_writing_its_events_commits_none_of_the
     async def broken(*args: Any) -> None:
         raise RuntimeError("the guarded update failed after the events were written")
 
-    monkeypatch.setattr("adapters.postgres.guarded_updates", broken)
+    monkeypatch.setattr("adapters.postgres.apply_changes", broken)
     retire = NewEvent(rollout_stream("gf"), ev.ROLLOUT_RETIRED, {"through": 0}, "gf", 0)
     with pytest.raises(RuntimeError):
         await store.append(AppendRequest((retire,)))

@@ -5,7 +5,13 @@ from __future__ import annotations
 import psycopg
 
 from adapters.postgres import PostgresEventStore
-from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED, ROLLOUT_RETIRED
+from engine.attempts import (
+    ATTEMPT_FENCED,
+    ATTEMPT_FINISHED,
+    ATTEMPT_STARTED,
+    ROLLOUT_FORGOTTEN,
+    ROLLOUT_RETIRED,
+)
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, checkpoint_stream, episode_stream, rollout_stream, session_stream
 from engine.projections import TABLES
@@ -131,3 +137,19 @@ async def test_projections_written_by_concurrent_writers_equal_their_rebuild(dsn
     finally:
         for w in writers:
             await w.close()
+
+
+async def test_a_start_after_a_retire_and_a_forget_in_one_group_stays_live(store: PostgresEventStore, dsn: str) -> None:
+    # Input: one request retiring a rollout before any attempt of it started, forgetting it, and
+    # starting attempt 0 (admitted: the forget lifted the mark). The retire ends only the attempts
+    # live when it lands, in the append's transaction and in a rebuild's page alike.
+    rid = rollout_stream("rfs")
+    await store.append(AppendRequest((NewEvent(rid, ROLLOUT_RETIRED, {"through": 0}, "rfs", 0),
+                                      NewEvent(rid, ROLLOUT_FORGOTTEN, {}, "rfs", 0),
+                                      NewEvent(rid, ATTEMPT_STARTED, {"parent_attempt": None}, "rfs", 0))))
+    with psycopg.connect(dsn) as conn:
+        status = conn.execute("SELECT status FROM rollbook.attempt_state WHERE rollout_id = 'rfs'").fetchall()
+    assert status == [("live",)]
+    live = _dump(dsn)
+    await store.rebuild_projections()
+    assert _dump(dsn) == live
