@@ -93,10 +93,10 @@ LOCK_AND_READ = (
 # was made, added to every planned position (a chain hash does not depend on the position, so nothing
 # else a plan decided changes). Every write joins `d`, so a stale plan writes nothing.
 PLANNED_FROM = (
-    "ok AS (SELECT NOT EXISTS (((" + READ_HEADS + ") EXCEPT ALL (SELECT * FROM unnest(%(rt)s::text[], "
-    "%(rn)s::text[], %(rx)s::bigint[], %(ry)s::bigint[], %(rs)s::text[], %(rh)s::bytea[]))) UNION ALL "
-    "((SELECT * FROM unnest(%(rt)s::text[], %(rn)s::text[], %(rx)s::bigint[], %(ry)s::bigint[], %(rs)s::text[], "
-    "%(rh)s::bytea[])) EXCEPT ALL (" + READ_HEADS + "))) AS same), "
+    "was AS (SELECT * FROM unnest(%(rt)s::text[], %(rn)s::text[], %(rx)s::bigint[], %(ry)s::bigint[], "
+    "%(rs)s::text[], %(rh)s::bytea[])), "
+    "now AS MATERIALIZED (" + READ_HEADS + "), "
+    "ok AS (SELECT NOT EXISTS ((TABLE now EXCEPT ALL TABLE was) UNION ALL (TABLE was EXCEPT ALL TABLE now)) AS same), "
     "d AS (SELECT position - %(planned_from)s AS delta FROM rollbook.log_head, ok WHERE id = 1 AND ok.same)"
 )
 # Arrays go in binary: as text, psycopg escapes every quote of every JSON payload, which measured
