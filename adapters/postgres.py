@@ -310,6 +310,8 @@ class PostgresEventStore(SnapshotRows):
         have committed, a retire's guarded update)."""
         outcomes = await self._try_group(requests, locked=False)
         if outcomes is None:
+            for o in self.observers:
+                o.replanned()
             outcomes = await self._try_group(requests, locked=True)
         assert outcomes is not None  # planned under the lock: nothing it read can change
         return outcomes
@@ -352,10 +354,7 @@ class PostgresEventStore(SnapshotRows):
                                 locked: bool) -> tuple[LogState, _Plan]:
         """The log state a plan starts from, read before the lock or after it, and (after it) what
         earlier tries committed."""
-        keys = [r.key for r in requests if r.key is not None]
-        streams = sorted({e.stream for r in requests for e in r.events} | {s for r in requests for s in r.expected_versions})
-        rollouts = sorted({e.rollout_id for r in requests for e in r.events if e.rollout_id is not None})
-        params: dict[str, list[str]] = {"keys": keys, "streams": streams, "rollouts": rollouts}
+        params = _inputs(requests)
         rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params)).fetchall()
         position, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
         if position is None:
@@ -507,6 +506,14 @@ class PostgresEventStore(SnapshotRows):
                     count += len(evs)
                     after = evs[-1].position
         return count
+
+
+def _inputs(requests: Sequence[AppendRequest]) -> dict[str, list[str]]:
+    """READ_HEADS's parameters: the keys, streams and rollouts whose rows a plan of `requests` reads."""
+    events = [e for r in requests for e in r.events]
+    return {"keys": [r.key for r in requests if r.key is not None],
+            "streams": sorted({e.stream for e in events} | {s for r in requests for s in r.expected_versions}),
+            "rollouts": sorted({e.rollout_id for e in events if e.rollout_id is not None})}
 
 
 def _head_params(plan: _Plan, written: list[RecordedEvent], state: LogState) -> dict[str, Any]:

@@ -66,6 +66,10 @@ class Telemetry:
                                         "(queueing for a group included)", buckets=APPEND_BUCKETS, registry=r)
         self.append_failures = Counter("rollbook_append_failures", "append requests refused or failed, by error code",
                                        ["code"], registry=r)
+        self.replans = Counter(
+            "rollbook_append_replans", "append groups planned again after the log's lock: another writer "
+            "changed one of their streams or rollouts between their read and the lock, or they had to read "
+            "after it (a retry that may have committed, a retire)", registry=r)
         self.database_errors = Counter(
             "rollbook_database_errors", "database faults: connection_lost (each retry of an operation whose "
             "connection failed) and database_unavailable (an operation that gave up)", ["error"], registry=r)
@@ -86,6 +90,9 @@ class Telemetry:
 
     def append_failed(self, code: str) -> None:
         self.append_failures.labels(code).inc()
+
+    def replanned(self) -> None:
+        self.replans.inc()
 
     def connection_lost(self, what: str) -> None:
         self.database_errors.labels("connection_lost").inc()

@@ -14,6 +14,7 @@ import pytest
 
 from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
+from adapters.telemetry import Telemetry
 from engine.attempts import ATTEMPT_FENCED
 from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, chain_hash, encode_payload
@@ -166,9 +167,12 @@ async def test_an_append_planned_before_another_writer_took_its_streams_next_ver
     mine = PostgresEventStore.connect(dsn, writer="mine")
     other = PostgresEventStore.connect(dsn, writer="other")
     try:
+        telemetry = Telemetry("test", "mine")
+        mine.observers.append(telemetry)
         reads = interrupted(mine, lambda: append_one(other, ev("shared", n="other")))
         written = await append_one(mine, ev("shared", n="mine"))
         assert reads == [False, True]
+        assert telemetry.registry.get_sample_value("rollbook_append_replans_total") == 1  # on the server's /metrics
         first, second = await mine.read_stream("shared")
         assert (first.writer, first.stream_version, second.writer, second.stream_version) == ("other", 1, "mine", 2)
         assert (written.position, written.stream_version, written.hash) == (second.position, 2, second.hash)
@@ -194,10 +198,12 @@ async def test_an_append_planned_before_other_streams_moved_the_head_is_written_
         async def five_elsewhere() -> None:
             await other.append(AppendRequest(tuple(ev("elsewhere", n=i) for i in range(5))))
 
+        telemetry = Telemetry("test", "mine")
+        mine.observers.append(telemetry)
         reads = interrupted(mine, five_elsewhere)
         fenced, = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
                                                   key="pm-fence"))
-        assert reads == [False]
+        assert reads == [False] and telemetry.registry.get_sample_value("rollbook_append_replans_total") == 0
         assert fenced.position == 7 and await mine.head() == 7
         assert [e.position for e in await mine.read_all()] == list(range(1, 8))
         again = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
