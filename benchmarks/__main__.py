@@ -210,9 +210,11 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
         "prepare_ms": {"p50": pct(prepare, 50), "p99": pct(prepare, 99), "min": min(prepare, default=None),
                        "max": max(prepare, default=None), "n": len(prepare),
                        "median_per_participant": per_participant,
-                       # the coordinator's own share: the started append, then the phase read and the prepared append
+                       # the coordinator's steps in order: the started append, the read of the members, each
+                       # stage's wall (its slowest participant), the phase read, and "recorded": that read and
+                       # the prepared append
                        "median_coordinator": {k: med([c[f"prepare.{k}"] for c in cks if f"prepare.{k}" in c])
-                                              for k in ("started", "recorded")}},
+                                              for k in ("started", "members", "stage1", "stage2", "phase", "recorded")}},
         "publish_ms_by_index": {str(i): med(v) for i, v in sorted(by_index.items())},
         "publish_first_ms": med(by_index.get(1, [])), "publish_last_index": last,
         "publish_last_ms": med(by_index[last]) if last else None,

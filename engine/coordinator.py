@@ -222,14 +222,18 @@ class Coordinator:
             phase = (await self._phase(checkpoint_id)).phase
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} already exists (phase {phase}); use a new id") from exc
         self.timing.record("prepare.started", started)  # the coordinator's own share: its appends and reads
+        reading = time.perf_counter()
         await self._current()
+        self.timing.record("prepare.members", reading)
         prepared: list[ParticipantClient] = []
         reports: dict[str, Any] = {}
         restarts: set[Key] = set()
         records: list[PrepareRecord] = []
         body = self._body(checkpoint_id, deadline)
-        for stage in _staged(self.participants):
+        for i, stage in enumerate(_staged(self.participants), 1):
+            asking = time.perf_counter()
             replies = await asyncio.gather(*(_prepare_one(p, body, self.timing) for p in stage))
+            self.timing.record(f"prepare.stage{i}", asking)  # the stage's wall: its slowest reply
             for p, reply in zip(stage, replies, strict=True):
                 reports[p.name] = reply
             failed = next((p for p, reply in zip(stage, replies, strict=True) if not reply.get("ready")), None)
@@ -242,6 +246,7 @@ class Coordinator:
             records += [PrepareRecord.from_json(r) for reply in replies for r in reply.get("records", [])]
         recording = time.perf_counter()
         phases = await self._phase(checkpoint_id)
+        self.timing.record("prepare.phase", recording)  # the read part of "prepare.recorded"
         event = phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)])
         await self._record_prepared(checkpoint_id, prepared, event, records)
         self.timing.record("prepare.recorded", recording)

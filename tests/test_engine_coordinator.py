@@ -118,8 +118,13 @@ async def test_a_record_that_cannot_be_appended_aborts_the_checkpoint_and_resume
 async def test_a_participant_of_an_unknown_kind_prepares_last_alone() -> None:
     journal: list[tuple[str, str]] = []
     parts = [Participant("custom", journal), *four(journal)]
-    await Coordinator(MemoryCutStore(), parts).prepare("ck", time.time() + 30)
+    coordinator = Coordinator(MemoryCutStore(), parts)
+    await coordinator.prepare("ck", time.time() + 30)
     assert journal[-1] == ("prepare", "custom")
+    # Each step's time is recorded, in a stage of its own (the benchmark's prepare_ms.median_coordinator).
+    assert {"prepare.started", "prepare.members", "prepare.stage1", "prepare.stage2", "prepare.stage3",
+            "prepare.phase", "prepare.recorded", "prepare"} <= set(coordinator.timing.ms)
+    assert "prepare.stage4" not in coordinator.timing.ms
 
 
 @pytest.mark.parametrize("refusal", [{"ready": False}, AdmissionClosed("closed"), OSError("connection refused")])
