@@ -8,7 +8,6 @@ reads after each history."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -22,6 +21,7 @@ from engine.errors import RollbookError
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, RecordedEvent, chain_hash, encode_payload
 from engine.identity import rollout_stream
 from engine.projections import TABLES
+from tests.test_log import interrupted
 
 KINDS = ("start", "turn", "fence", "finish", "retire", "forget", "note", "first")
 OP = st.tuples(st.sampled_from(KINDS), st.integers(0, 1), st.integers(0, 2), st.booleans(), st.booleans())
@@ -45,20 +45,6 @@ def request(prefix: str, kind: str, r: int, a: int) -> AppendRequest:
         return AppendRequest((NewEvent(f"agent:{rid}:{a}", "turn", {"a": a}, rid, a),))
     stream = f"{prefix}s{r}"  # "first" expects a new stream: a second one conflicts
     return AppendRequest((NewEvent(stream, "noted", {"r": r}),), {stream: 0} if kind == "first" else {})
-
-
-def interleaved(store: PostgresEventStore, meanwhile: Callable[[], Awaitable[None]]) -> None:
-    """`meanwhile` commits between `store`'s next read of what it plans from and its lock."""
-    real = store._read_plan_inputs
-    pending = [meanwhile]
-
-    async def read(conn, requests, locked):  # type: ignore[no-untyped-def]
-        got = await real(conn, requests, locked)
-        if pending:
-            await pending.pop()()
-        return got
-
-    store._read_plan_inputs = read  # type: ignore[method-assign]
 
 
 async def outcome(store: PostgresEventStore, req: AppendRequest) -> list[RecordedEvent] | RollbookError:
@@ -93,7 +79,7 @@ async def test_any_interleaving_of_two_writers_leaves_a_log_the_rules_admit(
                 async def other(k2: str = k2, r2: int = r2, a2: int = a2, by: int = not by_second) -> None:
                     told.append(await outcome(stores[by], request(prefix, k2, r2, a2)))
 
-                interleaved(mine, other)
+                interrupted(mine, other)
                 told.append(await outcome(mine, request(prefix, kind, r, a)))
                 i += 2
             else:

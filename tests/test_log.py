@@ -7,7 +7,7 @@ The store-agnostic contract lives in tests/log_contract.py (the memory store pas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import psycopg
 import pytest
@@ -128,8 +128,8 @@ async def test_the_head_is_the_last_committed_position_and_waits_for_no_append_i
 
 
 def interrupted(store: PostgresEventStore, meanwhile: Callable[[], Awaitable[object]]) -> list[bool]:
-    """Have `meanwhile` commit between `store`'s first read of what it plans from and its lock (as
-    another process would); the list records, per read, whether it was taken after the lock."""
+    """Have `meanwhile` commit between `store`'s next read of what it plans from and its lock (as
+    another process would); the list records, per read from now on, whether it was taken after the lock."""
     real, reads = store._read_plan_inputs, []
 
     async def read(conn, requests, locked):  # type: ignore[no-untyped-def]
@@ -143,76 +143,72 @@ def interrupted(store: PostgresEventStore, meanwhile: Callable[[], Awaitable[obj
     return reads
 
 
-async def test_an_append_planned_before_another_writer_fenced_its_attempt_is_refused(dsn: str) -> None:
+@pytest.fixture
+async def two_writers(dsn: str) -> AsyncIterator[tuple[PostgresEventStore, PostgresEventStore]]:
+    """Two stores on one database, as two processes have: the one under test and another writer."""
+    mine, other = (PostgresEventStore.connect(dsn, writer=w) for w in ("mine", "other"))
+    yield mine, other
+    await mine.close()
+    await other.close()
+
+
+async def test_an_append_planned_before_another_writer_fenced_its_attempt_is_refused(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
     # Input: an agent's turn for attempt 0, planned while the attempt was live; the coordinator's
     # fence commits before the agent's write takes the lock.
-    agent = PostgresEventStore.connect(dsn, writer="agent")
-    coordinator = PostgresEventStore.connect(dsn, writer="coordinator")
-    try:
-        await start_attempt(agent, "pf", 0)
-        fences: list[int] = []
-        reads = interrupted(agent, lambda: append_one(coordinator, ev(rollout_stream("pf"), ATTEMPT_FENCED, "pf", 0,
-                                                                      reason="restore")))
-        with pytest.raises(StaleAttempt):
-            await append_one(agent, ev("agent:pf:0", "turn", "pf", 0, i=1))
-        assert reads == [False, True]  # the stale plan wrote nothing; the one after the lock refused
-        fences = [e.position for e in await agent.read_rollout("pf", 0) if e.kind == ATTEMPT_FENCED]
-        assert len(fences) == 1 and await agent.read_stream("agent:pf:0") == [] and await agent.head() == fences[0]
-    finally:
-        await agent.close()
-        await coordinator.close()
+    agent, coordinator = two_writers
+    await start_attempt(agent, "pf", 0)
+    reads = interrupted(agent, lambda: append_one(coordinator, ev(rollout_stream("pf"), ATTEMPT_FENCED, "pf", 0,
+                                                                  reason="restore")))
+    with pytest.raises(StaleAttempt):
+        await append_one(agent, ev("agent:pf:0", "turn", "pf", 0, i=1))
+    assert reads == [False, True]  # the stale plan wrote nothing; the one after the lock refused
+    fences = [e.position for e in await agent.read_rollout("pf", 0) if e.kind == ATTEMPT_FENCED]
+    assert len(fences) == 1 and await agent.read_stream("agent:pf:0") == [] and await agent.head() == fences[0]
 
 
-async def test_an_append_planned_before_another_writer_took_its_streams_next_version_lands_after_it(dsn: str) -> None:
-    mine = PostgresEventStore.connect(dsn, writer="mine")
-    other = PostgresEventStore.connect(dsn, writer="other")
-    try:
-        telemetry = Telemetry("test", "mine")
-        mine.observers.append(telemetry)
-        reads = interrupted(mine, lambda: append_one(other, ev("shared", n="other")))
-        written = await append_one(mine, ev("shared", n="mine"))
-        assert reads == [False, True]
-        assert telemetry.registry.get_sample_value("rollbook_append_replans_total") == 1  # on the server's /metrics
-        first, second = await mine.read_stream("shared")
-        assert (first.writer, first.stream_version, second.writer, second.stream_version) == ("other", 1, "mine", 2)
-        assert (written.position, written.stream_version, written.hash) == (second.position, 2, second.hash)
-        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
-            (version, digest), = await (await conn.execute(
-                "SELECT version, hash FROM rollbook.stream_heads WHERE stream = 'shared'")).fetchall()
-        assert (version, bytes(digest)) == (2, second.hash)
-        assert chain_hash(first.hash, "shared", 2, NewEvent("shared", "noted", {"n": "mine"}),
-                          encode_payload({"n": "mine"})) == second.hash
-    finally:
-        await mine.close()
-        await other.close()
+async def test_an_append_planned_before_another_writer_took_its_streams_next_version_lands_after_it(
+        dsn: str, two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    mine, other = two_writers
+    telemetry = Telemetry("test", "mine")
+    mine.observers.append(telemetry)
+    reads = interrupted(mine, lambda: append_one(other, ev("shared", n="other")))
+    written = await append_one(mine, ev("shared", n="mine"))
+    assert reads == [False, True]
+    assert telemetry.registry.get_sample_value("rollbook_append_replans_total") == 1  # on the server's /metrics
+    first, second = await mine.read_stream("shared")
+    assert (first.writer, first.stream_version, second.writer, second.stream_version) == ("other", 1, "mine", 2)
+    assert (written.position, written.stream_version, written.hash) == (second.position, 2, second.hash)
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
+        (version, digest), = await (await conn.execute(
+            "SELECT version, hash FROM rollbook.stream_heads WHERE stream = 'shared'")).fetchall()
+    assert (version, bytes(digest)) == (2, second.hash)
+    assert chain_hash(first.hash, "shared", 2, NewEvent("shared", "noted", {"n": "mine"}),
+                      encode_payload({"n": "mine"})) == second.hash
 
 
-async def test_an_append_planned_before_other_streams_moved_the_head_is_written_at_the_head_it_finds(dsn: str) -> None:
+async def test_an_append_planned_before_other_streams_moved_the_head_is_written_at_the_head_it_finds(
+        dsn: str, two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
     # Nothing it read changed, so it is not planned again: its positions, its key and its projections'
     # position columns move by the events committed in between.
-    mine = PostgresEventStore.connect(dsn, writer="mine")
-    other = PostgresEventStore.connect(dsn, writer="other")
-    try:
-        await start_attempt(mine, "pm", 0)
+    mine, other = two_writers
+    await start_attempt(mine, "pm", 0)
 
-        async def five_elsewhere() -> None:
-            await other.append(AppendRequest(tuple(ev("elsewhere", n=i) for i in range(5))))
+    async def five_elsewhere() -> None:
+        await other.append(AppendRequest(tuple(ev("elsewhere", n=i) for i in range(5))))
 
-        telemetry = Telemetry("test", "mine")
-        mine.observers.append(telemetry)
-        reads = interrupted(mine, five_elsewhere)
-        fenced, = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
-                                                  key="pm-fence"))
-        assert reads == [False] and telemetry.registry.get_sample_value("rollbook_append_replans_total") == 0
-        assert fenced.position == 7 and await mine.head() == 7
-        assert [e.position for e in await mine.read_all()] == list(range(1, 8))
-        again = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
-                                                key="pm-fence"))
-        assert [e.position for e in again] == [7]  # the key was recorded at the moved position
-        async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
-            row = await (await conn.execute("SELECT a.ended_position, h.fence_position FROM rollbook.attempt_state a, "
-                                            "rollbook.log_head h WHERE a.rollout_id = 'pm'")).fetchone()
-        assert row == (7, 7)
-    finally:
-        await mine.close()
-        await other.close()
+    telemetry = Telemetry("test", "mine")
+    mine.observers.append(telemetry)
+    reads = interrupted(mine, five_elsewhere)
+    fenced, = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
+                                              key="pm-fence"))
+    assert reads == [False] and telemetry.registry.get_sample_value("rollbook_append_replans_total") == 0
+    assert fenced.position == 7 and await mine.head() == 7
+    assert [e.position for e in await mine.read_all()] == list(range(1, 8))
+    again = await mine.append(AppendRequest((ev(rollout_stream("pm"), ATTEMPT_FENCED, "pm", 0, reason="x"),),
+                                            key="pm-fence"))
+    assert [e.position for e in again] == [7]  # the key was recorded at the moved position
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn)) as conn:
+        row = await (await conn.execute("SELECT a.ended_position, h.fence_position FROM rollbook.attempt_state a, "
+                                        "rollbook.log_head h WHERE a.rollout_id = 'pm'")).fetchone()
+    assert row == (7, 7)
