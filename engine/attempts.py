@@ -75,8 +75,18 @@ def admit(event: NewEvent, rollout: RolloutState | None) -> RolloutState | None:
     if event.kind == ROLLOUT_FORGOTTEN:
         return RolloutState(dict(state.attempts), -1)
     if event.kind == ROLLOUT_RETIRED:
+        # A mark only moves up. The event carries the mark it sets (the projection writes it as is), so
+        # one at or below the current mark is refused rather than logged: logged, it would lower the
+        # mark every reader of the log sees, and a retired attempt could write again. Two retirers that
+        # both read the old mark race here; the later one hears it and has nothing left to do.
         through = int(event.data["through"])
-        return RolloutState(dict(state.attempts), max(state.retired_through, through))
+        if through <= state.retired_through:
+            raise StaleAttempt(
+                f"rollout {event.rollout_id} is already retired through {state.retired_through}",
+                rollout_id=event.rollout_id,
+                attempt=n,
+            )
+        return RolloutState(dict(state.attempts), through)
     status = state.attempts.get(n)
     if status is None:
         raise UnknownAttempt(

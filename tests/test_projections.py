@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from adapters.postgres import PostgresEventStore
 from engine.attempts import (
@@ -12,6 +13,7 @@ from engine.attempts import (
     ROLLOUT_FORGOTTEN,
     ROLLOUT_RETIRED,
 )
+from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, checkpoint_stream, episode_stream, rollout_stream, session_stream
 from engine.projections import TABLES
@@ -153,3 +155,19 @@ async def test_a_start_after_a_retire_and_a_forget_in_one_group_stays_live(store
     live = _dump(dsn)
     await store.rebuild_projections()
     assert _dump(dsn) == live
+
+
+async def test_a_retire_below_the_mark_is_refused_and_the_mark_stays(store: PostgresEventStore, dsn: str) -> None:
+    # Input: retire through 1, then a second retirer (which read the mark before the first landed)
+    # retires through 0. Logged, it would set the projected mark to 0 and let attempt 1 write again.
+    rid = rollout_stream("rlow")
+    for a in (0, 1):
+        await store.append(AppendRequest((NewEvent(rid, ATTEMPT_STARTED, {"parent_attempt": a - 1 if a else None},
+                                                   "rlow", a),)))
+    await store.append(AppendRequest((NewEvent(rid, ROLLOUT_RETIRED, {"through": 1}, "rlow", 1),)))
+    with pytest.raises(StaleAttempt, match="already retired through 1"):
+        await store.append(AppendRequest((NewEvent(rid, ROLLOUT_RETIRED, {"through": 0}, "rlow", 0),)))
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = 'rlow'").fetchone() == (1,)
+    with pytest.raises(StaleAttempt):
+        await store.append(AppendRequest((NewEvent("agent:rlow:1", "turn", {}, "rlow", 1),)))
