@@ -245,9 +245,9 @@ class Coordinator:
             restarts |= {(r["rollout_id"], r["attempt"]) for reply in replies for r in reply.get("restarts", [])}
             records += [PrepareRecord.from_json(r) for reply in replies for r in reply.get("records", [])]
         recording = time.perf_counter()
-        phases = await self._phase(checkpoint_id)
-        self.timing.record("prepare.phase", recording)  # the read part of "prepare.recorded"
-        event = phases.fire("prepared", restarts=[list(k) for k in sorted(restarts)])
+        # No read of the phase: the append expects the stream as this prepare left it (started alone),
+        # so an abort that landed meanwhile (anyone may record an expired lease) refuses it.
+        event = CheckpointPhases(checkpoint_id).fire("prepared", restarts=[list(k) for k in sorted(restarts)])
         await self._record_prepared(checkpoint_id, prepared, event, records)
         self.timing.record("prepare.recorded", recording)
         self.restarts[checkpoint_id] = sorted(restarts)
@@ -259,12 +259,17 @@ class Coordinator:
         """`checkpoint_prepared` and what the participants' prepares handed over (engine.prepare_records),
         queued together so they commit in one group: one append's wait, not two. A record refused
         `stale_attempt` belongs to an attempt fenced since (nothing of it counts); any other failure
-        aborts the checkpoint, so no commit ever fixes P over a missing record."""
+        aborts the checkpoint, so no commit ever fixes P over a missing record. A checkpoint aborted
+        meanwhile stays aborted: its records may land all the same, as the participant would append
+        them itself on resume."""
         outcomes = await asyncio.gather(*(self.store.append(r.request()) for r in records),
-                                        self.store.append(AppendRequest((event,))), return_exceptions=True)
+                                        self.store.append(AppendRequest((event,), {event.stream: 1})), return_exceptions=True)
         failed = next((o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, StaleAttempt)), None)
         if failed is None:
             return
+        if isinstance(failed, VersionConflict):
+            await self._resume(checkpoint_id, prepared)
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was aborted while it was being prepared") from failed
         if not isinstance(failed, RollbookError | OSError):
             raise failed  # a bug or a cancellation
         await self._abort(checkpoint_id, prepared, f"could not record the prepared checkpoint: {failed}")
