@@ -136,9 +136,11 @@ JOIN rollbook.participants p ON p.instance = e.writer WHERE e.rollout_id LIKE :p
 
 
 def _every_instance(world: World) -> Callable[[FaultMachine], None]:
-    """A run id whose first attempts hash to both instances of every kind (participants/routing.py:
+    """A run id whose first attempts reach both instances of every kind (participants/routing.py:
     each hop picks among the live processes of the callee's kind by (rollout, attempt), an episode
-    under attempt 0), so the test does not depend on the luck of the draw."""
+    under attempt 0), so the test does not depend on the luck of the draw. The driver sends every
+    other episode straight to the first environment instance, a process that serves what it is sent;
+    only the rest meet the rule, at the second instance's front."""
     def choose(m: FaultMachine) -> None:
         # The live processes of each kind, each with its instance's address (a worker's front): the
         # routing rule picks among the processes, and the test wants both instances of every kind.
@@ -150,9 +152,13 @@ def _every_instance(world: World) -> Callable[[FaultMachine], None]:
             sites.setdefault(kind, {})[address] = site
         assert set(sites) == set(cfg.KINDS), sites
 
-        def spread(site: dict[str, str]) -> bool:
-            return len({site[pick(list(site), f"{m.run_id}-{i:04d}", 0)] for i in range(ROLLOUTS)}) == INSTANCES
-        while not all(spread(site) for site in sites.values()):
+        direct = world.urls("environment")[0].rstrip("/")  # FaultMachine's episodes_url: rollout i to instance i % 2
+
+        def spread(kind: str, site: dict[str, str]) -> bool:
+            routed = [i for i in range(ROLLOUTS) if kind != "environment" or i % INSTANCES]
+            reached = {site[pick(list(site), f"{m.run_id}-{i:04d}", 0)].rstrip("/") for i in routed}
+            return len(reached | ({direct} if kind == "environment" else set())) == INSTANCES
+        while not all(spread(kind, site) for kind, site in sites.items()):
             m.run_id += "y"
     return choose
 
