@@ -26,7 +26,7 @@ import aiohttp
 from engine.capability import capability
 from engine.errors import ParticipantUnavailable, RollbookError
 
-# The paths every server mounts (participants.control_plane) and every client calls.
+# The paths every server mounts (participants.base.control_plane) and every client calls.
 PREFIX = "/rollbook/v1"
 CONTROL = f"{PREFIX}/control"
 

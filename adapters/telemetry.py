@@ -2,7 +2,7 @@
 
 One `Telemetry` per server (per aiohttp app): its own `CollectorRegistry`, so several servers in one
 process (the tests, the demo) never share a series, and its own `TracerProvider`, not the global
-one, for the same reason. Nothing here speaks HTTP: `participants.observability` mounts `/metrics`
+one, for the same reason. Nothing here speaks HTTP: `participants.base.observability` mounts `/metrics`
 and wraps the routes; the event store reports appends and database faults to the observers it is
 given (adapters.postgres `StoreObserver`), which a `Telemetry` is.
 

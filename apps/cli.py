@@ -85,7 +85,7 @@ async def _with_store(dsn: str | None, work):  # type: ignore[no-untyped-def]
 
 
 def _history(args: argparse.Namespace) -> int:
-    from participants.replay import history
+    from apps.replay import history
 
     h = asyncio.run(_with_store(args.dsn, lambda s: history(s, args.rollout_id)))
     if args.json:
@@ -106,7 +106,7 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from participants.replay import replay
+    from apps.replay import replay
 
     steps, state = asyncio.run(_with_store(args.dsn, lambda s: replay(s, args.rollout_id, args.attempt, args.to)))
     if args.json:

@@ -104,11 +104,11 @@ from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from engine.membership import DEFAULT_LEASE_S
 from engine.tool_replay import declared
+from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
+from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.sandbox import SandboxLimits
-from participants.guard import Credentials
-from participants.model_progress import PROGRESS_S
-from participants.nemo_gym_relay import GymServer
+from participants.model.progress import PROGRESS_S
 
 Kind = Literal["environment", "model", "agent", "resources"]
 KINDS: tuple[Kind, ...] = ("environment", "model", "agent", "resources")
@@ -135,7 +135,7 @@ class ServerConfig(Strict):
     token_latency_s: float = 0.0
     token_store: Literal["postgres", "filesystem"] = "postgres"
     token_store_root: str | None = None
-    # How often the tokens of the generations in flight are saved (participants/model_progress.py): a
+    # How often the tokens of the generations in flight are saved (participants/model/progress.py): a
     # paused checkpoint cuts a generation at its last save, so this is the most generation a cut sends
     # back to be made again; shorter costs the model server more CPU (never over a fifth of it).
     progress_s: float = Field(default=PROGRESS_S, gt=0, le=60)

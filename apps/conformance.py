@@ -42,11 +42,12 @@ from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, CutStore, effective_history
 from engine.coordinator import CheckpointStore
 from engine.events import NewEvent, RecordedEvent
-from participants import agent_server, model_server
-from participants.agent_server import AgentParticipant
+from participants.agent import server as agent_server
+from participants.agent.server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
 from participants.environments.tasks import make_task
-from participants.scripted_model import ScriptedBackend
+from participants.model import server as model_server
+from participants.model.scripted import ScriptedBackend
 
 LATENCY = 0.005  # per model call, so calls are genuinely in flight
 # Each environment's fixed task is `make_task(env, cls.conformance_seed)`, one with few turns under the scripted

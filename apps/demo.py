@@ -32,8 +32,8 @@ from apps import config as cfg
 from apps.collection import Collection
 from apps.processes import ServerProcesses, free_port
 from engine import catalog as ev
+from participants.base.observability import METRICS_PATH
 from participants.environments.tasks import make_tasks
-from participants.observability import METRICS_PATH
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
 

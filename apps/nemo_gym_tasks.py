@@ -5,8 +5,8 @@ e.g. its `data/example.jsonl`): the task of environment NAME whose `params.row` 
 id the row's `id` (else its index), its prompt the row's system and user messages.
 
 A materialized row (`task_id: {taskset, task_id}` plus `task_input`) becomes the task its
-`task_input` names (participants.nemo_gym_wire.GymTaskInput); a flat row (`responses_create_params`, ...)
-becomes the task the per-row rule picks (participants.nemo_gym_wire.flat_row_task). One JSON task per
+`task_input` names (participants.base.nemo_gym_rows.GymTaskInput); a flat row (`responses_create_params`, ...)
+becomes the task the per-row rule picks (participants.base.nemo_gym_rows.flat_row_task). One JSON task per
 output line, in input order. A row no rule accepts stops the conversion with its line number and
 nothing is written.
 """
@@ -22,9 +22,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.errors import InvalidRequest, RollbookError
+from participants.base.nemo_gym_rows import GymTaskInput, TaskId, flat_row_task, task_for
 from participants.environments import Task
-from participants.nemo_gym_relay import task_from_row as gym_task
-from participants.nemo_gym_wire import GymTaskInput, TaskId, flat_row_task, task_for
+from participants.environments.nemo_gym_relay import task_from_row as gym_task
 
 
 def task_from_row(row: Any) -> Task:

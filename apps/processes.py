@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,6 +19,11 @@ from pathlib import Path
 
 from adapters.http_client import CONTROL
 from apps.config import KINDS, Config
+
+
+def instance_id(kind: str) -> str:
+    # Unique across hosts and restarts: a pid is reused, the random part is not.
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 PORT_MARKS = Path(tempfile.gettempdir()) / f"rollbook-ports-{os.getuid()}"
 PORT_HELD_S = 600.0  # far longer than any server takes to bind the port it was handed
@@ -114,7 +120,7 @@ class ServerProcesses:
         try:
             with urllib.request.urlopen(req, timeout=1) as resp:
                 body = json.loads(resp.read())
-                # Recorded in the log too: a checkpoint started from now on drives it (participants/instances.py).
+                # Recorded in the log too: a checkpoint started from now on drives it (participants/base/instances.py).
                 return bool(body["kind"] == kind and body.get("joined", True))
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -5,10 +5,6 @@ Any number of instances of a kind may serve against one database: each records i
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
-
 from aiohttp import web
 
 from adapters import database
@@ -18,18 +14,13 @@ from adapters.membership import Lease, MembershipReader, paused_checkpoint_open
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
-from apps.processes import free_port
+from apps.processes import free_port, instance_id
 from engine.membership import WorkerOf
-from participants.app import PARTICIPANT
-from participants.instances import Joining
-from participants.nemo_gym_relay import register, stop_all
-from participants.observability import TELEMETRY
-from participants.routing import Peers
-
-
-def instance_id(kind: str) -> str:
-    # Unique across hosts and restarts: a pid is reused, the random part is not.
-    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+from participants.base.app import PARTICIPANT
+from participants.base.instances import Joining
+from participants.base.observability import TELEMETRY
+from participants.base.routing import Peers
+from participants.environments.nemo_gym_relay import register, stop_all
 
 
 def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) -> web.Application:
@@ -44,7 +35,7 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
     if kind == "model":
         from adapters.generation import BackendSettings, make_backend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
-        from participants.servers import build_model_app
+        from participants.model.app import build_model_app
 
         s = config.servers["model"]
         backend = make_backend(s.backend, BackendSettings(url=s.url, model=s.model, api_key=s.api_key,
@@ -55,12 +46,12 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
         tokens = FilesystemTokenStore(s.token_store_root or "tokens") if s.token_store == "filesystem" else PostgresTokenStore(store)
         app = build_model_app(store, backend, tokens, config.credentials, instance=instance, progress_s=s.progress_s)
     elif kind == "resources":
-        from participants.servers import build_resources_app
+        from participants.resources.app import build_resources_app
 
         sandbox = config.sandbox.limits() if config.sandbox is not None else None
         app = build_resources_app(store, config.credentials, instance=instance, sandbox=sandbox)
     elif kind == "agent":
-        from participants.servers import build_agent_app
+        from participants.agent.app import build_agent_app
 
         # The agent calls these three and the model instances the log records, and no other address:
         # none comes from a request. The environment
@@ -69,7 +60,7 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
         app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
                               environment_url=env.base_url if env else None)
     else:
-        from participants.servers import build_environment_app
+        from participants.environment.app import build_environment_app
 
         app = build_environment_app(store, config.credentials, config.url("agent"), config.url("resources"),
                                     instance=instance, environments=config.environments())
@@ -94,7 +85,7 @@ def _record_instance(app: web.Application, kind: Kind, instance: str, config: Co
     reader = MembershipReader(store)
     participant = app[PARTICIPANT]
     joining = Joining(participant, lease, reader, lambda: paused_checkpoint_open(store))
-    # Every caller reaches the live instances and workers of its callee kinds (participants/routing.py).
+    # Every caller reaches the live instances and workers of its callee kinds (participants/base/routing.py).
     for peers in vars(participant).values():
         if isinstance(peers, Peers):
             peers.source = lambda k=peers.kind: reader.live_addresses(k)

@@ -29,16 +29,19 @@ from engine.checkpoint import ParticipantStore
 from engine.coordinator import CheckpointStore, Coordinator
 from engine.events import RecordedEvent
 from engine.log import EventStore
-from participants.agent_server import AgentParticipant
-from participants.app import PARTICIPANT
+from participants.agent.app import build_agent_app
+from participants.agent.server import AgentParticipant
+from participants.base.app import PARTICIPANT
+from participants.base.guard import Credentials
+from participants.base.participant import Participant
+from participants.environment.app import build_environment_app
 from participants.environments import enabled_environments
 from participants.environments.base import Task
 from participants.environments.sandbox import SandboxLimits
-from participants.guard import Credentials
-from participants.model_calls import TokenStore
-from participants.participant import Participant
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_agent_app, build_environment_app, build_model_app, build_resources_app
+from participants.model.app import build_model_app
+from participants.model.calls import TokenStore
+from participants.model.scripted import ScriptedBackend
+from participants.resources.app import build_resources_app
 
 CREDS = Credentials(control="stack-control-secret", data="stack-data-secret")
 TOKEN = CREDS.control  # the coordinator's

@@ -1,6 +1,6 @@
 """`[servers.KIND] workers = N`: N processes of a server behind its one address.
 
-`rollbook serve KIND` with `workers = N` (N > 1) runs a front (participants/front.py) at the
+`rollbook serve KIND` with `workers = N` (N > 1) runs a front (participants/base/front.py) at the
 configured address and starts N worker processes on free internal ports, in its own process group
 (a signal to the group reaches them all). Each worker is a whole server of its kind, recorded in the
 log like an instance at its own address with its front, its parent (this process) and its index
@@ -10,7 +10,7 @@ log like an instance at its own address with its front, its parent (this process
   live worker that does not answer fails a paused prepare closed (apps/participant_set.py);
 - callers that read the log (the environment to the agent and the resources server, the agent to the
   model and the resources server) pick the worker themselves by the routing rule
-  (participants/routing.py), and the front picks the same one for everyone else;
+  (participants/base/routing.py), and the front picks the same one for everyone else;
 - a worker that dies is recorded `instance_stopped` by this process as soon as it sees the exit, so its
   sessions move to a live worker at once instead of a lease later, where they are taken over from the
   log (engine/ownership.py, engine/recovery.py).
@@ -37,13 +37,12 @@ from adapters.http_server import run_bounded
 from adapters.membership import MembershipReader
 from adapters.postgres import PostgresEventStore
 from apps.config import Config, Kind
-from apps.processes import free_port
-from apps.serve import instance_id
+from apps.processes import free_port, instance_id
 from engine import membership as M
 from engine.errors import RollbookError
 from engine.events import AppendRequest
-from participants.front import Front, front_app
-from participants.routing import Peers
+from participants.base.front import Front, front_app
+from participants.base.routing import Peers
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.1  # how soon a worker's exit is seen and recorded

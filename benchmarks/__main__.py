@@ -59,7 +59,7 @@ from benchmarks import commit as bcommit  # noqa: E402
 from benchmarks import cpu, peers  # noqa: E402
 from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
-from participants.model_progress import PROGRESS_S  # noqa: E402
+from participants.model.progress import PROGRESS_S  # noqa: E402
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
 
@@ -233,7 +233,7 @@ MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0)
 # The calls of a run cut by a checkpoint, each by what took it up (the same call asked again, or one
 # that replaces it): a call that continues its durable prefix, one that generates it again from the
 # start, or none yet. Tokens generated again: the prefixes of
-# those started over, and what each cut received past the durable prefix it kept (participants.model_progress).
+# those started over, and what each cut received past the durable prefix it kept (participants.model.progress).
 CUT_CALLS = """
 WITH cut AS (
   SELECT c.data->>'call_id' AS call_id, (c.data->>'unsaved')::int AS unsaved,

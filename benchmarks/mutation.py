@@ -339,7 +339,7 @@ def _preload(names: list[str]) -> None:
 
     tests = sorted({f"tests.{f.removesuffix('.py')}" for n in names for f in TESTS[n] if (ROOT / "tests" / f).exists()})
     for name in ("hypothesis", "sqlalchemy", "aiohttp", "pydantic", "transitions", "yaml", "psycopg",
-                 "prometheus_client", "adapters.postgres", "participants.agent_server", "apps.cli", "tests.conftest",
+                 "prometheus_client", "adapters.postgres", "participants.agent.server", "apps.cli", "tests.conftest",
                  *tests):
         try:
             importlib.import_module(name)

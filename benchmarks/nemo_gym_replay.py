@@ -4,7 +4,7 @@
 
 NeMo Gym's own `resources_servers.workplace_assistant.app`, unchanged, runs in the environment
 `rollbook nemo-gym install` builds, started by rollbook's own process handling
-(participants.nemo_gym_relay.GymProcess). For each session length N it records a session of N tool
+(participants.environments.nemo_gym_relay.GymProcess). For each session length N it records a session of N tool
 calls through the relay (a mix of Workplace's reads and writes: search, create event, send email,
 update customer), then times `revive`: seed a fresh session and send the N calls again, each reply
 checked against its recorded digest (engine.tool_replay), the way the resources server rebuilds a
@@ -27,7 +27,7 @@ from typing import Any
 from apps.nemo_gym_install import WORKPLACE, install
 from apps.processes import free_port
 from participants.environments import ENVIRONMENTS, Task
-from participants.nemo_gym_relay import GymServer, register
+from participants.environments.nemo_gym_relay import GymServer, register
 
 
 def calls_for(n: int) -> list[tuple[str, dict[str, Any]]]:

@@ -8,7 +8,7 @@ unless --dsn is given, migrated fresh) serves `--calls` concurrent calls, half s
 client and half not, each of a different rollout. The backend is the scripted policy with
 `--token-latency-s` per step (4.5 s per reply at the default 0.5 s), or with `--backend upstream` the
 OpenAI-compatible backend against the fake vLLM server of testkit/fake_vllm.py at the same pace.
-When every call has tokens of its own saved (participants.model_progress), the control plane's
+When every call has tokens of its own saved (participants.model.progress), the control plane's
 prepare is called over HTTP and timed (the round trip as the coordinator sees it). Each in-flight
 call must end cut at a token boundary: the prefix in the token store and `call_cut` in the log, which
 the benchmark appends from the prepare's reply as the coordinator does with `checkpoint_prepared`
@@ -46,11 +46,11 @@ from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from engine.prepare_records import PrepareRecord  # noqa: E402
-from participants.app import PARTICIPANT  # noqa: E402
-from participants.guard import Credentials  # noqa: E402
-from participants.scripted_model import ScriptedBackend  # noqa: E402
-from participants.servers import build_model_app  # noqa: E402
-from participants.wire import CONTROL  # noqa: E402
+from participants.base.app import PARTICIPANT  # noqa: E402
+from participants.base.guard import Credentials  # noqa: E402
+from participants.base.wire import CONTROL  # noqa: E402
+from participants.model.app import build_model_app  # noqa: E402
+from participants.model.scripted import ScriptedBackend  # noqa: E402
 
 CREDS = Credentials(control="bench-control", data="bench-data")
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step
@@ -72,7 +72,7 @@ async def one_round(session: aiohttp.ClientSession, base: str, participant: Any,
             return resp.status, (await resp.text())[-200:]
 
     tasks = [asyncio.ensure_future(call(i, r)) for i, r in enumerate(rollouts)]
-    # Wait until every call is mid-generation with tokens of its own saved (participants.model_progress
+    # Wait until every call is mid-generation with tokens of its own saved (participants.model.progress
     # saves them every PROGRESS_S): the calls a prepare cuts. It has not finished.
     started = time.monotonic()
     while True:

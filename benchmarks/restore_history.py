@@ -13,7 +13,7 @@ times faster than maintaining them row by row; `fill_s` is the whole fill, the i
 Timed, median of `--repeats`: the coordinator's restore check (engine.checkpoint.validate_cut: one
 read of the scoped rollouts' events up to the cut, every hash re-derived), a participant's restore
 read (engine.checkpoint.read_cut without the re-hash) and `rollbook replay` of one scoped rollout
-(participants.replay.replay: its attempt row, its events, the session projection), and beside them a
+(apps.replay.replay: its attempt row, its events, the session projection), and beside them a
 reference that no history can slow down (one primary-key read of the small session projection):
 on a shared machine every read slows with the load, so each figure is also given as a multiple of the
 reference measured in the same round. Flat in N is the goal: each reads the scope's events through
@@ -43,12 +43,12 @@ import psycopg  # noqa: E402
 
 from adapters import database  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from apps.replay import replay  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
 from engine.checkpoint import make_cut, read_cut, validate_cut  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream, session_stream  # noqa: E402
 from participants.environments import get_environment  # noqa: E402
-from participants.replay import replay  # noqa: E402
 
 OTHER_ROLLOUTS = 10_000
 BULK = (

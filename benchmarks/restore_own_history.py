@@ -50,7 +50,7 @@ from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream, session_stream  # noqa: E402
 from participants.environments import get_environment  # noqa: E402
 from participants.environments.tasks import make_task  # noqa: E402
-from participants.resources_server import ResourcesParticipant  # noqa: E402
+from participants.resources.server import ResourcesParticipant  # noqa: E402
 
 ROLLOUT = "long"
 TURN = 10  # events per turn

@@ -7,7 +7,7 @@ A shape IxW is I instances of every kind (each started with `rollbook serve`) of
 Instance i of every kind has a config of its own that names the other kinds' instance i, as a
 machine of its own would: the framework dispatches rollout r to environment instance r mod I, the
 environment calls its agent and resources instances, and every agent reaches every model instance
-(participants/routing.py). W > 1 sets `[servers.KIND] workers = W`: a front at each address and W
+(participants/base/routing.py). W > 1 sets `[servers.KIND] workers = W`: a front at each address and W
 workers behind it, measured together with the front (the process tree).
 
 Every shape runs the same `--tasks` tasks (workplace, blackjack and math, seed 7) once per

@@ -44,10 +44,10 @@ from adapters import database, embedded  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from adapters.telemetry import Telemetry  # noqa: E402
 from apps.stack import start_stack  # noqa: E402
-from participants import observability  # noqa: E402
+from participants.base import observability  # noqa: E402
+from participants.base.observability import TELEMETRY  # noqa: E402
 from participants.environments.tasks import make_task  # noqa: E402
-from participants.observability import TELEMETRY  # noqa: E402
-from participants.scripted_model import ScriptedBackend  # noqa: E402
+from participants.model.scripted import ScriptedBackend  # noqa: E402
 
 MODES = ("off", "metrics", "spans")
 TASK = make_task("workplace", 3)

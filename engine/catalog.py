@@ -124,12 +124,12 @@ def may(name: str, type: str, doc: str) -> Field:
 
 
 _FORK = "a fork (engine/forks.py, appended by the environment server's control operation `fork`)"
-_ENV = "environment server (participants/environment_server.py, and NeMo Gym's episodes through participants/nemo_gym_wire.py)"
+_ENV = "environment server (participants/environment/server.py, and NeMo Gym's episodes through participants/environment/nemo_gym.py)"
 _RESTORE = "restore (engine/checkpoint.py install_request, appended by the coordinator's restore)"
 _RECOVERY = "recovery (engine/recovery.py, appended by the environment server or `rollbook run`)"
 _TAKEOVER = "a caller's retry (engine/retry.py, appended by the NeMo Gym episode front)"
 _CAPTURE = "NeMo Gym token capture (adapters/nemo_gym_tokens.py)"
-_CONTROL = "the control plane of every server (participants/control_plane.py)"
+_CONTROL = "the control plane of every server (participants/base/control_plane.py)"
 _COORDINATOR = "the coordinator (engine/coordinator.py: `rollbook run`, `rollbook checkpoint`, a framework)"
 
 # ---- a rollout's stream: its attempts ----------------------------------------------------------
@@ -240,7 +240,7 @@ EPISODE_STEP = _kind(
 
 # ---- an attempt's agent (agent server) ---------------------------------------------------------
 
-_AGENT = "agent server (participants/agent_server.py)"
+_AGENT = "agent server (participants/agent/server.py)"
 AGENT_BOUNDARY = _kind(
     "agent_boundary", AGENT, _AGENT,
     "The agent's whole state at a boundary: a restore or a restart continues from the latest one. The conversation "
@@ -277,7 +277,7 @@ ACTIVATION_COMPLETED = _kind(
 
 # ---- an attempt's session (resources server) ---------------------------------------------------
 
-_RESOURCES = "resources server (participants/resources_server.py)"
+_RESOURCES = "resources server (participants/resources/server.py)"
 SESSION_OPENED = _kind(
     "session_opened", SESSION, _RESOURCES,
     "The environment's session for the attempt opens (fresh, or restored at a revision).",
@@ -321,7 +321,7 @@ SESSION_CLOSED = _kind(
 
 # ---- a model call (model server, or a trainer's token capture) ---------------------------------
 
-_MODEL = "model server (participants/model_server.py)"
+_MODEL = "model server (participants/model/server.py)"
 CALL_ACCEPTED = _kind(
     "call_accepted", CALL, f"{_MODEL}; {_CAPTURE}",
     "The model server took custody of a call: it will end completed, cut, failed or linked.",

@@ -1,6 +1,6 @@
 """The rules of the control plane: which operation a participant may run, when, and what it records.
 
-participants.control_plane authenticates, parses bodies, keeps the replies of repeats and appends;
+participants.base.control_plane authenticates, parses bodies, keeps the replies of repeats and appends;
 every decision it takes about a checkpoint operation is one of these functions. The phases
 themselves (which transition is legal) are engine.phases; so are the lease and the deadline.
 

@@ -27,14 +27,14 @@ both), then the environment (it calls the agent). The order is a cost argument, 
 caller reopened before its callee sends its held work to a server still closed and is refused, which
 changes nothing but costs a round trip (and, for a model call, a `call_excluded` append). Each stage
 is one round trip because nothing on resume's request path writes to the log unless an invariant
-needs it: `participant_resume` is appended right after the reply (participants/control_plane.py),
+needs it: `participant_resume` is appended right after the reply (participants/base/control_plane.py),
 since its one reader (an instance joining while a paused checkpoint is open, adapters/membership.py)
 only stays closed a little longer until it lands; what a restored participant's resume installs (a
 claim under the rollout's new attempt) stays on the path, since it must be durable before any
 request uses it. That append was nearly all of resume's time (the agent's waited ~0.5 s behind the
 appends of the sessions its own admission had just reopened) and held the later stages' work parked.
 A caller that is refused anyway (a stage that failed, an instance that joined meanwhile) sees a
-refusal naming the checkpoint that holds its callee closed (participants/app.py); having resumed
+refusal naming the checkpoint that holds its callee closed (participants/base/app.py); having resumed
 from that checkpoint itself, it knows the callee's resume is on its way and asks again after SOON_S,
 not after a back-off that grows to a second (engine.admission.Admission.callee_resuming,
 engine.patience). All at once instead of in stages, resume measured the same (~20 ms), so the
@@ -46,7 +46,7 @@ anyone may record as an abort); `checkpoint_prepared` carries the restart-only l
 from another process (`rollbook checkpoint commit`) reads back, and commits in one group with the
 events the participants' prepares handed over (engine.prepare_records: the model's cuts), so that
 no participant appends anything while it prepares. Each participant's own `preparing` and
-`prepared` go out with its next transition (participants/control_plane.py).
+`prepared` go out with its next transition (participants/base/control_plane.py).
 
 TWO MODES: PAUSED AND ONLINE. A cut needs only each rollout's latest boundary at or below P, and
 lineage makes every boundary consistent with the sessions and model calls it names, so the log
@@ -191,7 +191,7 @@ class Coordinator:
         self.store = store
         self.participants = list(participants)
         # Read again after checkpoint_started is in the log: an instance that records itself later
-        # sees the open checkpoint and stays closed (participants/instances.py), one recorded earlier
+        # sees the open checkpoint and stays closed (participants/base/instances.py), one recorded earlier
         # is in this set and is prepared; either way no instance serves through the cut unseen.
         self.members = members
         self.timing = StepTiming()

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from adapters import scripted_tokenizer as tok
 from adapters.generation import Step
-from participants.scripted_model import ScriptedBackend
+from participants.model.scripted import ScriptedBackend
 
 MODEL = "fake-policy"
 

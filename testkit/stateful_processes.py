@@ -5,7 +5,7 @@ each in its own process group, each started with `rollbook serve`) on a PostgreS
 suite's own (testkit.pg.restartable_server). The second set's config names its own peers, as a
 second machine's would: the framework dispatches even rollouts to the first environment instance
 and odd ones to the second, each environment instance calls the agent and resources instances of
-its set, and every agent reaches both model instances (participants/routing.py), so calls really
+its set, and every agent reaches both model instances (participants/base/routing.py), so calls really
 spread over two instances of every kind and a checkpoint drives all eight (apps/participant_set.py).
 The faults are the real ones:
 

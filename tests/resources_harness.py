@@ -17,13 +17,13 @@ from engine.checkpoint import Cut, committed_event, make_cut
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.phases import checkpoint_started
-from participants.app import PARTICIPANT
+from participants.base.app import PARTICIPANT
+from participants.base.guard import Credentials
+from participants.base.wire import CONTROL
 from participants.environments.sandbox import SandboxLimits
 from participants.environments.tasks import make_task
-from participants.guard import Credentials
-from participants.resources_server import ResourcesParticipant
-from participants.servers import build_resources_app
-from participants.wire import CONTROL
+from participants.resources.app import build_resources_app
+from participants.resources.server import ResourcesParticipant
 
 CREDS = Credentials(control="res-control-token", data="res-data-token")
 AUTH = {"Authorization": f"Bearer {CREDS.control}"}

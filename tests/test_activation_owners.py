@@ -20,12 +20,13 @@ from apps.stack import CREDS, SEED, Stack, all_events, of, start_stack
 from engine.catalog import AGENT_BOUNDARY
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
-from participants.agent_server import RunRequest, fresh_session
-from participants.app import PARTICIPANT
+from participants.agent.app import build_agent_app
+from participants.agent.server import RunRequest, fresh_session
+from participants.base.app import PARTICIPANT
+from participants.base.wire import ACTIVATION_HEADER
+from participants.environment.app import build_environment_app
 from participants.environments.tasks import make_task
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_agent_app, build_environment_app
-from participants.wire import ACTIVATION_HEADER
+from participants.model.scripted import ScriptedBackend
 
 from .test_model_server import start_attempt
 from .test_ownership import leased

@@ -24,11 +24,11 @@ from engine.boundaries import completed_activations, with_messages
 from engine.errors import ActivationOutOfOrder, AdmissionClosed, InvalidIdentifier, RestartInScope
 from engine.events import RecordedEvent
 from engine.patience import SOON_S, Patience
-from participants.agent_server import AgentParticipant
+from participants.agent.server import AgentParticipant
+from participants.base.wire import ACTIVATION_HEADER, CONTROL
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
-from participants.scripted_model import ScriptedBackend
-from participants.wire import ACTIVATION_HEADER, CONTROL
+from participants.model.scripted import ScriptedBackend
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)

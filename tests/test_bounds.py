@@ -33,9 +33,9 @@ from apps.collection import Collection
 from apps.processes import free_port
 from engine.errors import DatabaseUnavailable, GenerationFailed, ParticipantUnavailable
 from engine.events import AppendRequest, NewEvent
-from participants.guard import Credentials
-from participants.http_errors import errors_as_json
-from participants.servers import build_resources_app
+from participants.base.guard import Credentials
+from participants.base.http_errors import errors_as_json
+from participants.resources.app import build_resources_app
 
 CREDS = Credentials(control="bounds-control-token", data="bounds-data-token")
 DATA = {"Authorization": f"Bearer {CREDS.data}"}

@@ -12,7 +12,7 @@ import pytest
 
 from adapters.postgres import PostgresEventStore
 from apps.conformance import AGENTS, assert_conformant, check_environment, outcome
-from participants.agent_server import AgentParticipant
+from participants.agent.server import AgentParticipant
 from participants.environments import ENVIRONMENTS
 from participants.environments.blackjack import BlackjackEnvironment, export_rng
 from testkit.fake_vllm import FakeVLLM

@@ -15,10 +15,10 @@ from adapters.memory_store import MemoryEventStore
 from adapters.participant_client import HttpParticipant
 from engine.coordinator import Coordinator
 from engine.errors import STATUS, CheckpointConflict, DatabaseUnavailable, InvalidPhase, StaleCheckpoint
-from participants.app import build_app
-from participants.guard import Credentials
-from participants.participant import Participant, PrepareReport
-from participants.wire import CONTROL, OPENAPI_PATH
+from participants.base.app import build_app
+from participants.base.guard import Credentials
+from participants.base.participant import Participant, PrepareReport
+from participants.base.wire import CONTROL, OPENAPI_PATH
 from tests.waiting import eventually
 
 CREDS = Credentials(control="s3cret-control", data="s3cret-data")

@@ -18,9 +18,9 @@ from adapters.postgres import PostgresEventStore
 from apps.processes import free_port
 from engine.errors import DatabaseUnavailable
 from engine.events import AppendRequest, NewEvent
-from participants.guard import Credentials
-from participants.servers import build_resources_app
-from participants.wire import CONTROL
+from participants.base.guard import Credentials
+from participants.base.wire import CONTROL
+from participants.resources.app import build_resources_app
 from tests.waiting import eventually
 
 CREDS = Credentials(control="db-control-token", data="db-data-token")
@@ -116,7 +116,7 @@ async def _phase_is(status: Awaitable[dict], phase: str) -> bool:
 
 
 async def test_the_lease_watcher_retries_an_abort_it_could_not_record(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="participants.control_plane")
+    caplog.set_level(logging.WARNING, logger="participants.base.control_plane")
     store = PostgresEventStore.connect(dsn, writer="lease", patience_s=0.2)
     server = TestServer(build_resources_app(store, CREDS), host="127.0.0.1")
     await server.start_server()
@@ -226,7 +226,7 @@ async def test_a_call_whose_outcome_cannot_be_recorded_is_503_and_its_generation
     database_unavailable; the generation's task ends without an exception (an escaped one is a traceback
     in the server's log); the log holds the call as accepted with no outcome, as a crash would leave it."""
     from adapters.token_store import PostgresTokenStore
-    from participants.app import PARTICIPANT
+    from participants.base.app import PARTICIPANT
     from tests.test_model_server import MATH, HeldAfter, call_headers, kinds, model_server, start_attempt, url
 
     store = PostgresEventStore.connect(dsn, writer="model-db", patience_s=0.2)

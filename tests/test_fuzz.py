@@ -29,8 +29,8 @@ from schemathesis.specs.openapi.checks import (
 
 from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
-from participants.observability import METRICS_PATH
-from participants.wire import CONTROL, OPENAPI_PATH
+from participants.base.observability import METRICS_PATH
+from participants.base.wire import CONTROL, OPENAPI_PATH
 
 # Bounded by the examples per operation (about 1,400 requests over the four servers); the timeout is
 # the backstop that keeps a slow machine from holding CI.

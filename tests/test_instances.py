@@ -29,8 +29,8 @@ from apps.processes import ServerProcesses, free_port
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
+from participants.base.wire import CONTROL
 from participants.environments.tasks import make_tasks
-from participants.wire import CONTROL
 from testkit.log_queries import ACCEPTED_TWICE
 
 from .test_checkpoint_cli import checkpoint
@@ -198,7 +198,7 @@ def test_an_instance_that_starts_while_a_paused_checkpoint_is_open_stays_closed_
 
 
 def test_a_run_reaches_both_model_instances_through_paused_checkpoints_and_finishes_every_rollout_once(dsn: str) -> None:
-    """The agent reaches every live model instance (participants/routing.py): two model processes on one
+    """The agent reaches every live model instance (participants/base/routing.py): two model processes on one
     database serve one run with a paused checkpoint every 0.3 s, and every rollout finishes once with no
     call accepted twice."""
     from tests.run_process import Run

@@ -1,10 +1,10 @@
-"""participants/keyed_locks.py: one lock per key, kept only while someone holds or awaits it."""
+"""participants/base/keyed_locks.py: one lock per key, kept only while someone holds or awaits it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from participants.keyed_locks import KeyedLocks
+from participants.base.keyed_locks import KeyedLocks
 
 
 async def test_one_holder_per_key_at_a_time_and_the_entry_goes_with_its_last_user() -> None:

@@ -1,5 +1,6 @@
 """The layers point one way: apps -> participants -> adapters -> engine, the engine imports no
-HTTP or SQL library, and no modules of participants/ import each other round a circle. The contracts are in pyproject.toml ([tool.importlinter]); import-linter checks
+HTTP or SQL library, within participants/ the server kinds sit over base/ over environments/ and no
+kind imports another, and no modules of any package import each other round a circle. The contracts are in pyproject.toml ([tool.importlinter]); import-linter checks
 them here, so CI does."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def lint(config: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_import_layers_of_the_package_hold() -> None:
     done = lint(ROOT / "pyproject.toml", ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 kept, 0 broken" in done.stdout
+    assert "5 kept, 0 broken" in done.stdout
 
 
 def contracts_section() -> str:
@@ -37,10 +38,14 @@ def contracts_section() -> str:
     return "\n".join(out) + "\n"
 
 
+PARTICIPANT_PACKAGES = tuple(f"participants/{p}" for p in ("agent", "base", "environment", "environments", "model",
+                                                         "resources"))
+
+
 def fake_house(tmp_path: Path, offender: str, imports: str) -> Path:
     """The four packages, empty but for one module that imports what it must not, under the
     project's own contracts."""
-    for pkg in ("engine", "participants", "adapters", "apps"):
+    for pkg in ("engine", "participants", "adapters", "apps", *PARTICIPANT_PACKAGES):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / "adapters" / "postgres.py").write_text("")
@@ -74,7 +79,25 @@ def test_two_participants_modules_importing_each_other_break_the_no_circles_cont
     config = fake_house(tmp_path, "participants", "participants.other")
     (tmp_path / "participants" / "other.py").write_text("def later() -> None:\n    import participants.bad\n")
     done = lint(config, tmp_path)
-    assert done.returncode == 1 and "no import circles among the modules of participants/ BROKEN" in done.stdout, done.stdout
+    assert done.returncode == 1 and "no import circles among the modules of any package BROKEN" in done.stdout, done.stdout
+
+
+def test_two_modules_of_one_kind_importing_each_other_break_the_no_circles_contract(tmp_path: Path) -> None:
+    config = fake_house(tmp_path, "participants/base", "participants.base.other")
+    (tmp_path / "participants" / "base" / "other.py").write_text("import participants.base.bad\n")
+    done = lint(config, tmp_path)
+    assert done.returncode == 1 and "No cycles are allowed in participants.base" in done.stdout, done.stdout
+
+
+def test_one_server_kind_importing_another_breaks_the_layers(tmp_path: Path) -> None:
+    """The kinds speak to each other over HTTP: the agent importing the model server is refused."""
+    done = lint(fake_house(tmp_path, "participants/agent", "participants.model"), tmp_path)
+    assert done.returncode == 1 and "participants.agent.bad -> participants.model" in done.stdout, done.stdout
+
+
+def test_the_environments_importing_the_servers_shared_base_breaks_the_layers(tmp_path: Path) -> None:
+    done = lint(fake_house(tmp_path, "participants/environments", "participants.base"), tmp_path)
+    assert done.returncode == 1 and "participants.environments.bad -> participants.base" in done.stdout, done.stdout
 
 
 def imports_of_tests(source: str) -> list[str]:

@@ -17,9 +17,9 @@ from adapters.generation import Prefix, Step
 from engine.identity import call_stream
 from engine.prepare_records import PrepareRecord
 from engine.tokens import TokenArray
-from participants.app import PARTICIPANT
-from participants.observability import METRICS_PATH
-from participants.scripted_model import ScriptedBackend
+from participants.base.app import PARTICIPANT
+from participants.base.observability import METRICS_PATH
+from participants.model.scripted import ScriptedBackend
 from tests.test_model_server import (
     MATH,
     TOKEN,

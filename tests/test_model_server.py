@@ -35,11 +35,11 @@ from engine.errors import GenerationFailed
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.tokens import TokenArray
-from participants.app import PARTICIPANT
-from participants.guard import Credentials
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_model_app
-from participants.wire import CONTROL
+from participants.base.app import PARTICIPANT
+from participants.base.guard import Credentials
+from participants.base.wire import CONTROL
+from participants.model.app import build_model_app
+from participants.model.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 from tests.waiting import eventually
 
@@ -402,7 +402,7 @@ async def test_streaming_call_is_cut_during_prepare_and_its_replacement_finishes
         assert cut.kind == "call_cut" and rest[-1]["rollbook"]["cut"] is True and rest[-1]["error"]["code"] == "admission_closed"
         assert "[DONE]" not in rest
         n = cut.data["tokens"]
-        # The cut keeps a prefix of what was streamed (its durable part: participants.model_progress) and says how long.
+        # The cut keeps a prefix of what was streamed (its durable part: participants.model.progress) and says how long.
         streamed = streamed_ids(head + rest)
         assert 1 <= n <= len(streamed) < len(full) and streamed == full[:len(streamed)] and rest[-1]["rollbook"]["tokens"] == n
         prefix = await tokens.get(cut.data["receipt"]["blob_id"])  # verifies the digest

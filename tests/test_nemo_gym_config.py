@@ -82,7 +82,7 @@ def test_rollbook_run_takes_tasks_of_the_configs_nemo_gym_servers_and_no_other_u
 
 def test_a_tool_name_never_reaches_another_path_or_an_endpoint_of_the_server() -> None:
     from participants.environments import ToolError
-    from participants.nemo_gym_relay import Live, NemoGymEnvironment
+    from participants.environments.nemo_gym_relay import Live, NemoGymEnvironment
 
     live = Live("http://127.0.0.1:9", None, 1.0)  # nothing listens: a request sent would be LiveGone
     for name in ("../verify", "verify", "seed_session", "a/b", "email..x?y", "x" * 129):

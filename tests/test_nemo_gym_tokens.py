@@ -36,6 +36,7 @@ from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry
 
 from adapters.nemo_gym_tokens import RollbookLineageStore, RollbookTokenCapture  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
+from apps.replay import history, replay  # noqa: E402
 from apps.stack import all_events  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from engine.errors import (  # noqa: E402
@@ -50,7 +51,6 @@ from engine.errors import (  # noqa: E402
 from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from engine.token_capture import split_capture_key  # noqa: E402
-from participants.replay import history, replay  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,10 +26,10 @@ from adapters.postgres import PostgresEventStore
 from apps.run import load_tasks
 from apps.stack import CREDS, TOKEN, Stack, start_stack
 from engine.admission import JOINING
+from participants.base.nemo_gym_rows import EpisodeResponse, flat_row_task, scoped_rollout_id
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
-from participants.nemo_gym_wire import EpisodeResponse, flat_row_task, scoped_rollout_id
-from participants.scripted_model import ScriptedBackend
+from participants.model.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.timeout(120)
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]

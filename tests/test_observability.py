@@ -32,10 +32,10 @@ from apps.processes import free_port
 from apps.stack import CREDS, Stack, all_events, of, start_stack
 from engine.boundaries import completed_activations
 from engine.errors import ConfigError
+from participants.base.observability import METRICS_PATH, TELEMETRY
 from participants.environments.tasks import make_task
-from participants.observability import METRICS_PATH, TELEMETRY
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_resources_app
+from participants.model.scripted import ScriptedBackend
+from participants.resources.app import build_resources_app
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,7 +148,7 @@ async def test_an_episode_and_a_checkpoint_move_the_counts_histograms_and_gauges
         assert ("rollbook_tool_call_seconds_count", ()) not in model  # each server registers the calls it serves
 
         await checkpoint(s, store, "m-ck")
-        # A participant records its resume right after its reply (participants/control_plane.py).
+        # A participant records its resume right after its reply (participants/base/control_plane.py).
         events = await eventually("every participant's resume in the log",
                                   lambda: _resumed(store, len(KINDS)))
         for kind in KINDS:

@@ -20,11 +20,11 @@ from adapters.token_store import MemoryTokenStore
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
-from participants.app import PARTICIPANT
-from participants.guard import Credentials
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_model_app
-from participants.wire import CONTROL
+from participants.base.app import PARTICIPANT
+from participants.base.guard import Credentials
+from participants.base.wire import CONTROL
+from participants.model.app import build_model_app
+from participants.model.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")

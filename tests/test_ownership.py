@@ -16,8 +16,8 @@ from adapters.postgres import PostgresEventStore
 from engine import membership as M
 from engine.identity import call_stream, session_stream
 from engine.ownership import verdict
-from participants.app import PARTICIPANT
-from participants.scripted_model import ScriptedBackend
+from participants.base.app import PARTICIPANT
+from participants.model.scripted import ScriptedBackend
 from tests.resources_harness import call, control, open_session, prefix, start
 from tests.resources_harness import serving as resources_serving
 from tests.waiting import eventually

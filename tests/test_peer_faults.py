@@ -9,7 +9,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from participants.http_errors import errors_as_json
+from participants.base.http_errors import errors_as_json
 
 
 async def test_a_caller_gone_mid_body_is_one_log_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,8 +11,8 @@ from sqlalchemy import text
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
-from participants.model_server import POLICY_STREAM, POLICY_VERSION
-from participants.scripted_model import ScriptedBackend
+from participants.model.scripted import ScriptedBackend
+from participants.model.server import POLICY_STREAM, POLICY_VERSION
 from tests.test_model_server import (
     CREDS,
     MATH,

@@ -1,6 +1,6 @@
 """A checkpoint's prepare runs environment, model and agent at once, then resources, and appends only
 the checkpoint's own two events (engine.coordinator): each participant's transitions go out with its
-next one (participants/control_plane.py)."""
+next one (participants/base/control_plane.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from adapters.postgres import PostgresEventStore
 from apps.stack import start_stack
-from participants.scripted_model import ScriptedBackend
+from participants.model.scripted import ScriptedBackend
 from tests.waiting import eventually
 
 
@@ -85,7 +85,7 @@ async def test_an_episode_in_a_replayable_verify_does_not_hold_the_environment_s
         store: PostgresEventStore) -> None:
     """A verify that may simply run again (its session said `replay` at seed: rollbook's stateless
     environments, NeMo Gym servers declared replay or stateless) is no blocker; a `wait` one is."""
-    from participants.environment_server import EnvironmentParticipant, Episode
+    from participants.environment.server import EnvironmentParticipant, Episode
     from participants.environments import Task
 
     env = EnvironmentParticipant(store, "environment-verify", None, "http://127.0.0.1:9", "http://127.0.0.1:9")

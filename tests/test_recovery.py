@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.memory_store import MemoryEventStore
+from apps.replay import replay
 from apps.stack import MemoryBacking
 from engine import recovery, sessions
 from engine.attempts import ATTEMPT_FINISHED, ATTEMPT_STARTED
@@ -13,7 +14,6 @@ from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
 from participants.environments.tasks import make_task
-from participants.replay import replay
 from tests.answers import answered
 from tests.resources_harness import call, email_seed, kinds, open_session, prefix, serving, start, state
 

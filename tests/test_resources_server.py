@@ -16,9 +16,9 @@ from engine.checkpoint import install_request, retired_since
 from engine.control import retire_events
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import rollout_stream, session_stream
+from participants.base.wire import CONTROL
 from participants.environments import get_environment
 from participants.environments.tasks import make_task
-from participants.wire import CONTROL
 from tests.answers import answered
 from tests.resources_harness import (
     AUTH,

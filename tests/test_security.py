@@ -24,11 +24,12 @@ from engine.attempts import ATTEMPT_STARTED
 from engine.capability import capability
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream, session_stream
+from participants.base.guard import MAX_BODY_BYTES
+from participants.base.wire import CONTROL, OPENAPI_PATH
+from participants.environment.app import build_environment_app
 from participants.environments.tasks import make_task
-from participants.guard import MAX_BODY_BYTES
-from participants.scripted_model import ScriptedBackend
-from participants.servers import build_environment_app, build_resources_app
-from participants.wire import CONTROL, OPENAPI_PATH
+from participants.model.scripted import ScriptedBackend
+from participants.resources.app import build_resources_app
 from tests.answers import answered
 
 DATA = {"Authorization": f"Bearer {CREDS.data}"}

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
 from adapters.retention import retain
+from apps.replay import replay
 from engine import snapshots
 from engine.checkpoint import effective_history, install_request
 from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
@@ -25,7 +26,6 @@ from engine.identity import agent_stream, rollout_stream, session_stream
 from engine.sessions import SessionReplay
 from engine.snapshots import COUNTS, SessionSnapshot, fold_session, snapshot_digest
 from participants.environments import get_environment, open_from_log
-from participants.replay import replay
 from tests.resources_harness import checkpoint, control, make_task, open_session, serving, start, tool
 
 _ids = itertools.count()

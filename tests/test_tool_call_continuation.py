@@ -12,8 +12,8 @@ from typing import Any
 
 from adapters.generation import OpenAICompatibleBackend, Prefix
 from engine.identity import call_stream
-from participants.app import PARTICIPANT
-from participants.scripted_model import ScriptedBackend
+from participants.base.app import PARTICIPANT
+from participants.model.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 from tests.test_model_server import (
     BLACKJACK,

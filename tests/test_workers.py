@@ -1,5 +1,5 @@
-"""Workers behind one address, without processes: how a request is keyed (participants/routing.py), where
-the front sends it and what it does when a worker is gone (participants/front.py), how workers are
+"""Workers behind one address, without processes: how a request is keyed (participants/base/routing.py), where
+the front sends it and what it does when a worker is gone (participants/base/front.py), how workers are
 recorded and superseded (engine/membership.py, the rollbook.participants view), and which addresses a
 checkpoint drives (apps/participant_set.py). tests/e2e/test_workers.py runs them as real processes."""
 
@@ -17,8 +17,8 @@ from adapters.membership import Lease, MembershipReader
 from adapters.postgres import PostgresEventStore
 from apps.participant_set import LoggedParticipants
 from engine import membership as M
-from participants.front import Front
-from participants.routing import EPISODE_ATTEMPT, Peers, pick, request_key
+from participants.base.front import Front
+from participants.base.routing import EPISODE_ATTEMPT, Peers, pick, request_key
 
 # ---- the key a request is routed by ---------------------------------------------------------------
 

@@ -159,7 +159,7 @@ async def checkpoint_with_a_reply_after_a_boundary(c: Cluster, prefix: str):
         await c.call_in_flight(prefix, after=stalled_at, timeout=10)
     except NeverHappened:
         await c.call_in_flight(prefix)
-    # Prepare cuts only a call with tokens saved (participants.model_server); on a loaded machine the
+    # Prepare cuts only a call with tokens saved (participants.model.server); on a loaded machine the
     # saver can lag the stall, and a call with none runs on through the checkpoint, uncut.
     await c.wait_for("a stalled model call with tokens saved", lambda: _some(c.cuttable_calls()), timeout=20)
     try:

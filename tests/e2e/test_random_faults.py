@@ -35,7 +35,7 @@ from sqlalchemy import text
 from adapters import database
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
-from participants.routing import pick
+from participants.base.routing import pick
 from testkit import pg, programs
 from testkit.checkpoint_rules import ONLINE, PAUSED
 from testkit.log_queries import tracebacks
@@ -136,7 +136,7 @@ JOIN rollbook.participants p ON p.instance = e.writer WHERE e.rollout_id LIKE :p
 
 
 def _every_instance(world: World) -> Callable[[FaultMachine], None]:
-    """A run id whose first attempts reach both instances of every kind (participants/routing.py:
+    """A run id whose first attempts reach both instances of every kind (participants/base/routing.py:
     each hop picks among the live processes of the callee's kind by (rollout, attempt), an episode
     under attempt 0), so the test does not depend on the luck of the draw. The driver sends every
     other episode straight to the first environment instance, a process that serves what it is sent;

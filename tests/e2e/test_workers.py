@@ -2,7 +2,7 @@
 one log. Each session's requests stay on one worker; a worker SIGKILLed mid-run has its sessions taken
 over by a live one, and every rollout still finishes exactly once with nothing done twice. A checkpoint
 taken with two instances of two workers per kind restores into one instance of three workers per kind
-and finishes the same (apps/workers.py, participants/front.py, participants/routing.py)."""
+and finishes the same (apps/workers.py, participants/base/front.py, participants/base/routing.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ It keeps per-session state the way NeMo Gym's servers do (process memory, keyed 
 cookie) and names its tools like Workplace Assistant's mail tools, so the same tasks and the same
 scripted play drive it; but every reply carries a nonce drawn when the process starts. Replaying a
 session's recorded calls into a new process can therefore never give back the recorded replies.
-Run with NeMo Gym's Python, by rollbook's launcher (participants/nemo_gym_launcher.py).
+Run with NeMo Gym's Python, by rollbook's launcher (participants/environments/nemo_gym_launcher.py).
 """
 
 import uuid

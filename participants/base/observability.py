@@ -27,15 +27,15 @@ from adapters.telemetry import Category, Telemetry
 from engine.errors import RollbookError
 from engine.identity import parse_attempt, validate_id
 from engine.phases import PARTICIPANT_PHASES, ParticipantPhases
-from participants.guard import Route
-from participants.wire import CALL_ID_HEADER, TOOL_CALL_HEADER
+from participants.base.guard import Route
+from participants.base.wire import CALL_ID_HEADER, TOOL_CALL_HEADER
 
 METRICS_PATH = "/metrics"
 TEXT_FORMAT = "text/plain"  # Prometheus' text exposition format; OpenMetrics when the scraper asks for it
 TELEMETRY: web.AppKey[Telemetry] = web.AppKey("telemetry", Telemetry)
 
 # The control operations that are checkpoint phases, and the data routes that are calls, by operation
-# id (participants.guard.Route.operation_id), with the header that names the call.
+# id (participants.base.guard.Route.operation_id), with the header that names the call.
 PHASES = ("prepare", "commit", "restore", "resume")
 CALLS: dict[str, tuple[Category, str, str]] = {
     "chat_completions": ("model_call", CALL_ID_HEADER, "rollbook.call_id"),

@@ -2,7 +2,7 @@
 
 A front holds no state and runs no work. A request about one rollout (a data route under
 /rollouts/{rollout_id}/attempts/{attempt}/, an episode) goes to the live worker the routing rule picks
-for it (participants/routing.py, the same rule a caller that reads the log applies itself), so a
+for it (participants/base/routing.py, the same rule a caller that reads the log applies itself), so a
 session's requests reach the one process that holds it. When that worker does not answer (it was
 killed: the connection is refused or cut before a reply began), the front reads the live set again
 and sends the request where it says now; the worker it moves to takes the session over from the log
@@ -28,8 +28,8 @@ from aiohttp import web
 from yarl import URL
 
 from adapters.http_client import CONTROL, PeerTimeouts
-from participants.http_errors import error_response
-from participants.routing import Peers, pick, request_key
+from participants.base.http_errors import error_response
+from participants.base.routing import Peers, pick, request_key
 
 # Not passed on: they describe one hop, and aiohttp sets its own for the next.
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})

@@ -7,7 +7,7 @@ fenced attempt leaves nothing: check_attempt and the append itself refuse it.
 
 Checkpoint behaviour:
 - prepare closes admission and cuts every generation that has made tokens of its own, at its
-  durable prefix (participants.model_progress) or with the tokens not saved yet, streamed or not
+  durable prefix (participants.model.progress) or with the tokens not saved yet, streamed or not
   (recorded in `call_cut`, the client's stream ending with a rollbook cut event); the other calls
   run on, and prepare waits for none of them. A reply that
   becomes ready while admission is closed is HELD: the HTTP response waits for resume, so no agent
@@ -37,6 +37,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.generation import GenerationBackend, Prefix, final_message
+from adapters.openai_wire import ChatCompletion, ChatRequest, models_body, usage
 from engine import catalog as ev
 from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
 from engine.catalog import POLICY_VERSION_CHANGED
@@ -62,22 +63,11 @@ from engine.ownership import claim
 from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
 from engine.tokens import Receipt
-from participants.guard import Header, Route
-from participants.keyed_locks import KeyedLocks
-from participants.model_calls import (
-    CallRecord,
-    DurablePrefix,
-    LiveCall,
-    TokenStore,
-    call_records,
-    request_digest,
-)
-from participants.model_progress import PROGRESS_S, ProgressSaver
-from participants.model_replies import CallReplies
-from participants.openai_wire import ChatCompletion, ChatRequest, models_body, usage
-from participants.owners import owner_verdict, settled
-from participants.participant import Participant, PrepareReport
-from participants.wire import (
+from participants.base.guard import Header, Route
+from participants.base.keyed_locks import KeyedLocks
+from participants.base.owners import owner_verdict, settled
+from participants.base.participant import Participant, PrepareReport
+from participants.base.wire import (
     CALL_ID_HEADER,
     CONTROL,
     PARENT_HEADER,
@@ -86,6 +76,16 @@ from participants.wire import (
     data_path,
     identity,
 )
+from participants.model.calls import (
+    CallRecord,
+    DurablePrefix,
+    LiveCall,
+    TokenStore,
+    call_records,
+    request_digest,
+)
+from participants.model.progress import PROGRESS_S, ProgressSaver
+from participants.model.replies import CallReplies
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ModelParticipant(Participant):
         await super().prepare(checkpoint_id, deadline)
         inflight = [c for c in self.calls.values() if not c.done.is_set()]
         # Cut where a cut keeps something: a generation with tokens of its own already in the token
-        # store (participants.model_progress saves them off the request path). Every other call runs on
+        # store (participants.model.progress saves them off the request path). Every other call runs on
         # through the checkpoint, its reply held until resume: a cut of it would keep nothing and only
         # make its caller ask again (where checkpoints come faster than a loaded server gets continued
         # calls going, a call cut before its first token was cut again and again: one 12 times in 5
@@ -508,7 +508,7 @@ class ModelParticipant(Participant):
 
 
 def _holder(call_id: str) -> Callable[[Sequence[RecordedEvent]], str | None]:
-    """The instance that accepted the call while it has no outcome (participants.owners.settled)."""
+    """The instance that accepted the call while it has no outcome (participants.base.owners.settled)."""
     def holder(events: Sequence[RecordedEvent]) -> str | None:
         record = call_records(list(events)).get(call_id)
         return record.accepted.get("instance") if record is not None and record.status == "accepted" else None

@@ -1,6 +1,6 @@
 """What a server is to a checkpoint: the `Participant` base class and the report of its prepare.
 
-The control plane (participants.control_plane) calls these hooks; each server kind overrides them
+The control plane (participants.base.control_plane) calls these hooks; each server kind overrides them
 with what a prepare, commit, restore or resume means for its own state.
 """
 
@@ -15,9 +15,9 @@ from engine.admission import Admission
 from engine.checkpoint import Cut, ParticipantStore
 from engine.ownership import LiveInstances
 from engine.prepare_records import PrepareRecord
-from participants.guard import Route
-from participants.routing import Peers
-from participants.wire import Execution
+from participants.base.guard import Route
+from participants.base.routing import Peers
+from participants.base.wire import Execution
 
 
 class PrepareReport(BaseModel):
@@ -49,14 +49,14 @@ class Participant:
         self.admission = Admission()  # engine.admission: closed from prepare (or restore) until resume
         # Who else is live (engine.ownership): set where instances are recorded (`rollbook serve`).
         self.members: LiveInstances | None = None
-        self.joined = True  # False from build until `rollbook serve` has recorded the instance (participants/instances.py)
+        self.joined = True  # False from build until `rollbook serve` has recorded the instance (participants/base/instances.py)
         # The live processes of this server's own kind, and where the others reach this one (set by
         # `rollbook serve`): of the work a restore stages on every worker, each installs only what routes to it.
         self.own = Peers("", self.kind)
         self.address: str | None = None
 
     async def routed_here(self, rollout_id: str, attempt: int) -> bool:
-        """Whether (rollout_id, attempt) routes to this process (participants/routing.py); True for a
+        """Whether (rollout_id, attempt) routes to this process (participants/base/routing.py); True for a
         server alone on its log (no instances recorded)."""
         if self.own.source is None or self.address is None:
             return True
@@ -101,7 +101,7 @@ class Participant:
         return 0
 
     def routes(self) -> list[Route]:
-        """The server's data routes (participants.guard.Route): mounted and documented alike."""
+        """The server's data routes (participants.base.guard.Route): mounted and documented alike."""
         return []
 
     async def check_attempt(self, rollout_id: str, attempt: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from adapters.membership import Lease, MembershipReader
 from engine.admission import JOINING
-from participants.participant import Participant
+from participants.base.participant import Participant
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2

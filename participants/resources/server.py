@@ -14,7 +14,7 @@ the attempt asks for it (engine.recovery): its own mutations replayed, or, for a
 continues another one's boundary, the inherited session reopened under the new attempt. A tool call
 whose mutation is in the log (by the caller's tool-call key) gets its recorded answer and changes
 nothing. A restart-only session whose live process died cannot be rebuilt: `attempt_lost`. A session
-relayed to a NeMo Gym server (participants.nemo_gym_relay) keeps the record of its calls as its state;
+relayed to a NeMo Gym server (participants.environments.nemo_gym_relay) keeps the record of its calls as its state;
 its live session, when gone, is rebuilt by replaying them (engine.tool_replay) on its next request.
 """
 
@@ -61,6 +61,10 @@ from engine.recovery import tool_call_outcomes
 from engine.sessions import boundary_disagreement, open_session_mode
 from engine.snapshot_reads import lineage_rows, read_scope
 from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, store_snapshots
+from participants.base.guard import Empty, Header, Route
+from participants.base.owners import orphaned_sessions
+from participants.base.participant import Participant, PrepareReport
+from participants.base.wire import TOOL_CALL_HEADER, Execution, data_path, identity
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -70,12 +74,9 @@ from participants.environments import (
     open_from_log,
 )
 from participants.environments.base import JSON, Trajectory
+from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.guard import Empty, Header, Route
-from participants.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
-from participants.owners import orphaned_sessions
-from participants.participant import Participant, PrepareReport
-from participants.resources_wire import (
+from participants.resources.wire import (
     OpenRequest,
     SessionReply,
     StateReply,
@@ -83,7 +84,6 @@ from participants.resources_wire import (
     ToolRequest,
     VerifyReply,
 )
-from participants.wire import TOOL_CALL_HEADER, Execution, data_path, identity
 
 # How many closed sessions a server remembers (see ResourcesParticipant._closed).
 MAX_CLOSED_REMEMBERED = 65_536
@@ -555,7 +555,7 @@ class ResourcesParticipant(Participant):
         rows = await self.store.attempt_rows(sorted({r for r, _ in self.staged}))
         targets = restored_targets(rows, self.staged, checkpoint_id)  # a rollout retired since is dropped
         # Every live resources worker staged the cut; each installs the sessions that route to it, so
-        # each session is opened once, where its requests will come (participants/routing.py).
+        # each session is opened once, where its requests will come (participants/base/routing.py).
         self.staged = {k: v for k, v in self.staged.items() if k in targets and await self.routed_here(k[0], targets[k])}
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():

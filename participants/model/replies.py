@@ -14,11 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.admission import Admission
-from engine.errors import AdmissionClosed
-from engine.tokens import Receipt
-from participants.model_calls import LiveCall, TokenStore
-from participants.openai_wire import (
+from adapters.openai_wire import (
     chunk,
     completion_body,
     error_event,
@@ -28,6 +24,10 @@ from participants.openai_wire import (
     usage_chunk,
     whole_delta,
 )
+from engine.admission import Admission
+from engine.errors import AdmissionClosed
+from engine.tokens import Receipt
+from participants.model.calls import LiveCall, TokenStore
 
 
 class CallReplies:

@@ -37,6 +37,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, as_attempt, data_url
+from adapters.openai_wire import ToolSpec
 from engine.admission import retired
 from engine.boundaries import boundary_messages, completed_activations, full_boundary
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
@@ -61,14 +62,12 @@ from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, s
 from engine.ownership import claim
 from engine.patience import Patience
 from engine.recovery import resume_point
-from participants.environments import ENVIRONMENTS, get_environment
-from participants.guard import Body, Header, Int64, Route
-from participants.keyed_locks import KeyedLocks
-from participants.openai_wire import ToolSpec
-from participants.owners import CLAIM_TRIES, settled
-from participants.participant import Participant, PrepareReport
-from participants.routing import Peers
-from participants.wire import (
+from participants.base.guard import Body, Header, Int64, Route
+from participants.base.keyed_locks import KeyedLocks
+from participants.base.owners import CLAIM_TRIES, settled
+from participants.base.participant import Participant, PrepareReport
+from participants.base.routing import Peers
+from participants.base.wire import (
     ACTIVATION_HEADER,
     CALL_ID_HEADER,
     PARENT_HEADER,
@@ -79,6 +78,7 @@ from participants.wire import (
     data_path,
     identity,
 )
+from participants.environments import ENVIRONMENTS, get_environment
 
 
 class RunRequest(Body):
@@ -229,7 +229,7 @@ def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
 
 def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | None]:
     """The instance that claimed activation `index` of a stream while it has not completed: the one
-    its latest claiming boundary names (participants.owners.settled)."""
+    its latest claiming boundary names (participants.base.owners.settled)."""
     def holder(events: Sequence[RecordedEvent]) -> str | None:
         if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == index for e in events):
             return None
@@ -262,7 +262,7 @@ class AgentParticipant(Participant):
         self.secret = data_token  # each request for a session carries that attempt's capability, not this
         self.model_url, self.resources_url = model_url, resources_url
         self.model_peers = Peers(model_url, "model")  # any live model instance: a call is owned in the log, not by an address
-        # A session's tool calls go to the resources worker that holds it (participants/routing.py).
+        # A session's tool calls go to the resources worker that holds it (participants/base/routing.py).
         self.resources_peers = Peers(resources_url, "resources")
         self.sessions: dict[Key, Session] = {}
         self.running: dict[Key, tuple[int, asyncio.Task[dict[str, Any]]]] = {}

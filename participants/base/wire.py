@@ -3,8 +3,8 @@
 The control plane's requests and replies, a task as the data planes receive it, the error body
 every route answers with, and the headers one server sends and another reads (the agent sends
 the model's call ids and the resources server's tool call keys; the environment server sends the
-agent's activation index). The pydantic models here are the ones `participants.guard.read_body`
-validates with and the OpenAPI documents (participants.openapi) describe.
+agent's activation index). The pydantic models here are the ones `participants.base.guard.read_body`
+validates with and the OpenAPI documents (participants.base.openapi) describe.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from adapters.http_client import CONTROL, PREFIX
 from engine.identity import parse_attempt, validate_id
-from participants.guard import AttemptIndex, Body, Identifier
+from participants.base.guard import AttemptIndex, Body, Identifier
 
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope

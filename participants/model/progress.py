@@ -5,7 +5,7 @@ time put 160 blobs in the prepare's path for 80 calls in flight; instead, a mode
 tokens each generation has so far every PROGRESS_S, all calls in one token-store transaction, off
 any request's path, and remembers each call's longest durable prefix (`LiveCall.durable`). Prepare
 then cuts each call at that prefix and writes nothing: the coordinator appends the cuts
-(participants.model_server, engine.prepare_records).
+(participants.model.server, engine.prepare_records).
 
 What it costs: the tokens a generation made since its last save are generated again after a cut
 (PROGRESS_S of generation, more when saves are slow: see SHARE), and each save rewrites the whole
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from engine.errors import RollbookError
 from engine.tokens import Receipt
-from participants.model_calls import LiveCall, Progress, TokenStore
+from participants.model.calls import LiveCall, Progress, TokenStore
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The resources server's request and reply bodies: what a caller sends and gets back, validated at
-the edge (participants/resources_server.py serves them; docs/openapi is generated from them)."""
+the edge (participants/resources/server.py serves them; docs/openapi is generated from them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from participants.guard import Body, Identifier
-from participants.wire import TaskBody
+from participants.base.guard import Body, Identifier
+from participants.base.wire import TaskBody
 
 
 class OpenRequest(Body):

@@ -58,13 +58,13 @@ from engine.forks import MAX_FORKS, ForkPlan, Origin, fork_seed, plan_forks
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
 from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
+from participants.base.guard import Body, Identifier, Int64, Route
+from participants.base.keyed_locks import KeyedLocks
+from participants.base.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S, owner_verdict
+from participants.base.participant import Participant, PrepareReport
+from participants.base.routing import EPISODE_ATTEMPT, Peers
+from participants.base.wire import ACTIVATION_HEADER, TaskBody
 from participants.environments import ENVIRONMENTS, Task, enabled_environments, get_environment
-from participants.guard import Body, Identifier, Int64, Route
-from participants.keyed_locks import KeyedLocks
-from participants.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S, owner_verdict
-from participants.participant import Participant, PrepareReport
-from participants.routing import EPISODE_ATTEMPT, Peers
-from participants.wire import ACTIVATION_HEADER, TaskBody
 
 STEPS = ev.EPISODE_STEPS
 MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
@@ -182,7 +182,7 @@ class EnvironmentParticipant(Participant):
         self.client = JsonClient(data_token)
         self.secret = data_token  # each step's request carries its attempt's capability, not this
         self.agent_url, self.resources_url = agent_url, resources_url
-        # Each step's request goes where participants/routing.py says for its attempt, read from the log.
+        # Each step's request goes where participants/base/routing.py says for its attempt, read from the log.
         self.agent_peers, self.resources_peers = Peers(agent_url, "agent"), Peers(resources_url, "resources")
         self.environments = environments
         self.episodes: dict[str, Episode] = {}

@@ -3,7 +3,7 @@
 One module for all four server kinds. The rules of phases live in engine.phases; this module
 authenticates, validates bodies (unknown fields refused), keeps the lease, makes repeats
 idempotent and records every phase transition in the log. What a prepare or restore *means*
-for a given server is its `Participant` subclass's business (participants.participant).
+for a given server is its `Participant` subclass's business (participants.base.participant).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent
 from engine.patience import Patience
 from engine.phases import LEASE_GRACE_S, Lease, ParticipantPhases
-from participants.guard import Body, Route
-from participants.participant import Participant, PrepareReport
-from participants.wire import (
+from participants.base.guard import Body, Route
+from participants.base.participant import Participant, PrepareReport
+from participants.base.wire import (
     CommitRequest,
     ControlRequest,
     ForgetRequest,

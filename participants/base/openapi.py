@@ -1,7 +1,7 @@
 """One OpenAPI 3.1 document per server, generated from its `Route`s and the pydantic models that parse them.
 
 The control plane and the server's data plane alike: every route with its path and header
-parameters, its request body (the very model `participants.guard.read_body` validates with), its
+parameters, its request body (the very model `participants.base.guard.read_body` validates with), its
 reply and the error codes it can answer with. Every operation needs a bearer credential; its
 description says which one.
 """
@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from engine.errors import Forbidden, InvalidJson, InvalidRequest, PayloadTooLarge, RollbookError, Unauthorized
-from participants.guard import PATH_PARAMETERS, Route
-from participants.wire import ErrorReply
+from participants.base.guard import PATH_PARAMETERS, Route
+from participants.base.wire import ErrorReply
 
 # Every operation may answer these: a bad credential, a body over the limit or not JSON, a body that
 # does not validate, a server that is not ready; `default` documents any other error status.

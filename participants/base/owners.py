@@ -10,7 +10,7 @@ from engine import catalog as ev
 from engine.events import RecordedEvent
 from engine.identity import session_stream
 from engine.ownership import Verdict, verdict
-from participants.participant import Participant
+from participants.base.participant import Participant
 
 FIRST_POLL_S = 0.02
 LAST_POLL_S = 0.5  # a live owner's outcome is read at least this often

@@ -4,7 +4,7 @@ A configured server (`[nemo_gym.<name>]`, apps/config.py) becomes the environmen
 tasks are NeMo Gym's own data rows (`params.row`), its tools the row's, and its session a live
 session on the NeMo Gym server (`/seed_session`, one `POST /<tool>` per call, `/verify`,
 `/close_session`, the session in NeMo Gym's cookie, kept per rollbook session). rollbook starts the
-server as a process of its own with NeMo Gym's Python (`participants/nemo_gym_launcher.py`), or
+server as a process of its own with NeMo Gym's Python (`participants/environments/nemo_gym_launcher.py`), or
 relays to one the operator runs (`url`).
 
 Its state in rollbook is the record of the calls it relayed (engine.tool_replay): each call is one
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from adapters.openai_wire import responses_object
 from engine import tool_replay
 from engine.catalog import SESSION_REPLAYED
 from engine.errors import AttemptLost, InvalidRequest, ParticipantUnavailable, ReplayDivergence
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
 from participants.environments.base import JSON
 from participants.environments.players import Answer, Call, Player, Step
-from participants.nemo_gym_wire import responses_object
 
 LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
 # A NeMo Gym resources server's own routes (its RESERVED_MCP_TOOL_NAMES, and more): never a tool call.

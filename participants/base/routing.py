@@ -9,7 +9,7 @@ live, the configured address is used, as before instances were recorded.
 
 The same rule routes every request of a kind, whoever sends it: a caller that reads the log (the
 environment to the agent and the resources server, the agent to the model and the resources server)
-picks a live worker itself, and a front (participants/front.py, the public address of a server run with
+picks a live worker itself, and a front (participants/base/front.py, the public address of a server run with
 `workers = N`) picks the same one for a caller that only knows that address. So a session's requests
 meet the one process that holds it whichever way they come. An episode is routed by its rollout alone
 (`EPISODE_ATTEMPT`): the environment server that drives it moves it to attempt N+1 itself.

@@ -1,8 +1,8 @@
 """An aiohttp app from a participant: its control plane, its data routes, their OpenAPI document.
 
 Every route goes through the same middlewares (errors as JSON, then the credential check of
-participants.guard), is instrumented by participants.observability (GET /metrics added), and is
-described in the server's OpenAPI document (participants.openapi). The lease watcher runs for the
+participants.base.guard), is instrumented by participants.base.observability (GET /metrics added), and is
+described in the server's OpenAPI document (participants.base.openapi). The lease watcher runs for the
 app's lifetime; at shutdown the participant stops its work, at cleanup it closes its clients.
 """
 
@@ -18,13 +18,13 @@ from aiohttp import web
 from engine.admission import Admission
 from engine.errors import AdmissionClosed
 from engine.phases import LEASE_GRACE_S
-from participants.control_plane import ControlPlane
-from participants.guard import MAX_BODY_BYTES, Credentials, Route, authenticate
-from participants.http_errors import errors_as_json
-from participants.observability import observe
-from participants.openapi import document
-from participants.participant import Participant
-from participants.wire import OPENAPI_PATH
+from participants.base.control_plane import ControlPlane
+from participants.base.guard import MAX_BODY_BYTES, Credentials, Route, authenticate
+from participants.base.http_errors import errors_as_json
+from participants.base.observability import observe
+from participants.base.openapi import document
+from participants.base.participant import Participant
+from participants.base.wire import OPENAPI_PATH
 
 PARTICIPANT: web.AppKey[Participant] = web.AppKey("participant", Participant)
 
@@ -34,8 +34,8 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     """An aiohttp app with the control plane, the participant's own routes and their OpenAPI document.
 
     `fronts` are routes that speak another framework's wire to the same participant (NeMo Gym's,
-    participants.nemo_gym_wire), mounted beside its own. Every route, the document included, needs a
-    credential (participants.guard)."""
+    participants.environment.nemo_gym), mounted beside its own. Every route, the document included, needs a
+    credential (participants.base.guard)."""
     plane = ControlPlane(participant, grace)
     app = web.Application(middlewares=[errors_as_json, naming_the_checkpoint(participant.admission), authenticate(credentials)],
                           client_max_size=MAX_BODY_BYTES)
@@ -49,7 +49,7 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
     async def openapi(request: web.Request, _body: None) -> web.Response:
         return web.json_response(doc())
 
-    # Metrics and spans (participants.observability): phases and calls wrapped, GET /metrics added.
+    # Metrics and spans (participants.base.observability): phases and calls wrapped, GET /metrics added.
     routes = observe(app, [*plane.routes(), *participant.routes(), *fronts,
                            Route("GET", OPENAPI_PATH, openapi, None, None, (), "any", name="openapi")],
                      participant, plane.phases)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from adapters.generation import End, GenerationBackend, Prefix, Start, Step, merge_delta
+from adapters.openai_wire import whole_delta
 from engine import catalog as ev
 from engine.errors import RollbookError
 from engine.events import RecordedEvent, canonical_json
 from engine.tokens import Receipt, TokenSink, TokenSource
-from participants.openai_wire import whole_delta
 
 CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
 
@@ -61,7 +61,7 @@ def call_records(events: list[RecordedEvent]) -> dict[str, CallRecord]:
 @dataclass(frozen=True)
 class DurablePrefix:
     """Tokens of a generation in flight that are already in the token store: what a cut records
-    without writing a blob (participants.model_progress keeps it fresh)."""
+    without writing a blob (participants.model.progress keeps it fresh)."""
 
     tokens: int
     receipt: Receipt

@@ -171,3 +171,37 @@ def error_event(error: RollbookError, **rollbook: Any) -> dict[str, Any]:
 def models_body(model: str, policy_version: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "rollbook",
                                         "rollbook": {"policy_version": policy_version}}]}
+
+
+# ---- the trajectory as the Responses API shows it ------------------------------------------
+
+
+def responses_output(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The agent's turns after its input, as Responses-API output items (what NeMo Gym verifiers read)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "assistant":
+            for tc in m.get("tool_calls") or []:
+                fn = tc.get("function") or {}
+                out.append({"type": "function_call", "id": f"fc_{tc.get('id')}", "call_id": tc.get("id"),
+                            "name": fn.get("name"), "arguments": fn.get("arguments") or "{}", "status": "completed"})
+            if m.get("content"):
+                out.append({"type": "message", "id": f"msg_{i}", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": m["content"], "annotations": []}]})
+        elif role == "tool":
+            out.append({"type": "function_call_output", "call_id": m.get("tool_call_id"), "output": m.get("content")})
+    return out
+
+
+def responses_object(rollout_id: str, messages: list[dict[str, Any]], usage: dict[str, Any],
+                     created_at: float) -> dict[str, Any]:
+    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    completion_tokens = int(usage.get("completion_tokens") or 0)
+    return {
+        "id": f"resp_{rollout_id}", "object": "response", "created_at": int(created_at), "model": "rollbook",
+        "status": "completed", "output": responses_output(messages), "parallel_tool_calls": False,
+        "tool_choice": "auto", "tools": [],
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

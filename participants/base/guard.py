@@ -20,7 +20,7 @@ Only then does the handler run, so a refused request has changed nothing.
 
 Routes. Each server declares its routes as `Route`s: method, path, handler, the body model that
 parses the request and the reply model that describes the answer. The same declarations mount the
-aiohttp routes and generate the server's OpenAPI document (participants.openapi).
+aiohttp routes and generate the server's OpenAPI document (participants.base.openapi).
 """
 
 from __future__ import annotations
