@@ -1,5 +1,8 @@
-"""The OpenAI chat-completions wire format the model server speaks, with rollbook's custody facts
-under a `rollbook` key beside the standard fields (clients that do not know it ignore it).
+"""The OpenAI wire, in one module: chat completions as the model server speaks them (requests,
+replies, streamed chunks), streamed deltas assembled into a message as a client assembles them (the
+model server and the upstream backend both do), and a trajectory as a Responses-API object (what
+NeMo Gym's verifiers read). rollbook's custody facts go under a `rollbook` key beside the standard
+fields (clients that do not know it ignore it).
 
 Streaming sends a role chunk, then one chunk per generated step with its real delta (content text
 or a piece of a tool call) as it is generated, then a chunk with the finish reason, then (with
@@ -171,6 +174,46 @@ def error_event(error: RollbookError, **rollbook: Any) -> dict[str, Any]:
 def models_body(model: str, policy_version: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "rollbook",
                                         "rollbook": {"policy_version": policy_version}}]}
+
+
+# ---- a streamed reply assembled, as an OpenAI client assembles it ---------------------------
+
+
+def merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Fold one chat-completions delta into an assistant message (content concatenated, tool calls
+    merged by index), the way an OpenAI client assembles a stream."""
+    if delta.get("content"):
+        message["content"] = (message.get("content") or "") + delta["content"]
+    for tc in delta.get("tool_calls") or []:
+        calls = message.setdefault("tool_calls", [])
+        index = int(tc.get("index", 0))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        slot = calls[index]
+        slot["id"] = tc.get("id") or slot["id"]
+        slot["type"] = tc.get("type") or slot["type"]
+        fn = tc.get("function") or {}
+        slot["function"]["name"] += fn.get("name") or ""
+        slot["function"]["arguments"] += fn.get("arguments") or ""
+
+
+def final_message(partial: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": partial.get("content") or None}
+    if partial.get("tool_calls"):
+        out["tool_calls"] = [dict(c) for c in partial["tool_calls"]]
+    return out
+
+
+def partial_message(partial: dict[str, Any]) -> dict[str, Any]:
+    """The cut reply as the final assistant message of a continuation request: its text so far and,
+    when the cut fell inside a tool call, that call as far as it got (an upstream that renders the
+    message needs both to know where it stands). The text a chat template would render for a partial
+    tool call is not something rollbook can know, so exactness rests on `required_prefix_token_ids`
+    and the check of the upstream's prompt ids, never on this rendering."""
+    out: dict[str, Any] = {"role": "assistant", "content": partial.get("content") or ""}
+    if partial.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": dict(c.get("function") or {})} for c in partial["tool_calls"]]
+    return out
 
 
 # ---- the trajectory as the Responses API shows it ------------------------------------------

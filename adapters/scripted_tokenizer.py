@@ -1,6 +1,6 @@
 """A small deterministic tokenizer and output distribution for the scripted policy.
 
-The scripted policy (participants.model.scripted) decides *what* to say; this module decides how a
+The scripted policy (participants.model.backends.scripted) decides *what* to say; this module decides how a
 model would emit it, so the scripted backend produces real integer token ids and logprobs, the
 way a vLLM server does:
 

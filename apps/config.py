@@ -94,7 +94,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from adapters.generation import backend_names
 from adapters.http_client import PeerTimeouts
 from adapters.http_server import ServerLimits
 from adapters.pg_pool import fit_pool, server_connection_limit
@@ -108,6 +107,7 @@ from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
 from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.sandbox import SandboxLimits
+from participants.model.backends import backend_names
 from participants.model.progress import PROGRESS_S
 
 Kind = Literal["environment", "model", "agent", "resources"]

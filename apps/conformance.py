@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 
 from sqlalchemy import text
 
-from adapters.generation import Event, OpenAICompatibleBackend, Prefix, Step
 from adapters.postgres import PostgresEventStore
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from apps.stack import Backing, MemoryBacking, Stack, backing_of, of, start_stack, turn_of
@@ -47,7 +46,9 @@ from participants.agent.server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task
 from participants.environments.tasks import make_task
 from participants.model import server as model_server
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends import Event, Prefix, Step
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 LATENCY = 0.005  # per model call, so calls are genuinely in flight
 # Each environment's fixed task is `make_task(env, cls.conformance_seed)`, one with few turns under the scripted

@@ -33,9 +33,9 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
-        from adapters.generation import BackendSettings, make_backend
         from adapters.token_store import FilesystemTokenStore, PostgresTokenStore
         from participants.model.app import build_model_app
+        from participants.model.backends import BackendSettings, make_backend
 
         s = config.servers["model"]
         backend = make_backend(s.backend, BackendSettings(url=s.url, model=s.model, api_key=s.api_key,

@@ -39,8 +39,8 @@ from participants.environments import enabled_environments
 from participants.environments.base import Task
 from participants.environments.sandbox import SandboxLimits
 from participants.model.app import build_model_app
+from participants.model.backends.scripted import ScriptedBackend
 from participants.model.calls import TokenStore
-from participants.model.scripted import ScriptedBackend
 from participants.resources.app import build_resources_app
 
 CREDS = Credentials(control="stack-control-secret", data="stack-data-secret")

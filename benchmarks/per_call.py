@@ -50,7 +50,7 @@ from adapters.postgres import PostgresEventStore  # noqa: E402
 from apps.stack import start_stack  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
-from participants.model.scripted import ScriptedBackend  # noqa: E402
+from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
 
 ENVS = ["workplace", "blackjack", "math"]
 TASK_SEED = 3

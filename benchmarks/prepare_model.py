@@ -39,7 +39,6 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from adapters import database, embedded  # noqa: E402
-from adapters.generation import OpenAICompatibleBackend  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from adapters.token_store import PostgresTokenStore  # noqa: E402
 from engine.attempts import ATTEMPT_STARTED  # noqa: E402
@@ -50,7 +49,8 @@ from participants.base.app import PARTICIPANT  # noqa: E402
 from participants.base.guard import Credentials  # noqa: E402
 from participants.base.wire import CONTROL  # noqa: E402
 from participants.model.app import build_model_app  # noqa: E402
-from participants.model.scripted import ScriptedBackend  # noqa: E402
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend  # noqa: E402
+from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
 
 CREDS = Credentials(control="bench-control", data="bench-data")
 PROMPT = "Say something."  # the scripted reply is 9 steps: 4.5 s of generation at the default 0.5 s a step

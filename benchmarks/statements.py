@@ -42,7 +42,7 @@ from engine.events import AppendRequest, NewEvent  # noqa: E402
 from engine.identity import rollout_stream  # noqa: E402
 from participants.base.guard import Credentials  # noqa: E402
 from participants.model.app import build_model_app  # noqa: E402
-from participants.model.scripted import ScriptedBackend  # noqa: E402
+from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
 
 CREDS = Credentials(control="bench-control", data="bench-data")
 

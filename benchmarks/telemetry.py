@@ -47,7 +47,7 @@ from apps.stack import start_stack  # noqa: E402
 from participants.base import observability  # noqa: E402
 from participants.base.observability import TELEMETRY  # noqa: E402
 from participants.environments.tasks import make_task  # noqa: E402
-from participants.model.scripted import ScriptedBackend  # noqa: E402
+from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
 
 MODES = ("off", "metrics", "spans")
 TASK = make_task("workplace", 3)

@@ -1,4 +1,8 @@
-"""The rules of a model call's identity and replacement, which the model server applies.
+"""A model call's custody and the rules of its identity and replacement, which the model server applies.
+
+Custody: a call's stream (engine.identity.call_stream) holds `call_accepted`, then one outcome
+(`call_completed`, `call_cut`, `call_failed`) or `call_excluded`; `call_records` folds a stream into
+each call's last state (`CallState`) and the acceptance before it. The rules:
 
 - A call id belongs to the rollout attempt that first used it: asked again from another attempt it
   is refused (the caller must name a new call and replace the old one).
@@ -12,10 +16,57 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
 from engine import catalog as ev
 from engine.errors import InvalidIdentifier, InvalidPhase, RequestConflict
 from engine.events import RecordedEvent
+
+CUSTODY = ev.CUSTODY_KINDS
+
+
+class CallState(StrEnum):
+    """Where a call stands in its custody: the kind of its last custody event, less `call_`."""
+
+    ACCEPTED = "accepted"
+    COMPLETED = "completed"
+    CUT = "cut"
+    FAILED = "failed"
+    EXCLUDED = "excluded"
+
+    @property
+    def durable_reply(self) -> bool:
+        """A completed call's reply, or a cut call's prefix, is in the log: a replacement starts from it."""
+        return self in (CallState.COMPLETED, CallState.CUT)
+
+
+@dataclass
+class CallRecord:
+    """A call as the log tells it: its last custody event and the acceptance before it."""
+
+    call_id: str
+    rollout_id: str | None
+    attempt: int | None
+    status: CallState
+    data: dict[str, Any]
+    accepted: dict[str, Any] = field(default_factory=dict)
+
+
+def call_records(events: Iterable[RecordedEvent]) -> dict[str, CallRecord]:
+    """Each call's custody as of the end of `events` (a call stream or a rollout's events, in log order)."""
+    out: dict[str, CallRecord] = {}
+    for e in events:
+        if e.kind not in CUSTODY:
+            continue
+        cid = e.data["call_id"]
+        prior = out.get(cid)
+        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status.durable_reply:
+            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
+        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
+        out[cid] = CallRecord(cid, e.rollout_id, e.attempt, CallState(e.kind.removeprefix("call_")), e.data, accepted)
+    return out
 
 
 def check_owner(call_id: str, have_rollout: str | None, have_attempt: int | None, rollout_id: str, attempt: int) -> None:

@@ -2,8 +2,9 @@
 share (base/) and the environments (environments/).
 
 A module that moved keeps its old import path as a clear error: importing it raises
-ModuleNotFoundError naming where it lives now, so a config or entry point written against the old
-layout says what to change instead of failing with a bare "no module".
+ModuleNotFoundError naming where it lives now, so a config, entry point or backend plugin written
+against the old layout says what to change instead of failing with a bare "no module". (Every
+server loads this package before it loads a plugin, so the old adapters path is caught here too.)
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ MOVED = {
     "participants.model_calls": "participants.model.calls",
     "participants.model_progress": "participants.model.progress",
     "participants.model_replies": "participants.model.replies",
-    "participants.scripted_model": "participants.model.scripted",
+    "participants.scripted_model": "participants.model.backends.scripted",
     "participants.openai_wire": "adapters.openai_wire",
+    "adapters.generation": "participants.model.backends (OpenAICompatibleBackend: "
+                           "participants.model.backends.openai_compatible)",
     "participants.resources_server": "participants.resources.server",
     "participants.resources_wire": "participants.resources.wire",
     "participants.replay": "apps.replay",

@@ -33,8 +33,8 @@ from typing import Any
 from aiohttp import web
 
 from adapters import scripted_tokenizer as tok
-from adapters.generation import Step
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends import Step
+from participants.model.backends.scripted import ScriptedBackend
 
 MODEL = "fake-policy"
 
@@ -165,7 +165,7 @@ class FakeVLLM:
         usage = {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens}
         if self.shape == "nemo_gym":
             message = {}
-            from adapters.generation import final_message, merge_delta
+            from adapters.openai_wire import final_message, merge_delta
 
             for s in steps:
                 merge_delta(message, s.delta)
@@ -176,7 +176,7 @@ class FakeVLLM:
                                       "choices": [{"index": 0, "message": gym, "finish_reason": finish}], "usage": usage})
         if not body.get("stream"):
             message: dict[str, Any] = {}
-            from adapters.generation import final_message, merge_delta
+            from adapters.openai_wire import final_message, merge_delta
 
             for s in steps:
                 merge_delta(message, s.delta)

@@ -40,7 +40,7 @@ from apps.collection import Collection
 from apps.stack import CREDS, SEED, Stack, start_stack
 from engine.coordinator import Coordinator
 from participants.environments.tasks import make_tasks
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from testkit.checkpoint_rules import CheckpointRules
 
 ENVS = ["math", "blackjack", "workplace"]

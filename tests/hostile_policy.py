@@ -1,6 +1,6 @@
 """A policy that attacks: the model under training as the adversary it is in RL.
 
-`HostileBackend` answers like the scripted policy (participants/model/scripted.py) except for a task
+`HostileBackend` answers like the scripted policy (participants/model/backends/scripted.py) except for a task
 whose prompt is `hostile_task(...)`: its replies are the scripted attack, one assistant message per
 turn, then a final answer. Everything else on the wire (token ids, logprobs, custody records) is the
 scripted backend's, so the attack reaches the agent exactly as a real model's reply would.
@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from participants.environments.base import Task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 MARK = "HOSTILE "
 

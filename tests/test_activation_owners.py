@@ -26,7 +26,7 @@ from participants.base.app import PARTICIPANT
 from participants.base.wire import ACTIVATION_HEADER
 from participants.environment.app import build_environment_app
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 from .test_model_server import start_attempt
 from .test_ownership import leased

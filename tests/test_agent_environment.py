@@ -28,7 +28,7 @@ from participants.agent.server import AgentParticipant
 from participants.base.wire import ACTIVATION_HEADER, CONTROL
 from participants.environments.base import Task
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
 from engine.recovery import resume_point
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 M = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "t1"},
      {"role": "assistant", "content": "a2"}]

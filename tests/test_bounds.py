@@ -23,7 +23,6 @@ from sqlalchemy import text
 
 import adapters.postgres as pg_adapter
 from adapters.database import like_prefix
-from adapters.generation import OpenAICompatibleBackend
 from adapters.http_client import JsonClient, PeerTimeouts, default_timeouts, set_default_timeouts
 from adapters.http_server import BoundedAppRunner, ServerLimits
 from adapters.postgres import PoolLimits, PostgresEventStore
@@ -35,6 +34,7 @@ from engine.errors import DatabaseUnavailable, GenerationFailed, ParticipantUnav
 from engine.events import AppendRequest, NewEvent
 from participants.base.guard import Credentials
 from participants.base.http_errors import errors_as_json
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
 from participants.resources.app import build_resources_app
 
 CREDS = Credentials(control="bounds-control-token", data="bounds-data-token")

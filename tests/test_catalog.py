@@ -19,7 +19,7 @@ from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, session_stream
 from participants.environments import ENVIRONMENTS
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "participants", "adapters", "apps")

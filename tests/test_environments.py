@@ -14,7 +14,7 @@ from participants.environments.base import Trajectory, canonical, roundtrip
 from participants.environments.blackjack import export_rng, import_rng, restore_env
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
 from participants.environments.tasks import make_tasks
-from participants.model.scripted import scripted_reply
+from participants.model.backends.scripted import scripted_reply
 
 REPLAYABLE = sorted(n for n, cls in ENVIRONMENTS.items() if cls.state_mode in ("stateless", "exported"))
 TASKS_PER_ENV = {"workplace": 20, "blackjack": 20, "math": 4, "string_match": 4}

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from adapters.generation import OpenAICompatibleBackend
 from adapters.postgres import PostgresEventStore
 from apps.stack import Stack, start_stack
 from engine.boundaries import completed_activations
 from engine.checkpoint import effective_history
 from engine.identity import session_stream
 from participants.environments.tasks import make_task
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
 from testkit.fake_vllm import MODEL, FakeVLLM
 from tests.hostile_policy import HostileBackend, hostile_task, tool_call
 

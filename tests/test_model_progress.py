@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from adapters.generation import Prefix, Step
 from engine.identity import call_stream
 from engine.prepare_records import PrepareRecord
 from engine.tokens import TokenArray
 from participants.base.app import PARTICIPANT
 from participants.base.observability import METRICS_PATH
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends import Prefix, Step
+from participants.model.backends.scripted import ScriptedBackend
 from tests.test_model_server import (
     MATH,
     TOKEN,

@@ -14,7 +14,7 @@ from typing import Any
 from adapters.postgres import PostgresEventStore
 from apps.stack import start_stack
 from participants.base.nemo_gym_rows import scoped_rollout_id
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.e2e.test_nemo_gym import REPEATED_CALLS, REPEATED_MUTATIONS
 from tests.test_nemo_gym_wire import BLACKJACK, episode, post, rows, scalar
 

@@ -29,7 +29,7 @@ from engine.admission import JOINING
 from participants.base.nemo_gym_rows import EpisodeResponse, flat_row_task, scoped_rollout_id
 from participants.environments import ENVIRONMENTS, Task, enabled_environments
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.timeout(120)
 ROLLBOOK = [sys.executable, "-m", "apps.cli"]

@@ -34,7 +34,7 @@ from engine.boundaries import completed_activations
 from engine.errors import ConfigError
 from participants.base.observability import METRICS_PATH, TELEMETRY
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from participants.resources.app import build_resources_app
 from tests.waiting import eventually
 

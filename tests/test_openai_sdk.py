@@ -14,7 +14,6 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from adapters.generation import OpenAICompatibleBackend
 from adapters.memory_store import MemoryEventStore
 from adapters.token_store import MemoryTokenStore
 from engine.attempts import ATTEMPT_STARTED
@@ -24,7 +23,8 @@ from participants.base.app import PARTICIPANT
 from participants.base.guard import Credentials
 from participants.base.wire import CONTROL
 from participants.model.app import build_model_app
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
+from participants.model.backends.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 
 CREDS = Credentials(control="sdk-control-secret", data="sdk-data-secret")

@@ -17,7 +17,7 @@ from engine import membership as M
 from engine.identity import call_stream, session_stream
 from engine.ownership import verdict
 from participants.base.app import PARTICIPANT
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.resources_harness import call, control, open_session, prefix, start
 from tests.resources_harness import serving as resources_serving
 from tests.waiting import eventually

@@ -81,7 +81,7 @@ async def blob_xmin(store: PostgresEventStore, blob_id: str) -> int:
 
 async def test_a_model_calls_token_blobs_are_written_by_the_transaction_that_appends_its_outcome(dsn: str) -> None:
     from adapters.token_store import PostgresTokenStore
-    from participants.model.scripted import ScriptedBackend
+    from participants.model.backends.scripted import ScriptedBackend
     from tests.test_model_server import MATH, call_headers, model_server, start_attempt, url
 
     store = PostgresEventStore.connect(dsn, writer="model-xmin")
@@ -231,7 +231,7 @@ async def test_an_episode_reads_no_new_calls_stream_its_attempts_once_and_asks_n
     from adapters.memory_store import MemoryEventStore
     from apps.stack import MemoryBacking, start_stack
     from participants.environments.tasks import make_tasks
-    from participants.model.scripted import ScriptedBackend
+    from participants.model.backends.scripted import ScriptedBackend
     from participants.resources.server import ResourcesParticipant
 
     reads: Counter[tuple[str, str]] = Counter()

@@ -11,7 +11,7 @@ from sqlalchemy import text
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from engine.identity import call_stream
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from participants.model.server import POLICY_STREAM, POLICY_VERSION
 from tests.test_model_server import (
     CREDS,

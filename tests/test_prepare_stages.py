@@ -10,7 +10,7 @@ from typing import Any
 
 from adapters.postgres import PostgresEventStore
 from apps.stack import start_stack
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.waiting import eventually
 
 

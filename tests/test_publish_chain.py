@@ -11,7 +11,7 @@ from apps import config as cfg
 from apps.collection import Collection
 from apps.stack import CREDS, start_stack
 from participants.environments.tasks import make_tasks
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.waiting import eventually
 
 

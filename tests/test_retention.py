@@ -16,7 +16,7 @@ from engine.checkpoint import committed_event, install_request, make_cut
 from engine.events import AppendRequest
 from engine.identity import call_stream
 from engine.tokens import TokenArray
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from tests.test_model_server import (
     MATH,
     HeldAfter,

@@ -28,7 +28,7 @@ from participants.base.guard import MAX_BODY_BYTES
 from participants.base.wire import CONTROL, OPENAPI_PATH
 from participants.environment.app import build_environment_app
 from participants.environments.tasks import make_task
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends.scripted import ScriptedBackend
 from participants.resources.app import build_resources_app
 from tests.answers import answered
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from adapters.generation import OpenAICompatibleBackend, Prefix
 from engine.identity import call_stream
 from participants.base.app import PARTICIPANT
-from participants.model.scripted import ScriptedBackend
+from participants.model.backends import Prefix
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
+from participants.model.backends.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 from tests.test_model_server import (
     BLACKJACK,

@@ -1,6 +1,6 @@
 """How the scripted stand-in model plays each bundled environment.
 
-The scripted policy (participants/model/scripted.py) asks each registered environment's `scripted`
+The scripted policy (participants/model/backends/scripted.py) asks each registered environment's `scripted`
 player, in `priority` order, whether it recognises the request, from what a model sees: the tool
 names and the prompt text. An environment from outside brings its own player the same way (or none:
 then the policy answers like the string player, the last resort). Every move is a pure function of

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from adapters.generation import GenerationBackend
 from engine.checkpoint import ParticipantStore
 from participants.base.app import build_app
 from participants.base.guard import Credentials
+from participants.model.backends import GenerationBackend
 from participants.model.calls import TokenStore
 from participants.model.progress import PROGRESS_S
 from participants.model.server import ModelParticipant

@@ -1,7 +1,7 @@
-"""A model call's custody: the call as the log tells it, and as this process serves it.
+"""A model call as this process serves it.
 
-`CallRecord` is a call's last custody event (and the acceptance before it), read back from its
-stream (engine.identity.call_stream). `LiveCall` is a call this process is generating: its tokens
+A call as the log tells it (`CallRecord`, its custody folded by engine.calls.call_records) is the
+engine's; `LiveCall` is a call this process is generating: its tokens
 so far, what a streaming client has been sent, and its outcome once it has one; `pump` moves a
 generation backend's steps into it until the generation ends or a checkpoint cuts it.
 """
@@ -13,14 +13,12 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from adapters.generation import End, GenerationBackend, Prefix, Start, Step, merge_delta
-from adapters.openai_wire import whole_delta
-from engine import catalog as ev
+from adapters.openai_wire import merge_delta, whole_delta
+from engine.calls import CallRecord
 from engine.errors import RollbookError
-from engine.events import RecordedEvent, canonical_json
+from engine.events import canonical_json
 from engine.tokens import Receipt, TokenSink, TokenSource
-
-CUSTODY = (ev.CALL_ACCEPTED, ev.CALL_COMPLETED, ev.CALL_CUT, ev.CALL_FAILED, ev.CALL_EXCLUDED)
+from participants.model.backends import End, GenerationBackend, Prefix, Start, Step
 
 
 class TokenStore(TokenSink, TokenSource, Protocol):
@@ -30,32 +28,6 @@ class TokenStore(TokenSink, TokenSource, Protocol):
         """A receipt whose blob is durable no later than the next event this process appends: the
         call's outcome, which names it, is appended right after (one transaction for both)."""
         ...
-
-
-@dataclass
-class CallRecord:
-    """A call as the log tells it: its last custody event and the acceptance before it."""
-
-    call_id: str
-    rollout_id: str | None
-    attempt: int | None
-    status: str  # accepted | completed | cut | failed | excluded
-    data: dict[str, Any]
-    accepted: dict[str, Any] = field(default_factory=dict)
-
-
-def call_records(events: list[RecordedEvent]) -> dict[str, CallRecord]:
-    out: dict[str, CallRecord] = {}
-    for e in events:
-        if e.kind not in CUSTODY:
-            continue
-        cid = e.data["call_id"]
-        prior = out.get(cid)
-        if e.kind == ev.CALL_EXCLUDED and prior is not None and prior.status in ("cut", "completed"):
-            continue  # a retry refused while admission was closed changes nothing: the cut prefix still stands
-        accepted = e.data if e.kind == ev.CALL_ACCEPTED else (prior.accepted if prior else {})
-        out[cid] = CallRecord(cid, e.rollout_id, e.attempt, e.kind.removeprefix("call_"), e.data, accepted)
-    return out
 
 
 @dataclass(frozen=True)
@@ -244,4 +216,4 @@ def request_digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(same).encode()).hexdigest()
 
 
-__all__ = ["CUSTODY", "CallRecord", "DurablePrefix", "LiveCall", "Progress", "TokenStore", "call_records", "request_digest"]
+__all__ = ["DurablePrefix", "LiveCall", "Progress", "TokenStore", "request_digest"]

@@ -36,10 +36,17 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.generation import GenerationBackend, Prefix, final_message
-from adapters.openai_wire import ChatCompletion, ChatRequest, models_body, usage
+from adapters.openai_wire import ChatCompletion, ChatRequest, final_message, models_body, usage
 from engine import catalog as ev
-from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
+from engine.calls import (
+    CallRecord,
+    CallState,
+    Replacements,
+    call_records,
+    check_owner,
+    check_replaceable,
+    check_same_request,
+)
 from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
@@ -76,12 +83,11 @@ from participants.base.wire import (
     data_path,
     identity,
 )
+from participants.model.backends import GenerationBackend, Prefix
 from participants.model.calls import (
-    CallRecord,
     DurablePrefix,
     LiveCall,
     TokenStore,
-    call_records,
     request_digest,
 )
 from participants.model.progress import PROGRESS_S, ProgressSaver
@@ -157,14 +163,14 @@ class ModelParticipant(Participant):
             # As of the cut: a call completed after P is not part of this checkpoint's history.
             staged.update(call_records(list(read.events[rollout_id])))
         for record in staged.values():
-            if record.status == "cut":  # the prefix must be there and intact before anything resumes from it
+            if record.status == CallState.CUT:  # the prefix must be there and intact before anything resumes from it
                 await self.token_store.get(Receipt.from_json(record.data["receipt"]).blob_id)
                 if record.data.get("prompt_receipt"):
                     await self.token_store.get(Receipt.from_json(record.data["prompt_receipt"]).blob_id)
         self.staged = staged
         self.staged_rollouts = {s.rollout_id for s in cut.scope}
         self.admission.close(checkpoint_id=cut.checkpoint_id)  # paused until resume
-        return {"calls": len(staged), "cut_calls": sum(r.status == "cut" for r in staged.values())}
+        return {"calls": len(staged), "cut_calls": sum(r.status == CallState.CUT for r in staged.values())}
 
     async def stop(self) -> None:
         await self.progress.stop()
@@ -313,7 +319,7 @@ class ModelParticipant(Participant):
         if record is not None:
             check_owner(call_id, record.rollout_id, record.attempt, rollout_id, attempt)
             check_same_request(call_id, record.accepted.get("request_digest"), digest)
-            if record.status == "completed":
+            if record.status == CallState.COMPLETED:
                 return LiveCall.stored(record, stream)  # a repeat: the stored reply, no generation
             if call_lost(record.status, await owner_verdict(self, record.accepted.get("instance"), held_here=False)):
                 failed = {"call_id": call_id, "error": {"code": "call_lost", "detail": "accepted by a model server "
@@ -345,15 +351,15 @@ class ModelParticipant(Participant):
             accepted: dict[str, Any] = {"call_id": call_id, "parent_call_id": parent, "policy_version": call.policy_version,
                                         "stream": stream, "sampling": payload.sampling(), "request_digest": call.digest,
                                         "instance": self.instance}
-            source: CallRecord | None = own if own is not None and own.status == "cut" else None
+            source: CallRecord | None = own if own is not None and own.status == CallState.CUT else None
             if replaces is not None:
                 chain = replaces.split(",")
                 reserved = await self._reserve_replacement(chain[0], call_id, rollout_id, attempt)
                 accepted["replaces"] = call.extra["replaces"] = chain[0]
                 old = await self._newest_durable(chain, rollout_id, attempt)
-                if old is not None and old.status == "completed":
+                if old is not None and old.status == CallState.COMPLETED:
                     return await self._link(call, accepted, old, seen)
-                if old is not None and old.status == "cut" and source is None:  # its own later cut is longer
+                if old is not None and old.status == CallState.CUT and source is None:  # its own later cut is longer
                     source = old
             if source is not None:
                 accepted["continues"] = await self._continue_from(call, source)
@@ -376,7 +382,7 @@ class ModelParticipant(Participant):
         old = None
         for candidate in chain:
             old = await self._replaced(candidate, rollout_id, attempt)
-            if old is not None and old.status in ("completed", "cut"):
+            if old is not None and old.status.durable_reply:
                 break
         return old
 
@@ -511,7 +517,7 @@ def _holder(call_id: str) -> Callable[[Sequence[RecordedEvent]], str | None]:
     """The instance that accepted the call while it has no outcome (participants.base.owners.settled)."""
     def holder(events: Sequence[RecordedEvent]) -> str | None:
         record = call_records(list(events)).get(call_id)
-        return record.accepted.get("instance") if record is not None and record.status == "accepted" else None
+        return record.accepted.get("instance") if record is not None and record.status == CallState.ACCEPTED else None
     return holder
 
 

@@ -17,7 +17,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from adapters import scripted_tokenizer as tok
-from adapters.generation import (
+from engine.errors import UnsupportedParameter
+from engine.tokens import f32
+from participants.environments import ENVIRONMENTS
+from participants.environments.players import STRING, Answer, Call, Player, _history
+from participants.model.backends import (
     BackendSettings,
     End,
     Event,
@@ -26,10 +30,6 @@ from adapters.generation import (
     Step,
     max_tokens,
 )
-from engine.errors import UnsupportedParameter
-from engine.tokens import f32
-from participants.environments import ENVIRONMENTS
-from participants.environments.players import STRING, Answer, Call, Player, _history
 
 MAX_TOOL_CALLS = 12  # a scripted agent that is confused should stop, not loop
 
