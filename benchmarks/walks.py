@@ -9,7 +9,8 @@ Two walks, both on the four servers in one process (apps.stack, a log in memory,
 
 Every function call the server's code makes into a file of the runtime packages (engine/, participants/,
 adapters/) is one step; a step into another file than the one before is a move. A coroutine resumed
-after an await is not a new step. The server a call belongs to is a context variable each app's
+after an await is not a new step. Reported twice: the whole walk, and the walk outside the log's
+drivers (`STORE`: what runs inside an append or a read is the store's, the same for every server). The server a call belongs to is a context variable each app's
 middleware sets, which the tasks a handler spawns inherit. Nothing is timed.
 
     .venv/bin/python -m benchmarks.walks
@@ -32,6 +33,10 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = tuple(str(ROOT / p) + "/" for p in ("engine", "participants", "adapters"))
+# The log's drivers: behind the engine's store protocol, where a reader of a server stops (an append is
+# one call to them, whichever driver serves it). Counted apart, so the walk is the same on either store.
+STORE = tuple(str(ROOT / "adapters" / f) for f in ("memory_store.py", "postgres.py", "pg_projections.py",
+                                                   "pg_reads.py", "pg_snapshots.py", "token_store.py"))
 SERVER: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("server", default=None)
 _GENERATORS = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 
@@ -39,6 +44,7 @@ _GENERATORS = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GEN
 class Trace:
     def __init__(self) -> None:
         self.steps: dict[tuple[str, int], list[str]] = {}
+        self.outside_store: dict[tuple[str, int], list[str]] = {}
         self.seen: dict[int, FrameType] = {}  # generator frames already entered (held, so ids are not reused)
         self.requests = 0
 
@@ -55,7 +61,10 @@ class Trace:
             if id(frame) in self.seen:
                 return  # resumed, not called
             self.seen[id(frame)] = frame
-        self.steps.setdefault(where, []).append(str(Path(path).relative_to(ROOT)))
+        name = str(Path(path).relative_to(ROOT))
+        self.steps.setdefault(where, []).append(name)
+        if not _in_store(frame.f_back) and not path.startswith(STORE):
+            self.outside_store.setdefault(where, []).append(name)
 
     def middleware(self, kind: str) -> Callable[..., Awaitable[web.StreamResponse]]:
         @web.middleware
@@ -68,6 +77,14 @@ class Trace:
             finally:
                 SERVER.reset(token)
         return mark
+
+
+def _in_store(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(STORE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def summary(steps: list[str]) -> dict[str, Any]:
@@ -111,11 +128,13 @@ async def main() -> dict[str, Any]:
     finally:
         sys.setprofile(None)
         await s.close()
-    env = [steps for (kind, _), steps in trace.steps.items() if kind == "environment"]
-    model = [steps for (kind, _), steps in sorted(trace.steps.items()) if kind == "model"]
-    return {"nemo_gym_run_environment_server": summary([f for steps in env for f in steps]),
-            "one_model_call_model_server": summary(model[0]),
-            "model_requests": len(model)}
+    out: dict[str, Any] = {}
+    for label, traced in (("whole", trace.steps), ("outside_the_store", trace.outside_store)):
+        env = [steps for (kind, _), steps in traced.items() if kind == "environment"]
+        model = [steps for (kind, _), steps in sorted(traced.items()) if kind == "model"]
+        out[label] = {"nemo_gym_run_environment_server": summary([f for steps in env for f in steps]),
+                      "one_model_call_model_server": summary(model[0])}
+    return out
 
 
 def _scripted() -> Any:
