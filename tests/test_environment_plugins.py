@@ -49,7 +49,7 @@ def test_an_environment_from_outside_is_registered_generates_tasks_and_is_played
              "print(json.dumps({'names': sorted(ENVIRONMENTS), 'task': t.to_json(), "
              "'reward': coin.verify(t, {}, Trajectory(said, t.params['expected'])), "
              "'without_conversation': coin.verify(t, {}, Trajectory([], t.params['expected'])), "
-             "'played': __import__('participants.model.backends.scripted').model.scripted.scripted_reply(said[:1], [], 0)}))")
+             "'played': __import__('participants.model.backends.scripted').model.backends.scripted.scripted_reply(said[:1], [], 0)}))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
     seen = json.loads(out.stdout)
     assert "coin" in seen["names"] and "workplace" in seen["names"]

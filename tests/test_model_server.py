@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from adapters import scripted_tokenizer as tok
 from adapters.export import call_tokens
 from adapters.memory_store import MemoryEventStore
+from adapters.openai_wire import final_message, merge_delta
 from adapters.token_store import MemoryTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, install_request, make_cut
@@ -30,15 +31,8 @@ from participants.base.app import PARTICIPANT
 from participants.base.guard import Credentials
 from participants.base.wire import CONTROL
 from participants.model.app import build_model_app
-from participants.model.backends import (
-    End,
-    OpenAICompatibleBackend,
-    Prefix,
-    Start,
-    Step,
-    final_message,
-    merge_delta,
-)
+from participants.model.backends import End, Prefix, Start, Step
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
 from participants.model.backends.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 from tests.waiting import eventually
