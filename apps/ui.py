@@ -1,18 +1,21 @@
 """`rollbook ui`: a read-only web app over one database's log, behind the control credential.
 
-It reads through the public views only (adapters.ui_reads). Every route but the login form and the
-static files asks for the credential: `Authorization: Bearer <control credential>`, or the cookie
-the login form sets, which holds an HMAC of the credential (never the credential itself) and is
-HttpOnly and SameSite=Strict. A request without it gets 401 `unauthorized` (a browser: the login
-form). Every answer carries a Content-Security-Policy that allows scripts, styles and fetches from
-this origin only, and no inline script or style: nothing is loaded from outside the machine.
+It reads through the public views only (adapters.ui_reads). Every route but the sign-in form and the
+static files asks for the credential: `Authorization: Bearer <control credential>`, or a session the
+sign-in form started (apps/ui_auth.py: a random id held in this process's memory, with an expiry,
+revoked at sign-out and by a restart, in an HttpOnly, SameSite=Strict cookie a browser sends to this
+process's host name only). A request without it gets 401 `unauthorized` (a browser: the sign-in
+form). Both forms carry a CSRF token, and a client address that fails the sign-in too often is told
+to wait (429). Every answer carries a Content-Security-Policy that allows scripts, styles and
+fetches from this origin only, and no inline script or style: nothing is loaded from outside the
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -21,41 +24,72 @@ from aiohttp import web
 
 from adapters.ui_reads import UiReads
 from apps import ui_pages as pages
-from engine.errors import ConfigError, NotFound, Unauthorized
+from apps.ui_auth import SESSION_TTL_S, Auth, Session, is_loopback, safe_next
+from engine.errors import ConfigError, Forbidden, NotFound, RollbookError, Unauthorized
 from engine.identity import run_of
 
-COOKIE = "rollbook_ui"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
 STATIC = {"ui.css": "text/css", "ui.js": "text/javascript"}
 READS = web.AppKey("reads", UiReads)
 TOKEN = web.AppKey("token", str)
+AUTH = web.AppKey("auth", Auth)
+SESSION = "rollbook.session"  # request key: (session id, Session) when a cookie signed the request in
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+WRONG_ADDRESS = ("Sign in at the address rollbook ui printed when it started (http://rb-….localhost:PORT/), or "
+                 "serve it over TLS (--tls-cert, --tls-key): a sign-in at this address would leave a cookie that "
+                 "the browser also sends to every other port of this host.")
 
 
-def session_value(token: str) -> str:
-    """What the cookie holds: derived from the credential, so a stolen cookie does not reveal it."""
-    return hmac.new(token.encode(), b"rollbook ui session", hashlib.sha256).hexdigest()
+def browser_may_sign_in(request: web.Request) -> bool:
+    """A session cookie set for this request's host would reach this process alone (see ui_auth)."""
+    return request.secure or (request.url.host or "").lower() == request.app[AUTH].host
 
 
 def authorized(request: web.Request, token: str) -> bool:
     header = request.headers.get("Authorization", "")
     if header.startswith("Bearer ") and hmac.compare_digest(header[len("Bearer "):].encode(), token.encode()):
         return True
-    return hmac.compare_digest(request.cookies.get(COOKIE, "").encode(), session_value(token).encode())
+    if not browser_may_sign_in(request):
+        return False
+    auth = request.app[AUTH]
+    sid = request.cookies.get(auth.cookie(request.secure), "")
+    session = auth.session(sid)
+    if session is None:
+        return False
+    request[SESSION] = (sid, session)
+    return True
 
 
 def _wants_html(request: web.Request) -> bool:
-    return request.method == "GET" and "text/html" in request.headers.get("Accept", "")
+    return "text/html" in request.headers.get("Accept", "")
 
 
 def _html(body: str, status: int = 200) -> web.Response:
     return web.Response(text=body, status=status, content_type="text/html", charset="utf-8")
 
 
-def _error(exc: Unauthorized | NotFound, request: web.Request) -> web.Response:
-    if isinstance(exc, Unauthorized) and _wants_html(request):
-        return _html(pages.login_page(request.path_qs, None), exc.status)
+def _signin_page(request: web.Request, nxt: str, problem: str | None, status: int = 200) -> web.Response:
+    """The sign-in form, with a CSRF token bound to a cookie of its own (set here when missing)."""
+    if not browser_may_sign_in(request):
+        return _html(pages.problem_page("sign in elsewhere", WRONG_ADDRESS), 403 if status == 200 else status)
+    auth = request.app[AUTH]
+    name = auth.signin_cookie(request.secure)
+    nonce = request.cookies.get(name, "")
+    fresh = len(nonce) < 32
+    if fresh:
+        nonce = auth.new_nonce()
+    response = _html(pages.login_page(safe_next(nxt), auth.signin_csrf(nonce), problem), status)
+    if fresh:
+        response.set_cookie(name, nonce, httponly=True, samesite="Strict", path="/login", secure=request.secure)
+    return response
+
+
+def _error(exc: RollbookError, request: web.Request) -> web.Response:
+    if isinstance(exc, Unauthorized) and request.method == "GET" and _wants_html(request):
+        return _signin_page(request, request.rel_url.raw_path_qs, None, exc.status)
+    if not isinstance(exc, NotFound) and request.method == "POST" and _wants_html(request):
+        return _html(pages.problem_page("refused", exc.detail), exc.status)
     return web.json_response(exc.to_json(), status=exc.status)
 
 
@@ -66,7 +100,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not open_route and not authorized(request, request.app[TOKEN]):
             raise Unauthorized("rollbook ui needs the control credential: sign in, or send Authorization: Bearer")
         response = await handler(request)
-    except (Unauthorized, NotFound) as exc:
+    except (Unauthorized, Forbidden, NotFound) as exc:
         response = _error(exc, request)
     response.headers["Content-Security-Policy"] = CSP
     response.headers["X-Content-Type-Options"] = "nosniff"
@@ -76,24 +110,51 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def login_form(request: web.Request) -> web.Response:
-    return _html(pages.login_page(request.query.get("next", "/"), None))
+    return _signin_page(request, request.query.get("next", "/"), None)
 
 
 async def login(request: web.Request) -> web.Response:
+    auth = request.app[AUTH]
+    if not browser_may_sign_in(request):
+        return _html(pages.problem_page("sign in elsewhere", WRONG_ADDRESS), 403)
+    client = request.remote or ""
+    wait = auth.retry_after(client)
+    if wait:
+        response = _html(pages.problem_page("too many failed sign-ins", f"Too many failed sign-ins from this "
+                                            f"address: try again in {wait} s."), 429)
+        response.headers["Retry-After"] = str(wait)
+        return response
     form = await request.post()
-    token, nxt = str(form.get("token", "")), str(form.get("next", "/"))
-    if not nxt.startswith("/") or nxt.startswith("//"):
-        nxt = "/"  # only a page of this app: never send the browser elsewhere
+    token, nxt = str(form.get("token", "")), safe_next(str(form.get("next", "/")))
+    # Not counted as a failure: any web page can post a form here without the token, and it must not
+    # lock the operator out by doing so.
+    if not auth.signin_ok(request.cookies.get(auth.signin_cookie(request.secure), ""), str(form.get("csrf", ""))):
+        return _signin_page(request, nxt, "the form's CSRF token is missing or wrong: nothing was done; "
+                                          "sign in again from this form", 403)
     if not hmac.compare_digest(token.encode(), request.app[TOKEN].encode()):
-        return _html(pages.login_page(nxt, "that is not the control credential"), 401)
+        auth.failed(client)
+        return _signin_page(request, nxt, "that is not the control credential", 401)
+    sid, _ = auth.start()
     response = web.Response(status=303, headers={"Location": nxt})
-    response.set_cookie(COOKIE, session_value(request.app[TOKEN]), httponly=True, samesite="Strict", path="/")
+    response.set_cookie(auth.cookie(request.secure), sid, httponly=True, samesite="Strict", path="/",
+                        secure=request.secure, max_age=int(auth.ttl_s))
+    response.del_cookie(auth.signin_cookie(request.secure), path="/login")
     return response
 
 
 async def logout(request: web.Request) -> web.Response:
+    auth = request.app[AUTH]
+    form = await request.post()
+    held: tuple[str, Session] | None = request.get(SESSION)
+    if held is None:
+        raise Forbidden("no session of this browser to sign out (a bearer credential is not signed in)")
+    sid, session = held
+    if not hmac.compare_digest(str(form.get("csrf", "")).encode(), session.csrf.encode()):
+        raise Forbidden("the sign-out form's CSRF token is missing or wrong: nothing was changed, and this "
+                        "session is still signed in")
+    auth.end(sid)
     response = web.Response(status=303, headers={"Location": "/login"})
-    response.del_cookie(COOKIE, path="/")
+    response.del_cookie(auth.cookie(request.secure), path="/")
     return response
 
 
@@ -154,7 +215,8 @@ def _page_handler(kind: str, fragment_only: bool) -> Handler:
         title, body = await view(request.app[READS], ident)
         if fragment_only:
             return _html(body)
-        return _html(pages.page(title, body, "/fragments" + request.rel_url.raw_path))
+        held = request.get(SESSION)
+        return _html(pages.page(title, body, "/fragments" + request.rel_url.raw_path, held[1].csrf if held else ""))
     return handle
 
 
@@ -166,10 +228,11 @@ async def runs_json(request: web.Request) -> web.Response:
     return web.json_response({"runs": await request.app[READS].runs()})
 
 
-def build_app(dsn: str, token: str) -> web.Application:
+def build_app(dsn: str, token: str, session_ttl_s: float = SESSION_TTL_S) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=64 * 1024)
     app[READS] = UiReads(dsn)
     app[TOKEN] = token
+    app[AUTH] = Auth(ttl_s=session_ttl_s)
 
     async def close(app: web.Application) -> None:
         await app[READS].close()
@@ -200,6 +263,20 @@ def ui_token(args: argparse.Namespace) -> str:
     return token
 
 
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert and not args.tls_key:
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ConfigError("rollbook ui serves TLS with both a certificate and its key", "pass --tls-cert and --tls-key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS certificate {args.tls_cert} and key {args.tls_key} ({exc})",
+                          "pass a PEM certificate chain and its private key") from None
+    return context
+
+
 def run(args: argparse.Namespace) -> int:
     from adapters import database
 
@@ -210,10 +287,22 @@ def run(args: argparse.Namespace) -> int:
         loaded = config.load(args.config)
         dsn, token = dsn or loaded.dsn, loaded.control_token
     token = token or ui_token(args)
-    app = build_app(database.prepare_database(dsn), token)
-    print(f"rollbook ui: http://{args.host}:{args.port}/", flush=True)
+    if args.session_ttl_s <= 0:
+        raise ConfigError(f"--session-ttl-s {args.session_ttl_s} is not a duration", "pass a number of seconds above 0")
+    tls = _tls(args)
+    app = build_app(database.prepare_database(dsn), token, args.session_ttl_s)
+    auth, host = app[AUTH], args.host if ":" not in args.host else f"[{args.host}]"
+    if tls:
+        print(f"rollbook ui: https://{host}:{args.port}/", flush=True)
+    elif is_loopback(args.host) or args.host in ("0.0.0.0", "::", ""):
+        # The name is the sign-in's secret from other local users: it is printed here and nowhere else.
+        print(f"rollbook ui: http://{auth.host}:{args.port}/ (a browser signs in there only; programs may use "
+              f"http://{host}:{args.port}/ with Authorization: Bearer)", flush=True)
+    else:
+        print(f"rollbook ui: http://{host}:{args.port}/ (Authorization: Bearer only: a browser signs in over "
+              "TLS, --tls-cert and --tls-key)", flush=True)
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, ssl_context=tls)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port} ({exc.strerror})",
                           "pass --port a free port (or stop what listens there)") from None
@@ -228,5 +317,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--control-token-file", metavar="PATH",
                    help="a file (mode 0600) holding the control credential (default: ROLLBOOK_CONTROL_TOKEN)")
+    p.add_argument("--session-ttl-s", type=float, default=SESSION_TTL_S, metavar="SECONDS",
+                   help=f"how long a browser's sign-in lasts (default {SESSION_TTL_S} s)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain (and --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--control-token", help=argparse.SUPPRESS)  # refused by name, as `rollbook checkpoint` does
     p.set_defaults(func=run)

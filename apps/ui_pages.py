@@ -30,15 +30,17 @@ def num(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-def page(title: str, body: str, fragment: str | None = None) -> str:
-    """A whole page; `fragment` is the URL of its live part, which ui.js fetches again when the log moves."""
+def page(title: str, body: str, fragment: str | None = None, csrf: str = "") -> str:
+    """A whole page; `fragment` is the URL of its live part, which ui.js fetches again when the log moves;
+    `csrf` the session's token, which the sign-out form must bring back."""
     live = (f'<div id="live" data-fragment="{e(fragment)}">{body}</div>' if fragment else body)
     return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{e(title)} · rollbook</title><link rel=\"stylesheet\" href=\"/static/ui.css\">"
             "<script src=\"/static/ui.js\" defer></script></head><body>"
             "<header><a class=\"brand\" href=\"/\">rollbook</a><nav><a href=\"/\">runs</a></nav>"
             "<span id=\"follow\" class=\"follow\">following the log</span>"
-            "<form method=\"post\" action=\"/logout\"><button>sign out</button></form></header>"
+            f'<form method="post" action="/logout"><input type="hidden" name="csrf" value="{e(csrf)}">'
+            "<button>sign out</button></form></header>"
             f"<main><h1>{e(title)}</h1>{live}</main></body></html>")
 
 
@@ -223,12 +225,21 @@ def checkpoint_fragment(ck: dict[str, Any]) -> str:
         [f'data-rollout="{e(r["rollout_id"])}"' for r in ck["rollouts"]])
 
 
-def login_page(next_url: str, problem: str | None) -> str:
+def login_page(next_url: str, csrf: str, problem: str | None) -> str:
     msg = f'<p class="problem" id="problem">{e(problem)}</p>' if problem else ""
     return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>sign in · rollbook</title>"
             "<link rel=\"stylesheet\" href=\"/static/ui.css\"></head><body><main class=\"login\"><h1>rollbook</h1>"
             "<p>This page shows the log of one rollbook database. Give the control credential of its config "
             "(<code>control_token</code>, or <code>ROLLBOOK_CONTROL_TOKEN</code>).</p>" + msg
             + f'<form method="post" action="/login"><input type="hidden" name="next" value="{e(next_url)}">'
+            f'<input type="hidden" name="csrf" value="{e(csrf)}">'
             '<label>control credential <input type="password" name="token" id="token" autocomplete="current-password" '
             'autofocus></label><button type="submit" id="sign-in">sign in</button></form></main></body></html>')
+
+
+def problem_page(title: str, detail: str) -> str:
+    """What a browser is shown when a form or an address is refused."""
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{e(title)} · rollbook</title><link rel=\"stylesheet\" href=\"/static/ui.css\"></head><body>"
+            f'<main class="login"><h1>rollbook</h1><p class="problem" id="problem">{e(detail)}</p>'
+            '<p><a href="/login">sign in</a></p></main></body></html>')

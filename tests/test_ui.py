@@ -12,16 +12,17 @@ import asyncio
 import http.client
 import json
 import os
+import re
+import ssl
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import psycopg
 import pytest
@@ -29,7 +30,7 @@ import pytest
 from adapters.postgres import PostgresEventStore
 from apps import cli
 from apps.processes import free_port
-from apps.ui import COOKIE
+from apps.ui_auth import COOKIE_PREFIX
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream
@@ -42,14 +43,19 @@ TOKEN = "ui-test-control-credential"
 
 
 @contextmanager
-def ui_server(dsn: str) -> Iterator[str]:
-    port = free_port()
+def ui_server(dsn: str, *extra: str, port: int | None = None) -> Iterator[str]:
+    """`rollbook ui` in a process of its own; yields the address it printed (a browser signs in there)."""
+    port = port or free_port()
     env = {**os.environ, "ROLLBOOK_CONTROL_TOKEN": TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "ui", "--dsn", dsn, "--port", str(port)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "ui", "--dsn", dsn, "--port", str(port), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        eventually_sync("rollbook ui to listen", lambda: proc.poll() is not None or _status(base + "/login") == 200,
+        with ThreadPoolExecutor(1) as pool:
+            line = pool.submit(proc.stdout.readline).result(timeout=60) if proc.stdout else ""
+        printed = re.search(r"https?://\S+?(?=/?(\s|$))", line)
+        assert printed, f"rollbook ui printed no address: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        base = printed.group(0)
+        eventually_sync("rollbook ui to listen", lambda: proc.poll() is not None or _status(base + "/favicon.ico") == 204,
                         timeout=30)
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         yield base
@@ -65,13 +71,48 @@ def _status(url: str) -> int:
         return 0
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, headers=headers or {})
+def request(method: str, url: str, headers: dict[str, str] | None = None, body: str | None = None,
+            ) -> tuple[int, http.client.HTTPMessage, bytes]:
+    """One HTTP request; a `*.localhost` name is reached at 127.0.0.1 with its Host header, as a browser does."""
+    parts = urlsplit(url)
+    host = "127.0.0.1" if (parts.hostname or "").endswith(".localhost") else parts.hostname
+    conn = (http.client.HTTPSConnection(host, parts.port, timeout=10, context=ssl._create_unverified_context())
+            if parts.scheme == "https" else http.client.HTTPConnection(host, parts.port, timeout=10))
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
+        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body,
+                     {"Host": parts.netloc, **(headers or {})})
+        answer = conn.getresponse()
+        return answer.status, answer.msg, answer.read()
+    finally:
+        conn.close()
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    status, msg, body = request("GET", url, headers)
+    return status, dict(msg), body
+
+
+def set_cookies(msg: http.client.HTTPMessage) -> dict[str, str]:
+    jar: SimpleCookie = SimpleCookie()
+    for header in msg.get_all("Set-Cookie") or []:
+        jar.load(header)
+    return {name: morsel.value for name, morsel in jar.items() if morsel.value}  # not those it deletes
+
+
+def hidden(html: bytes, name: str) -> str:
+    found = re.search(rf'name="{name}" value="([^"]*)"', html.decode())
+    return found.group(1) if found else ""
+
+
+def sign_in_http(base: str, token: str = TOKEN, nxt: str = "/") -> tuple[int, http.client.HTTPMessage, dict[str, str]]:
+    """Sign in as the form does: fetch it (its CSRF token and cookie), then post it back."""
+    _, msg, html = request("GET", f"{base}/login?{urlencode({'next': nxt})}", {"Accept": "text/html"})
+    jar = set_cookies(msg)
+    form = urlencode({"token": token, "next": nxt, "csrf": hidden(html, "csrf")})
+    status, answer, _ = request("POST", base + "/login", {
+        "Content-Type": "application/x-www-form-urlencoded", "Accept": "text/html",
+        "Cookie": "; ".join(f"{k}={v}" for k, v in jar.items())}, form)
+    return status, answer, set_cookies(answer)
 
 
 def sql(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -114,17 +155,14 @@ def test_a_request_without_the_credential_is_refused(demo: tuple[str, str], brow
         assert status == 401, path
         assert json.loads(body)["error"]["code"] == "unauthorized"
     assert _get(base + "/api/head", {"Authorization": "Bearer not-the-credential"})[0] == 401
-    assert _get(base + "/api/head", {"Cookie": f"{COOKIE}={TOKEN}"})[0] == 401  # the cookie never holds the token
+    # The cookie never holds the credential.
+    assert _get(base + "/api/head", {"Cookie": f"{COOKIE_PREFIX}x={TOKEN}; rollbook_ui={TOKEN}"})[0] == 401
     assert _get(base + "/api/head", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
     status, _, body = _get(base + "/rollouts/no-such-rollout", {"Authorization": f"Bearer {TOKEN}"})
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     # Signing in sends the browser back to a page of this app only, never to another site.
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=10)
-    conn.request("POST", "/login", urlencode({"token": TOKEN, "next": "//elsewhere.example/"}),
-                 {"Content-Type": "application/x-www-form-urlencoded"})
-    answer = conn.getresponse()
-    assert answer.status == 303 and answer.getheader("Location") == "/"
-    conn.close()
+    status, answer, _ = sign_in_http(base, nxt="//elsewhere.example/")
+    assert status == 303 and answer["Location"] == "/"
 
     browser.clear_cookies()
     page = browser.new_page()
@@ -137,11 +175,11 @@ def test_a_request_without_the_credential_is_refused(demo: tuple[str, str], brow
     page.fill("#token", TOKEN)
     page.click("#sign-in")
     page.wait_for_selector("#runs")
-    cookie = next(c for c in browser.cookies() if c["name"] == COOKIE)
+    cookie = next(c for c in browser.cookies() if c["name"].startswith(COOKIE_PREFIX))
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and TOKEN not in cookie["value"]
     page.click("header button")  # sign out: the cookie is gone and the pages are closed again
     page.wait_for_selector("#token")
-    assert not [c for c in browser.cookies() if c["name"] == COOKIE]
+    assert not [c for c in browser.cookies() if c["name"].startswith(COOKIE_PREFIX)]
     assert page.goto(base + "/").status == 401
     page.close()
 
