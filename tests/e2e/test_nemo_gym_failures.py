@@ -249,3 +249,54 @@ async def test_a_rollout_of_a_server_that_cannot_import_ends_at_once_with_gym_se
     await asyncio.wait_for(coll.dispatch(c.session), 120)
     assert coll.refused == {coll.rollout_id(0): "gym_server_failed"}, coll.refused
     assert time.monotonic() - t0 < 60
+    fences = await c.rows("SELECT attempt, data FROM rollbook.episode_history WHERE kind = 'attempt_fenced' "
+                          "AND rollout_id LIKE 'noimport-%'")
+    assert [(f.data["reason"], f.data["code"], f.data["context"]["stage"]) for f in fences] == \
+        [("failed", "gym_server_failed", "start")], fences
+    assert "No module named 'math_verify'" in fences[0].data["detail"]
+    assert "math_verify" in coll.reasons[coll.rollout_id(0)]
+
+
+async def test_a_refused_seed_ends_the_attempt_failed_with_the_servers_status_and_body(
+        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NeMo Gym's `example_session_state_mgmt` refuses a seed without `initial_count` (422): the rollout's
+    fence records the status and the body, the attempt is no longer live, and the run's output names it.
+    Dispatched again, it runs again as a new attempt (here, to fail the same way)."""
+    from apps import config as cfg
+
+    monkeypatch.setenv("ROLLBOOK_GYM_LOG", str(tmp_path / "counter.log"))
+    c = await cluster_factory(token_latency_s=0.01, nemo_gym={"gym_counter": cfg.NemoGymConfig(
+        module="resources_servers.example_session_state_mgmt.app", state="replay", python=str(gym_python),
+        port=free_port())})
+    coll = c.collection("seed422", [row_task("gym_counter", expected_count=1)], seed=1)
+    await asyncio.wait_for(coll.dispatch(c.session), 180)
+    rid = coll.rollout_id(0)
+    assert coll.refused == {rid: "gym_server_failed"} and "422" in coll.reasons[rid], (coll.refused, coll.reasons)
+    await asyncio.wait_for(coll.dispatch(c.session), 180)
+    fences = await c.rows("SELECT attempt, data FROM rollbook.episode_history WHERE kind = 'attempt_fenced' "
+                          "AND rollout_id = :r ORDER BY position", r=rid)
+    assert [f.attempt for f in fences] == [0, 1], fences
+    for f in fences:
+        context = f.data["context"]
+        assert (f.data["reason"], context["stage"], context["status"]) == ("failed", "seed", 422), f.data
+        assert "initial_count" in context["body"] and "Field required" in context["body"]
+    statuses = await c.rows("SELECT attempt, status FROM rollbook.attempts WHERE rollout_id = :r ORDER BY attempt", r=rid)
+    assert [(r.attempt, r.status) for r in statuses] == [(0, "fenced"), (1, "fenced")]
+
+
+async def test_the_seeded_row_reaches_the_server_through_every_rollbook_server(
+        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose expected count is its initial count scores 1 only if the seed carried the row."""
+    from apps import config as cfg
+
+    monkeypatch.setenv("ROLLBOOK_GYM_LOG", str(tmp_path / "counter.log"))
+    c = await cluster_factory(token_latency_s=0.01, nemo_gym={"gym_counter": cfg.NemoGymConfig(
+        module="resources_servers.example_session_state_mgmt.app", state="replay", python=str(gym_python),
+        port=free_port())})
+    coll = c.collection("seeded", [row_task("gym_counter", initial_count=4, expected_count=4)], seed=1)
+    await asyncio.wait_for(coll.dispatch(c.session), 180)
+    assert not coll.refused, (coll.refused, coll.reasons)
+    assert await c.scalar("SELECT reward FROM rollbook.attempts WHERE rollout_id = :r AND status = 'finished'",
+                          r=coll.rollout_id(0)) == 1.0
