@@ -255,6 +255,12 @@ async def test_a_rollout_of_a_server_that_cannot_import_ends_at_once_with_gym_se
         [("failed", "gym_server_failed", "start")], fences
     assert "No module named 'math_verify'" in fences[0].data["detail"]
     assert "math_verify" in coll.reasons[coll.rollout_id(0)]
+    # `rollbook serve resources` said it, in one line, and started the server once (not on every request).
+    said = [line for line in c.procs.log("resources").read_text().splitlines() if "cannot start" in line]
+    assert said and said[0].startswith("rollbook serve resources: nemo_gym.gym_judge: resources_servers."
+                                       "math_with_judge.app cannot start: ModuleNotFoundError: No module named "
+                                       "'math_verify'"), said
+    assert (tmp_path / "judge.log").read_text().count("rollbook: ModuleNotFoundError") == 1
 
 
 async def test_a_refused_seed_ends_the_attempt_failed_with_the_servers_status_and_body(
