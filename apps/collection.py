@@ -45,13 +45,17 @@ class NotNow(Exception):
         self.code = code
 
 
-async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
+async def _error(resp: aiohttp.ClientResponse) -> tuple[str | None, str | None]:
+    """The error's code and detail, from a rollbook error body."""
     try:
         body = await resp.json(content_type=None)
     except (ValueError, aiohttp.ClientError):
-        return None
+        return None, None
     error = body.get("error") if isinstance(body, dict) else None
-    return error.get("code") if isinstance(error, dict) else None
+    if not isinstance(error, dict):
+        return None, None
+    detail = error.get("detail")
+    return error.get("code"), detail[:600] if isinstance(detail, str) else None
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Collection:
     on_wait: Callable[[str, str], None] = lambda rid, code: None
     finished: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)  # rollout id -> the error code that ended its dispatch
+    reasons: dict[str, str] = field(default_factory=dict)  # rollout id -> that error's detail (what to act on)
     retries: int = 0  # dispatches asked again after admission_closed / database_unavailable
 
     def rollout_id(self, i: int) -> str:
@@ -112,9 +117,11 @@ class Collection:
                             if resp.status == 200:
                                 result = dict(await resp.json())
                                 break
-                            code = await _error_code(resp)
+                            code, detail = await _error(resp)
                             if code not in RETRY_CODES:
                                 self.refused[rid] = code or f"http_{resp.status}"
+                                if detail:
+                                    self.reasons[rid] = detail
                                 return None
                     except (aiohttp.ClientError, OSError):
                         return None  # the server died under us; the log knows where this rollout stands

@@ -86,11 +86,12 @@ docs/secrets.md says where every credential lives.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -201,6 +202,10 @@ class NemoGymConfig(Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     start_timeout_s: float = Field(default=180.0, gt=0, le=3600)
     call_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    # The server's own config fields over its configs/*.yaml entry (validated by its config class when it starts).
+    config: dict[str, Any] = Field(default_factory=dict)
+    config_file: str | None = Field(default=None, max_length=1000)  # which configs/*.yaml, relative to its folder
+    rebuild_attempts: int = Field(default=3, ge=1, le=100)
 
 
 class LimitsConfig(Strict):
@@ -286,7 +291,8 @@ class Config(Strict):
             python = g.python or (None if g.url else str(installed_python()))
             chosen = g.port or (port() if port is not None and g.url is None else None)
             out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
-                                 g.start_timeout_s, g.call_timeout_s))
+                                 g.start_timeout_s, g.call_timeout_s, json.dumps(g.config, sort_keys=True),
+                                 g.config_file, g.rebuild_attempts))
         return out
 
     def environments(self) -> frozenset[str]:
@@ -388,13 +394,27 @@ def write(config: Config, path: str | Path) -> None:
     for name, g in config.nemo_gym.items():
         lines.append(f"\n[nemo_gym.{name}]")
         for key, value in g.model_dump(exclude_defaults=True).items():
-            shown = "[" + ", ".join(_q(v) for v in value) + "]" if isinstance(value, list) else value
-            lines.append(f"{key} = {_q(value) if isinstance(value, str) else shown}")
+            lines.append(f"{key} = {_toml(value)}")
     if config.run:
         lines.append("\n[run]")
         for key, value in config.run.model_dump().items():
             lines.append(f"{key} = {_q(value) if isinstance(value, str) else value}")
     write_private(path, "\n".join(lines) + "\n")
+
+
+def _toml(value: Any) -> str:
+    """A value as TOML (inline tables for a server's own config); JSON's strings are TOML's basic strings."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _q(value)
+    if isinstance(value, int | float):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_q(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"{value!r} has no TOML form", "leave it out of the table (TOML has no null)")
 
 
 def _q(s: str) -> str:

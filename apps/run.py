@@ -143,6 +143,8 @@ async def run_collection(config: Config) -> int:
             results = await dispatch
             finished = len(tasks) - len(await collection.unfinished())
             extra = {"refused": dict(sorted(collection.refused.items())[:10])} if collection.refused else {}
+            if collection.reasons:  # why, in the words of what refused it: a person acts on these
+                extra["reasons"] = dict(sorted(collection.reasons.items())[:10])
             say(event="done", rollouts=len(tasks), finished=finished, this_session=len(results),
                 retried=collection.retries, **extra)
             return 0 if finished == len(tasks) else 1

@@ -5,6 +5,8 @@ Any number of instances of a kind may serve against one database: each records i
 
 from __future__ import annotations
 
+import sys
+
 from aiohttp import web
 
 from adapters import database
@@ -20,7 +22,7 @@ from participants.base.app import PARTICIPANT
 from participants.base.instances import Joining
 from participants.base.observability import TELEMETRY
 from participants.base.routing import Peers
-from participants.environments.nemo_gym_relay import register, stop_all
+from participants.environments.nemo_gym_relay import register, start_all, stop_all
 
 
 def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) -> web.Application:
@@ -29,6 +31,8 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
     # Every kind knows the configured NeMo Gym servers as environments; only the resources server,
     # which relays to them, starts those that no operator runs (on a free port unless one is given).
     register(config.gym_servers(free_port if kind == "resources" else None))
+    if kind == "resources":  # started now: one that cannot import says so here, not at a rollout's first call
+        start_all(lambda line: print(f"rollbook serve resources: {line}", file=sys.stderr, flush=True))
     store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())

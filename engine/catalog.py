@@ -151,11 +151,14 @@ ATTEMPT_STARTED = _kind(
     may("capture_key", "string", "that capture's key (rollout-aN)"),
 )
 ATTEMPT_FENCED = _kind(
-    "attempt_fenced", ROLLOUT, f"{_RESTORE}; {_RECOVERY}; {_TAKEOVER}",
+    "attempt_fenced", ROLLOUT, f"{_RESTORE}; {_RECOVERY}; {_TAKEOVER}; {_ENV} (a failed episode)",
     "The attempt ends: nothing of it lands after this event commits.",
-    need("reason", "string", "restore, recovery, or a caller's retry reason"),
+    need("reason", "string", "restore, recovery, a caller's retry reason, or failed (its episode failed)"),
     may("checkpoint_id", "string", "the checkpoint being restored"),
     may("disposition", "string", "what the next attempt does: continue or fresh_dispatch"),
+    may("code", "string", "failed: the error code that ended the episode (engine/errors.py)"),
+    may("detail", "string", "failed: the error's detail (truncated)"),
+    may("context", "object", "failed: the error's context (a NeMo Gym server's stage, status and body)"),
 )
 ATTEMPT_FINISHED = _kind(
     "attempt_finished", ROLLOUT, _ENV,

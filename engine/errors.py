@@ -324,6 +324,18 @@ class GenerationFailed(RollbookError):
     status = 502
 
 
+class GymServerFailed(RollbookError):
+    """A NeMo Gym server rollbook relays to failed in a way asking again cannot mend, so the rollout
+    ends with this rather than waiting on it: the server cannot start (its import or its config
+    failed; the detail is the launcher's one line), it refused the seed or the verify (its status and
+    body in context), or its session was rebuilt `rebuild_attempts` times with the server gone again
+    each time. context: server, stage (start, seed, verify or rebuild), and status and body when it
+    answered."""
+
+    code = "gym_server_failed"
+    status = 502
+
+
 class InternalError(RollbookError):
     """A bug in a server: still a JSON answer with a stable code, its detail naming only the
     exception's type, never a secret."""

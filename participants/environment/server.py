@@ -40,6 +40,7 @@ from engine.errors import (
     AttemptLost,
     DatabaseUnavailable,
     Forbidden,
+    GymServerFailed,
     InvalidIdentifier,
     InvalidJson,
     InvalidRequest,
@@ -48,6 +49,7 @@ from engine.errors import (
     ParticipantUnavailable,
     RequestConflict,
     RestartOnlyBoundary,
+    RollbookError,
     StaleAttempt,
     ToolCallRefused,
     UnknownRollout,
@@ -68,6 +70,12 @@ from participants.environments import ENVIRONMENTS, Task, enabled_environments, 
 
 STEPS = ev.EPISODE_STEPS
 MAX_RECOVERIES = 3  # restarts of one rollout under a new attempt within one drive, before it fails
+
+# Failures that are the rollout's own, which asking again would only repeat (a NeMo Gym server that
+# cannot start or refused its seed or verify, an environment that refused a step): the attempt ends
+# failed with them. Anything else (a peer away, a restore) leaves it to its recovery.
+ENDS_THE_ATTEMPT = (GymServerFailed, ToolCallRefused)
+FAILURE_SHOWN = 1000
 
 
 class EpisodeRequest(Body):
@@ -273,6 +281,10 @@ class EnvironmentParticipant(Participant):
                 NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, started, rid, 0)))
             return Episode(rid, 0, task, seed, max_steps)
         attempt = max(a for _, a in rows)
+        if rows[(rid, attempt)]["status"] == "fenced":
+            again = await self._after_failure(rid, attempt, started)
+            if again is not None:
+                return Episode(rid, again, task, seed, max_steps)
         if rows[(rid, attempt)]["status"] != "live":
             raise StaleAttempt(f"rollout {rid} attempt {attempt} is {rows[(rid, attempt)]['status']}",
                                rollout_id=rid, attempt=attempt)
@@ -287,6 +299,22 @@ class EnvironmentParticipant(Participant):
         await self._claim(stream, (NewEvent(stream, ev.EPISODE_CONTINUED, {"env": task.env, "task_id": task.task_id,
             "next_step": nxt, "recovered": True, "status": "running", "instance": self.instance}, rid, attempt),))
         return ep
+
+    async def _after_failure(self, rid: str, attempt: int, started: dict[str, Any]) -> int | None:
+        """A rollout dispatched again after its latest attempt failed (`_failed`; its server fixed, say)
+        runs again from its input as attempt N+1; None when that attempt ended otherwise."""
+        stream = rollout_stream(rid)
+        seen = await self.store.read_stream(stream)
+        last = seen[-1] if seen else None
+        if last is None or last.kind != ev.ATTEMPT_FENCED or last.attempt != attempt or last.data.get("reason") != "failed":
+            return None
+        nxt = attempt + 1
+        await self.store.append(claim((
+            NewEvent(stream, ev.ATTEMPT_STARTED, {"parent_attempt": attempt, "origin_attempt": None,
+                                                  "disposition": "fresh_dispatch",
+                                                  "reason": "dispatched again after it failed"}, rid, nxt),
+            NewEvent(episode_stream(rid, nxt), ev.EPISODE_STARTED, started, rid, nxt)), stream, last.stream_version))
+        return nxt
 
     async def _claim(self, stream: str, events: tuple[NewEvent, ...]) -> None:
         """Append `events` at `stream`'s version if it is as the decision found it (no attempt, no live claim)."""
@@ -332,7 +360,21 @@ class EnvironmentParticipant(Participant):
             raise
         except Exception as exc:
             ep.status, ep.error = "failed", f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ENDS_THE_ATTEMPT):
+                await self._failed(ep, exc)
             raise
+
+    async def _failed(self, ep: Episode, exc: RollbookError) -> None:
+        """The attempt ends failed, its reason in its fence (a NeMo Gym server's status and body among
+        it): left live, it would hold up every checkpoint's cut and say nothing of why."""
+        data = {"reason": "failed", "code": exc.code, "detail": exc.detail[:FAILURE_SHOWN],
+                "context": {k: v[:FAILURE_SHOWN] if isinstance(v, str) else v for k, v in exc.context.items()
+                            if isinstance(v, str | int | float | bool)}}
+        try:
+            await self.store.append(AppendRequest((NewEvent(rollout_stream(ep.rollout_id), ev.ATTEMPT_FENCED, data,
+                                                            ep.rollout_id, ep.attempt),)))
+        except RollbookError:
+            pass  # fenced already (a restore, a retire): the attempt has ended either way
 
     async def _restart(self, ep: Episode, exc: AttemptLost) -> None:
         """This rollout alone goes on under attempt N+1, as engine.recovery classifies it."""

@@ -7,24 +7,117 @@ config NeMo Gym builds here, PORT where it listens (127.0.0.1), each PATH a fold
 sys.path (a NeMo Gym checkout). `ng_run` resolves its config in the parent and hands each server
 NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH; this resolves the same config in this process (NeMo
 Gym caches it) and runs the module as `__main__`, where every server calls its own `run_webserver`.
+
+What `ng_run` gives a server, this gives it too:
+- its own folder first on sys.path (`ng_run` runs `app.py` from there, and servers import their
+  sibling modules as top-level ones: `from utils import ...`);
+- its own config: the entry its `configs/*.yaml` declares for it (ROLLBOOK_GYM_CONFIG_FILE, else
+  `configs/<folder>.yaml`, else the first there), with the `[nemo_gym.NAME]` table's overrides
+  (ROLLBOOK_GYM_OVERRIDES, a JSON object) merged over it, each key checked against the fields of
+  the server's own config class, and the whole validated by that class before the server starts.
+
+A server that cannot import, or whose config does not validate, writes one line saying why (its
+traceback's last line, or the fields at fault) to ROLLBOOK_GYM_FAILURE and exits 3: the resources
+server shows that line instead of starting it again and again.
 It imports nothing of rollbook: it runs in NeMo Gym's environment, not rollbook's.
 """
 
+import importlib
+import importlib.util
+import json
 import os
 import runpy
 import shutil
 import sys
 import tempfile
+import traceback
+
+FAILED = 3  # the exit status of a server that cannot start as configured (the reason is in ROLLBOOK_GYM_FAILURE)
+
+
+class Refused(Exception):
+    """The table or the server's config is wrong: the message is the whole line a person reads."""
+
+
+def server_folder(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise Refused(f"no module {module!r} on {sys.path}")
+    return os.path.dirname(spec.origin)
+
+
+def own_config(folder: str, name: str) -> dict:
+    """The server's entry in its own configs/*.yaml (`resources_servers.<folder name>`), or nothing."""
+    import yaml
+
+    chosen = os.environ.get("ROLLBOOK_GYM_CONFIG_FILE")
+    configs = os.path.join(folder, "configs")
+    if chosen:
+        files = [chosen if os.path.isabs(chosen) else os.path.join(folder, chosen)]
+        if not os.path.isfile(files[0]):
+            raise Refused(f"nemo_gym.{name}: config_file {chosen!r} is not a file under {folder}")
+    else:
+        found = sorted(f for f in os.listdir(configs) if f.endswith((".yaml", ".yml"))) if os.path.isdir(configs) else []
+        mine = [f for f in found if os.path.splitext(f)[0] == os.path.basename(folder)]
+        files = [os.path.join(configs, f) for f in mine + [f for f in found if f not in mine]]
+    for path in files:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        for top in doc.values():
+            entry = (top or {}).get("resources_servers", {}) if isinstance(top, dict) else {}
+            if isinstance(entry, dict) and isinstance(entry.get(os.path.basename(folder)), dict):
+                return dict(entry[os.path.basename(folder)])
+    return {}
+
+
+def server_class(module: str):  # noqa: ANN201 - a NeMo Gym class, typed in NeMo Gym's environment
+    """The resources server class MODULE defines (the one its `__main__` runs)."""
+    from nemo_gym.base_resources_server import BaseResourcesServer
+
+    mod = importlib.import_module(module)
+    found = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, BaseResourcesServer)
+             and c.__module__ == mod.__name__]
+    return found[-1] if found else None
+
+
+def checked(module: str, name: str, entry: dict, overrides: dict) -> dict:
+    """The merged config, validated by the server's own config class (as `run_webserver` will)."""
+    cls = server_class(module)
+    if cls is None:
+        return {**entry, **overrides}
+    config_cls = cls.model_fields["config"].annotation
+    fields = sorted(config_cls.model_fields)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise Refused(f"nemo_gym.{name}.config: {', '.join(unknown)} is no field of {config_cls.__name__} "
+                      f"({module}); its fields: {', '.join(fields)}")
+    merged = {**entry, **overrides}
+    from pydantic import ValidationError
+
+    try:
+        config_cls.model_validate({**merged, "name": name})
+    except ValidationError as exc:
+        said = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in exc.errors())
+        raise Refused(f"nemo_gym.{name}: {config_cls.__name__} of {module} refuses its config: {said}") from None
+    return merged
 
 
 def main(argv: list[str]) -> None:
     module, name, port, *paths = argv
     for path in reversed(paths):
         sys.path.insert(0, path)
-    config = (f"head_server:\n  host: 127.0.0.1\n  port: 0\n{name}:\n  resources_servers:\n    {name}:\n"
-              f"      entrypoint: app.py\n      host: 127.0.0.1\n      port: {int(port)}\n      domain: other\n")
+    folder = server_folder(module)
+    sys.path.insert(0, folder)  # ng_run runs app.py from here: its sibling modules import as top-level ones
+    overrides = json.loads(os.environ.get("ROLLBOOK_GYM_OVERRIDES") or "{}")
+    entry = own_config(folder, name)
+    # Where it listens and what it runs are rollbook's to say, as ng_run's are.
+    entry.update({"entrypoint": "app.py", "host": "127.0.0.1", "port": int(port)})
+    entry.setdefault("domain", "other")
+    merged = checked(module, name, entry, overrides)
+    merged.update({"host": "127.0.0.1", "port": int(port)})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(config)
+        json.dump({"head_server": {"host": "127.0.0.1", "port": 0},
+                   name: {"resources_servers": {os.path.basename(folder): merged}}}, f)  # JSON is YAML
     sys.argv = [sys.argv[0], f"+config_paths=[{f.name}]"]
     from nemo_gym.global_config import get_global_config_dict
 
@@ -35,12 +128,24 @@ def main(argv: list[str]) -> None:
     os.unlink(f.name)
     shutil.rmtree(scratch, ignore_errors=True)
     os.environ["NEMO_GYM_CONFIG_PATH"] = name
-    spec = __import__("importlib.util").util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"no module {module!r} on {sys.path}")
-    os.chdir(os.path.dirname(spec.origin))  # ng_run starts a server in its own folder
+    os.chdir(folder)  # ng_run starts a server in its own folder
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def fail(line: str) -> None:
+    where = os.environ.get("ROLLBOOK_GYM_FAILURE")
+    if where:
+        with open(where, "w") as f:
+            f.write(line[:2000])
+    print(f"rollbook: {line}", file=sys.stderr, flush=True)
+    sys.exit(FAILED)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Refused as exc:
+        fail(str(exc))
+    except Exception as exc:  # an import or a start that failed: its traceback's last line says why
+        traceback.print_exc()
+        fail(traceback.format_exception_only(exc)[-1].strip())

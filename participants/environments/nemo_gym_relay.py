@@ -13,6 +13,14 @@ gone (a server restart, a resources-server restart, a restore) is rebuilt, for a
 `replay`, by seeding a fresh one and sending the record again; a reply that differs ends the
 attempt (`replay_divergence`). A `restart_only` server's lost session restarts the rollout.
 
+What a server answers is taken for what it is. A tool reply that is not JSON, a 4xx, or a 5xx from a
+process that is still running is the tool's error: the model sees it, nothing is rebuilt. Only a
+server that cannot be reached, or whose process has exited, is taken for gone; its session is rebuilt
+at most `rebuild_attempts` times without a call succeeding in between, then the rollout ends with
+`gym_server_failed`, as it does at once when the server cannot start (its import or its config
+failed: the one line the launcher wrote says why), or when its seed or verify is refused (the
+server's status and body in the error).
+
 The live half does blocking HTTP: the resources server calls it in a thread.
 """
 
@@ -23,7 +31,9 @@ import http.cookiejar
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,7 +47,13 @@ from typing import Any, ClassVar
 from adapters.openai_wire import responses_object
 from engine import tool_replay
 from engine.catalog import SESSION_REPLAYED
-from engine.errors import AttemptLost, InvalidRequest, ParticipantUnavailable, ReplayDivergence
+from engine.errors import (
+    AttemptLost,
+    GymServerFailed,
+    InvalidRequest,
+    ParticipantUnavailable,
+    ReplayDivergence,
+)
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
 from participants.environments.base import JSON
 from participants.environments.players import Answer, Call, Player, Step
@@ -63,10 +79,24 @@ class GymServer:
     port: int | None = None  # where a server rollbook starts listens
     start_timeout_s: float = 180.0
     call_timeout_s: float = 120.0
+    overrides: str = "{}"  # the table's `config`, as JSON: merged over the server's own configs/*.yaml entry
+    config_file: str | None = None  # which of its configs/*.yaml (default: the one named as its folder)
+    rebuild_attempts: int = 3  # rebuilds of a session without a call succeeding in between, then it fails
 
 
 class LiveGone(Exception):
     """The live session is not there any more (its server restarted or cannot be reached)."""
+
+
+class GymReplyError(Exception):
+    """The server answered, but not with JSON, or with an error status: its own answer, not its death."""
+
+    def __init__(self, path: str, status: int, body: str) -> None:
+        super().__init__(f"{path}: {status} {body}")
+        self.path, self.status, self.body = path, status, body
+
+
+BODY_SHOWN = 500  # how much of a server's reply an error carries
 
 
 class GymProcess:
@@ -78,14 +108,34 @@ class GymProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()
         self.starts = 0
+        # Why it cannot start as configured (the launcher's one line): starting it again cannot help,
+        # so every session asking for it is told this instead of starting it once more.
+        self.failed: str | None = None
 
     def base_url(self) -> str:
         if self.server.url is not None:
             return self.server.url.rstrip("/")
         with self.lock:
+            if self.failed is not None:
+                raise self.failure()
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
         return f"http://127.0.0.1:{self.server.port}"
+
+    def failure(self) -> GymServerFailed:
+        return GymServerFailed(f"nemo_gym.{self.server.name}: {self.server.module} cannot start: {self.failed}",
+                               server=self.server.name, stage="start")
+
+    def check(self) -> str | None:
+        """Start it now (`rollbook serve` does, so that a server that cannot import says so there and
+        then); the line that says why it cannot start, or None."""
+        try:
+            self.base_url()
+        except GymServerFailed:
+            return self.failed
+        except LiveGone as exc:
+            return str(exc)
+        return None
 
     def _start(self) -> None:
         s = self.server
@@ -93,6 +143,10 @@ class GymProcess:
             raise LiveGone(f"{s.name}: no NeMo Gym python or port configured to start {s.module}")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update({"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+        reason = Path(tempfile.mkdtemp(prefix="rollbook-gym-")) / "failure"
+        env.update({"ROLLBOOK_GYM_OVERRIDES": s.overrides, "ROLLBOOK_GYM_FAILURE": str(reason)})
+        if s.config_file:
+            env["ROLLBOOK_GYM_CONFIG_FILE"] = s.config_file
         log = open(os.environ.get("ROLLBOOK_GYM_LOG", os.devnull), "ab")  # noqa: SIM115 - the child holds it
         self.proc = subprocess.Popen([s.python, str(LAUNCHER), s.module, s.name, str(s.port), *s.paths],
                                      stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -102,13 +156,32 @@ class GymProcess:
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/health", timeout=2):
+                    shutil.rmtree(reason.parent, ignore_errors=True)
                     return
             except OSError:
                 if self.proc.poll() is not None:
+                    said = reason.read_text().strip() if reason.exists() else ""
+                    shutil.rmtree(reason.parent, ignore_errors=True)
+                    if said:
+                        self.failed = said
+                        raise self.failure() from None
                     raise LiveGone(f"{s.name}: {s.module} exited with {self.proc.returncode}") from None
                 if time.monotonic() > deadline:
                     raise LiveGone(f"{s.name}: {s.module} did not answer in {s.start_timeout_s} s") from None
                 time.sleep(0.2)
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until the process rollbook runs either answers or has exited: one that is dying (it
+        exited mid-call, its socket already closed) is then started afresh instead of being asked again."""
+        deadline = time.monotonic() + timeout_s
+        while self.server.url is None and self.proc is not None and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.server.port}/health", timeout=2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.1)
 
     def stop(self) -> None:
         with self.lock:
@@ -132,22 +205,31 @@ class Live:
     live_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     jar: http.cookiejar.CookieJar = field(default_factory=http.cookiejar.CookieJar)
 
+    def gone(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        """The reply's JSON; LiveGone when the session's server is not the one that seeded it any more."""
-        if self.proc is not None and self.proc.poll() is not None:
+        """The reply's JSON. LiveGone when the session's server is not the one that seeded it any more
+        (it exited, or cannot be reached); GymReplyError when it answered with an error status or
+        with something that is not JSON: its answer, which a rebuild would only ask for again."""
+        if self.gone():
             raise LiveGone(f"the server of live session {self.live_id} exited")
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
         req = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), {"content-type": "application/json"})
         try:
             with opener.open(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read() or b"null")
+                status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")[:500]
-            if exc.code >= 500:
+            text = exc.read().decode(errors="replace")[:BODY_SHOWN]
+            if exc.code >= 500 and self.gone():  # it died answering: the process, not the call, failed
                 raise LiveGone(f"{path}: {exc.code} {text}") from None
-            raise ToolError("gym_refused", f"{path}: {exc.code} {text}") from None
-        except (OSError, json.JSONDecodeError) as exc:
+            raise GymReplyError(path, exc.code, text) from None
+        except OSError as exc:
             raise LiveGone(f"{path}: {exc}") from None
+        try:
+            return json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise GymReplyError(path, status, raw.decode(errors="replace")[:BODY_SHOWN]) from None
 
 
 def row_of(task: Task) -> dict[str, Any]:
@@ -196,11 +278,21 @@ class NemoGymEnvironment(Environment):
     # ---- the live half (blocking: called in a thread) ---------------------------------------
 
     def open_live(self, task: Task) -> Live:
+        """A live session seeded with the task's row, as NeMo Gym's simple_agent seeds one (it posts the
+        whole run request: the row, `responses_create_params` and the server's own fields, such as
+        `initial_count`); a seed the server refuses fails the rollout with its status and body."""
         proc = self.process
         base = proc.base_url()
         live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s)
-        live.post("/seed_session", {})
+        try:
+            live.post("/seed_session", row_of(task))
+        except GymReplyError as exc:
+            raise self.refused("seed", exc) from None
         return live
+
+    def refused(self, stage: str, exc: GymReplyError) -> GymServerFailed:
+        return GymServerFailed(f"nemo_gym.{self.name}: {self.server.module} answered {exc.path} with {exc.status}: "
+                               f"{exc.body}", server=self.name, stage=stage, status=exc.status, body=exc.body)
 
     def revive(self, task: Task, calls: list[dict[str, Any]]) -> Live:
         """A fresh live session with the record sent again (replay), or none sent (stateless).
@@ -208,18 +300,31 @@ class NemoGymEnvironment(Environment):
         if not tool_replay.continues(self.server.state):
             raise ReplayDivergence(f"{self.name} is restart_only: its lost session cannot be rebuilt")
         for tries in range(2):  # the server may die again mid-replay: once more from a fresh process
+            self.process.settle()
             live = self.open_live(task)
             try:
                 if self.server.state == "replay":  # a stateless server has nothing to rebuild
-                    tool_replay.replay(calls, lambda tool, args, live=live: self._send(live, tool, args))
+                    tool_replay.replay(calls, lambda tool, args, live=live: self._replayed(live, tool, args))
                 return live
             except LiveGone:
                 if tries:
                     raise
         raise AssertionError("unreachable")
 
+    def _replayed(self, live: Live, name: str, arguments: dict[str, Any]) -> Any:
+        try:
+            return self._send(live, name, arguments)
+        except GymReplyError as exc:  # a recorded call it answered before and refuses now: not the same server state
+            raise ReplayDivergence(f"{name} was answered before and now gets {exc.status} {exc.body}"[:400]) from None
+
     def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None) -> ToolOutcome:
-        reply = self._send(live, name, arguments)
+        try:
+            reply = self._send(live, name, arguments)
+        except GymReplyError as exc:
+            # The server's own answer: the model reads it as the call's error, and the call changed nothing
+            # rollbook could replay (it is not recorded as a mutation).
+            code = "gym_not_json" if exc.status < 400 else "gym_refused"
+            raise ToolError(code, f"{name}: {exc.status} {exc.body}") from None
         return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call))
 
     @staticmethod
@@ -234,13 +339,18 @@ class NemoGymEnvironment(Environment):
         row = row_of(task)
         response = responses_object(task.task_id, trajectory.messages, {}, time.time())
         del response["usage"]  # optional in NeMo Gym's response, and its token counts are the model server's
-        reply = live.post("/verify", {**row, "response": response})
+        try:
+            reply = live.post("/verify", {**row, "response": response})
+        except GymReplyError as exc:
+            raise self.refused("verify", exc) from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("reward"), int | float):
+            raise self.refused("verify", GymReplyError("/verify", 200, json.dumps(reply)[:BODY_SHOWN]))
         return float(reply["reward"])
 
     def close_live(self, live: Live) -> None:
         try:
             live.post("/close_session", {"resources_session_id": live.live_id})
-        except (LiveGone, ToolError):
+        except (LiveGone, GymReplyError, ToolError):
             pass  # a server that keeps nothing per session, or is gone: nothing left to release
 
 
@@ -257,6 +367,26 @@ def register(servers: list[GymServer]) -> None:
             "name": s.name, "state_mode": mode, "verification": "replay" if tool_replay.continues(s.state) else "wait",
             "server": s, "process": GymProcess(s), "scripted": GYM_PLAYER})
         ENVIRONMENTS[s.name] = cls
+
+
+def start_all(say: Callable[[str], None]) -> list[threading.Thread]:
+    """Start every registered server rollbook runs, each in a thread of its own (the resources server
+    does at `rollbook serve`), so that one that cannot start says why there, in one line (`say`), and
+    not only when a rollout first asks for it."""
+    threads = []
+    for cls in list(ENVIRONMENTS.values()):
+        if isinstance(cls, type) and issubclass(cls, NemoGymEnvironment) and hasattr(cls, "process") \
+                and cls.server.url is None and cls.server.port is not None:
+            def start(process: GymProcess = cls.process) -> None:
+                why = process.check()
+                if why is not None:
+                    s = process.server
+                    say(f"nemo_gym.{s.name}: {s.module} cannot start: {why} (its log: ROLLBOOK_GYM_LOG; "
+                        "install what it imports into NeMo Gym's Python, or fix the table)")
+            t = threading.Thread(target=start, name=f"nemo-gym-{cls.server.name}", daemon=True)
+            t.start()
+            threads.append(t)
+    return threads
 
 
 def relayed(env: Environment) -> bool:
@@ -278,6 +408,16 @@ async def ensure_live(s: Any, append: Appender) -> Live:
     if s.opened and not tool_replay.continues(s.env.server.state):
         raise AttemptLost(f"{where}: its restart-only NeMo Gym session is gone", rollout_id=s.rollout_id,
                           attempt=s.attempt, lost="session")
+    key = (s.rollout_id, s.attempt)
+    server = s.env.server
+    if _rebuilds.get(key, 0) >= server.rebuild_attempts:
+        # Rebuilt that many times and not one call got through: a server that dies on this session's
+        # calls (or keeps dying) would otherwise be re-seeded and replayed for as long as callers ask.
+        _rebuilds.pop(key, None)
+        raise GymServerFailed(f"nemo_gym.{s.env.name}: {where}: its session was rebuilt {server.rebuild_attempts} "
+                              "times and its server went away again each time", server=s.env.name, stage="rebuild",
+                              rebuilds=server.rebuild_attempts)
+    _rebuilds[key] = _rebuilds.get(key, 0) + 1
     t0 = time.perf_counter()
     try:
         live = await asyncio.to_thread(s.env.revive, s.task, list(s.state))
@@ -286,10 +426,20 @@ async def ensure_live(s: Any, append: Appender) -> Live:
                           lost="divergence") from exc
     except LiveGone as exc:
         raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+    # What was sent again, exactly: a stateless server is seeded afresh and gets none of the record.
+    sent = [c.get("tool_call") for c in s.state] if server.state == "replay" else []
     await append(s, SESSION_REPLAYED, {"live": live.live_id, "revision": s.revision, "seconds": time.perf_counter() - t0,
-                                       "tool_calls": [c.get("tool_call") for c in s.state]})
+                                       "tool_calls": sent})
     s.live = live
     return live
+
+
+# Per (rollout, attempt): rebuilds of its live session since a call last got through (ensure_live bounds them).
+_rebuilds: dict[tuple[str, int], int] = {}
+
+
+def _through(s: Any) -> None:
+    _rebuilds.pop((s.rollout_id, s.attempt), None)
 
 
 async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> Any:
@@ -298,11 +448,17 @@ async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> An
     for tries in range(2):
         live = await ensure_live(s, append)
         try:
-            return await asyncio.to_thread(blocking, live)
+            out = await asyncio.to_thread(blocking, live)
         except LiveGone as exc:
             s.live = None
             if tries:
                 raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
+        except ToolError:
+            _through(s)  # the server answered: it is alive
+            raise
+        else:
+            _through(s)
+            return out
     raise AssertionError("unreachable")
 
 
@@ -313,7 +469,9 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory) -> fl
         async with s.lock:
             live = await ensure_live(s, append)
         try:
-            return float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory))
+            reward = float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory))
+            _through(s)
+            return reward
         except LiveGone as exc:
             if s.live is live:
                 s.live = None
