@@ -85,7 +85,7 @@ def known_revisions() -> tuple[str, frozenset[str]]:
     """(the newest revision, every revision) of this code's migrations, read from the files' own
     `revision` and `down_revision` lines. Every server start and every status answer checks the
     schema; loading Alembic for that cost 0.4 s of CPU per process, and the suite starts hundreds.
-    tests/test_schema.py holds the answer equal to Alembic's."""
+    tests/adapters/test_database.py holds the answer equal to Alembic's."""
     revisions: set[str] = set()
     parents: set[str] = set()
     for path in (MIGRATIONS / "versions").glob("*.py"):

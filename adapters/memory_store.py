@@ -108,6 +108,17 @@ class MemoryLog:
     def row(self, table: str, *key: Any) -> dict[str, Any] | None:
         return self.tables[table].get(key)
 
+    # What a careless disk or operator does behind the store's back: the engine's checks of a cut
+    # (hash chains, lineage) are tested against these.
+
+    def tamper(self, position: int, **data: Any) -> None:
+        """Edit a recorded event's data; its hash stays as recorded."""
+        i = next(i for i, e in enumerate(self.events) if e.position == position)
+        self.events[i] = dataclasses.replace(self.events[i], data={**self.events[i].data, **data})
+
+    def delete(self, position: int) -> None:
+        self.events[:] = [e for e in self.events if e.position != position]
+
 
 class MemoryEventStore:
     """engine.checkpoint.ParticipantStore and engine.coordinator.CheckpointStore over a MemoryLog."""

@@ -1,6 +1,6 @@
 """Token stores: where the token arrays of model calls live, since the log only holds receipts.
 
-Three implementations with one behaviour (tests/test_token_store.py runs the same suite on each):
+Three implementations with one behaviour (tests/adapters/test_token_store.py runs the same suite on each):
 `PostgresTokenStore` uses the tables rollbook.token_blobs / rollbook.token_snapshots that the
 first migration creates, `FilesystemTokenStore` writes one JSON file per blob and per snapshot, and
 `MemoryTokenStore` keeps them in dicts (beside adapters.memory_store's log: nothing durable).

@@ -1,5 +1,5 @@
 """The environment conformance suite: every environment, checkpointed at every boundary, must end as
-an uninterrupted run. rollbook runs it over its own environments (tests/test_conformance.py), and a
+an uninterrupted run. rollbook runs it over its own environments (tests/participants/environments/test_conformance.py), and a
 package that brings an environment runs it over its own (docs/testing.md, "Testing your environment"):
 
     from apps.conformance import check_environment

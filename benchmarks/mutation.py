@@ -48,28 +48,26 @@ PG_FIXTURES = {"dsn", "any_dsn", "store", "any_store", "demo_run", "demo_db"}
 # Each module's fast tests: the files that exercise its rules in this process. The smaller and more
 # central modules come first, so a partial run (`--module`) covers what most depends on.
 TESTS: dict[str, list[str]] = {
-    "attempts": ["test_engine_attempts.py", "test_attempt_gate.py", "test_retry.py", "test_checkpoint_engine.py"],
-    "phases": ["test_phases.py", "test_control_rules.py", "test_engine_phases.py"],
-    "boundaries": ["test_engine_boundaries.py", "test_checkpoint_engine.py"],
-    "identity": ["test_engine_identity.py", "test_attempt_gate.py", "test_call_rules.py", "test_session_rules.py",
-                 "test_phases.py"],
-    "calls": ["test_call_rules.py", "test_engine_calls.py"],
-    "sessions": ["test_session_rules.py", "test_checkpoint_engine.py", "test_engine_sessions.py"],
-    "recovery": ["test_recovery.py", "test_engine_recovery.py"],
-    "checkpoint": ["test_engine_checkpoint.py", "test_checkpoint_engine.py", "test_call_rules.py"],
-    "log": ["test_engine_log.py", "test_attempt_gate.py"],
-    "events": ["test_engine_events.py", "test_engine_log.py", "test_stored_strings.py", "test_bounds.py",
-               "test_checkpoint_engine.py"],
-    "projections": ["test_engine_projections.py"],
-    "capability": ["test_engine_capability.py"],
-    "patience": ["test_patience.py", "test_engine_patience.py"],
-    "retry": ["test_retry.py", "test_attempt_gate.py", "test_engine_retry.py"],
-    "tokens": ["test_engine_tokens.py", "test_token_store.py"],
-    "token_capture": ["test_token_capture_rules.py", "test_engine_token_capture.py"],
-    "control": ["test_control_rules.py", "test_engine_control.py"],
-    "coordinator": ["test_engine_coordinator.py", "test_checkpoint_engine.py"],
-    "errors": ["test_engine_errors.py", "test_errors.py", "test_docs.py"],
-    "catalog": ["test_catalog.py", "test_checkpoint_engine.py", "test_engine_catalog.py"],
+    "attempts": ["engine/test_attempts.py", "engine/test_retry.py", "engine/test_checkpoint.py"],
+    "phases": ["engine/test_phases.py", "engine/test_control.py"],
+    "boundaries": ["engine/test_boundaries.py", "engine/test_checkpoint.py"],
+    "identity": ["engine/test_identity.py", "engine/test_attempts.py", "engine/test_calls.py", "engine/test_sessions.py", "engine/test_phases.py"],
+    "calls": ["engine/test_calls.py", "test_engine_calls.py"],
+    "sessions": ["engine/test_sessions.py", "engine/test_checkpoint.py"],
+    "recovery": ["engine/test_recovery.py"],
+    "checkpoint": ["engine/test_checkpoint.py", "engine/test_calls.py"],
+    "log": ["engine/test_log.py", "engine/test_attempts.py"],
+    "events": ["engine/test_events.py", "engine/test_log.py", "participants/base/test_bounds.py", "engine/test_checkpoint.py"],
+    "projections": ["engine/test_projections.py"],
+    "capability": ["engine/test_capability.py"],
+    "patience": ["engine/test_patience.py", "test_engine_patience.py"],
+    "retry": ["engine/test_retry.py", "engine/test_attempts.py"],
+    "tokens": ["engine/test_tokens.py", "adapters/test_token_store.py"],
+    "token_capture": ["engine/test_token_capture.py"],
+    "control": ["engine/test_control.py"],
+    "coordinator": ["engine/test_coordinator.py", "engine/test_checkpoint.py"],
+    "errors": ["engine/test_errors.py", "test_docs.py"],
+    "catalog": ["engine/test_catalog.py", "engine/test_checkpoint.py"],
 }
 
 COMPARE_SWAP: dict[type[ast.cmpop], type[ast.cmpop]] = {
@@ -337,7 +335,7 @@ def _preload(names: list[str]) -> None:
     that imports it, directly or not: `_importers`)."""
     import pytest  # noqa: F401
 
-    tests = sorted({f"tests.{f.removesuffix('.py')}" for n in names for f in TESTS[n] if (ROOT / "tests" / f).exists()})
+    tests = sorted({f"tests.{f.removesuffix('.py').replace('/', '.')}" for n in names for f in TESTS[n] if (ROOT / "tests" / f).exists()})
     for name in ("hypothesis", "sqlalchemy", "aiohttp", "pydantic", "transitions", "yaml", "psycopg",
                  "prometheus_client", "adapters.postgres", "participants.agent.server", "apps.cli", "tests.conftest",
                  *tests):

@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/generate_events.py
 
-tests/test_catalog.py fails when the checked-in file is not what this writes.
+tests/engine/test_catalog.py fails when the checked-in file is not what this writes.
 """
 
 from __future__ import annotations

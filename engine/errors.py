@@ -3,7 +3,7 @@
 Callers catch what they mean. Each class carries its `code` (part of the public contract) and the
 `status` a server answers it with; `STATUS` below is built from these classes and is what the
 HTTP layer (`participants.base.http_errors`) and the OpenAPI document read. No other module defines a
-code (tests/test_errors.py checks it). `ConfigError` is the one exception outside the root: a
+code (tests/engine/test_errors.py checks it). `ConfigError` is the one exception outside the root: a
 mistake in what a command was given, printed as one line, never an HTTP answer.
 """
 

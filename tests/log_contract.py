@@ -2,10 +2,10 @@
 
 `LogContract` is abstract (pytest collects only the classes that subclass it): a subclass provides
 `open_store`, a function that opens one more store, under a writer name, on one fresh log shared by
-every store it opens (one database, several connections). tests/test_log.py runs the contract on
-PostgreSQL (every server version the fixtures reach) and tests/test_memory_store.py on the memory
+every store it opens (one database, several connections). tests/adapters/test_postgres.py runs the contract on
+PostgreSQL (every server version the fixtures reach) and tests/adapters/test_memory_store.py on the memory
 store; the promises only a database keeps (durability, concurrency across connections) stay in
-tests/test_log.py.
+tests/adapters/test_postgres.py.
 """
 
 from __future__ import annotations

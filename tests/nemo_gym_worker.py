@@ -1,6 +1,6 @@
 """A separate process that holds rollbook token-capture clients, driven over stdin/stdout.
 
-The conformance suite calls factories for fresh clients; tests/test_nemo_gym_tokens.py makes each
+The conformance suite calls factories for fresh clients; tests/adapters/test_nemo_gym_tokens.py makes each
 one a proxy whose real client lives in one of these processes (round robin), so a record put by one
 process is frozen, resolved and retired by another. One JSON request per line in, one reply out:
 

@@ -20,8 +20,8 @@ from apps import config as cfg
 from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS, REPEATED_MUTATIONS_WITHIN
 from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
+from tests.adapters.test_retention import age_everything
 from tests.run_process import Run
-from tests.test_retention import age_everything
 
 # Every blob id an event names, that the token store does not hold: what a restore would fail to read.
 MISSING_BLOBS = (

@@ -17,6 +17,7 @@ from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from participants.environments.tasks import make_tasks
 from tests.run_process import Run
+from tests.waiting import eventually_sync
 
 # `Run` lives in tests/run_process.py; imported here too, where test_export and the agreement test find it.
 
@@ -25,18 +26,12 @@ def wait_for_a_generation_under_way(dsn: str, timeout: float = 60) -> None:
     """Until some call has streamed for a while with no outcome: stopping now cuts it with tokens in it.
 
     Waiting on the log rather than on a fixed delay is what keeps this test true on a loaded machine."""
-    end = time.time() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.time() < end:
-            under_way = conn.execute(
-                "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
-                "AND a.recorded_at < now() - interval '300 milliseconds' AND NOT EXISTS ("
-                "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
-            ).fetchone()[0]
-            if under_way:
-                return
-            time.sleep(0.02)
-    raise AssertionError(f"no generation under way within {timeout} s")
+        eventually_sync("a generation under way", lambda: conn.execute(
+            "SELECT count(*) FROM rollbook.events a WHERE a.kind = 'call_accepted' "
+            "AND a.recorded_at < now() - interval '300 milliseconds' AND NOT EXISTS ("
+            "SELECT 1 FROM rollbook.events o WHERE o.stream = a.stream AND o.stream_version > a.stream_version)"
+        ).fetchone()[0], timeout=timeout)
 
 
 def test_run_checkpoints_on_signals_and_a_rerun_continues_from_the_log(dsn: str) -> None:

@@ -260,7 +260,7 @@ def wait_for_live(dsn: str, per_kind: int) -> None:
 def restore_and_finish(dsn: str, path: Path, run_id: str, chosen: str, n: int) -> None:
     """Restore `chosen` into the processes now live, resume, run again: every rollout finished once, and no
     restored attempt generated a model call or applied a mutation again."""
-    from tests.test_checkpoint_cli import checkpoint
+    from tests.apps.test_checkpoint_cli import checkpoint
 
     config = cfg.load(path)
     rc, restored = checkpoint(config, "restore", chosen)

@@ -1,6 +1,6 @@
 """An environment from outside rollbook, as a third-party package would ship it.
 
-tests/test_environment_plugins.py installs it by writing its distribution metadata (a dist-info
+tests/participants/environments/test_plugins.py installs it by writing its distribution metadata (a dist-info
 with one `rollbook.environments` entry point) into a temporary folder on sys.path; nothing in
 rollbook names it.
 """

@@ -1,7 +1,7 @@
 """rb_coin's own test of its environment against rollbook's conformance suite, as the package would ship it.
 
 Nothing here needs PostgreSQL or rollbook's test folder: `apps.conformance.check_environment` runs the
-four servers in process on a log in memory. tests/test_environment_plugins.py installs rb_coin and runs
+four servers in process on a log in memory. tests/participants/environments/test_plugins.py installs rb_coin and runs
 this file with pytest from a folder outside rollbook.
 """
 

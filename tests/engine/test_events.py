@@ -1,0 +1,144 @@
+"""engine.events at its edges: the payload limit to the byte, what is not plain JSON, the floats
+JSONB reads back as integers, and the stored spelling of the strings PostgreSQL refuses.
+
+engine.events' stored spelling of strings, searched by hypothesis: any JSON value round-trips, and
+what PostgreSQL is given holds no U+0000 and no lone surrogate.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.errors import InvalidPayload, PayloadTooLarge
+from engine.events import (
+    DEFAULT_PAYLOAD_LIMIT,
+    GENESIS_HASH,
+    SCHEMA_VERSION,
+    STORE_ESCAPE,
+    NewEvent,
+    canonical_json,
+    encode_payload,
+    escape_strings,
+    has_large_float,
+    load_stored_json,
+    stored_text,
+    unescape_strings,
+)
+
+
+def test_the_default_limit_is_one_mebibyte_and_the_genesis_hash_is_32_zero_bytes() -> None:
+    assert DEFAULT_PAYLOAD_LIMIT == 1024 * 1024
+    assert GENESIS_HASH == bytes(32)
+
+
+def test_a_payload_of_exactly_the_limit_is_admitted_and_one_byte_more_is_not() -> None:
+    data = {"x": "a" * 10}
+    size = len(canonical_json(data))
+    assert encode_payload(data, size) == canonical_json(data)
+    with pytest.raises(PayloadTooLarge, match=f"event data is {size} bytes, over the {size - 1}-byte limit") as refused:
+        encode_payload(data, size - 1)
+    assert refused.value.context == {"size": size, "limit": size - 1}
+
+
+def test_the_limit_counts_utf8_bytes_not_characters() -> None:
+    data = {"x": "é" * 10}
+    size = len(canonical_json(data).encode())
+    assert size == len(canonical_json(data)) + 10
+    encode_payload(data, size)
+    with pytest.raises(PayloadTooLarge):
+        encode_payload(data, size - 1)
+
+
+def test_the_default_limit_applies_when_none_is_given() -> None:
+    encode_payload({"x": "a" * (DEFAULT_PAYLOAD_LIMIT - 8)})
+    with pytest.raises(PayloadTooLarge):
+        encode_payload({"x": "a" * (DEFAULT_PAYLOAD_LIMIT - 7)})
+
+
+@pytest.mark.parametrize("data, says", [
+    ([1], "must be a JSON object, got list"), ({"x": float("nan")}, "not plain JSON"), ({"x": {1, 2}}, "not plain JSON"),
+])
+def test_what_is_not_a_plain_json_object_is_refused(data: object, says: str) -> None:
+    with pytest.raises(InvalidPayload, match=says):
+        encode_payload(data)
+
+
+def test_canonical_json_is_one_spelling() -> None:
+    assert canonical_json({"b": 1, "a": ["é", None]}) == '{"a":["é",null],"b":1}'
+
+
+def test_a_float_of_1e16_or_more_is_stored_as_the_integer_jsonb_reads_back() -> None:
+    assert json.loads(encode_payload({"x": 1e16, "y": [-2e16], "z": {"w": 1.5e300}})) == {
+        "x": 10**16, "y": [-2 * 10**16], "z": {"w": int(1.5e300)}}
+    assert json.loads(encode_payload({"x": 9.999e15, "s": "e+"})) == {"x": 9.999e15, "s": "e+"}
+    assert encode_payload({"x": 1e16}) == '{"x":10000000000000000}'  # the text PostgreSQL hands back
+
+
+def test_a_large_float_is_found_anywhere_in_a_value() -> None:
+    assert has_large_float(1e16) and has_large_float(-1e16)
+    assert not has_large_float(9.99e15)
+    assert has_large_float({"a": [1, {"b": 2e16}]})
+    assert not has_large_float({"a": [1, {"b": 2}], "c": "1e+20"})
+    assert not has_large_float(10**20)
+
+
+def test_strings_postgresql_refuses_are_escaped_keys_included_and_read_back() -> None:
+    value = {"k\x00": ["a\x00b", STORE_ESCAPE, "\ud800", 1, None]}
+    escaped = escape_strings(value)
+    assert escaped == {f"k{STORE_ESCAPE}0": [f"a{STORE_ESCAPE}0b", f"{STORE_ESCAPE}e", f"{STORE_ESCAPE}sd800", 1, None]}
+    assert unescape_strings(escaped) == value
+    assert unescape_strings("plain") == "plain"
+
+
+def test_stored_text_escapes_only_where_it_must() -> None:
+    assert stored_text({"x": "é"}) == '{"x":"é"}'
+    assert stored_text({"x": "a\x00"}) == '{"x":"a' + STORE_ESCAPE + '0"}'
+    assert stored_text({"x": "\\u0000"}) == canonical_json({"x": "\\u0000"})
+    assert stored_text({"x": "é" + STORE_ESCAPE}) == canonical_json({"x": "é" + STORE_ESCAPE + "e"})
+    assert stored_text({"x": "\ud800é"}) == canonical_json({"x": STORE_ESCAPE + "sd800é"})
+    assert stored_text({"x": "a"}, '{"x":"a"}') == '{"x":"a"}'
+
+
+def test_stored_text_that_holds_no_escape_is_read_as_it_is() -> None:
+    assert load_stored_json('{"x":"\\u0000"}') == {"x": "\x00"}
+    assert load_stored_json(b'{"x":"' + f"{STORE_ESCAPE}0".encode() + b'"}') == {"x": "\x00"}
+
+
+def test_events_are_written_at_schema_version_one() -> None:
+    assert SCHEMA_VERSION == 1
+    assert NewEvent("s", "k").schema_version == 1
+
+
+def test_large_floats_in_a_list_are_stored_as_integers_and_the_rest_of_the_list_as_it_is() -> None:
+    assert encode_payload({"y": [-2e16, "ab", 1.5, [3e16]]}) == '{"y":[-20000000000000000,"ab",1.5,[30000000000000000]]}'
+
+
+# Every code point, surrogates and NUL included, with the escape and its codes drawn often.
+# The six characters \u0000 (no NUL at all) come in whole too.
+TEXT = st.lists(st.one_of(st.characters(codec=None), st.sampled_from(["\x00", STORE_ESCAPE, "e", "0", "s", "\ud800",
+                                                                    "\\u0000"])), max_size=12).map("".join)
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**53), 2**53) | TEXT,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=20)
+
+
+def strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [*value, *(s for v in value.values() for s in strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+@given(st.dictionaries(TEXT, JSON, max_size=5))
+def test_any_payload_is_stored_without_nul_or_lone_surrogates_and_read_back_as_it_was(data: dict) -> None:
+    text = encode_payload(data)
+    text.encode("utf-8")  # strict: no lone surrogate reaches the database
+    assert not any("\x00" in s for s in strings(json.loads(text)))  # JSONB refuses U+0000
+    assert load_stored_json(text) == data
+    assert load_stored_json(text.encode()) == data

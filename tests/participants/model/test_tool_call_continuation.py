@@ -1,0 +1,108 @@
+"""A model call cut inside a tool call continues from its durable prefix, as a text reply does.
+
+The upstream is the vLLM-style fake (testkit/fake_vllm.py); the model server runs on a real aiohttp
+server with its log in memory. The tokens generated again after a cut are counted from what the
+upstream sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.identity import call_stream
+from participants.base.app import PARTICIPANT
+from participants.model.backends import Prefix
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend
+from participants.model.backends.scripted import ScriptedBackend
+from testkit.fake_vllm import FakeVLLM
+from tests.participants.model.test_server import (
+    BLACKJACK,
+    call_headers,
+    control,
+    events_of,
+    joined,
+    kinds,
+    model_server,
+    planned,
+    save_progress,
+    start_attempt,
+    url,
+)
+from tests.waiting import eventually
+
+
+def inside_the_tool_call(steps: list[Any]) -> int:
+    """How many steps to keep so the prefix ends inside the tool call's arguments."""
+    first_args = next(i for i, s in enumerate(steps) if (s.delta.get("tool_calls") or [{}])[0].get("function", {}).get("arguments"))
+    return first_args + 2
+
+
+async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call() -> None:
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
+            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
+            assert head_msg.get("tool_calls"), "the prefix must end inside a tool call"
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            sent_before = fake.steps_sent
+            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
+        finally:
+            await backend.close()
+    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "required_prefix_token_ids"}
+    assert head_ids + joined(rest)[0] == joined(steps)[0]
+    assert fake.steps_sent - sent_before == len(steps) - inside_the_tool_call(steps)  # nothing of the prefix again
+    assert end.finish_reason == "tool_calls"
+    sent = fake.requests[-1]
+    assert sent["messages"][-1]["tool_calls"] == head_msg["tool_calls"]  # the partial call rides in the message
+    assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
+
+
+async def test_a_tool_call_cut_by_prepare_is_continued_and_its_reply_is_the_uninterrupted_one(memory_store, memory_tokens) -> None:
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "tc")
+    _, full, full_lps = planned(ScriptedBackend(), BLACKJACK)
+    reply = ScriptedBackend().reply(BLACKJACK)
+    assert reply.get("tool_calls"), "this request must make the scripted policy call a tool"
+    fake = FakeVLLM()
+    _, steps, _ = fake.model.plan(BLACKJACK)
+    fake.stall_after = inside_the_tool_call(steps)  # the stream stops inside the tool call until let go
+    await fake.start()
+    backend = OpenAICompatibleBackend(fake.url, model="m1")
+    try:
+        async with model_server(store, backend, tokens) as client:
+            pending = asyncio.ensure_future(client.post(url("tc"), json=BLACKJACK, headers=call_headers("tc.0.t0")))
+            calls = client.server.app[PARTICIPANT].calls  # type: ignore[attr-defined]
+            await eventually("the call stalled inside its tool call",
+                             lambda: "tc.0.t0" in calls and len(calls["tc.0.t0"].steps) >= fake.stall_after)
+            await save_progress(client)
+            await control(client, "prepare", "ck-tc")
+            cut_call = calls["tc.0.t0"]
+            await eventually("the cut generation's stream closed", lambda: cut_call.task is not None and cut_call.task.done())
+            fake.unstall()
+            sent_before = fake.steps_sent
+            await control(client, "resume", "ck-tc")
+            assert (await pending).status == 409
+            body = await (await client.post(url("tc"), json={**BLACKJACK, "logprobs": True},
+                                            headers=call_headers("tc.0.t0"))).json()
+    finally:
+        await backend.close()
+        await fake.stop()
+    cut, done = [e for e in await store.read_stream(call_stream("tc.0.t0")) if e.kind in ("call_cut", "call_completed")]
+    assert cut.data["partial"].get("tool_calls"), "the cut fell inside the tool call"
+    assert done.data["continuation"]["mode"] == "continued", done.data["continuation"]
+    assert body["choices"][0]["message"] == reply
+    assert [int(e["token"][9:]) for e in body["choices"][0]["logprobs"]["content"]] == full
+    assert [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]] == full_lps
+    regenerated = fake.steps_sent - sent_before - (len(steps) - fake_prefix_steps(steps, cut.data["tokens"]))
+    assert regenerated == 0  # not one token of the prefix was generated again
+    assert await kinds(store, "tc.0.t0") == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
+
+
+def fake_prefix_steps(steps: list[Any], tokens: int) -> int:
+    n, k = 0, 0
+    while n < tokens:
+        n += len(steps[k].ids)
+        k += 1
+    return k
