@@ -118,3 +118,10 @@ def test_nothing_outside_tests_imports_from_tests() -> None:
     assert {p: found for p, found in offenders.items() if found} == {}
     assert imports_of_tests("from tests.stack import start_stack\nimport tests.pg\nfrom tests import waiting\n"
                             "from .tests import x\nimport testkit.pg\n") == ["tests.stack", "tests.pg", "tests"]
+
+
+def test_no_module_of_the_runtime_packages_is_over_600_lines() -> None:
+    """A file a newcomer reads whole: past 600 lines a module holds more than one concept."""
+    long = {str(p.relative_to(ROOT)): n for pkg in ("engine", "adapters", "participants", "apps")
+            for p in sorted((ROOT / pkg).rglob("*.py")) if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}

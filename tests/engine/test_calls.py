@@ -7,8 +7,24 @@ from typing import Any
 
 import pytest
 
-from engine.calls import Replacements, check_owner, check_replaceable, check_same_request
-from engine.catalog import ATTEMPT_STARTED, CALL_ACCEPTED, CALL_COMPLETED, EPISODE_STEP
+from engine.calls import (
+    CUSTODY,
+    CallState,
+    Replacements,
+    call_records,
+    check_owner,
+    check_replaceable,
+    check_same_request,
+)
+from engine.catalog import (
+    ATTEMPT_STARTED,
+    CALL_ACCEPTED,
+    CALL_COMPLETED,
+    CALL_CUT,
+    CALL_EXCLUDED,
+    CALL_FAILED,
+    EPISODE_STEP,
+)
 from engine.checkpoint import Cut, CutHistory, origin_of, restored_attempt
 from engine.errors import InvalidIdentifier, InvalidPhase, RequestConflict
 from engine.events import GENESIS_HASH, RecordedEvent
@@ -122,3 +138,30 @@ def test_only_an_acceptance_under_another_id_tells_of_a_replacement() -> None:
     assert claims.needs_log("old", 1, "mine")
     claims.learn("old", 1, "mine", [accepted("other", "old")])
     assert not claims.needs_log("old", 1, "mine")
+
+
+def custody(call_id: str, *kinds: str, attempt: int = 0) -> list[RecordedEvent]:
+    return [RecordedEvent(position=i + 1, stream=call_stream(call_id), stream_version=i + 1, kind=k,
+                          data={"call_id": call_id, "step": i}, rollout_id="r", attempt=attempt, schema_version=1,
+                          writer="t", hash=GENESIS_HASH) for i, k in enumerate(kinds)]
+
+
+def test_a_calls_custody_is_its_last_custody_event_with_the_acceptance_before_it() -> None:
+    records = call_records([*custody("c1", CALL_ACCEPTED, CALL_CUT), *custody("c2", CALL_ACCEPTED),
+                            *custody("c3", CALL_ACCEPTED, CALL_FAILED)])
+    assert {c: (r.status, r.accepted["step"]) for c, r in records.items()} == {
+        "c1": (CallState.CUT, 0), "c2": (CallState.ACCEPTED, 0), "c3": (CallState.FAILED, 0)}
+    assert records["c1"].data["step"] == 1 and (records["c1"].rollout_id, records["c1"].attempt) == ("r", 0)
+
+
+def test_an_exclusion_after_a_durable_reply_changes_nothing_and_before_one_ends_the_call() -> None:
+    """A retry refused while admission was closed (`call_excluded`) leaves a cut prefix or a completed
+    reply standing: a replacement still starts from it."""
+    assert call_records(custody("c", CALL_ACCEPTED, CALL_CUT, CALL_EXCLUDED))["c"].status == CallState.CUT
+    assert call_records(custody("c", CALL_ACCEPTED, CALL_COMPLETED, CALL_EXCLUDED))["c"].status == CallState.COMPLETED
+    assert call_records(custody("c", CALL_ACCEPTED, CALL_EXCLUDED))["c"].status == CallState.EXCLUDED
+
+
+def test_only_a_completed_or_cut_call_has_a_durable_reply() -> None:
+    assert {s for s in CallState if s.durable_reply} == {CallState.COMPLETED, CallState.CUT}
+    assert set(CallState) == {CallState(k.removeprefix("call_")) for k in CUSTODY}
