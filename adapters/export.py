@@ -14,7 +14,7 @@ A record (JSONL: one JSON object a line; Parquet: one row, the same fields, by t
              logprobs    = 0.0 for each prompt token, the sampling logprob of each generated token}]
 
 The turns are the model calls whose replies the finished trajectory used, read from the log along
-its lineage (engine.checkpoint.effective_history: the origin attempt's events up to the boundary
+its lineage (engine.lineage.effective_history: the origin attempt's events up to the boundary
 it was restored from, then its own), with the token arrays from the token store. A call cut by a
 checkpoint and continued after restore is one turn whose ids are prefix + continuation, so a
 continued rollout's record equals an uninterrupted run's of the same deterministic policy.
@@ -40,10 +40,10 @@ from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
 from engine import catalog as ev
-from engine.checkpoint import effective_history
 from engine.errors import InvalidPayload
 from engine.exports import mark_exported
 from engine.forks import generated_by
+from engine.lineage import effective_history
 from engine.tokens import CallTokens, Receipt, TokenSource
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -51,10 +51,10 @@ from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
 from engine import token_capture as tc
 from engine.catalog import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_RETIRED
-from engine.checkpoint import effective_history
 from engine.errors import InvalidCheckpointState, InvalidPayload, StaleAttempt, VersionConflict
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import call_stream, capture_stream, rollout_stream, validate_id
+from engine.lineage import effective_history
 from engine.tokens import CallTokens, Receipt
 
 ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")

@@ -38,9 +38,10 @@ from apps.demo import REPEATED_CALLS, REPEATED_MUTATIONS
 from apps.stack import Backing, MemoryBacking, Stack, backing_of, of, start_stack, turn_of
 from engine import catalog as ev
 from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, CutStore, effective_history
+from engine.checkpoint import Cut, CutStore
 from engine.coordinator import CheckpointStore
 from engine.events import NewEvent, RecordedEvent
+from engine.lineage import effective_history
 from participants.agent import server as agent_server
 from participants.agent.server import AgentParticipant
 from participants.environments import ENVIRONMENTS, Environment, Task

@@ -16,10 +16,11 @@ from typing import Any
 from engine import catalog as ev
 from engine import snapshots
 from engine.boundaries import with_messages
-from engine.checkpoint import ParticipantStore, effective_history
+from engine.checkpoint import ParticipantStore
 from engine.errors import ReplayDivergence, UnknownAttempt
 from engine.events import RecordedEvent, canonical_json
 from engine.identity import is_session_stream
+from engine.lineage import effective_history
 from engine.sessions import SessionReplay, boundary_disagreement
 from participants.environments import get_environment, open_from_log
 from participants.environments.base import Task, Trajectory

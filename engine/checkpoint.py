@@ -38,6 +38,7 @@ from engine.events import (
     stored_text,
 )
 from engine.identity import Key, checkpoint_stream, in_run, restore_stream, rollout_stream
+from engine.lineage import lineage_origin
 from engine.log import EventStore
 from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
 from engine.snapshots import SnapshotStore
@@ -365,7 +366,7 @@ class CutHistory:
         return [e for e in self.events.get(rollout_id, ()) if e.attempt == attempt and (to is None or e.position <= to)]
 
     def effective(self, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
-        """effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
+        """engine.lineage.effective_history from this read: the origin's events up to its boundary, then the attempt's own."""
         own = self.attempt(rollout_id, attempt, to)
         origin = lineage_origin(rollout_id, own)
         return own if origin is None else self.effective(*origin) + own
@@ -593,32 +594,3 @@ def _fence_and_start(rollout_id: str, live: int, checkpoint_id: str, origin: dic
             live + 1,
         ),
     ]
-
-
-async def effective_history(store: CutStore, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
-    """An attempt's history as its participants replay it: its origin's events up to the origin
-    boundary (recursively), then its own. A fresh dispatch has no origin and starts from input; a
-    fork's origin is an attempt of another rollout (engine/forks.py)."""
-    own = await store.read_rollout(rollout_id, attempt, to)
-    origin = lineage_origin(rollout_id, own)
-    return own if origin is None else await effective_history(store, *origin) + own
-
-
-def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:
-    """Where an attempt's lineage continues: (origin attempt, its boundary position; None: all of it)
-    from the attempt's own `attempt_started`; None for attempt 0 and a fresh dispatch, which start
-    from input."""
-    start = next((e for e in own if e.kind == ev.ATTEMPT_STARTED), None)
-    if start is None or start.data.get("origin_attempt") is None:
-        return None
-    return start.data["origin_attempt"], start.data.get("origin_position")
-
-
-def lineage_origin(rollout_id: str, own: Sequence[RecordedEvent]) -> tuple[str, int, int | None] | None:
-    """origin_of with the origin's rollout: the attempt's own for a restore or a recovery, another
-    rollout's for a fork (its `attempt_started` names it as `origin_rollout_id`)."""
-    origin = origin_of(own)
-    if origin is None:
-        return None
-    start = next(e for e in own if e.kind == ev.ATTEMPT_STARTED)
-    return str(start.data.get("origin_rollout_id") or rollout_id), origin[0], origin[1]

@@ -1,7 +1,7 @@
 """Forks: new rollouts started from a boundary of another rollout's attempt.
 
 A fork of attempt A of rollout R at position P is a new rollout whose attempt 0 has the origin
-(R, A, P): its effective history (engine.checkpoint.effective_history) is A's up to P, then its own,
+(R, A, P): its effective history (engine.lineage.effective_history) is A's up to P, then its own,
 so every server rebuilds its part from the log exactly as for a restored attempt: the environment
 its recorded steps, the agent its conversation from the boundary, the resources its session from
 the recorded mutations, the model the call lineage (the fork's first call names the origin's last

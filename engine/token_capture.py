@@ -197,7 +197,7 @@ def decide_retire(
 # A rollout rollbook runs has its model calls recorded by the model server (call_accepted, then
 # call_completed with `receipt` = generated ids and logprobs and `prompt_receipt` = prompt ids), not
 # put through a sink. A snapshot of such an attempt holds them too: the calls of its effective
-# history (engine.checkpoint.effective_history: its origin's events up to the boundary it resumed
+# history (engine.lineage.effective_history: its origin's events up to the boundary it resumed
 # from, then its own) whose custody ended `completed` at or below the freeze. A call accepted but not
 # completed there (in flight, cut, failed) is a hole: the snapshot is incomplete. The model server is
 # not fenced by a freeze, so a served call's custody event after it is a write that raced the freeze:

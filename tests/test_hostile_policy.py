@@ -19,8 +19,8 @@ import pytest
 from adapters.postgres import PostgresEventStore
 from apps.stack import Stack, start_stack
 from engine.boundaries import completed_activations
-from engine.checkpoint import effective_history
 from engine.identity import session_stream
+from engine.lineage import effective_history
 from participants.environments.tasks import make_task
 from participants.model.backends.openai_compatible import OpenAICompatibleBackend
 from testkit.fake_vllm import MODEL, FakeVLLM

@@ -21,10 +21,10 @@ from adapters.openai_wire import responses_object
 from engine import catalog as ev
 from engine import retry
 from engine.boundaries import completed_activations
-from engine.checkpoint import effective_history
 from engine.errors import Forbidden, ParticipantUnavailable, StaleAttempt, TaskConflict
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import episode_stream, rollout_stream
+from engine.lineage import effective_history
 from participants.base.guard import Route
 from participants.base.nemo_gym_rows import (
     EpisodeFailure,

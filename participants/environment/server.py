@@ -34,7 +34,7 @@ from engine import catalog as ev
 from engine import recovery
 from engine.admission import drain
 from engine.capability import capability
-from engine.checkpoint import Cut, ParticipantStore, effective_history, read_cut, restored_attempt
+from engine.checkpoint import Cut, ParticipantStore, read_cut, restored_attempt
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -58,6 +58,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import MAX_FORKS, ForkPlan, Origin, fork_seed, plan_forks
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
+from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import RETRY_FIRST_S, Patience
 from participants.base.guard import Body, Identifier, Int64, Route

@@ -30,7 +30,7 @@ from aiohttp import web
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
 from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, ParticipantStore, effective_history, restored_targets
+from engine.checkpoint import Cut, ParticipantStore, restored_targets
 from engine.errors import (
     AdmissionClosed,
     AttemptLost,
@@ -57,6 +57,7 @@ from engine.identity import (
     session_stream,
     validate_tool_call_key,
 )
+from engine.lineage import effective_history
 from engine.recovery import tool_call_outcomes
 from engine.sessions import boundary_disagreement, open_session_mode
 from engine.snapshot_reads import lineage_rows, read_scope

@@ -27,17 +27,11 @@ from adapters.postgres import PostgresEventStore
 from adapters.retention import retain
 from adapters.token_store import PostgresTokenStore
 from engine import catalog as ev
-from engine.checkpoint import (
-    committed_event,
-    effective_history,
-    load_cut,
-    make_online_cut,
-    read_cut,
-    validate_cut,
-)
+from engine.checkpoint import committed_event, load_cut, make_online_cut, read_cut, validate_cut
 from engine.events import AppendRequest, NewEvent
 from engine.exports import mark_exported
 from engine.identity import call_stream, capture_stream, checkpoint_stream, episode_stream, rollout_stream
+from engine.lineage import effective_history
 from engine.phases import checkpoint_started
 from engine.projections import TABLES
 from tests.conftest import _server

@@ -336,7 +336,7 @@ async def history(c: Cluster, prefix: str) -> dict[str, list[Ev]]:
 
 
 def effective(events: list[Ev], attempt: int, upto: int | None = None) -> list[Ev]:
-    """engine.checkpoint.effective_history, on rows of the public view."""
+    """engine.lineage.effective_history, on rows of the public view."""
     own = [e for e in events if e.attempt == attempt and (upto is None or e.position <= upto)]
     start = next((e for e in own if e.kind == "attempt_started"), None)
     if start is None or start.data.get("origin_attempt") is None:

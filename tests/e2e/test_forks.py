@@ -22,8 +22,8 @@ from typing import Any
 from adapters.export import read
 from engine import catalog
 from engine.boundaries import with_messages
-from engine.checkpoint import effective_history
 from engine.coordinator import Coordinator
+from engine.lineage import effective_history
 from participants.environments.tasks import make_tasks
 
 from .conftest import ROOT, Cluster, finish

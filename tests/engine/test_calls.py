@@ -25,10 +25,11 @@ from engine.catalog import (
     CALL_FAILED,
     EPISODE_STEP,
 )
-from engine.checkpoint import Cut, CutHistory, origin_of, restored_attempt
+from engine.checkpoint import Cut, CutHistory, restored_attempt
 from engine.errors import InvalidIdentifier, InvalidPhase, RequestConflict
 from engine.events import GENESIS_HASH, RecordedEvent
 from engine.identity import call_stream
+from engine.lineage import origin_of
 
 
 def accepted(call_id: str, replaces: str | None, kind: str = CALL_ACCEPTED) -> RecordedEvent:

@@ -32,7 +32,6 @@ from engine.checkpoint import (
     classify,
     committed_event,
     cut_digest,
-    effective_history,
     install_request,
     load_cut,
     make_cut,
@@ -52,6 +51,7 @@ from engine.identity import (
     rollout_stream,
     session_stream,
 )
+from engine.lineage import effective_history
 from engine.log import append_one
 
 SCOPE = [("r0", 0), ("r1", 0), ("r2", 0)]

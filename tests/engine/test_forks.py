@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import catalog as ev
-from engine.checkpoint import Cut, CutHistory, lineage_origin
+from engine.checkpoint import Cut, CutHistory
 from engine.errors import (
     InvalidIdentifier,
     InvalidRequest,
@@ -30,6 +30,7 @@ from engine.forks import (
     plan_forks,
 )
 from engine.identity import agent_stream, call_stream, episode_stream, rollout_stream, session_stream
+from engine.lineage import lineage_origin
 
 TASK = {"env": "math", "task_id": "m1", "prompt": "1+1", "params": {}}
 

@@ -14,10 +14,10 @@ from apps.stack import MemoryBacking
 from engine import recovery, sessions
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
 from engine.catalog import ROLLOUT_RECOVERED
-from engine.checkpoint import effective_history
 from engine.errors import StaleAttempt
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream, session_stream
+from engine.lineage import effective_history
 from participants.environments.tasks import make_task
 from tests.answers import answered
 from tests.resources_harness import call, email_seed, kinds, open_session, prefix, serving, start, state
