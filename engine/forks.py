@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import catalog as ev
+from engine import episodes
 from engine.errors import InvalidRequest, NotABoundary, RequestConflict, RestartOnlyBoundary, UnknownRollout
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
@@ -80,10 +81,9 @@ class ForkPlan:
                                                       "seed": f.seed, "disposition": "fork"}, f.rollout_id, 0),
                 NewEvent(stream, ev.ROLLOUT_FORKED, {**self.origin.to_json(), "group": self.group, "index": f.index,
                                                      "count": len(self.forks), "seed": f.seed}, f.rollout_id, 0),
-                NewEvent(episode_stream(f.rollout_id, 0), ev.EPISODE_CONTINUED, {
-                    "env": self.env, "task_id": self.task_id, "origin_attempt": self.origin.attempt,
-                    "forked_from": self.origin.rollout_id, "next_step": self.next_step, "status": "running"},
-                    f.rollout_id, 0),
+                NewEvent(episode_stream(f.rollout_id, 0), ev.EPISODE_CONTINUED, episodes.continued(
+                    self.env, self.task_id, self.next_step, origin_attempt=self.origin.attempt,
+                    forked_from=self.origin.rollout_id), f.rollout_id, 0),
             ]
         return AppendRequest(tuple(events))
 
@@ -144,9 +144,8 @@ def plan_forks(origin: Origin, count: int, *, started: Container[Key], own: Sequ
     started_input = next((e for e in prefix if e.kind == ev.EPISODE_STARTED), None)
     if started_input is None:  # cannot happen at an episode step or an agent boundary of a dispatched episode
         raise NotABoundary(f"no episode input precedes position {origin.position}", rollout_id=origin.rollout_id)
-    done = {e.data.get("step") for e in prefix if e.kind == ev.EPISODE_STEP}
     plan = ForkPlan(origin, name, forks, str(started_input.data["env"]), str(started_input.data["task_id"]),
-                    next((s for s in ev.EPISODE_STEPS if s not in done), None))
+                    episodes.next_step(episodes.recorded_steps(prefix)))
     return _against_group(plan, taken or {})
 
 

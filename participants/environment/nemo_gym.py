@@ -19,11 +19,10 @@ from aiohttp import web
 
 from adapters.openai_wire import responses_object
 from engine import catalog as ev
-from engine import retry
+from engine import episodes, retry
 from engine.boundaries import completed_activations
 from engine.errors import Forbidden, ParticipantUnavailable, StaleAttempt, TaskConflict
-from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import episode_stream, rollout_stream
+from engine.events import RecordedEvent
 from engine.lineage import effective_history
 from participants.base.guard import Route
 from participants.base.nemo_gym_rows import (
@@ -35,7 +34,7 @@ from participants.base.nemo_gym_rows import (
     scoped_rollout_id,
     task_for,
 )
-from participants.environment.server import STEPS, EnvironmentParticipant, Episode
+from participants.environment.server import EnvironmentParticipant
 from participants.environments import Task
 
 STAGE_OF_STEP: dict[str, FailureStage] = {"seed": "seed", "agent": "agent", "verify": "verification", "close": "cleanup"}
@@ -99,23 +98,16 @@ class EnvironmentFront:
         return await self._outcome(req, rid, running)
 
     async def _running(self, rid: str, req: EpisodeRequest, task: Task, decision: str) -> asyncio.Task[Any]:
-        """The episode task this request waits for: a new one, a takeover, or the one already running."""
-        p = self.p
-        running = p.tasks.get(rid)
-        if running is not None and running.done():
-            running = None
-        if decision == "start":
-            return p._launch(await self._start(rid, req, task))
+        """The episode task this request waits for, from the participant's lifecycle: a new one, a
+        takeover, or the one already running (asked again where this process does not run it, because
+        it crashed or another took over, the live attempt goes on from where the log leaves it)."""
+        ti = req.task.task_input
         if decision == "takeover":
-            if running is not None:
-                running.cancel()
-                await asyncio.gather(running, return_exceptions=True)
-            return p._launch(await self._take_over(rid, req, task))
-        if running is None:
-            # Asked again, and this process does not run it (it crashed, or another took over):
-            # the live attempt goes on from where the log leaves it.
-            return p._launch(await p._open_episode(rid, task, req.task.task_input.seed, req.task.task_input.max_steps))
-        return running
+            return await self.p.continue_episode(rid, task, ti.seed, ti.max_steps, gym=self._gym(req),
+                                                 reason=f"caller attempt {req.episode_id.attempt}")
+        # Only a start records the caller; a join names it already.
+        return await self.p.run_episode(rid, task, ti.seed, ti.max_steps,
+                                        gym=self._gym(req) if decision == "start" else None)
 
     async def _outcome(self, req: EpisodeRequest, rid: str, running: asyncio.Task[Any]) -> EpisodeResponse:
         try:
@@ -140,9 +132,10 @@ class EnvironmentFront:
         done = [(a, row) for (_, a), row in rows.items() if row["status"] == "finished"]
         if not done:
             return None
-        attempt, row = max(done, key=lambda x: x[0])
+        attempt = max(a for a, _ in done)
         history = await effective_history(self.p.store, rid, attempt)
-        return {"attempt": attempt, "reward": row["reward"], "history": history}
+        # The reward its verify step recorded, the one every copy of it derives from.
+        return {"attempt": attempt, "reward": episodes.reward(episodes.recorded_steps(history)), "history": history}
 
     def _result(self, req: EpisodeRequest, rid: str, done: dict[str, Any]) -> EpisodeResponse:
         history: list[RecordedEvent] = done["history"]
@@ -161,40 +154,6 @@ class EnvironmentFront:
     def _gym(self, req: EpisodeRequest) -> dict[str, Any]:
         return {"rollout_id": req.episode_id.rollout_id, "attempt": req.episode_id.attempt,
                 "taskset": req.task.task_id.taskset, "task_id": req.task.task_id.task_id}
-
-    def _started(self, rid: str, attempt: int, req: EpisodeRequest, task: Task) -> NewEvent:
-        ti = req.task.task_input
-        return NewEvent(episode_stream(rid, attempt), ev.EPISODE_STARTED, {
-            "env": task.env, "task_id": task.task_id, "task": task.to_json(), "seed": ti.seed,
-            "max_steps": ti.max_steps, "status": "running", "gym": self._gym(req)}, rid, attempt)
-
-    async def _start(self, rid: str, req: EpisodeRequest, task: Task) -> Episode:
-        # One request: the attempt never exists without its episode's input and its caller's identity.
-        await self.p.store.append(AppendRequest((
-            NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
-            self._started(rid, 0, req, task))))
-        return Episode(rid, 0, task, req.task.task_input.seed, req.task.task_input.max_steps)
-
-    async def _take_over(self, rid: str, req: EpisodeRequest, task: Task) -> Episode:
-        """A newer caller attempt: fence rollbook's current attempt, continue under the next one."""
-        store = self.p.store
-        rows = await store.attempt_rows([rid])
-        current = max(a for _, a in rows)
-        history = await effective_history(store, rid, current)
-        t = retry.takeover(rid, current, history)
-        await store.append(retry.takeover_request(t, f"caller attempt {req.episode_id.attempt}"))
-        ti = req.task.task_input
-        ep = Episode(rid, t.new_attempt, task, ti.seed, ti.max_steps)
-        if t.disposition == "fresh_dispatch":
-            await store.append(AppendRequest((self._started(rid, t.new_attempt, req, task),)))
-            return ep
-        inherited = await effective_history(store, rid, t.new_attempt)
-        ep.done = [dict(e.data) for e in inherited if e.kind == ev.EPISODE_STEP]
-        nxt = next((s for s in STEPS if ep.recorded(s) is None), None)
-        await store.append(AppendRequest((NewEvent(episode_stream(rid, t.new_attempt), ev.EPISODE_CONTINUED, {
-            "env": task.env, "task_id": task.task_id, "origin_attempt": current, "next_step": nxt,
-            "status": "running", "gym": self._gym(req)}, rid, t.new_attempt),)))
-        return ep
 
 
 def _failure(req: EpisodeRequest, reason: str, kind: str, stage: FailureStage | None) -> EpisodeResponse:
