@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -399,3 +401,67 @@ def test_a_machine_that_cannot_bound_a_session_refuses_it(tmp_path) -> None:
         SandboxEnvironment(SandboxLimits(cgroup_root=str(tmp_path))).open_live(TASK)
     assert err.value.code == "sandbox_unsupported" and "memory cgroup" in err.value.message, err.value
     assert not host_processes_with(str(tmp_path))
+
+
+KEYS = r"""python3 -c '
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY, KEYCTL, KEY_SPEC_USER_KEYRING, KEYCTL_SEARCH = 248, 249, 250, -4, 10
+if sys.argv[1] == "plant":
+    print("planted", libc.syscall(ADD_KEY, b"user", b"rb-secret", b"the first session", 17, KEY_SPEC_USER_KEYRING) > 0)
+else:
+    found = libc.syscall(REQUEST_KEY, b"user", b"rb-secret", None, 0)
+    searched = libc.syscall(KEYCTL, KEYCTL_SEARCH, KEY_SPEC_USER_KEYRING, b"user", b"rb-secret", 0)
+    print("found", found > 0 or searched > 0)
+' """
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the attack's system call numbers are x86_64's")
+def test_a_key_left_by_one_session_is_not_found_by_the_next_of_the_same_uid() -> None:
+    """Attack: `add_key(user, @u)` in one session, `request_key` in the next one given the same uid:
+    keyrings are the uid's, and outlive its processes, so the second read the first one's secret."""
+    env = SandboxEnvironment(SandboxLimits(uid_base=201_500, uids=1, timeout_s=30))
+    first = env.open_live(TASK)
+    try:
+        assert run(env, first, KEYS + "plant")["output"] == "planted True\n"
+    finally:
+        env.close_live(first)
+    second = env.open_live(TASK)
+    try:
+        assert second.uid == first.uid
+        assert run(env, second, KEYS + "find")["output"] == "found False\n"
+    finally:
+        env.close_live(second)
+
+
+def test_a_local_user_cannot_disable_the_sandbox_by_making_its_state_folder_first(tmp_path) -> None:
+    """Attack: a non-root user made `$TMPDIR/rollbook-sandbox-uids` before the server did, and every
+    session was refused (`sandbox_unavailable`). The state lives under /run/rollbook, root's alone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o1777)
+    os.chmod(tmp, 0o1777)
+    taken = tmp / "rollbook-sandbox-uids"
+    taken.mkdir()
+    os.chown(taken, 65534, 65534)  # made by nobody, as any local user could
+    script = ("from participants.environments.sandbox import SandboxEnvironment, SandboxLimits\n"
+              "from participants.environments.tasks import make_task\n"
+              "env = SandboxEnvironment(SandboxLimits(timeout_s=30))\n"
+              "shell = env.open_live(make_task('sandbox', 0))\n"
+              "print(env.call_live(shell, 'run', {'command': 'echo opened'}).output['output'], end='')\n"
+              "env.close_live(shell)\n")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "opened\n", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("owner, mode", [(65534, 0o700), (0, 0o777), (0, 0o770)])
+def test_a_state_folder_another_user_owns_or_can_write_refuses_the_session(tmp_path, owner: int, mode: int) -> None:
+    """Attack surface: a state folder made first by someone else, or writable by them, would let them
+    take or block the uids; the sandbox refuses it and says why."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, owner, owner)
+    os.chmod(state, mode)
+    with pytest.raises(ToolError) as err:
+        SandboxEnvironment(SandboxLimits(state_dir=str(state))).open_live(TASK)
+    assert err.value.code == "sandbox_unavailable" and "must be a folder owned by root" in err.value.message, err.value
