@@ -22,12 +22,16 @@ and cannot do):
   a few device nodes and a /proc that lists only the session's processes. Nothing else of the host
   (its disk, /tmp, /run and the sockets in it, the server's files) is there;
 - no network interface but a down loopback; rlimits per process (CPU, address space, file size, no
-  core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it.
+  core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it; a
+  seccomp filter refusing new user namespaces; keyrings of its own;
+- cgroups of its own (memory, pids, cpu), so the kernel bounds the session's totals: all the memory
+  it can pin (tmpfs files, System V segments, memfds, processes) to `memory_mb`, its processes and
+  its CPU. A machine where a bound cannot be set refuses sessions (`sandbox_unsupported`).
 
 The session is ready only when the shell itself has printed the ready line, as its first command:
 a jail or shell that fails to start is a start failure, never a session. Closing a session (or the
 server dying) kills the namespace's init, and with it every process the session left, however it
-detached or whatever signals it ignores. The server adds a wall-clock timeout per command (the
+detached or whatever signals it ignores; what is left in its cgroups is killed before its uid is free. The server adds a wall-clock timeout per command (the
 session ends when one passes it), keeps at most `output_bytes` of each command's output, refuses
 commands over `command_bytes`, and ends a shell no command has used for `idle_s`.
 """
