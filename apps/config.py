@@ -180,6 +180,10 @@ class SandboxConfig(Strict):
     disk_mb: int = Field(default=128, ge=1, le=1 << 20)
     command_bytes: int = Field(default=65_536, ge=256, le=1 << 24)
     idle_s: float = Field(default=1800.0, gt=0, le=7 * 86400)
+    cpus: float = Field(default=1.0, gt=0, le=1024)
+    # Where the memory, pids and cpu cgroup v1 hierarchies are mounted; a session never runs unbounded.
+    cgroup_root: str = "/sys/fs/cgroup"
+    state_dir: str = "/run/rollbook"  # uid claims: root's alone, 0700
 
     @model_validator(mode="after")
     def _uids_fit(self) -> SandboxConfig:

@@ -22,12 +22,16 @@ and cannot do):
   a few device nodes and a /proc that lists only the session's processes. Nothing else of the host
   (its disk, /tmp, /run and the sockets in it, the server's files) is there;
 - no network interface but a down loopback; rlimits per process (CPU, address space, file size, no
-  core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it.
+  core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it; a
+  seccomp filter refusing new user namespaces; keyrings of its own;
+- cgroups of its own (memory, pids, cpu), so the kernel bounds the session's totals: all the memory
+  it can pin (tmpfs files, System V segments, memfds, processes) to `memory_mb`, its processes and
+  its CPU. A machine where a bound cannot be set refuses sessions (`sandbox_unsupported`).
 
 The session is ready only when the shell itself has printed the ready line, as its first command:
 a jail or shell that fails to start is a start failure, never a session. Closing a session (or the
 server dying) kills the namespace's init, and with it every process the session left, however it
-detached or whatever signals it ignores. The server adds a wall-clock timeout per command (the
+detached or whatever signals it ignores; what is left in its cgroups is killed before its uid is free. The server adds a wall-clock timeout per command (the
 session ends when one passes it), keeps at most `output_bytes` of each command's output, refuses
 commands over `command_bytes`, and ends a shell no command has used for `idle_s`.
 """
@@ -46,7 +50,6 @@ import select
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -94,7 +97,17 @@ libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000  # mount cgroup uts ipc pid net
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217, "armv7l": 218, "i686": 217}
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+# Per architecture: the seccomp audit arch, and the numbers of clone, unshare, clone3 and keyctl.
+SECCOMP = {"x86_64": (0xC000003E, 56, 272, 435, 250), "aarch64": (0xC00000B7, 220, 97, 435, 219)}
+CLONE_NEWUSER = 0x10000000
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = 1, 7, -4, -5
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
 def fail(exc):
     os.write(1, ("rollbook-sandbox-failed %s\n" % (exc,)).encode(errors="replace"))
@@ -139,7 +152,38 @@ def build_root(root):
     ok(libc.umount2(b".", 2), "umount the host's root")  # MNT_DETACH: the host's tree leaves this namespace
     os.chdir("/")
 
+def no_user_namespaces():
+    # A user namespace would make the session root of its own mounts (a tmpfs past disk_mb, say) and of
+    # whatever else the kernel lets a namespace's root do: clone and unshare with CLONE_NEWUSER fail.
+    # clone3 passes its flags in memory a filter cannot read, so it is refused as unknown (ENOSYS),
+    # which makes the C library fall back to clone; another architecture's calls are refused outright.
+    arch, clone, unshare, clone3 = SECCOMP[platform.machine()][:4]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    program = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, eperm), (ld, 0, 0, 0),
+               (jge, 5, 0, 0x40000000),  # x32 system calls
+               (jeq, 6, 0, clone3), (jeq, 1, 0, unshare), (jeq, 0, 3, clone),
+               (ld, 0, 0, 16), (jset, 0, 1, CLONE_NEWUSER),
+               (ret, 0, 0, eperm), (ret, 0, 0, allow), (ret, 0, 0, enosys)]
+    # Jump offsets count instructions skipped: 10 is eperm, 11 allow, 12 enosys.
+    filters = (SockFilter * len(program))(*[SockFilter(*i) for i in program])
+    fprog = SockFprog(len(program), filters)
+    ok(libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+def own_keyring():
+    # Keyrings are per uid and outlive processes; a later session of this uid must not find what an
+    # earlier one left in them, and this one must not share a session keyring with anyone.
+    keyctl = SECCOMP[platform.machine()][4]
+    for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+        ok(libc.syscall(keyctl, KEYCTL_CLEAR, ring), "keyctl(KEYCTL_CLEAR)")
+    if libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        ok(-1, "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+
 def shell():
+    # At the memory limit the kernel kills a process of the group: the shell's and its children's come
+    # first (they inherit this), so the jail's root and init, which end the session, are left alone.
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
     for name, soft, hard in a["limits"]:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     os.setgroups([])
@@ -147,7 +191,9 @@ def shell():
     os.setuid(a["uid"])
     if os.getuid() != a["uid"] or os.geteuid() != a["uid"] or os.getgid() != a["gid"] or os.getgroups():
         raise OSError("the user did not change")
+    own_keyring()
     ok(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    no_user_namespaces()
     os.chdir(a["home"])
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # python ignores it, and an ignored signal survives exec
     os.execve(a["shell"], [a["shell"]], a["env"])
@@ -171,6 +217,12 @@ def init():
             os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 try:
+    if platform.machine() not in SECCOMP:
+        raise OSError("seccomp: no system call numbers known for %s" % platform.machine())
+    # Before anything else: every process of the session, this one included, is charged to its groups.
+    for group in a["cgroups"]:
+        with open(group + "/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
     ok(libc.unshare(NAMESPACES), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted from here on reaches the host
 except Exception as exc:
@@ -191,7 +243,9 @@ while True:
 """
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper"]
 _HEX64 = re.compile(r"\b[0-9a-f]{64}\b")
-_UID_LOCKS = os.path.join(tempfile.gettempdir(), "rollbook-sandbox-uids")
+# The controllers a session's group is made in, under `cgroup_root` (cgroup v1 hierarchies).
+CONTROLLERS = ("memory", "pids", "cpu")
+CFS_PERIOD_US = 100_000
 
 
 @dataclass(frozen=True)
@@ -200,8 +254,11 @@ class SandboxLimits:
 
     user: str = "nobody"  # no longer used: each session runs as a uid of its own (uid_base, uids)
     cpu_s: int = 10  # CPU seconds per process (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)
-    memory_mb: int = 512  # address space per process (RLIMIT_AS)
-    max_processes: int = 64  # processes of one session (RLIMIT_NPROC, per uid, and each session has its own)
+    # All the memory one session holds: its processes, its tmpfs (disk_mb is part of it), System V
+    # shared memory and memfds (its memory cgroup); also the address space of each process (RLIMIT_AS).
+    memory_mb: int = 512
+    max_processes: int = 64  # processes of one session (RLIMIT_NPROC per uid, and pids.max of its cgroup)
+    cpus: float = 1.0  # CPU cores one session may keep busy at once (its cgroup's CFS quota)
     file_mb: int = 64  # largest file a command may write (RLIMIT_FSIZE)
     output_bytes: int = 8_000  # output kept per command; the rest is counted and dropped
     timeout_s: float = 10.0  # wall clock per command; past it the session ends
@@ -210,6 +267,8 @@ class SandboxLimits:
     disk_mb: int = 128  # all a session may write: its working dir, /tmp, /var/tmp and /dev/shm together (tmpfs: RAM)
     command_bytes: int = 65_536  # the longest command accepted
     idle_s: float = 1_800.0  # a shell no command has used for this long is ended
+    cgroup_root: str = "/sys/fs/cgroup"  # where the memory, pids and cpu hierarchies (cgroup v1) are mounted
+    state_dir: str = "/run/rollbook"  # the uid claims; root's alone (0700), never a folder others can make first
 
     def rlimits(self) -> list[tuple[str, int, int]]:
         mb = 1024 * 1024
@@ -226,6 +285,7 @@ class LiveShell:
     uid: int
     uid_lock: int  # an fd holding the lock on `uid` while the session lives
     task_id: str
+    cgroups: list[str] = field(default_factory=list)  # its group in each controller; emptied at its end
     closed: bool = False
     busy: bool = False  # a command is running: the idle watch leaves the session alone
     last_used: float = field(default_factory=time.monotonic)
@@ -233,15 +293,30 @@ class LiveShell:
     ended: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
+def _private_folder(path: str) -> None:
+    """Makes `path` (0700, root's) or checks that it is that: a folder another user made or can write
+    could be made first to refuse every session, or filled with claims."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ToolError("sandbox_unavailable", f"cannot make the sandbox's state folder {path}: {exc.strerror}") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        raise ToolError("sandbox_unavailable", f"{path} must be a folder owned by root that no group or other user can "
+                                               f"write (it is uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); "
+                                               "remove it or fix it, then start again")
+
+
 def _claim_uid(limits: SandboxLimits) -> tuple[int, int]:
     """A uid of the range that no other session on this machine holds, and the fd that holds it.
 
     An flock on a file per uid, so servers sharing the machine (and the range) never share a uid,
     and a server that dies releases its uids with its processes (its jails die with it)."""
-    os.makedirs(_UID_LOCKS, mode=0o700, exist_ok=True)
-    info = os.lstat(_UID_LOCKS)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
-        raise ToolError("sandbox_unavailable", f"{_UID_LOCKS} must be a folder only root can use")
+    _private_folder(limits.state_dir)
+    locks = os.path.join(limits.state_dir, "sandbox-uids")
+    _private_folder(locks)
     start = secrets.randbelow(limits.uids)
     for n in range(limits.uids):
         uid = limits.uid_base + (start + n) % limits.uids
@@ -250,7 +325,7 @@ def _claim_uid(limits: SandboxLimits) -> tuple[int, int]:
             continue  # an account's files and processes: never a session's
         except KeyError:
             pass
-        fd = os.open(os.path.join(_UID_LOCKS, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(os.path.join(locks, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -259,6 +334,81 @@ def _claim_uid(limits: SandboxLimits) -> tuple[int, int]:
         return uid, fd
     raise ToolError("sandbox_unavailable", f"all {limits.uids} sandbox uids from {limits.uid_base} are in use "
                                            "(the [sandbox] table's uid_base and uids)")
+
+
+def _cgroup_write(group: str, name: str, value: str) -> None:
+    # r+, never w: a file the kernel did not make is not a control file, and must not be created.
+    with open(os.path.join(group, name), "r+") as f:
+        f.write(value)
+
+
+def _cgroup_kill(group: str, deadline: float) -> bool:
+    """SIGKILLs every process in `group` until none is left (True) or `deadline` passes."""
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(group, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            return True
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    return False
+
+
+def _make_cgroups(limits: SandboxLimits, uid: int) -> list[str]:
+    """The session's group in each controller, its limits set, empty: what its jail joins first.
+
+    Named by the session's uid, which the caller holds: a group left by a server that died is this
+    session's to empty and reuse. Whatever cannot be set refuses the session: it never runs unbounded."""
+    mb = 1024 * 1024
+    groups = []
+    for controller in CONTROLLERS:
+        top = os.path.join(limits.cgroup_root, controller, "rollbook")
+        group = os.path.join(top, str(uid))
+        try:
+            for folder in (top, group):
+                try:
+                    os.mkdir(folder, 0o700)
+                except FileExistsError:
+                    pass
+            if not _cgroup_kill(group, time.monotonic() + 5.0):
+                raise OSError(f"{group} still has processes")
+            if controller == "memory":
+                _cgroup_write(group, "memory.limit_in_bytes", str(limits.memory_mb * mb))
+                # Swap would let the session hold more than its limit: bound memory + swap together
+                # where the kernel accounts swap, else keep the group's pages out of swap.
+                try:
+                    _cgroup_write(group, "memory.memsw.limit_in_bytes", str(limits.memory_mb * mb))
+                except OSError:
+                    _cgroup_write(group, "memory.swappiness", "0")
+            elif controller == "pids":
+                _cgroup_write(group, "pids.max", str(limits.max_processes + 2))  # and the jail's root and init
+            else:
+                _cgroup_write(group, "cpu.cfs_period_us", str(CFS_PERIOD_US))
+                _cgroup_write(group, "cpu.cfs_quota_us", str(max(1000, int(limits.cpus * CFS_PERIOD_US))))
+        except OSError as exc:
+            _remove_cgroups(groups)
+            raise ToolError("sandbox_unsupported", f"{controller} cgroup: cannot bound the session at {group} "
+                                                   f"({exc}); the sandbox needs cgroup v1's {controller} controller "
+                                                   "writable by root under cgroup_root") from None
+        groups.append(group)
+    return groups
+
+
+def _remove_cgroups(groups: list[str]) -> None:
+    deadline = time.monotonic() + 5.0
+    for group in groups:
+        _cgroup_kill(group, deadline)
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass  # emptied but still busy for a moment: the next session of this uid reuses it
 
 
 def make_task(seed: int) -> Task:
@@ -318,7 +468,12 @@ class SandboxEnvironment(Environment):
         if os.geteuid() != 0:
             raise ToolError("sandbox_unavailable", "the sandbox needs a server started as root, to build its jails")
         uid, uid_lock = _claim_uid(limits)
-        args = {"server": os.getpid(), "uid": uid, "gid": uid, "limits": limits.rlimits(), "shell": SHELL,
+        try:
+            cgroups = _make_cgroups(limits, uid)
+        except BaseException:
+            os.close(uid_lock)
+            raise
+        args = {"cgroups": cgroups, "server": os.getpid(), "uid": uid, "gid": uid, "limits": limits.rlimits(), "shell": SHELL,
                 "home": HOME, "system": SYSTEM_PATHS, "devices": DEVICES, "disk_kb": limits.disk_mb * 1024,
                 "inodes": max(1024, limits.disk_mb * 256), "env": {"PATH": PATH, "HOME": HOME, "LC_ALL": "C"}}
         try:
@@ -327,9 +482,10 @@ class SandboxEnvironment(Environment):
                 stderr=subprocess.STDOUT, cwd="/", env={}, start_new_session=True,
             )
         except BaseException:
+            _remove_cgroups(cgroups)
             os.close(uid_lock)
             raise
-        handle = LiveShell(process=process, uid=uid, uid_lock=uid_lock, task_id=task.task_id)
+        handle = LiveShell(process=process, uid=uid, uid_lock=uid_lock, task_id=task.task_id, cgroups=cgroups)
         assert process.stdin is not None
         try:
             process.stdin.write(_READY_COMMAND)
@@ -419,6 +575,9 @@ class SandboxEnvironment(Environment):
                     stream.close()
                 except BrokenPipeError:
                     pass
+        # The PID namespace has ended every process by now; the group is the check, and is gone before
+        # the uid is free for another session.
+        _remove_cgroups(handle.cgroups)
         os.close(handle.uid_lock)
         handle.ended.set()
 

@@ -88,6 +88,9 @@ from participants.resources.wire import (
 
 # How many closed sessions a server remembers (see ResourcesParticipant._closed).
 MAX_CLOSED_REMEMBERED = 65_536
+# How often the live sessions' attempts are checked: a fence (a failed attempt's, a restore's) or a
+# retire mark written by any server ends its live shell within this.
+LIVE_CHECK_S = 0.5
 
 
 def refused(exc: ToolError) -> ToolCallRefused:
@@ -179,6 +182,7 @@ class ResourcesParticipant(Participant):
         # Sessions this process closed (their `session_closed` is durable): a close asked again, as the
         # environment's close step does after a passed verify, is answered without reading the log.
         self._closed: dict[Key, None] = {}
+        self._live_watch: asyncio.Task[None] | None = None
 
     # ---- data plane -------------------------------------------------------------------------
 
@@ -304,6 +308,8 @@ class ResourcesParticipant(Participant):
                 await self._close_live(s)
                 raise
             s.opened = True
+        if s.live is not None and (self._live_watch is None or self._live_watch.done()):
+            self._live_watch = asyncio.get_running_loop().create_task(self._watch_live())
         # A rollout's new attempt exists only once its older ones are fenced: their live shells can never
         # be used again, and nothing else would end them (a failed rollout restarts without closing).
         for older in [k for k, o in self.sessions.items() if k[0] == key[0] and k[1] < key[1] and o.live is not None]:
@@ -471,6 +477,33 @@ class ResourcesParticipant(Participant):
     async def get_state(self, request: web.Request, _body: None) -> web.Response:
         s = await self._session(await self._enter(request))
         return web.json_response({"state": s.state, "revision": s.revision})
+
+    async def _watch_live(self) -> None:
+        """Ends the live shell of every attempt that has ended without closing its session: fenced
+        (failed, by a restore or a newer attempt) or retired, by whichever server wrote it. A shell
+        left to `idle_s` would keep its processes, memory and uid for half an hour."""
+        while any(s.live is not None for s in self.sessions.values()):
+            await asyncio.sleep(LIVE_CHECK_S)
+            for key, s in list(self.sessions.items()):
+                if s.live is None:
+                    continue
+                try:
+                    await self.check_attempt(*key)
+                except StaleAttempt:
+                    if self.sessions.get(key) is s:
+                        del self.sessions[key]
+                    await self._close_live(s)
+                except Exception:  # the log unreachable for a moment: the next round asks again
+                    continue
+
+    async def stop(self) -> None:
+        """At shutdown every live shell ends with the server, not with its process: a server stopped
+        inside a longer-lived process must not leave its jails behind."""
+        if self._live_watch is not None:
+            self._live_watch.cancel()
+        live = [s for s in self.sessions.values() if s.live is not None]
+        await asyncio.gather(*(self._close_live(s) for s in live))
+        await super().stop()
 
     @staticmethod
     async def _close_live(s: Session) -> None:

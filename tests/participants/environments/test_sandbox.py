@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -184,7 +186,7 @@ def test_a_session_sees_and_reaches_only_its_own_processes(pair) -> None:
     assert "4242" not in seen and "postgres" not in seen and "pytest" not in seen, seen
     pids = attack(env, attacker, "ls /proc | grep -c '^[0-9]'").strip()
     assert int(pids) <= 5, pids  # init, the shell, the pipeline
-    assert "sleep 4242" in run(env, victim, "ps -eo args")["output"]
+    assert "sleep 4242" in run(env, victim, "ps -eo args | grep -v grep | grep 'sleep 4242'")["output"]
 
 
 def test_a_session_sees_no_host_files_and_can_write_none() -> None:
@@ -286,3 +288,180 @@ def test_a_shell_left_idle_is_ended() -> None:
     with pytest.raises(ToolError) as err:
         run(env, shell, "echo late")
     assert err.value.code == "session_lost"
+
+
+# -- what one session may hold of the machine: memory, processes, CPU, keys, runtime state ------
+
+MB = 1024 * 1024
+
+
+@pytest.fixture
+def small() -> Iterator[tuple[SandboxEnvironment, LiveShell]]:
+    """A session bounded to 128 MB of memory and 16 MB of disk, the attacks below aim for 256 MB or more."""
+    env = SandboxEnvironment(SandboxLimits(disk_mb=16, memory_mb=128, timeout_s=60))
+    shell = env.open_live(TASK)
+    yield env, shell
+    env.close_live(shell)
+
+
+def test_a_session_cannot_mount_a_tmpfs_of_its_own_in_a_user_namespace(small) -> None:
+    """Attack: `unshare -Urm` makes the session root of a new user namespace, where it mounts a tmpfs
+    past disk_mb and fills it (1 GiB held in RAM by a 16 MB session)."""
+    env, shell = small
+    out = attack(env, shell, "unshare -Urm sh -c 'mount -t tmpfs t /tmp && head -c 300000000 /dev/zero > /tmp/f "
+                             "&& echo filled' 2>&1; echo rc=$?")
+    assert "filled" not in out and "rc=0" not in out, out
+    out = attack(env, shell, "unshare -U true 2>&1; echo rc=$?")
+    assert "rc=1" in out and "Operation not permitted" in out, out
+
+
+# Four 64 MB segments, each filled and detached, never removed: no process holds them once it exits.
+SHM_ATTACK = r"""python3 -c '
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for n in range(4):
+    seg = libc.shmget(0, 64 << 20, 0o1600)
+    at = libc.shmat(seg, None, 0)
+    ctypes.memset(at, 1, 64 << 20)
+    libc.shmdt(ctypes.c_void_p(at))
+    print("held", n + 1, flush=True)
+' 2>&1; awk 'NR > 1 { s += $15 } END { print "rss", s }' /proc/sysvipc/shm"""
+
+
+def test_system_v_shared_memory_counts_against_the_session_and_dies_with_it(small) -> None:
+    """Attack: 16 x 64 MB System V segments, then every process exits: 1 GiB held by no process,
+    outside every per-process limit, until the session closes."""
+    env, shell = small
+    out = attack(env, shell, SHM_ATTACK)
+    held = [int(line.split()[1]) for line in out.splitlines() if line.startswith("rss ")]
+    assert "held 4" not in out and held and held[0] <= 128 * MB, out
+    env.close_live(shell)
+    again = env.open_live(TASK)
+    try:
+        assert run(env, again, "wc -l < /proc/sysvipc/shm")["output"].strip() == "1"  # the header: no segment
+    finally:
+        env.close_live(again)
+
+
+def test_a_memfd_counts_against_the_session(small) -> None:
+    """Attack: memfd_create + posix_fallocate holds 1 GiB outside the session's tmpfs and its address
+    space (the pages are never mapped), in memfds each under file_mb."""
+    env, shell = small
+    out = attack(env, shell, "python3 -c 'import os\nfor n in range(4):\n    os.posix_fallocate(os.memfd_create(\"x\"), 0, 60 << 20)"
+                             "\nprint(\"held\")' 2>&1; echo rc=$?")
+    assert "held" not in out, out
+
+
+def test_a_sessions_memory_all_together_stays_within_memory_mb(small) -> None:
+    """Attack: every way at once (files in the tmpfs, System V segments, a memfd, the heap), each
+    under its own limit, together past memory_mb; the kernel's count of the session's peak is the check."""
+    env, shell = small
+    attack(env, shell, "head -c 15000000 /dev/zero > ~/fill; " + SHM_ATTACK)
+    attack(env, shell, "python3 -c 'import os, time\nfor n in range(2):\n    os.posix_fallocate(os.memfd_create(\"x\"), 0, 60 << 20)"
+                       "\ntime.sleep(30)' >/dev/null 2>&1 &")
+    attack(env, shell, "python3 -c 'x = bytearray(100 << 20)' 2>&1")
+    with open(os.path.join(shell.cgroups[0], "memory.max_usage_in_bytes")) as f:
+        peak = int(f.read())
+    assert peak <= 128 * MB, peak
+
+
+def test_a_session_uses_at_most_its_share_of_the_cpus() -> None:
+    """Attack: 60 `setsid` busy loops, each a session of its own and so out of the shell's autogroup,
+    made a host task 23-38 times slower."""
+    env = SandboxEnvironment(SandboxLimits(cpus=0.25, cpu_s=60, timeout_s=30))
+    shell = env.open_live(TASK)
+    try:
+        run(env, shell, "i=0; while [ $i -lt 8 ]; do setsid sh -c 'while :; do :; done' & i=$((i + 1)); done")
+
+        def cpu_s() -> float:
+            ticks = 0
+            for pid in host_processes_of(shell.uid):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    ticks += int(fields[11]) + int(fields[12])
+                except OSError:
+                    pass
+            return ticks / os.sysconf("SC_CLK_TCK")
+
+        time.sleep(0.5)
+        before, start = cpu_s(), time.monotonic()
+        time.sleep(2.0)
+        used = (cpu_s() - before) / (time.monotonic() - start)
+        assert used <= 0.4, used  # 0.25 of a core, and some rounding
+    finally:
+        env.close_live(shell)
+
+
+def test_a_machine_that_cannot_bound_a_session_refuses_it(tmp_path) -> None:
+    """Attack surface: a kernel or host with no writable memory cgroup ran sessions with no memory
+    bound at all; now the sandbox refuses to start and says which bound it cannot set."""
+    with pytest.raises(ToolError) as err:
+        SandboxEnvironment(SandboxLimits(cgroup_root=str(tmp_path))).open_live(TASK)
+    assert err.value.code == "sandbox_unsupported" and "memory cgroup" in err.value.message, err.value
+    assert not host_processes_with(str(tmp_path))
+
+
+KEYS = r"""python3 -c '
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY, KEYCTL, KEY_SPEC_USER_KEYRING, KEYCTL_SEARCH = 248, 249, 250, -4, 10
+if sys.argv[1] == "plant":
+    print("planted", libc.syscall(ADD_KEY, b"user", b"rb-secret", b"the first session", 17, KEY_SPEC_USER_KEYRING) > 0)
+else:
+    found = libc.syscall(REQUEST_KEY, b"user", b"rb-secret", None, 0)
+    searched = libc.syscall(KEYCTL, KEYCTL_SEARCH, KEY_SPEC_USER_KEYRING, b"user", b"rb-secret", 0)
+    print("found", found > 0 or searched > 0)
+' """
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the attack's system call numbers are x86_64's")
+def test_a_key_left_by_one_session_is_not_found_by_the_next_of_the_same_uid() -> None:
+    """Attack: `add_key(user, @u)` in one session, `request_key` in the next one given the same uid:
+    keyrings are the uid's, and outlive its processes, so the second read the first one's secret."""
+    env = SandboxEnvironment(SandboxLimits(uid_base=201_500, uids=1, timeout_s=30))
+    first = env.open_live(TASK)
+    try:
+        assert run(env, first, KEYS + "plant")["output"] == "planted True\n"
+    finally:
+        env.close_live(first)
+    second = env.open_live(TASK)
+    try:
+        assert second.uid == first.uid
+        assert run(env, second, KEYS + "find")["output"] == "found False\n"
+    finally:
+        env.close_live(second)
+
+
+def test_a_local_user_cannot_disable_the_sandbox_by_making_its_state_folder_first(tmp_path) -> None:
+    """Attack: a non-root user made `$TMPDIR/rollbook-sandbox-uids` before the server did, and every
+    session was refused (`sandbox_unavailable`). The state lives under /run/rollbook, root's alone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o1777)
+    os.chmod(tmp, 0o1777)
+    taken = tmp / "rollbook-sandbox-uids"
+    taken.mkdir()
+    os.chown(taken, 65534, 65534)  # made by nobody, as any local user could
+    script = ("from participants.environments.sandbox import SandboxEnvironment, SandboxLimits\n"
+              "from participants.environments.tasks import make_task\n"
+              "env = SandboxEnvironment(SandboxLimits(timeout_s=30))\n"
+              "shell = env.open_live(make_task('sandbox', 0))\n"
+              "print(env.call_live(shell, 'run', {'command': 'echo opened'}).output['output'], end='')\n"
+              "env.close_live(shell)\n")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "opened\n", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("owner, mode", [(65534, 0o700), (0, 0o777), (0, 0o770)])
+def test_a_state_folder_another_user_owns_or_can_write_refuses_the_session(tmp_path, owner: int, mode: int) -> None:
+    """Attack surface: a state folder made first by someone else, or writable by them, would let them
+    take or block the uids; the sandbox refuses it and says why."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, owner, owner)
+    os.chmod(state, mode)
+    with pytest.raises(ToolError) as err:
+        SandboxEnvironment(SandboxLimits(state_dir=str(state))).open_live(TASK)
+    assert err.value.code == "sandbox_unavailable" and "must be a folder owned by root" in err.value.message, err.value

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 
 from adapters.memory_store import MemoryEventStore
@@ -19,6 +21,7 @@ from engine.identity import rollout_stream, session_stream
 from participants.base.wire import CONTROL
 from participants.environments import get_environment
 from participants.environments.tasks import make_task
+from participants.resources.server import ResourcesParticipant
 from tests.answers import answered
 from tests.resources_harness import (
     AUTH,
@@ -528,3 +531,79 @@ async def test_a_tool_call_key_of_any_other_shape_is_refused_before_anything_run
     assert (status, reply["error"]["code"]) == (400, "invalid_identifier"), reply
     assert await kinds(store, session_stream("k1", 0)) == ["session_opened"]
 
+
+
+# -- a sandbox session ends with its attempt, however the attempt ends --------------------------
+
+
+def uid_processes(uid: int) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:")):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+async def left_running(http: aiohttp.ClientSession, participant: ResourcesParticipant, rid: str, attempt: int = 0):
+    """The attack: a background job in the session, then the attempt ends some way other than a close."""
+    await open_session(http, rid, "sandbox", 3, attempt=attempt)
+    live = participant.sessions[(rid, attempt)].live
+    status, reply = await tool(http, rid, "run", {"command": "sleep 600 & echo started"}, attempt=attempt)
+    assert status == 200 and reply["output"]["output"] == "started\n", reply
+    assert uid_processes(live.uid)
+    return live
+
+
+async def ended(live: Any, within: float = 5.0) -> bool:
+    """The session's jail, its processes and its cgroups are gone, and its uid free again."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if live.ended.is_set() and not uid_processes(live.uid) and not any(os.path.exists(g) for g in getattr(live, "cgroups", ())):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_a_finished_attempt_ends_its_sandbox_session(served: Served, store: MemoryEventStore) -> None:
+    """Attack: `sleep 600 &`, then the episode finishes (its close step): nothing of the session stays."""
+    http, participant = served
+    await start(store, "sb-finished")
+    live = await left_running(http, participant, "sb-finished")
+    await call(http, "POST", f"{prefix('sb-finished', 0)}/close")
+    assert await ended(live)
+
+
+@pytest.mark.parametrize("reason", ["failed", "restore"])
+async def test_a_fenced_attempt_ends_its_sandbox_session(served: Served, store: MemoryEventStore, reason: str) -> None:
+    """Attack: `sleep 600 &`, then the rollout fails (the environment server fences the attempt) or a
+    restore fences it: the session lived on until idle_s (30 minutes), its uid and memory held."""
+    http, participant = served
+    rid = f"sb-fenced-{reason}"
+    await start(store, rid)
+    live = await left_running(http, participant, rid)
+    await store.append(AppendRequest((NewEvent(rollout_stream(rid), ATTEMPT_FENCED, {"reason": reason}, rid, 0),)))
+    assert await ended(live)
+    assert (rid, 0) not in participant.sessions
+
+
+async def test_a_retired_attempt_ends_its_sandbox_session(served: Served, store: MemoryEventStore) -> None:
+    """Attack: `sleep 600 &`, then the rollout is retired by a mark another server wrote (no retire
+    request reaches this one)."""
+    http, participant = served
+    await start(store, "sb-retired")
+    live = await left_running(http, participant, "sb-retired")
+    await store.append(AppendRequest(retire_events([("sb-retired", 0)], {})))
+    assert await ended(live)
+
+
+async def test_a_server_shutdown_ends_its_sandbox_sessions(database: MemoryBacking, store: MemoryEventStore) -> None:
+    """Attack: `sleep 600 &`, then the server stops inside a process that goes on (the jail watched
+    only for its server's process to exit)."""
+    async with serving(database, "resources-a") as (http, participant):
+        await start(store, "sb-shutdown")
+        live = await left_running(http, participant, "sb-shutdown")
+    assert await ended(live)
