@@ -21,8 +21,6 @@ its live session, when gone, is rebuilt by replaying them (engine.tool_replay) o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -35,12 +33,10 @@ from engine.errors import (
     AdmissionClosed,
     AttemptLost,
     Forbidden,
-    InvalidCheckpointState,
     InvalidIdentifier,
     InvalidRequest,
     NotFound,
     ParticipantUnavailable,
-    ReplayDivergence,
     RequestConflict,
     RestartInScope,
     RollbookError,
@@ -49,7 +45,7 @@ from engine.errors import (
     ToolCallRefused,
     VersionConflict,
 )
-from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.events import AppendRequest, RecordedEvent
 from engine.identity import (
     TOOL_CALL_KEY_PATTERN,
     Key,
@@ -59,24 +55,23 @@ from engine.identity import (
 )
 from engine.lineage import effective_history
 from engine.recovery import tool_call_outcomes
-from engine.sessions import boundary_disagreement, open_session_mode
+from engine.sessions import open_session_mode
 from engine.snapshot_reads import lineage_rows, read_scope
-from engine.snapshots import Row, SessionSnapshot, fold_from, lineage_bounds, store_snapshots
+from engine.snapshots import SessionSnapshot, lineage_bounds, store_snapshots
 from participants.base.guard import Empty, Header, Route
 from participants.base.owners import orphaned_sessions
 from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import TOOL_CALL_HEADER, Execution, data_path, identity
 from participants.environments import (
-    ENVIRONMENTS,
     Environment,
     Task,
     ToolError,
     get_environment,
-    open_from_log,
 )
-from participants.environments.base import JSON, Trajectory
+from participants.environments.base import Trajectory
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
+from participants.resources.session import Session, Staged, rebuild, restart_only
 from participants.resources.wire import (
     OpenRequest,
     SessionReply,
@@ -95,77 +90,6 @@ LIVE_CHECK_S = 0.5
 
 def refused(exc: ToolError) -> ToolCallRefused:
     return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
-
-
-@dataclass
-class Session:
-    rollout_id: str
-    attempt: int
-    env: Environment
-    task: Task
-    state: JSON
-    revision: int = 0
-    stream_version: int = 0  # the writer's view of its stream: appends expect exactly this version
-    live: Any = None  # restart-only environments: the live process handle
-    opened: bool = False  # session_opened is durable
-    verify_status: str | None = None
-    verifying: int = 0
-    tool_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> its mutation_applied data
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    verify_idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def stream(self) -> str:
-        return session_stream(self.rollout_id, self.attempt)
-
-    def event(self, kind: str, data: dict[str, Any]) -> NewEvent:
-        return NewEvent(self.stream, kind, data, self.rollout_id, self.attempt)
-
-
-@dataclass(frozen=True)
-class Staged:
-    """A session rebuilt from the log at restore, waiting for its new attempt at resume."""
-
-    rollout_id: str
-    origin_attempt: int
-    env_name: str
-    task: Task
-    state: JSON
-    revision: int
-
-
-def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[RecordedEvent], snapshots: Sequence[Row] = (),
-            start: SessionSnapshot | None = None) -> tuple[Staged | None, SessionSnapshot | None]:
-    """A session's state at a boundary from the log alone (engine.sessions); None when no session
-    was open there.
-
-    `history` is the attempt's effective history (its origins' events first), so a session restored
-    earlier continues from its origin's replay. The fold starts at the newest of `snapshots` that
-    matches (engine.snapshots), or at `start` with `history` the events past it (engine.snapshot_reads),
-    and gives the snapshot a long fold leaves, for the caller to store.
-    Raises InvalidCheckpointState on anything that does not add up, RestartInScope for a live
-    session whose state cannot be rebuilt at all."""
-    where = f"{rollout_id} attempt {attempt}"
-    try:
-        replay, new = fold_from(snapshots, open_from_log, history, start=start)
-    except ReplayDivergence as exc:
-        raise InvalidCheckpointState(f"{where}: {exc.detail}") from exc
-    if not replay.open or replay.env is None:
-        return None, new
-    if replay.env.state_mode == "restart_only":
-        raise RestartInScope(f"{where} holds a live {replay.env.name} session, which cannot be rebuilt",
-                             executions=[[rollout_id, attempt]])
-    at = next((e for e in history if e.position == boundary), None)
-    wrong = boundary_disagreement(at.data, replay.revisions) if at is not None else None
-    if wrong is not None:
-        stream, seen, logged = wrong
-        raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {seen}, the replay reaches {logged}")
-    return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision), new
-
-
-def restart_only(env_name: str | None) -> bool:
-    env = ENVIRONMENTS.get(env_name or "")
-    return env is not None and env.state_mode == "restart_only"
 
 
 class ResourcesParticipant(Participant):
