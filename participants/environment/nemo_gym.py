@@ -98,9 +98,9 @@ class EnvironmentFront:
         return await self._outcome(req, rid, running)
 
     async def _running(self, rid: str, req: EpisodeRequest, task: Task, decision: str) -> asyncio.Task[Any]:
-        """The episode task this request waits for, from the participant's lifecycle: a new one, a
-        takeover, or the one already running (asked again where this process does not run it, because
-        it crashed or another took over, the live attempt goes on from where the log leaves it)."""
+        """The episode task this request waits for, through the participant's lifecycle: for a newer
+        caller attempt a takeover; else the rollout's episode, started, joined, or (where this process
+        does not run it: it crashed, or another took over) continued from where the log leaves it."""
         ti = req.task.task_input
         if decision == "takeover":
             return await self.p.continue_episode(rid, task, ti.seed, ti.max_steps, gym=self._gym(req),
