@@ -324,6 +324,14 @@ class GenerationFailed(RollbookError):
     status = 502
 
 
+class UpstreamInvalid(GenerationFailed):
+    """The upstream's reply broke a bound rollbook checks before it allocates anything for it (a
+    tool-call index past MAX_TOOL_CALLS or leaving a gap, a tool call's name or arguments too long):
+    that one call fails; the server and every other call go on."""
+
+    code = "upstream_invalid"
+
+
 class GymServerFailed(RollbookError):
     """A NeMo Gym server rollbook relays to failed in a way asking again cannot mend, so the rollout
     ends with this rather than waiting on it: the server cannot start (its import or its config

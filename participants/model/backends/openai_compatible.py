@@ -13,7 +13,7 @@ import aiohttp
 
 from adapters.http_client import unpooled_session
 from adapters.openai_wire import partial_message
-from engine.errors import ConfigError, GenerationFailed
+from engine.errors import ConfigError, GenerationFailed, UpstreamInvalid
 from engine.tokens import f32
 from participants.model.backends import BackendSettings, End, Event, Prefix, Start, Step, max_tokens
 
@@ -224,11 +224,41 @@ def _gym_tokens(holder: dict[str, Any]) -> tuple[tuple[int, ...], tuple[float, .
     return tuple(int(i) for i in ids), tuple(f32(x) for x in lps)
 
 
+# What one reply's tool calls may hold, checked before a slot is made for any of them: an index is a
+# position in a list the server builds, so an upstream's index of 2,000,000 would otherwise allocate
+# two million slots in the event loop.
+MAX_TOOL_CALLS = 128
+MAX_TOOL_NAME = 256
+
+
+def check_tool_calls(tool_calls: Any) -> None:
+    """UpstreamInvalid unless `tool_calls` (one delta's, or a whole message's) is a list of objects
+    whose indexes are integers below MAX_TOOL_CALLS and whose names are short strings. A gap in the
+    indexes is harmless once bounded (merge_delta fills it) and streams may send them out of order."""
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list) or len(tool_calls) > MAX_TOOL_CALLS:
+        raise UpstreamInvalid(f"the upstream's tool_calls must be a list of at most {MAX_TOOL_CALLS}")
+    for n, tc in enumerate(tool_calls):
+        if not isinstance(tc, dict):
+            raise UpstreamInvalid("the upstream sent a tool call that is not an object")
+        index = tc.get("index", n)
+        if type(index) is not int or not 0 <= index < MAX_TOOL_CALLS:
+            raise UpstreamInvalid(f"the upstream's tool-call index {str(index)[:20]} is not an integer in "
+                                  f"[0, {MAX_TOOL_CALLS})")
+        fn = tc.get("function") or {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(fn, dict) or (name is not None and (not isinstance(name, str) or len(name) > MAX_TOOL_NAME)):
+            raise UpstreamInvalid(f"the upstream's tool call {index} has no valid function (a name of at most "
+                                  f"{MAX_TOOL_NAME} characters)")
+
+
 def _step(choice: dict[str, Any]) -> Step | None:
     """One chunk's tokens (or a whole reply's): vLLM's logprob entries with `token_id:N` tokens, else
     NeMo Gym's generation_token_ids / generation_log_probs."""
     holder = choice.get("delta") or choice.get("message") or {}
     delta = {k: v for k, v in holder.items() if k in ("content", "tool_calls") and v}
+    check_tool_calls(delta.get("tool_calls"))
     entries = (choice.get("logprobs") or {}).get("content") or []
     ids = tuple(parse_token(e.get("token")) for e in entries)
     lps = tuple(f32(e.get("logprob")) for e in entries)

@@ -564,3 +564,54 @@ async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_cont
     assert [float(x) for x in full_lps] == [e["logprob"] for ev in events if isinstance(ev, dict) and ev.get("choices")
                                             for e in ((ev["choices"][0].get("logprobs") or {}).get("content") or [])]
     assert done.data["continuation"]["mode"] == ("regenerated" if upstream == "drift" else "continued")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.parametrize("index", [2_000_000, -1, "0", 128])
+async def test_an_upstream_tool_call_index_bomb_fails_that_call_upstream_invalid_before_anything_is_allocated(
+        store, tokens, index: Any) -> None:
+    """Bad input tried: one ~100-byte streamed chunk with `tool_calls[{"index": 2000000}]` (and a
+    negative, a string and a just-too-large index). Before, the server filled the gap slot by slot in its
+    event loop: 8-9 s and 2.2 GB for 2,000,000. Now that call fails `upstream_invalid` at once, the
+    process grows by no more than a few MB, and the next call on the same server is answered."""
+    bomb = {"index": index, "id": "x", "type": "function", "function": {"name": "f", "arguments": ""}}
+    served = {"n": 0}
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        served["n"] += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = {"id": "c", "prompt_token_ids": [1, 2, 3],
+                 "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        delta = {"tool_calls": [bomb]} if served["n"] == 1 else {"content": "42"}
+        step = {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                        "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.5}]}}]}
+        await resp.write(b"data: " + json.dumps(step).encode() + b"\n\n")
+        end = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await resp.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", upstream)
+    await start_attempt(store, "bomb")
+    async with TestServer(app) as server:
+        backend = OpenAICompatibleBackend(str(server.make_url("/v1")), model="m1")
+        try:
+            async with model_server(store, backend, tokens) as client:
+                before, started = _rss_mb(), time.monotonic()
+                resp = await client.post(url("bomb"), json=BLACKJACK, headers=call_headers("bomb.0.t0"))
+                body = await resp.json()
+                took, grown = time.monotonic() - started, _rss_mb() - before
+                again = await client.post(url("bomb"), json=MATH, headers=call_headers("bomb.0.t1"))
+                assert again.status == 200, await again.text()
+        finally:
+            await backend.close()
+    assert (resp.status, body["error"]["code"]) == (502, "upstream_invalid"), body
+    assert grown < 50, f"the model server grew by {grown:.0f} MB on one chunk (in {took:.1f} s)"
+    failed = [e for e in await store.read_stream(call_stream("bomb.0.t0")) if e.kind == "call_failed"]
+    assert [e.data["error"]["code"] for e in failed] == ["upstream_invalid"]
