@@ -121,6 +121,26 @@ async def test_arguments_that_are_not_a_json_object_are_a_tool_error(
     assert [r["error"] for r in replies] == ["bad_arguments"]
 
 
+@pytest.mark.parametrize("name,arguments", [
+    ("nan", '{"deal_id": NaN}'),
+    ("infinity", '{"deal_id": 1e999}'),
+    ("thirty-digits", '{"deal_id": 123456789012345678901234567890}'),
+    ("nested-100-deep", '{"a": ' * 100 + "1" + "}" * 100),
+])
+async def test_arguments_outside_the_servers_json_are_a_tool_error_and_the_rollout_is_still_scored(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture, name: str, arguments: str
+) -> None:
+    """Bad input tried: NaN, a number that is infinite as a float, a 30-digit integer, objects nested
+    100 deep. The agent's parser took them and the resources server's refused them: the rollout
+    failed `invalid_json` with no verify and no reward, so a policy expecting a low reward could choose
+    not to be scored. Now the model sees `bad_arguments` and the episode goes on to its verify."""
+    replies = await attack(stack, store, name, [tool_call("update_deal", arguments)], caplog)
+    assert [r["error"] for r in replies] == ["bad_arguments"]
+    rows = await store.attempt_rows([f"attacker-{name}"])
+    assert rows[(f"attacker-{name}", 0)]["status"] == "finished"
+    assert isinstance(rows[(f"attacker-{name}", 0)]["reward"], float)
+
+
 ODD = "NUL \x00, lone \ud800, the six characters \\u0000, the store's escape \ue000 and \ue0000"
 
 

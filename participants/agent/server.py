@@ -48,6 +48,7 @@ from engine.errors import (
     AdmissionClosed,
     DatabaseUnavailable,
     InvalidIdentifier,
+    InvalidJson,
     InvalidRequest,
     ParticipantUnavailable,
     RestartInScope,
@@ -63,7 +64,7 @@ from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import Patience
 from engine.recovery import resume_point
-from participants.base.guard import Body, Header, Int64, Route
+from participants.base.guard import Body, Header, Int64, Route, tool_arguments
 from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import CLAIM_TRIES, settled
 from participants.base.participant import Participant, PrepareReport
@@ -473,11 +474,9 @@ class AgentParticipant(Participant):
             return json.dumps({"error": "unknown_tool", "message": f"no tool named {shown} was offered; the tools are "
                                f"{', '.join(sorted(offered_tools(s.tools)))}"}), False
         try:
-            args = json.loads(fn.get("arguments") or "{}") if isinstance(fn.get("arguments") or "{}", str) else None
-        except (json.JSONDecodeError, RecursionError):
-            args = None
-        if not isinstance(args, dict):
-            return json.dumps({"error": "bad_arguments", "message": "tool arguments must be a JSON object"}), False
+            args = tool_arguments(fn.get("arguments"))
+        except InvalidJson as exc:
+            return json.dumps({"error": "bad_arguments", "message": exc.detail}), False
         path = "/tools/" + quote(name, safe="")
         closed, unavailable = Patience(f"tool call {call_key}", limit_s=None), Patience(f"tool call {call_key}")
         while True:

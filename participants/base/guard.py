@@ -155,6 +155,11 @@ def parse_json(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidJson(f"the body is not UTF-8 (byte {exc.start})") from None
+    return parse_json_text(text)
+
+
+def parse_json_text(text: str) -> Any:
+    """parse_json's rule on text already decoded."""
     try:
         value = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
@@ -171,6 +176,23 @@ def parse_json(raw: bytes) -> Any:
                 stack.extend((v, depth + 1) for v in item.values())
             else:
                 stack.extend((v, depth + 1) for v in item)
+    return value
+
+
+def tool_arguments(raw: object) -> dict[str, Any]:
+    """A model's tool-call arguments as the servers will read them: a JSON object under the same rule
+    as any body (parse_json: finite numbers, 64-bit integers, 64 levels, the body's size), or
+    InvalidJson saying why. The agent checks with this before it sends them, so whatever the model
+    emits is a refusal it sees (`bad_arguments`), never a request a server refuses and the rollout
+    fails on."""
+    text = "{}" if raw is None or raw == "" else raw
+    if not isinstance(text, str):
+        raise InvalidJson("tool arguments must be a JSON object, written as a string")
+    if len(text) > MAX_BODY_BYTES:
+        raise InvalidJson(f"tool arguments are {len(text)} characters; the limit is {MAX_BODY_BYTES}")
+    value = parse_json_text(text)
+    if not isinstance(value, dict):
+        raise InvalidJson("tool arguments must be a JSON object")
     return value
 
 
