@@ -482,6 +482,13 @@ class SandboxEnvironment(Environment):
         command = read_args(arguments, {"command": ("str", True)})["command"]
         if not command.strip():
             raise ToolError("bad_arguments", "command must not be empty")
+        # A shell reads bytes, and a lone surrogate (the JSON escape "\ud800", which the log stores and
+        # gives back exactly) has no UTF-8 spelling: the command is refused as its arguments, here, for
+        # every way a command reaches a shell.
+        bad = next((i for i, ch in enumerate(command) if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:
+            raise ToolError("bad_arguments", f"command holds a lone surrogate (U+{ord(command[bad]):04X}) at "
+                                             f"character {bad}: a shell takes UTF-8 text")
         return command
 
     def _read_until(self, handle: LiveShell, marker: str) -> tuple[str, int, int]:

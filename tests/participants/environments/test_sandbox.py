@@ -267,6 +267,18 @@ def test_a_command_longer_than_the_limit_is_a_tool_error_and_the_session_goes_on
     assert run(env, shell, "echo next")["output"] == "next\n"
 
 
+def test_a_lone_surrogate_in_a_command_is_bad_arguments_and_the_session_goes_on(jailed) -> None:
+    """Bad input tried: `"\\ud800"` written as a JSON escape in a command's arguments. It reached the
+    shell's stdin and raised UnicodeEncodeError: a Traceback in the resources server and a 500 that
+    failed the rollout. Now it is refused as the command's arguments, naming where."""
+    env, shell = jailed
+    for command in ("echo \ud800", "printf %s \udfff-tail"):
+        with pytest.raises(ToolError) as err:
+            run(env, shell, command)
+        assert err.value.code == "bad_arguments" and "lone surrogate" in err.value.message
+    assert run(env, shell, "echo next \u00e9\U0001f600")["output"] == "next \u00e9\U0001f600\n"
+
+
 @pytest.mark.parametrize("shell_path", ["/bin/false", "/no/such/shell"])
 def test_a_shell_that_does_not_start_is_a_start_failure_not_a_session(monkeypatch, shell_path: str) -> None:
     """Attack surface: the jail said ready before exec, so a shell that never ran was handed out as a

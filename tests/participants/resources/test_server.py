@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -10,6 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from adapters.memory_store import MemoryEventStore
 from apps.stack import MemoryBacking
@@ -607,3 +611,27 @@ async def test_a_server_shutdown_ends_its_sandbox_sessions(database: MemoryBacki
         await start(store, "sb-shutdown")
         live = await left_running(http, participant, "sb-shutdown")
     assert await ended(live)
+
+
+_FUZZED = itertools.count()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+# A list joined, not st.text: hypothesis's text strategies leave lone surrogates out.
+@given(command=st.lists(st.one_of(st.characters(codec=None), st.sampled_from(["\ud800", "\udfff", "\x00", "\n", "e"])),
+                        min_size=1, max_size=40).map("".join))
+async def test_any_command_text_is_an_answer_or_a_tool_error_never_a_server_error(
+        served: Served, store: MemoryEventStore, command: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Fuzz of a sandbox command's arguments through the real resources server and the real jail:
+    any code point (lone surrogates, NUL, controls included) is run or refused as the model's own
+    error (4xx, `tool_error`); never a 500, never a Traceback in the server's log."""
+    http, participant = served
+    rid = f"fz{next(_FUZZED)}"
+    await start(store, rid)
+    await open_session(http, rid, "sandbox", 3)
+    with caplog.at_level(logging.ERROR):
+        status, reply = await call(http, "POST", f"{prefix(rid, 0)}/tools/run", {"arguments": {"command": command}})
+    assert status < 500, reply
+    assert status == 200 or reply["error"]["code"] in ("tool_error", "invalid_request"), reply
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    await call(http, "POST", f"{prefix(rid, 0)}/close")
