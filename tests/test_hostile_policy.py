@@ -9,12 +9,15 @@ no server raised.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from adapters.postgres import PostgresEventStore
 from apps.stack import Stack, start_stack
@@ -161,3 +164,31 @@ async def test_any_code_point_in_arguments_and_text_is_stored_and_given_back_exa
     final = await stack.client.get(f"{stack.url('environment')}/episodes/attacker-odd-strings")
     assert final["status"] == "finished"
     assert (await final_reply(store, "attacker-odd-strings"))["final_answer"] == ODD
+
+
+_ANY = itertools.count()
+# What a model can emit in a field: any code point, lone surrogates included (a list joined: hypothesis's
+# text strategies leave them out), with the pieces of JSON that break parsers drawn often.
+EMITTED = st.lists(st.one_of(st.characters(codec=None), st.sampled_from(
+    ["NaN", "1e999", "-Infinity", "1" * 30, "{", "}", "[", "]", '"', ":", ",", "\\ud800", "\ud800", "\x00", '{"deal_id": '])),
+    max_size=30).map("".join)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.one_of(st.just("update_deal"), EMITTED), arguments=st.one_of(EMITTED, st.builds(
+    lambda v: '{"deal_id": "D-101", "notes": ' + v + "}", EMITTED)), content=EMITTED)
+# Found by this test: a lone surrogate the model put in a tool call's name is in the next call's
+# messages, and the model server's request digest could not encode it (a 500 on every later turn).
+@example(name="\ud800", arguments="{}", content="done")
+@example(name="update_deal", arguments='{"deal_id": NaN}', content="\ud800")
+async def test_whatever_the_model_emits_its_rollout_is_finished_and_scored(
+    stack: Stack, store: PostgresEventStore, name: str, arguments: str, content: str
+) -> None:
+    """The property behind "no reward is only ever our failure": any string in a tool call's name, its
+    arguments and the final answer leaves the rollout finished with a recorded reward."""
+    rid = f"any-{next(_ANY)}"
+    await stack.episode(hostile_task(ATTACKER, [tool_call(name, arguments), {"role": "assistant", "content": content}]),
+                        rid)
+    assert (status := await stack.wait_finished(rid))["status"] == "finished", (rid, status)
+    row = (await store.attempt_rows([rid]))[(rid, 0)]
+    assert row["status"] == "finished" and isinstance(row["reward"], float), row

@@ -213,7 +213,9 @@ PRESENTATION = ("stream", "stream_options", "logprobs", "top_logprobs")
 def request_digest(payload: dict[str, Any]) -> str:
     """What makes two requests under one call id the same request: the body but its presentation options."""
     same = {k: v for k, v in payload.items() if k not in PRESENTATION}
-    return hashlib.sha256(canonical_json(same).encode()).hexdigest()
+    # surrogatepass: a conversation may hold a lone surrogate the model emitted (the log keeps it
+    # exactly); every other string digests as it always did.
+    return hashlib.sha256(canonical_json(same).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 __all__ = ["DurablePrefix", "LiveCall", "Progress", "TokenStore", "request_digest"]
