@@ -375,7 +375,9 @@ def test_a_sessions_memory_all_together_stays_within_memory_mb(small) -> None:
     attack(env, shell, "python3 -c 'x = bytearray(100 << 20)' 2>&1")
     with open(os.path.join(shell.cgroups[0], "memory.max_usage_in_bytes")) as f:
         peak = int(f.read())
-    assert peak <= 128 * MB, peak
+    # The kernel charges memory to a group in batches of pages (MEMCG_CHARGE_BATCH, 64 pages): its
+    # peak may read a page or so past the limit (128.004 MiB was seen once), never the attack's 256 MB.
+    assert peak <= 128 * MB + 64 * 4096, peak / MB
 
 
 def test_a_session_uses_at_most_its_share_of_the_cpus() -> None:
