@@ -56,7 +56,8 @@ class FakeVLLM:
         self.url = ""
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM takes a prompt as long as its context allows; aiohttp's default refuses bodies over 1 MiB.
+        app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/fake/stall", self._stall)

@@ -144,6 +144,19 @@ async def test_arguments_outside_the_servers_json_are_a_tool_error_and_the_rollo
     assert isinstance(rows[(f"attacker-{name}", 0)]["reward"], float)
 
 
+
+async def test_arguments_whose_record_would_pass_the_event_limit_are_a_tool_error_and_the_episode_is_scored(
+    stack: Stack, store: PostgresEventStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bad input tried: a 600,000-character note, which `update_deal` records twice (its arguments and
+    its effect), past the 1 MiB event limit: the resources server answered 413 and the rollout failed
+    unverified. Now it is `bad_arguments`, and the reward is recorded."""
+    args = json.dumps({"deal_id": "D-101", "notes": "word " * 120_000})
+    replies = await attack(stack, store, "record-too-large", [tool_call("update_deal", args)], caplog)
+    assert [r["error"] for r in replies] == ["bad_arguments"], replies
+    assert isinstance((await stack.wait_finished("attacker-record-too-large"))["reward"], float)
+
+
 ODD = "NUL \x00, lone \ud800, the six characters \\u0000, the store's escape \ue000 and \ue0000"
 
 

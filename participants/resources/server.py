@@ -37,6 +37,7 @@ from engine.errors import (
     InvalidRequest,
     NotFound,
     ParticipantUnavailable,
+    PayloadTooLarge,
     RequestConflict,
     RestartInScope,
     RollbookError,
@@ -296,7 +297,15 @@ class ResourcesParticipant(Participant):
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
                     "tool_call": call_key, "output": outcome.output, "done": outcome.done, **live_id(s)}
-            await self._append(s, ev.MUTATION_APPLIED, data)
+            try:
+                await self._append(s, ev.MUTATION_APPLIED, data)
+            except PayloadTooLarge as exc:
+                # Arguments, effect and output together past the event limit: the model chose their
+                # size (a long note echoed back), so it sees a tool error and the episode goes on to
+                # its verify. Nothing is installed; a live shell did run the command, unrecorded.
+                raise ToolCallRefused(f"the call's record would be {exc.context.get('size')} bytes, over the "
+                                      f"{exc.context.get('limit')}-byte event limit; send smaller arguments",
+                                      tool_error="bad_arguments") from None
             s.state, s.revision = new_state, revision
             if call_key:
                 s.tool_calls[call_key] = data
