@@ -27,6 +27,7 @@ from participants.environments import get_environment
 from participants.environments.tasks import make_task
 from participants.resources.server import ResourcesParticipant
 from tests.answers import answered
+from tests.participants.environments.test_sandbox import host_processes_of
 from tests.resources_harness import (
     AUTH,
     Served,
@@ -540,16 +541,6 @@ async def test_a_tool_call_key_of_any_other_shape_is_refused_before_anything_run
 # -- a sandbox session ends with its attempt, however the attempt ends --------------------------
 
 
-def uid_processes(uid: int) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                if any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:")):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 async def left_running(http: aiohttp.ClientSession, participant: ResourcesParticipant, rid: str, attempt: int = 0):
@@ -558,7 +549,7 @@ async def left_running(http: aiohttp.ClientSession, participant: ResourcesPartic
     live = participant.sessions[(rid, attempt)].live
     status, reply = await tool(http, rid, "run", {"command": "sleep 600 & echo started"}, attempt=attempt)
     assert status == 200 and reply["output"]["output"] == "started\n", reply
-    assert uid_processes(live.uid)
+    assert host_processes_of(live.uid)
     return live
 
 
@@ -566,7 +557,7 @@ async def ended(live: Any, within: float = 5.0) -> bool:
     """The session's jail, its processes and its cgroups are gone, and its uid free again."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if live.ended.is_set() and not uid_processes(live.uid) and not any(os.path.exists(g) for g in getattr(live, "cgroups", ())):
+        if live.ended.is_set() and not host_processes_of(live.uid) and not any(os.path.exists(g) for g in getattr(live, "cgroups", ())):
             return True
         await asyncio.sleep(0.05)
     return False
