@@ -394,7 +394,7 @@ class ModelParticipant(Participant):
         prompt_ids = (await self.token_store.get(Receipt.from_json(prompt).blob_id)).ids if prompt else ()
         call.restart_from(Prefix(prompt_ids, generated.ids, generated.logprobs or (), source.data.get("partial") or {}))
         call.prefix_segments = [dict(x) for x in source.data.get("segments") or []]
-        call.extra["prefix_tokens"] = len(generated.ids)
+        call.extra["prefix_tokens"] = call.floor = len(generated.ids)
         if prompt:  # the prefix is durable already: a cut before any new token is saved records it again
             call.durable = DurablePrefix(len(generated.ids), receipt, Receipt.from_json(prompt),
                                          source.data.get("partial") or {}, call.prefix_segments)

@@ -1,14 +1,21 @@
 """Paused checkpoints every second against a slow vLLM-style upstream: a tool call that needs more
-tokens than fit between two checkpoints is cut again and again, and still finishes, because every
-cut is continued from its durable prefix (the four servers and the upstream as real processes).
+tokens than fit between two checkpoints is cut again and again, and still finishes (the four servers
+and the upstream as real processes), on both kinds of upstream:
 
-With each cut tool call generated again from scratch, such a call never gets past the tokens that
-fit in one interval and its rollout never finishes.
+- NeMo Gym's patched vLLM, which takes `required_prefix_token_ids` as the prompt: every cut is
+  continued from its durable prefix, nothing is generated twice but the unsaved tail;
+- stock vLLM, whose chat template closes a partial tool call: a cut inside one is regenerated from
+  the start, and is not cut again before it has saved more than the cut before it kept.
+
+With each cut tool call generated again from scratch and cut again at the next checkpoint, such a call
+never gets past the tokens that fit in one interval and its rollout never finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from participants.environments.tasks import make_tasks
 
@@ -24,8 +31,9 @@ FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE :p AND da
 """
 
 
-async def test_cut_tool_calls_continue_so_every_rollout_finishes_under_checkpoints_every_second(cluster_factory, rng) -> None:
-    c = await cluster_factory(token_latency_s=TOKEN_LATENCY_S, upstream=True)
+@pytest.mark.parametrize("upstream", ["nemo_gym", "vllm"])
+async def test_cut_tool_calls_finish_every_rollout_under_checkpoints_every_second(cluster_factory, rng, upstream: str) -> None:
+    c = await cluster_factory(token_latency_s=TOKEN_LATENCY_S, upstream=True, continuation=upstream)
     coll = c.collection("ctc", make_tasks(4, rng.randrange(1 << 20), ["workplace"]), seed=rng.randrange(1000))
     run = asyncio.create_task(coll.dispatch(c.session))
     await c.wait_count("ctc", "attempt_started", len(coll.tasks))
@@ -51,5 +59,10 @@ async def test_cut_tool_calls_continue_so_every_rollout_finishes_under_checkpoin
     again = sum(o.prefix for o in dropped) + unsaved
     print(f"{taken} checkpoints, {cuts_in_tool_calls} cuts inside a tool call, {len(outcomes)} calls cut and finished, "
           f"{again} tokens generated again")
-    assert not dropped, f"cut calls generated again from scratch ({again} tokens): {dropped}"
+    if upstream == "nemo_gym":
+        assert not dropped, f"cut calls generated again from scratch ({again} tokens): {dropped}"
+    else:  # each cut of a call keeps more than the one before: the chain of cuts only ever grows
+        chains = await c.rows("SELECT stream, array_agg((data->>'tokens')::int ORDER BY stream_version) AS kept FROM "
+                              "rollbook.events WHERE kind = 'call_cut' AND rollout_id LIKE 'ctc-%' GROUP BY stream")
+        assert all(list(r.kept) == sorted(set(r.kept)) for r in chains), chains
     print(await assert_invariants(c, coll))

@@ -6,7 +6,7 @@ are what the model server records.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -19,6 +19,10 @@ from participants.model.backends import BackendSettings, End, Event, Prefix, Sta
 
 # ---- an OpenAI-compatible upstream (vLLM) -------------------------------------------------------
 
+# What a chat request holds that the completions route has no use for (or counts differently).
+CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
+                       "max_completion_tokens", "continue_final_message", "add_generation_prompt",
+                       "chat_template", "chat_template_kwargs", "documents", "stream", "stream_options"})
 VLLM_TOKEN_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "return_token_ids")
 
 
@@ -44,15 +48,21 @@ class OpenAICompatibleBackend:
     carries its `token_ids`, which must agree with the logprob entries). The client's sampling
     parameters pass through unchanged.
 
-    Continuing a cut call: the partial reply is sent as a final assistant message with
-    `continue_final_message: true, add_generation_prompt: false`, plus
-    `required_prefix_token_ids` = prompt ids + generated prefix ids (NeMo Gym's field: the exact
-    token sequence the upstream's prompt must be), and `max_tokens` reduced by the prefix. The
-    continuation is accepted only if the upstream's `prompt_token_ids` equal that sequence, so the
-    concatenated ids are exactly prefix + continuation. A cut inside a tool call goes the same way
-    (the partial call rides in the message, the ids say where it stands). Otherwise (an upstream
-    that refuses the request, retokenizes the partial text differently or reports no prompt ids)
-    the call is regenerated from the start and the reason recorded."""
+    An empty `tools` list (and its `tool_choice`) is left out: vLLM refuses `"tools": []` with a 400.
+
+    Continuing a cut call, exactly: vLLM's chat route re-tokenizes the text of a partial assistant
+    message, and a real tokenizer does not always give back the ids it generated (SmolLM2 differed at
+    cuts 16-39 of one probe). So a cut call whose request offers no tools goes to the completions
+    route with the prompt and the generated prefix as token ids (`prompt: [ids]`), the same sampling
+    parameters and `max_tokens` reduced by the prefix: nothing is re-tokenized, and under greedy
+    decoding the continuation is token for token the uninterrupted generation. Its text is appended to
+    the partial reply's content. A request that offers tools (or a cut inside a tool call) needs the
+    upstream's tool-call parser, which only the chat route runs: it is continued there, the partial
+    reply as a final assistant message with `continue_final_message: true, add_generation_prompt:
+    false` and NeMo Gym's `required_prefix_token_ids` (which stock vLLM ignores), and accepted only if
+    the upstream's `prompt_token_ids` equal the prompt plus the prefix. Otherwise (an upstream that
+    refuses, re-tokenizes differently or reports no prompt ids) the call is regenerated from the start
+    and the reason recorded."""
 
     def __init__(
         self,
@@ -97,15 +107,30 @@ class OpenAICompatibleBackend:
 
     def body(self, request: dict[str, Any]) -> dict[str, Any]:
         body = {k: v for k, v in request.items() if v is not None and k not in ("stream", "stream_options")}
+        if not body.get("tools"):
+            body.pop("tools", None)
+            body.pop("tool_choice", None)
         body.update(model=self.model, stream=True, stream_options={"include_usage": True}, logprobs=True,
                     top_logprobs=int(request.get("top_logprobs") or 0), return_tokens_as_token_ids=True,
                     return_token_ids=True)
         return body
 
-    async def _post(self, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    def completion_body(self, request: dict[str, Any], prefix: Prefix) -> dict[str, Any]:
+        """The completions-route request that continues `prefix`: prompt and prefix as token ids, the chat
+        request's sampling parameters, logprobs as the completions route counts them."""
+        body = {k: v for k, v in request.items() if v is not None and k not in CHAT_ONLY}
+        limit = max_tokens(request)
+        if limit is not None:
+            body["max_tokens"] = max(1, limit - len(prefix.ids))
+        body.update(model=self.model, prompt=[*prefix.prompt_token_ids, *prefix.ids], stream=True,
+                    stream_options={"include_usage": True}, logprobs=int(request.get("top_logprobs") or 0),
+                    return_tokens_as_token_ids=True, return_token_ids=True)
+        return body
+
+    async def _post(self, body: dict[str, Any], route: str = "chat/completions") -> aiohttp.ClientResponse:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            resp = await self.session.post(f"{self.base_url}/chat/completions", json=body, headers=headers)
+            resp = await self.session.post(f"{self.base_url}/{route}", json=body, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise GenerationFailed(f"the upstream model server did not answer: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
@@ -115,45 +140,62 @@ class OpenAICompatibleBackend:
         return resp
 
     async def generate(self, request: dict[str, Any], prefix: Prefix | None) -> AsyncIterator[Event]:
-        if prefix is not None and prefix.ids:
-            body = self.body(request)
-            body["messages"] = [*body.get("messages", []), partial_message(prefix.message)]
-            body.update(continue_final_message=True, add_generation_prompt=False,
-                        required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
-            limit = max_tokens(request)
-            if limit is not None:
-                body.pop("max_completion_tokens", None)
-                body["max_tokens"] = max(1, limit - len(prefix.ids))
-            try:
-                resp = await self._post(body)
-            except GenerationFailed as exc:
-                reason = f"the upstream refused the continuation: {exc.detail[:200]}"
-            else:
-                events = self._events(resp)
-                first = await anext(events, None)
-                want = (*prefix.prompt_token_ids, *prefix.ids)
-                if isinstance(first, Start) and first.prompt_token_ids == want:
-                    yield Start(prefix.prompt_token_ids, {"mode": "continued", "prefix_tokens": len(prefix.ids),
-                                                          "via": "required_prefix_token_ids"})
-                    async for event in events:
-                        yield event
-                    return
-                await events.aclose()
-                got = len(first.prompt_token_ids) if isinstance(first, Start) else 0
-                reason = (f"the upstream's prompt_token_ids ({got} ids) are not the prompt plus the prefix "
-                          f"({len(want)} ids): it did not continue the exact prefix")
-            start: Start | None = None
+        if prefix is None or not prefix.ids:
             async for event in self._events(await self._post(self.body(request))):
-                if isinstance(event, Start):
-                    start = Start(event.prompt_token_ids, {"mode": "regenerated", "reason": reason})
-                    yield start
-                else:
-                    yield event
+                yield event
+            return
+        if request.get("tools") or prefix.message.get("tool_calls"):
+            continued, via = await self._continue_chat(request, prefix), "continue_final_message"
+        else:
+            continued, via = await self._continue_tokens(request, prefix), "completions"
+        if not isinstance(continued, str):
+            yield Start(prefix.prompt_token_ids, {"mode": "continued", "prefix_tokens": len(prefix.ids), "via": via})
+            async for event in continued:
+                yield event
             return
         async for event in self._events(await self._post(self.body(request))):
-            yield event
+            yield Start(event.prompt_token_ids, {"mode": "regenerated", "reason": continued}) if isinstance(event, Start) else event
 
-    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
+    async def _continue_tokens(self, request: dict[str, Any], prefix: Prefix) -> AsyncIterator[Event] | str:
+        """The continuation's events past the prefix through the completions route, or why not."""
+        try:
+            resp = await self._post(self.completion_body(request, prefix), "completions")
+        except GenerationFailed as exc:
+            return f"the upstream refused the token-id continuation: {exc.detail[:200]}"
+
+        async def events() -> AsyncIterator[Event]:
+            async with resp:
+                async for event in _streamed_reply(resp, _completion_step):
+                    if not isinstance(event, Start):  # the call's prompt is its own, not prompt + prefix
+                        yield event
+        return events()
+
+    async def _continue_chat(self, request: dict[str, Any], prefix: Prefix) -> AsyncIterator[Event] | str:
+        """The continuation's events past the prefix through the chat route (the partial reply as the
+        final message), or why not."""
+        body = self.body(request)
+        body["messages"] = [*body.get("messages", []), partial_message(prefix.message)]
+        body.update(continue_final_message=True, add_generation_prompt=False,
+                    required_prefix_token_ids=[*prefix.prompt_token_ids, *prefix.ids])
+        limit = max_tokens(request)
+        if limit is not None:
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = max(1, limit - len(prefix.ids))
+        try:
+            resp = await self._post(body)
+        except GenerationFailed as exc:
+            return f"the upstream refused the continuation: {exc.detail[:200]}"
+        events = self._events(resp)
+        first = await anext(events, None)
+        want = (*prefix.prompt_token_ids, *prefix.ids)
+        if isinstance(first, Start) and first.prompt_token_ids == want:
+            return events
+        await events.aclose()
+        got = len(first.prompt_token_ids) if isinstance(first, Start) else 0
+        return (f"the upstream's prompt_token_ids ({got} ids) are not the prompt plus the prefix "
+                f"({len(want)} ids): it did not continue the exact prefix")
+
+    async def _events(self, resp: aiohttp.ClientResponse) -> AsyncGenerator[Event, None]:
         """Start, Steps, End from a vLLM chat.completion.chunk stream, or from a whole reply."""
         async with resp:
             # an upstream may answer whole, streamed or not
@@ -179,7 +221,10 @@ async def _whole_reply(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
     yield End(str(choice["finish_reason"]), body.get("usage"))
 
 
-async def _streamed_reply(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
+async def _streamed_reply(resp: aiohttp.ClientResponse,
+                          step_of: Callable[[dict[str, Any]], Step | None] | None = None) -> AsyncIterator[Event]:
+    """The events of a streamed reply; `step_of` reads one choice (chat chunks by default)."""
+    read = step_of or _step
     started, finish, usage = False, None, None
     try:
         async for chunk in _sse_chunks(resp):
@@ -188,7 +233,7 @@ async def _streamed_reply(resp: aiohttp.ClientResponse) -> AsyncIterator[Event]:
                 yield Start(_prompt_ids(chunk, next(iter(chunk.get("choices") or []), {})))
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
-                step = _step(choice) if choice.get("index", 0) == 0 else None
+                step = read(choice) if choice.get("index", 0) == 0 else None
                 if step is not None:
                     yield step
                 if choice.get("index", 0) == 0:
@@ -251,6 +296,25 @@ def check_tool_calls(tool_calls: Any) -> None:
         if not isinstance(fn, dict) or (name is not None and (not isinstance(name, str) or len(name) > MAX_TOOL_NAME)):
             raise UpstreamInvalid(f"the upstream's tool call {index} has no valid function (a name of at most "
                                   f"{MAX_TOOL_NAME} characters)")
+
+
+def _completion_step(choice: dict[str, Any]) -> Step | None:
+    """One completions-route chunk: its text and vLLM's logprobs in the completions shape (`tokens` as
+    "token_id:N", `token_logprobs`, `top_logprobs` as one object per token)."""
+    lp = choice.get("logprobs") or {}
+    ids = tuple(parse_token(t) for t in lp.get("tokens") or [])
+    lps = tuple(f32(x) for x in lp.get("token_logprobs") or [])
+    tops = tuple(tuple((parse_token(t), f32(x)) for t, x in (top or {}).items()) for top in lp.get("top_logprobs") or [])
+    if len(lps) != len(ids):
+        raise GenerationFailed(f"the upstream's completion gives {len(lps)} logprobs for {len(ids)} tokens")
+    reported = choice.get("token_ids")
+    if reported is not None and tuple(int(i) for i in reported) != ids:
+        raise GenerationFailed(f"the upstream's token_ids {list(reported)[:8]} disagree with its logprobs tokens {list(ids)[:8]}")
+    text = choice.get("text")
+    delta = {"content": text} if isinstance(text, str) and text else {}
+    if not ids and not delta:
+        return None
+    return Step(ids, lps, delta, tops)
 
 
 def _step(choice: dict[str, Any]) -> Step | None:

@@ -18,7 +18,7 @@ from engine.prepare_records import PrepareRecord
 from engine.tokens import TokenArray
 from participants.base.app import PARTICIPANT
 from participants.base.observability import METRICS_PATH
-from participants.model.backends import Prefix, Step
+from participants.model.backends import Prefix, Start, Step
 from participants.model.backends.scripted import ScriptedBackend
 from tests.participants.model.test_server import (
     MATH,
@@ -241,6 +241,53 @@ async def test_a_continued_call_that_made_nothing_since_its_cut_is_not_cut_again
     events = await store.read_stream(call_stream("lf.0.t0"))
     assert [e.kind for e in events] == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
     assert events[-1].data["continuation"]["mode"] == "continued" and events[-1].data["tokens"] == len(full)
+
+
+class Regenerating(Paced):
+    """An upstream that cannot continue a prefix (stock vLLM re-tokenizing a partial tool call): every
+    continuation starts over, and says so."""
+
+    async def generate(self, request: dict[str, Any], prefix: Prefix | None):  # type: ignore[override]
+        async for event in super().generate(request, None):
+            if isinstance(event, Start) and prefix is not None:
+                event = Start(event.prompt_token_ids, {"mode": "regenerated", "reason": "cannot continue"})
+            yield event
+
+
+async def test_a_call_regenerated_after_a_cut_is_not_cut_again_until_it_has_saved_more_than_that_cut_kept(
+        memory_store, memory_tokens) -> None:
+    """The livelock a real vLLM showed: a cut call its upstream regenerates from the start was cut again
+    at the next checkpoint with fewer tokens than before, every second, and never finished. Cut at 4
+    steps, regenerated, 2 steps saved: the next prepare leaves it running (without it, it cuts at 2);
+    it goes on to the uninterrupted reply."""
+    store, tokens = memory_store, memory_tokens
+    await start_attempt(store, "fl")
+    backend = Regenerating(allowed=4)
+    _, full, _ = planned(ScriptedBackend(), MATH)
+    async with model_server(store, backend, tokens) as client:
+        model = client.server.app[PARTICIPANT]  # type: ignore[attr-defined]
+        first = asyncio.ensure_future(client.post(url("fl"), json=MATH, headers=call_headers("fl.0.t0")))
+        await eventually("four steps in", lambda: "fl.0.t0" in model.calls and len(model.calls["fl.0.t0"].steps) >= 4)
+        assert await model.progress.save() == 1
+        kept = model.calls["fl.0.t0"].durable.tokens
+        assert (await control(client, "prepare", "ck-fl1"))["counts"]["cut"] == 1
+        await backend.allow(2)
+        await control(client, "resume", "ck-fl1")
+        await first
+        again = asyncio.ensure_future(client.post(url("fl"), json=MATH, headers=call_headers("fl.0.t0")))
+        await eventually("two steps of the regeneration", lambda: "fl.0.t0" in model.calls
+                         and model.calls["fl.0.t0"].state == "generating" and len(model.calls["fl.0.t0"].steps) >= 2)
+        call = model.calls["fl.0.t0"]
+        assert await model.progress.save() == 1 and 0 < call.durable.tokens < kept
+        prepared = await control(client, "prepare", "ck-fl2")
+        await backend.allow(len(full))
+        await eventually("the regeneration completed", lambda: call.state == "completed")
+        await control(client, "resume", "ck-fl2")
+        assert (await again).status == 200
+    assert prepared["counts"]["cut"] == 0 and prepared["counts"]["running"] == 1
+    events = await store.read_stream(call_stream("fl.0.t0"))
+    assert [e.kind for e in events] == ["call_accepted", "call_cut", "call_accepted", "call_completed"]
+    assert events[-1].data["continuation"]["mode"] == "regenerated" and events[-1].data["tokens"] == len(full)
 
 
 async def test_a_save_keeps_tokens_and_reply_as_they_stood_together_though_a_step_lands_during_its_writes(

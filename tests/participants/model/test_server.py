@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -233,7 +234,7 @@ async def test_openai_backend_refuses_generation_log_probs_that_do_not_match_the
             await backend.close()
 
 
-async def test_openai_backend_continues_a_cut_prefix_exactly_through_required_prefix_token_ids() -> None:
+async def test_openai_backend_continues_a_tool_less_cut_prefix_exactly_as_token_ids_on_the_completions_route() -> None:
     async with FakeVLLM() as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
@@ -243,31 +244,47 @@ async def test_openai_backend_continues_a_cut_prefix_exactly_through_required_pr
             again, rest, end = await events_of(backend.generate({**MATH, "max_tokens": 100}, prefix))
         finally:
             await backend.close()
-    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "required_prefix_token_ids"}
+    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "completions"}
+    assert again.prompt_token_ids == start.prompt_token_ids  # the call's prompt, not the continuation's
     assert head_ids + joined(rest)[0] == joined(steps)[0]
     assert (head_msg.get("content") or "") + (joined(rest)[2]["content"] or "") == fake.model.reply(MATH)["content"]
     sent = fake.requests[-1]
-    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
-    assert sent["messages"][-1] == {"role": "assistant", "content": head_msg["content"]}
-    assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
-    assert sent["max_tokens"] == 100 - len(head_ids)
+    assert sent["prompt"] == [*start.prompt_token_ids, *head_ids]  # ids, nothing re-tokenized
+    assert "messages" not in sent and sent["seed"] == MATH["seed"]
+    assert sent["max_tokens"] == 100 - len(head_ids) and sent["logprobs"] == 0
 
 
-@pytest.mark.parametrize("mode", ["drift", "refuse"])
-async def test_openai_backend_regenerates_and_says_why_when_the_upstream_cannot_continue(mode: str) -> None:
+async def test_openai_backend_leaves_out_an_empty_tools_list_which_vllm_refuses() -> None:
+    """Bad input as vLLM sees it: `"tools": []` is a 400 there. A tool-less task's calls carry no tools
+    field (and no tool_choice) upstream."""
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, end = await events_of(backend.generate({**MATH, "tools": [], "tool_choice": "auto"}, None))
+        finally:
+            await backend.close()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{fake.url}/chat/completions", json={**MATH, "tools": []}) as resp:
+                refused = (resp.status, await resp.json())
+    assert end.finish_reason == "stop" and "tools" not in fake.requests[0] and "tool_choice" not in fake.requests[0]
+    assert refused[0] == 400 and refused[1]["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize("mode, request_body", [("drift", BLACKJACK), ("refuse", BLACKJACK), ("refuse", MATH)])
+async def test_openai_backend_regenerates_and_says_why_when_the_upstream_cannot_continue(mode: str, request_body: dict) -> None:
     async with FakeVLLM(continuation=mode) as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
-            start, steps, _ = await events_of(backend.generate(MATH, None))
-            head_ids, head_lps, head_msg = joined(steps[:4])
+            start, steps, _ = await events_of(backend.generate(request_body, None))
+            head_ids, head_lps, head_msg = joined(steps[:2])
             prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
-            again, rest, _ = await events_of(backend.generate(MATH, prefix))
+            again, rest, _ = await events_of(backend.generate(request_body, prefix))
         finally:
             await backend.close()
     assert again.continuation is not None and again.continuation["mode"] == "regenerated"
     assert ("prompt_token_ids" if mode == "drift" else "refused") in again.continuation["reason"]
     assert joined(rest) == joined(steps)  # the whole generation again, never a splice
-    assert "required_prefix_token_ids" not in fake.requests[-1]
+    assert "required_prefix_token_ids" not in fake.requests[-1] and "prompt" not in fake.requests[-1]
 
 
 async def test_openai_backend_fails_clearly_when_the_upstream_stream_breaks_off() -> None:
@@ -530,7 +547,7 @@ async def test_a_completed_call_converts_to_a_nemo_gym_token_entry_without_loss(
                      "parent_call_id": "ng.0.t0", "cum_len": len(prompt) + len(ids)}
 
 
-@pytest.mark.parametrize("upstream", [None, "exact", "drift"])
+@pytest.mark.parametrize("upstream", [None, "vllm", "refuse"])
 async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_continued_or_regenerated(
         store, tokens, upstream: str | None) -> None:
     await start_attempt(store, "rs")
@@ -563,7 +580,7 @@ async def test_a_cut_call_streamed_again_is_one_ordinary_completion_whether_cont
     assert streamed_ids(events) == full and streamed_message(events) == ScriptedBackend().reply(MATH)
     assert [float(x) for x in full_lps] == [e["logprob"] for ev in events if isinstance(ev, dict) and ev.get("choices")
                                             for e in ((ev["choices"][0].get("logprobs") or {}).get("content") or [])]
-    assert done.data["continuation"]["mode"] == ("regenerated" if upstream == "drift" else "continued")
+    assert done.data["continuation"]["mode"] == ("regenerated" if upstream == "refuse" else "continued")
 
 
 def _rss_mb() -> float:

@@ -38,8 +38,10 @@ def inside_the_tool_call(steps: list[Any]) -> int:
     return first_args + 2
 
 
-async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call() -> None:
-    async with FakeVLLM() as fake:
+async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call_on_an_upstream_that_honours_the_prefix_ids() -> None:
+    """NeMo Gym's patched vLLM takes `required_prefix_token_ids` as the exact prompt: the tool call goes on
+    where it was cut."""
+    async with FakeVLLM(continuation="nemo_gym") as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
             start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
@@ -50,7 +52,7 @@ async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call() ->
             again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
         finally:
             await backend.close()
-    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "required_prefix_token_ids"}
+    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "continue_final_message"}
     assert head_ids + joined(rest)[0] == joined(steps)[0]
     assert fake.steps_sent - sent_before == len(steps) - inside_the_tool_call(steps)  # nothing of the prefix again
     assert end.finish_reason == "tool_calls"
@@ -59,13 +61,30 @@ async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call() ->
     assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
 
 
+async def test_a_cut_inside_a_tool_call_on_stock_vllm_is_regenerated_and_says_why() -> None:
+    """Stock vLLM ignores `required_prefix_token_ids` and its chat template closes a partial tool call:
+    the prompt it reports is not the prompt plus the prefix, so the call starts over, never a splice."""
+    async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
+            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
+        finally:
+            await backend.close()
+    assert again.continuation is not None and again.continuation["mode"] == "regenerated"
+    assert "prompt_token_ids" in again.continuation["reason"]
+    assert joined(rest)[0] == joined(steps)[0] and end.finish_reason == "tool_calls"
+
+
 async def test_a_tool_call_cut_by_prepare_is_continued_and_its_reply_is_the_uninterrupted_one(memory_store, memory_tokens) -> None:
     store, tokens = memory_store, memory_tokens
     await start_attempt(store, "tc")
     _, full, full_lps = planned(ScriptedBackend(), BLACKJACK)
     reply = ScriptedBackend().reply(BLACKJACK)
     assert reply.get("tool_calls"), "this request must make the scripted policy call a tool"
-    fake = FakeVLLM()
+    fake = FakeVLLM(continuation="nemo_gym")
     _, steps, _ = fake.model.plan(BLACKJACK)
     fake.stall_after = inside_the_tool_call(steps)  # the stream stops inside the tool call until let go
     await fake.start()
