@@ -35,7 +35,9 @@ from testkit.fake_vllm import FakeVLLM
 from tests.e2e.test_export import export
 from tests.run_process import Run
 
-pytestmark = pytest.mark.vllm
+# The first test of the file may build the environment (about 3 minutes, longer on a loaded machine)
+# and start vLLM before it runs: more than the suite's 300 s a test.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 GREEDY = {"temperature": 0, "max_tokens": 40}
 POEM = {"messages": [{"role": "user", "content": "Write a short poem about the sea."}], **GREEDY}
