@@ -400,7 +400,11 @@ class AgentParticipant(Participant):
 
     @staticmethod
     def _call_id(s: Session, turn: int) -> str:
-        return f"{s.rollout_id}.{s.attempt}.t{turn}"
+        """`<rollout>.<attempt>.t<turn>` for activation 0 (the ids every log so far holds), with `.a<n>`
+        before the turn for a later activation, which starts at turn 0 again: without it, its calls had
+        activation 0's ids and were answered with activation 0's stored replies."""
+        activation = f".a{s.index}" if s.index else ""
+        return f"{s.rollout_id}.{s.attempt}{activation}.t{turn}"
 
     @staticmethod
     def _event(s: Session, kind: str, data: dict[str, Any]) -> NewEvent:

@@ -423,3 +423,24 @@ async def test_a_finished_episode_leaves_the_servers_memory_and_is_answered_from
             "finished", 0, result["reward"], ["seed", "agent", "verify", "close"])
         assert await s.episode(WORKPLACE, "fin-1") == result  # not run again
     assert len(of(await store.read_rollout("fin-1"), "attempt_started")) == 1
+
+
+async def test_a_second_activation_of_a_session_asks_the_model_again_under_call_ids_of_its_own(
+        database: MemoryBacking, store: MemoryEventStore) -> None:
+    """Activation 1 of a rollout's attempt starts at turn 0, as activation 0 did. With the call id made of
+    rollout, attempt and turn alone, its first call had activation 0's first call's id and body: the
+    model server answered it with activation 0's stored reply, never asking the model, while its tool
+    calls (keys `a1.t0.i`) were new, so the same mutations were applied again on a reply nobody
+    generated for it. The activation is now in the id: activation 1 is asked for and generated anew."""
+    task = make_task("math", 5)
+    async with stack(database, "two") as s:
+        await s.episode(task, "two-1")
+        first = {e.data["call_id"] for e in of(await store.read_rollout("two-1"), "call_accepted")}
+        generated = s.backend.generations
+        url = data_url(s.url("agent"), "two-1", 0, "/run")
+        second = await s.client.post(url, {"task": task.to_json(), "max_steps": 16, "seed": SEED}, {ACTIVATION_HEADER: "1"})
+        after = of(await store.read_rollout("two-1"), "call_accepted")
+    ids = [e.data["call_id"] for e in after if e.data["call_id"] not in first]
+    assert first == {"two-1.0.t0"} and ids == ["two-1.0.a1.t0"], (first, ids)
+    assert s.backend.generations == generated + 1
+    assert second["final_answer"]
