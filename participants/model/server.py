@@ -329,11 +329,11 @@ class ModelParticipant(Participant):
                 raise AttemptLost(f"call {call_id} was accepted by a model server that is gone and its reply was "
                                   f"never recorded; the rollout continues under a new attempt",
                                   rollout_id=rollout_id, attempt=attempt, lost="call", call_id=call_id)
-        return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record, seen)
+        return await self._accept(call_id, rollout_id, attempt, parent, replaces, payload, stream, record, seen, digest)
 
     async def _accept(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: ChatRequest, stream: bool, own: CallRecord | None, seen: int,
+        payload: ChatRequest, stream: bool, own: CallRecord | None, seen: int, digest: str,
     ) -> LiveCall:
         stream_name = call_stream(call_id)
         if not self._adopted:  # before the admission check: nothing may await between it and the registration
@@ -344,7 +344,7 @@ class ModelParticipant(Participant):
             raise AdmissionClosed(f"call {call_id} refused: admission is closed for a checkpoint; retry after resume")
         # Registered before any await, so a prepare that starts now sees this call.
         call = LiveCall(call_id, rollout_id, attempt, stream, request=payload.backend_request(), policy_version=self.policy_version)
-        call.digest = request_digest(call.request)
+        call.digest = digest  # of the same body, computed once when the call came in
         self.calls[call_id] = call
         reserved: tuple[str, int] | None = None
         try:

@@ -298,6 +298,23 @@ async def test_openai_backend_fails_clearly_when_the_upstream_stream_breaks_off(
             await backend.close()
 
 
+async def test_a_new_call_digests_its_request_once(store, tokens, monkeypatch) -> None:
+    """The request digest (sha256 of the canonical JSON of a body that may hold a long conversation and
+    every tool schema) was computed twice per new call, at admission and again at accept."""
+    import participants.model.server as model_server_module
+
+    seen: list[str] = []
+    real = model_server_module.request_digest
+    monkeypatch.setattr(model_server_module, "request_digest", lambda body: seen.append("d") or real(body))
+    await start_attempt(store, "dg")
+    async with model_server(store, ScriptedBackend(), tokens) as client:
+        resp = await client.post(url("dg"), json=MATH, headers=call_headers("dg.0.t0"))
+        assert resp.status == 200
+    events = await store.read_stream(call_stream("dg.0.t0"))
+    assert len(seen) == 1, seen
+    assert events[0].kind == "call_accepted" and len(events[0].data["request_digest"]) == 64
+
+
 async def test_model_server_records_the_upstream_prompt_ids_generated_ids_and_logprobs(store, tokens) -> None:
     await start_attempt(store, "up")
     async with FakeVLLM() as fake:
