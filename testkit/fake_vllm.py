@@ -12,6 +12,8 @@ replies are deterministic, but everything on the wire is vLLM's:
 - completions request with a token-id prompt (`prompt: [ids]`): continues a generation of a chat
   request this fake served, from any of its step boundaries (the fake's model plans from messages,
   so a prompt it never served is refused with a 400: the one thing here vLLM does not do);
+- `/v1/chat/completions/derender` (vLLM with `--enable-scale-out`; `derender=False` leaves it out):
+  a generation's token ids and its chat request in, the parsed chat reply out;
 - response: chat.completion.chunk (or text_completion) events, one per step, `[DONE]` at the end;
   non-streaming replies carry `prompt_token_ids` and `choices[0].token_ids` too; errors are vLLM's
   `{"error": {"message", "type", "param", "code"}}`.
@@ -47,10 +49,12 @@ MODEL = "fake-policy"
 
 
 class FakeVLLM:
-    def __init__(self, token_latency_s: float = 0.0, continuation: str = "vllm", shape: str = "vllm") -> None:
+    def __init__(self, token_latency_s: float = 0.0, continuation: str = "vllm", shape: str = "vllm",
+                 derender: bool = True) -> None:
         # shape "nemo_gym": whole replies (even when asked to stream) carrying NeMo Gym's message fields
         # generation_token_ids / generation_log_probs / prompt_token_ids instead of logprob entries.
         self.shape = shape
+        self.derender = derender  # vLLM serves /v1/chat/completions/derender with --enable-scale-out
         self.token_latency_s = token_latency_s
         self.continuation = continuation
         self.stall_after: int | None = None
@@ -68,6 +72,8 @@ class FakeVLLM:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/completions", self.text_completions)
+        if self.derender:
+            app.router.add_post("/v1/chat/completions/derender", self.derender_chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/fake/stall", self._stall)
         app.router.add_post("/fake/unstall", self._unstall)
@@ -162,6 +168,37 @@ class FakeVLLM:
             rest, finish = kept, "length"
         return reported, rest, finish, prefix
 
+    async def derender_chat(self, request: web.Request) -> web.Response:
+        """A generation's token ids (and the chat request) in, the chat reply its ids stand for out: the
+        fake's "parser" is its own plan, so ids that are not a step-aligned prefix of it are refused."""
+        body = await request.json()
+        if not isinstance(body.get("generate_response"), dict) or not isinstance(body.get("chat_request"), dict):
+            return self._error(400, "generate_response and chat_request are required")
+        self.requests.append(body)
+        generated = body.get("generate_response") or {}
+        choice = next(iter(generated.get("choices") or []), {})
+        chat = body.get("chat_request") or {}
+        prompt, steps, finish = self.model.plan({**chat, "max_tokens": None, "max_completion_tokens": None})
+        if list(body.get("prompt_token_ids") or generated.get("prompt_token_ids") or prompt) != prompt:
+            return self._error(400, "prompt_token_ids are not the chat request's prompt", param="prompt_token_ids")
+        ids, n, k = list(choice.get("token_ids") or []), 0, 0
+        while k < len(steps) and n < len(ids):
+            n += len(steps[k].ids)
+            k += 1
+        if [i for s in steps[:k] for i in s.ids] != ids:
+            return self._error(400, "token_ids are not a generation this model makes for the request", param="token_ids")
+        from adapters.openai_wire import final_message, merge_delta
+
+        message: dict[str, Any] = {}
+        for s in steps[:k]:
+            merge_delta(message, s.delta)
+        reason = finish if k == len(steps) else str(choice.get("finish_reason") or "length")
+        return web.json_response({"id": f"chatcmpl-fake-{len(self.requests)}", "object": "chat.completion",
+                                  "created": int(time.time()), "model": MODEL,
+                                  "choices": [{"index": 0, "message": final_message(message), "finish_reason": reason}],
+                                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                                            "total_tokens": len(prompt) + len(ids)}})
+
     async def text_completions(self, request: web.Request) -> web.StreamResponse:
         """The completions route, for a token-id prompt that continues a chat generation served here."""
         body = await request.json()
@@ -201,6 +238,7 @@ class FakeVLLM:
         n = sum(len(s.ids) for s in rest)
         usage = {"prompt_tokens": len(ids), "total_tokens": len(ids) + n, "completion_tokens": n}
         if not body.get("stream"):
+            self.steps_sent += len(rest)
             whole = Step(tuple(i for s in rest for i in s.ids), tuple(x for s in rest for x in s.logprobs),
                          {"content": "".join(str(s.delta.get("content") or "") for s in rest)},
                          tuple(t for s in rest for t in s.top_logprobs))
@@ -311,8 +349,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     parser.add_argument("--continuation", choices=("vllm", "nemo_gym", "drift", "refuse"), default="vllm")
+    parser.add_argument("--no-derender", action="store_true", help="as vLLM without --enable-scale-out")
     args = parser.parse_args()
-    fake = FakeVLLM(token_latency_s=args.token_latency_s, continuation=args.continuation)
+    fake = FakeVLLM(token_latency_s=args.token_latency_s, continuation=args.continuation, derender=not args.no_derender)
     # A short shutdown: a test that stops this process must not wait a minute for a stalled stream.
     web.run_app(fake.app(), host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
 

@@ -124,12 +124,12 @@ class Server:
 
 
 def command(built: Built, port: int) -> list[str]:
-    """`vllm serve` as the tests run it. Greedy requests on one CPU process are deterministic; the
-    hermes tool parser lets tool tasks run (a request with tools needs one); eager mode skips a compile
-    that costs minutes on two cores."""
+    """`vllm serve` as the tests run it. The hermes tool parser lets tool tasks run (a request with
+    tools needs one); `--enable-scale-out` serves the derender route, which parses a reply continued
+    as token ids with that parser; eager mode skips a compile that costs minutes on two cores."""
     return [str(built.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(built.model),
             "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--host", "127.0.0.1", "--port", str(port),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out", "--host", "127.0.0.1", "--port", str(port),
             "--disable-uvicorn-access-log"]
 
 

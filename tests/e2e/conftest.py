@@ -218,7 +218,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
     upstreams: list[subprocess.Popen[bytes]] = []
 
     async def make(token_latency_s: float = 0.006, upstream: bool = False, continuation: str = "vllm",
-                   nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
+                   derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
         # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
                                        progress_s=PROGRESS_E2E_S) for k in cfg.KINDS}
@@ -229,7 +229,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
             port = free_port()
             upstreams.append(subprocess.Popen([sys.executable, "-m", "testkit.fake_vllm", "--port", str(port),
                                                "--token-latency-s", str(token_latency_s),
-                                               "--continuation", continuation], cwd=ROOT))
+                                               "--continuation", continuation,
+                                               *([] if derender else ["--no-derender"])], cwd=ROOT))
             await _wait_listening(port)
             upstream_url = f"http://127.0.0.1:{port}"
             servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",

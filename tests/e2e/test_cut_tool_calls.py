@@ -1,11 +1,12 @@
 """Paused checkpoints every second against a slow vLLM-style upstream: a tool call that needs more
 tokens than fit between two checkpoints is cut again and again, and still finishes (the four servers
-and the upstream as real processes), on both kinds of upstream:
+and the upstream as real processes), on both kinds of vLLM:
 
-- NeMo Gym's patched vLLM, which takes `required_prefix_token_ids` as the prompt: every cut is
-  continued from its durable prefix, nothing is generated twice but the unsaved tail;
-- stock vLLM, whose chat template closes a partial tool call: a cut inside one is regenerated from
-  the start, and is not cut again before it has saved more than the cut before it kept.
+- with the derender route (`--enable-scale-out`): every cut is continued as token ids and the whole
+  reply parsed by the upstream, nothing is generated twice but the unsaved tail;
+- without it: a cut inside a tool call goes to the chat route, whose template closes a partial tool
+  call, so it is regenerated from the start, and is not cut again before it has saved more than the
+  cut before it kept.
 
 With each cut tool call generated again from scratch and cut again at the next checkpoint, such a call
 never gets past the tokens that fit in one interval and its rollout never finishes.
@@ -31,9 +32,9 @@ FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE :p AND da
 """
 
 
-@pytest.mark.parametrize("upstream", ["nemo_gym", "vllm"])
-async def test_cut_tool_calls_finish_every_rollout_under_checkpoints_every_second(cluster_factory, rng, upstream: str) -> None:
-    c = await cluster_factory(token_latency_s=TOKEN_LATENCY_S, upstream=True, continuation=upstream)
+@pytest.mark.parametrize("derender", [True, False])
+async def test_cut_tool_calls_finish_every_rollout_under_checkpoints_every_second(cluster_factory, rng, derender: bool) -> None:
+    c = await cluster_factory(token_latency_s=TOKEN_LATENCY_S, upstream=True, derender=derender)
     coll = c.collection("ctc", make_tasks(4, rng.randrange(1 << 20), ["workplace"]), seed=rng.randrange(1000))
     run = asyncio.create_task(coll.dispatch(c.session))
     await c.wait_count("ctc", "attempt_started", len(coll.tasks))
@@ -59,7 +60,7 @@ async def test_cut_tool_calls_finish_every_rollout_under_checkpoints_every_secon
     again = sum(o.prefix for o in dropped) + unsaved
     print(f"{taken} checkpoints, {cuts_in_tool_calls} cuts inside a tool call, {len(outcomes)} calls cut and finished, "
           f"{again} tokens generated again")
-    if upstream == "nemo_gym":
+    if derender:
         assert not dropped, f"cut calls generated again from scratch ({again} tokens): {dropped}"
     else:  # each cut of a call keeps more than the one before: the chain of cuts only ever grows
         chains = await c.rows("SELECT stream, array_agg((data->>'tokens')::int ORDER BY stream_version) AS kept FROM "

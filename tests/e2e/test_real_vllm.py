@@ -121,7 +121,8 @@ async def test_the_fake_promises_nothing_on_the_wire_that_vllm_does_not_send(vll
     path in the body or in any streamed event), vLLM sends too; token ids agree with logprobs on both;
     a stream ends with a usage event and [DONE] on both. The requests: streamed and whole chat replies
     with logprobs and token ids, tools offered, `"tools": []` (bad input: a 400 on both), a partial
-    assistant message continued, and the completions route with a token-id prompt that continues one."""
+    assistant message continued, the completions route with a token-id prompt that continues one, and
+    the derender route parsing a generation's ids."""
     ids = {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True}
     streamed = {"stream": True, "stream_options": {"include_usage": True}}
     async with FakeVLLM() as fake, aiohttp.ClientSession() as session:
@@ -143,6 +144,11 @@ async def test_the_fake_promises_nothing_on_the_wire_that_vllm_does_not_send(vll
             ("completions with token ids, whole", "completions", lambda f: {
                 "prompt": f["prompt_token_ids"] + f["choices"][0]["token_ids"][:5], "max_tokens": 10, "temperature": 0,
                 "return_token_ids": True}),
+            ("derender", "chat/completions/derender", lambda f: {
+                "prompt_token_ids": f["prompt_token_ids"], "prompt_tokens": len(f["prompt_token_ids"]),
+                "chat_request": {**POEM, "tools": TOOLS, "model": vllm_env.SERVED_NAME},
+                "generate_response": {"choices": [{"index": 0, "token_ids": f["choices"][0]["token_ids"],
+                                                   "finish_reason": f["choices"][0]["finish_reason"]}]}}),
         ]
         differences = []
         for case, route, make in cases:
@@ -173,10 +179,12 @@ async def test_the_fake_promises_nothing_on_the_wire_that_vllm_does_not_send(vll
 async def test_a_cut_generation_continues_on_vllm_token_for_token(vllm: vllm_env.Server) -> None:
     """The uninterrupted greedy generation, then the same call continued from cuts at several tokens,
     as the model server continues a cut call: every continuation is the rest of the uninterrupted one,
-    id for id, through the completions route with the ids as the prompt. (The chat route's
-    continue_final_message re-tokenizes the text and, on this model, does not give the ids back at
-    every cut; it is printed for the record, not relied on.)"""
+    id for id, through the completions route with the ids as the prompt, and for a request with tools
+    parsed by vLLM's derender route. (The chat route's continue_final_message, what a vLLM without
+    the derender route gets, re-tokenizes the text: where it differs is printed, not relied on.)"""
     backend = OpenAICompatibleBackend(vllm.url, model=vllm_env.SERVED_NAME)
+    without_derender = OpenAICompatibleBackend(vllm.url, model=vllm_env.SERVED_NAME)
+    without_derender._derender = False  # as on a vLLM served without --enable-scale-out
     try:
         start, steps, end = await generation(backend, POEM)
         ids, lps, _ = joined(steps)
@@ -192,12 +200,16 @@ async def test_a_cut_generation_continues_on_vllm_token_for_token(vllm: vllm_env
             assert head_ids + rest_ids == ids, f"cut at {cut}"
             assert again_end.finish_reason == "length"
             assert max(abs(a - b) for a, b in zip(lps[cut:], rest_lps, strict=True)) < 1e-3  # same model, batch aside
-            chat, _, _ = await generation(backend, {**POEM, "tools": TOOLS}, prefix)
+            tooled, tooled_rest, _ = await generation(backend, {**POEM, "tools": TOOLS}, prefix)
+            assert tooled.continuation == {"mode": "continued", "prefix_tokens": cut, "via": "completions+derender"}
+            assert head_ids + joined(tooled_rest)[0] == ids, f"with tools, cut at {cut}"
+            chat, _, _ = await generation(without_derender, {**POEM, "tools": TOOLS}, prefix)
             if (chat.continuation or {}).get("mode") == "regenerated":
                 drifted.append(cut)
         print(f"continue_final_message (the chat route) was not token-exact at cuts {drifted} of 1, 5, 13, 21, 34")
     finally:
         await backend.close()
+        await without_derender.close()
 
 
 async def test_a_tool_less_call_and_a_call_with_tools_both_run_on_vllm(vllm: vllm_env.Server) -> None:
@@ -240,8 +252,8 @@ def test_a_run_on_vllm_with_a_paused_checkpoint_every_second_killed_and_rerun_ex
     the real model. The reference runs uninterrupted. The other run takes a paused checkpoint every
     second (each cuts the generations in flight at their saved tokens); once calls have been cut and
     continued, every server and the run are SIGKILLed, the servers restarted and the run started again.
-    Every rollout finishes once, no call completes twice, cut calls were continued (a regenerated one,
-    a tool task's cut on the chat route, says why), and the export equals the reference's token for token."""
+    Every rollout finishes once, no call completes twice, every cut call was continued (none
+    regenerated), and the export equals the reference's token for token."""
     work = Path(tempfile.mkdtemp(prefix="rbvllm-"))
     tasks = [dataclasses.replace(t, sampling=dict(GREEDY))
              for t in make_tasks(8, seed=21, envs=["math", "string_match", "blackjack"])]
@@ -288,8 +300,7 @@ def test_a_run_on_vllm_with_a_paused_checkpoint_every_second_killed_and_rerun_ex
     assert len(finished) == 8 and all(n == 1 for _, n in finished), finished
     assert not twice, twice
     assert modes.get("continued", 0) >= 2
-    # A tool task's cut goes through the chat route, where vLLM re-tokenizes: regenerated, and said why.
-    assert all("prompt_token_ids" in r[0]["reason"] or "refused" in r[0]["reason"] for r in regenerated), regenerated
+    assert not regenerated, regenerated  # every cut continued as token ids, a tool task's parsed by vLLM
     assert _tokens(export(dsn, "vcut", work / "vcut.jsonl"), "vcut") == _tokens(export(dsn, "vref", work / "vref.jsonl"), "vref")
 
 

@@ -57,9 +57,10 @@ class OpenAICompatibleBackend:
     parameters and `max_tokens` reduced by the prefix: nothing is re-tokenized, and under greedy
     decoding the continuation is token for token the uninterrupted generation. Its text is appended to
     the partial reply's content. A request that offers tools (or a cut inside a tool call) needs the
-    upstream's tool-call parser, which only the chat route runs: it is continued there, the partial
-    reply as a final assistant message with `continue_final_message: true, add_generation_prompt:
-    false` and NeMo Gym's `required_prefix_token_ids` (which stock vLLM ignores), and accepted only if
+    upstream's tool-call parser: it is continued as token ids too, and its whole reply is then parsed
+    by vLLM's derender route (served with `--enable-scale-out`), which runs the server's own parser on
+    the ids. Where that route is missing it is continued on the chat route, the partial reply as a
+    final assistant message with `continue_final_message: true, add_generation_prompt: false` and NeMo Gym's `required_prefix_token_ids` (which stock vLLM ignores), and accepted only if
     the upstream's `prompt_token_ids` equal the prompt plus the prefix. Otherwise (an upstream that
     refuses, re-tokenizes differently or reports no prompt ids) the call is regenerated from the start
     and the reason recorded."""
@@ -82,6 +83,7 @@ class OpenAICompatibleBackend:
         # its first chunk or between two) is failed with generation_failed.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=silence_s)
         self._session: aiohttp.ClientSession | None = None
+        self._derender: bool | None = None  # whether the upstream parses token ids into a reply (_has_derender)
 
     @classmethod
     def from_settings(cls, s: BackendSettings) -> OpenAICompatibleBackend:
@@ -145,7 +147,9 @@ class OpenAICompatibleBackend:
                 yield event
             return
         if request.get("tools") or prefix.message.get("tool_calls"):
-            continued, via = await self._continue_chat(request, prefix), "continue_final_message"
+            continued, via = await self._continue_parsed(request, prefix), "completions+derender"
+            if isinstance(continued, str):
+                continued, via = await self._continue_chat(request, prefix), "continue_final_message"
         else:
             continued, via = await self._continue_tokens(request, prefix), "completions"
         if not isinstance(continued, str):
@@ -169,6 +173,63 @@ class OpenAICompatibleBackend:
                     if not isinstance(event, Start):  # the call's prompt is its own, not prompt + prefix
                         yield event
         return events()
+
+    async def _continue_parsed(self, request: dict[str, Any], prefix: Prefix) -> AsyncIterator[Event] | str:
+        """A call that offers tools, continued as token ids like any other, its reply then parsed by the
+        upstream's own tool-call parser through vLLM's derender route (served with `--enable-scale-out`):
+        the whole generation's ids and the chat request in, the chat reply out. Nothing is re-tokenized.
+        The parsed reply must extend the partial one the client was streamed; the continuation is
+        received whole before any of it is passed on, so a reply that does not (or an upstream without
+        the route) leaves nothing half-sent and falls back to the chat route."""
+        if not await self._has_derender():
+            return "the upstream has no derender route to parse a reply continued as token ids (vLLM: --enable-scale-out)"
+        body = self.completion_body(request, prefix)
+        body.pop("stream_options", None)
+        try:
+            async with await self._post({**body, "stream": False}, "completions") as resp:
+                whole = await resp.json()
+        except (GenerationFailed, aiohttp.ClientError, ValueError) as exc:
+            return f"the upstream refused the token-id continuation: {str(exc)[:200]}"
+        choice = next(iter(whole.get("choices") or []), None)
+        if not isinstance(choice, dict) or not choice.get("finish_reason"):
+            return "the upstream's token-id continuation has no choice with a finish_reason"
+        step = _completion_step(choice)
+        ids = [*prefix.ids, *(step.ids if step else ())]
+        chat_request = {k: v for k, v in self.body(request).items() if k not in ("stream", "stream_options")}
+        derender = {"model": self.model, "prompt_tokens": len(prefix.prompt_token_ids),
+                    "prompt_token_ids": list(prefix.prompt_token_ids), "chat_request": chat_request,
+                    "generate_response": {"choices": [{"index": 0, "token_ids": ids,
+                                                       "finish_reason": choice["finish_reason"]}]}}
+        try:
+            async with await self._post(derender, "chat/completions/derender") as resp:
+                parsed = await resp.json()
+        except (GenerationFailed, aiohttp.ClientError, ValueError) as exc:
+            return f"the upstream could not parse the continued reply (its derender route): {str(exc)[:200]}"
+        out = next(iter(parsed.get("choices") or []), None)
+        message = out.get("message") if isinstance(out, dict) else None
+        delta = extension(prefix.message, message) if isinstance(message, dict) else None
+        if delta is None:
+            return "the upstream's parse of the whole reply does not extend the partial reply it streamed"
+        check_tool_calls(delta.get("tool_calls"))
+        finish = str(out.get("finish_reason") or choice["finish_reason"]) if isinstance(out, dict) else choice["finish_reason"]
+
+        async def events() -> AsyncIterator[Event]:
+            yield Step(step.ids if step else (), step.logprobs if step else (), delta, step.top_logprobs if step else ())
+            yield End(finish, whole.get("usage"))
+        return events()
+
+    async def _has_derender(self) -> bool:
+        """Whether the upstream serves the derender route, asked once with an empty body before any
+        token is generated for it: a server with the route refuses the body (400, 422), one without
+        answers 403 (vLLM without --enable-scale-out), 404 or 405."""
+        if self._derender is None:
+            try:
+                async with self.session.post(f"{self.base_url}/chat/completions/derender", json={},
+                                             headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}) as resp:
+                    self._derender = resp.status in (400, 422)
+            except (aiohttp.ClientError, TimeoutError):
+                return False  # asked again next time
+        return self._derender
 
     async def _continue_chat(self, request: dict[str, Any], prefix: Prefix) -> AsyncIterator[Event] | str:
         """The continuation's events past the prefix through the chat route (the partial reply as the
@@ -296,6 +357,33 @@ def check_tool_calls(tool_calls: Any) -> None:
         if not isinstance(fn, dict) or (name is not None and (not isinstance(name, str) or len(name) > MAX_TOOL_NAME)):
             raise UpstreamInvalid(f"the upstream's tool call {index} has no valid function (a name of at most "
                                   f"{MAX_TOOL_NAME} characters)")
+
+
+def extension(partial: dict[str, Any], full: dict[str, Any]) -> dict[str, Any] | None:
+    """The delta that turns the partial reply into the full one (merge_delta's way: content and each
+    tool call's name and arguments appended), or None if the full one does not start with the partial."""
+    have, want = partial.get("content") or "", full.get("content") or ""
+    if not want.startswith(have):
+        return None
+    delta: dict[str, Any] = {"content": want[len(have):]} if want[len(have):] else {}
+    had, calls = partial.get("tool_calls") or [], full.get("tool_calls") or []
+    if len(calls) < len(had):
+        return None
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") or {}
+        old = (had[i].get("function") or {}) if i < len(had) else {}
+        name, args = str(fn.get("name") or ""), str(fn.get("arguments") or "")
+        old_name, old_args = str(old.get("name") or ""), str(old.get("arguments") or "")
+        if not (name.startswith(old_name) and args.startswith(old_args)):
+            return None
+        piece: dict[str, Any] = {"index": i, "function": {"name": name[len(old_name):], "arguments": args[len(old_args):]}}
+        if i >= len(had) or not had[i].get("id"):
+            piece.update(id=call.get("id"), type="function")
+        out.append(piece)
+    if out:
+        delta["tool_calls"] = out
+    return delta
 
 
 def _completion_step(choice: dict[str, Any]) -> Step | None:

@@ -272,7 +272,7 @@ async def test_openai_backend_leaves_out_an_empty_tools_list_which_vllm_refuses(
 
 @pytest.mark.parametrize("mode, request_body", [("drift", BLACKJACK), ("refuse", BLACKJACK), ("refuse", MATH)])
 async def test_openai_backend_regenerates_and_says_why_when_the_upstream_cannot_continue(mode: str, request_body: dict) -> None:
-    async with FakeVLLM(continuation=mode) as fake:
+    async with FakeVLLM(continuation=mode, derender=False) as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
             start, steps, _ = await events_of(backend.generate(request_body, None))

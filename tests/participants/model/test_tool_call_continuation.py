@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from adapters.openai_wire import final_message, merge_delta
 from engine.identity import call_stream
 from participants.base.app import PARTICIPANT
 from participants.model.backends import Prefix
@@ -41,7 +42,7 @@ def inside_the_tool_call(steps: list[Any]) -> int:
 async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call_on_an_upstream_that_honours_the_prefix_ids() -> None:
     """NeMo Gym's patched vLLM takes `required_prefix_token_ids` as the exact prompt: the tool call goes on
     where it was cut."""
-    async with FakeVLLM(continuation="nemo_gym") as fake:
+    async with FakeVLLM(continuation="nemo_gym", derender=False) as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
             start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
@@ -61,10 +62,36 @@ async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call_on_a
     assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
 
 
-async def test_a_cut_inside_a_tool_call_on_stock_vllm_is_regenerated_and_says_why() -> None:
-    """Stock vLLM ignores `required_prefix_token_ids` and its chat template closes a partial tool call:
-    the prompt it reports is not the prompt plus the prefix, so the call starts over, never a splice."""
+async def test_a_cut_inside_a_tool_call_continues_as_token_ids_parsed_by_the_upstreams_derender_route() -> None:
+    """vLLM with `--enable-scale-out`: the rest of the tool call comes from the completions route with
+    the ids as the prompt, and the upstream's parser turns the whole generation's ids into the reply,
+    which is the uninterrupted one."""
     async with FakeVLLM() as fake:
+        backend = OpenAICompatibleBackend(fake.url, model="m1")
+        try:
+            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
+            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
+            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
+        finally:
+            await backend.close()
+    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "completions+derender"}
+    ids, _, tail = joined(rest)
+    assert head_ids + ids == joined(steps)[0] and end.finish_reason == "tool_calls"
+    whole: dict = {}
+    for delta in (head_msg, tail):
+        merge_delta(whole, {"content": delta.get("content"), "tool_calls": [{**c, "index": i} for i, c in enumerate(delta.get("tool_calls") or [])]})
+    assert final_message(whole) == final_message(joined(steps)[2])
+    completion, derender = fake.requests[-2:]
+    assert completion["prompt"] == [*start.prompt_token_ids, *head_ids]
+    assert derender["generate_response"]["choices"][0]["token_ids"] == joined(steps)[0]
+
+
+async def test_a_cut_inside_a_tool_call_on_stock_vllm_without_the_derender_route_is_regenerated_and_says_why() -> None:
+    """Without the derender route the chat route continues it, and stock vLLM ignores
+    `required_prefix_token_ids` and its chat template closes a partial tool call: the prompt it reports
+    is not the prompt plus the prefix, so the call starts over, never a splice."""
+    async with FakeVLLM(derender=False) as fake:
         backend = OpenAICompatibleBackend(fake.url, model="m1")
         try:
             start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
@@ -84,7 +111,7 @@ async def test_a_tool_call_cut_by_prepare_is_continued_and_its_reply_is_the_unin
     _, full, full_lps = planned(ScriptedBackend(), BLACKJACK)
     reply = ScriptedBackend().reply(BLACKJACK)
     assert reply.get("tool_calls"), "this request must make the scripted policy call a tool"
-    fake = FakeVLLM(continuation="nemo_gym")
+    fake = FakeVLLM()  # vLLM with the derender route: the rest comes as token ids, parsed by the upstream
     _, steps, _ = fake.model.plan(BLACKJACK)
     fake.stall_after = inside_the_tool_call(steps)  # the stream stops inside the tool call until let go
     await fake.start()
