@@ -7,7 +7,7 @@ tasks and blackjack with tools, greedy, `--max-tokens` a reply) into fresh serve
 throwaway embedded PostgreSQL; rounds interleave the modes (A B C D A B C D). Reported per mode: the
 median wall time and rollouts/s, the ratio to no checkpoint, and what the checkpoints cost the
 generations: cuts, tokens received past a cut's saved prefix (generated again), calls continued
-exactly and calls regenerated. Wall time on a shared 2-core machine is noisy: medians, never asserted.
+(and of them, calls with tools whose reply vLLM's derender route parsed) and calls regenerated. Wall time on a shared 2-core machine is noisy: medians, never asserted.
 
     .venv/bin/python -m benchmarks.real_model [--tasks 16] [--rounds 2] [--max-tokens 48]
 """
@@ -83,6 +83,7 @@ def run_once(work: Path, dsn: str, upstream: str, run_id: str, every_s: float, m
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE kind = 'call_cut'), coalesce(sum((data->>'unsaved')::int) FILTER (WHERE kind = 'call_cut'), 0), "
             "count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'continued'), "
+            "count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'via' = 'completions+derender'), "
             "count(*) FILTER (WHERE kind = 'call_completed' AND data->'continuation'->>'mode' = 'regenerated'), "
             "coalesce(sum((data->>'tokens')::int) FILTER (WHERE kind = 'call_completed'), 0) "
             "FROM rollbook.events WHERE rollout_id LIKE %s", (f"{run_id}-%",)).fetchone()
@@ -90,7 +91,8 @@ def run_once(work: Path, dsn: str, upstream: str, run_id: str, every_s: float, m
     checkpoints = [e for e in lines if e.get("event") == "checkpoint"]
     return {"wall_s": wall, "finished": summary.get("finished"), "rollouts": summary.get("rollouts"),
             "returncode": done.returncode, "checkpoints": len([c for c in checkpoints if c.get("published")]),
-            "cuts": row[0], "unsaved_tokens": row[1], "continued": row[2], "regenerated": row[3], "tokens": row[4]}
+            "cuts": row[0], "unsaved_tokens": row[1], "continued": row[2], "parsed": row[3], "regenerated": row[4],
+            "tokens": row[5]}
 
 
 def main() -> int:
@@ -125,18 +127,19 @@ def main() -> int:
     print(f"\n{args.tasks} tasks, {args.max_tokens} tokens a reply at most, concurrency {args.concurrency}, "
           f"{args.rounds} rounds; the model alone: {alone[1]:.1f} tokens/s (1 request), "
           f"{alone[args.concurrency]:.1f} tokens/s ({args.concurrency} at once)\n")
-    print("| mode | rollouts/s | ratio to none | finished | checkpoints | cuts | tokens again | continued | regenerated |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("| mode | rollouts/s | ratio to none | finished | checkpoints | cuts | tokens again | continued | of them parsed "
+          "(with tools) | regenerated |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, _, _ in MODES:
         rs = results[name]
         wall = statistics.median(x["wall_s"] for x in rs)
         row = {"mode": name, "rollouts_per_s": args.tasks / wall, "ratio": base / wall,
                **{k: statistics.median(float(x[k] or 0) for x in rs)
-                  for k in ("finished", "checkpoints", "cuts", "unsaved_tokens", "continued", "regenerated")}}
+                  for k in ("finished", "checkpoints", "cuts", "unsaved_tokens", "continued", "parsed", "regenerated")}}
         table.append(row)
         print(f"| {name} | {row['rollouts_per_s']:.3f} | {row['ratio']:.2f} | {row['finished']:.0f}/{args.tasks} | "
               f"{row['checkpoints']:.0f} | {row['cuts']:.0f} | {row['unsaved_tokens']:.0f} | {row['continued']:.0f} | "
-              f"{row['regenerated']:.0f} |")
+              f"{row['parsed']:.0f} | {row['regenerated']:.0f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "model_tokens_per_s": alone,
                                     "table": table, "runs": results}, indent=1))

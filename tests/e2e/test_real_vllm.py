@@ -146,7 +146,7 @@ async def test_the_fake_promises_nothing_on_the_wire_that_vllm_does_not_send(vll
                 "return_token_ids": True}),
             ("derender", "chat/completions/derender", lambda f: {
                 "prompt_token_ids": f["prompt_token_ids"], "prompt_tokens": len(f["prompt_token_ids"]),
-                "chat_request": {**POEM, "tools": TOOLS, "model": vllm_env.SERVED_NAME},
+                "chat_request": {**POEM, "model": vllm_env.SERVED_NAME},
                 "generate_response": {"choices": [{"index": 0, "token_ids": f["choices"][0]["token_ids"],
                                                    "finish_reason": f["choices"][0]["finish_reason"]}]}}),
         ]
