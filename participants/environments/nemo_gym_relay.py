@@ -27,6 +27,7 @@ The live half does blocking HTTP: the resources server calls it in a thread.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import http.cookiejar
 import json
 import os
@@ -224,8 +225,10 @@ class Live:
             if exc.code >= 500 and self.gone():  # it died answering: the process, not the call, failed
                 raise LiveGone(f"{path}: {exc.code} {text}") from None
             raise GymReplyError(path, exc.code, text) from None
-        except OSError as exc:
-            raise LiveGone(f"{path}: {exc}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            # HTTPException: a server killed between its headers and its body (IncompleteRead) is gone
+            # as surely as one that refused the connection.
+            raise LiveGone(f"{path}: {exc!r}") from None
         try:
             return json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError):

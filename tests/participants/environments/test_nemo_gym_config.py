@@ -88,3 +88,31 @@ def test_a_tool_name_never_reaches_another_path_or_an_endpoint_of_the_server() -
     for name in ("../verify", "verify", "seed_session", "a/b", "email..x?y", "x" * 129):
         with pytest.raises(ToolError, match="not a tool of this server"):
             NemoGymEnvironment._send(live, name, {})
+
+
+def test_a_server_killed_between_its_headers_and_its_body_is_a_live_session_gone() -> None:
+    """Input: a reply that promises 37 bytes of body and closes the connection before sending any (what a
+    SIGKILLed NeMo Gym server leaves mid-reply). It is LiveGone, which rebuilds the session in a fresh
+    process, not an unhandled error that leaves the rollout unfinished."""
+    import socket
+    import threading
+
+    from participants.environments.nemo_gym_relay import Live, LiveGone
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_half() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 37\r\n\r\n")
+        conn.close()
+
+    server = threading.Thread(target=answer_half, daemon=True)
+    server.start()
+    live = Live(f"http://127.0.0.1:{listener.getsockname()[1]}", None, 5.0)
+    try:
+        with pytest.raises(LiveGone, match="IncompleteRead"):
+            live.post("/company_directory_find_email_address", {"name": "x"})
+    finally:
+        server.join(5)
+        listener.close()
