@@ -5,6 +5,7 @@ are what the model server records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -60,8 +61,9 @@ class OpenAICompatibleBackend:
     upstream's tool-call parser: it is continued as token ids too, and its whole reply is then parsed
     by vLLM's derender route (served with `--enable-scale-out`), which runs the server's own parser on
     the ids. Where that route is missing it is continued on the chat route, the partial reply as a
-    final assistant message with `continue_final_message: true, add_generation_prompt: false` and NeMo Gym's `required_prefix_token_ids` (which stock vLLM ignores), and accepted only if
-    the upstream's `prompt_token_ids` equal the prompt plus the prefix. Otherwise (an upstream that
+    final assistant message with `continue_final_message: true, add_generation_prompt: false` and
+    NeMo Gym's `required_prefix_token_ids` (which stock vLLM ignores), and accepted only if the
+    upstream's `prompt_token_ids` equal the prompt plus the prefix. Otherwise (an upstream that
     refuses, re-tokenizes differently or reports no prompt ids) the call is regenerated from the start
     and the reason recorded."""
 
@@ -129,10 +131,13 @@ class OpenAICompatibleBackend:
                     return_tokens_as_token_ids=True, return_token_ids=True)
         return body
 
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     async def _post(self, body: dict[str, Any], route: str = "chat/completions") -> aiohttp.ClientResponse:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            resp = await self.session.post(f"{self.base_url}/{route}", json=body, headers=headers)
+            resp = await self.session.post(f"{self.base_url}/{route}", json=body, headers=self._headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise GenerationFailed(f"the upstream model server did not answer: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
@@ -193,8 +198,8 @@ class OpenAICompatibleBackend:
         choice = next(iter(whole.get("choices") or []), None)
         if not isinstance(choice, dict) or not choice.get("finish_reason"):
             return "the upstream's token-id continuation has no choice with a finish_reason"
-        step = _completion_step(choice)
-        ids = [*prefix.ids, *(step.ids if step else ())]
+        step = _completion_step(choice) or Step((), (), {})  # a reply that ended at the cut adds no tokens
+        ids = [*prefix.ids, *step.ids]
         chat_request = {k: v for k, v in self.body(request).items() if k not in ("stream", "stream_options")}
         derender = {"model": self.model, "prompt_tokens": len(prefix.prompt_token_ids),
                     "prompt_token_ids": list(prefix.prompt_token_ids), "chat_request": chat_request,
@@ -214,7 +219,7 @@ class OpenAICompatibleBackend:
         finish = str(out.get("finish_reason") or choice["finish_reason"]) if isinstance(out, dict) else choice["finish_reason"]
 
         async def events() -> AsyncIterator[Event]:
-            yield Step(step.ids if step else (), step.logprobs if step else (), delta, step.top_logprobs if step else ())
+            yield dataclasses.replace(step, delta=delta)
             yield End(finish, whole.get("usage"))
         return events()
 
@@ -225,7 +230,7 @@ class OpenAICompatibleBackend:
         if self._derender is None:
             try:
                 async with self.session.post(f"{self.base_url}/chat/completions/derender", json={},
-                                             headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}) as resp:
+                                             headers=self._headers) as resp:
                     self._derender = resp.status in (400, 422)
             except (aiohttp.ClientError, TimeoutError):
                 return False  # asked again next time

@@ -8,12 +8,13 @@ upstream sent.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from adapters.openai_wire import final_message, merge_delta
 from engine.identity import call_stream
 from participants.base.app import PARTICIPANT
-from participants.model.backends import Prefix
+from participants.model.backends import End, Prefix, Start, Step
 from participants.model.backends.openai_compatible import OpenAICompatibleBackend
 from participants.model.backends.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
@@ -39,24 +40,44 @@ def inside_the_tool_call(steps: list[Any]) -> int:
     return first_args + 2
 
 
+@dataclass
+class CutAndContinued:
+    """A BLACKJACK generation cut inside its tool call, and the generation that continued it."""
+
+    start: Start
+    steps: list[Step]
+    head_ids: list[int]
+    head_msg: dict[str, Any]
+    steps_sent_before: int  # what the upstream had sent before the continuation was asked
+    again: Start
+    rest: list[Step]
+    end: End
+
+
+async def cut_inside_a_tool_call_and_continued(fake: FakeVLLM) -> CutAndContinued:
+    backend = OpenAICompatibleBackend(fake.url, model="m1")
+    try:
+        start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
+        head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
+        assert head_msg.get("tool_calls"), "the prefix must end inside a tool call"
+        prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
+        sent_before = fake.steps_sent
+        again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
+    finally:
+        await backend.close()
+    return CutAndContinued(start, steps, head_ids, head_msg, sent_before, again, rest, end)
+
+
 async def test_the_openai_backend_continues_a_prefix_cut_inside_a_tool_call_on_an_upstream_that_honours_the_prefix_ids() -> None:
     """NeMo Gym's patched vLLM takes `required_prefix_token_ids` as the exact prompt: the tool call goes on
     where it was cut."""
     async with FakeVLLM(continuation="nemo_gym", derender=False) as fake:
-        backend = OpenAICompatibleBackend(fake.url, model="m1")
-        try:
-            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
-            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
-            assert head_msg.get("tool_calls"), "the prefix must end inside a tool call"
-            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
-            sent_before = fake.steps_sent
-            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
-        finally:
-            await backend.close()
-    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "continue_final_message"}
-    assert head_ids + joined(rest)[0] == joined(steps)[0]
-    assert fake.steps_sent - sent_before == len(steps) - inside_the_tool_call(steps)  # nothing of the prefix again
-    assert end.finish_reason == "tool_calls"
+        cut = await cut_inside_a_tool_call_and_continued(fake)
+    start, steps, head_ids, head_msg = cut.start, cut.steps, cut.head_ids, cut.head_msg
+    assert cut.again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "continue_final_message"}
+    assert head_ids + joined(cut.rest)[0] == joined(steps)[0]
+    assert fake.steps_sent - cut.steps_sent_before == len(steps) - inside_the_tool_call(steps)  # nothing of the prefix again
+    assert cut.end.finish_reason == "tool_calls"
     sent = fake.requests[-1]
     assert sent["messages"][-1]["tool_calls"] == head_msg["tool_calls"]  # the partial call rides in the message
     assert sent["required_prefix_token_ids"] == [*start.prompt_token_ids, *head_ids]
@@ -67,17 +88,11 @@ async def test_a_cut_inside_a_tool_call_continues_as_token_ids_parsed_by_the_ups
     the ids as the prompt, and the upstream's parser turns the whole generation's ids into the reply,
     which is the uninterrupted one."""
     async with FakeVLLM() as fake:
-        backend = OpenAICompatibleBackend(fake.url, model="m1")
-        try:
-            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
-            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
-            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
-            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
-        finally:
-            await backend.close()
-    assert again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "completions+derender"}
-    ids, _, tail = joined(rest)
-    assert head_ids + ids == joined(steps)[0] and end.finish_reason == "tool_calls"
+        cut = await cut_inside_a_tool_call_and_continued(fake)
+    start, steps, head_ids, head_msg = cut.start, cut.steps, cut.head_ids, cut.head_msg
+    assert cut.again.continuation == {"mode": "continued", "prefix_tokens": len(head_ids), "via": "completions+derender"}
+    ids, _, tail = joined(cut.rest)
+    assert head_ids + ids == joined(steps)[0] and cut.end.finish_reason == "tool_calls"
     whole: dict = {}
     for delta in (head_msg, tail):
         merge_delta(whole, {"content": delta.get("content"), "tool_calls": [{**c, "index": i} for i, c in enumerate(delta.get("tool_calls") or [])]})
@@ -92,17 +107,10 @@ async def test_a_cut_inside_a_tool_call_on_stock_vllm_without_the_derender_route
     `required_prefix_token_ids` and its chat template closes a partial tool call: the prompt it reports
     is not the prompt plus the prefix, so the call starts over, never a splice."""
     async with FakeVLLM(derender=False) as fake:
-        backend = OpenAICompatibleBackend(fake.url, model="m1")
-        try:
-            start, steps, _ = await events_of(backend.generate(BLACKJACK, None))
-            head_ids, head_lps, head_msg = joined(steps[: inside_the_tool_call(steps)])
-            prefix = Prefix(start.prompt_token_ids, tuple(head_ids), tuple(head_lps), head_msg)
-            again, rest, end = await events_of(backend.generate(BLACKJACK, prefix))
-        finally:
-            await backend.close()
-    assert again.continuation is not None and again.continuation["mode"] == "regenerated"
-    assert "prompt_token_ids" in again.continuation["reason"]
-    assert joined(rest)[0] == joined(steps)[0] and end.finish_reason == "tool_calls"
+        cut = await cut_inside_a_tool_call_and_continued(fake)
+    assert cut.again.continuation is not None and cut.again.continuation["mode"] == "regenerated"
+    assert "prompt_token_ids" in cut.again.continuation["reason"]
+    assert joined(cut.rest)[0] == joined(cut.steps)[0] and cut.end.finish_reason == "tool_calls"
 
 
 async def test_a_tool_call_cut_by_prepare_is_continued_and_its_reply_is_the_uninterrupted_one(memory_store, memory_tokens) -> None:
