@@ -23,6 +23,7 @@ from engine.attempts import FENCE_KINDS
 from engine.checkpoint import restart_only_at
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json, stored_text
+from engine.file_blobs import Blob
 from engine.identity import Key, in_run
 from engine.log import LogState, plan_batch
 from engine.projections import TABLES, Change, changes_for
@@ -56,6 +57,7 @@ class MemoryLog:
         self._appended = asyncio.Condition()
         # rollbook.stream_snapshots: (stream, position) -> (data, digest), JSON as stored (engine.snapshots)
         self.snapshots: dict[tuple[str, int], tuple[dict[str, Any], str]] = {}
+        self.blobs: dict[str, bytes] = {}  # rollbook.file_blobs: digest -> content (engine.file_blobs)
 
     def store(self, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> MemoryEventStore:
         return MemoryEventStore(self, writer, payload_limit)
@@ -190,6 +192,13 @@ class MemoryEventStore:
                 data, digest = self.log.snapshots[(stream, max(found))]
                 out.append((stream, max(found), load_stored_json(stored_text(data)), digest))
         return out
+
+    async def put_blobs(self, blobs: Sequence[Blob]) -> None:
+        for b in blobs:
+            self.log.blobs.setdefault(b.digest, b.content)
+
+    async def get_blobs(self, digests: Sequence[str]) -> dict[str, bytes]:
+        return {d: self.log.blobs[d] for d in digests if d in self.log.blobs}
 
     async def put_session_snapshots(self, snapshots: Sequence[SessionSnapshot]) -> None:
         for snap in snapshots:  # through JSON, as PostgreSQL would store it

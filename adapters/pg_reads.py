@@ -299,13 +299,19 @@ class LogReads:
                 "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
                 "  AND c.position > o.position AND c.position <= k.b)"
                 ") OR EXISTS ("
+                # engine.sessions.open_session_restart: the session's last change left it unrestorable
+                " SELECT 1 FROM rollbook.events m WHERE m.rollout_id = k.r AND m.attempt = k.a AND m.kind = :mutated"
+                " AND m.position <= k.b AND m.data ? 'unrestorable' AND NOT EXISTS ("
+                "  SELECT 1 FROM rollbook.events n WHERE n.rollout_id = k.r AND n.attempt = k.a"
+                "  AND n.kind IN (:mutated, :opened, :closed) AND n.position > m.position AND n.position <= k.b)"
+                ") OR EXISTS ("
                 " SELECT 1 FROM rollbook.events g WHERE g.rollout_id = k.r AND g.attempt = k.a AND g.kind = :boundary"
                 " AND g.position <= k.b AND g.data->>'continuable' = 'false' AND NOT EXISTS ("
                 "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :completed"
                 "  AND c.position > g.position AND c.position <= k.b))"),
                 {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "bs": [boundaries[k] for k in keys],
                  "opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
-                 "completed": ev.ACTIVATION_COMPLETED, "step": ev.EPISODE_STEP})
+                 "completed": ev.ACTIVATION_COMPLETED, "step": ev.EPISODE_STEP, "mutated": ev.MUTATION_APPLIED})
             return sorted((r.r, r.a) for r in rows)
 
     @retrying("reading a retire mark")

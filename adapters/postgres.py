@@ -45,6 +45,7 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from adapters.pg_blobs import BlobRows
 from adapters.pg_pool import (
     DEFAULT_PATIENCE_S,
     PoolLimits,
@@ -57,7 +58,6 @@ from adapters.pg_pool import (
 )
 from adapters.pg_projections import apply_changes, until_guarded, upsert_ctes
 from adapters.pg_reads import _COLUMNS, CHANNEL, LOCK_LOG_HEAD, _row_to_event
-from adapters.pg_snapshots import SnapshotRows
 from engine.attempts import FENCE_KINDS, RolloutState
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
@@ -186,7 +186,7 @@ class _Plan:
         return out
 
 
-class PostgresEventStore(SnapshotRows):
+class PostgresEventStore(BlobRows):
     def __init__(self, engine: AsyncEngine, dsn: str, writer: str, payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
                  patience_s: float = DEFAULT_PATIENCE_S) -> None:
         self.engine = engine

@@ -54,7 +54,7 @@ from participants.model.backends.scripted import ScriptedBackend
 LATENCY = 0.005  # per model call, so calls are genuinely in flight
 # Each environment's fixed task is `make_task(env, cls.conformance_seed)`, one with few turns under the scripted
 # policy (apps.stack.SEED): workplace 3 turns, blackjack 4 (look, hit, stand, answer: two mutations, the second
-# drawn from the RNG the first left), math and string_match 1, sandbox 2. Every registered environment runs.
+# drawn from the RNG the first left), math and string_match 1, sandbox 5 (four commands, then the answer). Every registered environment runs.
 GENUINE: dict[str, type[Environment]] = dict(ENVIRONMENTS)  # the reducers the final state is computed with
 
 

@@ -286,7 +286,7 @@ SESSION_OPENED = _kind(
     "session_opened", SESSION, _RESOURCES,
     "The environment's session for the attempt opens (fresh, or restored at a revision).",
     need("env", "string", "the environment"), need("task", "object", "the task"),
-    may("state_mode", "string", "replayable or restart_only"), may("revision", "integer", "the revision it opens at"),
+    may("state_mode", "string", "stateless, exported, replay, snapshot or restart_only"), may("revision", "integer", "the revision it opens at"),
     may("restored_from", "string", "the checkpoint restored"),
     may("origin_attempt", "integer|null", "the attempt it carries over"),
     may("recovered", "boolean", "true when reopened from the log after a restart"),
@@ -301,6 +301,8 @@ MUTATION_APPLIED = _kind(
     may("output", "object|string|null", "what the tool answered"), may("done", "boolean", "the episode is over"),
     may("tool_call", "string|null", "the tool call's key: activation, turn, index"),
     may("live", "string", "the relayed server's live session that applied it"),
+    may("unrestorable", "string", "why the live session's state after it is in no snapshot: its rollout restarts "
+                                  "from its input rather than continue from a boundary after it"),
 )
 SESSION_REPLAYED = _kind(
     "session_replayed", SESSION, _RESOURCES,

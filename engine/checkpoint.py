@@ -37,10 +37,11 @@ from engine.events import (
     has_large_float,
     stored_text,
 )
+from engine.file_blobs import BlobStore
 from engine.identity import Key, checkpoint_stream, in_run, restore_stream, rollout_stream
 from engine.lineage import lineage_origin
 from engine.log import EventStore
-from engine.sessions import boundary_disagreement, open_session_mode, session_revisions
+from engine.sessions import boundary_disagreement, open_session_restart, session_revisions
 from engine.snapshots import SnapshotStore
 
 # Events after which a rollout attempt can be resumed: its start, each environment step, each agent boundary.
@@ -81,7 +82,7 @@ class CutStore(EventStore, Protocol):
         ...
 
 
-class ParticipantStore(CutStore, AttemptStore, SnapshotStore, Protocol):
+class ParticipantStore(CutStore, AttemptStore, SnapshotStore, BlobStore, Protocol):
     """What a server needs of storage (adapters.postgres.PostgresEventStore implements it): the servers
     are typed against this, so they depend on the engine's port, not on the PostgreSQL driver."""
 
@@ -239,7 +240,8 @@ def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
     """Whether an attempt (its own events, in log order) cannot be continued from `boundary`: a
     resources session of a restart-only environment is open there, or an activation is in progress
     there on an agent that cannot continue one. The rule of CutStore.restart_only_at, which the
-    PostgreSQL store answers in one query."""
+    PostgreSQL store answers in one query: a session is one that cannot be rebuilt there as
+    engine.sessions.open_session_restart says."""
     before = [e for e in own if e.position <= boundary]
     continuable = True
     for e in before:
@@ -247,7 +249,7 @@ def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
             continuable = continuable and e.data.get("continuable") is not False
         elif e.kind == ev.ACTIVATION_COMPLETED:
             continuable = True
-    return open_session_mode(before) == "restart_only" or not continuable
+    return open_session_restart(before) is not None or not continuable
 
 
 def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Key], list[Key]]:

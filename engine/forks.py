@@ -38,7 +38,7 @@ from engine import episodes
 from engine.errors import InvalidRequest, NotABoundary, RequestConflict, RestartOnlyBoundary, UnknownRollout
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
-from engine.sessions import open_session_mode
+from engine.sessions import open_session_restart
 
 MAX_FORKS = 256
 FORKABLE_KINDS = (ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
@@ -134,9 +134,10 @@ def plan_forks(origin: Origin, count: int, *, started: Container[Key], own: Sequ
         raise NotABoundary(f"position {origin.position} is not a boundary of {origin.rollout_id} attempt "
                            f"{origin.attempt} one can fork from", rollout_id=origin.rollout_id,
                            attempt=origin.attempt, boundaries=boundaries[:50])
-    if open_session_mode(prefix) == "restart_only":
-        raise RestartOnlyBoundary(f"{origin.rollout_id} attempt {origin.attempt} holds a live restart-only session at "
-                                  f"position {origin.position}; its state cannot be rebuilt for a fork",
+    why = open_session_restart(prefix)
+    if why is not None:
+        raise RestartOnlyBoundary(f"{origin.rollout_id} attempt {origin.attempt} cannot be forked at position "
+                                  f"{origin.position}: {why}",
                                   rollout_id=origin.rollout_id, attempt=origin.attempt)
     name = validate_id(group if group is not None else default_group(origin), "fork group")
     forks = tuple(Fork(validate_id(f"{name}.{i}", "fork rollout id"), i, 0) for i in range(count))

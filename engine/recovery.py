@@ -35,7 +35,7 @@ from engine.checkpoint import BOUNDARY_KINDS
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import rollout_stream
 from engine.ownership import Verdict
-from engine.sessions import open_session_mode
+from engine.sessions import open_session_restart
 from engine.tool_replay import DIVERGENCE_REASON
 
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
@@ -63,9 +63,11 @@ def latest_boundary(history: Sequence[RecordedEvent]) -> RecordedEvent | None:
     return next((e for e in reversed(history) if e.kind in BOUNDARY_KINDS), None)
 
 
-def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lost: Lost | None = None) -> Recovery:
+def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lost: Lost | None = None,
+             why: str | None = None) -> Recovery:
     """One disposition for one attempt, from its effective history (its origins' events up to the
-    boundary it continued from, then its own) and what the caller knows was lost."""
+    boundary it continued from, then its own) and what the caller knows was lost (`why`: the
+    caller's words for it, recorded as the reason)."""
     if any(e.kind == ev.ATTEMPT_FINISHED and e.attempt == attempt for e in history):
         return Recovery(rollout_id, attempt, "finished", None, False, "its result is in the log")
     boundary = latest_boundary(history)
@@ -74,12 +76,12 @@ def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lo
         return Recovery(rollout_id, attempt, "fresh_dispatch", None, True, DIVERGENCE_REASON)
     if lost == "session":
         return Recovery(rollout_id, attempt, "fresh_dispatch", None, True,
-                        "its restart-only session lost its live process; it starts over from its input")
+                        why or "its restart-only session lost its live process; it starts over from its input")
     if lost == "call":
-        if open_session_mode(history) == "restart_only":
+        cannot = open_session_restart([e for e in history if at is None or e.position <= at])
+        if cannot is not None:
             return Recovery(rollout_id, attempt, "fresh_dispatch", None, True,
-                            "a model call's reply was never recorded and its restart-only session cannot move "
-                            "to a new attempt; it starts over from its input")
+                            f"a model call's reply was never recorded and {cannot}; it starts over from its input")
         return Recovery(rollout_id, attempt, "continue", at, True,
                         "a model call was accepted by a server that is gone and its reply was never recorded; "
                         "a new attempt continues from the boundary before it")

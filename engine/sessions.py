@@ -123,6 +123,23 @@ class SessionReplay:
         return "recorded"
 
 
+def open_session_restart(history: Sequence[RecordedEvent]) -> str | None:
+    """Why the resources session open at the end of `history` cannot be rebuilt there, so that its
+    rollout restarts from its input (None: it can, or none is open): its environment is restart-only,
+    or its last change left a live process no snapshot holds (its `mutation_applied` says why, as
+    `unrestorable`: a background process still running at the boundary, say)."""
+    mode = open_session_mode(history)
+    if mode is None:
+        return None
+    if mode == "restart_only":
+        return "its session is a live process of a restart-only environment"
+    for e in reversed(history):
+        if is_session_stream(e.stream) and e.kind in (ev.MUTATION_APPLIED, ev.SESSION_OPENED):
+            why = e.data.get("unrestorable") if e.kind == ev.MUTATION_APPLIED else None
+            return f"its live session cannot be rebuilt there: {why}" if why else None
+    return None
+
+
 def open_session_mode(history: Sequence[RecordedEvent]) -> str | None:
     """The state mode of the resources session open at the end of `history` (None: none open)."""
     mode: str | None = None

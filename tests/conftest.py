@@ -130,3 +130,12 @@ def memory_store(memory_database: MemoryBacking) -> MemoryEventStore:
 @pytest.fixture
 def memory_tokens(memory_database: MemoryBacking) -> MemoryTokenStore:
     return memory_database.token_store
+
+
+@pytest.fixture
+def restart_only_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox as an environment whose live process nothing keeps (`restart_only`, as a plugin
+    may declare itself): the paths that restart such sessions, tested on a real live shell."""
+    from participants.environments.sandbox import SandboxEnvironment
+
+    monkeypatch.setattr(SandboxEnvironment, "state_mode", "restart_only")

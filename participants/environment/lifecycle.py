@@ -293,7 +293,7 @@ class EpisodeLifecycle(Participant):
         cause = exc.context.get("lost")
         lost: recovery.Lost = cause if cause in ("session", "divergence") else "call"
         history = await effective_history(self.store, ep.rollout_id, ep.attempt)
-        decision = recovery.classify(ep.rollout_id, ep.attempt, history, lost)
+        decision = recovery.classify(ep.rollout_id, ep.attempt, history, lost, exc.detail if lost == "session" else None)
         await self.store.append(recovery.recovery_request(decision))  # stale_attempt if a restore or retire came first
         ep.attempt += 1
         await self._begin_attempt(ep, decision.disposition == "fresh_dispatch", decision.attempt, recovered=True)

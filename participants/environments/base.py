@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any, ClassVar, Literal
 
+from engine.file_blobs import Blob
+
 from .players import Player
 
 JSON = Any  # dict/list/str/int/float/bool/None only: no tuples, no numpy scalars
-StateMode = Literal["stateless", "exported", "restart_only", "replay"]
+StateMode = Literal["stateless", "exported", "restart_only", "replay", "snapshot"]
 Verification = Literal["replay", "wait"]
 
 
@@ -75,6 +77,9 @@ class ToolOutcome:
     output: JSON
     effect: JSON | None  # None marks a read-only call: nothing is logged for apply()
     done: bool = False
+    # A live session's snapshot blobs the effect names: stored before the effect is logged.
+    blobs: tuple[Blob, ...] = ()
+    unrestorable: str | None = None  # why no snapshot holds the live state after this call
 
 
 def canonical(value: JSON) -> str:

@@ -143,16 +143,25 @@ def _string(prompt: str, chance: float) -> Answer:
 
 
 def _sandbox(prompt: str, history: list[Step]) -> Call | Answer:
+    """A small coding episode, so that a continued session needs its files, directory and environment:
+    write the input, set the tool in the environment, write a check script, edit it, run it."""
     m = re.search(r"the string '(.*?)'", prompt)
     text = m.group(1) if m else ""
     digest = "sha-256" in prompt.lower()
-    if not history:
-        tool = "sha256sum" if digest else "wc -c"
-        return Call("run", {"command": f"printf '%s' {shlex.quote(text)} | {tool}"})
-    result = history[-1].result
-    if _failed(result) or not isinstance(result, dict):
-        return Answer(_failed(result) or "The command gave no usable output.")
-    words = str(result.get("output", "")).split()
+    steps = [
+        f"mkdir -p task && cd task && printf '%s' {shlex.quote(text)} > input.txt && "
+        f"export CHECK={shlex.quote('sha256sum' if digest else 'wc -c')}",
+        "printf '%s\\n' '#!/bin/sh' 'cat input.txt | $CHECK' > check.sh && chmod 755 check.sh",
+        "sed -i 's/^cat input.txt/cat -- input.txt/' check.sh",
+        "./check.sh",
+    ]
+    if history:
+        result = history[-1].result
+        if _failed(result) or not isinstance(result, dict):
+            return Answer(_failed(result) or "The command gave no usable output.")
+    if len(history) < len(steps):
+        return Call("run", {"command": steps[len(history)]})
+    words = str(history[-1].result.get("output", "")).split()  # type: ignore[union-attr]
     if not words:
         return Answer("The command printed nothing.")
     if digest:

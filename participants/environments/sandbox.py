@@ -1,9 +1,12 @@
-"""A live POSIX shell per session.
+"""A live POSIX shell per session, snapshotted after every command.
 
-The shell's memory (variables, cwd, background jobs) lives in a process, not
-in JSON, so this environment cannot be rebuilt from the event log: a crashed
-session restarts from scratch. It says so through ``state_mode`` and by
-refusing ``apply``; the engine talks to it through the ``*_live`` methods.
+The shell lives in a process, so the log alone cannot rebuild it: after each command its files,
+working directory and exported environment are stored as content-addressed blobs
+(participants/environments/sandbox_snapshot.py), and the session's state is the name of that
+snapshot (``state_mode`` "snapshot"). Restore and recovery start a fresh jail from the snapshot of
+the boundary they continue from; a command that left a process running in the background leaves
+no snapshot, and its rollout restarts from its input if it must move (`unrestorable`). The engine
+talks to the shell through the ``*_live`` methods.
 
 It runs whatever command a model (or whoever holds the data credential) sends, and the model is
 trained to find whatever raises its reward, so the shell is treated as hostile. The environment is
@@ -52,6 +55,8 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from engine.errors import InvalidCheckpointState
+
 from . import players
 from .base import (
     JSON,
@@ -67,6 +72,19 @@ from .base import (
 )
 from .math_env import last_number
 from .sandbox_host import claim_uid, make_cgroups, remove_cgroups
+from .sandbox_snapshot import (
+    SHELL_STATE_BYTES,
+    SHELL_STATE_COMMAND,
+    Known,
+    Load,
+    Unrestorable,
+    load_manifest,
+    manifest_of,
+    parse_shell_state,
+    read_tree,
+    restore_script,
+    write_tree,
+)
 
 SHELL = "/bin/sh"
 READY = b"rollbook-sandbox-ready\n"
@@ -281,6 +299,8 @@ class LiveShell:
     uid_lock: int  # an fd holding the lock on `uid` while the session lives
     task_id: str
     cgroups: list[str] = field(default_factory=list)  # its group in each controller; emptied at its end
+    init: int = 0  # the jail's init, as the host numbers it: its /proc/<init>/root is the session's tree
+    known: Known = field(default_factory=Known)  # what was stored of its tree: snapshots read what changed
     closed: bool = False
     busy: bool = False  # a command is running: the idle watch leaves the session alone
     last_used: float = field(default_factory=time.monotonic)
@@ -304,7 +324,7 @@ class SandboxEnvironment(Environment):
     name: ClassVar[str] = "sandbox"
     make_task = staticmethod(make_task)
     scripted = players.SANDBOX
-    state_mode: ClassVar[StateMode] = "restart_only"
+    state_mode: ClassVar[StateMode] = "snapshot"
     verification: ClassVar[Verification] = "wait"
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
@@ -316,15 +336,17 @@ class SandboxEnvironment(Environment):
                               {"command": {"type": "string"}}, ["command"])]
 
     def initial_state(self, task: Task) -> JSON:
-        # Only a descriptor: the real state is the live process.
-        return {"shell": SHELL, "task_id": task.task_id, "rebuildable": False}
+        # The live process holds the state; this names the snapshot a fresh jail is rebuilt from (None: empty).
+        return {"shell": SHELL, "task_id": task.task_id, "snapshot": None}
 
     def call_tool(self, state: JSON, name: str, arguments: dict) -> ToolOutcome:
         self._check(name, arguments)
-        raise ToolError("restart_only", "sandbox tools run against a live session; use call_live()")
+        raise ToolError("live_only", "sandbox tools run against a live session; use call_live()")
 
     def apply(self, state: JSON, effect: JSON) -> JSON:
-        raise ToolError("restart_only", "a live shell cannot be rebuilt from events; restart the session")
+        why = effect.get("unrestorable")
+        return {"shell": state["shell"], "task_id": state["task_id"], "snapshot": effect.get("snapshot"),
+                **({"unrestorable": why} if why else {})}
 
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         final_answer = trajectory.final_answer
@@ -338,7 +360,11 @@ class SandboxEnvironment(Environment):
 
     # -- live session -------------------------------------------------------------
 
-    def open_live(self, task: Task) -> LiveShell:
+    def open_live(self, task: Task, state: JSON = None, load: Load | None = None) -> LiveShell:
+        """A jail for the session; with `state`, its tree, directory and environment rebuilt from the
+        snapshot the state names (ToolError `snapshot_unusable` when that cannot be done, with why)."""
+        if state is not None and state.get("unrestorable"):
+            raise ToolError("snapshot_unusable", state["unrestorable"])
         limits = self.limits
         if limits is None:
             raise ToolError("sandbox_disabled", "the sandbox environment is off in this configuration")
@@ -374,8 +400,57 @@ class SandboxEnvironment(Environment):
             self.close_live(handle)
             why = said.removeprefix(FAILED).strip().decode(errors="replace") or "the shell exited before it was ready"
             raise ToolError("sandbox_unavailable", f"the sandbox could not start: {why}")
+        with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+            handle.init = int(f.read().split()[0])
+        if state is not None and state.get("snapshot"):
+            try:
+                self._restore(handle, state["snapshot"], load)
+            except (Unrestorable, InvalidCheckpointState, OSError, ValueError, KeyError) as exc:
+                self.close_live(handle)
+                detail = exc.detail if isinstance(exc, InvalidCheckpointState) else str(exc)
+                raise ToolError("snapshot_unusable", f"snapshot {state['snapshot'][:12]}: {detail}") from None
         threading.Thread(target=self._watch_idle, args=(handle,), name=f"sandbox-idle-{uid}", daemon=True).start()
         return handle
+
+    def _restore(self, handle: LiveShell, digest: str, load: Load | None) -> None:
+        if load is None:
+            raise Unrestorable("no blob store to read it from")
+        stored = load_manifest(digest, load)
+        write_tree(f"/proc/{handle.init}/root", stored, handle.uid, handle.known)
+        _, now = parse_shell_state(self._send(handle, SHELL_STATE_COMMAND, SHELL_STATE_BYTES)[0])
+        self._send(handle, restore_script(stored.cwd, stored.env, now))
+        cwd, env = self._shell_state(handle)
+        if (cwd, env) != (stored.cwd, stored.env):
+            changed = sorted(k for k in set(env) | set(stored.env) if env.get(k) != stored.env.get(k))
+            raise Unrestorable(f"the fresh shell's directory or environment differs from the snapshot's "
+                               f"({cwd!r} for {stored.cwd!r}; variables {changed[:5]})")
+
+    def _shell_state(self, handle: LiveShell) -> tuple[str, dict[str, str]]:
+        output, _, dropped = self._send(handle, SHELL_STATE_COMMAND, SHELL_STATE_BYTES)
+        if dropped:
+            raise Unrestorable(f"its working directory and environment are over {SHELL_STATE_BYTES} bytes")
+        return parse_shell_state(output)
+
+    def _snapshot(self, handle: LiveShell, outcome: ToolOutcome) -> ToolOutcome:
+        """The outcome with the session's snapshot after it, or why there is none."""
+        assert outcome.effect is not None
+        try:
+            running = self._processes(handle) - 3  # the jail's root, init and the shell
+            if running > 0:
+                raise Unrestorable(f"{running} process{'es' if running > 1 else ''} still running in the background")
+            cwd, env = self._shell_state(handle)
+            files, new = read_tree(f"/proc/{handle.init}/root", handle.known)
+        except Unrestorable as exc:
+            return ToolOutcome(outcome.output, {**outcome.effect, "snapshot": None, "unrestorable": str(exc)},
+                               outcome.done, unrestorable=str(exc))
+        snap = manifest_of(files, cwd, env, handle.known, new)
+        return ToolOutcome(outcome.output, {**outcome.effect, "snapshot": snap.digest}, outcome.done, snap.blobs)
+
+    @staticmethod
+    def _processes(handle: LiveShell) -> int:
+        pids = next(g for g in handle.cgroups if "/pids/" in g)
+        with open(f"{pids}/cgroup.procs") as f:
+            return len(f.read().split())
 
     @staticmethod
     def _read_line(handle: LiveShell, deadline: float) -> bytes:
@@ -409,15 +484,14 @@ class SandboxEnvironment(Environment):
             end = f"__rollbook_{secrets.token_hex(8)}__"
             check = f"sh -n 2>&1 <<'{end}'\n{command}\n{end}\n"
             output, code, dropped = self._send(handle, check)
-            if code != 0:
-                return self._outcome(command, output, code, dropped)
-            # stdin from /dev/null: otherwise a command like `cat` would swallow the marker line.
-            output, code, dropped = self._send(handle, f"{{ {command}\n}} </dev/null 2>&1\n")
-            return self._outcome(command, output, code, dropped)
+            if code == 0:
+                # stdin from /dev/null: otherwise a command like `cat` would swallow the marker line.
+                output, code, dropped = self._send(handle, f"{{ {command}\n}} </dev/null 2>&1\n")
+            return self._snapshot(handle, self._outcome(command, output, code, dropped))
         finally:
             handle.busy, handle.last_used = False, time.monotonic()
 
-    def _send(self, handle: LiveShell, script: str) -> tuple[str, int, int]:
+    def _send(self, handle: LiveShell, script: str, cap: int | None = None) -> tuple[str, int, int]:
         marker = f"__rollbook_{secrets.token_hex(8)}__"
         assert handle.process.stdin is not None
         try:
@@ -426,7 +500,7 @@ class SandboxEnvironment(Environment):
         except (BrokenPipeError, ValueError):
             self.close_live(handle)
             raise ToolError("session_lost", "the shell exited") from None
-        return self._read_until(handle, marker)
+        return self._read_until(handle, marker, cap)
 
     def close_live(self, handle: LiveShell) -> None:
         with handle.lock:
@@ -491,7 +565,7 @@ class SandboxEnvironment(Environment):
                                              f"character {bad}: a shell takes UTF-8 text")
         return command
 
-    def _read_until(self, handle: LiveShell, marker: str) -> tuple[str, int, int]:
+    def _read_until(self, handle: LiveShell, marker: str, cap: int | None = None) -> tuple[str, int, int]:
         """The command's output (at most `output_bytes` of it), its exit code and how many bytes were dropped.
 
         Memory stays bounded however much a command prints: past the cap only a short tail is kept,
@@ -499,7 +573,8 @@ class SandboxEnvironment(Environment):
         assert handle.process.stdout is not None
         fd = handle.process.stdout.fileno()
         needle = f"\n{marker} ".encode()
-        cap = self.limits.output_bytes if self.limits is not None else 8_000
+        if cap is None:
+            cap = self.limits.output_bytes if self.limits is not None else 8_000
         kept, dropped, buf = bytearray(), 0, b""
         window = len(needle) + 32
         deadline = time.monotonic() + self.timeout_s

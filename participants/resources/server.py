@@ -21,6 +21,7 @@ its live session, when gone, is rebuilt by replaying them (engine.tool_replay) o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -72,7 +73,7 @@ from participants.environments import (
 from participants.environments.base import Trajectory
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.resources.session import Session, Staged, rebuild, restart_only
+from participants.resources.session import Session, Staged, live, rebuild, restart_only
 from participants.resources.wire import (
     OpenRequest,
     SessionReply,
@@ -128,6 +129,11 @@ class ResourcesParticipant(Participant):
         except ToolError as exc:
             raise InvalidRequest(exc.message) from exc
 
+    def _logged_environment(self, name: str) -> Environment:
+        """The environment of a session the log holds, with this server's sandbox limits (a sandbox
+        session on a server whose sandbox is off is refused at its first command, not here)."""
+        return SandboxEnvironment(self.sandbox) if name == SandboxEnvironment.name else get_environment(name)
+
     async def _session(self, key: Key) -> Session:
         s = self.sessions.get(key) or await self._recover(key)
         if s is None or not s.opened:
@@ -162,7 +168,7 @@ class ResourcesParticipant(Participant):
                 return None
             stream = session_stream(*key)
             own = [e for e in history if e.stream == stream]
-            s = Session(key[0], key[1], get_environment(staged.env_name), staged.task, staged.state, staged.revision,
+            s = Session(key[0], key[1], self._logged_environment(staged.env_name), staged.task, staged.state, staged.revision,
                         stream_version=own[-1].stream_version if own else 0, opened=True)
             s.tool_calls = tool_call_outcomes(history)
             verified = [e for e in own if e.kind == ev.SESSION_VERIFIED]
@@ -218,7 +224,7 @@ class ResourcesParticipant(Participant):
         async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
             self.sessions[key] = s
             try:
-                if env.state_mode == "restart_only" or relayed(env):
+                if live(env):
                     # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
                     try:
                         s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
@@ -233,8 +239,8 @@ class ResourcesParticipant(Participant):
                 await self._close_live(s)
                 raise
             s.opened = True
-        if s.live is not None and (self._live_watch is None or self._live_watch.done()):
-            self._live_watch = asyncio.get_running_loop().create_task(self._watch_live())
+        if s.live is not None:
+            self._watch()
         # A rollout's new attempt exists only once its older ones are fenced: their live shells can never
         # be used again, and nothing else would end them (a failed rollout restarts without closing).
         for older in [k for k, o in self.sessions.items() if k[0] == key[0] and k[1] < key[1] and o.live is not None]:
@@ -272,15 +278,16 @@ class ResourcesParticipant(Participant):
                 except ToolError as exc:
                     raise refused(exc) from exc
                 new_state = s.env.apply(s.state, outcome.effect)
-            elif s.env.state_mode == "restart_only":
+            elif live(s.env):
                 if not admitted:
                     raise AdmissionClosed("tool calls on a live shell are refused while a checkpoint is in progress")
                 try:
                     # The shell runs the command in a subprocess with a blocking read; keep it off the loop.
-                    outcome = await asyncio.to_thread(s.env.call_live, s.live, name, body.arguments)  # type: ignore[attr-defined]
+                    outcome = await asyncio.to_thread(s.env.call_live, await self._live(s), name, body.arguments)  # type: ignore[attr-defined]
                 except ToolError as exc:
                     raise refused(exc) from exc
-                new_state = s.state
+                await self.store.put_blobs(outcome.blobs)  # before the effect that names them
+                new_state = s.state if s.env.state_mode == "restart_only" else s.env.apply(s.state, outcome.effect)
             else:
                 try:
                     outcome = s.env.call_tool(s.state, name, body.arguments)
@@ -296,7 +303,8 @@ class ResourcesParticipant(Participant):
             revision = s.revision + 1
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
-                    "tool_call": call_key, "output": outcome.output, "done": outcome.done, **live_id(s)}
+                    "tool_call": call_key, "output": outcome.output, "done": outcome.done, **live_id(s),
+                    **({"unrestorable": outcome.unrestorable} if outcome.unrestorable else {})}
             try:
                 await self._append(s, ev.MUTATION_APPLIED, data)
             except PayloadTooLarge as exc:
@@ -434,9 +442,34 @@ class ResourcesParticipant(Participant):
         inside a longer-lived process must not leave its jails behind."""
         if self._live_watch is not None:
             self._live_watch.cancel()
-        live = [s for s in self.sessions.values() if s.live is not None]
-        await asyncio.gather(*(self._close_live(s) for s in live))
+        held = [s for s in self.sessions.values() if s.live is not None]
+        await asyncio.gather(*(self._close_live(s) for s in held))
         await super().stop()
+
+    async def _live(self, s: Session) -> Any:
+        """The session's live process; a session restored or recovered has none until its first call,
+        which starts a fresh one from the snapshot its state names (AttemptLost, with why, where that
+        cannot be done: the rollout restarts from its input)."""
+        if s.live is None:
+            loop = asyncio.get_running_loop()
+
+            def load(digests: Sequence[str]) -> dict[str, bytes]:
+                return asyncio.run_coroutine_threadsafe(self.store.get_blobs(digests), loop).result()
+
+            try:
+                s.live = await asyncio.to_thread(s.env.open_live, s.task, s.state, load)  # type: ignore[attr-defined]
+            except ToolError as exc:
+                if exc.code != "snapshot_unusable":
+                    raise
+                raise AttemptLost(f"rollout {s.rollout_id} attempt {s.attempt}: its {s.env.name} session cannot be "
+                                  f"rebuilt ({exc.message}); it starts over from its input",
+                                  rollout_id=s.rollout_id, attempt=s.attempt, lost="session") from None
+            self._watch()
+        return s.live
+
+    def _watch(self) -> None:
+        if self._live_watch is None or self._live_watch.done():
+            self._live_watch = asyncio.get_running_loop().create_task(self._watch_live())
 
     @staticmethod
     async def _close_live(s: Session) -> None:
@@ -480,7 +513,7 @@ class ResourcesParticipant(Participant):
         sessions = list(self.sessions.values())
         blockers = [f"{s.rollout_id}:{s.attempt} verify in progress" for s in sessions
                     if s.env.verification == "wait" and s.verifying]
-        counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0, "replay": 0}
+        counts = {"sessions": len(sessions), "stateless": 0, "exported": 0, "restart_only": 0, "replay": 0, "snapshot": 0}
         for s in sessions:
             counts[s.env.state_mode] += 1
         # A restart-only session a dead instance held is in the log, not in memory: its live process
@@ -526,7 +559,7 @@ class ResourcesParticipant(Participant):
         self.staged = {k: v for k, v in self.staged.items() if k in targets and await self.routed_here(k[0], targets[k])}
         fresh: list[tuple[int, Session]] = []
         for (rid, old), st in self.staged.items():
-            env = get_environment(st.env_name)
+            env = self._logged_environment(st.env_name)
             fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
         events = tuple(
             s.event(ev.SESSION_OPENED, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,

@@ -25,6 +25,7 @@ from participants.environments import (
     open_from_log,
 )
 from participants.environments.base import JSON
+from participants.environments.nemo_gym_relay import relayed
 
 
 @dataclass
@@ -91,6 +92,11 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
         stream, seen, logged = wrong
         raise InvalidCheckpointState(f"{where}: the boundary saw {stream} at revision {seen}, the replay reaches {logged}")
     return Staged(rollout_id, attempt, replay.env.name, replay.task, replay.state, replay.revision), new
+
+
+def live(env: Environment) -> bool:
+    """Whether the environment's sessions run in a live process this server holds (`*_live` methods)."""
+    return env.state_mode in ("restart_only", "snapshot") or relayed(env)
 
 
 def restart_only(env_name: str | None) -> bool:

@@ -138,7 +138,8 @@ async def test_a_restarted_resources_server_rebuilds_the_session_and_answers_an_
     assert (await kinds(store, session_stream("rr", 0))).count("mutation_applied") == 1
 
 
-async def test_a_sandbox_session_lost_with_its_server_is_attempt_lost(database: MemoryBacking, store: MemoryEventStore) -> None:
+@pytest.mark.usefixtures("restart_only_live")
+async def test_a_restart_only_session_lost_with_its_server_is_attempt_lost(database: MemoryBacking, store: MemoryEventStore) -> None:
     await start(store, "rs")
     async with serving(database, "resources-a") as (http, _):
         await open_session(http, "rs", "sandbox", 2)

@@ -170,7 +170,8 @@ async def test_a_call_whose_owner_left_is_taken_over_as_lost_through_the_recover
 # ---- a resources session: one owner ---------------------------------------------------------------
 
 
-async def test_a_resources_server_reports_as_restarts_only_the_sandbox_sessions_of_dead_instances(
+@pytest.mark.usefixtures("restart_only_live")
+async def test_a_resources_server_reports_as_restarts_only_the_restart_only_sessions_of_dead_instances(
         dsn: str, store: PostgresEventStore) -> None:
     await start(store, "sb")
     async with resources_serving(dsn, "resources-a") as (http_a, a), leased(dsn, "resources", "resources-a", "http://ra:1") as (_, a_lease):

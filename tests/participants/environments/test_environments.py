@@ -69,7 +69,7 @@ def drive(env: Environment, task: Task, seed: int, run: Run, live: object = None
 def play(task: Task, seed: int = 0) -> Run:
     env = SandboxEnvironment(SandboxLimits()) if task.env == "sandbox" else get_environment(task.env)
     run = Run(messages=[{"role": "user", "content": task.prompt}])
-    if env.state_mode == "restart_only":
+    if env.state_mode in ("restart_only", "snapshot"):
         live = env.open_live(task)
         try:
             return drive(env, task, seed, run, live=live)
@@ -117,7 +117,7 @@ def test_registry_and_task_shapes() -> None:
     for name, cls in ENVIRONMENTS.items():
         env = get_environment(name)
         assert env.name == name and isinstance(env, cls)
-        assert cls.verification == ("wait" if cls.state_mode == "restart_only" else "replay")
+        assert cls.verification == ("wait" if cls.state_mode in ("restart_only", "snapshot") else "replay")
         for tool in env.tools():
             assert tool["type"] == "function" and tool["function"]["parameters"]["type"] == "object"
         with pytest.raises(ToolError) as err:
@@ -263,16 +263,17 @@ def test_workplace_apply_checks_types_and_coerces_nothing_silently() -> None:
 # -- sandbox ---------------------------------------------------------------------
 
 
-def test_sandbox_cannot_rebuild_and_says_so() -> None:
+def test_sandbox_state_is_the_name_of_its_snapshot_and_its_tools_need_the_live_shell() -> None:
     env = get_environment("sandbox")
     task = make_tasks(1, seed=2, envs=["sandbox"])[0]
     state = env.initial_state(task)
-    assert env.state_mode == "restart_only" and env.verification == "wait"
-    for attempt in (lambda: env.apply(state, {"command": "true", "exit_code": 0}),
-                    lambda: env.call_tool(state, "run", {"command": "true"})):
-        with pytest.raises(ToolError) as err:
-            attempt()
-        assert err.value.code == "restart_only"
+    assert env.state_mode == "snapshot" and env.verification == "wait" and state["snapshot"] is None
+    assert env.apply(state, {"command": "true", "exit_code": 0, "snapshot": "ab" * 32})["snapshot"] == "ab" * 32
+    gone = env.apply(state, {"command": "sleep 9 &", "exit_code": 0, "snapshot": None, "unrestorable": "why"})
+    assert gone["snapshot"] is None and gone["unrestorable"] == "why"
+    with pytest.raises(ToolError) as err:
+        env.call_tool(state, "run", {"command": "true"})
+    assert err.value.code == "live_only"
 
 
 def test_sandbox_live_session_runs_commands_and_keeps_its_shell_state() -> None:

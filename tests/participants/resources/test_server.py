@@ -175,7 +175,7 @@ async def test_prepare_waits_for_no_mutation_then_refuses_new_ones_but_serves_re
     assert lock.locked() and not participant.admission_open
     lock.release()
     assert status == 200 and report["ready"] and report["phase"] == "prepared"
-    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0, "replay": 0}
+    assert report["counts"] == {"sessions": 1, "stateless": 0, "exported": 1, "restart_only": 0, "replay": 0, "snapshot": 0}
 
     head = await store.head()
     status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
@@ -192,7 +192,8 @@ async def test_prepare_waits_for_no_mutation_then_refuses_new_ones_but_serves_re
     assert status == 200 and reply["revision"] == 1
 
 
-async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served, store: MemoryEventStore) -> None:
+@pytest.mark.usefixtures("restart_only_live")
+async def test_prepare_reports_live_restart_only_sessions_as_restarts(served: Served, store: MemoryEventStore) -> None:
     http, _ = served
     for rid in ("sb", "bj", "m"):
         await start(store, rid)
@@ -206,7 +207,7 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
         status, report = await control(http, "prepare")
         assert status == 200 and report["ready"]
         assert report["restarts"] == [{"rollout_id": "sb", "attempt": 0}]
-        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1, "replay": 0}
+        assert report["counts"] == {"sessions": 3, "stateless": 1, "exported": 1, "restart_only": 1, "replay": 0, "snapshot": 0}
         # The live shell's command is still on the log, even though it can never be replayed.
         mutation = (await store.read_stream(session_stream("sb", 0)))[1]
         assert mutation.kind == "mutation_applied" and mutation.data["effect"]["command"].startswith("X=41")
@@ -216,7 +217,8 @@ async def test_prepare_reports_live_sandbox_sessions_as_restarts(served: Served,
     assert await kinds(store, session_stream("sb", 0)) == ["session_opened", "mutation_applied", "session_closed"]
 
 
-async def test_a_fresh_process_reports_the_sandbox_sessions_its_dead_predecessor_held_as_restarts(
+@pytest.mark.usefixtures("restart_only_live")
+async def test_a_fresh_process_reports_the_restart_only_sessions_its_dead_predecessor_held_as_restarts(
     database: MemoryBacking, store: MemoryEventStore
 ) -> None:
     # A killed resources server takes its live shells with it; the log still has their sessions open.
@@ -400,6 +402,7 @@ async def test_restore_with_one_corrupt_session_stages_nothing(database: MemoryB
         assert st["phase"] == "idle"
 
 
+@pytest.mark.usefixtures("restart_only_live")
 async def test_restore_refuses_a_restart_only_session_in_scope(database: MemoryBacking, store: MemoryEventStore) -> None:
     async with serving(database, "resources-a") as (http, _):
         await start(store, "sb")
