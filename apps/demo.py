@@ -36,6 +36,7 @@ from participants.base.observability import METRICS_PATH
 from participants.environments.tasks import make_tasks
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
+SANDBOX_WAIT_S = 10.0  # how long the checkpoint waits for sandbox sessions to have files
 
 
 class Progress:
@@ -117,8 +118,12 @@ async def _checkpointed(session: aiohttp.ClientSession, config: cfg.Config, stor
     dispatch = asyncio.create_task(collection.dispatch(session))
     # Take the checkpoint while rollouts are mid-turn: once a quarter has finished and the others
     # have changed their environments often enough that continuing (not restarting) matters.
+    # Sandbox sessions are waited for until each has run a command or two (a few seconds at most), so
+    # what continues is a tree, a directory and an environment, not an empty jail.
+    deadline = time.monotonic() + SANDBOX_WAIT_S
     while not dispatch.done():
-        if len(collection.finished) >= max(1, len(tasks) // 4) and await _mutations(store, run) >= len(tasks) // 4:
+        if (len(collection.finished) >= max(1, len(tasks) // 4) and await _mutations(store, run) >= len(tasks) // 4
+                and (time.monotonic() > deadline or not await _sandboxes_without_files(store, run))):
             break
         await asyncio.sleep(0.05)
     await _a_call_to_cut(session, config)
@@ -153,6 +158,17 @@ async def _a_call_to_cut(session: aiohttp.ClientSession, config: cfg.Config, wai
         await asyncio.sleep(0.01)
 
 
+async def _sandboxes_without_files(store: PostgresEventStore, run: str) -> int:
+    """Sandbox rollouts of the run, unfinished, whose session has run fewer than two commands."""
+    async with store.engine.connect() as conn:
+        return int((await conn.execute(text(
+            "SELECT count(*) FROM rollbook.events o WHERE o.kind = :opened AND o.data->>'env' = 'sandbox' "
+            "AND o.rollout_id LIKE :p AND NOT EXISTS (SELECT 1 FROM rollbook.attempts a WHERE a.rollout_id = o.rollout_id "
+            "AND a.status = 'finished') AND (SELECT count(*) FROM rollbook.events m WHERE m.stream = o.stream "
+            "AND m.kind = :mutation) < 2"),
+            {"p": like_prefix(f"{run}-"), "opened": ev.SESSION_OPENED, "mutation": ev.MUTATION_APPLIED})).scalar_one())
+
+
 async def _mutations(store: PostgresEventStore, run: str) -> int:
     async with store.engine.connect() as conn:
         return int((await conn.execute(text(
@@ -179,6 +195,7 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
             "SELECT count(*) FROM rollbook.attempts a JOIN rollbook.checkpoints c ON c.checkpoint_id = :ck "
             "WHERE a.rollout_id LIKE :p AND a.status = 'finished' AND a.ended_position <= c.log_position",
             ck=crashed["checkpoint_id"], p=like_prefix(f"{run}-c-"))
+        sandbox = dict((await conn.execute(text(SANDBOX_DISPOSITIONS), {"ck": crashed["checkpoint_id"]})).all())
         twice = await scalar("SELECT count(*) FROM (SELECT rollout_id FROM rollbook.attempts WHERE status = 'finished' "
                              "AND rollout_id LIKE :p GROUP BY rollout_id HAVING count(*) > 1) t", p=like_prefix(f"{run}-"))
     return {
@@ -186,6 +203,8 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
         "completed_before_checkpoint": completed_before,
         "continued": crashed["continued"],
         "restarted": crashed["restarted"],
+        "sandbox_continued": int(sandbox.get("continue", 0)),
+        "sandbox_restarted": int(sandbox.get("fresh_dispatch", 0)),
         "mean_reward_checkpointed": round(statistics.fmean(c), 4) if c else None,
         "mean_reward_uninterrupted": round(statistics.fmean(u), 4) if u else None,
         "repeated_model_calls": int(repeated_calls),
@@ -199,6 +218,15 @@ async def _summary(store: PostgresEventStore, run: str, crashed: dict[str, Any],
     }
 
 
+# The checkpoint's continued and restarted rollouts that held a sandbox session: a continued one goes on in
+# a fresh jail rebuilt from its snapshot; a restarted one had a process running in the background.
+SANDBOX_DISPOSITIONS = f"""
+SELECT r.disposition, count(*) FROM rollbook.checkpoint_rollouts r
+WHERE r.checkpoint_id = :ck AND r.disposition IN ('continue', 'fresh_dispatch') AND EXISTS (
+  SELECT 1 FROM rollbook.events e WHERE e.rollout_id = r.rollout_id AND e.kind = '{ev.SESSION_OPENED}'
+  AND e.data->>'env' = 'sandbox')
+GROUP BY r.disposition
+"""
 # A generated model call of a later attempt whose turn an earlier attempt had already completed
 # before the boundary the later one continued from.
 REPEATED_CALLS = f"""
@@ -232,7 +260,9 @@ def _table(s: dict[str, Any]) -> str:
         ("rollouts", s["rollouts"], s["rollouts"]),
         ("finished before the checkpoint", s["completed_before_checkpoint"], "-"),
         ("continued from their boundary", s["continued"], "-"),
+        ("  of them sandbox sessions, in a fresh jail", s["sandbox_continued"], "-"),
         ("restarted (fresh_dispatch)", s["restarted"], "-"),
+        ("  of them sandbox sessions (a background process)", s["sandbox_restarted"], "-"),
         ("mean reward", s["mean_reward_checkpointed"], s["mean_reward_uninterrupted"]),
         ("model calls repeated after restore", s["repeated_model_calls"], "-"),
         ("mutations repeated after restore", s["repeated_mutations"], "-"),

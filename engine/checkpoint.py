@@ -213,9 +213,13 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key] | N
     # boundary): its own row says so, and it is completed, not continued.
     rows = {**await store.running_attempts(position, run), **await store.attempt_rows(sorted({r for r, _ in scope or ()}))}
     live, finished = attempts_at(rows, position)
+    # What the log says cannot be rebuilt at its boundary restarts too, whoever reported it (a live
+    # session whose last command left a process in the background, say).
+    boundaries = await store.latest_boundaries(sorted(set(live) - set(finished)), position, BOUNDARY_KINDS)
+    restarts = sorted(set(restarts) | set(await store.restart_only_at(boundaries)))
     if scope is None:
         scope = sorted(set(live) - set(finished) - set(restarts))
-    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run)
+    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run, boundaries)
 
 
 async def make_online_cut(store: CutStore, checkpoint_id: str, run: str | None = None) -> Cut:

@@ -24,6 +24,9 @@ from .arithmetic import evaluate
 MATH_SLIP = 0.2
 STRING_SLIP = 0.1
 WORKPLACE_SLIP = 0.12
+# The share of sandbox episodes that keep a watcher running in the background, as a coding agent keeps a
+# dev server or a test watcher: no boundary of theirs has a snapshot, so they restart rather than continue.
+SANDBOX_WATCHER = 0.25
 
 
 @dataclass(frozen=True)
@@ -142,15 +145,17 @@ def _string(prompt: str, chance: float) -> Answer:
 # -- sandbox -----------------------------------------------------------------------
 
 
-def _sandbox(prompt: str, history: list[Step]) -> Call | Answer:
+def _sandbox(prompt: str, history: list[Step], watcher: bool = False) -> Call | Answer:
     """A small coding episode, so that a continued session needs its files, directory and environment:
-    write the input, set the tool in the environment, write a check script, edit it, run it."""
+    write the input, set the tool in the environment, write a check script, edit it, run it; with
+    `watcher`, a process left running in the background from the first command on."""
     m = re.search(r"the string '(.*?)'", prompt)
     text = m.group(1) if m else ""
     digest = "sha-256" in prompt.lower()
     steps = [
         f"mkdir -p task && cd task && printf '%s' {shlex.quote(text)} > input.txt && "
-        f"export CHECK={shlex.quote('sha256sum' if digest else 'wc -c')}",
+        f"export CHECK={shlex.quote('sha256sum' if digest else 'wc -c')}"
+        + (" && { sleep 3600 >/dev/null 2>&1 & }" if watcher else ""),
         "printf '%s\\n' '#!/bin/sh' 'cat input.txt | $CHECK' > check.sh && chmod 755 check.sh",
         "sed -i 's/^cat input.txt/cat -- input.txt/' check.sh",
         "./check.sh",
@@ -315,7 +320,8 @@ def _math_move(prompt: str, history: list[Step], tools: list[dict], seed: int) -
 
 
 BLACKJACK = Player(10, lambda names, prompt: {"hit", "stand"} <= names, lambda prompt, h, tools, seed: _blackjack(h))
-SANDBOX = Player(20, lambda names, prompt: "run" in names, lambda prompt, h, tools, seed: _sandbox(prompt, h))
+SANDBOX = Player(20, lambda names, prompt: "run" in names,
+                 lambda prompt, h, tools, seed: _sandbox(prompt, h, _chance(seed, prompt, "sandbox") < SANDBOX_WATCHER))
 WORKPLACE = Player(30, lambda names, prompt: bool({"send_email", "update_deal", "create_event"} & names),
                    lambda prompt, h, tools, seed: _workplace(prompt, h, tools, _chance(seed, prompt, "workplace")))
 MATH = Player(40, lambda names, prompt: _MATH_PROMPT.search(prompt) is not None, _math_move)

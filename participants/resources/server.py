@@ -521,8 +521,10 @@ class ResourcesParticipant(Participant):
         # refused (`restart_in_scope`). One another live instance holds is that instance's to report.
         lost = await orphaned_sessions(self, [key for key, env in (await self.store.open_sessions()).items()
                                               if key not in self.sessions and restart_only(env)])
+        # So is a live session whose last command left no snapshot (a process still in the background).
         restarts = [Execution(rollout_id=r, attempt=a) for r, a in sorted(
-            lost | {(s.rollout_id, s.attempt) for s in sessions if s.env.state_mode == "restart_only"})]
+            lost | {(s.rollout_id, s.attempt) for s in sessions
+                    if s.env.state_mode == "restart_only" or (isinstance(s.state, dict) and s.state.get("unrestorable"))})]
         return PrepareReport(ready=not blockers, blockers=blockers, counts=counts, restarts=restarts)
 
     async def restore(self, cut: Cut) -> dict[str, Any]:

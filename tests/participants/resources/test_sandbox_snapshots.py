@@ -8,8 +8,9 @@ import pytest
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
-from engine.checkpoint import install_request
-from engine.identity import session_stream
+from engine.checkpoint import install_request, make_cut
+from engine.events import AppendRequest, NewEvent
+from engine.identity import agent_stream, session_stream
 from tests.resources_harness import call, checkpoint, control, open_session, prefix, serving, start, tool
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,6 +67,15 @@ async def test_a_background_process_at_the_boundary_makes_the_rollout_restart_wi
         assert await store.restart_only_at({("bg", 0): await store.head()}) == []
         assert await store.restart_only_at({("bg", 0): head}) == [("bg", 0)]  # the boundary of then still is not
         await run(http, "bg", "sleep 60 &")
+        # A paused checkpoint now: the server reports the session as a restart, and the cut, reading the
+        # log at the rollout's boundary, dispatches it afresh even with no report.
+        status, report = await control(http, "prepare", "ck-bg")
+        assert status == 200 and report["restarts"] == [{"rollout_id": "bg", "attempt": 0}], report
+        await control(http, "resume", "ck-bg")
+        await store.append(AppendRequest((NewEvent(agent_stream("bg", 0), "agent_boundary", {"state": "after_turn"},
+                                                   "bg", 0),)))
+        cut = await make_cut(store, "ck-bg", None, [], run=None)
+        assert cut.scope == () and cut.fresh == (("bg", 0),)
     async with serving(dsn, "resources-b") as (http, _):
         status, reply = await tool(http, "bg", "run", {"command": "cat f"})
     assert (status, reply["error"]["code"]) == (409, "attempt_lost")

@@ -20,6 +20,7 @@ from apps.stack import MemoryBacking
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import install_request, retired_since
 from engine.control import retire_events
+from engine.errors import RestartInScope
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import rollout_stream, session_stream
 from participants.base.wire import CONTROL
@@ -403,12 +404,17 @@ async def test_restore_with_one_corrupt_session_stages_nothing(database: MemoryB
 
 
 @pytest.mark.usefixtures("restart_only_live")
-async def test_restore_refuses_a_restart_only_session_in_scope(database: MemoryBacking, store: MemoryEventStore) -> None:
+async def test_restore_refuses_a_restart_only_session_in_scope(database: MemoryBacking, store: MemoryEventStore,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     async with serving(database, "resources-a") as (http, _):
         await start(store, "sb")
         await open_session(http, "sb", "sandbox", 4)
         try:
             await tool(http, "sb", "run", {"command": "cd /tmp"})
+            with pytest.raises(RestartInScope):  # the cut reads the log's rule and refuses to scope it
+                await checkpoint(store, "ck0", {"sb": 1})
+            # A cut committed without that rule (an older rollbook's) is refused again at restore.
+            monkeypatch.setattr(store, "restart_only_at", lambda boundaries: asyncio.sleep(0, []))
             await checkpoint(store, "ck1", {"sb": 1})
         finally:
             await call(http, "POST", f"{prefix('sb', 0)}/close")
