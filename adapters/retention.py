@@ -34,7 +34,13 @@ a day by default, never under MIN_KEY_RETENTION_S):
    cut prefix it continues, of a captured entry, anywhere in the data) and no token snapshot lists
    them. Such a blob is what a write left behind when the append that was to name it was refused or
    never came (a fenced call's outcome, a crash between a put and its event), or what the events
-   and snapshots dropped above named.
+   and snapshots dropped above named;
+5. sandbox snapshot blobs (rollbook.file_blobs, engine.file_blobs) that nothing names: no kept
+   `mutation_applied` names the manifest (its effect's `snapshot`) and no named blob names it (a
+   manifest names its files and the full manifest it is a delta of). A live, kept or unexported
+   attempt keeps its session's events (1), and so its snapshots' blobs; what only dropped events
+   named goes. The same age rule as token blobs: a writer puts a snapshot's blobs right before the
+   event that names them, and putting a blob again makes it new.
 
 Holes in positions. Dropping events leaves positions that no row holds. Every reader stays correct
 with them: `read_all` and `subscribe` select `position > after` in order (a hole is an event they
@@ -173,6 +179,23 @@ _DROP_BLOBS = (
 )
 
 
+# Every manifest a session's change names (its effect's `snapshot`), and every blob a named blob names
+# (a manifest's files and the manifest it is a delta of), recursively.
+_NAMED_FILES = (
+    "WITH RECURSIVE named(digest) AS ("
+    f" SELECT e.data->'effect'->>'snapshot' FROM rollbook.events e WHERE e.kind = '{ev.MUTATION_APPLIED}'"
+    " AND e.data->'effect'->>'snapshot' IS NOT NULL"
+    " UNION SELECT unnest(b.names) FROM rollbook.file_blobs b JOIN named n ON b.digest = n.digest)"
+)
+_DROP_FILE_BLOBS = (
+    f"{_NAMED_FILES}, "
+    "unnamed AS (SELECT b.digest FROM rollbook.file_blobs b WHERE b.written_at < now() - make_interval(secs => :s) "
+    "AND NOT EXISTS (SELECT 1 FROM named n WHERE n.digest = b.digest) LIMIT :n) "
+    "DELETE FROM rollbook.file_blobs b USING unnamed u WHERE b.digest = u.digest "
+    "AND b.written_at < now() - make_interval(secs => :s) RETURNING length(b.content)"
+)
+
+
 @dataclass(frozen=True)
 class Retained:
     """What one run of retention dropped."""
@@ -188,6 +211,8 @@ class Retained:
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
     deferred_by: str | None = None  # a checkpoint started or prepared: no event or snapshot was dropped
     longest_hold_s: float = 0.0  # the longest a batch held the log head: what an append waited at most
+    file_blobs: int = 0  # sandbox snapshot blobs (files and manifests) nothing names any more
+    file_bytes: int = 0
 
 
 @dataclass
@@ -216,11 +241,17 @@ async def retain(store: PostgresEventStore, older_than_s: float = DEFAULT_KEY_RE
     keys = await store.prune_append_keys(older_than_s, batch)
     blobs = size = 0
     while True:
-        sizes = await _drop_blob_batch(store, older_than_s, batch)
+        sizes = await _drop_blob_batch(store, older_than_s, batch, _DROP_BLOBS)
         blobs, size = blobs + len(sizes), size + sum(sizes)
         if len(sizes) < batch:
+            break
+    files = file_size = 0
+    while True:
+        sizes = await _drop_blob_batch(store, older_than_s, batch, _DROP_FILE_BLOBS)
+        files, file_size = files + len(sizes), file_size + sum(sizes)
+        if len(sizes) < batch:
             return Retained(keys, blobs, size, older_than_s, dropped.events, dropped.bytes, dropped.attempts,
-                            snapshots, keep_checkpoints, deferred_by, round(dropped.longest_hold_s, 3))
+                            snapshots, keep_checkpoints, deferred_by, round(dropped.longest_hold_s, 3), files, file_size)
 
 
 @retrying("dropping events")  # decided again on every try: safe to repeat
@@ -277,8 +308,8 @@ async def _drop_snapshots(store: PostgresEventStore, keep: int) -> int:
         return int((await conn.execute(text(_DROP_SNAPSHOTS), {"keep": keep})).rowcount)
 
 
-@retrying("dropping token blobs")  # deleting unnamed old rows is safe to repeat
-async def _drop_blob_batch(store: PostgresEventStore, older_than_s: float, batch: int) -> list[int]:
+@retrying("dropping blobs")  # deleting unnamed old rows is safe to repeat
+async def _drop_blob_batch(store: PostgresEventStore, older_than_s: float, batch: int, sql: str) -> list[int]:
     async with store.engine.begin() as conn:
-        rows = await conn.execute(text(_DROP_BLOBS), {"s": older_than_s, "n": batch})
+        rows = await conn.execute(text(sql), {"s": older_than_s, "n": batch})
         return [int(r[0] or 0) for r in rows]

@@ -213,8 +213,7 @@ async def make_cut(store: CutStore, checkpoint_id: str, scope: Sequence[Key] | N
     # boundary): its own row says so, and it is completed, not continued.
     rows = {**await store.running_attempts(position, run), **await store.attempt_rows(sorted({r for r, _ in scope or ()}))}
     live, finished = attempts_at(rows, position)
-    # What the log says cannot be rebuilt at its boundary restarts too, whoever reported it (a live
-    # session whose last command left a process in the background, say).
+    # What the log says cannot be rebuilt at its boundary restarts too, whoever reported it.
     boundaries = await store.latest_boundaries(sorted(set(live) - set(finished)), position, BOUNDARY_KINDS)
     restarts = sorted(set(restarts) | set(await store.restart_only_at(boundaries)))
     if scope is None:
@@ -243,9 +242,8 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, run: str | None =
 def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
     """Whether an attempt (its own events, in log order) cannot be continued from `boundary`: a
     resources session of a restart-only environment is open there, or an activation is in progress
-    there on an agent that cannot continue one. The rule of CutStore.restart_only_at, which the
-    PostgreSQL store answers in one query: a session is one that cannot be rebuilt there as
-    engine.sessions.open_session_restart says."""
+    there on an agent that cannot continue one. The rule of CutStore.restart_only_at (one query on
+    PostgreSQL); the session's rule is engine.sessions.open_session_restart."""
     before = [e for e in own if e.position <= boundary]
     continuable = True
     for e in before:

@@ -160,8 +160,8 @@ class NotABoundary(RollbookError):
 
 
 class RestartOnlyBoundary(RollbookError):
-    """A fork's boundary holds a live restart-only session (the sandbox): its state cannot be rebuilt
-    for another rollout, so nothing is written."""
+    """A fork's boundary holds a live session that cannot be rebuilt there (a restart-only
+    environment's, or a sandbox session with no snapshot at it): nothing is written."""
 
     code = "restart_only_boundary"
     status = 409
@@ -260,8 +260,9 @@ class DatabaseUnavailable(RollbookError):
 
 
 class AttemptLost(RollbookError):
-    """A part of a live attempt cannot continue (its sandbox process or an unrecorded model call
-    died with a server). The attempt's driver restarts that rollout alone under a new attempt."""
+    """A part of a live attempt cannot continue (a live session no snapshot rebuilds, or an
+    unrecorded model call, died with a server). The attempt's driver restarts that rollout alone
+    under a new attempt."""
 
     code = "attempt_lost"
     status = 409

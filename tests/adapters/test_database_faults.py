@@ -196,11 +196,11 @@ READS = {
     "latest_boundaries": ([("r", 0)], 1, ["agent_boundary"]), "rollout_heads_at": (["r"], 1),
     "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
     "fence_position": (), "attempt_status": ("r", 0), "attempt_reading": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),
-    "session_snapshots": ({"s": 1},),
+    "session_snapshots": ({"s": 1},), "get_blobs": (["ab" * 32],),
 }
 NOT_READS = {"append", "carry", "close", "subscribe", "rebuild_projections", "connect",
              "prune_append_keys",  # maintenance: each of its batches is retried
-             "put_session_snapshots"}  # a write, retried like a read (an insert that keeps a row already there)
+             "put_session_snapshots", "put_blobs"}  # a write, retried like a read (an insert that keeps a row already there)
 
 
 def test_the_list_of_reads_covers_every_public_method_of_the_store() -> None:

@@ -143,3 +143,46 @@ async def test_rollbook_db_retain_runs_while_a_store_appends_and_says_what_it_fr
         assert await asyncio.to_thread(cli.main, ["db", "retain", "--dsn", dsn, "--older-than-s", "5"]) == 2
     finally:
         await store.close()
+
+
+async def test_retention_drops_the_sandbox_blobs_no_kept_event_names_and_a_kept_session_still_continues(dsn: str) -> None:
+    """Two sandbox rollouts on the real jail: `keep`'s attempt is live, `gone`'s was fenced (a later
+    attempt superseded it), so its events go, and with them the only names of its files' blobs. A
+    blob put whose event never came (`orphan`) goes too; everything `keep` needs stays, and a fresh
+    server continues `keep` from it."""
+    from engine import catalog as ev
+    from engine.events import NewEvent
+    from engine.file_blobs import Blob
+    from engine.identity import rollout_stream
+    from tests.resources_harness import open_session, serving, start, tool
+
+    store = PostgresEventStore.connect(dsn, writer="test")
+    try:
+        for rid in ("keep", "gone"):
+            await start(store, rid)
+        async with serving(dsn, "resources-a") as (http, _):
+            for rid in ("keep", "gone"):
+                await open_session(http, rid, "sandbox", 1)
+                status, _ = await tool(http, rid, "run", {"command": f"mkdir d && cd d && echo {rid}-content > f"})
+                assert status == 200
+        await store.append(AppendRequest((NewEvent(rollout_stream("gone"), ev.ATTEMPT_FENCED, {"reason": "recovery"},
+                                                   "gone", 0),)))
+        await store.put_blobs([Blob(b"orphan: a put whose event never came")])
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE rollbook.events SET recorded_at = now() - interval '2 days'")
+            conn.execute("UPDATE rollbook.file_blobs SET written_at = now() - interval '2 days'")
+            before = {bytes(r[0]) for r in conn.execute("SELECT content FROM rollbook.file_blobs")}
+        assert {b"keep-content\n", b"gone-content\n", b"orphan: a put whose event never came"} <= before
+
+        done = await retain(store, older_than_s=3600)
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            after = {bytes(r[0]) for r in conn.execute("SELECT content FROM rollbook.file_blobs")}
+        assert b"keep-content\n" in after
+        assert b"gone-content\n" not in after and b"orphan: a put whose event never came" not in after
+        assert done.file_blobs == len(before) - len(after) >= 3  # the orphan, gone's file and its manifest
+        async with serving(dsn, "resources-b") as (http, _):
+            status, reply = await tool(http, "keep", "run", {"command": "pwd; cat f"})
+        assert status == 200 and reply["output"]["output"] == "/home/sandbox/d\nkeep-content\n"
+    finally:
+        await store.close()

@@ -6,7 +6,8 @@
 - forks SIGKILLed mid-episode finish exactly once after the servers restart and the same command is
   run again; forks in a checkpoint's scope are restored from it after a SIGKILL and finish once;
 - every refusal (unknown rollout or attempt, a position that is no boundary, a count out of range,
-  a restart-only session, a group holding other forks) writes nothing;
+  a session no snapshot holds, a group holding other forks) writes nothing;
+- forks of a sandbox boundary each continue in a jail of their own, rebuilt from the boundary's snapshot;
 - `rollbook export` carries each fork's origin and masks the turns it did not generate.
 """
 
@@ -268,10 +269,30 @@ async def test_forks_in_a_checkpoints_scope_are_restored_after_a_sigkill_and_fin
         await check_shared_prefix(c, i)
 
 
+async def test_forks_of_a_sandbox_boundary_each_continue_from_its_snapshot_in_a_jail_of_their_own(cluster_factory) -> None:
+    c = await cluster_factory()
+    origin = await origin_rollout(c, "fb", env="sandbox", seed=15)
+    at = await mid_episode(c, origin)  # after the first command: a folder, a file and an exported variable
+    out = await fork(c, origin, 0, at, 2)
+    ids = [f["rollout_id"] for f in out["forks"]]
+    assert [f["status"] for f in out["forks"]] == ["finished"] * 2, out
+    # Each fork ran the episode's later commands (its script, its edit, its check) against the origin's
+    # tree, directory and environment, and got the origin's answer.
+    (reward,) = [r.reward for r in await c.rows("SELECT reward FROM rollbook.attempts WHERE rollout_id = :r", r=origin)]
+    assert reward == 1.0 and all(f["reward"] == reward for f in out["forks"]), out
+    for i in ids:
+        await check_shared_prefix(c, i)
+        own = await c.rows("SELECT data FROM rollbook.episode_history WHERE rollout_id = :f AND kind = 'mutation_applied' "
+                           "ORDER BY position", f=i)
+        assert [r.data["revision"] for r in own] == [2, 3, 4] and all(r.data["effect"]["snapshot"] for r in own)
+        assert own[-1].data["output"]["exit_code"] == 0
+
+
 async def test_every_refused_fork_writes_nothing(cluster_factory) -> None:
     c = await cluster_factory()
     origin = await origin_rollout(c, "fn", seed=15)
-    boxed = await origin_rollout(c, "fs", env="sandbox", seed=15)
+    # Its scripted episode keeps a watcher in the background from its first command: no snapshot after it.
+    boxed = await origin_rollout(c, "fs", env="sandbox", seed=11)
     at = await mid_episode(c, origin)
     first = await fork(c, origin, 0, at, 1, "--group", "taken")
     start = await c.scalar("SELECT position FROM rollbook.episode_history WHERE rollout_id = :r AND "

@@ -171,16 +171,29 @@ async def test_killing_everything_before_any_checkpoint_then_dispatching_again_f
     redone = await c.rows("SELECT rollout_id FROM rollbook.episode_history WHERE rollout_id = ANY(:r) AND position > :h",
                           r=sorted(finished_before), h=head)
     assert not redone, f"rollouts finished before the crash ran again: {redone}"
-    # A sandbox session cannot outlive its process: those rollouts alone started over, recorded.
+    # A sandbox session outlives its process as the snapshot of its last command: those rollouts go on in a
+    # fresh jail under the same attempt. Only one whose last command left a process in the background
+    # (the scripted watcher) has no snapshot, and starts over with that reason recorded.
     sandbox = {coll.rollout_id(i) for i, t in enumerate(tasks) if t.env == "sandbox"} - finished_before
-    fresh = {r.rollout_id for r in await c.rows(
-        "SELECT rollout_id FROM rollbook.episode_history WHERE kind = 'rollout_recovered' AND rollout_id LIKE 'all-%' "
+    recovered = {r.rollout_id: r for r in await c.rows(
+        "SELECT rollout_id, data FROM rollbook.episode_history WHERE kind = 'rollout_recovered' AND rollout_id LIKE 'all-%' "
         "AND data->>'disposition' = 'fresh_dispatch'")}
-    opened = {r.rollout_id for r in await c.rows(  # sessions still open (not verified and closed) at the crash
-        "SELECT DISTINCT o.rollout_id FROM rollbook.episode_history o WHERE o.kind = 'session_opened' "
-        "AND o.rollout_id = ANY(:r) AND o.position <= :h AND NOT EXISTS (SELECT 1 FROM rollbook.episode_history x "
-        "WHERE x.stream = o.stream AND x.kind = 'session_closed' AND x.position <= :h)", r=sorted(sandbox), h=head)}
-    assert opened <= fresh, f"sandbox rollouts with a lost session that were not restarted: {opened - fresh}"
+    last = {r.rollout_id: r.unrestorable for r in await c.rows(  # each session still open at the crash: its last change
+        "SELECT DISTINCT ON (o.rollout_id) o.rollout_id, m.data->>'unrestorable' AS unrestorable "
+        "FROM rollbook.episode_history o LEFT JOIN rollbook.episode_history m ON m.stream = o.stream "
+        "AND m.kind = 'mutation_applied' AND m.position <= :h WHERE o.kind = 'session_opened' AND o.rollout_id = ANY(:r) "
+        "AND o.position <= :h AND NOT EXISTS (SELECT 1 FROM rollbook.episode_history x WHERE x.stream = o.stream "
+        "AND x.kind = 'session_closed' AND x.position <= :h) ORDER BY o.rollout_id, m.position DESC NULLS LAST",
+        r=sorted(sandbox), h=head)}
+    unrestorable = {r for r, why in last.items() if why}
+    # One that needed no further command (only its verify was left) simply finishes; any other restarted.
+    went_on = {r.rollout_id for r in await c.rows(
+        "SELECT DISTINCT rollout_id FROM rollbook.episode_history WHERE kind = 'mutation_applied' AND attempt = 0 "
+        "AND rollout_id = ANY(:r) AND position > :h", r=sorted(unrestorable), h=head)}
+    assert not went_on, f"sandbox sessions with no snapshot ran a command again in a fresh jail: {went_on}"
+    assert all("background" in recovered[r].data["reason"] for r in unrestorable & set(recovered))
+    kept = set(last) - unrestorable
+    assert not kept & set(recovered), f"sandbox rollouts with a snapshot that started over: {kept & set(recovered)}"
 
 
 # ---- the database restarts under a running collection ------------------------------------------------

@@ -82,20 +82,24 @@ async def test_a_background_process_at_the_boundary_makes_the_rollout_restart_wi
     assert "background" in reply["error"]["detail"] and reply["error"]["context"]["lost"] == "session"
 
 
-async def test_a_tampered_blob_is_caught_and_the_rollout_restarts(dsn: str, store: PostgresEventStore) -> None:
+@pytest.mark.parametrize("how, said", [
+    ("UPDATE rollbook.file_blobs SET content = convert_to('forged content', 'UTF8')", "does not match its digest"),
+    ("DELETE FROM rollbook.file_blobs", "is not in the blob store"),
+])
+async def test_a_tampered_or_missing_blob_is_caught_and_the_rollout_restarts(dsn: str, store: PostgresEventStore,
+                                                                            how: str, said: str) -> None:
     await start(store, "tb")
     async with serving(dsn, "resources-a") as (http, _):
         await open_session(http, "tb", "sandbox", 1)
         await run(http, "tb", "echo 'the real content' > notes.txt")
-    async with store.engine.begin() as conn:  # someone edits a file's blob in the database
+    async with store.engine.begin() as conn:  # someone edits or deletes a file's blob in the database
         changed = (await conn.execute(text(
-            "UPDATE rollbook.file_blobs SET content = convert_to('forged content', 'UTF8') "
-            "WHERE content = convert_to('the real content' || chr(10), 'UTF8')"))).rowcount
+            f"{how} WHERE content = convert_to('the real content' || chr(10), 'UTF8')"))).rowcount
     assert changed == 1
     async with serving(dsn, "resources-b") as (http, _):
         status, reply = await tool(http, "tb", "run", {"command": "cat notes.txt"})
     assert (status, reply["error"]["code"]) == (409, "attempt_lost")
-    assert "does not match its digest" in reply["error"]["detail"]
+    assert said in reply["error"]["detail"]
 
 
 async def test_a_restore_continues_from_the_boundary_tree_without_what_was_edited_after_the_cut(
