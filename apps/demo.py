@@ -36,7 +36,7 @@ from participants.base.observability import METRICS_PATH
 from participants.environments.tasks import make_tasks
 
 DEMO_ENVS = ["workplace", "blackjack", "math", "sandbox"]
-SANDBOX_WAIT_S = 10.0  # how long the checkpoint waits for sandbox sessions to have files
+SANDBOX_WAIT_S = 20.0  # how long the checkpoint waits for sandbox sessions to have files
 
 
 class Progress:
