@@ -253,14 +253,23 @@ def flat_row_task(row: dict[str, Any]) -> tuple[TaskId, GymTaskInput]:
     return TaskId(taskset=f"flat:{digest}", task_id=digest), task_input
 
 
-def flat_row_episode(row: dict[str, Any]) -> EpisodeRequest:
-    """The episode request a flat row stands for: its rollout id as NeMo Gym spells it
-    (`_ng_rollout_id`, else `<_ng_task_index>-<_ng_rollout_index>`), its attempt `_ng_attempt_index`."""
+def flat_row_rollout_id(row: dict[str, Any]) -> str | None:
+    """A flat row's rollout id as NeMo Gym spells it: `_ng_rollout_id`, else
+    `<_ng_task_index>-<_ng_rollout_index>`; None when it has neither."""
     rid = row.get("_ng_rollout_id")
-    if not isinstance(rid, str):
-        if "_ng_task_index" not in row or "_ng_rollout_index" not in row:
-            raise RolloutIdRequired("a flat row needs _ng_rollout_id, or _ng_task_index and _ng_rollout_index")
-        rid = f"{row['_ng_task_index']}-{row['_ng_rollout_index']}"
+    if isinstance(rid, str):
+        return rid
+    if "_ng_task_index" not in row or "_ng_rollout_index" not in row:
+        return None
+    return f"{row['_ng_task_index']}-{row['_ng_rollout_index']}"
+
+
+def flat_row_episode(row: dict[str, Any]) -> EpisodeRequest:
+    """The episode request a flat row stands for: its rollout id (flat_row_rollout_id), its attempt
+    `_ng_attempt_index`."""
+    rid = flat_row_rollout_id(row)
+    if rid is None:
+        raise RolloutIdRequired("a flat row needs _ng_rollout_id, or _ng_task_index and _ng_rollout_index")
     task_id, task_input = flat_row_task(row)
     return EpisodeRequest.model_validate({
         "episode_id": {"rollout_id": rid, "attempt": row.get("_ng_attempt_index", 0)},

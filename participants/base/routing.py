@@ -25,6 +25,9 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Any
+
+from participants.base.nemo_gym_rows import flat_row_rollout_id
 
 REFRESH_S = 1.0  # how stale the caller's view of the live instances may be
 EPISODE_ATTEMPT = 0  # the attempt an episode is routed under, whatever attempt it runs now
@@ -80,13 +83,26 @@ def request_key(method: str, path: str, body: bytes) -> tuple[str, int] | None:
     m = _EPISODE_PATH.match(path)
     if m:
         return m.group(1), EPISODE_ATTEMPT
-    if method == "POST" and path.rstrip("/") == "/episodes":
+    if method == "POST" and path.rstrip("/") in ("/episodes", "/run"):
         try:
-            rid = json.loads(body).get("rollout_id")
-        except (ValueError, AttributeError):
+            request = json.loads(body)
+        except ValueError:
             return None  # the worker that gets it refuses it with the right error
+        rid = _episode_rollout(request) if isinstance(request, dict) else None
         return (rid, EPISODE_ATTEMPT) if isinstance(rid, str) else None
     return None
+
+
+def _episode_rollout(request: dict[str, Any]) -> Any:
+    """The rollout an episode request names: rollbook's (`rollout_id`), NeMo Gym's episode request
+    (`episode_id.rollout_id`, the environment's `/run`) or its flat row (the agent's `/run`), so a
+    collector's episodes spread over the workers as rollbook's own do."""
+    if "rollout_id" in request:
+        return request["rollout_id"]
+    episode = request.get("episode_id")
+    if isinstance(episode, dict):
+        return episode.get("rollout_id")
+    return flat_row_rollout_id(request)
 
 
 __all__ = ["EPISODE_ATTEMPT", "Peers", "pick", "request_key"]

@@ -218,10 +218,11 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
     upstreams: list[subprocess.Popen[bytes]] = []
 
     async def make(token_latency_s: float = 0.006, upstream: bool = False, continuation: str = "vllm",
-                   derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None) -> Cluster:
+                   derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None,
+                   workers: dict[str, int] | None = None) -> Cluster:
         # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
-                                       progress_s=PROGRESS_E2E_S) for k in cfg.KINDS}
+                                       progress_s=PROGRESS_E2E_S, workers=(workers or {}).get(k, 1)) for k in cfg.KINDS}
         upstream_url = None
         if upstream:
             # The model server in front of a vLLM-style upstream (testkit/fake_vllm.py) in its own process,

@@ -221,36 +221,67 @@ async def test_ng_collect_rollouts_without_the_data_credential_is_refused_and_wr
         stop(head)
 
 
-async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
-        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
+async def start_collection(cluster: Cluster, tmp_path: Path, procs: list[subprocess.Popen[bytes]],
+                           out: Path) -> subprocess.Popen[bytes]:
+    """NeMo Gym's head server and legacy_agent, then `ng_collect_rollouts` over rows(), six at a time, into
+    `out`; each process is added to `procs` as it starts (the caller stops them)."""
     venv = gym_venv()
-    cluster = await cluster_factory(token_latency_s=0.02)  # ~0.5 s a model reply: the kill lands mid-rollout
     head_port, legacy_port = free_port(), free_port()
     (tmp_path / "gym.yaml").write_text(gym_config(cluster, head_port, legacy_port))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
     env = gym_env(cluster, tmp_path)
     overrides = [f"+config_paths=[{tmp_path / 'gym.yaml'}]"]
+    head = spawn([str(venv / "bin" / "python"), str(Path(__file__).with_name("nemo_gym_head.py")), *overrides],
+                 tmp_path / "head.log", tmp_path, env)
+    procs.append(head)
+    await asyncio.to_thread(wait_http, f"http://127.0.0.1:{head_port}/global_config_dict_yaml", head,
+                            tmp_path / "head.log", 300)
+    legacy_dir = next((venv / "lib").glob("python3.13/site-packages/environment_servers/legacy_agent"))
+    legacy = spawn([str(venv / "bin" / "python"), "app.py"], tmp_path / "legacy_agent.log", legacy_dir,
+                   {**env, "NEMO_GYM_CONFIG_DICT": (tmp_path / "resolved.yaml").read_text(),
+                    "NEMO_GYM_CONFIG_PATH": "rollbook_legacy_environment"})
+    procs.append(legacy)
+    await asyncio.to_thread(wait_http, f"http://127.0.0.1:{legacy_port}/docs", legacy, tmp_path / "legacy_agent.log", 300)
+    collector = spawn([str(venv / "bin" / "ng_collect_rollouts"), *overrides,
+                       f"+input_jsonl_fpath={tmp_path / 'rows.jsonl'}", f"+output_jsonl_fpath={out}",
+                       "+num_samples_in_parallel=6"], tmp_path / "collector.log", tmp_path, env)
+    procs.append(collector)
+    return collector
+
+
+async def test_ng_collect_rollouts_is_served_by_every_worker_of_a_server_with_workers(
+        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
+    """`workers = 2` for the environment and agent servers: the collector's `/run` requests (materialized
+    rows to the environment, flat rows through legacy_agent to the agent) spread over both workers of
+    each, as rollbook's own episodes do; the episodes a worker starts are its writes in the log."""
+    cluster = await cluster_factory(workers={"environment": 2, "agent": 2})
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        head = spawn([str(venv / "bin" / "python"), str(Path(__file__).with_name("nemo_gym_head.py")), *overrides],
-                     tmp_path / "head.log", tmp_path, env)
-        procs.append(head)
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{head_port}/global_config_dict_yaml", head,
-                                tmp_path / "head.log", 300)
-        legacy_dir = next((venv / "lib").glob("python3.13/site-packages/environment_servers/legacy_agent"))
-        legacy = spawn([str(venv / "bin" / "python"), "app.py"], tmp_path / "legacy_agent.log", legacy_dir,
-                       {**env, "NEMO_GYM_CONFIG_DICT": (tmp_path / "resolved.yaml").read_text(),
-                        "NEMO_GYM_CONFIG_PATH": "rollbook_legacy_environment"})
-        procs.append(legacy)
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{legacy_port}/docs", legacy,
-                                tmp_path / "legacy_agent.log", 300)
+        out = tmp_path / "out" / "rollouts.jsonl"
+        collector = await start_collection(cluster, tmp_path, procs, out)
+        rc = await asyncio.to_thread(collector.wait, 900)
+        assert rc == 0, (tmp_path / "collector.log").read_text()[-4000:]
+        written = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(written) == len(rows()) and all(isinstance(r["reward"], float) for r in written)
+        starts = await cluster.rows("SELECT writer, count(*) AS n FROM rollbook.events WHERE kind = 'episode_started' "
+                                    "GROUP BY writer")
+        workers = await cluster.rows("SELECT instance FROM rollbook.participants WHERE kind = 'environment' "
+                                     "AND parent IS NOT NULL")
+        assert len(workers) == 2 and {r.writer for r in starts} == {w.instance for w in workers}, (starts, workers)
+        assert await cluster.scalar(FINISHED_NOT_ONCE) == 0
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
 
+
+async def test_ng_collect_rollouts_survives_a_sigkill_of_rollbooks_servers(
+        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
+    cluster = await cluster_factory(token_latency_s=0.02)  # ~0.5 s a model reply: the kill lands mid-rollout
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
         out = tmp_path / "out" / "rollouts.jsonl"
         t0 = time.monotonic()
-        collector = spawn([str(venv / "bin" / "ng_collect_rollouts"), *overrides,
-                           f"+input_jsonl_fpath={tmp_path / 'rows.jsonl'}", f"+output_jsonl_fpath={out}",
-                           "+num_samples_in_parallel=6"], tmp_path / "collector.log", tmp_path, env)
-        procs.append(collector)
+        collector = await start_collection(cluster, tmp_path, procs, out)
         total = len(rows())
 
         async def mid_collection() -> bool:

@@ -34,6 +34,23 @@ def test_a_request_is_keyed_by_its_rollout_attempt_an_episode_by_its_rollout_and
     assert request_key("GET", "/metrics", b"") is None
 
 
+def test_nemo_gym_run_requests_are_keyed_by_the_rollout_their_row_or_episode_names() -> None:
+    """NeMo Gym's collector posts `/run` with no rollout in the path: the agent's (a flat row) and the
+    environment's (an episode request) are keyed by the rollout they name, as rollbook's episodes are,
+    so `workers = N` serves a collection on all N instead of the first."""
+    flat = {"responses_create_params": {"input": "hi"}, "_ng_task_index": 4, "_ng_rollout_index": 2}
+    assert request_key("POST", "/run", json.dumps(flat).encode()) == ("4-2", EPISODE_ATTEMPT)
+    assert request_key("POST", "/run", json.dumps({**flat, "_ng_rollout_id": "gym-9"}).encode()) == ("gym-9", EPISODE_ATTEMPT)
+    episode = {"episode_id": {"rollout_id": "gym-4-2", "attempt": 1}, "task": {}}
+    assert request_key("POST", "/run", json.dumps(episode).encode()) == ("gym-4-2", EPISODE_ATTEMPT)
+    rows = [{**flat, "_ng_task_index": i} for i in range(64)]
+    workers = {pick(["http://w:1", "http://w:2"], *request_key("POST", "/run", json.dumps(r).encode())) for r in rows}
+    assert workers == {"http://w:1", "http://w:2"}  # a collection's rows land on both workers
+    # Not a row: the worker that gets it refuses it (`rollout_id_required`, `invalid_request`).
+    for body in (b"not json", b"[1]", b'{"responses_create_params": {}}', b'{"episode_id": {"rollout_id": 7}}'):
+        assert request_key("POST", "/run", body) is None
+
+
 # ---- workers in the membership rule ---------------------------------------------------------------
 
 
