@@ -120,12 +120,10 @@ class ResourcesParticipant(Participant):
         return key
 
     def _environment(self, name: str) -> Environment:
-        if name == SandboxEnvironment.name:
-            if self.sandbox is None:
-                raise Forbidden("the sandbox environment is off; the configuration's [sandbox] table turns it on")
-            return SandboxEnvironment(self.sandbox)
+        if name == SandboxEnvironment.name and self.sandbox is None:
+            raise Forbidden("the sandbox environment is off; the configuration's [sandbox] table turns it on")
         try:
-            return get_environment(name)
+            return self._logged_environment(name)
         except ToolError as exc:
             raise InvalidRequest(exc.message) from exc
 

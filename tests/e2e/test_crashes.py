@@ -77,9 +77,17 @@ async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_
     assert ck["continued"] > 0, ck
     # The rollouts run on past the cut; the crash comes while a later call is being generated.
     await c.wait_count("call", "call_completed", rng.randint(0, 1), after=ck["position"])
+    if upstream:
+        # A call the probe finds may be at its last token and complete before the kill. Stalled, the
+        # upstream holds every stream before its next step; a stream past its last step ends within
+        # milliseconds, so a call still accepted half a second later stays in flight until the kill.
+        await c.upstream_stall(True)
+        await asyncio.sleep(0.5)
     await c.call_in_flight("call", after=ck["position"])
     await asyncio.sleep(rng.uniform(0, 0.02))
     await c.crash(run)
+    if upstream:
+        await c.upstream_stall(False)
     cut_off = await c.rows("SELECT call_id FROM rollbook.model_calls WHERE rollout_id LIKE 'call-%' "
                            "AND status = 'accepted' AND accepted_position > :a", a=ck["position"])
     assert cut_off, "the crash did not land during a model call"
