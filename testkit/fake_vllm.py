@@ -28,7 +28,8 @@ message comes out as other ids, as a real tokenizer's may), "refuse" (answer 400
 continuation, either route). `requests` keeps every body received.
 
 Run alone: `python -m testkit.fake_vllm --port 8000` (the e2e suite starts it as a process; there
-`POST /fake/stall` stalls every stream before its next step and `POST /fake/unstall` lets them all go).
+`POST /fake/stall` stalls every stream before its next step and `POST /fake/unstall` lets them all go;
+`GET /fake/requests` counts the requests served).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class FakeVLLM:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/fake/stall", self._stall)
         app.router.add_post("/fake/unstall", self._unstall)
+        app.router.add_get("/fake/requests", self._count)
         return app
 
     def unstall(self) -> None:
@@ -88,6 +90,9 @@ class FakeVLLM:
         self._unstalled.clear()
         self.stall_after = 0
         return web.json_response({"stall_after": 0})
+
+    async def _count(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": len(self.requests), "steps_sent": self.steps_sent})
 
     async def _unstall(self, request: web.Request) -> web.Response:
         self.unstall()
