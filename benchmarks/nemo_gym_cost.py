@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -125,9 +125,16 @@ def gym_process_env(work: Path, token: str) -> dict[str, str]:
     return env
 
 
-def children_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+def profile(work: Path, groups: dict[str, int]) -> list[subprocess.Popen[bytes]]:
+    """With ROLLBOOK_BENCH_PROFILE set, py-spy samples every server (and its children) while the collector
+    runs, into <work>/profile-<group>.txt (folded stacks; the work folder is kept)."""
+    if not os.environ.get("ROLLBOOK_BENCH_PROFILE"):
+        return []
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "200",
+                              "--format", "raw", "--output", str(work / f"profile-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in groups.items() if name != "postgres"]
 
 
 def collect(work: Path, rows: list[dict[str, Any]], env: dict[str, str], groups: dict[str, int],
@@ -145,17 +152,23 @@ def collect(work: Path, rows: list[dict[str, Any]], env: dict[str, str], groups:
     wait_http(f"http://127.0.0.1:{legacy_agent}/docs", legacy, work / "legacy_agent.log", 300)
     groups = {**groups, "legacy_agent": legacy.pid}
     out = work / "out" / "rollouts.jsonl"
+    profilers = profile(work, groups)
     before = {k: tree_cpu_s(p) if k != "postgres" else postgres_cpu_s(p) for k, p in groups.items()}
-    children = children_cpu_s()
     t0 = time.perf_counter()
-    collector = subprocess.run([str(venv / "bin/ng_collect_rollouts"), *overrides, f"+input_jsonl_fpath={work / 'rows.jsonl'}",
-                                f"+output_jsonl_fpath={out}", f"+num_samples_in_parallel={parallel}"],
-                               cwd=work, env=env, capture_output=True, text=True, timeout=3600)
+    with open(work / "collector.log", "wb") as log:
+        collector = subprocess.Popen([str(venv / "bin/ng_collect_rollouts"), *overrides, f"+input_jsonl_fpath={work / 'rows.jsonl'}",
+                                      f"+output_jsonl_fpath={out}", f"+num_samples_in_parallel={parallel}"],
+                                     cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(collector.pid, 0)  # the collector's own rusage, not other children's
+        collector.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     cpu = {k: (tree_cpu_s(p) if k != "postgres" else postgres_cpu_s(p)) - before[k] for k, p in groups.items()}
-    cpu["collector"] = children_cpu_s() - children
+    for proc in profilers:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    cpu["collector"] = usage.ru_utime + usage.ru_stime
     if collector.returncode != 0:
-        raise RuntimeError(f"ng_collect_rollouts exited {collector.returncode}:\n{(collector.stdout + collector.stderr)[-3000:]}")
+        raise RuntimeError(f"ng_collect_rollouts exited {collector.returncode}:\n{(work / 'collector.log').read_text()[-3000:]}")
     written = [json.loads(x) for x in out.read_text().splitlines()]
     tool_calls = sum(1 for r in written for item in r["response"]["output"] if item.get("type") == "function_call")
     return {"wall_s": wall, "cpu_s": cpu, "rows": len(written), "tool_calls": tool_calls,
@@ -299,7 +312,10 @@ def main() -> int:
     finally:
         stop(fake)
         stop_pg()
-    shutil.rmtree(work, ignore_errors=True)
+    if os.environ.get("ROLLBOOK_BENCH_PROFILE"):
+        progress(f"profiles: {work}/*/profile-*.txt")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     report(results, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import http.cookiejar
 import json
 import os
 import re
@@ -37,7 +36,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
@@ -57,6 +55,7 @@ from engine.errors import (
 )
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
 from participants.environments.base import JSON
+from participants.environments.gym_http import Cookies, connections
 from participants.environments.players import Answer, Call, Player, Step
 
 LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
@@ -204,7 +203,7 @@ class Live:
     proc: subprocess.Popen[bytes] | None
     timeout_s: float
     live_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    jar: http.cookiejar.CookieJar = field(default_factory=http.cookiejar.CookieJar)
+    cookies: Cookies = field(default_factory=Cookies)
 
     def gone(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -215,20 +214,18 @@ class Live:
         with something that is not JSON: its answer, which a rebuild would only ask for again."""
         if self.gone():
             raise LiveGone(f"the server of live session {self.live_id} exited")
-        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
-        req = urllib.request.Request(self.base_url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+        pool = connections(self.base_url, None if self.proc is None else self.proc.pid, self.timeout_s)
         try:
-            with opener.open(req, timeout=self.timeout_s) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")[:BODY_SHOWN]
-            if exc.code >= 500 and self.gone():  # it died answering: the process, not the call, failed
-                raise LiveGone(f"{path}: {exc.code} {text}") from None
-            raise GymReplyError(path, exc.code, text) from None
+            status, raw = pool.post(path, json.dumps(body).encode(), self.cookies)
         except (OSError, http.client.HTTPException) as exc:
             # HTTPException: a server killed between its headers and its body (IncompleteRead) is gone
             # as surely as one that refused the connection.
             raise LiveGone(f"{path}: {exc!r}") from None
+        if status >= 400:
+            text = raw.decode(errors="replace")[:BODY_SHOWN]
+            if status >= 500 and self.gone():  # it died answering: the process, not the call, failed
+                raise LiveGone(f"{path}: {status} {text}")
+            raise GymReplyError(path, status, text)
         try:
             return json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -1,0 +1,135 @@
+"""The relay's HTTP to a NeMo Gym server: one kept-alive connection for a session's calls, its cookie
+sent back, never a connection the server may have dropped, and a failure never leaving a stale one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from participants.environments import gym_http
+from participants.environments.nemo_gym_relay import Live, LiveGone
+
+
+class Recorder(ThreadingHTTPServer):
+    """An HTTP/1.1 server that keeps connections open, as uvicorn does, and records what it was sent."""
+
+    daemon_threads = True
+
+    def __init__(self, port: int = 0) -> None:
+        super().__init__(("127.0.0.1", port), Handler)
+        self.connections: set[tuple[str, int]] = set()
+        self.cookies: list[str | None] = []
+        self.open: list[socket.socket] = []
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Recorder
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.open.append(self.connection)
+
+    def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.connections.add(self.client_address)
+        self.server.cookies.append(self.headers.get("Cookie"))
+        reply = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        if self.path == "/seed_session":
+            self.send_header("Set-Cookie", "session=s1; path=/; Max-Age=1209600; httponly; samesite=lax")
+        if self.path == "/close_session":
+            self.send_header("Set-Cookie", "session=null; path=/; expires=Thu, 01 Jan 1970 00:00:00 GMT")
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def serving(port: int = 0) -> Recorder:
+    server = Recorder(port)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stopped(server: Recorder) -> None:
+    """As a process that exits: the listener and every connection it holds are closed."""
+    server.shutdown()
+    server.server_close()
+    for conn in server.open:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    server = serving()
+    yield server
+    stopped(server)
+
+
+def live_on(server: Recorder) -> Live:
+    return Live(f"http://127.0.0.1:{server.server_address[1]}", None, 5.0)
+
+
+def test_a_sessions_calls_share_one_connection_and_send_its_cookie_back(recorder: Recorder) -> None:
+    """Input: a seed that sets NeMo Gym's `session` cookie, four tool calls and a close that expires it."""
+    live = live_on(recorder)
+    assert live.post("/seed_session", {}) == {"path": "/seed_session", "got": {}}
+    for n in range(4):
+        assert live.post("/email_search_emails", {"query": str(n)})["got"] == {"query": str(n)}
+    live.post("/close_session", {})
+    live.post("/email_search_emails", {"query": "after"})
+    assert len(recorder.connections) == 1, recorder.connections  # one connection per call before
+    assert recorder.cookies == [None, *["session=s1"] * 5, None]
+
+
+def test_two_sessions_on_one_server_keep_their_own_cookies(recorder: Recorder) -> None:
+    """Input: two live sessions seeded on one server, the first one's cookie set by its own seed only."""
+    first, second = live_on(recorder), live_on(recorder)
+    first.post("/seed_session", {})
+    second.post("/email_search_emails", {})
+    first.post("/email_search_emails", {})
+    assert recorder.cookies == [None, None, "session=s1"]
+
+
+def test_a_connection_idle_longer_than_a_server_may_keep_it_is_not_reused(recorder: Recorder,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: a pause longer than IDLE_S between two calls (a server may have closed the connection)."""
+    monkeypatch.setattr(gym_http, "IDLE_S", 0.05)
+    live = live_on(recorder)
+    live.post("/a", {})
+    time.sleep(0.1)
+    live.post("/b", {})
+    live.post("/c", {})
+    assert len(recorder.connections) == 2  # a fresh one after the pause, kept for the next call
+
+
+def test_a_server_gone_is_live_gone_and_its_idle_connections_are_dropped() -> None:
+    """Input: the server a session's kept-alive connection leads to stops, and another starts on its port."""
+    server = serving()
+    live = live_on(server)
+    live.post("/seed_session", {})
+    pool = gym_http.connections(live.base_url, None, live.timeout_s)
+    assert len(pool.idle) == 1
+    stopped(server)
+    with pytest.raises(LiveGone):
+        for _ in range(2):  # the kept connection may fail at once or only at its reply; a new one is refused
+            live.post("/email_search_emails", {})
+    assert pool.idle == []
+    again = serving(server.server_address[1])
+    try:
+        assert live.post("/email_search_emails", {"q": 1})["got"] == {"q": 1}  # on a fresh connection
+        assert len(again.connections) == 1
+    finally:
+        stopped(again)
