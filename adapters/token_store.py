@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from adapters.pg_arrays import float4s, int4s
 from adapters.pg_pool import PoolLimits, StoreObserver, make_engine, reading, retrying
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import write_private
@@ -268,7 +269,7 @@ class PostgresTokenStore(_TokenStore):
     @retrying("the token store")  # an upsert of content-addressed rows: safe to repeat
     async def _write_rows(self, rows: list[dict[str, Any]]) -> None:
         async with self.engine.begin() as conn:
-            await conn.exec_driver_sql(WRITE_BLOBS.format(rows="rows"), {"rows": json.dumps(rows)})
+            await conn.exec_driver_sql(*_write_blob_rows(rows, "r"))
 
     async def _flush(self) -> None:
         while self._pending:
@@ -343,18 +344,15 @@ class PostgresTokenStore(_TokenStore):
 # DO NOTHING: the content is fixed by the id, so rewriting repairs a damaged row. `created_at` is
 # when a blob was last written: retention (adapters.retention) keeps what was written recently.
 WRITE_BLOBS = (
-    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
-    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
-    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
-    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
-    "r->>'d' FROM jsonb_array_elements(CAST(%({rows})s AS jsonb)) AS r "
+    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) VALUES {values} "
     "ON CONFLICT (blob_id) DO UPDATE "
     "SET token_ids = EXCLUDED.token_ids, logprobs = EXCLUDED.logprobs, digest = EXCLUDED.digest, created_at = now()"
 )
 
 
 def _blob_row(blob_id: str, arr: TokenArray, digest: str) -> dict[str, Any]:
-    return {"b": blob_id, "t": list(arr.ids), "l": None if arr.logprobs is None else list(arr.logprobs), "d": digest}
+    # Packed here, copied in by PostgreSQL (adapters.pg_arrays): the digest is of the values, not of this form.
+    return {"b": blob_id, "t": int4s(arr.ids), "l": None if arr.logprobs is None else float4s(arr.logprobs), "d": digest}
 
 
 def _distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -362,8 +360,12 @@ def _distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _write_blob_rows(rows: list[dict[str, Any]], name: str) -> tuple[str, dict[str, Any]]:
-    """Staged blobs, written by an append's statement (PostgresEventStore.carry)."""
-    return WRITE_BLOBS.format(rows=name), {name: json.dumps(_distinct(rows))}
+    """Blobs' rows as one statement and its parameters, each parameter's name starting with `name`
+    (a carried statement is one of several in an append's: PostgresEventStore.carry)."""
+    distinct = _distinct(rows)
+    values = ", ".join(f"(%({name}b{i})s, %({name}t{i})s, %({name}l{i})s, %({name}d{i})s)" for i in range(len(distinct)))
+    params = {f"{name}{k}{i}": v for i, row in enumerate(distinct) for k, v in row.items()}
+    return WRITE_BLOBS.format(values=values), params
 
 
 class FilesystemTokenStore(_TokenStore):

@@ -254,11 +254,21 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
         result["transactions"] = after["transactions"] - before["transactions"]
         with psycopg.connect(database.libpq_dsn(dsn)) as conn:
             result["events"] = conn.execute("SELECT count(*) FROM rollbook.events").fetchone()[0]  # type: ignore[index]
+        result["statement_ms"] = statement_times(admin, dbname)
         return result
     finally:
         for p in reversed(procs):
             stop(p)
         server.stop()
+
+
+def statement_times(admin: str, dbname: str) -> dict[str, float]:
+    """PostgreSQL's own time in each statement of the run (pg_stat_statements), ms in all."""
+    with psycopg.connect(admin, autocommit=True) as conn:
+        rows = conn.execute("SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 110), sum(total_exec_time + total_plan_time) "
+                            "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) "
+                            "GROUP BY 1 ORDER BY 2 DESC LIMIT 12", (dbname,)).fetchall()
+    return {q: float(ms) for q, ms in rows}
 
 
 GROUPS = ("agent", "model", "resources", "environment", "postgres")
@@ -348,6 +358,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     calls = med(rb, "model_calls")
     print(f"rollbook per model call: {med(rb, 'statements') / calls:.1f} statements, "
           f"{med(rb, 'transactions') / calls:.1f} transactions, {med(rb, 'events') / calls:.2f} events")
+    last = rb[-1]
+    print("\nPostgreSQL's time in its costliest statements, ms per model call (the last round; the counters are the "
+          "database's since it was made, so its migration is among them):\n")
+    for q, ms in last["statement_ms"].items():
+        print(f"  {ms / last['model_calls']:6.2f}  {q}")
 
 
 if __name__ == "__main__":

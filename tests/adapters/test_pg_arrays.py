@@ -1,0 +1,85 @@
+"""Token arrays sent packed (adapters.pg_arrays) are stored exactly as the JSON statement stored them.
+
+The reference is the statement the PostgreSQL token store wrote blobs with before: one JSON
+document, each element cast from text. Rows written both ways must hold the same `token_ids` and
+`logprobs` to the bit, so blobs and digests written by either read back the same."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapters.database import libpq_dsn
+from adapters.pg_arrays import float4s, int4s
+from adapters.token_store import (
+    MAX_TOKEN_ID,
+    PostgresTokenStore,
+    _blob_row,
+    _write_blob_rows,
+    normalize,
+    token_digest,
+)
+
+JSON_WRITE = (
+    "INSERT INTO rollbook.token_blobs (blob_id, token_ids, logprobs, digest) "
+    "SELECT r->>'b', ARRAY(SELECT x::integer FROM jsonb_array_elements_text(r->'t') WITH ORDINALITY AS t(x, n) ORDER BY n), "
+    "CASE WHEN jsonb_typeof(r->'l') = 'array' THEN ARRAY(SELECT x::real FROM jsonb_array_elements_text(r->'l') "
+    "WITH ORDINALITY AS l(x, n) ORDER BY n) END, "
+    "r->>'d' FROM jsonb_array_elements(CAST(%(rows)s AS jsonb)) AS r"
+)
+STORED = "SELECT token_ids, logprobs, digest FROM rollbook.token_blobs WHERE blob_id = %s"
+
+ids = st.lists(st.one_of(st.integers(0, MAX_TOKEN_ID), st.sampled_from([0, 1, 255, 256, 65535, MAX_TOKEN_ID])), max_size=300)
+floats = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=32),
+                   st.sampled_from([0.0, -0.0, -1e-45, -3.4028234663852886e38, -2.0 / 3.0, -1e-7]))
+
+
+@pytest.fixture
+def conn(dsn: str):
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as c:
+        yield c
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), prompt=ids, with_logprobs=st.booleans())
+def test_packed_arrays_are_stored_as_the_json_statement_stored_them(conn: psycopg.Connection, data: st.DataObject,
+                                                                    prompt: list[int], with_logprobs: bool) -> None:
+    """Input: any int32 ids from 0 to 2**31 - 1 (none, one, hundreds) and any finite float32 logprobs,
+    -0.0, the smallest subnormal and the most negative float32 among them."""
+    lps = data.draw(st.lists(floats, min_size=len(prompt), max_size=len(prompt))) if with_logprobs else None
+    arr = normalize(prompt, lps)
+    digest = token_digest(arr)
+    json_row = {"b": f"json-{digest}", "t": list(arr.ids), "l": None if arr.logprobs is None else list(arr.logprobs), "d": digest}
+    conn.execute(JSON_WRITE + " ON CONFLICT (blob_id) DO NOTHING", {"rows": json.dumps([json_row])})
+    conn.execute(*_write_blob_rows([_blob_row(f"packed-{digest}", arr, digest)], "c0"))
+    by_json = conn.execute(STORED, (f"json-{digest}",)).fetchone()
+    packed = conn.execute(STORED, (f"packed-{digest}",)).fetchone()
+    assert packed == by_json
+    assert packed is not None and list(packed[0]) == list(arr.ids)
+    assert (packed[1] is None) == (arr.logprobs is None)
+
+
+async def test_a_blob_written_packed_reads_back_whole_through_the_store(dsn: str) -> None:
+    """Input: a 13,000-token prompt (a NeMo Gym prompt with its tool schemas) and a reply with logprobs,
+    put through the store's batched write (`put`), read back by `get`, which re-hashes what it read."""
+    store = PostgresTokenStore(dsn)
+    try:
+        prompt = [(i * 7919) % 50000 for i in range(13000)]
+        receipt = await store.put(prompt)
+        reply = await store.put([5, 6, 7], [-0.5, -1e-7, -2.0 / 3.0])
+        assert list((await store.get(receipt.blob_id)).ids) == prompt
+        got = await store.get(reply.blob_id)
+        assert list(got.ids) == [5, 6, 7] and got.logprobs == normalize([5, 6, 7], [-0.5, -1e-7, -2.0 / 3.0]).logprobs
+    finally:
+        await store.close()
+
+
+def test_an_id_out_of_int32_is_refused_before_it_is_packed() -> None:
+    """Input: 2**31, which int32 cannot hold (normalize refuses it before the store packs anything)."""
+    with pytest.raises(OverflowError):
+        int4s([2**31])
+    assert float4s([]) != int4s([])  # the element type is in the header, even of an empty array
