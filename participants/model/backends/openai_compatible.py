@@ -319,7 +319,7 @@ def _prompt_ids(body: dict[str, Any], choice: dict[str, Any]) -> tuple[int, ...]
     message (or the first delta)."""
     holder = choice.get("message") or choice.get("delta") or {}
     ids = body.get("prompt_token_ids") or holder.get("prompt_token_ids") or ()
-    return tuple(int(i) for i in ids)
+    return tuple(map(int, ids))
 
 
 def _gym_tokens(holder: dict[str, Any]) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
@@ -332,7 +332,7 @@ def _gym_tokens(holder: dict[str, Any]) -> tuple[tuple[int, ...], tuple[float, .
     if not isinstance(ids, list) or not isinstance(lps, list) or len(lps) != len(ids):
         raise GenerationFailed("the upstream's generation_log_probs must give one logprob per generation_token_ids entry "
                                f"({len(lps) if isinstance(lps, list) else lps!r} for {len(ids) if isinstance(ids, list) else ids!r})")
-    return tuple(int(i) for i in ids), tuple(f32(x) for x in lps)
+    return tuple(map(int, ids)), tuple(f32(x) for x in lps)
 
 
 # What one reply's tool calls may hold, checked before a slot is made for any of them: an index is a
