@@ -42,7 +42,7 @@ from adapters import database
 from apps import config as cfg
 from apps.nemo_gym_install import WORKPLACE, install
 from apps.processes import ServerProcesses, free_port
-from benchmarks.scaling import postgres_cpu_s, postmaster_pid, tree_cpu_s
+from benchmarks.scaling import cpu_s, postgres_cpu_s, postmaster_pid, tree_cpu_s
 from benchmarks.statements import counters, preloaded_server
 from participants.environments.nemo_gym_relay import task_from_row
 from testkit.nemo_gym_collector import gym_venv, spawn, stop, wait_http
@@ -134,7 +134,15 @@ def profile(work: Path, groups: dict[str, int]) -> list[subprocess.Popen[bytes]]
     return [subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "200",
                               "--format", "raw", "--output", str(work / f"profile-{name}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in groups.items() if name != "postgres"]
+            for name, pid in groups.items() if name != "postgres" and not name.endswith(" alone")]
+
+
+def group_cpu_s(group: str, pid: int) -> float:
+    """PostgreSQL: the postmaster and its backends; `<kind> alone`: that process without its children
+    (rollbook's resources server without the NeMo Gym server it runs); any other: the process tree."""
+    if group == "postgres":
+        return postgres_cpu_s(pid)
+    return cpu_s(pid, children=False) if group.endswith(" alone") else tree_cpu_s(pid)
 
 
 def collect(work: Path, rows: list[dict[str, Any]], env: dict[str, str], groups: dict[str, int],
@@ -153,7 +161,7 @@ def collect(work: Path, rows: list[dict[str, Any]], env: dict[str, str], groups:
     groups = {**groups, "legacy_agent": legacy.pid}
     out = work / "out" / "rollouts.jsonl"
     profilers = profile(work, groups)
-    before = {k: tree_cpu_s(p) if k != "postgres" else postgres_cpu_s(p) for k, p in groups.items()}
+    before = {k: group_cpu_s(k, p) for k, p in groups.items()}
     t0 = time.perf_counter()
     with open(work / "collector.log", "wb") as log:
         collector = subprocess.Popen([str(venv / "bin/ng_collect_rollouts"), *overrides, f"+input_jsonl_fpath={work / 'rows.jsonl'}",
@@ -162,7 +170,7 @@ def collect(work: Path, rows: list[dict[str, Any]], env: dict[str, str], groups:
         _, status, usage = os.wait4(collector.pid, 0)  # the collector's own rusage, not other children's
         collector.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
-    cpu = {k: (tree_cpu_s(p) if k != "postgres" else postgres_cpu_s(p)) - before[k] for k, p in groups.items()}
+    cpu = {k: group_cpu_s(k, p) - before[k] for k, p in groups.items()}
     for proc in profilers:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -235,7 +243,8 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
     server.start(timeout=300)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        groups = {k: p.pid for k, p in server.procs.items()} | {"postgres": postmaster_pid(dsn)}
+        groups = {k: p.pid for k, p in server.procs.items()} | {"postgres": postmaster_pid(dsn),
+                                                                 "resources alone": server.procs["resources"].pid}
         ports = {"head": free_port(), "legacy": free_port()}
         env = gym_process_env(work, config.data_token)
         start_head(work, gym_yaml(ports["head"], ports["legacy"], rollbook_agent(servers["agent"].port)), ports["head"], env, procs)
@@ -341,9 +350,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     print(f"\n{args.rollouts} rollouts, {args.rounds} rounds (A B A B), {args.parallel} in parallel; medians\n")
     print("| CPU ms per model call | NeMo Gym alone | through rollbook | ratio |")
     print("|---|--:|--:|--:|")
-    for g in ("servers", *GROUPS, *COMMON):
+    for g in ("servers", *GROUPS, "resources alone", *COMMON):
         a, b = per_call(gym, g), per_call(rb, g)
-        label = {"servers": "**all servers** (PostgreSQL included)"}.get(g, g + (" (both sides, not in the total)" if g in COMMON else ""))
+        label = {"servers": "**all servers** (PostgreSQL included)", "resources": "resources (with the Workplace server)",
+                 "resources alone": "of it, rollbook's resources server alone"}.get(
+                     g, g + (" (both sides, not in the total)" if g in COMMON else ""))
         print(f"| {label} | {'-' if a is None else f'{a:.1f}'} | {'-' if b is None else f'{b:.1f}'} | "
               f"{f'{b / a:.2f}x' if a and b else '-'} |")
     a, b = per_call(gym, "servers", "tool_calls"), per_call(rb, "servers", "tool_calls")
