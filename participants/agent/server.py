@@ -80,7 +80,8 @@ from participants.base.wire import (
     data_path,
     identity,
 )
-from participants.environments import ENVIRONMENTS, get_environment
+from participants.environments import ENVIRONMENTS, Task, get_environment
+from participants.environments.base import prompt_messages
 
 
 class RunRequest(Body):
@@ -124,6 +125,7 @@ class Session:
     request: RunRequest
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
+    sampling: dict[str, Any] = field(default_factory=dict)  # sent with every model call (the environment's task_sampling)
     turn: int = 0
     usage: dict[str, int] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)  # calls completed under this attempt (lineage checks its own log)
@@ -181,11 +183,16 @@ def offered_tools(tools: list[dict[str, Any]]) -> set[str]:
 
 
 def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
-    messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + [
-        {"role": "user", "content": req.task.prompt}]
+    # An environment this process does not know is allowed when the request names the tools (`run`):
+    # its task opens as any task does, with its prompt.
+    env = get_environment(req.task.env) if req.task.env in ENVIRONMENTS else None
+    task = Task.from_json(req.task.model_dump())
+    opening = env.task_messages(task) if env is not None else prompt_messages(task)
+    messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + opening
     tools = ([t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None
-             else get_environment(req.task.env).tools())
-    return Session(key[0], key[1], index, req, messages, tools)
+             else env.tools() if env is not None else [])
+    return Session(key[0], key[1], index, req, messages, tools,
+                   sampling=env.task_sampling(task) if env is not None else dict(task.sampling))
 
 
 def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
@@ -448,7 +455,7 @@ class AgentParticipant(Participant):
             headers[REPLACES_HEADER] = s.replaces
         # The task's sampling parameters ride on every call; the model server records them with the call.
         body = {"model": s.request.model, "messages": s.messages, "tools": s.tools, "seed": s.request.seed,
-                **s.request.task.sampling, "stream": False}
+                **s.sampling, "stream": False}
         s.state = "at_boundary"  # waiting on the model counts as being at the boundary just recorded
         closed, unavailable = Patience(f"model call {call_id}", limit_s=None), Patience(f"model call {call_id}")
         try:

@@ -107,6 +107,11 @@ def function_tool(name: str, description: str, properties: dict[str, JSON], requ
     }
 
 
+def prompt_messages(task: Task) -> list[dict[str, Any]]:
+    """A task's prompt as the one user message a rollout opens with (what most environments do)."""
+    return [{"role": "user", "content": task.prompt}]
+
+
 class Environment(ABC):
     """One environment. It is registered by one entry point of the group `rollbook.environments`
     (name = its `name`, value = `module:Class`), and that is all: the registry, the task generator
@@ -146,6 +151,14 @@ class Environment(ABC):
     @abstractmethod
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         """The episode's reward, from the final state and the whole trajectory."""
+
+    def task_messages(self, task: Task) -> list[dict[str, Any]]:
+        """The conversation a rollout of `task` opens with, after the agent's own system prompt."""
+        return prompt_messages(task)
+
+    def task_sampling(self, task: Task) -> dict[str, Any]:
+        """The sampling parameters sent with every model call of a rollout of `task`."""
+        return dict(task.sampling)
 
     def rebuild(self, task: Task, effects: list[JSON]) -> JSON:
         return reduce(self.apply, effects, self.initial_state(task))

@@ -56,6 +56,7 @@ from engine.errors import (
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
 from participants.environments.base import JSON
 from participants.environments.gym_http import Cookies, connections
+from participants.environments.nemo_gym_row import chat_tools, row_messages, row_sampling
 from participants.environments.players import Answer, Call, Player, Step
 
 LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
@@ -239,16 +240,6 @@ def row_of(task: Task) -> dict[str, Any]:
     return row
 
 
-def chat_tools(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's Responses-API function tools as the chat-completions tools the agent offers."""
-    out = []
-    for t in row["responses_create_params"].get("tools") or []:
-        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str):
-            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-            out.append({"type": "function", "function": fn})
-    return out
-
-
 class NemoGymEnvironment(Environment):
     """The base of every configured server's environment class (`register` makes one per server)."""
 
@@ -261,6 +252,12 @@ class NemoGymEnvironment(Environment):
 
     def task_tools(self, task: Task) -> list[dict[str, Any]]:
         return chat_tools(row_of(task))
+
+    def task_messages(self, task: Task) -> list[dict[str, Any]]:
+        return row_messages(row_of(task))
+
+    def task_sampling(self, task: Task) -> dict[str, Any]:
+        return {**row_sampling(row_of(task)), **task.sampling}  # the task's own, where it names one, win
 
     def initial_state(self, task: Task) -> JSON:
         row_of(task)

@@ -156,6 +156,16 @@ async def test_a_sigkill_of_the_workplace_server_alone_is_replayed_into_its_fres
     # No rollbook server died: every rollout went on under its own attempt.
     assert await c.scalar("SELECT count(*) FROM rollbook.episode_history WHERE kind = 'rollout_recovered' "
                           "AND rollout_id LIKE 'solo-%'") == 0
+    # Each row reached the model as NeMo Gym's simple_agent sends it: its system and user messages apart,
+    # the row's temperature (1.0) with every call, recorded with it.
+    rows = [t.params["row"] for t in tasks]
+    opened = await c.rows("SELECT DISTINCT ON (rollout_id) data->'messages' AS messages FROM rollbook.episode_history "
+                          "WHERE kind = 'agent_boundary' AND rollout_id LIKE 'kept-%' ORDER BY rollout_id, position")
+    assert sorted(json.dumps(r.messages) for r in opened) == sorted(
+        json.dumps(row["responses_create_params"]["input"]) for row in rows)
+    temperatures = await c.rows("SELECT DISTINCT data->'sampling'->'temperature' AS temperature FROM rollbook.episode_history "
+                                "WHERE kind = 'call_accepted' AND rollout_id LIKE 'kept-%'")
+    assert [r.temperature for r in temperatures] == [1.0]
 
 
 async def test_a_server_that_declares_nothing_is_restarted_never_continued(

@@ -1,0 +1,46 @@
+"""A NeMo Gym row as NeMo Gym's own agent puts it to the model: messages apart, sampling kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from participants.environments import ToolError
+from participants.environments.nemo_gym_row import row_messages, row_sampling
+
+
+def row(**params: object) -> dict[str, object]:
+    return {"responses_create_params": params}
+
+
+def test_instructions_and_every_message_keep_their_own_role_and_order() -> None:
+    """Input: instructions, a developer, a system, a user (text parts) and an assistant message, with a
+    function call and its output among them (not messages: not sent)."""
+    r = row(instructions="Be brief.", input=[
+        {"role": "developer", "content": "Use the tools."},
+        {"type": "message", "role": "system", "content": "Today is Thursday."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Reply to Carlos"}, {"type": "input_text", "text": "now"}]},
+        {"type": "function_call", "name": "email_search_emails", "arguments": "{}", "call_id": "c1"},
+        {"type": "function_call_output", "call_id": "c1", "output": "[]"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+    ])
+    assert row_messages(r) == [
+        {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use the tools."},
+        {"role": "system", "content": "Today is Thursday."}, {"role": "user", "content": "Reply to Carlos\n\nnow"},
+        {"role": "assistant", "content": "Done."}]
+    assert row_messages(row(input="What is 2 + 3?")) == [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_a_part_no_chat_text_holds_is_refused_naming_it() -> None:
+    """Input: a user message holding an image part."""
+    r = row(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}])
+    with pytest.raises(ToolError, match=r"input\[0\].*'input_image'"):
+        row_messages(r)
+
+
+def test_sampling_parameters_take_their_chat_names() -> None:
+    """Input: every sampling field a Responses request may carry, a forced function and unset ones."""
+    assert row_sampling(row(temperature=0.7, top_p=0.9, max_output_tokens=256, parallel_tool_calls=False,
+                            tool_choice={"type": "function", "name": "email_reply_email"}, metadata={"a": 1})) == {
+        "temperature": 0.7, "top_p": 0.9, "max_tokens": 256, "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "email_reply_email"}}}
+    assert row_sampling(row(tool_choice="required", temperature=None)) == {"tool_choice": "required"}
