@@ -93,7 +93,8 @@ class ChatRequest(BaseModel):
         return self.model_dump(exclude_none=True, exclude={"stream", "stream_options", "n"})
 
     def sampling(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump(exclude_none=True).items() if k in SAMPLING}
+        # Only these keys serialized: a dump of the whole body (its messages and tool schemas) cost more.
+        return self.model_dump(include=set(SAMPLING), exclude_none=True)
 
 
 class ChatCompletion(BaseModel):
