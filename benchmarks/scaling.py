@@ -109,8 +109,9 @@ def postgres_cpu_s(postmaster: int) -> float:
 def postmaster_pid(dsn: str) -> int:
     with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert row is not None
+        # Read while connected: the backend exits with its connection.
+        return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def configs(dsn: str, instances: int, workers: int, token_latency_s: float, work: Path) -> list[ServerProcesses]:
