@@ -71,7 +71,6 @@ class Connections:
         self.timeout_s = timeout_s
         self.idle: list[tuple[float, http.client.HTTPConnection]] = []
         self.lock = threading.Lock()
-        self.opened = 0  # connections opened so far (the tests read it)
 
     def post(self, path: str, body: bytes, cookies: Cookies) -> tuple[int, bytes]:
         """The reply's status and body. OSError or http.client.HTTPException when no whole reply came."""
@@ -109,7 +108,6 @@ class Connections:
             old.close()
         if conn is not None:
             return conn
-        self.opened += 1
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=self.timeout_s)
 
