@@ -1,7 +1,8 @@
 """The OpenAI wire, in one module: chat completions as the model server speaks them (requests,
 replies, streamed chunks), streamed deltas assembled into a message as a client assembles them (the
 model server and the upstream backend both do), and a trajectory as a Responses-API object (what
-NeMo Gym's verifiers read). rollbook's custody facts go under a `rollbook` key beside the standard
+NeMo Gym's verifiers read), and NeMo Gym's Responses-API requests as one chat call each, with their
+replies as Responses objects. rollbook's custody facts go under a `rollbook` key beside the standard
 fields (clients that do not know it ignore it).
 
 Streaming sends a role chunk, then one chunk per generated step with its real delta (content text
@@ -248,4 +249,175 @@ def responses_object(rollout_id: str, messages: list[dict[str, Any]], usage: dic
         "tool_choice": "auto", "tools": [],
         "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+# ---- NeMo Gym's Responses-API subset, as its vllm_model serves it over chat completions ---------
+
+RESPONSES_IGNORED = frozenset({"metadata", "store", "user", "service_tier", "include_obfuscation"})
+TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+class ResponsesRequest(BaseModel):
+    """A `POST /v1/responses` body. It becomes one chat-completions call (`chat_request`), so a
+    Responses call has a chat call's custody; what has no chat form is refused (400
+    `unsupported_parameter`), never dropped, except the bookkeeping fields in RESPONSES_IGNORED."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+
+    def chat_request(self) -> ChatRequest:
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None and k not in RESPONSES_IGNORED}
+        if extra:
+            raise UnsupportedParameter(f"{sorted(extra)} have no chat-completions form on this server", param=sorted(extra)[0])
+        if self.stream:
+            raise UnsupportedParameter("stream: /v1/responses answers with the whole response; stream "
+                                       "/v1/chat/completions instead", param="stream")
+        body: dict[str, Any] = {"messages": responses_messages(self.input, self.instructions)}
+        body.update({k: v for k, v in (("model", self.model), ("temperature", self.temperature), ("top_p", self.top_p),
+                                       ("max_tokens", self.max_output_tokens), ("seed", self.seed)) if v is not None})
+        if self.tools:  # an empty list is no tools: vLLM refuses `"tools": []`
+            body["tools"] = [_chat_tool(t) for t in self.tools]
+            if self.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = self.parallel_tool_calls
+        choice = _chat_tool_choice(self.tool_choice)
+        if choice is not None and self.tools:
+            body["tool_choice"] = choice
+        elif choice not in (None, "auto", "none"):
+            raise UnsupportedParameter(f"tool_choice {self.tool_choice!r} needs at least one tool", param="tool_choice")
+        return ChatRequest.model_validate(body)
+
+
+class ResponsesReply(BaseModel):
+    """The reply of a `/v1/responses` call (OpenAPI's view of `response_body`)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    status: Literal["completed", "incomplete"]
+    output: list[dict[str, Any]]
+    usage: dict[str, Any]
+
+
+def responses_messages(items: str | list[dict[str, Any]], instructions: str | None = None) -> list[dict[str, Any]]:
+    """Responses input items as chat messages, as NeMo Gym's converter makes them: one turn of the
+    model (its assistant messages and function calls, in a row) becomes one assistant message, its
+    texts concatenated and its calls in order; a function call's output becomes a tool message; the
+    instructions and the leading system or developer messages become one system message (chat
+    templates take one, first). Other messages' text parts are joined by a newline, as vLLM joins them
+    for a chat template that takes text; parts of any other kind are refused."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the model's turn being gathered
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None:
+            messages.append({"role": "assistant", "content": turn["content"] or None,
+                             **({"tool_calls": turn["tool_calls"]} if turn["tool_calls"] else {})})
+        turn = None
+
+    for n, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise UnsupportedParameter(f"input[{n}]: an item must be an object, not {type(item).__name__}", param="input")
+        kind = item.get("type") or ("message" if item.get("role") else None)
+        role = item.get("role")
+        if kind == "function_call" or (kind == "message" and role == "assistant"):
+            turn = turn or {"content": "", "tool_calls": []}
+            if kind == "message":
+                turn["content"] += "".join(_texts(item.get("content"), n)) if item.get("content") is not None else ""
+            else:
+                turn["tool_calls"].append({"id": item.get("call_id"), "type": "function",
+                                           "function": {"name": item.get("name"), "arguments": item.get("arguments")}})
+        elif kind == "message" and role in ("system", "developer", "user"):
+            flush()
+            messages.append({"role": role, "content": _texts(item.get("content"), n)})
+        elif kind == "function_call_output":
+            flush()
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _texts(item.get("output"), n)})
+        elif kind == "message":
+            raise UnsupportedParameter(f"input[{n}]: a message of role {role!r} has no chat form", param="input")
+        else:
+            raise UnsupportedParameter(f"input[{n}]: an item of type {kind!r} has no chat form on this server", param="input")
+    flush()
+    if instructions:  # a folded message's parts are concatenated, as NeMo Gym folds them
+        leading = [instructions]
+        while messages and messages[0]["role"] in ("system", "developer"):
+            leading.append("".join(messages.pop(0)["content"]))
+        messages.insert(0, {"role": "system", "content": "\n\n".join(leading)})
+    for m in messages:
+        if isinstance(m["content"], list):
+            m["content"] = "\n".join(m["content"])
+    return messages
+
+
+def _texts(content: Any, n: int) -> str | list[str]:
+    """A content's text: a string as it is, a list of text parts as their texts."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content if isinstance(content, list) else [content]:
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UnsupportedParameter(f"input[{n}]: a content part of type {kind!r} cannot be sent as chat text "
+                                       "(only input_text, output_text and text parts can)", param="input")
+        texts.append(part["text"])
+    return texts
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise UnsupportedParameter(f"a tool of type {tool.get('type')!r} has no chat form on this server", param="tools")
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise UnsupportedParameter(f"tool_choice {choice!r} has no chat form on this server", param="tool_choice")
+
+
+def response_body(call_id: str, model: str, request: ResponsesRequest, result: dict[str, Any],
+                  tokens: tuple[list[int], list[float]] | None) -> dict[str, Any]:
+    """A completed call as a Responses object: the reply's text as a message item, then one
+    function_call item per tool call; the generated token ids and their logprobs on the last item,
+    where NeMo Gym's vllm_model puts them (`generation_token_ids`, `generation_log_probs`)."""
+    reply = result["reply"]
+    output: list[dict[str, Any]] = []
+    calls = reply.get("tool_calls") or []
+    if reply.get("content") or not calls:
+        output.append({"type": "message", "id": f"msg_{call_id}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": reply.get("content") or "", "annotations": []}]})
+    for tc in calls:
+        fn = tc.get("function") or {}
+        output.append({"type": "function_call", "id": tc.get("id"), "call_id": tc.get("id"), "name": fn.get("name"),
+                       "arguments": fn.get("arguments") or "", "status": "completed"})
+    if tokens is not None:
+        output[-1].update(generation_token_ids=tokens[0], generation_log_probs=tokens[1])
+    used = result.get("usage") or usage(0, int(result.get("tokens") or 0))
+    length = (result.get("finish_reason") or "stop") == "length"
+    return {
+        "id": f"resp_{call_id}", "object": "response", "created_at": int(time.time()), "model": model,
+        "status": "incomplete" if length else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+        "output": output, "instructions": request.instructions, "tools": request.tools or [],
+        "tool_choice": request.tool_choice or "auto", "parallel_tool_calls": bool(request.parallel_tool_calls),
+        "temperature": request.temperature, "top_p": request.top_p, "max_output_tokens": request.max_output_tokens,
+        "usage": {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"],
+                  "total_tokens": used["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "rollbook": rollbook_info(call_id, result),
     }

@@ -11,6 +11,11 @@ each call's last state (`CallState`) and the acceptance before it. The rules:
   rollout and from its attempt or a later one: a restored agent continues its origin's calls.
 - One call per attempt may replace a given call: a restored agent continues a cut call once, and a
   second replacement under another id is refused, whichever server accepted the first.
+- A call whose caller names no id (an agent rollbook did not write) is numbered by the server, per
+  (rollout, attempt, activation) in arrival order (engine.identity.server_call_id). The same request
+  again, while the call numbered last has not been delivered (cut by a checkpoint, or its caller lost
+  the connection), is that call again (`CallNumbering`): it continues from its cut or gets its stored
+  reply, never a second generation. Once delivered, the same request again is a new call.
 """
 
 from __future__ import annotations
@@ -125,3 +130,18 @@ class Replacements:
         """The claiming call was never accepted (its append failed): another may replace the call."""
         if self._holders.get(claim) == call_id:
             del self._holders[claim]
+
+
+@dataclass
+class CallNumbering:
+    """The numbering of one (rollout, attempt, activation)'s calls that named no id: `next` is the
+    number the next new call gets; `last_digest` the request the call numbered last was made with."""
+
+    next: int = 0
+    last_digest: str | None = None
+
+    def number(self, digest: str, last_delivered: bool) -> int:
+        if self.next and digest == self.last_digest and not last_delivered:
+            return self.next - 1  # the same call asked again
+        self.next, self.last_digest = self.next + 1, digest
+        return self.next - 1

@@ -100,6 +100,12 @@ def is_session_stream(stream: str, rollout_id: str | None = None) -> bool:
     return stream.startswith(f"session:{rollout_id}:" if rollout_id is not None else "session:")
 
 
+def server_call_id(rollout_id: str, attempt: int, activation: int, number: int) -> str:
+    """The id the model server gives the `number`-th call of an activation whose caller names none
+    (engine.calls.CallNumbering); rollbook's own agent names its calls `<rollout>.<attempt>[.a<n>].t<turn>`."""
+    return f"{rollout_id}.{attempt}.a{activation}.m{number}"
+
+
 def call_stream(call_id: str) -> str:
     return f"call:{call_id}"
 

@@ -4,11 +4,11 @@
 `vllm_model`, which turns it into a chat-completions request; rollbook's agent sends chat
 completions, so the same turning happens here, once, for every relayed environment:
 
-- `instructions`, then every message item of `input` (a string `input` is one user message), each
-  with its own role: system, developer, user and assistant messages stay apart, as they were written.
-  A message's content is a string or a list of text parts (`input_text`, `output_text`, `text`),
-  joined; a part of any other kind (an image, a file) is refused, not dropped. Items that are not
-  messages (earlier function calls and their outputs) are not sent.
+- `input` (a string is one user message) as vllm_model turns it into chat messages, with the one
+  conversion `/v1/responses` uses too (adapters.openai_wire.responses_messages): `instructions` and
+  the leading system and developer messages become one system message; earlier function calls and
+  their outputs become assistant tool calls and tool messages; a message's text parts are joined; a
+  part of any other kind (an image, a file) is refused, not dropped.
 - the function tools, as chat-completions tools;
 - `temperature`, `top_p`, `max_output_tokens` (as `max_tokens`), `tool_choice` and
   `parallel_tool_calls`, sent with every model call of the rollout and recorded with each.
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from adapters.openai_wire import responses_messages
+from engine.errors import UnsupportedParameter
 from participants.environments.base import ToolError
-
-ROLES = ("system", "developer", "user", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def chat_tools(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -35,30 +34,14 @@ def chat_tools(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The messages a rollout of `row` opens with. ToolError ("bad_row") for content no chat message holds."""
+    """The messages a rollout of `row` opens with, as NeMo Gym's vllm_model turns its input into chat
+    messages (adapters.openai_wire.responses_messages). ToolError ("bad_row") for what no chat message holds."""
     params = row["responses_create_params"]
-    raw = params.get("input")
-    out = [{"role": "system", "content": params["instructions"]}] if isinstance(params.get("instructions"), str) else []
-    if isinstance(raw, str):
-        return [*out, {"role": "user", "content": raw}]
-    for n, item in enumerate(raw or []):
-        if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in ROLES:
-            continue
-        out.append({"role": item["role"], "content": _text(item.get("content"), n)})
-    return out
-
-
-def _text(content: Any, n: int) -> str:
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content if isinstance(content, list) else [content]:
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ToolError("bad_row", f"responses_create_params.input[{n}]: a content part of type {kind!r} cannot be "
-                                       "sent as chat text (only input_text, output_text and text parts can)")
-        texts.append(part["text"])
-    return "\n\n".join(texts)
+    instructions = params.get("instructions") if isinstance(params.get("instructions"), str) else None
+    try:
+        return responses_messages(params.get("input") or [], instructions)
+    except UnsupportedParameter as exc:
+        raise ToolError("bad_row", f"responses_create_params.{exc.detail}") from None
 
 
 def row_sampling(row: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""How a model call's reply goes out: one OpenAI chat completion, or a stream of its chunks.
+"""How a model call's reply goes out: one OpenAI chat completion, a stream of its chunks, or one
+Responses object (a `/v1/responses` call).
 
 A reply that becomes ready while a checkpoint holds admission closed is HELD: the JSON reply, or the
 end of a stream, waits for resume, so no agent moves past the boundary the checkpoint is recording.
@@ -15,10 +16,12 @@ from typing import Any
 from aiohttp import web
 
 from adapters.openai_wire import (
+    ResponsesRequest,
     chunk,
     completion_body,
     error_event,
     logprob_entries,
+    response_body,
     rollbook_info,
     sse,
     usage_chunk,
@@ -41,20 +44,37 @@ class CallReplies:
     async def logprobs(self, call: LiveCall, result: dict[str, Any]) -> list[dict[str, Any]]:
         if call.ids and len(call.ids) == int(result.get("tokens") or 0):
             return logprob_entries(call.ids, call.logprobs, call.tops)
-        stored = await self.token_store.get(Receipt.from_json(result["receipt"]).blob_id)  # a stored or linked reply
-        return logprob_entries(list(stored.ids), list(stored.logprobs or [0.0] * len(stored.ids)))
+        ids, logprobs = await self.tokens(call, result)
+        return logprob_entries(ids, logprobs)
 
-    async def json(self, call: LiveCall, model: str, logprobs: bool) -> web.Response:
+    async def tokens(self, call: LiveCall, result: dict[str, Any]) -> tuple[list[int], list[float]]:
+        """The reply's token ids and logprobs: generated here, or read from the token store (a stored or linked reply)."""
+        if call.ids and len(call.ids) == int(result.get("tokens") or 0):
+            return list(call.ids), list(call.logprobs)
+        stored = await self.token_store.get(Receipt.from_json(result["receipt"]).blob_id)
+        return list(stored.ids), list(stored.logprobs or [0.0] * len(stored.ids))
+
+    async def _whole(self, call: LiveCall) -> dict[str, Any]:
+        """The completed call's result, once the caller may have it (held while a checkpoint is being taken)."""
         await call.done.wait()
         if call.error is not None:
             raise call.error
         if call.state != "completed" or call.result is None:
             raise AdmissionClosed(f"call {call.call_id} was cut at a token boundary for a checkpoint; repeat it after "
                                   "resume and it continues from the cut")
-        await self.admission.wait_open()  # held while a checkpoint is being taken
+        await self.admission.wait_open()
         call.delivered = True
-        entries = await self.logprobs(call, call.result) if logprobs else None
-        return web.json_response(completion_body(call.call_id, model, call.result, entries))
+        return call.result
+
+    async def json(self, call: LiveCall, model: str, logprobs: bool) -> web.Response:
+        result = await self._whole(call)
+        entries = await self.logprobs(call, result) if logprobs else None
+        return web.json_response(completion_body(call.call_id, model, result, entries))
+
+    async def response(self, call: LiveCall, model: str, request: ResponsesRequest) -> web.Response:
+        """The reply of a `/v1/responses` call: the same call, as a Responses object with its token ids."""
+        result = await self._whole(call)
+        return web.json_response(response_body(call.call_id, model, request, result, await self.tokens(call, result)))
 
     async def stream(self, request: web.Request, call: LiveCall, model: str, logprobs: bool,
                      include_usage: bool) -> web.StreamResponse:

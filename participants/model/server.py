@@ -36,7 +36,15 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.openai_wire import ChatCompletion, ChatRequest, final_message, models_body, usage
+from adapters.openai_wire import (
+    ChatCompletion,
+    ChatRequest,
+    ResponsesReply,
+    ResponsesRequest,
+    final_message,
+    models_body,
+    usage,
+)
 from engine import catalog as ev
 from engine.calls import (
     CallRecord,
@@ -62,10 +70,18 @@ from engine.errors import (
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
+    UnsupportedParameter,
     VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
+from engine.identity import (
+    ATTEMPT_PATTERN,
+    ID_PATTERN,
+    call_stream,
+    parse_attempt,
+    policy_stream,
+    validate_id,
+)
 from engine.ownership import claim
 from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
@@ -75,6 +91,7 @@ from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import owner_verdict, settled
 from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import (
+    ACTIVATION_HEADER,
     CALL_ID_HEADER,
     CONTROL,
     PARENT_HEADER,
@@ -90,12 +107,14 @@ from participants.model.calls import (
     TokenStore,
     request_digest,
 )
+from participants.model.numbering import ServerCallIds
 from participants.model.progress import PROGRESS_S, ProgressSaver
 from participants.model.replies import CallReplies
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 MODELS = "/v1/models"
 POLICY_VERSION = f"{CONTROL}/policy_version"
 POLICY_STREAM = policy_stream()
@@ -118,6 +137,7 @@ class ModelParticipant(Participant):
         self.staged_rollouts: set[str] = set()
         self.replacements = Replacements()  # (replaced call, attempt) -> the call that replaced it (engine.calls)
         self._locks: KeyedLocks[str] = KeyedLocks()  # one decision at a time per call id
+        self.numbering = ServerCallIds(store)  # ids for the calls of agents that name none
         self._adopted = False
         self._adopt_lock = asyncio.Lock()
         self.progress = ProgressSaver(token_store, lambda: self.calls.values(), progress_s)
@@ -180,6 +200,7 @@ class ModelParticipant(Participant):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def retire(self, rollout_id: str, through: int) -> None:
+        self.numbering.forget(rollout_id, through)
         for c in list(self.calls.values()):
             if c.rollout_id == rollout_id and c.attempt <= through and c.task is not None:
                 c.task.cancel()  # its appends would be refused anyway; stop spending the accelerator on it
@@ -196,7 +217,11 @@ class ModelParticipant(Participant):
 
     def routes(self) -> list[Route]:
         headers = (
-            Header(CALL_ID_HEADER, ID_PATTERN, description="the call's id: a repeat with the same body gets the same reply"),
+            Header(CALL_ID_HEADER, ID_PATTERN, required=False,
+                   description="the call's id: a repeat with the same body gets the same reply. Without it the server "
+                               "numbers the call (the same body again before its reply was delivered is the same call)"),
+            Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, required=False,
+                   description="the agent's activation, for calls numbered by the server (default 0)"),
             Header(PARENT_HEADER, ID_PATTERN, required=False, description="the call before this one in the rollout"),
             Header(REPLACES_HEADER, REPLACES_PATTERN, required=False,
                    description="comma-separated call ids this call continues, newest first"),
@@ -205,7 +230,11 @@ class ModelParticipant(Participant):
             Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
                   (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase),
                   headers=headers, stream=True),
+            Route("POST", data_path(RESPONSES), self.responses, ResponsesRequest, ResponsesReply,
+                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, UnsupportedParameter),
+                  headers=headers),
             Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
+            Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), name="responses_without_identity"),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
             Route("GET", data_path(MODELS), self.models, None, None, (), name="list_models_of_attempt"),
             Route("POST", POLICY_VERSION, self.set_policy_version, PolicyVersionRequest, None,
@@ -258,35 +287,58 @@ class ModelParticipant(Participant):
         raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
 
     async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
-        rollout_id, attempt = identity(request)
-        self.backend.check(body.backend_request())
-        await self.check_attempt(rollout_id, attempt)
-        self.served_sessions = True
-        call_id = validate_id(request.headers.get(CALL_ID_HEADER), f"call id ({CALL_ID_HEADER})")
-        parent = _optional_id(request, PARENT_HEADER)
-        # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
-        replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
-            raw := request.headers.get(REPLACES_HEADER)) else None
-        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body, body.stream)
+        call = await self._call(request, body)
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
-        self.consumers[call] += 1
         try:
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await self.replies.stream(request, call, model, bool(body.logprobs), include_usage)
             return await self.replies.json(call, model, bool(body.logprobs))
         finally:
-            self.consumers[call] -= 1
-            if self.consumers[call] <= 0:
-                del self.consumers[call]
+            self._release(call)
+
+    async def responses(self, request: web.Request, body: ResponsesRequest) -> web.Response:
+        """NeMo Gym's `/v1/responses`: the same call as a chat completion, answered as a Responses object."""
+        chat = body.chat_request()
+        call = await self._call(request, chat)
+        try:
+            return await self.replies.response(call, chat.model or str(getattr(self.backend, "model", "rollbook")), body)
+        finally:
+            self._release(call)
+
+    async def _call(self, request: web.Request, body: ChatRequest) -> LiveCall:
+        """The call a data request asks for, running or done, with one more handler waiting to deliver it."""
+        rollout_id, attempt = identity(request)
+        backend_request = body.backend_request()
+        self.backend.check(backend_request)
+        await self.check_attempt(rollout_id, attempt)
+        self.served_sessions = True
+        digest = request_digest(backend_request)
+        named = request.headers.get(CALL_ID_HEADER)
+        activation = parse_attempt(request.headers.get(ACTIVATION_HEADER) or "0", f"activation ({ACTIVATION_HEADER})")
+        call_id = validate_id(named, f"call id ({CALL_ID_HEADER})") if named else \
+            await self.numbering.call_id(rollout_id, attempt, activation, digest)
+        parent = _optional_id(request, PARENT_HEADER)
+        # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
+        replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
+            raw := request.headers.get(REPLACES_HEADER)) else None
+        call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body, body.stream, digest)
+        if not named:
+            self.numbering.numbered((rollout_id, attempt, activation), call)
+        self.consumers[call] += 1
+        return call
+
+    def _release(self, call: LiveCall) -> None:
+        self.consumers[call] -= 1
+        if self.consumers[call] <= 0:
+            del self.consumers[call]
 
     async def _admit(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
-        payload: ChatRequest, stream: bool,
+        payload: ChatRequest, stream: bool, digest: str,
     ) -> LiveCall:
         """Attach to the call if it is running or done; else accept it (or refuse it, recorded)."""
         async with self._locks(call_id):
-            digest = request_digest(payload.backend_request())
             live = self.calls.get(call_id)
             if live is not None:
                 check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)

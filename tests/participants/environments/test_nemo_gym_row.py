@@ -12,9 +12,11 @@ def row(**params: object) -> dict[str, object]:
     return {"responses_create_params": params}
 
 
-def test_instructions_and_every_message_keep_their_own_role_and_order() -> None:
+def test_the_input_becomes_the_chat_messages_vllm_model_would_send() -> None:
     """Input: instructions, a developer, a system, a user (text parts) and an assistant message, with a
-    function call and its output among them (not messages: not sent)."""
+    function call and its output among them. The instructions and the leading system and developer
+    messages become one system message, as NeMo Gym's converter makes them (a chat template takes one);
+    the call and its output an assistant tool call and a tool message; text parts joined as vLLM joins them."""
     r = row(instructions="Be brief.", input=[
         {"role": "developer", "content": "Use the tools."},
         {"type": "message", "role": "system", "content": "Today is Thursday."},
@@ -24,8 +26,11 @@ def test_instructions_and_every_message_keep_their_own_role_and_order() -> None:
         {"role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
     ])
     assert row_messages(r) == [
-        {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use the tools."},
-        {"role": "system", "content": "Today is Thursday."}, {"role": "user", "content": "Reply to Carlos\n\nnow"},
+        {"role": "system", "content": "Be brief.\n\nUse the tools.\n\nToday is Thursday."},
+        {"role": "user", "content": "Reply to Carlos\nnow"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "email_search_emails", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "[]"},
         {"role": "assistant", "content": "Done."}]
     assert row_messages(row(input="What is 2 + 3?")) == [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -361,6 +361,7 @@ async def test_non_streaming_call_completes_with_custody_events(store, tokens) -
         no_prefix = await client.post("/v1/chat/completions", json=MATH, headers=call_headers("x"))
         no_prefix_error = (await no_prefix.json())["error"]["code"]
         no_call_id = await client.post(url("r1"), json=MATH, headers=DATA)
+        numbered = (await no_call_id.json())["rollbook"]["call_id"]
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == backend.reply(MATH)
     events = await store.read_stream(call_stream("r1.0.t0"))
@@ -375,7 +376,7 @@ async def test_non_streaming_call_completes_with_custody_events(store, tokens) -
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
     assert done["finish_reason"] == body["choices"][0]["finish_reason"] == "stop"
     assert (no_prefix.status, no_prefix_error) == (400, "rollout_id_required")
-    assert no_call_id.status == 400
+    assert (no_call_id.status, numbered) == (200, "r1.0.a0.m0")  # no call id: the server numbers the call
 
 
 async def test_streaming_call_streams_tokens_and_records_the_receipt(store, tokens) -> None:
