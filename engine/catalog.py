@@ -372,9 +372,11 @@ CALL_FAILED = _kind(
 )
 CALL_EXCLUDED = _kind(
     "call_excluded", CALL, _MODEL,
-    "A new call arrived while a checkpoint held admission closed: refused, recorded, not generated.",
+    "A call refused, recorded, not generated: it arrived while a checkpoint held admission closed, or an "
+    "agent continued by replay asked for another call than the one its lineage recorded at that place.",
     need("call_id", "string", "the call"), may("parent_call_id", "string|null", "its parent"),
-    need("reason", "string", "admission_closed"),
+    need("reason", "string", "admission_closed or agent_divergence"),
+    may("diverges_from", "string", "agent_divergence: the recorded call it differs from"),
 )
 CUSTODY_KINDS = (CALL_ACCEPTED, CALL_COMPLETED, CALL_CUT, CALL_FAILED, CALL_EXCLUDED)
 

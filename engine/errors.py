@@ -251,6 +251,14 @@ class ReplayDivergence(RollbookError):
     status = 500
 
 
+class AgentDiverged(RollbookError):
+    """An agent continued by replay asked for a call other than the one its lineage recorded at that
+    place (engine.agent_replay): nothing of the recording after it can be answered."""
+
+    code = "agent_divergence"
+    status = 409
+
+
 class DatabaseUnavailable(RollbookError):
     """The database did not answer within the store's patience (a restart, a dropped network).
     Nothing was written that the caller cannot find again: appends carry an idempotency key."""

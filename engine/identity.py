@@ -106,6 +106,12 @@ def server_call_id(rollout_id: str, attempt: int, activation: int, number: int) 
     return f"{rollout_id}.{attempt}.a{activation}.m{number}"
 
 
+def server_call_number(call_id: str, rollout_id: str) -> tuple[int, int, int] | None:
+    """(attempt, activation, number) of a server_call_id of `rollout_id`; None for any other id."""
+    m = re.fullmatch(re.escape(rollout_id) + r"\.([0-9]+)\.a([0-9]+)\.m([0-9]+)", call_id)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
 def call_stream(call_id: str) -> str:
     return f"call:{call_id}"
 

@@ -59,6 +59,7 @@ from engine.catalog import POLICY_VERSION_CHANGED
 from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     AdmissionClosed,
+    AgentDiverged,
     AttemptLost,
     DatabaseUnavailable,
     GenerationFailed,
@@ -228,10 +229,11 @@ class ModelParticipant(Participant):
         )
         return [
             Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
-                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase),
+                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, AgentDiverged),
                   headers=headers, stream=True),
             Route("POST", data_path(RESPONSES), self.responses, ResponsesRequest, ResponsesReply,
-                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, UnsupportedParameter),
+                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, UnsupportedParameter,
+                   AgentDiverged),
                   headers=headers),
             Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
             Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), name="responses_without_identity"),
@@ -316,12 +318,15 @@ class ModelParticipant(Participant):
         digest = request_digest(backend_request)
         named = request.headers.get(CALL_ID_HEADER)
         activation = parse_attempt(request.headers.get(ACTIVATION_HEADER) or "0", f"activation ({ACTIVATION_HEADER})")
-        call_id = validate_id(named, f"call id ({CALL_ID_HEADER})") if named else \
-            await self.numbering.call_id(rollout_id, attempt, activation, digest)
         parent = _optional_id(request, PARENT_HEADER)
         # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
         replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
             raw := request.headers.get(REPLACES_HEADER)) else None
+        if named:
+            call_id = validate_id(named, f"call id ({CALL_ID_HEADER})")
+        else:
+            call_id, replays = await self.numbering.call_id(rollout_id, attempt, activation, digest)
+            replaces = replaces or replays
         call = await self._admit(call_id, rollout_id, attempt, parent, replaces, body, body.stream, digest)
         if not named:
             self.numbering.numbered((rollout_id, attempt, activation), call)

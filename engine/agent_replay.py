@@ -1,0 +1,55 @@
+"""An agent rollbook did not write, continued by replay: its calls answered from the log.
+
+Such an agent cannot say where it stands, so after a crash or at a restore it is started again from
+the start of its episode, under the new attempt. A deterministic agent then asks, call by call, what
+it asked before: the model server answers each call from the log while it equals the call its
+lineage recorded at the same place, and the agent is back where it was without anything generated
+again. The rules, once (the environments' counterpart is engine.tool_replay):
+
+- The place of a call is its number on its activation (engine.calls.CallNumbering). The recorded
+  call at a place is the one the attempt's lineage holds there as its participants replay it
+  (engine.lineage.effective_history: the origin's events up to its boundary, recursively): the
+  newest attempt's of the lineage that numbered that place.
+- A recorded call that completed is answered from the log (linked: its reply, no generation); one a
+  checkpoint cut is continued from its cut. Either only while the request is the recorded one (the
+  same request digest); a different request is a divergence (`AgentDiverged`), recorded as the
+  call's `call_excluded` with reason `agent_divergence`, and nothing later is answered from the log.
+- A place the lineage holds nothing at, or holds a call that was still in flight at its boundary, is
+  past the recorded prefix: the call is generated live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.calls import CallRecord, CallState, call_records
+from engine.errors import AgentDiverged
+from engine.events import RecordedEvent
+from engine.identity import server_call_number
+
+DIVERGENCE_REASON = "agent_divergence"
+
+
+def recorded_calls(history: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> dict[int, CallRecord]:
+    """The lineage's recorded call at each place of `activation`, from `attempt`'s effective history
+    (its own calls left out: they are the ones being numbered)."""
+    out: dict[int, tuple[int, CallRecord]] = {}
+    for call_id, record in call_records(history).items():
+        place = server_call_number(call_id, rollout_id)
+        if place is None or place[1] != activation or place[0] >= attempt:
+            continue
+        made_by, _, number = place
+        if number not in out or made_by > out[number][0]:
+            out[number] = (made_by, record)
+    return {number: record for number, (_, record) in out.items()}
+
+
+def replayed_call(recorded: CallRecord | None, digest: str, call_id: str) -> str | None:
+    """The recorded call that `call_id` (request digest `digest`) replays; None: it goes live."""
+    if recorded is None or recorded.status not in (CallState.COMPLETED, CallState.CUT):
+        return None
+    if recorded.accepted.get("request_digest") != digest:
+        raise AgentDiverged(f"call {call_id} is not the call {recorded.call_id} its lineage recorded at this place: the "
+                            "agent asked for something else, so nothing recorded after it can be answered",
+                            call_id=call_id, diverges_from=recorded.call_id)
+    return recorded.call_id
