@@ -16,11 +16,20 @@ again. The rules, once (the environments' counterpart is engine.tool_replay):
   call's `call_excluded` with reason `agent_divergence`, and nothing later is answered from the log.
 - A place the lineage holds nothing at, or holds a call that was still in flight at its boundary, is
   past the recorded prefix: the call is generated live.
+- Tool calls are numbered the same way, per session and activation, under keys of their own
+  (`a<activation>.s<n>`, never a key an agent names). A session continued from its lineage holds
+  the mutations recorded under those keys: the n-th call gets the recorded answer and changes
+  nothing, while its tool and arguments are the recorded ones; others are a divergence. A call that
+  changed nothing was not recorded and runs again, on the state the session holds now: an agent
+  that read something before the boundary that reads otherwise now asks the model something else,
+  and diverges there.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from typing import Any
 
 from engine.calls import CallRecord, CallState, call_records
 from engine.errors import AgentDiverged
@@ -53,3 +62,28 @@ def replayed_call(recorded: CallRecord | None, digest: str, call_id: str) -> str
                             "agent asked for something else, so nothing recorded after it can be answered",
                             call_id=call_id, diverges_from=recorded.call_id)
     return recorded.call_id
+
+
+_TOOL_KEY = re.compile(r"a([0-9]+)\.s([0-9]+)")
+
+
+def numbered_tool_key(activation: int, number: int) -> str:
+    return f"a{activation}.s{number}"
+
+
+def next_tool_numbers(events: Iterable[RecordedEvent]) -> dict[int, int]:
+    """The next number of each activation, after the numbered mutations a session's own stream holds."""
+    out: dict[int, int] = {}
+    for e in events:
+        m = _TOOL_KEY.fullmatch(str(e.data.get("tool_call") or ""))
+        if m:
+            out[int(m.group(1))] = max(out.get(int(m.group(1)), 0), int(m.group(2)) + 1)
+    return out
+
+
+def replayed_tool(recorded: dict[str, Any], tool: str, arguments: Any, key: str) -> None:
+    """A numbered tool call answered from the record of its place: only if it asks what was recorded there."""
+    if _TOOL_KEY.fullmatch(key) and (recorded.get("tool"), recorded.get("arguments")) != (tool, arguments):
+        raise AgentDiverged(f"tool call {key} ({tool}) is not the call its lineage recorded at this place "
+                            f"({recorded.get('tool')}): the agent asked for something else", call_id=key,
+                            diverges_from=key)

@@ -15,8 +15,8 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from adapters.http_client import CONTROL, PREFIX
-from engine.identity import parse_attempt, validate_id
-from participants.base.guard import AttemptIndex, Body, Identifier
+from engine.identity import ATTEMPT_PATTERN, parse_attempt, validate_id
+from participants.base.guard import AttemptIndex, Body, Header, Identifier
 
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
@@ -32,8 +32,16 @@ REPLACES_HEADER = "X-Rollbook-Replaces-Call-Id"
 # reply). A call whose mutation the log already holds under this key is answered from the log, never
 # applied again.
 TOOL_CALL_HEADER = "X-Rollbook-Tool-Call"
-# From the environment server to the agent: the activation index, so a repeat is answered from the log.
+# From the environment server to the agent: the activation index, so a repeat is answered from the log;
+# from an agent to the model and resources servers, the activation its unnamed calls are numbered in.
 ACTIVATION_HEADER = "X-Rollbook-Activation"
+NUMBERED_IN = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, required=False,
+                     description="the agent's activation, for calls numbered by the server (default 0)")
+
+
+def activation_of(request: web.Request) -> int:
+    """The activation a call the agent did not name is numbered in (engine.agent_replay)."""
+    return parse_attempt(request.headers.get(ACTIVATION_HEADER) or "0", f"activation ({ACTIVATION_HEADER})")
 
 
 def identity(request: web.Request) -> tuple[str, int]:

@@ -76,10 +76,8 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import (
-    ATTEMPT_PATTERN,
     ID_PATTERN,
     call_stream,
-    parse_attempt,
     policy_stream,
     validate_id,
 )
@@ -92,12 +90,13 @@ from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import owner_verdict, settled
 from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import (
-    ACTIVATION_HEADER,
     CALL_ID_HEADER,
     CONTROL,
+    NUMBERED_IN,
     PARENT_HEADER,
     REPLACES_HEADER,
     Execution,
+    activation_of,
     data_path,
     identity,
 )
@@ -221,8 +220,7 @@ class ModelParticipant(Participant):
             Header(CALL_ID_HEADER, ID_PATTERN, required=False,
                    description="the call's id: a repeat with the same body gets the same reply. Without it the server "
                                "numbers the call (the same body again before its reply was delivered is the same call)"),
-            Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, required=False,
-                   description="the agent's activation, for calls numbered by the server (default 0)"),
+            NUMBERED_IN,
             Header(PARENT_HEADER, ID_PATTERN, required=False, description="the call before this one in the rollout"),
             Header(REPLACES_HEADER, REPLACES_PATTERN, required=False,
                    description="comma-separated call ids this call continues, newest first"),
@@ -317,7 +315,7 @@ class ModelParticipant(Participant):
         self.served_sessions = True
         digest = request_digest(backend_request)
         named = request.headers.get(CALL_ID_HEADER)
-        activation = parse_attempt(request.headers.get(ACTIVATION_HEADER) or "0", f"activation ({ACTIVATION_HEADER})")
+        activation = activation_of(request)
         parent = _optional_id(request, PARENT_HEADER)
         # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
         replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (

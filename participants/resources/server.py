@@ -9,13 +9,13 @@ set, stages it, and installs it under the rollout's new attempt only at resume. 
 passes closes its session: `session_verified` and `session_closed` are one append, and the reply
 says `closed`, so the environment's close step has nothing to ask for.
 
-After a crash of this server, a session of a live attempt is rebuilt from the log the first time
-the attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that
-continues another one's boundary, the inherited session reopened under the new attempt. A tool call
-whose mutation is in the log (by the caller's tool-call key) gets its recorded answer and changes
-nothing. A restart-only session whose live process died cannot be rebuilt: `attempt_lost`. A session
-relayed to a NeMo Gym server (participants.environments.nemo_gym_relay) keeps the record of its calls as its state;
-its live session, when gone, is rebuilt by replaying them (engine.tool_replay) on its next request.
+After a crash of this server, a session of a live attempt is rebuilt from the log the first time the
+attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that continues
+another one's boundary, the inherited session reopened under the new attempt. A tool call whose
+mutation is in the log under its key (the caller's, or the number the server gave a call that named
+none: engine.agent_replay) gets its recorded answer and changes nothing. A restart-only session whose
+live process died: `attempt_lost`. A session relayed to NeMo Gym (nemo_gym_relay) keeps its calls as
+its state; its live session, gone, is rebuilt by replaying them (engine.tool_replay).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from aiohttp import web
 
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
+from engine.agent_replay import next_tool_numbers, replayed_tool
 from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, ParticipantStore, restored_targets
 from engine.errors import (
     AdmissionClosed,
+    AgentDiverged,
     AttemptLost,
     Forbidden,
     InvalidIdentifier,
@@ -63,13 +65,15 @@ from engine.snapshots import SessionSnapshot, lineage_bounds, store_snapshots
 from participants.base.guard import Empty, Header, Route
 from participants.base.owners import orphaned_sessions
 from participants.base.participant import Participant, PrepareReport
-from participants.base.wire import TOOL_CALL_HEADER, Execution, data_path, identity
-from participants.environments import (
-    Environment,
-    Task,
-    ToolError,
-    get_environment,
+from participants.base.wire import (
+    NUMBERED_IN,
+    TOOL_CALL_HEADER,
+    Execution,
+    activation_of,
+    data_path,
+    identity,
 )
+from participants.environments import Environment, Task, ToolError, get_environment
 from participants.environments.base import Trajectory
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
@@ -168,7 +172,7 @@ class ResourcesParticipant(Participant):
             own = [e for e in history if e.stream == stream]
             s = Session(key[0], key[1], self._logged_environment(staged.env_name), staged.task, staged.state, staged.revision,
                         stream_version=own[-1].stream_version if own else 0, opened=True)
-            s.tool_calls = tool_call_outcomes(history)
+            s.tool_calls, s.numbers = tool_call_outcomes(history), next_tool_numbers(own)
             verified = [e for e in own if e.kind == ev.SESSION_VERIFIED]
             s.verify_status = verified[-1].data.get("status") if verified else None
             if not own:  # inherited from the boundary this attempt continues: reopen it under this attempt
@@ -254,9 +258,7 @@ class ResourcesParticipant(Participant):
     async def call_tool(self, request: web.Request, body: ToolRequest) -> web.Response:
         key = await self._enter(request)
         name = request.match_info["name"]
-        call_key = request.headers.get(TOOL_CALL_HEADER) or None
-        if call_key is not None:
-            validate_tool_call_key(call_key)
+        named = validate_tool_call_key(h) if (h := request.headers.get(TOOL_CALL_HEADER)) else None
         s = await self._session(key)
         # Taken right before the lock: work admitted here and queued on the lock is in flight,
         # and prepare, queued behind it, waits for it.
@@ -264,8 +266,10 @@ class ResourcesParticipant(Participant):
         async with s.lock:
             if self.sessions.get(key) is not s:
                 raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
-            recorded = s.tool_calls.get(call_key) if call_key else None
+            call_key = s.key_for(named, activation_of(request))  # numbered in arrival order if not named
+            recorded = s.tool_calls.get(call_key)
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
+                replayed_tool(recorded, name, body.arguments, call_key)
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
                                           "done": bool(recorded.get("done")), "repeated": True})
             if relayed(s.env):  # every relayed call is a mutation: the record is its state
@@ -313,8 +317,7 @@ class ResourcesParticipant(Participant):
                                       f"{exc.context.get('limit')}-byte event limit; send smaller arguments",
                                       tool_error="bad_arguments") from None
             s.state, s.revision = new_state, revision
-            if call_key:
-                s.tool_calls[call_key] = data
+            s.tool_calls[call_key] = data
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
     async def verify(self, request: web.Request, _body: Empty) -> web.Response:
@@ -485,9 +488,10 @@ class ResourcesParticipant(Participant):
         session: tuple[type[RollbookError], ...] = (StaleAttempt, InvalidIdentifier, NotFound, AdmissionClosed, ToolCallRefused)
         routes = [
             Route("POST", data_path("/session"), self.open_session, OpenRequest, SessionReply, session),
-            Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, session,
+            Route("POST", data_path("/tools/{name}"), self.call_tool, ToolRequest, ToolReply, (*session, AgentDiverged),
                   headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
-                                  description="the call's key: a repeat gets the recorded outcome"),)),
+                                  description="the call's key: a repeat gets the recorded outcome; without it the "
+                                              "server numbers the call (engine.agent_replay)"), NUMBERED_IN)),
             Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, RequestConflict)),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),

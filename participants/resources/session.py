@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.agent_replay import numbered_tool_key
 from engine.errors import (
     InvalidCheckpointState,
     ReplayDivergence,
@@ -42,6 +43,7 @@ class Session:
     verify_status: str | None = None
     verifying: int = 0
     tool_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> its mutation_applied data
+    numbers: dict[int, int] = field(default_factory=dict)  # activation -> the next number the server gives a call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     verify_idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -51,6 +53,14 @@ class Session:
 
     def event(self, kind: str, data: dict[str, Any]) -> NewEvent:
         return NewEvent(self.stream, kind, data, self.rollout_id, self.attempt)
+
+    def key_for(self, named: str | None, activation: int) -> str:
+        """A tool call's key: the one its agent named, or the next number of its activation (engine.agent_replay)."""
+        if named is not None:
+            return named
+        n = self.numbers.get(activation, 0)
+        self.numbers[activation] = n + 1
+        return numbered_tool_key(activation, n)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from engine import catalog as ev
-from engine.agent_replay import recorded_calls, replayed_call
+from engine.agent_replay import (
+    next_tool_numbers,
+    numbered_tool_key,
+    recorded_calls,
+    replayed_call,
+    replayed_tool,
+)
 from engine.errors import AgentDiverged
 from engine.events import GENESIS_HASH, RecordedEvent
 from engine.identity import call_stream, server_call_id
@@ -52,3 +58,26 @@ def test_a_completed_or_cut_call_with_the_same_request_is_replayed_and_another_r
     with pytest.raises(AgentDiverged) as info:
         replayed_call(records[0], "other", "r.a1.1.a0.m0")
     assert info.value.context == {"call_id": "r.a1.1.a0.m0", "diverges_from": "r.a1.0.a0.m0"}
+
+
+def mutation(key: str | None) -> RecordedEvent:
+    return RecordedEvent(position=1, stream="session:r:0", stream_version=1, kind=ev.MUTATION_APPLIED,
+                         data={"revision": 1, "tool": "t", "tool_call": key}, rollout_id="r", attempt=0,
+                         schema_version=1, writer="t", hash=GENESIS_HASH)
+
+
+def test_tool_numbers_go_on_after_the_numbered_mutations_and_ignore_keys_agents_named() -> None:
+    """Input: numbered keys out of order in two activations, an agent's own key and an unkeyed mutation."""
+    events = [mutation("a0.s2"), mutation("a0.s0"), mutation("a1.s0"), mutation("a0.t7.0"), mutation(None)]
+    assert next_tool_numbers(events) == {0: 3, 1: 1}
+    assert numbered_tool_key(4, 9) == "a4.s9"
+
+
+def test_a_numbered_tool_call_is_answered_from_its_record_only_if_it_asks_the_same() -> None:
+    """Input: the recorded call again, another tool, other arguments; and an agent-named key with other arguments."""
+    recorded = {"tool": "send", "arguments": {"to": "a@b"}}
+    replayed_tool(recorded, "send", {"to": "a@b"}, "a0.s1")
+    for tool, arguments in (("read", {"to": "a@b"}), ("send", {"to": "c@d"})):
+        with pytest.raises(AgentDiverged):
+            replayed_tool(recorded, tool, arguments, "a0.s1")
+    replayed_tool(recorded, "send", {"to": "c@d"}, "a0.t1.0")  # a key the agent named: its own promise, as before

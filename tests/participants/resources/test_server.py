@@ -635,3 +635,43 @@ async def test_any_command_text_is_an_answer_or_a_tool_error_never_a_server_erro
     assert status == 200 or reply["error"]["code"] in ("tool_error", "invalid_request"), reply
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
     await call(http, "POST", f"{prefix(rid, 0)}/close")
+
+
+async def continue_from(store: MemoryEventStore, rid: str, origin: int) -> None:
+    """What a recovery writes: the attempt fenced, the next one started from all of it."""
+    await store.append(AppendRequest((
+        NewEvent(rollout_stream(rid), ATTEMPT_FENCED, {"reason": "test"}, rid, origin),
+        NewEvent(rollout_stream(rid), ATTEMPT_STARTED,
+                 {"parent_attempt": origin, "origin_attempt": origin, "origin_position": None}, rid, origin + 1))))
+
+
+async def test_tool_calls_that_name_no_key_are_numbered_and_answered_from_the_log_when_the_agent_runs_again(
+        database: MemoryBacking, store: MemoryEventStore) -> None:
+    """An agent that sends no X-Rollbook-Tool-Call (a stranger's) makes two changes and a read; after a
+    crash it runs again from its start under attempt 1, on a fresh process: the two changes get their
+    recorded answers and change nothing, the read runs, the call past them is applied. Under attempt 2
+    its first call asks for other arguments: refused as agent_divergence, nothing applied."""
+    await start(store, "nk")
+    seed = email_seed()
+    goal = make_task("workplace", seed).params["goal"]
+    deal, email = {"deal_id": "D-101", "notes": "renewal risk"}, {"to": goal["to"], "subject": goal["subject"], "body": "hi"}
+    async with serving(database, "resources-a") as (http, _):
+        await open_session(http, "nk", "workplace", seed)
+        first = [await tool(http, "nk", "update_deal", deal), await tool(http, "nk", "read_inbox"),
+                 await tool(http, "nk", "send_email", email)]
+    await continue_from(store, "nk", 0)
+    async with serving(database, "resources-b") as (http, _):
+        again = [await tool(http, "nk", "update_deal", deal, attempt=1), await tool(http, "nk", "read_inbox", attempt=1),
+                 await tool(http, "nk", "send_email", email, attempt=1)]
+        past = await tool(http, "nk", "update_deal", {"deal_id": "D-101", "seats": 3}, attempt=1)
+        await continue_from(store, "nk", 1)
+        diverged = await tool(http, "nk", "update_deal", {"deal_id": "D-101", "notes": "other"}, attempt=2)
+    assert [s for s, _ in first + again] == [200] * 6 and past[0] == 200
+    changes = [(r["output"], r["revision"]) for i, (_, r) in enumerate(again) if i != 1]
+    assert changes == [(r["output"], r["revision"]) for i, (_, r) in enumerate(first) if i != 1]
+    # The read was not recorded: it ran again, on the state the session holds now (both changes in it).
+    assert [r.get("repeated") for _, r in again] == [True, None, True] and again[1][1]["revision"] == 2
+    assert past[1]["revision"] == 3
+    mutations = [(e.attempt, e.data["tool_call"]) for e in await store.read_rollout("nk") if e.kind == "mutation_applied"]
+    assert mutations == [(0, "a0.s0"), (0, "a0.s2"), (1, "a0.s3")]
+    assert (diverged[0], diverged[1]["error"]["code"]) == (409, "agent_divergence")
