@@ -391,10 +391,11 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
 
 
 def response_body(call_id: str, model: str, request: ResponsesRequest, result: dict[str, Any],
-                  tokens: tuple[list[int], list[float]] | None) -> dict[str, Any]:
+                  tokens: tuple[list[int], list[int], list[float]]) -> dict[str, Any]:
     """A completed call as a Responses object: the reply's text as a message item, then one
-    function_call item per tool call; the generated token ids and their logprobs on the last item,
-    where NeMo Gym's vllm_model puts them (`generation_token_ids`, `generation_log_probs`)."""
+    function_call item per tool call; the prompt's token ids, the generated ones and their logprobs
+    on the last item, where NeMo Gym's vllm_model puts them (`prompt_token_ids`,
+    `generation_token_ids`, `generation_log_probs`: NeMo Gym takes all three or none)."""
     reply = result["reply"]
     output: list[dict[str, Any]] = []
     calls = reply.get("tool_calls") or []
@@ -405,8 +406,7 @@ def response_body(call_id: str, model: str, request: ResponsesRequest, result: d
         fn = tc.get("function") or {}
         output.append({"type": "function_call", "id": tc.get("id"), "call_id": tc.get("id"), "name": fn.get("name"),
                        "arguments": fn.get("arguments") or "", "status": "completed"})
-    if tokens is not None:
-        output[-1].update(generation_token_ids=tokens[0], generation_log_probs=tokens[1])
+    output[-1].update(prompt_token_ids=tokens[0], generation_token_ids=tokens[1], generation_log_probs=tokens[2])
     used = result.get("usage") or usage(0, int(result.get("tokens") or 0))
     length = (result.get("finish_reason") or "stop") == "length"
     return {

@@ -30,6 +30,7 @@ from yarl import URL
 from adapters.http_client import CONTROL, PeerTimeouts
 from participants.base.http_errors import error_response
 from participants.base.routing import Peers, pick, request_key
+from participants.base.wire import CAPTURE_COOKIE
 
 # Not passed on: they describe one hop, and aiohttp sets its own for the next.
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
@@ -66,7 +67,7 @@ class Front:
         try:
             if request.path.startswith(CONTROL) and request.method == "POST":
                 return await self._to_every_worker(request, headers, body)
-            key = request_key(request.method, request.path, body)
+            key = request_key(request.method, request.path, body, request.cookies.get(CAPTURE_COOKIE))
             return await self._to_one_worker(request, headers, body, key)
         except NoWorker:
             return error_response("participant_unavailable",

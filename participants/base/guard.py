@@ -271,4 +271,6 @@ PATH_PARAMETERS: dict[str, dict[str, Any]] = {
     "rollout_id": {"type": "string", "pattern": ID_PATTERN, "maxLength": MAX_ID_LENGTH},
     "attempt": {"type": "string", "pattern": ATTEMPT_PATTERN},
     "name": {"type": "string", "pattern": ID_PATTERN, "maxLength": MAX_ID_LENGTH},
+    # A NeMo Gym agent's activation id (participants.base.wire.capture_id): <rollout>.<attempt>.<activation>.
+    "capture": {"type": "string", "pattern": ID_PATTERN, "maxLength": MAX_ID_LENGTH + 24},
 }

@@ -27,11 +27,14 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
+from engine.errors import RollbookError
 from participants.base.nemo_gym_rows import flat_row_rollout_id
+from participants.base.wire import parse_capture
 
 REFRESH_S = 1.0  # how stale the caller's view of the live instances may be
 EPISODE_ATTEMPT = 0  # the attempt an episode is routed under, whatever attempt it runs now
 _ROLLOUT_PATH = re.compile(r"^/rollouts/([^/]+)/attempts/([0-9]+)(?:/|$)")
+_NG_ROLLOUT_PATH = re.compile(r"^/ng-rollout/([^/]+)/")
 _EPISODE_PATH = re.compile(r"^/episodes/([^/]+)/?$")
 
 
@@ -73,13 +76,21 @@ def pick(addresses: Sequence[str], rollout_id: str, attempt: int) -> str | None:
     return max(addresses, key=lambda a: hashlib.sha256(f"{a}\n{rollout_id}\n{attempt}".encode()).digest())
 
 
-def request_key(method: str, path: str, body: bytes) -> tuple[str, int] | None:
+def request_key(method: str, path: str, body: bytes, cookie: str | None = None) -> tuple[str, int] | None:
     """The (rollout, attempt) a request to a server is routed by: from the path of a rollout's data
-    routes, from the rollout an episode request names; None for a request about no one rollout (the
-    control plane, status, metrics)."""
+    routes, from the rollout an episode request names, from the activation id a NeMo Gym agent
+    carries in its model calls' path or its tool calls' cookie (participants.base.wire.CAPTURE_COOKIE);
+    None for a request about no one rollout (the control plane, status, metrics)."""
     m = _ROLLOUT_PATH.match(path)
     if m:
         return m.group(1), int(m.group(2))
+    m = _NG_ROLLOUT_PATH.match(path)
+    capture = m.group(1) if m else cookie
+    if capture is not None:
+        try:
+            return parse_capture(capture)[:2]
+        except RollbookError:
+            return None  # the worker that gets it refuses it with the right error
     m = _EPISODE_PATH.match(path)
     if m:
         return m.group(1), EPISODE_ATTEMPT

@@ -15,6 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, field_validator
 
 from adapters.http_client import CONTROL, PREFIX
+from engine.errors import InvalidIdentifier
 from engine.identity import ATTEMPT_PATTERN, parse_attempt, validate_id
 from participants.base.guard import AttemptIndex, Body, Header, Identifier
 
@@ -41,11 +42,43 @@ NUMBERED_IN = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, required=False,
 
 def activation_of(request: web.Request) -> int:
     """The activation a call the agent did not name is numbered in (engine.agent_replay)."""
+    capture = _capture(request)
+    if capture is not None:
+        return parse_capture(capture)[2]
     return parse_attempt(request.headers.get(ACTIVATION_HEADER) or "0", f"activation ({ACTIVATION_HEADER})")
 
 
+# NeMo Gym's agents name their rollout in their model calls' path (`/ng-rollout/<id>/v1/responses`,
+# the id taken from the path they were called on) and carry the cookies they were called with to their
+# resources server's tools: rollbook gives a NeMo Gym agent's activation one id for both.
+NG_ROLLOUT = "/ng-rollout/{capture}"
+CAPTURE_COOKIE = "rollbook_activation"
+
+
+def capture_id(rollout_id: str, attempt: int, activation: int = 0) -> str:
+    """The id a NeMo Gym agent carries for one activation of an attempt: `<rollout>.<attempt>.<activation>`."""
+    return f"{rollout_id}.{attempt}.{activation}"
+
+
+def parse_capture(value: object) -> tuple[str, int, int]:
+    parts = value.rsplit(".", 2) if isinstance(value, str) else []
+    if len(parts) != 3:
+        raise InvalidIdentifier(f"{str(value)[:60]!r} is no rollbook activation id (<rollout>.<attempt>.<activation>)")
+    return validate_id(parts[0], "rollout id"), parse_attempt(parts[1]), parse_attempt(parts[2], "activation")
+
+
+def _capture(request: web.Request) -> str | None:
+    if "capture" in request.match_info:
+        return request.match_info["capture"]
+    return None if "rollout_id" in request.match_info else request.cookies.get(CAPTURE_COOKIE)
+
+
 def identity(request: web.Request) -> tuple[str, int]:
-    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/."""
+    """Rollout identity from the path prefix /rollouts/{rollout_id}/attempts/{attempt}/, or from the
+    activation id a NeMo Gym agent carries (NG_ROLLOUT, CAPTURE_COOKIE)."""
+    capture = _capture(request)
+    if capture is not None:
+        return parse_capture(capture)[:2]
     rollout_id = validate_id(request.match_info.get("rollout_id"), "rollout id")
     return rollout_id, parse_attempt(request.match_info.get("attempt"))
 

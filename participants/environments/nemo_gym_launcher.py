@@ -1,8 +1,9 @@
-"""Run one NeMo Gym resources server, unchanged, the way `ng_run` runs it: with NeMo Gym's Python.
+"""Run one NeMo Gym server, unchanged, the way `ng_run` runs it: with NeMo Gym's Python.
 
     python nemo_gym_launcher.py MODULE NAME PORT [PATH ...]
 
-MODULE is the server's module (`resources_servers.workplace_assistant.app`), NAME its name in the
+MODULE is the server's module (`resources_servers.workplace_assistant.app`, a resources server, or
+`responses_api_agents.simple_agent.app`, an agent: the module's top package says which), NAME its name in the
 config NeMo Gym builds here, PORT where it listens (127.0.0.1), each PATH a folder put in front of
 sys.path (a NeMo Gym checkout). `ng_run` resolves its config in the parent and hands each server
 NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH; this resolves the same config in this process (NeMo
@@ -14,7 +15,9 @@ What `ng_run` gives a server, this gives it too:
 - its own config: the entry its `configs/*.yaml` declares for it (ROLLBOOK_GYM_CONFIG_FILE, else
   `configs/<folder>.yaml`, else the first there), with the `[nemo_gym.NAME]` table's overrides
   (ROLLBOOK_GYM_OVERRIDES, a JSON object) merged over it, each key checked against the fields of
-  the server's own config class, and the whole validated by that class before the server starts.
+  the server's own config class, and the whole validated by that class before the server starts;
+- the servers it calls by name (an agent's model and resources servers): ROLLBOOK_GYM_SERVERS, a JSON
+  object of top-level entries added to the config as they are.
 
 A server that cannot import, or whose config does not validate, writes one line saying why (its
 traceback's last line, or the fields at fault) to ROLLBOOK_GYM_FAILURE and exits 3: the resources
@@ -46,8 +49,8 @@ def server_folder(module: str) -> str:
     return os.path.dirname(spec.origin)
 
 
-def own_config(folder: str, name: str) -> dict:
-    """The server's entry in its own configs/*.yaml (`resources_servers.<folder name>`), or nothing."""
+def own_config(folder: str, name: str, kind: str) -> dict:
+    """The server's entry in its own configs/*.yaml (`<kind>.<folder name>`), or nothing."""
     import yaml
 
     chosen = os.environ.get("ROLLBOOK_GYM_CONFIG_FILE")
@@ -64,18 +67,19 @@ def own_config(folder: str, name: str) -> dict:
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
         for top in doc.values():
-            entry = (top or {}).get("resources_servers", {}) if isinstance(top, dict) else {}
+            entry = (top or {}).get(kind, {}) if isinstance(top, dict) else {}
             if isinstance(entry, dict) and isinstance(entry.get(os.path.basename(folder)), dict):
                 return dict(entry[os.path.basename(folder)])
     return {}
 
 
 def server_class(module: str):  # noqa: ANN201 - a NeMo Gym class, typed in NeMo Gym's environment
-    """The resources server class MODULE defines (the one its `__main__` runs)."""
+    """The server class MODULE defines (the one its `__main__` runs)."""
     from nemo_gym.base_resources_server import BaseResourcesServer
+    from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgent
 
     mod = importlib.import_module(module)
-    found = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, BaseResourcesServer)
+    found = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, (BaseResourcesServer, BaseResponsesAPIAgent))
              and c.__module__ == mod.__name__]
     return found[-1] if found else None
 
@@ -109,15 +113,16 @@ def main(argv: list[str]) -> None:
     folder = server_folder(module)
     sys.path.insert(0, folder)  # ng_run runs app.py from here: its sibling modules import as top-level ones
     overrides = json.loads(os.environ.get("ROLLBOOK_GYM_OVERRIDES") or "{}")
-    entry = own_config(folder, name)
+    kind = module.split(".")[0] if module.startswith("responses_api_agents.") else "resources_servers"
+    entry = own_config(folder, name, kind)
     # Where it listens and what it runs are rollbook's to say, as ng_run's are.
     entry.update({"entrypoint": "app.py", "host": "127.0.0.1", "port": int(port)})
     entry.setdefault("domain", "other")
     merged = checked(module, name, entry, overrides)
     merged.update({"host": "127.0.0.1", "port": int(port)})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump({"head_server": {"host": "127.0.0.1", "port": 0},
-                   name: {"resources_servers": {os.path.basename(folder): merged}}}, f)  # JSON is YAML
+        json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **json.loads(os.environ.get("ROLLBOOK_GYM_SERVERS") or "{}"),
+                   name: {kind: {os.path.basename(folder): merged}}}, f)  # JSON is YAML
     sys.argv = [sys.argv[0], f"+config_paths=[{f.name}]"]
     from nemo_gym.global_config import get_global_config_dict
 

@@ -74,7 +74,11 @@ class CallReplies:
     async def response(self, call: LiveCall, model: str, request: ResponsesRequest) -> web.Response:
         """The reply of a `/v1/responses` call: the same call, as a Responses object with its token ids."""
         result = await self._whole(call)
-        return web.json_response(response_body(call.call_id, model, request, result, await self.tokens(call, result)))
+        ids, logprobs = await self.tokens(call, result)
+        prompt = list(call.prompt_ids) if call.prompt_ids else list(
+            (await self.token_store.get(Receipt.from_json(result["prompt_receipt"]).blob_id)).ids
+            if result.get("prompt_receipt") else ())
+        return web.json_response(response_body(call.call_id, model, request, result, (prompt, ids, logprobs)))
 
     async def stream(self, request: web.Request, call: LiveCall, model: str, logprobs: bool,
                      include_usage: bool) -> web.StreamResponse:

@@ -92,6 +92,7 @@ from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import (
     CALL_ID_HEADER,
     CONTROL,
+    NG_ROLLOUT,
     NUMBERED_IN,
     PARENT_HEADER,
     REPLACES_HEADER,
@@ -233,6 +234,12 @@ class ModelParticipant(Participant):
                   (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, UnsupportedParameter,
                    AgentDiverged),
                   headers=headers),
+            # A NeMo Gym agent's model calls: the activation in the path it was called on (participants.base.wire).
+            *(Route("POST", NG_ROLLOUT + path, handler, body, reply, (InvalidIdentifier, StaleAttempt, AdmissionClosed,
+                    RequestConflict, InvalidPhase, UnsupportedParameter, AgentDiverged), basic=True, name=f"nemo_gym_{name}")
+              for path, handler, body, reply, name in ((RESPONSES, self.responses, ResponsesRequest, ResponsesReply, "responses"),
+                                                       (COMPLETIONS, self.chat_completions, ChatRequest, ChatCompletion,
+                                                        "chat_completions"))),
             Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
             Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), name="responses_without_identity"),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
