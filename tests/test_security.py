@@ -283,7 +283,10 @@ async def test_every_server_documents_every_route_it_serves(stack: Stack, kind: 
     documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert served == documented
     # Bearer everywhere; HTTP Basic (the data credential as password) on NeMo Gym's fronts alone.
-    gym = {("post", "/run"), ("post", "/aggregate_metrics")} if kind in ("environment", "agent") else set()
+    gym = {"environment": {("post", "/run"), ("post", "/aggregate_metrics")},
+           "agent": {("post", "/run"), ("post", "/aggregate_metrics")},
+           "model": {("post", "/ng-rollout/{capture}/v1/responses"), ("post", "/ng-rollout/{capture}/v1/chat/completions")},
+           "resources": {("post", "/{name}")}}[kind]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             want = [{"bearer": []}, {"basic": []}] if (method, path) in gym else [{"bearer": []}]
