@@ -87,10 +87,10 @@ async def run(rollout: str, numbers: list[int], plan: list[tuple[int, bool, bool
             answers: list[str] = []
             agent = asyncio.create_task(ask(server, rollout, attempt, numbers, answers))
             model = server.app[PARTICIPANT]
-            await eventually("the calls before the crash answered", lambda: len(answers) >= completed or agent.done())
+            await eventually("the calls before the crash answered", lambda a=answers, c=completed, t=agent: len(a) >= c or t.done())
             heads.append(await store.head())
             if mid_call:  # the next call in flight, tokens made, when everything dies
-                await eventually("a call generating", lambda: any(c.ids for c in model.calls.values()) or agent.done())
+                await eventually("a call generating", lambda m=model, t=agent: any(c.ids for c in m.calls.values()) or t.done())
             agent.cancel()
             await asyncio.gather(agent, return_exceptions=True)
         generations += backend.generations
