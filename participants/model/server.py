@@ -75,12 +75,7 @@ from engine.errors import (
     VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import (
-    ID_PATTERN,
-    call_stream,
-    policy_stream,
-    validate_id,
-)
+from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
 from engine.ownership import claim
 from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
