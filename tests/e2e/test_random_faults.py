@@ -171,7 +171,8 @@ def test_one_instance_of_each_kind_killed_while_the_other_serves_then_a_restore_
     once with nothing done twice, and the tally says which operations took effect in this sequence."""
     before = dict(TALLY)
     m = _replay(world, lambda m: [
-        lambda: m.let_time_pass(0.2), lambda: m.kill_instance("model", 1, 0.3), lambda: m.kill_instance("agent", 0, 0.0),
+        lambda: _until_written(m, world, "model"), lambda: m.kill_instance("model", 1, 0.3),
+        lambda: m.kill_instance("agent", 0, 0.0),
         m.checkpoint_and_publish, m.resume, lambda: m.kill_instance("resources", 1, 0.0),
         lambda: m.kill_instance("environment", 0, 0.0), m.dispatch, m.crash_and_restore], before=_every_instance(world))
     gained = {op: n - before.get(op, 0) for op, n in TALLY.items() if n != before.get(op, 0)}
@@ -195,6 +196,23 @@ def test_an_online_cut_published_then_restored_after_an_instance_died(world: Wor
     for op in ("online", "publish", "crash_and_restore"):
         assert gained.get(f"sequences_with_{op}") == 1, gained
     assert not {op for op in gained if op in PAUSED_ONLY}, gained
+
+
+def _until_written(m: FaultMachine, world: World, kind: str, limit: float = 60.0) -> None:
+    """Let the run go on until both instances of `kind` have written some of its events. A fixed pause
+    (0.2 s) was once too short on a loaded machine: the instance about to be killed had not taken a
+    call yet, and none reached it after its restart, so it had written nothing."""
+    async def wait() -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        want = {u.rstrip("/") for u in world.urls(kind)}
+        while loop.time() < deadline:
+            async with m.store.engine.connect() as conn:
+                rows = await conn.execute(text(WRITTEN_BY), {"p": f"{m.run_id}-%"})
+                if {a.rstrip("/") for r in rows if r.kind == kind for a in r.addresses} >= want:
+                    return
+            await asyncio.sleep(0.05)
+    m.run(wait())
 
 
 def _written_by(m: FaultMachine, world: World) -> dict[str, set[str]]:
