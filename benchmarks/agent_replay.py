@@ -31,9 +31,10 @@ from aiohttp import web
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import PostgresTokenStore
 from apps.processes import free_port
-from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
+from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
+from engine.recovery import Recovery, recovery_request
 from participants.base.guard import Credentials
 from participants.model.app import build_model_app
 from participants.model.backends.openai_compatible import OpenAICompatibleBackend
@@ -92,10 +93,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await store.append(AppendRequest((NewEvent(rollout_stream(rollout), ATTEMPT_STARTED,
                                                        {"parent_attempt": None}, rollout, 0),)))
             live = await phase(store, f"http://127.0.0.1:{port}/v1", rollout, 0, args.calls)
-            await store.append(AppendRequest((
-                NewEvent(rollout_stream(rollout), ATTEMPT_FENCED, {"reason": "benchmark"}, rollout, 0),
-                NewEvent(rollout_stream(rollout), ATTEMPT_STARTED,
-                         {"parent_attempt": 0, "origin_attempt": 0, "origin_position": None}, rollout, 1))))
+            await store.append(recovery_request(Recovery(rollout, 0, "continue", None, True, "benchmark: a crash")))
             replay = await phase(store, f"http://127.0.0.1:{port}/v1", rollout, 1, args.calls)
             runs.append({"live": live, "replay": replay})
             progress(f"repeat {r + 1}/{args.repeats}: live {live['wall_s']:.2f} s, replay {replay['wall_s']:.2f} s")

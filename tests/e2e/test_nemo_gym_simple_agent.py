@@ -30,9 +30,10 @@ from typing import Any
 import pytest
 
 from apps.processes import free_port
-from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
+from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import rollout_stream
+from engine.recovery import Recovery, recovery_request
 from participants.base.wire import CAPTURE_COOKIE, capture_id
 from participants.environments.nemo_gym_relay import LAUNCHER
 from participants.environments.tasks import make_task
@@ -143,10 +144,7 @@ async def test_simple_agent_killed_mid_episode_with_every_server_is_continued_by
     agent.kill()
     await cluster.crash(first)
     await cluster.upstream_stall(False)
-    await cluster.store.append(AppendRequest((
-        NewEvent(rollout_stream("sa-crash"), ATTEMPT_FENCED, {"reason": "crash"}, "sa-crash", 0),
-        NewEvent(rollout_stream("sa-crash"), ATTEMPT_STARTED,
-                 {"parent_attempt": 0, "origin_attempt": 0, "origin_position": None}, "sa-crash", 1))))
+    await cluster.store.append(recovery_request(Recovery("sa-crash", 0, "continue", None, True, "everything was killed")))
     await cluster.start()
     await agent.start()
     continued = await agent.episode("sa-crash", 1, task.to_json(), tools)

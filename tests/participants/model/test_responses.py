@@ -10,19 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-from sqlalchemy import text
 
 from adapters.memory_store import MemoryEventStore
-from adapters.postgres import PostgresEventStore
-from adapters.token_store import MemoryTokenStore, PostgresTokenStore
-from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
+from adapters.token_store import MemoryTokenStore
+from engine.attempts import ATTEMPT_STARTED
 from engine.calls import CallNumbering
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
@@ -43,16 +40,8 @@ HAND = "Play a hand of blackjack."
 
 @pytest.fixture
 def store(memory_store: MemoryEventStore) -> MemoryEventStore:
-    """What most tests here check is the server's numbering and wire, not durability: a log in memory
-    (the replay test below runs on PostgreSQL, and reads what it checks with SQL)."""
+    """What is tested here is the server's numbering and wire, not durability: a log in memory."""
     return memory_store
-
-
-@pytest.fixture
-async def pg(dsn: str) -> PostgresEventStore:
-    s = PostgresEventStore.connect(dsn, writer="test")
-    yield s
-    await s.close()
 
 
 @pytest.fixture
@@ -222,87 +211,3 @@ def test_call_numbering_repeats_only_an_undelivered_call_with_the_same_request()
     n = CallNumbering()
     assert [n.number("a", False), n.number("a", False), n.number("a", True), n.number("b", False), n.number("a", False)] \
         == [0, 0, 1, 2, 3]
-
-
-# ---- continued by replay (engine.agent_replay), on PostgreSQL --------------------------------------
-
-QUESTIONS = ["What is 1 + 2?", "What is 3 + 4?", "What is 5 + 6?"]
-
-
-async def black_box_agent(client: openai.AsyncOpenAI, questions: list[str],
-                          after: Callable[[int], Awaitable[None]] | None = None) -> list[str]:
-    """A deterministic agent rollbook did not write: it asks, in one growing conversation, and names no call."""
-    history: list[Any] = []
-    answers = []
-    for n, q in enumerate(questions):
-        history.append({"role": "user", "content": q})
-        reply = await client.chat.completions.create(model="scripted", messages=history)
-        answers.append(reply.choices[0].message.content or "")
-        history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        if after is not None:
-            await after(n)
-    return answers
-
-
-async def continue_under(store: Any, rollout: str, attempt: int, origin: int, position: int | None) -> None:
-    """What a recovery or a restore writes: the old attempt fenced, the new one started from its origin."""
-    await store.append(AppendRequest((
-        NewEvent(rollout_stream(rollout), ATTEMPT_FENCED, {"reason": "test"}, rollout, origin),
-        NewEvent(rollout_stream(rollout), ATTEMPT_STARTED,
-                 {"parent_attempt": origin, "origin_attempt": origin, "origin_position": position}, rollout, attempt))))
-
-
-def attempt_client(server: TestServer, rollout: str, attempt: int) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(server.make_url(f"/rollouts/{rollout}/attempts/{attempt}/v1")),
-                              api_key=CREDS.data, max_retries=0)
-
-
-async def custody(pg: PostgresEventStore, rollout: str) -> list[tuple[Any, ...]]:
-    """(call, event kind, disposition, the call it replaces or differs from, why it was refused) for
-    every call event of the rollout, read with SQL."""
-    async with pg.engine.connect() as conn:
-        rows = await conn.execute(text(
-            "SELECT data->>'call_id', kind, data->>'disposition', coalesce(data->>'replaces', data->>'diverges_from'), "
-            "data->>'reason' FROM rollbook.events WHERE rollout_id = :r AND stream LIKE 'call:%' ORDER BY position"),
-            {"r": rollout})
-        return [tuple(r) for r in rows]
-
-
-async def test_an_agent_that_names_no_call_is_continued_by_replay_and_a_divergence_is_recorded(pg) -> None:
-    """Attempt 0 asks three questions; its boundary falls after the second reply. Attempt 1 runs the
-    agent again from its start: the first two calls are answered from the log (nothing generated), the
-    third, past the boundary, is generated. Attempt 2 (from all of attempt 1) asks another first
-    question: refused with agent_divergence, recorded against the call it differs from."""
-    tokens = PostgresTokenStore(pg)
-    await start(pg, "rp1")
-    boundary: list[int] = []
-
-    async def mark(n: int) -> None:
-        if n == 1:
-            boundary.append(await pg.head())
-
-    first, second = ScriptedBackend(), ScriptedBackend()
-    async with served(pg, first, tokens) as server:
-        client = attempt_client(server, "rp1", 0)
-        before = await black_box_agent(client, QUESTIONS, mark)
-        await client.close()
-    await continue_under(pg, "rp1", 1, 0, boundary[0])
-    async with served(pg, second, tokens) as server:  # a new process: the agent and the server restarted
-        client = attempt_client(server, "rp1", 1)
-        after = await black_box_agent(client, QUESTIONS)
-        await client.close()
-        await continue_under(pg, "rp1", 2, 1, None)
-        client = attempt_client(server, "rp1", 2)
-        with pytest.raises(openai.ConflictError) as diverged:
-            await black_box_agent(client, ["What is 9 + 9?"])
-        await client.close()
-    assert after == before and (first.generations, second.generations) == (3, 1)
-    assert diverged.value.code == "agent_divergence"
-    assert [r for r in await custody(pg, "rp1") if r[0].startswith(("rp1.1.", "rp1.2."))] == [
-        ("rp1.1.a0.m0", "call_accepted", None, "rp1.0.a0.m0", None),
-        ("rp1.1.a0.m0", "call_completed", "linked", "rp1.0.a0.m0", None),
-        ("rp1.1.a0.m1", "call_accepted", None, "rp1.0.a0.m1", None),
-        ("rp1.1.a0.m1", "call_completed", "linked", "rp1.0.a0.m1", None),
-        ("rp1.1.a0.m2", "call_accepted", None, None, None),
-        ("rp1.1.a0.m2", "call_completed", "generated", None, None),
-        ("rp1.2.a0.m0", "call_excluded", None, "rp1.1.a0.m0", "agent_divergence")]

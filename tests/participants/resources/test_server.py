@@ -23,6 +23,7 @@ from engine.control import retire_events
 from engine.errors import RestartInScope
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import rollout_stream, session_stream
+from engine.recovery import Recovery, recovery_request
 from participants.base.wire import CONTROL
 from participants.environments import get_environment
 from participants.environments.tasks import make_task
@@ -639,10 +640,7 @@ async def test_any_command_text_is_an_answer_or_a_tool_error_never_a_server_erro
 
 async def continue_from(store: MemoryEventStore, rid: str, origin: int) -> None:
     """What a recovery writes: the attempt fenced, the next one started from all of it."""
-    await store.append(AppendRequest((
-        NewEvent(rollout_stream(rid), ATTEMPT_FENCED, {"reason": "test"}, rid, origin),
-        NewEvent(rollout_stream(rid), ATTEMPT_STARTED,
-                 {"parent_attempt": origin, "origin_attempt": origin, "origin_position": None}, rid, origin + 1))))
+    await store.append(recovery_request(Recovery(rid, origin, "continue", None, True, "the agent crashed")))
 
 
 async def test_tool_calls_that_name_no_key_are_numbered_and_answered_from_the_log_when_the_agent_runs_again(
