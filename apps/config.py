@@ -68,6 +68,12 @@
     # url = "http://127.0.0.1:9000"           # or relay to a server you run yourself
     # port = 9001                             # where one rollbook starts listens; absent: a free port
 
+    [nemo_gym_agent.simple]                   # a NeMo Gym agent, unchanged, for tasks that name it
+                                              # (a task's "agent"; docs/agents.md)
+    module = "responses_api_agents.simple_agent.app"
+    continuation = "replay"                   # replay | restart_only; absent: restart_only
+    # python, paths, url, port, config, config_file, start_timeout_s: as for [nemo_gym.NAME]
+
     [telemetry]                               # optional; GET /metrics is always served (control credential)
     otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
 
@@ -104,6 +110,7 @@ from adapters.secret_files import check_private, write_private
 from engine.errors import ConfigError
 from engine.membership import DEFAULT_LEASE_S
 from engine.tool_replay import declared
+from participants.agent.external import MODEL_SERVER, RESOURCES_SERVER, GymAgent
 from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
 from participants.environments.nemo_gym_relay import GymServer
@@ -212,6 +219,24 @@ class NemoGymConfig(Strict):
     rebuild_attempts: int = Field(default=3, ge=1, le=100)
 
 
+class NemoGymAgentConfig(Strict):
+    """One NeMo Gym agent (a `[nemo_gym_agent.<name>]` table), run by the agent server for the tasks
+    that name it. Its model and resources servers are rollbook's (per attempt, by its capture path)."""
+
+    module: str = Field(default="responses_api_agents.simple_agent.app",
+                        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", max_length=300)
+    # replay: after a crash or at a restore it runs again from its episode's start, answered from the
+    # log (engine.agent_replay); restart_only: its rollout starts over from its input.
+    continuation: Literal["replay", "restart_only"] = "restart_only"
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+/?$", max_length=2000)
+    python: str | None = None
+    paths: list[str] = Field(default_factory=list)
+    port: int | None = Field(default=None, ge=1, le=65535)
+    start_timeout_s: float = Field(default=180.0, gt=0, le=3600)
+    config: dict[str, Any] = Field(default_factory=dict)
+    config_file: str | None = Field(default=None, max_length=1000)
+
+
 class LimitsConfig(Strict):
     """Every bound of a process on what it waits for and what it holds (the [limits] table)."""
 
@@ -257,6 +282,17 @@ class Config(Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     run: RunConfig | None = None
     nemo_gym: dict[str, NemoGymConfig] = Field(default_factory=dict)
+    nemo_gym_agent: dict[str, NemoGymAgentConfig] = Field(default_factory=dict)
+
+    @field_validator("nemo_gym_agent")
+    @classmethod
+    def _agent_names(cls, agents: dict[str, NemoGymAgentConfig]) -> dict[str, NemoGymAgentConfig]:
+        import re
+
+        for name in agents:
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name):
+                raise ValueError(f"nemo_gym_agent.{name}: the name must be letters, digits, _ and -, starting with a letter")
+        return agents
 
     @field_validator("nemo_gym")
     @classmethod
@@ -297,6 +333,31 @@ class Config(Strict):
             out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
                                  g.start_timeout_s, g.call_timeout_s, json.dumps(g.config, sort_keys=True),
                                  g.config_file, g.rebuild_attempts))
+        return out
+
+    def gym_agents(self, port: Callable[[], int] | None = None) -> dict[str, GymAgent]:
+        """The configured NeMo Gym agents, each told that its model and resources servers are
+        rollbook's (addresses carrying the data credential: NeMo Gym's client sends no header)."""
+        from apps.nemo_gym_install import installed_python
+
+        host = f"rollbook:{self.data_token}@{{}}"
+        servers = {
+            MODEL_SERVER: {"responses_api_models": {"rollbook": {
+                "entrypoint": "rollbook", "host": host.format(self.servers["model"].host), "port": self.servers["model"].port}}},
+            RESOURCES_SERVER: {"resources_servers": {"rollbook": {
+                "entrypoint": "rollbook", "domain": "other", "host": host.format(self.servers["resources"].host),
+                "port": self.servers["resources"].port}}},
+        }
+        refs = {"model_server": {"type": "responses_api_models", "name": MODEL_SERVER},
+                "resources_server": {"type": "resources_servers", "name": RESOURCES_SERVER}}
+        out = {}
+        for name, a in self.nemo_gym_agent.items():
+            python = a.python or (None if a.url else str(installed_python()))
+            chosen = a.port or (port() if port is not None and a.url is None else None)
+            server = GymServer(name, a.module, url=a.url, python=python, paths=tuple(a.paths), port=chosen,
+                               start_timeout_s=a.start_timeout_s, overrides=json.dumps({**refs, **a.config}, sort_keys=True),
+                               config_file=a.config_file, servers=json.dumps(servers, sort_keys=True))
+            out[name] = GymAgent(server, a.continuation)
         return out
 
     def environments(self) -> frozenset[str]:
@@ -398,6 +459,10 @@ def write(config: Config, path: str | Path) -> None:
     for name, g in config.nemo_gym.items():
         lines.append(f"\n[nemo_gym.{name}]")
         for key, value in g.model_dump(exclude_defaults=True).items():
+            lines.append(f"{key} = {_toml(value)}")
+    for name, a in config.nemo_gym_agent.items():
+        lines.append(f"\n[nemo_gym_agent.{name}]")
+        for key, value in a.model_dump(exclude_defaults=True).items():
             lines.append(f"{key} = {_toml(value)}")
     if config.run:
         lines.append("\n[run]")

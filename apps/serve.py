@@ -18,6 +18,7 @@ from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
 from apps.processes import free_port, instance_id
 from engine.membership import WorkerOf
+from participants.agent.external import GymAgents
 from participants.base.app import PARTICIPANT
 from participants.base.instances import Joining
 from participants.base.observability import TELEMETRY
@@ -34,6 +35,7 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
     if kind == "resources":  # started now: one that cannot import says so here, not at a rollout's first call
         start_all(lambda line: print(f"rollbook serve resources: {line}", file=sys.stderr, flush=True))
     store = PostgresEventStore.connect(dsn, writer=instance, pool=config.database_pool(dsn))
+    stoppers = [stop_all]  # the NeMo Gym servers and agents this process started
     # Every client this server builds to call its peers waits on them within these bounds.
     set_default_timeouts(config.limits.peer_timeouts())
     if kind == "model":
@@ -61,8 +63,12 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
         # none comes from a request. The environment
         # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
         env = config.servers.get("environment")
+        agents = GymAgents(config.gym_agents(free_port), config.limits.peer_timeouts()) if config.nemo_gym_agent else None
+        if agents is not None:  # started now, as the resources server starts its NeMo Gym servers
+            agents.start_all(lambda line: print(f"rollbook serve agent: {line}", file=sys.stderr, flush=True))
+            stoppers.append(agents.stop)
         app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
-                              environment_url=env.base_url if env else None)
+                              environment_url=env.base_url if env else None, gym_agents=agents)
     else:
         from participants.environment.app import build_environment_app
 
@@ -73,7 +79,8 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
     configure_tracing(app[TELEMETRY], config.telemetry.otlp_endpoint if config.telemetry else None)
 
     async def close_store(app: web.Application) -> None:
-        stop_all()  # the NeMo Gym servers this process started
+        for stop in stoppers:
+            stop()
         await store.close()
 
     app.on_cleanup.append(close_store)

@@ -31,6 +31,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from engine import catalog as ev
 from engine.calls import CallRecord, CallState, call_records
 from engine.errors import AgentDiverged
 from engine.events import RecordedEvent
@@ -51,6 +52,22 @@ def recorded_calls(history: Iterable[RecordedEvent], rollout_id: str, attempt: i
         if number not in out or made_by > out[number][0]:
             out[number] = (made_by, record)
     return {number: record for number, (_, record) in out.items()}
+
+
+def calls_made(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> int:
+    """How many calls `activation` numbered under `attempt` itself (its own events: `read_rollout`).
+    An activation of such an agent that made any cannot be run again under the same attempt (its
+    numbers are taken, and its answers are the lineage's only from the next attempt on): it goes on
+    under a new attempt that continues from all of this one."""
+    return len({e.stream for e in events if e.kind == ev.CALL_ACCEPTED
+                and (server_call_number(e.stream.removeprefix("call:"), rollout_id) or (-1, -1))[:2] == (attempt, activation)})
+
+
+def divergence(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> RecordedEvent | None:
+    """The `call_excluded` that recorded `activation`'s divergence under `attempt`, if it diverged."""
+    return next((e for e in events if e.kind == ev.CALL_EXCLUDED and e.data.get("reason") == DIVERGENCE_REASON
+                 and (server_call_number(str(e.data.get("call_id")), rollout_id) or (-1, -1))[:2] == (attempt, activation)),
+                None)
 
 
 def replayed_call(recorded: CallRecord | None, digest: str, call_id: str) -> str | None:

@@ -14,8 +14,12 @@ nothing else decides:
 - `continue` under attempt N+1: a part of it is gone but the boundary before it is intact (a model
   call the log says was accepted, whose reply was never recorded, and whose server is gone). The
   rollout alone fences N and starts N+1 whose origin is N's latest boundary.
+- `continue` under attempt N+1 from all of N: its agent is one continued by replay
+  (engine.agent_replay) whose run was interrupted after it made calls. It runs again from its
+  episode's start under N+1, and every call N recorded answers it from the log.
 - `fresh_dispatch` under attempt N+1: its state cannot be rebuilt (a restart-only session whose live
-  process died, or a relayed session whose replay diverged: reason `replay_divergence`). The rollout
+  process died, a relayed session whose replay diverged: reason `replay_divergence`, or an agent
+  continued by replay that asked something else than its lineage recorded: `agent_divergence`). The rollout
   alone starts over from its input.
 
 A restart to N+1 is one atomic append: `rollout_recovered` (the classification, on attempt N),
@@ -41,8 +45,9 @@ from engine.tool_replay import DIVERGENCE_REASON
 Disposition = Literal["finished", "continue", "fresh_dispatch"]
 # What the caller knows is gone: the live process of a restart-only session, or a model call that
 # was accepted by a server that no longer has it and whose reply was never recorded, or a relayed
-# session whose replay did not give back the recorded replies (engine.tool_replay).
-Lost = Literal["session", "call", "divergence"]
+# session whose replay did not give back the recorded replies (engine.tool_replay), or the run of an
+# agent continued by replay (engine.agent_replay), interrupted after it made calls.
+Lost = Literal["session", "call", "divergence", "agent"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,13 @@ def classify(rollout_id: str, attempt: int, history: Sequence[RecordedEvent], lo
     boundary = latest_boundary(history)
     at = boundary.position if boundary is not None else None
     if lost == "divergence":
-        return Recovery(rollout_id, attempt, "fresh_dispatch", None, True, DIVERGENCE_REASON)
+        return Recovery(rollout_id, attempt, "fresh_dispatch", None, True, why or DIVERGENCE_REASON)
+    if lost == "agent":
+        # All of the attempt, not its latest boundary: every call it recorded is the prefix the
+        # agent's next run is answered from, and every change it made is in its session's state.
+        return Recovery(rollout_id, attempt, "continue", None, True,
+                        "its agent, continued by replay, was interrupted; it runs again from its episode's start "
+                        "under a new attempt, answered from the log")
     if lost == "session":
         return Recovery(rollout_id, attempt, "fresh_dispatch", None, True,
                         why or "its restart-only session lost its live process; it starts over from its input")

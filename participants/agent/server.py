@@ -6,13 +6,13 @@ conversation, usage, the call it is about to make, the resources revision it saw
 reads the session back from the log instead of from this process. The conversation is stored as
 what changed since the previous boundary (engine.boundaries). A turn's end and the next turn's
 start are one moment, so their two boundaries go in one append; so do the last turn's end and the
-activation's completion. A session is `idle` (restored,
-waiting for its activation), `running`, or `at_boundary` (parked, or waiting on the model, which
-counts as a boundary: the model server holds a reply that comes while a checkpoint is open). Prepare
-does not wait for a tool round in progress: its mutations land after the session's latest boundary,
-and a restore of the cut applies them again to the state rebuilt there. Activations are
-idempotent by index: the completed index gets its stored reply again (read from the log), any
-index but completed + 1 is refused.
+activation's completion. A session is `idle` (restored, waiting for its activation), `running`, or
+`at_boundary` (parked, or waiting on the model, which counts as a boundary: the model server holds
+a reply that comes while a checkpoint is open). Prepare does not wait for a tool round in progress:
+its mutations land after the session's latest boundary, and a restore of the cut applies them again
+to the state rebuilt there. Activations are idempotent by index: the completed index gets its stored
+reply again (read from the log), any index but completed + 1 is refused. A task that names a NeMo
+Gym agent is run by that agent instead (participants/agent/external.py).
 
 After a crash of this server, the activation a caller asks for again goes on from its last
 boundary in the log (engine.recovery.resume_point), under the same attempt: the turns and tool
@@ -29,24 +29,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
 
 from aiohttp import web
-from pydantic import BaseModel, Field
 
 from adapters.http_client import JsonClient, as_attempt, data_url
-from adapters.openai_wire import ToolSpec
 from engine.admission import retired
-from engine.boundaries import boundary_messages, completed_activations, full_boundary
+from engine.boundaries import completed_activations, full_boundary
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, read_cut, restored_attempt
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
+    AttemptLost,
     DatabaseUnavailable,
+    GymServerFailed,
     InvalidIdentifier,
     InvalidJson,
     InvalidRequest,
@@ -64,7 +64,18 @@ from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import Patience
 from engine.recovery import resume_point
-from participants.base.guard import Body, Header, Int64, Route, tool_arguments
+from participants.agent.session import (
+    RunReply,
+    RunRequest,
+    Session,
+    SessionList,
+    continued_session,
+    fresh_session,
+    offered_tools,
+    resumed_session,
+    tool_call_key,
+)
+from participants.base.guard import Header, Route, tool_arguments
 from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import CLAIM_TRIES, settled
 from participants.base.participant import Participant, PrepareReport
@@ -76,155 +87,13 @@ from participants.base.wire import (
     REPLACES_HEADER,
     TOOL_CALL_HEADER,
     Execution,
-    TaskBody,
     data_path,
     identity,
 )
-from participants.environments import ENVIRONMENTS, Task, get_environment
-from participants.environments.base import prompt_messages
+from participants.environments import ENVIRONMENTS
 
-
-class RunRequest(Body):
-    """One activation. The model and resources servers it talks to come from the configuration only:
-    a request never names an address (it could name one that collects the data credential)."""
-
-    task: TaskBody
-    max_steps: int = Field(default=16, ge=1, le=1000)
-    seed: Int64 = 0
-    model: str = Field(default="policy", max_length=256)
-    system_prompt: str | None = None
-    tools: list[ToolSpec] | None = Field(default=None, description="the session's tools; default: the environment's")
-
-
-class RunReply(BaseModel):
-    final_answer: str | None
-    messages: list[dict[str, Any]]
-    usage: dict[str, int]
-    turns: int
-
-
-class SessionRow(BaseModel):
-    rollout_id: str
-    attempt: int
-    activation: int
-    state: str
-    turn: int
-
-
-class SessionList(BaseModel):
-    sessions: list[SessionRow]
-
-
-@dataclass
-class Session:
-    """One activation's turn loop. `turn` is the next turn to run."""
-
-    rollout_id: str
-    attempt: int
-    index: int
-    request: RunRequest
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    sampling: dict[str, Any] = field(default_factory=dict)  # sent with every model call (the environment's task_sampling)
-    turn: int = 0
-    usage: dict[str, int] = field(default_factory=dict)
-    calls: list[str] = field(default_factory=list)  # calls completed under this attempt (lineage checks its own log)
-    last_call_id: str | None = None
-    # The origin's pending call, continued by this attempt's first model call, then the calls that one
-    # was itself continuing (newest first): a pending call a crash left unanswered points further back.
-    replaces: str | None = None
-    revisions: dict[str, int] = field(default_factory=dict)  # session stream -> revision, once changed in this attempt
-    revision_seen: int = 0
-    done: bool = False  # a tool said the episode is over: the next reply is the final answer
-    finished: bool = False
-    final_answer: str | None = None
-    state: str = "running"
-    policy_version: str | None = None  # of the latest reply: every boundary says which policy brought it there
-    resumed: bool = False  # goes on from a boundary of its own attempt, already in the log: not recorded again
-    recorded: int | None = None  # messages in the stream's latest boundary (None: none yet): the next one is a delta on it
-
-    @property
-    def key(self) -> Key:
-        return (self.rollout_id, self.attempt)
-
-    def boundary_data(self, state: str, turn: int, pending: str | None) -> dict[str, Any]:
-        """The boundary's data; from now on the session counts it as the latest boundary of its stream."""
-        messages = boundary_messages(self.messages, self.recorded)
-        self.recorded = len(self.messages)
-        return {
-            "turn": turn, **messages, "usage": self.usage, "cookies": {}, "last_call_id": self.last_call_id,
-            "pending_call_id": pending, "replaces_call_id": self.replaces if pending else None, "calls": self.calls,
-            "revisions": self.revisions, "revision_seen": self.revision_seen, "state": state, "activation": self.index,
-            "done": self.done, "finished": self.finished, "final_answer": self.final_answer,
-            "policy_version": self.policy_version,
-        }
-
-    def reply(self) -> dict[str, Any]:
-        return {"final_answer": self.final_answer, "messages": self.messages, "usage": self.usage, "turns": self.turn}
-
-    def completed(self) -> NewEvent:
-        """The activation's completion: its reply less the conversation, which is the boundary appended
-        just before it (engine.boundaries.completed_activations), so no conversation is ever stored
-        whole in one event, however long it grows."""
-        reply = {k: v for k, v in self.reply().items() if k != "messages"}
-        return NewEvent(agent_stream(*self.key), ACTIVATION_COMPLETED, {"index": self.index, "reply": reply}, *self.key)
-
-
-def tool_call_key(activation: int, turn: int, index: int) -> str:
-    """A tool call's key within its session: the agent derives it from where the call stands, never
-    from anything the model said, and the resources server accepts no other shape (TOOL_CALL_KEY)."""
-    return f"a{activation}.t{turn}.{index}"
-
-
-def offered_tools(tools: list[dict[str, Any]]) -> set[str]:
-    """The names of the function tools a session offers its model (the only ones it may call)."""
-    return {str(t["function"]["name"]) for t in tools
-            if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")}
-
-
-def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
-    # An environment this process does not know is allowed when the request names the tools (`run`):
-    # its task opens as any task does, with its prompt.
-    env = get_environment(req.task.env) if req.task.env in ENVIRONMENTS else None
-    task = Task.from_json(req.task.model_dump())
-    opening = env.task_messages(task) if env is not None else prompt_messages(task)
-    messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + opening
-    tools = ([t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None
-             else env.tools() if env is not None else [])
-    return Session(key[0], key[1], index, req, messages, tools,
-                   sampling=env.task_sampling(task) if env is not None else dict(task.sampling))
-
-
-def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
-    """A session of a new attempt that goes on from its origin's boundary: nothing before it is redone."""
-    s = fresh_session(key, index, req)
-    s.messages = [dict(m) for m in boundary["messages"]]
-    s.usage = dict(boundary.get("usage") or {})
-    s.last_call_id = boundary.get("last_call_id")
-    s.revision_seen = int(boundary.get("revision_seen") or 0)
-    s.done = bool(boundary.get("done"))
-    s.policy_version = boundary.get("policy_version")
-    if boundary["state"] == "before_model":
-        s.turn = int(boundary["turn"])
-        chain = [boundary.get("pending_call_id"), *(boundary.get("replaces_call_id") or "").split(",")]
-        s.replaces = ",".join(dict.fromkeys(c for c in chain if c)) or None
-    else:  # after_turn: the turn and all its tool calls are in the messages
-        s.turn = int(boundary["turn"]) + 1
-        s.finished = bool(boundary.get("finished"))
-        s.final_answer = boundary.get("final_answer")
-    return s
-
-
-def resumed_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
-    """The same attempt going on from its own last boundary after this server restarted."""
-    s = continued_session(key, index, req, boundary)
-    s.calls = list(boundary.get("calls") or [])
-    s.revisions = dict(boundary.get("revisions") or {})
-    # The pending call is asked for again under its own id, with the chain it was first sent with.
-    s.replaces = boundary.get("replaces_call_id") if boundary["state"] == "before_model" else None
-    s.resumed = boundary["state"] == "before_model"
-    s.recorded = len(s.messages)  # that boundary is the latest of this attempt's stream
-    return s
+if TYPE_CHECKING:
+    from participants.agent.external import GymAgents
 
 
 def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
@@ -258,6 +127,7 @@ class AgentParticipant(Participant):
     # An agent that cannot go on from a boundary sets this False: it is then honestly restart-only.
     supports_continuation: ClassVar[bool] = True
     environment_url: str | None = None  # where NeMo Gym rows received on POST /run are run as episodes
+    gym_agents: GymAgents | None = None  # the NeMo Gym agents run for the tasks that name them
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -289,6 +159,8 @@ class AgentParticipant(Participant):
             raise InvalidRequest(f"no environment named {req.task.env!r} to take the tools from; name the tools")
         await self.check_attempt(*key)
         self.served_sessions = True
+        if self.gym_agents is not None and self.gym_agents.serves(req.task.agent):
+            return web.json_response(await self.gym_agents.activate(self, key, index, req))
         async with self.locks(key):
             current = self.running.get(key)
             if current is not None and current[0] == index:
@@ -407,9 +279,8 @@ class AgentParticipant(Participant):
 
     @staticmethod
     def _call_id(s: Session, turn: int) -> str:
-        """`<rollout>.<attempt>.t<turn>` for activation 0 (the ids every log so far holds), with `.a<n>`
-        before the turn for a later activation, which starts at turn 0 again: without it, its calls had
-        activation 0's ids and were answered with activation 0's stored replies."""
+        """`<rollout>.<attempt>.t<turn>` for activation 0, with `.a<n>` before the turn for a later one,
+        which starts at turn 0 again: without it, it got activation 0's stored replies."""
         activation = f".a{s.index}" if s.index else ""
         return f"{s.rollout_id}.{s.attempt}{activation}.t{turn}"
 
@@ -528,7 +399,8 @@ class AgentParticipant(Participant):
         activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")
         return [
             Route("POST", data_path("/run"), self.run, RunRequest, RunReply,
-                  (InvalidIdentifier, StaleAttempt, ActivationOutOfOrder, AdmissionClosed, ToolCallRefused, ParticipantUnavailable), headers=(activation,)),
+                  (InvalidIdentifier, StaleAttempt, ActivationOutOfOrder, AdmissionClosed, ToolCallRefused, ParticipantUnavailable,
+                   AttemptLost, GymServerFailed), headers=(activation,)),
             Route("GET", "/sessions", self.list_sessions, None, SessionList),
         ]
 

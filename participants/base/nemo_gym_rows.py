@@ -73,6 +73,7 @@ class GymTaskInput(BaseModel):
     `{"env": "math", "prompt": "What is 2 + 3?", "params": {"expression": "2 + 3", "answer": 5}}` runs
     that task; `{"env": "blackjack", "generate": 6}` runs the environment's own task generated from
     seed 6. `seed` is the episode seed handed to the agent and model, `max_steps` caps its turns.
+    `agent` names a `[nemo_gym_agent.<name>]` to run it (docs/agents.md); absent, rollbook's own.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -83,6 +84,7 @@ class GymTaskInput(BaseModel):
     generate: int | None = Field(default=None, ge=0)
     seed: int = Field(default=0, ge=0)
     max_steps: int = Field(default=16, ge=1, le=1000)
+    agent: str | None = Field(default=None, pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
     @model_validator(mode="after")
     def one_task(self) -> GymTaskInput:
@@ -207,8 +209,9 @@ def task_for(task_id: TaskId, task_input: GymTaskInput) -> Task:
         raise InvalidRequest(f"task_input.env: {exc.message}") from exc
     if task_input.generate is not None:
         generated = make_task(task_input.env, task_input.generate)
-        return Task(task_input.env, task_id.task_id, generated.prompt, generated.params)
-    return Task(task_input.env, task_id.task_id, task_input.prompt or "", dict(task_input.params or {}))
+        return Task(task_input.env, task_id.task_id, generated.prompt, generated.params, agent=task_input.agent)
+    return Task(task_input.env, task_id.task_id, task_input.prompt or "", dict(task_input.params or {}),
+                agent=task_input.agent)
 
 
 def _text_of(content: Any) -> str:

@@ -101,6 +101,8 @@ class TaskBody(Body):
     sampling: dict[str, Any] = Field(default_factory=dict, description=(
         "per-task sampling parameters the agent sends with every model call of the task: "
         + ", ".join(TASK_SAMPLING)))
+    agent: Identifier | None = Field(default=None, description=(
+        "the agent that runs the task: a `[nemo_gym_agent.<name>]` of the agent server; absent: rollbook's own"))
 
     @field_validator("sampling")
     @classmethod

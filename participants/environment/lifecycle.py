@@ -291,9 +291,10 @@ class EpisodeLifecycle(Participant):
     async def _restart(self, ep: Episode, exc: AttemptLost) -> None:
         """This rollout alone goes on under attempt N+1, as engine.recovery classifies it."""
         cause = exc.context.get("lost")
-        lost: recovery.Lost = cause if cause in ("session", "divergence") else "call"
+        lost: recovery.Lost = cause if cause in ("session", "divergence", "agent") else "call"
+        why = exc.detail if lost == "session" else exc.context.get("reason")
         history = await effective_history(self.store, ep.rollout_id, ep.attempt)
-        decision = recovery.classify(ep.rollout_id, ep.attempt, history, lost, exc.detail if lost == "session" else None)
+        decision = recovery.classify(ep.rollout_id, ep.attempt, history, lost, why)
         await self.store.append(recovery.recovery_request(decision))  # stale_attempt if a restore or retire came first
         ep.attempt += 1
         await self._begin_attempt(ep, decision.disposition == "fresh_dispatch", decision.attempt, recovered=True)

@@ -44,17 +44,20 @@ class Task:
     prompt: str
     params: dict[str, JSON] = field(default_factory=dict)
     sampling: dict[str, JSON] = field(default_factory=dict)  # sent with every model call of the task
+    agent: str | None = None  # a `[nemo_gym_agent.<name>]` of the agent server; None: rollbook's own agent
 
     def to_json(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"env": self.env, "task_id": self.task_id, "prompt": self.prompt, "params": self.params}
         if self.sampling:  # absent when empty: tasks without it keep the wire form they always had
             out["sampling"] = self.sampling
+        if self.agent is not None:
+            out["agent"] = self.agent
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> Task:
         return cls(env=d["env"], task_id=d["task_id"], prompt=d["prompt"], params=dict(d.get("params") or {}),
-                   sampling=dict(d.get("sampling") or {}))
+                   sampling=dict(d.get("sampling") or {}), agent=d.get("agent"))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     python nemo_gym_launcher.py MODULE NAME PORT [PATH ...]
 
 MODULE is the server's module (`resources_servers.workplace_assistant.app`, a resources server, or
-`responses_api_agents.simple_agent.app`, an agent: the module's top package says which), NAME its name in the
+`responses_api_agents.simple_agent.app`, an agent: its server class says which), NAME its name in the
 config NeMo Gym builds here, PORT where it listens (127.0.0.1), each PATH a folder put in front of
 sys.path (a NeMo Gym checkout). `ng_run` resolves its config in the parent and hands each server
 NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH; this resolves the same config in this process (NeMo
@@ -84,6 +84,15 @@ def server_class(module: str):  # noqa: ANN201 - a NeMo Gym class, typed in NeMo
     return found[-1] if found else None
 
 
+def server_kind(module: str) -> str:
+    """`responses_api_agents` for an agent (its server class is one of NeMo Gym's agents, wherever
+    its module lives), else `resources_servers`."""
+    from nemo_gym.base_responses_api_agent import BaseResponsesAPIAgent
+
+    cls = server_class(module)
+    return "responses_api_agents" if cls is not None and issubclass(cls, BaseResponsesAPIAgent) else "resources_servers"
+
+
 def checked(module: str, name: str, entry: dict, overrides: dict) -> dict:
     """The merged config, validated by the server's own config class (as `run_webserver` will)."""
     cls = server_class(module)
@@ -113,7 +122,7 @@ def main(argv: list[str]) -> None:
     folder = server_folder(module)
     sys.path.insert(0, folder)  # ng_run runs app.py from here: its sibling modules import as top-level ones
     overrides = json.loads(os.environ.get("ROLLBOOK_GYM_OVERRIDES") or "{}")
-    kind = module.split(".")[0] if module.startswith("responses_api_agents.") else "resources_servers"
+    kind = server_kind(module)
     entry = own_config(folder, name, kind)
     # Where it listens and what it runs are rollbook's to say, as ng_run's are.
     entry.update({"entrypoint": "app.py", "host": "127.0.0.1", "port": int(port)})

@@ -83,6 +83,7 @@ class GymServer:
     overrides: str = "{}"  # the table's `config`, as JSON: merged over the server's own configs/*.yaml entry
     config_file: str | None = None  # which of its configs/*.yaml (default: the one named as its folder)
     rebuild_attempts: int = 3  # rebuilds of a session without a call succeeding in between, then it fails
+    servers: str = "{}"  # the servers it calls by name (an agent's model and resources servers), as JSON
 
 
 class LiveGone(Exception):
@@ -145,7 +146,8 @@ class GymProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update({"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"})
         reason = Path(tempfile.mkdtemp(prefix="rollbook-gym-")) / "failure"
-        env.update({"ROLLBOOK_GYM_OVERRIDES": s.overrides, "ROLLBOOK_GYM_FAILURE": str(reason)})
+        env.update({"ROLLBOOK_GYM_OVERRIDES": s.overrides, "ROLLBOOK_GYM_SERVERS": s.servers,
+                    "ROLLBOOK_GYM_FAILURE": str(reason)})
         if s.config_file:
             env["ROLLBOOK_GYM_CONFIG_FILE"] = s.config_file
         log = open(os.environ.get("ROLLBOOK_GYM_LOG", os.devnull), "ab")  # noqa: SIM115 - the child holds it

@@ -219,7 +219,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
 
     async def make(token_latency_s: float = 0.006, upstream: bool = False, continuation: str = "vllm",
                    derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None,
-                   workers: dict[str, int] | None = None) -> Cluster:
+                   workers: dict[str, int] | None = None,
+                   nemo_gym_agent: dict[str, cfg.NemoGymAgentConfig] | None = None) -> Cluster:
         # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
                                        progress_s=PROGRESS_E2E_S, workers=(workers or {}).get(k, 1)) for k in cfg.KINDS}
@@ -238,7 +239,7 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1", progress_s=PROGRESS_E2E_S)
         config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
-                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {})
+                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {}, nemo_gym_agent=nemo_gym_agent or {})
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")

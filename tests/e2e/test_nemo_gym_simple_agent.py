@@ -1,105 +1,63 @@
-"""NeMo Gym 0.7.0's own `simple_agent`, unchanged, continued by replay after everything is SIGKILLed.
+"""NeMo Gym 0.7.0's own `simple_agent`, unchanged, as the agent of rollbook's rollouts: continued by
+replay after everything is SIGKILLed, and restarted fresh when an agent asks something else.
 
-simple_agent runs its own app.py with NeMo Gym's Python (the cached NeMo Gym environment), started by
-rollbook's launcher the way `ng_run` starts a server: its model server is rollbook's model server, its
-resources server rollbook's resources server, each address carrying the data credential (HTTP Basic,
-the only way NeMo Gym's client sends one). The test plays the part rollbook's agent
-server will play: it starts an attempt, opens the attempt's session (rollbook's workplace
-environment), and calls simple_agent's `/ng-rollout/<activation id>/v1/responses` with the task and
-the activation's cookie. simple_agent then asks the model at that same path and calls each tool as
-`POST /<tool>` with that cookie: it names no call, so rollbook numbers them (engine.agent_replay).
-The model is the fake vLLM in its own process, which counts what it generates.
+The config names it in a `[nemo_gym_agent.simple]` table (continuation `replay`); the agent server
+starts it with NeMo Gym's Python (the cached NeMo Gym environment) the way `ng_run` starts a server,
+its model server and resources server being rollbook's. Rollouts are dispatched to the environment
+server as a framework dispatches them (`POST /episodes`), each task naming the agent: the episode
+seeds rollbook's workplace session, the agent server forwards the activation to simple_agent's
+`/ng-rollout/<capture>/v1/responses`, and simple_agent asks the model at that path and calls each
+tool as `POST /<tool>` with the capture's cookie. It names no call, so rollbook numbers them
+(engine.agent_replay). The model is the fake vLLM in its own process, which counts what it generates.
 
 One rollout runs uninterrupted: two reads, a change, an answer. A second, with the same task, has its
-upstream stalled after the change, its last model call in flight, then simple_agent and all four
-rollbook servers are SIGKILLed; after fresh processes
-start, its next attempt continues from all of the first (as a recovery records it) and simple_agent
-is called again from the start. Its answer, its tool calls and the session's final state equal the
-uninterrupted run's; the upstream generated each recorded call once; every change was applied once.
+upstream stalled after the change, its last model call in flight, then every rollbook server (the
+agent server's simple_agent with it) is SIGKILLed. Dispatched again on fresh processes, the agent
+server finds the activation cut off after it made calls: the rollout goes on under attempt 1 from all
+of attempt 0 and simple_agent runs from the start, answered from the log. Its reward, conversation and
+tool calls equal the uninterrupted run's; the upstream generated each recorded call once; the change
+was applied once. The same again with NeMo Gym's own collector (`ng_collect_rollouts`) dispatching,
+and retrying on its own across the kill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
+import subprocess
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import apps.config as cfg
 from apps.processes import free_port
-from engine.attempts import ATTEMPT_STARTED
-from engine.events import AppendRequest, NewEvent, canonical_json
-from engine.identity import rollout_stream
-from engine.recovery import Recovery, recovery_request
-from participants.base.wire import CAPTURE_COOKIE, capture_id
-from participants.environments.nemo_gym_relay import LAUNCHER
 from participants.environments.tasks import make_task
 from testkit.nemo_gym_collector import gym_venv, spawn, stop, wait_http
 from tests.e2e.conftest import Cluster
+from tests.e2e.test_nemo_gym import ROLLBOOK_HOST, gym_env
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(900)
 SEED = 11
+GYM_SERVERS = Path(__file__).resolve().parents[1] / "gym_servers"
 
 
-def agent_config(cluster: Cluster) -> dict[str, str]:
-    """What the launcher (participants/environments/nemo_gym_launcher.py) gives simple_agent: its
-    model and resources servers are rollbook's, each address carrying the data credential."""
-    host = f"rollbook:{cluster.config.data_token}@127.0.0.1"
-    servers = {
-        "policy_model": {"responses_api_models": {"rollbook": {
-            "entrypoint": "rollbook", "host": host, "port": cluster.config.servers["model"].port}}},
-        "rollbook_resources": {"resources_servers": {"rollbook": {
-            "entrypoint": "rollbook", "domain": "other", "host": host, "port": cluster.config.servers["resources"].port}}},
-    }
-    overrides = {"model_server": {"type": "responses_api_models", "name": "policy_model"},
-                 "resources_server": {"type": "resources_servers", "name": "rollbook_resources"}}
-    return {"ROLLBOOK_GYM_SERVERS": json.dumps(servers), "ROLLBOOK_GYM_OVERRIDES": json.dumps(overrides)}
+def agent(module: str = "responses_api_agents.simple_agent.app", paths: list[str] | None = None) -> cfg.NemoGymAgentConfig:
+    return cfg.NemoGymAgentConfig(module=module, continuation="replay", python=str(gym_venv() / "bin" / "python"),
+                                  paths=paths or [])
 
 
-class SimpleAgent:
-    """NeMo Gym's simple_agent in its own process group, as `ng_run` starts it."""
-
-    def __init__(self, cluster: Cluster, work: Path) -> None:
-        self.venv, self.cluster, self.work = gym_venv(), cluster, work
-        self.port = free_port()
-        self.proc: Any = None
-        self.starts = 0
-
-    async def start(self) -> None:
-        self.starts += 1
-        log = self.work / f"simple_agent-{self.starts}.log"
-        env = {**os.environ, **agent_config(self.cluster), "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPATH", None)
-        self.proc = spawn([str(self.venv / "bin" / "python"), str(LAUNCHER), "responses_api_agents.simple_agent.app",
-                           "simple_agent", str(self.port)], log, self.work, env)
-        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{self.port}/health", self.proc, log, 120)
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait()
-
-    async def episode(self, rollout: str, attempt: int, task: dict[str, Any], tools: list[dict[str, Any]]) -> dict[str, Any]:
-        """What rollbook's agent server sends an agent of NeMo Gym's for one activation."""
-        capture = capture_id(rollout, attempt)
-        body = {"input": [{"role": "user", "content": task["prompt"]}],
-                "tools": [{"type": "function", "strict": False, **t["function"]} for t in tools]}
-        async with self.cluster.session.post(f"http://127.0.0.1:{self.port}/ng-rollout/{capture}/v1/responses", json=body,
-                                             cookies={CAPTURE_COOKIE: capture}) as resp:
-            text = await resp.text()
-            assert resp.status == 200, text
-            return json.loads(text)
-
-
-async def data(cluster: Cluster, method: str, path: str, body: Any = None) -> Any:
-    url = cluster.config.url("resources") + path
-    async with cluster.session.request(method, url, json=body,
-                                       headers={"Authorization": f"Bearer {cluster.config.data_token}"}) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
+async def dispatch(cluster: Cluster, rollout: str, task: dict[str, Any]) -> dict[str, Any]:
+    """A framework's dispatch: the reply comes when the episode is over."""
+    body = {"rollout_id": rollout, "task": task, "seed": SEED, "max_steps": 12}
+    async with cluster.session.post(cluster.config.url("environment") + "/episodes", json=body,
+                                    headers={"Authorization": f"Bearer {cluster.config.data_token}"}) as resp:
+        text = await resp.text()
+        assert resp.status == 200, text
+        return dict(json.loads(text))
 
 
 async def generated(cluster: Cluster) -> int:
@@ -107,58 +65,161 @@ async def generated(cluster: Cluster) -> int:
         return int((await resp.json())["requests"])
 
 
-def comparable(response: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """The episode as the model and the tools saw it: every output item but its ids."""
-    return [(o["type"], o.get("name"), o.get("arguments"), o.get("output"),
-             [c.get("text") for c in o.get("content") or []]) for o in response["output"]]
-
-
-async def test_simple_agent_killed_mid_episode_with_every_server_is_continued_by_replay(
-        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
-    # 50 ms a token: a reply takes about two seconds, time to stall the upstream between two calls.
-    cluster = await cluster_factory(upstream=True, token_latency_s=0.05)
-    agent = SimpleAgent(cluster, tmp_path)
-    await agent.start()
-    task = make_task("workplace", SEED)
-    for rollout in ("sa-clean", "sa-crash"):
-        await cluster.store.append(AppendRequest((
-            NewEvent(rollout_stream(rollout), ATTEMPT_STARTED, {"parent_attempt": None}, rollout, 0),)))
-    tools = (await data(cluster, "POST", "/rollouts/sa-clean/attempts/0/session",
-                        {"env": "workplace", "task": task.to_json()}))["tools"]
-    before = await generated(cluster)
-    clean = await agent.episode("sa-clean", 0, task.to_json(), tools)
-    clean_calls = await generated(cluster) - before
-    changes = await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'sa-clean' "
-                                   "AND kind = 'mutation_applied'")
-    assert clean_calls == 4 and changes == 1, clean  # two reads, a change, the answer: the kill comes after the change
-
-    await data(cluster, "POST", "/rollouts/sa-crash/attempts/0/session", {"env": "workplace", "task": task.to_json()})
-    before = await generated(cluster)
-    first = asyncio.create_task(agent.episode("sa-crash", 0, task.to_json(), tools))
+async def crash_with_a_call_in_flight(cluster: Cluster, rollout: str, *driver: asyncio.Task[Any]) -> None:
+    """After the rollout's change, its upstream stalled and its last model call in flight: SIGKILL every
+    rollbook server, simple_agent in the agent server's process group."""
     await eventually("the crashing run's change applied", lambda: cluster.scalar(
-        "SELECT count(*) = 1 FROM rollbook.events WHERE rollout_id = 'sa-crash' AND kind = 'mutation_applied'"))
+        "SELECT count(*) = 1 FROM rollbook.events WHERE rollout_id LIKE :r AND kind = 'mutation_applied'", r=rollout))
     await cluster.upstream_stall(True)
     await eventually("its last call in flight", lambda: cluster.scalar(
         "SELECT count(*) FILTER (WHERE kind = 'call_accepted') = 4 AND count(*) FILTER (WHERE kind = 'call_completed') = 3 "
-        "FROM rollbook.events WHERE rollout_id = 'sa-crash'"))
-    agent.kill()
-    await cluster.crash(first)
+        "FROM rollbook.events WHERE rollout_id LIKE :r", r=rollout))
+    await cluster.crash(*driver)
     await cluster.upstream_stall(False)
-    await cluster.store.append(recovery_request(Recovery("sa-crash", 0, "continue", None, True, "everything was killed")))
-    await cluster.start()
-    await agent.start()
-    continued = await agent.episode("sa-crash", 1, task.to_json(), tools)
 
-    assert comparable(continued) == comparable(clean)
-    states = [await data(cluster, "GET", path) for path in ("/rollouts/sa-clean/attempts/0/state",
-                                                            "/rollouts/sa-crash/attempts/1/state")]
-    assert canonical_json(states[0]["state"]) == canonical_json(states[1]["state"])
+
+async def same_run(cluster: Cluster, clean: str, crashed: str, clean_calls: int, generated_since: int) -> None:
+    """The crashed rollout continued by replay ends as the clean one did, nothing generated or applied twice."""
+    assert await conversation(cluster, crashed) == await conversation(cluster, clean)
+    recovered = await cluster.rows("SELECT attempt, data->>'disposition', data->>'boundary' FROM rollbook.events "
+                                   "WHERE rollout_id = :r AND kind = 'rollout_recovered'", r=crashed)
+    assert [tuple(r) for r in recovered] == [(0, "continue", None)]  # from all of attempt 0
     # Each recorded call generated once: the one in flight at the kill, never recorded, was asked again.
-    assert await generated(cluster) - before == clean_calls + 1
-    replayed = await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'sa-crash' AND attempt = 1 "
-                                    "AND kind = 'call_completed' AND data->>'disposition' = 'linked'")
+    assert generated_since == clean_calls + 1
+    replayed = await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = :r AND attempt = 1 "
+                                    "AND kind = 'call_completed' AND data->>'disposition' = 'linked'", r=crashed)
     assert replayed == 3
     # The change was applied once, by attempt 0; attempt 1's same call got its recorded answer.
     assert await cluster.scalar("SELECT string_agg(attempt || ':' || (data->>'tool_call'), ',') FROM rollbook.events "
-                                "WHERE rollout_id = 'sa-crash' AND kind = 'mutation_applied'") == "0:a0.s2"
-    stop(agent.proc)
+                                "WHERE rollout_id = :r AND kind = 'mutation_applied'", r=crashed) == "0:a0.s2"
+
+
+async def conversation(cluster: Cluster, rollout: str) -> list[tuple[Any, ...]]:
+    """The finished attempt's conversation as the model and the tools saw it, less the calls' ids."""
+    messages = await cluster.scalar(
+        "SELECT data->'messages' FROM rollbook.events WHERE rollout_id = :r AND kind = 'agent_boundary' "
+        "AND attempt = (SELECT attempt FROM rollbook.attempts WHERE rollout_id = :r AND status = 'finished') "
+        "ORDER BY position DESC LIMIT 1", r=rollout)
+    return [(m["role"], m.get("content"), [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []])
+            for m in messages]
+
+
+async def test_simple_agent_killed_mid_episode_with_every_server_is_continued_by_replay(
+        cluster_factory: Callable[..., Awaitable[Cluster]]) -> None:
+    # 50 ms a token: a reply takes about two seconds, time to stall the upstream between two calls.
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"simple": agent()})
+    task = replace(make_task("workplace", SEED), agent="simple").to_json()
+    before = await generated(cluster)
+    clean = await dispatch(cluster, "sa-clean", task)
+    clean_calls = await generated(cluster) - before
+    changes = await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'sa-clean' "
+                                   "AND kind = 'mutation_applied'")
+    assert clean_calls == 4 and changes == 1 and clean["reward"] == 1.0, clean  # two reads, a change, the answer
+
+    before = await generated(cluster)
+    first = asyncio.create_task(dispatch(cluster, "sa-crash", task))
+    await crash_with_a_call_in_flight(cluster, "sa-crash", first)
+    await cluster.start()
+    continued = await dispatch(cluster, "sa-crash", task)
+
+    assert (continued["attempt"], continued["reward"]) == (1, clean["reward"]), continued
+    await same_run(cluster, "sa-clean", "sa-crash", clean_calls, await generated(cluster) - before)
+
+
+def collector_config(cluster: Cluster, head_port: int) -> str:
+    """A NeMo Gym config whose tasksets rollbook's environment server runs (docs/nemo-gym.md)."""
+    return f"""
+head_server:
+  host: 127.0.0.1
+  port: {head_port}
+rollbook_environment:
+  environment_servers:
+    rollbook:
+      host: {ROLLBOOK_HOST}
+      port: {cluster.config.servers['environment'].port}
+environment_server_routes:
+  "sa:clean": rollbook_environment
+  "sa:crash": rollbook_environment
+"""
+
+
+async def test_ng_collect_rollouts_drives_simple_agent_through_a_sigkill_of_everything(
+        cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
+    """NeMo Gym's own collector, `ng_collect_rollouts`, sends each row (a workplace task naming the
+    agent `simple`) to rollbook's environment server; the crashing collection is left to retry on its
+    own across the SIGKILL, as NeMo Gym's collector does."""
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"simple": agent()})
+    venv, head_port = gym_venv(), free_port()
+    (tmp_path / "gym.yaml").write_text(collector_config(cluster, head_port))
+    env = gym_env(cluster, tmp_path)
+    overrides = [f"+config_paths=[{tmp_path / 'gym.yaml'}]"]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        head = spawn([str(venv / "bin" / "python"), str(Path(__file__).with_name("nemo_gym_head.py")), *overrides],
+                     tmp_path / "head.log", tmp_path, env)
+        procs.append(head)
+        await asyncio.to_thread(wait_http, f"http://127.0.0.1:{head_port}/global_config_dict_yaml", head,
+                                tmp_path / "head.log", 300)
+
+        def collect(taskset: str) -> subprocess.Popen[bytes]:
+            rows = tmp_path / f"{taskset[3:]}.jsonl"
+            rows.write_text(json.dumps({"task_id": {"taskset": taskset, "task_id": "w"},
+                                        "task_input": {"env": "workplace", "generate": SEED, "agent": "simple"}}) + "\n")
+            proc = spawn([str(venv / "bin" / "ng_collect_rollouts"), *overrides, f"+input_jsonl_fpath={rows}",
+                          f"+output_jsonl_fpath={tmp_path / taskset[3:] / 'out.jsonl'}"],
+                         tmp_path / f"collector-{taskset[3:]}.log", tmp_path, env)
+            procs.append(proc)
+            return proc
+
+        async def collected(proc: subprocess.Popen[bytes], taskset: str) -> dict[str, Any]:
+            rc = await asyncio.to_thread(proc.wait, 600)
+            assert rc == 0, (tmp_path / f"collector-{taskset[3:]}.log").read_text()[-4000:]
+            [row] = [json.loads(line) for line in (tmp_path / taskset[3:] / "out.jsonl").read_text().splitlines()]
+            return dict(row)
+
+        before = await generated(cluster)
+        clean = await collected(collect("sa:clean"), "sa:clean")
+        clean_calls = await generated(cluster) - before
+        before = await generated(cluster)
+        crashing = collect("sa:crash")
+        await crash_with_a_call_in_flight(cluster, "sa_crash.%")
+        await asyncio.sleep(2.0)  # the collector keeps asking a closed port
+        await cluster.start()
+        continued = await collected(crashing, "sa:crash")
+
+        assert clean["reward"] == continued["reward"] == 1.0, (clean, continued)
+        [clean_id, crash_id] = [await cluster.scalar("SELECT DISTINCT rollout_id FROM rollbook.attempts WHERE rollout_id LIKE :p",
+                                                     p=f"{prefix}.%") for prefix in ("sa_clean", "sa_crash")]
+        await same_run(cluster, clean_id, crash_id, clean_calls, await generated(cluster) - before)
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+async def test_an_agent_that_asks_something_else_after_a_crash_restarts_its_rollout_fresh(
+        cluster_factory: Callable[..., Awaitable[Cluster]]) -> None:
+    """tests/gym_servers/clock_agent: simple_agent with the current time in its instructions, as many
+    agents put the date in their system prompt. Run again after a crash, its first call is not the
+    recorded one: the rollout starts over from its input under a new attempt, reason
+    `agent_divergence` in the log, and finishes once."""
+    clock = agent("clock_agent.app", [str(GYM_SERVERS)])
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"clock": clock})
+    task = replace(make_task("workplace", SEED), agent="clock").to_json()
+    first = asyncio.create_task(dispatch(cluster, "clock", task))
+    await eventually("its first call answered", lambda: cluster.scalar(
+        "SELECT count(*) >= 1 FROM rollbook.events WHERE rollout_id = 'clock' AND kind = 'call_completed'"))
+    await cluster.crash(first)
+    await cluster.start()
+    result = await dispatch(cluster, "clock", task)
+
+    assert result["reward"] == 1.0, result
+    # Attempt 0 was cut off: attempt 1 continued it by replay and diverged at its first call; attempt 2 started fresh.
+    recovered = await cluster.rows("SELECT attempt, data->>'disposition', data->>'reason' FROM rollbook.events "
+                                   "WHERE rollout_id = 'clock' AND kind = 'rollout_recovered' ORDER BY position")
+    assert [tuple(r)[:2] for r in recovered] == [(0, "continue"), (1, "fresh_dispatch")], recovered
+    assert recovered[1][2] == "agent_divergence"
+    excluded = await cluster.rows("SELECT data->>'call_id', data->>'diverges_from' FROM rollbook.events "
+                                  "WHERE rollout_id = 'clock' AND kind = 'call_excluded' AND data->>'reason' = 'agent_divergence'")
+    assert [tuple(r) for r in excluded] == [("clock.1.a0.m0", "clock.0.a0.m0")]
+    assert await cluster.scalar("SELECT string_agg(attempt || ':' || status, ',' ORDER BY attempt) FROM rollbook.attempts "
+                                "WHERE rollout_id = 'clock'") == "0:fenced,1:fenced,2:finished"

@@ -1,0 +1,161 @@
+"""A NeMo Gym agent, unchanged, as the agent of the tasks that name it (`[nemo_gym_agent.<name>]`).
+
+The agent server starts the agent the way the resources server starts a NeMo Gym resources server
+(participants/environments/nemo_gym_launcher.py), its model server and resources server being
+rollbook's. An activation of a task whose `agent` names it is forwarded to the agent's own
+`/ng-rollout/<capture>/v1/responses`, the capture naming (rollout, attempt, activation) and riding in
+a cookie too: NeMo Gym agents carry that path to their model calls and the cookie to their tool
+calls, so rollbook numbers and records every call on the attempt's routes (engine.agent_replay)
+without the agent saying anything. Its output becomes the activation's reply: the conversation as
+chat messages, the last message's text as the final answer, in the log as rollbook's own agent
+records its completion.
+
+Such an agent cannot say where it stands, so it is never resumed in the middle (engine.agent_replay):
+- an activation asked again that already made calls under this attempt (its run was cut off by a
+  crash of this server or of the agent) is `attempt_lost`: declared `replay`, the rollout goes on
+  under a new attempt continuing from all of this one, where the agent runs from the start, answered
+  from the log; declared `restart_only` (the default), it starts over from its input;
+- a run that fails after one of its calls diverged from the recorded one is `attempt_lost` with
+  reason `agent_divergence`: that rollout alone starts over from its input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from adapters.http_client import PeerTimeouts
+from adapters.openai_wire import responses_messages
+from engine.agent_replay import DIVERGENCE_REASON, calls_made, divergence
+from engine.boundaries import completed_activations
+from engine.catalog import AGENT_BOUNDARY
+from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable
+from engine.events import AppendRequest, NewEvent
+from engine.identity import Key, agent_stream
+from engine.lineage import effective_history
+from participants.agent.session import RunRequest, fresh_session
+from participants.base.keyed_locks import KeyedLocks
+from participants.base.participant import Participant
+from participants.base.wire import CAPTURE_COOKIE, capture_id
+from participants.environments.nemo_gym_relay import GymProcess, GymServer, LiveGone
+
+# The names the agent's config gives rollbook's model and resources servers (apps/config.py).
+MODEL_SERVER = "rollbook_model"
+RESOURCES_SERVER = "rollbook_resources"
+SHOWN = 1000  # how much of a failed run's reply its error carries
+
+
+@dataclass(frozen=True)
+class GymAgent:
+    server: GymServer
+    continuation: Literal["replay", "restart_only"] = "restart_only"
+
+
+class GymAgents:
+    """The configured NeMo Gym agents of one agent server, and their activations running here."""
+
+    def __init__(self, agents: dict[str, GymAgent], timeouts: PeerTimeouts | None = None) -> None:
+        self.agents = agents
+        self.processes = {name: GymProcess(a.server) for name, a in agents.items()}
+        self.timeouts = timeouts or PeerTimeouts()
+        self.running: dict[tuple[str, int, int], asyncio.Task[dict[str, Any]]] = {}
+        self.locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()
+
+    def start_all(self, say: Callable[[str], None]) -> None:
+        """Start each agent rollbook runs, in a thread of its own (`rollbook serve agent` does), so that
+        one that cannot start says why there, in one line, not only at a rollout's first activation."""
+        for name, process in self.processes.items():
+            if process.server.url is None:
+                def start(name: str = name, process: GymProcess = process) -> None:
+                    why = process.check()
+                    if why is not None:
+                        say(f"nemo_gym_agent.{name}: {process.server.module} cannot start: {why}")
+                threading.Thread(target=start, name=f"start-{name}", daemon=True).start()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.stop()
+
+    def serves(self, name: str | None) -> bool:
+        return name is not None and name in self.agents
+
+    async def activate(self, p: Participant, key: Key, index: int, req: RunRequest) -> dict[str, Any]:
+        """The activation's reply: from the log once it completed, else from this run of the agent."""
+        place = (*key, index)
+        async with self.locks(place):
+            task = self.running.get(place)
+            if task is None:
+                completed = completed_activations(await effective_history(p.store, *key))
+                if index in completed:
+                    return completed[index]
+                name = str(req.task.agent)
+                if calls_made(await p.store.read_rollout(*key), *key, index):
+                    raise self._interrupted(name, key, index)
+                p.admission.require_open("a new activation")
+                task = asyncio.get_running_loop().create_task(self._run(p, name, key, index, req))
+                self.running[place] = task
+                task.add_done_callback(lambda _t: self.running.pop(place, None))
+        return await asyncio.shield(task)
+
+    def _interrupted(self, name: str, key: Key, index: int) -> AttemptLost:
+        said = f"activation {index} of {key[0]} attempt {key[1]} by nemo_gym_agent.{name} was cut off after it made calls"
+        if self.agents[name].continuation == "replay":
+            return AttemptLost(f"{said}; it runs again from its start under a new attempt, answered from the log",
+                               lost="agent")
+        return AttemptLost(f"{said}, and the agent is restart_only: the rollout starts over from its input",
+                           lost="session")
+
+    async def _run(self, p: Participant, name: str, key: Key, index: int, req: RunRequest) -> dict[str, Any]:
+        s = fresh_session(key, index, req)
+        opening = [{"role": m["role"], "content": m["content"]} for m in s.messages]
+        tools = [{"type": "function", "strict": False, **t["function"]} for t in s.tools if isinstance(t.get("function"), dict)]
+        capture = capture_id(key[0], key[1], index)
+        try:
+            base = await asyncio.to_thread(self.processes[name].base_url)  # started on first use, again if it died
+        except LiveGone as exc:
+            raise ParticipantUnavailable(f"nemo_gym_agent.{name}: {exc}") from exc
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.work_s)
+        try:
+            async with aiohttp.ClientSession(cookies={CAPTURE_COOKIE: capture}, timeout=timeout) as http, \
+                    http.post(f"{base}/ng-rollout/{capture}/v1/responses", json={"input": opening, "tools": tools}) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, OSError) as exc:
+            # The agent died under this activation: asked again, the log decides how it goes on.
+            raise ParticipantUnavailable(f"nemo_gym_agent.{name} at {base}: {exc}") from exc
+        if status != 200:
+            events = await p.store.read_rollout(*key)
+            diverged = divergence(events, *key, index)
+            if diverged is not None:
+                raise AttemptLost(f"nemo_gym_agent.{name} diverged from its lineage at {diverged.data['call_id']}: the "
+                                  "rollout starts over from its input", lost="divergence", reason=DIVERGENCE_REASON)
+            raise GymServerFailed(f"nemo_gym_agent.{name}: its /v1/responses answered {status}: {text[:SHOWN]}",
+                                  server=name, stage="agent")
+        out = json.loads(text)
+        output = [o for o in out.get("output") or [] if isinstance(o, dict)]
+        s.messages = responses_messages(opening + output)
+        s.final_answer = final_text(output)
+        s.usage = {k: v for k, v in (out.get("usage") or {}).items() if isinstance(v, int)}
+        s.turn = calls_made(await p.store.read_rollout(*key), *key, index)
+        s.finished = s.done = True
+        # The conversation in a boundary, the reply in the completion, as rollbook's own agent ends one.
+        boundary = NewEvent(agent_stream(*key), AGENT_BOUNDARY, s.boundary_data("after_turn", s.turn, None), *key)
+        await p.store.append(AppendRequest((boundary, s.completed())))
+        return s.reply()
+
+
+def final_text(output: list[dict[str, Any]]) -> str | None:
+    """The text of the last message of a Responses output (None when it ended on anything else)."""
+    last = output[-1] if output else None
+    if last is None or last.get("type") != "message":
+        return None
+    return "".join(str(c.get("text", "")) for c in last.get("content") or [] if isinstance(c, dict))
+
+
+__all__ = ["MODEL_SERVER", "RESOURCES_SERVER", "GymAgent", "GymAgents", "final_text"]
