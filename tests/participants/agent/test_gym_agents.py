@@ -1,0 +1,139 @@
+"""A NeMo Gym agent as the agent of the tasks that name it (participants/agent/external.py): the
+rules that decide how a cut-off activation goes on, and the `[nemo_gym_agent.NAME]` table.
+
+The agent itself, NeMo Gym's simple_agent in its own process through a SIGKILL of everything, is
+tests/e2e/test_nemo_gym_simple_agent.py; these are the edges it leaves out, on an in-memory log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import apps.config as cfg
+from adapters.memory_store import MemoryEventStore
+from engine import catalog as ev
+from engine.agent_replay import calls_made, divergence
+from engine.errors import AttemptLost
+from engine.events import AppendRequest, NewEvent, RecordedEvent
+from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id
+from engine.recovery import classify, recovery_request
+from participants.agent.external import GymAgent, GymAgents, final_text
+from participants.agent.server import AgentParticipant, RunRequest
+from participants.environments.nemo_gym_relay import GymServer
+from participants.environments.tasks import make_task
+
+
+def recorded(position: int, kind: str, stream: str, attempt: int = 0, **data: Any) -> RecordedEvent:
+    return RecordedEvent(position, stream, position, kind, dict(data), "r", attempt, 1, "test", b"")
+
+
+def test_calls_made_counts_the_activations_own_numbered_calls_of_this_attempt_only() -> None:
+    events = [recorded(1, ev.CALL_ACCEPTED, call_stream(server_call_id("r", 1, 0, 0)), 1),
+              recorded(2, ev.CALL_ACCEPTED, call_stream(server_call_id("r", 1, 0, 0)), 1),  # the same call asked again
+              recorded(3, ev.CALL_ACCEPTED, call_stream(server_call_id("r", 1, 0, 1)), 1),
+              recorded(4, ev.CALL_ACCEPTED, call_stream(server_call_id("r", 1, 1, 0)), 1),  # another activation
+              recorded(5, ev.CALL_ACCEPTED, call_stream(server_call_id("r", 0, 0, 0)), 0),  # the origin's
+              recorded(6, ev.CALL_ACCEPTED, call_stream("r.1.t0"), 1)]  # a call rollbook's own agent named
+    assert calls_made(events, "r", 1, 0) == 2
+    assert calls_made(events, "r", 1, 1) == 1
+    assert calls_made(events, "r", 2, 0) == 0
+
+
+def test_divergence_is_the_excluded_call_of_that_activation_with_reason_agent_divergence() -> None:
+    cut = recorded(1, ev.CALL_EXCLUDED, call_stream("r.1.a0.m0"), 1, call_id="r.1.a0.m0", reason="admission_closed")
+    other = recorded(2, ev.CALL_EXCLUDED, call_stream("r.1.a1.m0"), 1, call_id="r.1.a1.m0", reason="agent_divergence")
+    diverged = recorded(3, ev.CALL_EXCLUDED, call_stream("r.1.a0.m2"), 1, call_id="r.1.a0.m2", reason="agent_divergence",
+                        diverges_from="r.0.a0.m2")
+    assert divergence([cut, other, diverged], "r", 1, 0) is diverged
+    assert divergence([cut, other], "r", 1, 0) is None
+
+
+def test_an_interrupted_replay_agent_continues_under_a_new_attempt_from_all_of_the_old_one() -> None:
+    history = [recorded(1, ev.ATTEMPT_STARTED, rollout_stream("r")), recorded(2, ev.EPISODE_STEP, "episode:r:0")]
+    r = classify("r", 0, history, "agent")
+    assert (r.disposition, r.new_attempt, r.boundary) == ("continue", True, None)
+    _, _, started = recovery_request(r).events
+    # origin_position None: the whole origin, not its latest boundary (position 2) is the lineage.
+    assert (started.attempt, started.data["origin_attempt"], started.data["origin_position"]) == (1, 0, None)
+
+
+def test_a_divergence_says_whose_it_was() -> None:
+    r = classify("r", 1, [], "divergence", "agent_divergence")
+    assert (r.disposition, r.reason) == ("fresh_dispatch", "agent_divergence")
+
+
+def gym_agents(continuation: str) -> GymAgents:
+    # An address nothing listens on: none of these cases may reach the agent.
+    server = GymServer("simple", "responses_api_agents.simple_agent.app", url="http://127.0.0.1:9")
+    return GymAgents({"simple": GymAgent(server, continuation)})  # type: ignore[arg-type]
+
+
+def run_request() -> RunRequest:
+    return RunRequest.model_validate({"task": {**make_task("workplace", 3).to_json(), "agent": "simple"}})
+
+
+async def started(store: MemoryEventStore) -> None:
+    await store.append(AppendRequest((NewEvent(rollout_stream("r"), ev.ATTEMPT_STARTED, {"parent_attempt": None}, "r", 0),)))
+
+
+@pytest.mark.parametrize(("continuation", "lost"), [("replay", "agent"), ("restart_only", "session")])
+async def test_an_activation_asked_again_after_it_made_calls_is_never_run_again_under_that_attempt(
+        memory_store: MemoryEventStore, continuation: str, lost: str) -> None:
+    await started(memory_store)
+    call_id = server_call_id("r", 0, 0, 0)
+    await memory_store.append(AppendRequest((NewEvent(call_stream(call_id), ev.CALL_ACCEPTED, {"call_id": call_id}, "r", 0),)))
+    with pytest.raises(AttemptLost) as raised:
+        await gym_agents(continuation).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+    assert raised.value.context["lost"] == lost
+
+
+async def test_a_completed_activation_is_answered_from_the_log(memory_store: MemoryEventStore) -> None:
+    await started(memory_store)
+    boundary = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "done"}]}
+    reply = {"final_answer": "done", "usage": {}, "turns": 1}
+    await memory_store.append(AppendRequest((
+        NewEvent(agent_stream("r", 0), ev.AGENT_BOUNDARY, boundary, "r", 0),
+        NewEvent(agent_stream("r", 0), ev.ACTIVATION_COMPLETED, {"index": 0, "reply": reply}, "r", 0))))
+    out = await gym_agents("replay").activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+    assert out == {**reply, "messages": boundary["messages"]}
+
+
+def test_the_final_answer_is_the_last_messages_text_or_none() -> None:
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
+    call = {"type": "function_call", "name": "add", "arguments": "{}", "call_id": "c"}
+    assert final_text([call, message]) == "4"
+    assert final_text([message, call]) is None
+    assert final_text([]) is None
+
+
+def test_the_table_round_trips_and_points_the_agent_at_rollbooks_servers(tmp_path: Path) -> None:
+    """`[nemo_gym_agent.simple]`: written and read back the same; the agent is told its model and
+    resources servers are rollbook's, each address carrying the data credential."""
+    servers = {k: cfg.ServerConfig(port=9100 + i) for i, k in enumerate(cfg.KINDS)}
+    config = cfg.Config(control_token="c" * 16, data_token="d" * 16, servers=servers,
+                        nemo_gym_agent={"simple": cfg.NemoGymAgentConfig(continuation="replay", python="/py",
+                                                                          config={"max_steps": 4})})
+    cfg.write(config, tmp_path / "rollbook.toml")
+    assert cfg.load(tmp_path / "rollbook.toml").nemo_gym_agent == config.nemo_gym_agent
+    agent = config.gym_agents(lambda: 9200)["simple"]
+    assert agent.continuation == "replay" and agent.server.port == 9200
+    overrides, named = json.loads(agent.server.overrides), json.loads(agent.server.servers)
+    assert overrides["max_steps"] == 4
+    assert overrides["model_server"] == {"type": "responses_api_models", "name": "rollbook_model"}
+    model = named["rollbook_model"]["responses_api_models"]["rollbook"]
+    assert (model["host"], model["port"]) == (f"rollbook:{'d' * 16}@127.0.0.1", servers["model"].port)
+
+
+@pytest.mark.parametrize(("table", "says"), [
+    ({"bad.name": {}}, "nemo_gym_agent.bad.name"),
+    ({"simple": {"continuation": "resume"}}, "continuation"),
+    ({"simple": {"module": "../evil"}}, "module"),
+])
+def test_a_wrong_table_is_refused_naming_what_is_wrong(table: dict[str, Any], says: str) -> None:
+    servers = {k: cfg.ServerConfig(port=9100 + i) for i, k in enumerate(cfg.KINDS)}
+    with pytest.raises(ValueError, match=says.replace(".", r"\.")):
+        cfg.Config(control_token="c" * 16, data_token="d" * 16, servers=servers, nemo_gym_agent=table)
