@@ -34,13 +34,15 @@ from adapters.http_client import PeerTimeouts
 from adapters.openai_wire import responses_messages
 from engine.agent_replay import DIVERGENCE_REASON, calls_made, divergence
 from engine.boundaries import completed_activations
-from engine.catalog import AGENT_BOUNDARY
-from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable
+from engine.catalog import ACTIVATION_CLAIMED, AGENT_BOUNDARY
+from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable, VersionConflict
 from engine.events import AppendRequest, NewEvent
 from engine.identity import Key, agent_stream
 from engine.lineage import effective_history
-from participants.agent.session import RunRequest, fresh_session
+from engine.ownership import claim
+from participants.agent.session import RunRequest, activation_holder, fresh_session
 from participants.base.keyed_locks import KeyedLocks
+from participants.base.owners import CLAIM_TRIES, settled
 from participants.base.participant import Participant
 from participants.base.wire import CAPTURE_COOKIE, capture_id
 from participants.environments.nemo_gym_relay import GymProcess, GymServer, LiveGone
@@ -90,18 +92,38 @@ class GymAgents:
         place = (*key, index)
         async with self.locks(place):
             task = self.running.get(place)
-            if task is None:
-                completed = completed_activations(await effective_history(p.store, *key))
-                if index in completed:
-                    return completed[index]
-                name = str(req.task.agent)
-                if calls_made(await p.store.read_rollout(*key), *key, index):
-                    raise self._interrupted(name, key, index)
-                p.admission.require_open("a new activation")
-                task = asyncio.get_running_loop().create_task(self._run(p, name, key, index, req))
-                self.running[place] = task
+            for tries in range(1, CLAIM_TRIES + 1):
+                if task is not None:
+                    break
+                try:
+                    started = await self._start(p, key, index, req)
+                except VersionConflict:
+                    if tries == CLAIM_TRIES:
+                        raise
+                    continue  # another instance claimed it first: read again, now seeing its owner
+                if isinstance(started, dict):
+                    return started
+                task = self.running[place] = started
                 task.add_done_callback(lambda _t: self.running.pop(place, None))
+        assert task is not None
         return await asyncio.shield(task)
+
+    async def _start(self, p: Participant, key: Key, index: int,
+                     req: RunRequest) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
+        # Another live instance running it is waited for: two runs of one activation would number
+        # their calls in one sequence, and apply a change of each.
+        own = await settled(p, agent_stream(*key), activation_holder(index))
+        completed = completed_activations(await effective_history(p.store, *key))
+        if index in completed:
+            return completed[index]
+        name = str(req.task.agent)
+        if calls_made(await p.store.read_rollout(*key), *key, index):
+            raise self._interrupted(name, key, index)
+        p.admission.require_open("a new activation")
+        # Claimed at the version read: of two instances asked at once, one runs it.
+        await p.store.append(claim((NewEvent(agent_stream(*key), ACTIVATION_CLAIMED, {"index": index, "instance": p.instance},
+                                             *key),), agent_stream(*key), own[-1].stream_version if own else 0))
+        return asyncio.get_running_loop().create_task(self._run(p, name, key, index, req))
 
     def _interrupted(self, name: str, key: Key, index: int) -> AttemptLost:
         said = f"activation {index} of {key[0]} attempt {key[1]} by nemo_gym_agent.{name} was cut off after it made calls"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
@@ -69,6 +68,7 @@ from participants.agent.session import (
     RunRequest,
     Session,
     SessionList,
+    activation_holder,
     continued_session,
     fresh_session,
     offered_tools,
@@ -103,18 +103,6 @@ def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
     if last is None or last.data.get("activation", 0) in completed:
         return None
     return full_boundary(history, last)
-
-
-def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | None]:
-    """The instance that claimed activation `index` of a stream while it has not completed: the one
-    its latest claiming boundary names (participants.base.owners.settled)."""
-    def holder(events: Sequence[RecordedEvent]) -> str | None:
-        if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == index for e in events):
-            return None
-        claims = [e for e in events if e.kind == ACTIVATION_CLAIMED and e.data["index"] == index
-                  or e.kind == BOUNDARY and e.data.get("activation", 0) == index and e.data.get("instance")]
-        return str(claims[-1].data["instance"]) if claims else None
-    return holder
 
 
 def activation_index(request: web.Request) -> int:

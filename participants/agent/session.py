@@ -7,6 +7,7 @@ The turn loop that drives a session is participants/agent/server.py; a NeMo Gym 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +15,8 @@ from pydantic import BaseModel, Field
 
 from adapters.openai_wire import ToolSpec
 from engine.boundaries import boundary_messages
-from engine.catalog import ACTIVATION_COMPLETED
-from engine.events import NewEvent
+from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED, AGENT_BOUNDARY
+from engine.events import NewEvent, RecordedEvent
 from engine.identity import Key, agent_stream
 from participants.base.guard import Body, Int64
 from participants.base.wire import TaskBody
@@ -166,3 +167,13 @@ def resumed_session(key: Key, index: int, req: RunRequest, boundary: dict[str, A
     return s
 
 
+def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | None]:
+    """The instance that claimed activation `index` of a stream while it has not completed: the one
+    its latest claiming boundary names (participants.base.owners.settled)."""
+    def holder(events: Sequence[RecordedEvent]) -> str | None:
+        if any(e.kind == ACTIVATION_COMPLETED and e.data.get("index") == index for e in events):
+            return None
+        claims = [e for e in events if e.kind == ACTIVATION_CLAIMED and e.data["index"] == index
+                  or e.kind == AGENT_BOUNDARY and e.data.get("activation", 0) == index and e.data.get("instance")]
+        return str(claims[-1].data["instance"]) if claims else None
+    return holder

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adapters.http_client import JsonClient, data_url
@@ -21,10 +22,12 @@ from engine.catalog import AGENT_BOUNDARY
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
 from participants.agent.app import build_agent_app
+from participants.agent.external import GymAgent, GymAgents
 from participants.agent.server import RunRequest, fresh_session
 from participants.base.app import PARTICIPANT
 from participants.base.wire import ACTIVATION_HEADER
 from participants.environment.app import build_environment_app
+from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.tasks import make_task
 from participants.model.backends.scripted import ScriptedBackend
 from tests.participants.base.test_ownership import leased
@@ -163,3 +166,43 @@ async def test_an_episode_held_by_a_live_environment_is_awaited_and_taken_over_o
             ("episode_started", "environment-gone"), ("episode_continued", "environment-he-b")]  # the takeover, once
         assert [e.data["step"] for e in of(events, "episode_step")] == ["seed", "agent", "verify", "close"]
         assert len(of(events, "attempt_finished")) == 1
+
+
+async def test_two_agent_servers_racing_for_an_activation_of_a_nemo_gym_agent_forward_it_once(
+        dsn: str, store: PostgresEventStore) -> None:
+    """The agent is an HTTP server here that answers `/ng-rollout/<capture>/v1/responses` once it is
+    let go and counts the runs it got (NeMo Gym's own simple_agent is tests/e2e/test_nemo_gym_simple_agent.py):
+    both instances are asked at once, one claims the activation in the log and forwards it, the
+    other waits for its outcome. Without the claim both forwarded it: two runs of one activation."""
+    runs: list[str] = []
+    go = asyncio.Event()
+
+    async def responses(request: web.Request) -> web.Response:
+        runs.append(request.match_info["capture"])
+        await go.wait()
+        return web.json_response({"output": [{"type": "message", "role": "assistant",
+                                              "content": [{"type": "output_text", "text": "done"}]}]})
+
+    gym_app = web.Application()
+    gym_app.router.add_post("/ng-rollout/{capture}/v1/responses", responses)
+    gym = TestServer(gym_app, host="127.0.0.1")
+    await gym.start_server()
+    try:
+        async with stack(dsn, "ga") as s, second(dsn, "agent", "ga", s) as (b_url, other):
+            agent = GymAgent(GymServer("simple", "responses_api_agents.simple_agent.app",
+                                       url=str(gym.make_url("")).rstrip("/")), "replay")
+            s.participant("agent").gym_agents = GymAgents({"simple": agent})  # type: ignore[attr-defined]
+            other.gym_agents = GymAgents({"simple": agent})
+            await seeded(s, store, "gym-race")
+            task = {**WORKPLACE.to_json(), "agent": "simple"}
+            both = [asyncio.ensure_future(s.client.post(data_url(base, "gym-race", 0, "/run"), {"task": task},
+                                                        {ACTIVATION_HEADER: "0"})) for base in (s.url("agent"), b_url)]
+            await asyncio.sleep(1.0)  # time for both to have forwarded it, were they to
+            go.set()
+            ra, rb = await asyncio.gather(*both)
+        assert ra == rb and ra["final_answer"] == "done"
+        assert runs == ["gym-race.0.0"]
+        events = await store.read_stream(agent_stream("gym-race", 0))
+        assert len(of(events, "agent_activation_claimed")) == 1 and len(of(events, "agent_activation_completed")) == 1
+    finally:
+        await gym.close()
