@@ -63,13 +63,6 @@ def calls_made(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, a
                 and (server_call_number(e.stream.removeprefix("call:"), rollout_id) or (-1, -1))[:2] == (attempt, activation)})
 
 
-def divergence(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> RecordedEvent | None:
-    """The `call_excluded` that recorded `activation`'s divergence under `attempt`, if it diverged."""
-    return next((e for e in events if e.kind == ev.CALL_EXCLUDED and e.data.get("reason") == DIVERGENCE_REASON
-                 and (server_call_number(str(e.data.get("call_id")), rollout_id) or (-1, -1))[:2] == (attempt, activation)),
-                None)
-
-
 def replayed_call(recorded: CallRecord | None, digest: str, call_id: str) -> str | None:
     """The recorded call that `call_id` (request digest `digest`) replays; None: it goes live."""
     if recorded is None or recorded.status not in (CallState.COMPLETED, CallState.CUT):
@@ -98,9 +91,31 @@ def next_tool_numbers(events: Iterable[RecordedEvent]) -> dict[int, int]:
     return out
 
 
-def replayed_tool(recorded: dict[str, Any], tool: str, arguments: Any, key: str) -> None:
-    """A numbered tool call answered from the record of its place: only if it asks what was recorded there."""
+def replayed_tool(recorded: dict[str, Any], tool: str, arguments: Any, key: str) -> dict[str, Any] | None:
+    """A numbered tool call answered from the record of its place: only if it asks what was recorded
+    there. Otherwise the data of its `tool_call_diverged` (the caller records it, then refuses the call
+    with `AgentDiverged`); None when it replays."""
     if _TOOL_KEY.fullmatch(key) and (recorded.get("tool"), recorded.get("arguments")) != (tool, arguments):
-        raise AgentDiverged(f"tool call {key} ({tool}) is not the call its lineage recorded at this place "
-                            f"({recorded.get('tool')}): the agent asked for something else", call_id=key,
-                            diverges_from=key)
+        return {"tool_call": key, "tool": tool, "arguments": arguments, "reason": DIVERGENCE_REASON,
+                "diverges_from": {"tool": recorded.get("tool"), "arguments": recorded.get("arguments")}}
+    return None
+
+
+def tool_diverged(diverged: dict[str, Any]) -> AgentDiverged:
+    """The refusal of a tool call whose `tool_call_diverged` (replayed_tool's) is recorded."""
+    return AgentDiverged(f"tool call {diverged['tool_call']} ({diverged['tool']}) is not the call its lineage recorded at "
+                         f"this place ({diverged['diverges_from']['tool']}): the agent asked for something else",
+                         call_id=diverged["tool_call"], diverges_from=diverged["tool_call"])
+
+
+def divergence(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> RecordedEvent | None:
+    """The event that recorded `activation`'s divergence under `attempt` (a model call's `call_excluded`
+    or a tool call's `tool_call_diverged`), if it diverged."""
+    for e in events:
+        if e.kind == ev.CALL_EXCLUDED and e.data.get("reason") == DIVERGENCE_REASON \
+                and (server_call_number(str(e.data.get("call_id")), rollout_id) or (-1, -1))[:2] == (attempt, activation):
+            return e
+        m = _TOOL_KEY.fullmatch(str(e.data.get("tool_call"))) if e.kind == ev.TOOL_CALL_DIVERGED else None
+        if m and e.attempt == attempt and int(m.group(1)) == activation:
+            return e
+    return None

@@ -304,6 +304,14 @@ MUTATION_APPLIED = _kind(
     may("unrestorable", "string", "why the live session's state after it is in no snapshot: its rollout restarts "
                                   "from its input rather than continue from a boundary after it"),
 )
+TOOL_CALL_DIVERGED = _kind(
+    "tool_call_diverged", SESSION, _RESOURCES,
+    "A tool call refused and not applied: an agent continued by replay asked, at a place whose change its "
+    "lineage recorded, for another tool or other arguments (engine.agent_replay). Its rollout starts over.",
+    need("tool_call", "string", "the place: a<activation>.s<n>"), need("tool", "string", "the tool asked for"),
+    may("arguments", "object", "the arguments asked with"), need("reason", "string", "agent_divergence"),
+    need("diverges_from", "object", "the recorded call at that place: its tool and arguments"),
+)
 SESSION_REPLAYED = _kind(
     "session_replayed", SESSION, _RESOURCES,
     "A relayed server's fresh live session was seeded and the session's recorded tool calls sent to it again, "

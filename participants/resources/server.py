@@ -1,21 +1,20 @@
 """The resources server: per-session environment state, every change an event as it happens.
 
-A session is keyed by (rollout_id, attempt) and holds its environment, task, JSON state and
-revision. Mutations of one session are serialized by its lock; each one that has an effect is one
-`mutation_applied` event on the session's stream, appended before the new state is installed and
-before the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every
-scoped session from the log alone (initial state, then each effect in order), validates the whole
-set, stages it, and installs it under the rollout's new attempt only at resume. A verify that
-passes closes its session: `session_verified` and `session_closed` are one append, and the reply
-says `closed`, so the environment's close step has nothing to ask for.
+A session is keyed by (rollout_id, attempt) and holds its environment, task, JSON state and revision.
+Mutations of one session are serialized by its lock; each one that has an effect is one
+`mutation_applied` event on the session's stream, appended before the new state is installed and before
+the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every scoped session
+from the log alone (initial state, then each effect in order), validates the whole set, stages it, and
+installs it under the rollout's new attempt only at resume. A verify that passes closes its session
+(`session_verified` and `session_closed` in one append; the reply says `closed`).
 
 After a crash of this server, a session of a live attempt is rebuilt from the log the first time the
 attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that continues
-another one's boundary, the inherited session reopened under the new attempt. A tool call whose
-mutation is in the log under its key (the caller's, or the number the server gave a call that named
-none: engine.agent_replay) gets its recorded answer and changes nothing. A restart-only session whose
-live process died: `attempt_lost`. A session relayed to NeMo Gym (nemo_gym_relay) keeps its calls as
-its state; its live session, gone, is rebuilt by replaying them (engine.tool_replay).
+another one's boundary, the inherited session reopened under the new attempt. A tool call whose mutation
+is in the log under its key (the caller's, or the number the server gave: engine.agent_replay) gets its
+recorded answer and changes nothing. A restart-only session whose live process died: `attempt_lost`. A
+session relayed to NeMo Gym (nemo_gym_relay) keeps its calls as its state; its live session, gone, is
+rebuilt by replaying them (engine.tool_replay).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from aiohttp import web
 
 from engine import catalog as ev
 from engine.admission import retired, wait_for_all
-from engine.agent_replay import next_tool_numbers, replayed_tool
+from engine.agent_replay import next_tool_numbers, replayed_tool, tool_diverged
 from engine.boundaries import completed_activations
 from engine.checkpoint import Cut, ParticipantStore, restored_targets
 from engine.errors import (
@@ -109,8 +108,7 @@ class ResourcesParticipant(Participant):
         self.staged: dict[Key, Staged] = {}
         self.staged_from: str | None = None
         self._recovering: dict[Key, asyncio.Lock] = {}
-        # Sessions this process closed (their `session_closed` is durable): a close asked again, as the
-        # environment's close step does after a passed verify, is answered without reading the log.
+        # Sessions closed here (`session_closed` durable): a close asked again is answered without the log.
         self._closed: dict[Key, None] = {}
         self._live_watch: asyncio.Task[None] | None = None
 
@@ -269,7 +267,9 @@ class ResourcesParticipant(Participant):
             call_key = s.key_for(named, activation_of(request))  # numbered in arrival order if not named
             recorded = s.tool_calls.get(call_key)
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
-                replayed_tool(recorded, name, body.arguments, call_key)
+                if (diverged := replayed_tool(recorded, name, body.arguments, call_key)) is not None:
+                    await self._append(s, ev.TOOL_CALL_DIVERGED, diverged)
+                    raise tool_diverged(diverged)
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
                                           "done": bool(recorded.get("done")), "repeated": True})
             if relayed(s.env):  # every relayed call is a mutation: the record is its state

@@ -11,6 +11,7 @@ from engine.agent_replay import (
     recorded_calls,
     replayed_call,
     replayed_tool,
+    tool_diverged,
 )
 from engine.errors import AgentDiverged
 from engine.events import GENESIS_HASH, RecordedEvent
@@ -76,8 +77,11 @@ def test_tool_numbers_go_on_after_the_numbered_mutations_and_ignore_keys_agents_
 def test_a_numbered_tool_call_is_answered_from_its_record_only_if_it_asks_the_same() -> None:
     """Input: the recorded call again, another tool, other arguments; and an agent-named key with other arguments."""
     recorded = {"tool": "send", "arguments": {"to": "a@b"}}
-    replayed_tool(recorded, "send", {"to": "a@b"}, "a0.s1")
+    assert replayed_tool(recorded, "send", {"to": "a@b"}, "a0.s1") is None
     for tool, arguments in (("read", {"to": "a@b"}), ("send", {"to": "c@d"})):
-        with pytest.raises(AgentDiverged):
-            replayed_tool(recorded, tool, arguments, "a0.s1")
-    replayed_tool(recorded, "send", {"to": "c@d"}, "a0.t1.0")  # a key the agent named: its own promise, as before
+        diverged = replayed_tool(recorded, tool, arguments, "a0.s1")
+        assert diverged == {"tool_call": "a0.s1", "tool": tool, "arguments": arguments, "reason": "agent_divergence",
+                            "diverges_from": recorded}
+        refusal = tool_diverged(diverged)
+        assert isinstance(refusal, AgentDiverged) and refusal.context["call_id"] == "a0.s1"
+    assert replayed_tool(recorded, "send", {"to": "c@d"}, "a0.t1.0") is None  # a key the agent named: its own promise

@@ -50,6 +50,10 @@ def test_divergence_is_the_excluded_call_of_that_activation_with_reason_agent_di
                         diverges_from="r.0.a0.m2")
     assert divergence([cut, other, diverged], "r", 1, 0) is diverged
     assert divergence([cut, other], "r", 1, 0) is None
+    tool = recorded(4, ev.TOOL_CALL_DIVERGED, "session:r:1", 1, tool_call="a0.s1", reason="agent_divergence")
+    elsewhere = recorded(5, ev.TOOL_CALL_DIVERGED, "session:r:1", 1, tool_call="a1.s0", reason="agent_divergence")
+    assert divergence([cut, elsewhere, tool], "r", 1, 0) is tool
+    assert divergence([cut, tool], "r", 2, 0) is None  # another attempt's
 
 
 def test_an_interrupted_replay_agent_continues_under_a_new_attempt_from_all_of_the_old_one() -> None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from adapters.memory_store import MemoryEventStore
 from apps.stack import MemoryBacking
+from engine.agent_replay import divergence
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import install_request, retired_since
 from engine.control import retire_events
@@ -673,3 +674,7 @@ async def test_tool_calls_that_name_no_key_are_numbered_and_answered_from_the_lo
     mutations = [(e.attempt, e.data["tool_call"]) for e in await store.read_rollout("nk") if e.kind == "mutation_applied"]
     assert mutations == [(0, "a0.s0"), (0, "a0.s2"), (1, "a0.s3")]
     assert (diverged[0], diverged[1]["error"]["code"]) == (409, "agent_divergence")
+    # Recorded on the session's stream, where the agent server finds it (engine.agent_replay.divergence).
+    [recorded] = [e for e in await store.read_rollout("nk", 2) if e.kind == "tool_call_diverged"]
+    assert (recorded.data["tool_call"], recorded.data["diverges_from"]["arguments"]) == ("a0.s0", deal)
+    assert divergence(await store.read_rollout("nk", 2), "nk", 2, 0) == recorded
