@@ -9,6 +9,15 @@ import, never started). It goes into a virtual environment of its own, built onc
 ROLLBOOK_NEMO_GYM_HOME (default ~/.cache/rollbook), in a folder named by a hash of the list, so a
 changed list builds anew and an interrupted build is never taken for a finished one.
 
+`--server NAME` adds a server's own `requirements.txt` to that environment, as `ng_run` installs it
+into the server's own one: NAME is a resources server or an agent of the installed NeMo Gym
+(`resources_servers/NAME`, `responses_api_agents/NAME`) or a folder holding one. The line that points
+at NeMo Gym itself (`-e nemo-gym[dev] @ ../../`) is left out: it is installed. The rest is installed
+with its dependencies, constrained to the pinned list, so no server moves a package the others run on;
+a requirement that needs another version fails, naming the server and pip's account of the conflict.
+Then the server's module is imported as the launcher imports it, and one that still cannot import
+says why in one line. A server installed once is not installed again while its requirements are the same.
+
 A user with a NeMo Gym checkout of their own does not need this: `python` and `paths` in the
 `[nemo_gym.<name>]` table point at it (docs/nemo-gym.md).
 """
@@ -19,6 +28,7 @@ import argparse
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -105,9 +115,72 @@ def _build(venv: Path, python: Path | None) -> tuple[Path, float]:
     return venv / "bin" / "python", time.monotonic() - t0
 
 
+def requirement_lines(text: str) -> list[str]:
+    """A requirements.txt's requirements, less comments, blank lines and NeMo Gym itself."""
+    lines = [line.split(" #")[0].strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return [line for line in lines if line and not re.match(r"^(-e\s+)?nemo[-_]gym\b", line, re.IGNORECASE)]
+
+
+def server_folder(venv: Path, name: str) -> tuple[Path, str]:
+    """The server's folder and its module: a name in the installed NeMo Gym, or a folder of one's own."""
+    given = Path(name)
+    if given.is_dir():
+        return given.resolve(), f"{given.resolve().name}.app"
+    for kind in ("resources_servers", "responses_api_agents"):
+        found = sorted(venv.glob(f"lib/python3*/site-packages/{kind}/{name}"))
+        if re.fullmatch(r"[A-Za-z0-9_]+", name) and found:
+            return found[0], f"{kind}.{name}.app"
+    raise ConfigError(f"no NeMo Gym server named {name!r} in {venv}",
+                      "name one of its resources_servers or responses_api_agents, or give a folder")
+
+
+def install_server(python: Path, name: str) -> tuple[list[str], float]:
+    """Install server `name`'s own requirements into the environment of `python`; what was
+    installed (none: nothing new) and the seconds it took."""
+    venv = python.parent.parent
+    folder, module = server_folder(venv, name)
+    wanted = requirement_lines((folder / "requirements.txt").read_text()) if (folder / "requirements.txt").exists() else []
+    marker = venv / "servers" / f"{folder.name}.txt"
+    digest = hashlib.sha256("\n".join(wanted).encode()).hexdigest()
+    t0 = time.monotonic()
+    fresh = bool(wanted) and not (marker.exists() and marker.read_text() == digest)
+    if fresh:
+        constraints = venv / "servers" / "constraints.txt"
+        constraints.parent.mkdir(exist_ok=True)
+        constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r)]) + "\n")
+        pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+                              "--constraint", str(constraints), *wanted], capture_output=True, text=True, timeout=3600)
+        if pip.returncode != 0:
+            said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
+            # pip's own account of a conflict ("The user requested pandas==2.0.0", "... (constraint) pandas==3.1.1"),
+            # else its errors.
+            shown = [line for line in said if line.startswith("The user requested") or " depends on " in line] \
+                or [line for line in said if line.startswith("ERROR")] or said[-3:]
+            raise ConfigError(f"NeMo Gym server {name}: its requirements ({', '.join(wanted)}) do not install into {venv}: "
+                              + " / ".join(shown[-8:])[:1500],
+                              "change the server's requirements.txt, or run it from a NeMo Gym environment of its own "
+                              "(`python` in its table)")
+        marker.write_text(digest)
+    # As the launcher runs it: its folder first on sys.path, and for a folder of one's own, its parent too.
+    check = subprocess.run([str(python), "-c", f"import sys; sys.path[:0] = [{str(folder)!r}, {str(folder.parent)!r}]; "
+                            f"import {module}"],
+                           capture_output=True, text=True, cwd=folder)
+    if check.returncode != 0:
+        last = (check.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ConfigError(f"NeMo Gym server {name}: {module} does not import: {last}",
+                          "install what it names (its requirements.txt may lack it)")
+    return (wanted if fresh else []), time.monotonic() - t0
+
+
 def _install(args: argparse.Namespace) -> int:
     python, seconds = install(Path(args.python) if args.python else None)
     print(f"{python}  ({f'built in {seconds:.0f} s' if seconds else 'already installed'})")
+    for name in args.server or []:
+        with open(python.parent.parent.parent / ".install.lock", "w") as lock:  # one pip at a time per environment
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            added, took = install_server(python, name)
+        print(f"{name}: {'installed ' + ', '.join(added) + f' in {took:.0f} s' if added else 'its requirements are installed'}; "
+              "it imports")
     return 0
 
 
@@ -116,4 +189,7 @@ def add_parser(sub: Any) -> None:
     gsub = gym.add_subparsers(dest="nemo_gym_command", required=True)
     inst = gsub.add_parser("install", help="build the environment that runs NeMo Gym 0.7.0's resources servers")
     inst.add_argument("--python", help="a Python 3.13 interpreter (default: pyenv's, or python3.13)")
+    inst.add_argument("--server", action="append", metavar="NAME",
+                      help="also install this server's own requirements.txt (a NeMo Gym resources server or agent, "
+                           "or a folder holding one); again for more")
     inst.set_defaults(func=_install)

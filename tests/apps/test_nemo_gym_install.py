@@ -1,0 +1,85 @@
+"""`rollbook nemo-gym install --server NAME`: a NeMo Gym server's own requirements, added to the
+environment rollbook runs NeMo Gym's servers in, as `ng_run` installs them into a server's own.
+
+The servers are NeMo Gym 0.7.0's, from its wheel (`structeval` needs `toml` and `xmltodict`, which
+the pinned environment lacks: without its requirements it fails at import), and folders of the
+test's own for what no real server does on purpose (a requirement that conflicts with the pins, a
+module that still does not import). pip reads PyPI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from apps import nemo_gym_install
+from engine.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(900)
+
+IFBENCH = """-e nemo-gym[dev] @ ../../
+setuptools<71
+# a comment
+absl-py
+tqdm>=4.66.0             # MPL-2.0/MIT (scenario playback progress)
+
+https://example.org/en_core_web_sm-3.8.0-py3-none-any.whl
+"""
+
+
+def test_a_requirements_file_less_nemo_gym_itself_comments_and_blank_lines() -> None:
+    assert nemo_gym_install.requirement_lines(IFBENCH) == [
+        "setuptools<71", "absl-py", "tqdm>=4.66.0", "https://example.org/en_core_web_sm-3.8.0-py3-none-any.whl"]
+    assert nemo_gym_install.requirement_lines("nemo_gym==0.7.0\nNeMo-Gym[dev]\n") == []
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return nemo_gym_install.install()[0]
+
+
+def imports(python: Path, module: str) -> bool:
+    return subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def test_a_servers_requirements_are_installed_once_and_then_it_imports(python: Path) -> None:
+    added, _ = nemo_gym_install.install_server(python, "structeval")
+    assert imports(python, "toml") and imports(python, "xmltodict")
+    marker = python.parent.parent / "servers" / "structeval.txt"
+    assert marker.exists()
+    if added:  # a fresh environment: what its requirements.txt names, less NeMo Gym itself
+        assert added == ["xmltodict==1.0.2", "pyyaml>=6.0", "toml"]
+    assert nemo_gym_install.install_server(python, "structeval")[0] == []  # the same requirements: nothing again
+
+
+def test_a_requirement_that_conflicts_with_the_pins_is_refused_naming_the_server_and_both_versions(
+        python: Path, tmp_path: Path) -> None:
+    """Input: a server folder whose requirements.txt asks for pandas==2.0.0 (the environment pins 3.1.1)."""
+    server = tmp_path / "old_pandas_server"
+    server.mkdir()
+    (server / "requirements.txt").write_text("pandas==2.0.0\n")
+    (server / "app.py").write_text("")
+    with pytest.raises(ConfigError) as refused:
+        nemo_gym_install.install_server(python, str(server))
+    said = str(refused.value)
+    assert str(server) in said and "pandas==2.0.0" in said and "pandas==3.1.1" in said, said
+    version = subprocess.run([str(python), "-c", "import pandas; print(pandas.__version__)"], capture_output=True, text=True)
+    assert version.stdout.strip() == "3.1.1"  # nothing moved
+
+
+def test_a_server_that_still_does_not_import_says_why_in_one_line(python: Path, tmp_path: Path) -> None:
+    """Input: a server folder with no requirements.txt whose app.py imports a module nobody installs."""
+    server = tmp_path / "missing_dep_server"
+    server.mkdir()
+    (server / "app.py").write_text("import rollbook_no_such_module\n")
+    with pytest.raises(ConfigError, match="does not import: ModuleNotFoundError: No module named 'rollbook_no_such_module'"):
+        nemo_gym_install.install_server(python, str(server))
+
+
+def test_an_unknown_server_is_refused_naming_where_it_was_looked_for(python: Path) -> None:
+    """Input: a name no resources server or agent of the installed NeMo Gym has, and a path-like name."""
+    for name in ("no_such_server", "../structeval"):
+        with pytest.raises(ConfigError, match="no NeMo Gym server named"):
+            nemo_gym_install.install_server(python, name)
