@@ -126,9 +126,9 @@ class Environment(ABC):
     verification: ClassVar[Verification]
     # The seed of the task the conformance suite runs (one with few turns under the scripted policy).
     conformance_seed: ClassVar[int] = 0
-    # How the scripted stand-in model plays it (participants/environments/players.py); None: like any
-    # request no player recognises.
-    scripted: ClassVar[Player | None] = None
+    # How the scripted stand-in model plays it (participants/environments/players.py), one player or
+    # several; None: like any request no player recognises.
+    scripted: ClassVar[Player | tuple[Player, ...] | None] = None
 
     @staticmethod
     def make_task(seed: int) -> Task:

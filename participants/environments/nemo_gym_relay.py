@@ -57,7 +57,7 @@ from participants.environments import ENVIRONMENTS, Environment, Task, ToolError
 from participants.environments.base import JSON
 from participants.environments.gym_http import Cookies, connections
 from participants.environments.nemo_gym_row import chat_tools, row_messages, row_sampling
-from participants.environments.players import Answer, Call, Player, Step
+from participants.environments.players import SCHEMA, Answer, Call, Player, Step
 
 LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
 # A NeMo Gym resources server's own routes (its RESERVED_MCP_TOOL_NAMES, and more): never a tool call.
@@ -364,7 +364,7 @@ def register(servers: list[GymServer]) -> None:
         mode = {"replay": "replay", "stateless": "stateless", "restart_only": "restart_only"}[s.state]
         cls = type(f"NemoGym_{s.name}", (NemoGymEnvironment,), {
             "name": s.name, "state_mode": mode, "verification": "replay" if tool_replay.continues(s.state) else "wait",
-            "server": s, "process": GymProcess(s), "scripted": GYM_PLAYER})
+            "server": s, "process": GymProcess(s), "scripted": (GYM_PLAYER, SCHEMA)})
         ENVIRONMENTS[s.name] = cls
 
 

@@ -325,6 +325,67 @@ SANDBOX = Player(20, lambda names, prompt: "run" in names,
 WORKPLACE = Player(30, lambda names, prompt: bool({"send_email", "update_deal", "create_event"} & names),
                    lambda prompt, h, tools, seed: _workplace(prompt, h, tools, _chance(seed, prompt, "workplace")))
 MATH = Player(40, lambda names, prompt: _MATH_PROMPT.search(prompt) is not None, _math_move)
+# -- any tools, from their schemas -----------------------------------------------------
+
+SCHEMA_CALLS = 3  # tools called per episode: enough to exercise a server's replay, few enough to stay short
+
+
+def _words(prompt: str) -> str:
+    quoted = re.findall(r"['\"]([^'\"]{1,80})['\"]", prompt)
+    return quoted[0] if quoted else " ".join(prompt.split()[-3:]) or "x"
+
+
+def _value(schema: Any, prompt: str, depth: int = 0) -> Any:
+    """A value of JSON schema `schema`, built from the schema and the prompt alone: the first of an
+    enum, the prompt's first quoted phrase (else its last words) for a string, its first number for a
+    number, one item for an array, the required fields (else the first) for an object."""
+    if not isinstance(schema, dict) or depth > 4:
+        return _words(prompt)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return _value(schema[key][0], prompt, depth + 1)
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    kind = next((k for k in kind if k != "null"), "string") if isinstance(kind, list) else kind
+    number = re.search(r"-?\d+(?:\.\d+)?", prompt)
+    if kind == "integer":
+        return int(float(number.group())) if number else 1
+    if kind == "number":
+        return float(number.group()) if number else 1.0
+    if kind == "boolean":
+        return True
+    if kind == "array":
+        return [_value(schema.get("items"), prompt, depth + 1)]
+    if kind == "object" or "properties" in schema:
+        return _arguments(schema, prompt, depth + 1)
+    return _words(prompt)
+
+
+def _arguments(schema: Any, prompt: str, depth: int = 0) -> dict[str, Any]:
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(properties, dict) or not properties:
+        return {}
+    required = [k for k in schema.get("required") or [] if k in properties] or list(properties)[:1]
+    return {k: _value(properties[k], prompt, depth) for k in required}
+
+
+def _schema_move(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
+    """Call each offered tool once, in the order offered (at most SCHEMA_CALLS), with arguments built
+    from its parameters' schema and the prompt; then answer with what the last call returned. It
+    knows no server: any server's tools are called, so a crash of any server meets recorded calls."""
+    called = {step.name for step in history}
+    for tool in tools:
+        fn = tool.get("function") or {}
+        name = fn.get("name")
+        if len(history) < SCHEMA_CALLS and isinstance(name, str) and name not in called:
+            return Call(name, _arguments(fn.get("parameters"), prompt))
+    last = history[-1].result if history else None
+    return Answer(_failed(last) or (json.dumps(last, sort_keys=True)[:200] if last is not None else "Done."))
+
+
+# After every environment's own player: any request that offers tools.
+SCHEMA = Player(900, lambda names, prompt: bool(names - {None}), _schema_move)
 # The last resort: any request no other player recognises.
 STRING = Player(1000, lambda names, prompt: True,
                 lambda prompt, h, tools, seed: _string(prompt, _chance(seed, prompt, "string")))

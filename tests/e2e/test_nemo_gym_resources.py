@@ -250,6 +250,37 @@ async def test_a_stateless_verifier_goes_on_after_a_sigkill_with_a_fresh_session
     assert fresh and all(r.data["tool_calls"] == [] for r in fresh), fresh
 
 
+@pytest.mark.parametrize(("server", "state"), [("example_multi_step", "replay"), ("math_advanced_calculations", "replay")])
+async def test_any_servers_tools_are_called_and_replayed_through_a_sigkill(
+        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path, server: str, state: str) -> None:
+    """A server rollbook's scripted model knows nothing of: it calls the tools each example row offers
+    with arguments built from their schemas (participants/environments/players.py `SCHEMA`), so the
+    SIGKILL meets recorded calls, which are replayed into the fresh live sessions. Without that player
+    no tool of theirs was ever called."""
+    port = free_port()
+    os.environ["ROLLBOOK_GYM_LOG"] = str(tmp_path / f"{server}.log")
+    c = await cluster_factory(token_latency_s=0.01, nemo_gym={
+        "gym_any": gym(gym_python, state, port, module=f"resources_servers.{server}.app")})
+    tasks = example_tasks(gym_python, "gym_any", server)
+    base = c.collection("uninterrupted", tasks, seed=3)
+    await asyncio.wait_for(base.dispatch(c.session), 300)
+    uninterrupted = await outcomes(c, base)
+    assert all(len(calls) >= 1 for _, calls in uninterrupted.values()), uninterrupted
+
+    coll = c.collection("schema", tasks, seed=3)
+    first = asyncio.create_task(coll.dispatch(c.session))
+    await c.wait_count("schema", "mutation_applied", 3, timeout=120)
+    await c.crash(first)
+    await c.start()
+    await asyncio.wait_for(coll.dispatch(c.session), 300)
+    await assert_invariants(c, coll)
+    assert await outcomes(c, coll) == uninterrupted
+    assert not await c.rows(TWICE_IN_ONE_LIVE_SESSION, p="schema-%")
+    replays = await c.rows("SELECT data FROM rollbook.episode_history WHERE kind = 'session_replayed' "
+                           "AND rollout_id LIKE 'schema-%'")
+    assert any(r.data["tool_calls"] for r in replays), "no session was rebuilt by replaying its calls"
+
+
 async def test_a_checkpoint_mid_episode_restored_after_a_sigkill_replays_each_session_to_its_boundary(
         cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path) -> None:
     """A checkpoint cut while Workplace sessions are under way, the run going on past it, then every

@@ -36,8 +36,12 @@ MAX_TOOL_CALLS = 12  # a scripted agent that is confused should stop, not loop
 
 def players() -> list[Player]:
     """Every registered environment's player, in the order they are asked (the string one last)."""
-    found = {id(p): p for cls in ENVIRONMENTS.values() if (p := getattr(cls, "scripted", None)) is not None}
+    found = {id(p): p for cls in ENVIRONMENTS.values() for p in _tuple(getattr(cls, "scripted", None))}
     return sorted([*found.values(), *([] if id(STRING) in found else [STRING])], key=lambda p: p.priority)
+
+
+def _tuple(scripted: Player | tuple[Player, ...] | None) -> tuple[Player, ...]:
+    return scripted if isinstance(scripted, tuple) else () if scripted is None else (scripted,)
 
 
 def scripted_reply(messages: list[dict], tools: list[dict], seed: int) -> dict:
