@@ -66,18 +66,6 @@ def example_rows(python: Path, n: int) -> list[dict[str, Any]]:
     return [{**rows[i % len(rows)], "id": i} for i in range(n)]
 
 
-def serve_upstream(port: int) -> None:
-    """The fake vLLM, its scripted policy taught the Workplace tasks (the relay's player, which rollbook's
-    own processes learn from the `[nemo_gym]` table this process does not read)."""
-    from participants.environments import ENVIRONMENTS
-    from participants.environments.nemo_gym_relay import GYM_PLAYER
-    from testkit import fake_vllm
-
-    ENVIRONMENTS["workplace-player"] = type("WorkplacePlayer", (), {"scripted": GYM_PLAYER})  # type: ignore[assignment]
-    sys.argv = [sys.argv[0], "--port", str(port)]
-    fake_vllm.main()
-
-
 def upstream_requests(url: str) -> int:
     with urllib.request.urlopen(f"{url}/fake/requests", timeout=10) as resp:
         return int(json.loads(resp.read())["requests"])
@@ -306,7 +294,7 @@ def main() -> int:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
-    fake = spawn([sys.executable, "-m", "benchmarks.nemo_gym_cost", "--serve-upstream", str(port)], work / "upstream.log",
+    fake = spawn([sys.executable, "-m", "testkit.fake_vllm", "--port", str(port), "--nemo-gym-players"], work / "upstream.log",
                  ROOT, {**os.environ, "PYTHONPATH": str(ROOT)})
     results: dict[str, list[dict[str, Any]]] = {"NeMo Gym alone": [], "through rollbook": []}
     try:
@@ -377,7 +365,4 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-upstream":
-        serve_upstream(int(sys.argv[2]))
-    else:
-        raise SystemExit(main())
+    raise SystemExit(main())

@@ -349,13 +349,28 @@ class FakeVLLM:
         return resp
 
 
+def teach_nemo_gym_players() -> None:
+    """The players a NeMo Gym environment brings (participants/environments/nemo_gym_relay.py), which
+    this process, reading no config, would not otherwise register."""
+    from participants.environments import ENVIRONMENTS
+    from participants.environments.nemo_gym_relay import GYM_PLAYER
+    from participants.environments.players import SCHEMA
+
+    ENVIRONMENTS["nemo-gym-players"] = type("NemoGymPlayers", (), {"scripted": (GYM_PLAYER, SCHEMA)})  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     parser.add_argument("--continuation", choices=("vllm", "nemo_gym", "drift", "refuse"), default="vllm")
     parser.add_argument("--no-derender", action="store_true", help="as vLLM without --enable-scale-out")
+    parser.add_argument("--nemo-gym-players", action="store_true",
+                        help="its policy plays NeMo Gym's servers as rollbook's own model server does when a "
+                             "[nemo_gym] table registers them: Workplace Assistant's tools, and any tools by their schemas")
     args = parser.parse_args()
+    if args.nemo_gym_players:
+        teach_nemo_gym_players()
     fake = FakeVLLM(token_latency_s=args.token_latency_s, continuation=args.continuation, derender=not args.no_derender)
     # A short shutdown: a test that stops this process must not wait a minute for a stalled stream.
     web.run_app(fake.app(), host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=2.0)

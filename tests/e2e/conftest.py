@@ -221,6 +221,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
                    derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None,
                    workers: dict[str, int] | None = None,
                    nemo_gym_agent: dict[str, cfg.NemoGymAgentConfig] | None = None) -> Cluster:
+        """`upstream`: the model server in front of the fake vLLM in its own process, whose policy also
+        plays NeMo Gym's servers when `nemo_gym` names any (as the in-process scripted model does)."""
         # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
         servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
                                        progress_s=PROGRESS_E2E_S, workers=(workers or {}).get(k, 1)) for k in cfg.KINDS}
@@ -232,7 +234,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
             upstreams.append(subprocess.Popen([sys.executable, "-m", "testkit.fake_vllm", "--port", str(port),
                                                "--token-latency-s", str(token_latency_s),
                                                "--continuation", continuation,
-                                               *([] if derender else ["--no-derender"])], cwd=ROOT))
+                                               *([] if derender else ["--no-derender"]),
+                                               *(["--nemo-gym-players"] if nemo_gym else [])], cwd=ROOT))
             await _wait_listening(port)
             upstream_url = f"http://127.0.0.1:{port}"
             servers["model"] = cfg.ServerConfig(port=servers["model"].port, backend="openai_compatible",

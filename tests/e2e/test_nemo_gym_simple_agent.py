@@ -16,14 +16,16 @@ agent server's simple_agent with it) is SIGKILLed. Dispatched again on fresh pro
 server finds the activation cut off after it made calls: the rollout goes on under attempt 1 from all
 of attempt 0 and simple_agent runs from the start, answered from the log. Its reward, conversation and
 tool calls equal the uninterrupted run's; the upstream generated each recorded call once; the change
-was applied once. The same again with NeMo Gym's own collector (`ng_collect_rollouts`) dispatching,
-and retrying on its own across the kill.
+was applied once. The same again with NeMo Gym's own collector (`ng_collect_rollouts`) dispatching a
+row of NeMo Gym's own Workplace Assistant server (relayed, and SIGKILLed with the rest), the
+collector retrying on its own across the kill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -33,11 +35,13 @@ from typing import Any
 import pytest
 
 import apps.config as cfg
+from apps.nemo_gym_install import WORKPLACE, install
 from apps.processes import free_port
 from participants.environments.tasks import make_task
 from testkit.nemo_gym_collector import gym_venv, spawn, stop, wait_http
 from tests.e2e.conftest import Cluster
 from tests.e2e.test_nemo_gym import ROLLBOOK_HOST, gym_env
+from tests.e2e.test_nemo_gym_resources import TWICE_IN_ONE_LIVE_SESSION, example_tasks
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(900)
@@ -65,15 +69,16 @@ async def generated(cluster: Cluster) -> int:
         return int((await resp.json())["requests"])
 
 
-async def crash_with_a_call_in_flight(cluster: Cluster, rollout: str, *driver: asyncio.Task[Any]) -> None:
-    """After the rollout's change, its upstream stalled and its last model call in flight: SIGKILL every
-    rollbook server, simple_agent in the agent server's process group."""
+async def crash_with_a_call_in_flight(cluster: Cluster, rollout: str, *driver: asyncio.Task[Any], answered: int = 3) -> None:
+    """After the rollout's first change, its upstream stalled and the call after its `answered` ones in
+    flight: SIGKILL every rollbook server (simple_agent in the agent server's process group, a NeMo Gym
+    resources server in the resources server's)."""
     await eventually("the crashing run's change applied", lambda: cluster.scalar(
         "SELECT count(*) = 1 FROM rollbook.events WHERE rollout_id LIKE :r AND kind = 'mutation_applied'", r=rollout))
     await cluster.upstream_stall(True)
-    await eventually("its last call in flight", lambda: cluster.scalar(
-        "SELECT count(*) FILTER (WHERE kind = 'call_accepted') = 4 AND count(*) FILTER (WHERE kind = 'call_completed') = 3 "
-        "FROM rollbook.events WHERE rollout_id LIKE :r", r=rollout))
+    await eventually("its next call in flight", lambda: cluster.scalar(
+        "SELECT count(*) FILTER (WHERE kind = 'call_accepted') = :n + 1 AND count(*) FILTER (WHERE kind = 'call_completed') = :n "
+        "FROM rollbook.events WHERE rollout_id LIKE :r", r=rollout, n=answered))
     await cluster.crash(*driver)
     await cluster.upstream_stall(False)
 
@@ -143,12 +148,21 @@ environment_server_routes:
 """
 
 
-async def test_ng_collect_rollouts_drives_simple_agent_through_a_sigkill_of_everything(
+async def test_ng_collect_rollouts_drives_simple_agent_on_nemo_gyms_workplace_through_a_sigkill_of_everything(
         cluster_factory: Callable[..., Awaitable[Cluster]], tmp_path: Path) -> None:
-    """NeMo Gym's own collector, `ng_collect_rollouts`, sends each row (a workplace task naming the
-    agent `simple`) to rollbook's environment server; the crashing collection is left to retry on its
-    own across the SIGKILL, as NeMo Gym's collector does."""
-    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"simple": agent()})
+    """NeMo Gym's own collector, `ng_collect_rollouts`, sends a row of NeMo Gym's own Workplace Assistant
+    (its first example: search the mail, reply) naming the agent `simple` to rollbook's environment
+    server; the Workplace server runs unchanged behind the relay (`[nemo_gym.gym_workplace]`, replay).
+    Mid-episode every rollbook server, simple_agent and the Workplace server are SIGKILLed; the crashing
+    collection retries on its own. The continued rollout ends with the uninterrupted one's reward and
+    conversation; the upstream generated each recorded call once; the search, relayed before the kill,
+    was replayed into the fresh Workplace session rather than sent twice to one live session."""
+    python = install()[0]
+    os.environ["ROLLBOOK_GYM_LOG"] = str(tmp_path / "workplace.log")
+    workplace = cfg.NemoGymConfig(module=WORKPLACE, state="replay", python=str(python), port=free_port())
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"simple": agent()},
+                                    nemo_gym={"gym_workplace": workplace})
+    task = example_tasks(python, "gym_workplace")[0]
     venv, head_port = gym_venv(), free_port()
     (tmp_path / "gym.yaml").write_text(collector_config(cluster, head_port))
     env = gym_env(cluster, tmp_path)
@@ -163,8 +177,8 @@ async def test_ng_collect_rollouts_drives_simple_agent_through_a_sigkill_of_ever
 
         def collect(taskset: str) -> subprocess.Popen[bytes]:
             rows = tmp_path / f"{taskset[3:]}.jsonl"
-            rows.write_text(json.dumps({"task_id": {"taskset": taskset, "task_id": "w"},
-                                        "task_input": {"env": "workplace", "generate": SEED, "agent": "simple"}}) + "\n")
+            task_input = {"env": task.env, "prompt": task.prompt, "params": task.params, "agent": "simple"}
+            rows.write_text(json.dumps({"task_id": {"taskset": taskset, "task_id": "w0"}, "task_input": task_input}) + "\n")
             proc = spawn([str(venv / "bin" / "ng_collect_rollouts"), *overrides, f"+input_jsonl_fpath={rows}",
                           f"+output_jsonl_fpath={tmp_path / taskset[3:] / 'out.jsonl'}"],
                          tmp_path / f"collector-{taskset[3:]}.log", tmp_path, env)
@@ -180,17 +194,29 @@ async def test_ng_collect_rollouts_drives_simple_agent_through_a_sigkill_of_ever
         before = await generated(cluster)
         clean = await collected(collect("sa:clean"), "sa:clean")
         clean_calls = await generated(cluster) - before
+        assert clean_calls == 3 and clean["reward"] == 1.0, clean  # a search, a reply, the answer
         before = await generated(cluster)
         crashing = collect("sa:crash")
-        await crash_with_a_call_in_flight(cluster, "sa_crash.%")
+        await crash_with_a_call_in_flight(cluster, "sa_crash.%", answered=1)  # the search relayed, the reply asked
         await asyncio.sleep(2.0)  # the collector keeps asking a closed port
         await cluster.start()
         continued = await collected(crashing, "sa:crash")
 
-        assert clean["reward"] == continued["reward"] == 1.0, (clean, continued)
+        assert continued["reward"] == clean["reward"], (clean, continued)
         [clean_id, crash_id] = [await cluster.scalar("SELECT DISTINCT rollout_id FROM rollbook.attempts WHERE rollout_id LIKE :p",
                                                      p=f"{prefix}.%") for prefix in ("sa_clean", "sa_crash")]
-        await same_run(cluster, clean_id, crash_id, clean_calls, await generated(cluster) - before)
+        assert await conversation(cluster, crash_id) == await conversation(cluster, clean_id)
+        recovered = await cluster.rows("SELECT attempt, data->>'disposition', data->>'boundary' FROM rollbook.events "
+                                       "WHERE rollout_id = :r AND kind = 'rollout_recovered'", r=crash_id)
+        assert [tuple(r) for r in recovered] == [(0, "continue", None)]
+        assert await generated(cluster) - before == clean_calls + 1  # the call in flight at the kill, asked again
+        assert await cluster.scalar("SELECT string_agg(attempt || ':' || (data->>'tool_call'), ',' ORDER BY position) "
+                                    "FROM rollbook.events WHERE rollout_id = :r AND kind = 'mutation_applied'",
+                                    r=crash_id) == "0:a0.s0,1:a0.s1"
+        assert not await cluster.rows(TWICE_IN_ONE_LIVE_SESSION, p="sa_crash.%")
+        replayed = await cluster.rows("SELECT data->'tool_calls' AS calls FROM rollbook.events WHERE rollout_id = :r "
+                                      "AND kind = 'session_replayed'", r=crash_id)
+        assert [r.calls for r in replayed] == [["a0.s0"]], replayed  # the search, into the fresh Workplace session
     finally:
         for proc in reversed(procs):
             stop(proc)
