@@ -8,8 +8,10 @@ header) makes `--calls` chat calls on attempt 0 of a rollout. The model server r
 vLLM in a process of its own, generating `--token-ms` ms a token. Then attempt 1 continues from all of
 attempt 0 (as a recovery records it) and the agent runs again from its start under a fresh model
 server process-state: every call is answered from the log (engine.agent_replay). Each repeat uses
-a rollout of its own. It prints per-call medians, the totals, their ratio, and the CPU time this
-process (the model server and the agent) spent on each phase, and writes one JSON object to
+a rollout of its own. Last, the agent runs against a stub that answers every call at once, which
+is the agent's own cost of a call (the SDK sends the whole growing conversation each time). It prints
+per-call medians, the totals, their ratio, and the CPU time this process (the model server and the
+agent) spent on each phase, and writes one JSON object to
 benchmarks/results/agent_replay.json. It never asserts a time.
 """
 
@@ -79,6 +81,30 @@ async def phase(store: PostgresEventStore, upstream: str, rollout: str, attempt:
     return out
 
 
+async def agent_alone(calls: int) -> dict[str, Any]:
+    """The agent against a server that answers every call at once with a fixed reply: what the agent's
+    own side of a call costs (the SDK builds and parses a request of the whole growing conversation)."""
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "stub", "object": "chat.completion", "created": 0, "model": "fake-policy",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "42"},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    took = await agent(f"http://127.0.0.1:{port}/v1", calls)
+    out = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+           "per_call_p50_ms": statistics.median(took) * 1000, "per_call_max_ms": max(took) * 1000}
+    await runner.cleanup()
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     server = primary_server()
     port = free_port()
@@ -95,7 +121,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             live = await phase(store, f"http://127.0.0.1:{port}/v1", rollout, 0, args.calls)
             await store.append(recovery_request(Recovery(rollout, 0, "continue", None, True, "benchmark: a crash")))
             replay = await phase(store, f"http://127.0.0.1:{port}/v1", rollout, 1, args.calls)
-            runs.append({"live": live, "replay": replay})
+            runs.append({"live": live, "replay": replay, "agent_alone": await agent_alone(args.calls)})
             progress(f"repeat {r + 1}/{args.repeats}: live {live['wall_s']:.2f} s, replay {replay['wall_s']:.2f} s")
     finally:
         await store.close()
@@ -110,7 +136,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "live_wall_s": med("live", "wall_s"), "replay_wall_s": med("replay", "wall_s"),
             "replay_over_live": med("replay", "wall_s") / med("live", "wall_s"),
             "live_per_call_p50_ms": med("live", "per_call_p50_ms"), "replay_per_call_p50_ms": med("replay", "per_call_p50_ms"),
-            "live_cpu_s": med("live", "cpu_s"), "replay_cpu_s": med("replay", "cpu_s")}
+            "live_cpu_s": med("live", "cpu_s"), "replay_cpu_s": med("replay", "cpu_s"),
+            "agent_alone_wall_s": med("agent_alone", "wall_s"), "agent_alone_per_call_p50_ms": med("agent_alone", "per_call_p50_ms"),
+            "agent_alone_cpu_s": med("agent_alone", "cpu_s")}
 
 
 if __name__ == "__main__":
@@ -128,3 +156,6 @@ if __name__ == "__main__":
           f"{result['live_cpu_s']:.2f} s CPU here)")
     print(f"  replay: {result['replay_wall_s']:.2f} s ({result['replay_per_call_p50_ms']:.1f} ms a call, "
           f"{result['replay_cpu_s']:.2f} s CPU here): {result['replay_over_live']:.3f} of the live time")
+    print(f"  the agent alone, every call answered at once by a stub: {result['agent_alone_wall_s']:.2f} s "
+          f"({result['agent_alone_per_call_p50_ms']:.1f} ms a call, {result['agent_alone_cpu_s']:.2f} s CPU): "
+          f"rollbook's part of a replayed call is the difference")
