@@ -35,7 +35,7 @@ from adapters.openai_wire import responses_messages
 from engine.agent_replay import DIVERGENCE_REASON, calls_made, divergence
 from engine.boundaries import completed_activations
 from engine.catalog import ACTIVATION_CLAIMED, AGENT_BOUNDARY
-from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable, VersionConflict
+from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable, RollbookError, VersionConflict
 from engine.events import AppendRequest, NewEvent
 from engine.identity import Key, agent_stream
 from engine.lineage import effective_history
@@ -51,6 +51,7 @@ from participants.environments.nemo_gym_relay import GymProcess, GymServer, Live
 MODEL_SERVER = "rollbook_model"
 RESOURCES_SERVER = "rollbook_resources"
 SHOWN = 1000  # how much of a failed run's reply its error carries
+CONVERSATION_ITEMS = ("message", "function_call", "function_call_output")
 
 
 @dataclass(frozen=True)
@@ -159,11 +160,23 @@ class GymAgents:
                                   "rollout starts over from its input", lost="divergence", reason=DIVERGENCE_REASON)
             raise GymServerFailed(f"nemo_gym_agent.{name}: its /v1/responses answered {status}: {text[:SHOWN]}",
                                   server=name, stage="agent")
-        out = json.loads(text)
-        output = [o for o in out.get("output") or [] if isinstance(o, dict)]
-        s.messages = responses_messages(opening + output)
+        try:
+            out = json.loads(text)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict) or not isinstance(out.get("output"), list):
+            raise GymServerFailed(f"nemo_gym_agent.{name}: its /v1/responses answered 200 without a Responses object: "
+                                  f"{text[:SHOWN]}", server=name, stage="agent")
+        # What the conversation has a chat form for: a reasoning item, say, is the agent's, not the record's.
+        output = [o for o in out["output"] if isinstance(o, dict) and o.get("type") in CONVERSATION_ITEMS]
+        try:
+            s.messages = responses_messages(opening + output)
+        except RollbookError as exc:  # a part with no chat form (an image it produced, say)
+            raise GymServerFailed(f"nemo_gym_agent.{name}: its output has no conversation rollbook can record: "
+                                  f"{exc.detail}", server=name, stage="agent") from exc
         s.final_answer = final_text(output)
-        s.usage = {k: v for k, v in (out.get("usage") or {}).items() if isinstance(v, int)}
+        usage = out.get("usage")
+        s.usage = {k: v for k, v in usage.items() if isinstance(v, int)} if isinstance(usage, dict) else {}
         s.turn = calls_made(await p.store.read_rollout(*key), *key, index)
         s.finished = s.done = True
         # The conversation in a boundary, the reply in the completion, as rollbook's own agent ends one.

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 import apps.config as cfg
 from adapters.memory_store import MemoryEventStore
 from engine import catalog as ev
 from engine.agent_replay import calls_made, divergence
-from engine.errors import AttemptLost
+from engine.errors import AttemptLost, GymServerFailed
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id
 from engine.recovery import classify, recovery_request
@@ -141,3 +143,52 @@ def test_a_wrong_table_is_refused_naming_what_is_wrong(table: dict[str, Any], sa
     servers = {k: cfg.ServerConfig(port=9100 + i) for i, k in enumerate(cfg.KINDS)}
     with pytest.raises(ValueError, match=says.replace(".", r"\.")):
         cfg.Config(control_token="c" * 16, data_token="d" * 16, servers=servers, nemo_gym_agent=table)
+
+
+async def stub_agent(answers: web.Response) -> TestServer:
+    """An HTTP server in the NeMo Gym agent's place that answers every activation with `answers`."""
+    async def responses(request: web.Request) -> web.Response:
+        return answers
+
+    app = web.Application()
+    app.router.add_post("/ng-rollout/{capture}/v1/responses", responses)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+def at(server: TestServer) -> GymAgents:
+    agent = GymAgent(GymServer("simple", "responses_api_agents.simple_agent.app", url=str(server.make_url("")).rstrip("/")))
+    return GymAgents({"simple": agent})
+
+
+@pytest.mark.parametrize("body", ["<html>502</html>", "[]", '{"output": "text"}', '{"id": "r"}'],
+                         ids=["not-json", "a-list", "output-not-a-list", "no-output"])
+async def test_an_agent_answering_200_without_a_responses_object_ends_the_attempt_failed_saying_so(
+        memory_store: MemoryEventStore, body: str) -> None:
+    """Input: the agent's 200 reply is not JSON, a JSON list, an object whose output is no list, an object
+    with no output. The activation fails with gym_server_failed and the body, and records no completion."""
+    server = await stub_agent(web.Response(text=body, content_type="application/json"))
+    try:
+        await started(memory_store)
+        with pytest.raises(GymServerFailed, match="without a Responses object"):
+            await at(server).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+        assert not [e for e in await memory_store.read_rollout("r") if e.kind == ev.ACTIVATION_COMPLETED]
+    finally:
+        await server.close()
+
+
+async def test_items_with_no_chat_form_are_left_out_of_the_recorded_conversation(memory_store: MemoryEventStore) -> None:
+    """Input: a reasoning item (a reasoning model's, through simple_agent) before the answer."""
+    output = [{"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text", "text": "think"}]},
+              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "done"}]}]
+    server = await stub_agent(web.json_response({"output": output, "usage": {"input_tokens": 3, "output_tokens": 1}}))
+    try:
+        await started(memory_store)
+        reply = await at(server).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+        assert reply["final_answer"] == "done" and reply["usage"] == {"input_tokens": 3, "output_tokens": 1}
+        assert [m["role"] for m in reply["messages"]] == ["user", "assistant"]
+        completed = [e for e in await memory_store.read_rollout("r") if e.kind == ev.ACTIVATION_COMPLETED]
+        assert len(completed) == 1 and completed[0].data["reply"]["final_answer"] == "done"
+    finally:
+        await server.close()
