@@ -356,7 +356,7 @@ class Config(Strict):
             chosen = a.port or (port() if port is not None and a.url is None else None)
             server = GymServer(name, a.module, url=a.url, python=python, paths=tuple(a.paths), port=chosen,
                                start_timeout_s=a.start_timeout_s, overrides=json.dumps({**refs, **a.config}, sort_keys=True),
-                               config_file=a.config_file, servers=json.dumps(servers, sort_keys=True))
+                               config_file=a.config_file, servers=json.dumps(servers, sort_keys=True), table="nemo_gym_agent")
             out[name] = GymAgent(server, a.continuation)
         return out
 

@@ -49,7 +49,7 @@ def server_folder(module: str) -> str:
     return os.path.dirname(spec.origin)
 
 
-def own_config(folder: str, name: str, kind: str) -> dict:
+def own_config(folder: str, name: str, kind: str, table: str = "nemo_gym") -> dict:
     """The server's entry in its own configs/*.yaml (`<kind>.<folder name>`), or nothing."""
     import yaml
 
@@ -58,7 +58,7 @@ def own_config(folder: str, name: str, kind: str) -> dict:
     if chosen:
         files = [chosen if os.path.isabs(chosen) else os.path.join(folder, chosen)]
         if not os.path.isfile(files[0]):
-            raise Refused(f"nemo_gym.{name}: config_file {chosen!r} is not a file under {folder}")
+            raise Refused(f"{table}.{name}: config_file {chosen!r} is not a file under {folder}")
     else:
         found = sorted(f for f in os.listdir(configs) if f.endswith((".yaml", ".yml"))) if os.path.isdir(configs) else []
         mine = [f for f in found if os.path.splitext(f)[0] == os.path.basename(folder)]
@@ -93,7 +93,7 @@ def server_kind(module: str) -> str:
     return "responses_api_agents" if cls is not None and issubclass(cls, BaseResponsesAPIAgent) else "resources_servers"
 
 
-def checked(module: str, name: str, entry: dict, overrides: dict) -> dict:
+def checked(module: str, name: str, entry: dict, overrides: dict, table: str = "nemo_gym") -> dict:
     """The merged config, validated by the server's own config class (as `run_webserver` will)."""
     cls = server_class(module)
     if cls is None:
@@ -102,7 +102,7 @@ def checked(module: str, name: str, entry: dict, overrides: dict) -> dict:
     fields = sorted(config_cls.model_fields)
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise Refused(f"nemo_gym.{name}.config: {', '.join(unknown)} is no field of {config_cls.__name__} "
+        raise Refused(f"{table}.{name}.config: {', '.join(unknown)} is no field of {config_cls.__name__} "
                       f"({module}); its fields: {', '.join(fields)}")
     merged = {**entry, **overrides}
     from pydantic import ValidationError
@@ -111,7 +111,7 @@ def checked(module: str, name: str, entry: dict, overrides: dict) -> dict:
         config_cls.model_validate({**merged, "name": name})
     except ValidationError as exc:
         said = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in exc.errors())
-        raise Refused(f"nemo_gym.{name}: {config_cls.__name__} of {module} refuses its config: {said}") from None
+        raise Refused(f"{table}.{name}: {config_cls.__name__} of {module} refuses its config: {said}") from None
     return merged
 
 
@@ -123,11 +123,12 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, folder)  # ng_run runs app.py from here: its sibling modules import as top-level ones
     overrides = json.loads(os.environ.get("ROLLBOOK_GYM_OVERRIDES") or "{}")
     kind = server_kind(module)
-    entry = own_config(folder, name, kind)
+    table = "nemo_gym_agent" if kind == "responses_api_agents" else "nemo_gym"  # the config table a person fixes
+    entry = own_config(folder, name, kind, table)
     # Where it listens and what it runs are rollbook's to say, as ng_run's are.
     entry.update({"entrypoint": "app.py", "host": "127.0.0.1", "port": int(port)})
     entry.setdefault("domain", "other")
-    merged = checked(module, name, entry, overrides)
+    merged = checked(module, name, entry, overrides, table)
     merged.update({"host": "127.0.0.1", "port": int(port)})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **json.loads(os.environ.get("ROLLBOOK_GYM_SERVERS") or "{}"),

@@ -84,6 +84,7 @@ class GymServer:
     config_file: str | None = None  # which of its configs/*.yaml (default: the one named as its folder)
     rebuild_attempts: int = 3  # rebuilds of a session without a call succeeding in between, then it fails
     servers: str = "{}"  # the servers it calls by name (an agent's model and resources servers), as JSON
+    table: str = "nemo_gym"  # the config table that names it, in what it says: nemo_gym or nemo_gym_agent
 
 
 class LiveGone(Exception):
@@ -125,7 +126,7 @@ class GymProcess:
         return f"http://127.0.0.1:{self.server.port}"
 
     def failure(self) -> GymServerFailed:
-        return GymServerFailed(f"nemo_gym.{self.server.name}: {self.server.module} cannot start: {self.failed}",
+        return GymServerFailed(f"{self.server.table}.{self.server.name}: {self.server.module} cannot start: {self.failed}",
                                server=self.server.name, stage="start")
 
     def check(self) -> str | None:

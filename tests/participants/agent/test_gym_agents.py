@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 import apps.config as cfg
 from adapters.memory_store import MemoryEventStore
+from apps.processes import free_port
 from engine import catalog as ev
 from engine.agent_replay import calls_made, divergence
 from engine.errors import AttemptLost, GymServerFailed
@@ -27,6 +28,7 @@ from participants.agent.external import GymAgent, GymAgents, final_text
 from participants.agent.server import AgentParticipant, RunRequest
 from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.tasks import make_task
+from testkit.nemo_gym_collector import gym_venv
 
 
 def recorded(position: int, kind: str, stream: str, attempt: int = 0, **data: Any) -> RecordedEvent:
@@ -192,3 +194,24 @@ async def test_items_with_no_chat_form_are_left_out_of_the_recorded_conversation
         assert len(completed) == 1 and completed[0].data["reply"]["final_answer"] == "done"
     finally:
         await server.close()
+
+
+async def test_an_agent_whose_table_its_config_class_refuses_says_so_naming_the_table(
+        memory_store: MemoryEventStore) -> None:
+    """Input: `[nemo_gym_agent.bad] config = { bonnus = 1 }`, a field simple_agent's config class does not
+    declare. NeMo Gym's own launcher run refuses it before the agent starts; the line names the table a
+    person fixes and the class's fields, and an activation of a task naming it fails with it, once."""
+    servers = {k: cfg.ServerConfig(port=9100 + i) for i, k in enumerate(cfg.KINDS)}
+    config = cfg.Config(control_token="c" * 16, data_token="d" * 16, servers=servers, nemo_gym_agent={
+        "bad": cfg.NemoGymAgentConfig(python=str(gym_venv() / "bin" / "python"), config={"bonnus": 1})})
+    agents = GymAgents(config.gym_agents(free_port))
+    try:
+        said = agents.processes["bad"].check()
+        assert said is not None and said.startswith("nemo_gym_agent.bad.config: bonnus is no field of SimpleAgentConfig"), said
+        await started(memory_store)
+        request = RunRequest.model_validate({"task": {**make_task("workplace", 3).to_json(), "agent": "bad"}})
+        with pytest.raises(GymServerFailed, match="nemo_gym_agent.bad: .* cannot start: nemo_gym_agent.bad.config: bonnus"):
+            await agents.activate(AgentParticipant(memory_store), ("r", 0), 0, request)
+        assert agents.processes["bad"].starts == 1  # refused once, never started again
+    finally:
+        agents.stop()
