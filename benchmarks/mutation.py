@@ -55,6 +55,8 @@ TESTS: dict[str, list[str]] = {
     "calls": ["engine/test_calls.py", "test_engine_calls.py"],
     "sessions": ["engine/test_sessions.py", "engine/test_checkpoint.py"],
     "recovery": ["engine/test_recovery.py"],
+    "agent_replay": ["engine/test_agent_replay.py", "participants/agent/test_gym_agents.py",
+                     "participants/model/test_agent_replay.py"],
     "checkpoint": ["engine/test_checkpoint.py", "engine/test_calls.py"],
     "log": ["engine/test_log.py", "engine/test_attempts.py"],
     "events": ["engine/test_events.py", "engine/test_log.py", "participants/base/test_bounds.py", "engine/test_checkpoint.py"],

@@ -60,7 +60,13 @@ def calls_made(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, a
     numbers are taken, and its answers are the lineage's only from the next attempt on): it goes on
     under a new attempt that continues from all of this one."""
     return len({e.stream for e in events if e.kind == ev.CALL_ACCEPTED
-                and (server_call_number(e.stream.removeprefix("call:"), rollout_id) or (-1, -1))[:2] == (attempt, activation)})
+                and _activation_of(e.stream.removeprefix("call:"), rollout_id) == (attempt, activation)})
+
+
+def _activation_of(call_id: str, rollout_id: str) -> tuple[int, int] | None:
+    """(attempt, activation) of a call the server numbered; None for one its caller named."""
+    place = server_call_number(call_id, rollout_id)
+    return None if place is None else (place[0], place[1])
 
 
 def replayed_call(recorded: CallRecord | None, digest: str, call_id: str) -> str | None:
@@ -113,7 +119,7 @@ def divergence(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, a
     or a tool call's `tool_call_diverged`), if it diverged."""
     for e in events:
         if e.kind == ev.CALL_EXCLUDED and e.data.get("reason") == DIVERGENCE_REASON \
-                and (server_call_number(str(e.data.get("call_id")), rollout_id) or (-1, -1))[:2] == (attempt, activation):
+                and _activation_of(str(e.data.get("call_id")), rollout_id) == (attempt, activation):
             return e
         m = _TOOL_KEY.fullmatch(str(e.data.get("tool_call"))) if e.kind == ev.TOOL_CALL_DIVERGED else None
         if m and e.attempt == attempt and int(m.group(1)) == activation:

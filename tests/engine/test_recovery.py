@@ -270,3 +270,21 @@ def test_a_rollout_whose_latest_attempt_is_live_continues_even_after_a_fenced_on
     rows = {("b", 0): {"status": "live"}, ("b", 1): {"status": "fenced"}, ("c", 2): {"status": "live"},
             ("c", 1): {"status": "fenced"}}
     assert recovery.run_dispositions(rows, ["b", "c"]) == {"b": "stale", "c": "continue"}
+
+
+def test_an_interrupted_replay_agent_continues_under_a_new_attempt_from_all_of_the_old_one() -> None:
+    """An agent continued by replay (engine.agent_replay) cut off after it made calls: all of the
+    attempt, not its latest boundary, is the new attempt's lineage, so every call it recorded answers
+    the agent's next run."""
+    history = [ev(1, ATTEMPT_STARTED, rollout_stream("r")), ev(2, "episode_step", "episode:r:0", step="seed")]
+    r = recovery.classify("r", 0, history, "agent")
+    assert (r.disposition, r.new_attempt, r.boundary) == ("continue", True, None)
+    _, _, started = recovery.recovery_request(r).events
+    assert (started.attempt, started.data["origin_attempt"], started.data["origin_position"]) == (1, 0, None)
+
+
+def test_a_divergence_is_recorded_with_the_reason_its_caller_gives() -> None:
+    """A relayed session's replay diverging says replay_divergence; an agent's, agent_divergence."""
+    assert recovery.classify("r", 1, [], "divergence").reason == "replay_divergence"
+    r = recovery.classify("r", 1, [], "divergence", "agent_divergence")
+    assert (r.disposition, r.new_attempt, r.reason) == ("fresh_dispatch", True, "agent_divergence")

@@ -23,7 +23,6 @@ from engine.agent_replay import calls_made, divergence
 from engine.errors import AttemptLost, GymServerFailed
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id
-from engine.recovery import classify, recovery_request
 from participants.agent.external import GymAgent, GymAgents, final_text
 from participants.agent.server import AgentParticipant, RunRequest
 from participants.environments.nemo_gym_relay import GymServer
@@ -58,20 +57,6 @@ def test_divergence_is_the_excluded_call_of_that_activation_with_reason_agent_di
     elsewhere = recorded(5, ev.TOOL_CALL_DIVERGED, "session:r:1", 1, tool_call="a1.s0", reason="agent_divergence")
     assert divergence([cut, elsewhere, tool], "r", 1, 0) is tool
     assert divergence([cut, tool], "r", 2, 0) is None  # another attempt's
-
-
-def test_an_interrupted_replay_agent_continues_under_a_new_attempt_from_all_of_the_old_one() -> None:
-    history = [recorded(1, ev.ATTEMPT_STARTED, rollout_stream("r")), recorded(2, ev.EPISODE_STEP, "episode:r:0")]
-    r = classify("r", 0, history, "agent")
-    assert (r.disposition, r.new_attempt, r.boundary) == ("continue", True, None)
-    _, _, started = recovery_request(r).events
-    # origin_position None: the whole origin, not its latest boundary (position 2) is the lineage.
-    assert (started.attempt, started.data["origin_attempt"], started.data["origin_position"]) == (1, 0, None)
-
-
-def test_a_divergence_says_whose_it_was() -> None:
-    r = classify("r", 1, [], "divergence", "agent_divergence")
-    assert (r.disposition, r.reason) == ("fresh_dispatch", "agent_divergence")
 
 
 def gym_agents(continuation: str) -> GymAgents:
