@@ -9,9 +9,10 @@ Checkpoint behaviour:
 - prepare closes admission and cuts every generation that has made tokens of its own, at its
   durable prefix (participants.model.progress) or with the tokens not saved yet, streamed or not
   (recorded in `call_cut`, the client's stream ending with a rollbook cut event); the other calls
-  run on, and prepare waits for none of them. A reply that
-  becomes ready while admission is closed is HELD: the HTTP response waits for resume, so no agent
-  can move past the boundary the checkpoint is recording.
+  run on, and prepare waits for none of them. A reply that becomes ready while admission is closed
+  is HELD: the HTTP response waits for resume, so no agent moves past the boundary being recorded.
+  A call numbered here (its agent names none, and cannot wait a checkpoint out) is held too, new
+  or cut, never refused: it goes on at resume.
 - restore stages the calls of the rollouts in the cut (as of the cut's position); a call that
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
@@ -20,9 +21,9 @@ After a crash: a call asked for again whose reply the log holds gets that reply,
 generation. A call is owned by the instance that accepted it (engine.ownership: the acceptance is
 appended at the version read, so two model servers never both accept it); asked of another
 instance while its owner is live, the call's outcome is awaited in the log, never generated again.
-A call the log says was accepted whose owner is gone (engine.recovery.call_lost): it is recorded `call_failed` (`call_lost`)
-and refused with `attempt_lost`, and the environment server continues the rollout under a new
-attempt from the boundary before that call.
+A call the log says was accepted whose owner is gone (engine.recovery.call_lost) is recorded
+`call_failed` (`call_lost`) and refused with `attempt_lost`: the environment server continues the
+rollout under a new attempt from the boundary before that call.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -75,7 +76,7 @@ from engine.errors import (
     VersionConflict,
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import ID_PATTERN, call_stream, policy_stream, validate_id
+from engine.identity import ID_PATTERN, call_stream, policy_stream, server_call_number, validate_id
 from engine.ownership import claim
 from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
@@ -97,12 +98,7 @@ from participants.base.wire import (
     identity,
 )
 from participants.model.backends import GenerationBackend, Prefix
-from participants.model.calls import (
-    DurablePrefix,
-    LiveCall,
-    TokenStore,
-    request_digest,
-)
+from participants.model.calls import DurablePrefix, LiveCall, TokenStore, request_digest
 from participants.model.numbering import ServerCallIds
 from participants.model.progress import PROGRESS_S, ProgressSaver
 from participants.model.replies import CallReplies
@@ -221,20 +217,17 @@ class ModelParticipant(Participant):
             Header(REPLACES_HEADER, REPLACES_PATTERN, required=False,
                    description="comma-separated call ids this call continues, newest first"),
         )
+        refused = (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, AgentDiverged)
         return [
-            Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion,
-                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, AgentDiverged),
+            Route("POST", data_path(COMPLETIONS), self.chat_completions, ChatRequest, ChatCompletion, refused,
                   headers=headers, stream=True),
             Route("POST", data_path(RESPONSES), self.responses, ResponsesRequest, ResponsesReply,
-                  (InvalidIdentifier, StaleAttempt, AdmissionClosed, RequestConflict, InvalidPhase, UnsupportedParameter,
-                   AgentDiverged),
-                  headers=headers),
+                  (*refused, UnsupportedParameter), headers=headers),
             # A NeMo Gym agent's model calls: the activation in the path it was called on (participants.base.wire).
-            *(Route("POST", NG_ROLLOUT + path, handler, body, reply, (InvalidIdentifier, StaleAttempt, AdmissionClosed,
-                    RequestConflict, InvalidPhase, UnsupportedParameter, AgentDiverged), basic=True, name=f"nemo_gym_{name}")
-              for path, handler, body, reply, name in ((RESPONSES, self.responses, ResponsesRequest, ResponsesReply, "responses"),
-                                                       (COMPLETIONS, self.chat_completions, ChatRequest, ChatCompletion,
-                                                        "chat_completions"))),
+            *(Route("POST", NG_ROLLOUT + path, handler, body, reply, (*refused, UnsupportedParameter), basic=True,
+                    name=f"nemo_gym_{name}") for path, handler, body, reply, name in (
+                (RESPONSES, self.responses, ResponsesRequest, ResponsesReply, "responses"),
+                (COMPLETIONS, self.chat_completions, ChatRequest, ChatCompletion, "chat_completions"))),
             Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
             Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), name="responses_without_identity"),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
@@ -289,24 +282,36 @@ class ModelParticipant(Participant):
         raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
 
     async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
-        call = await self._call(request, body)
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
+        if not body.stream:
+            return await self._answered(request, body, lambda call: self.replies.json(call, model, bool(body.logprobs)))
+        call = await self._call(request, body)
         try:
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await self.replies.stream(request, call, model, bool(body.logprobs), include_usage)
-            return await self.replies.json(call, model, bool(body.logprobs))
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self.replies.stream(request, call, model, bool(body.logprobs), include_usage)
         finally:
             self._release(call)
 
-    async def responses(self, request: web.Request, body: ResponsesRequest) -> web.Response:
+    async def responses(self, request: web.Request, body: ResponsesRequest) -> web.StreamResponse:
         """NeMo Gym's `/v1/responses`: the same call as a chat completion, answered as a Responses object."""
         chat = body.chat_request()
-        call = await self._call(request, chat)
-        try:
-            return await self.replies.response(call, chat.model or str(getattr(self.backend, "model", "rollbook")), body)
-        finally:
-            self._release(call)
+        model = chat.model or str(getattr(self.backend, "model", "rollbook"))
+        return await self._answered(request, chat, lambda call: self.replies.response(call, model, body))
+
+    async def _answered(self, request: web.Request, body: ChatRequest,
+                        reply: Callable[[LiveCall], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """The call's reply. One numbered here that a checkpoint cuts is asked again after resume and goes
+        on from its cut, as rollbook's own agent asks again: an agent that names no call cannot."""
+        while True:
+            call = await self._call(request, body)
+            try:
+                return await reply(call)
+            except AdmissionClosed:
+                if server_call_number(call.call_id, call.rollout_id) is None:
+                    raise
+            finally:
+                self._release(call)
+            await self.admission.wait_open()
 
     async def _call(self, request: web.Request, body: ChatRequest) -> LiveCall:
         """The call a data request asks for, running or done, with one more handler waiting to deliver it."""
@@ -395,6 +400,8 @@ class ModelParticipant(Participant):
         stream_name = call_stream(call_id)
         if not self._adopted:  # before the admission check: nothing may await between it and the registration
             await self.adopt_policy_version()
+        if not self.admission.is_open and server_call_number(call_id, rollout_id) is not None:
+            await self.admission.wait_open()  # numbered here: held, unrecorded, until resume (module docstring)
         if not self.admission.is_open:
             excluded = {"call_id": call_id, "parent_call_id": parent, "reason": "admission_closed"}
             await self._append(NewEvent(stream_name, ev.CALL_EXCLUDED, excluded, rollout_id, attempt))

@@ -6,7 +6,8 @@ body as text. rollbook calls such an agent with its activation's id in a cookie
 (participants.base.wire.CAPTURE_COOKIE): the call goes to that attempt's session like any tool call
 that names no key (numbered by the server, answered from the log when the agent runs again:
 engine.agent_replay), and the reply is the tool's output alone, spelt canonically. A refusal is rollbook's error body,
-which the agent shows the model as the tool's output, as it does a NeMo Gym server's.
+which the agent shows the model as the tool's output, as it does a NeMo Gym server's; a call a
+checkpoint's closed admission refuses waits for resume instead.
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ class ResourcesFront:
                       basic=True, name="nemo_gym_tool")]
 
     async def call_tool(self, request: web.Request, body: ToolArguments) -> web.Response:
-        reply = await self.p.call_tool(request, ToolRequest(arguments=body.root))
+        while True:
+            try:
+                reply = await self.p.call_tool(request, ToolRequest(arguments=body.root))
+                break
+            except AdmissionClosed:
+                # A NeMo Gym agent shows a refusal to its model as the tool's output, which an
+                # uninterrupted run never sees: the call waits the checkpoint out here instead (it
+                # changed nothing, and gave its number back), then is asked again.
+                await self.p.admission.wait_open()
         # Spelt canonically: the model is shown this text, and the answer a replayed call gets back from
         # the log (whose JSON keeps no key order) must be the same text, or the agent's next request differs.
         output = json.loads(reply.body)["output"]  # type: ignore[arg-type]

@@ -130,8 +130,8 @@ class ResourcesParticipant(Participant):
             raise InvalidRequest(exc.message) from exc
 
     def _logged_environment(self, name: str) -> Environment:
-        """The environment of a session the log holds, with this server's sandbox limits (a sandbox
-        session on a server whose sandbox is off is refused at its first command, not here)."""
+        """A logged session's environment, with this server's sandbox limits (a sandbox session on a
+        server whose sandbox is off is refused at its first command)."""
         return SandboxEnvironment(self.sandbox) if name == SandboxEnvironment.name else get_environment(name)
 
     async def _session(self, key: Key) -> Session:
@@ -190,9 +190,8 @@ class ResourcesParticipant(Participant):
         try:
             recorded = await self.store.append(AppendRequest(events, {s.stream: s.stream_version}))
         except VersionConflict:
-            # Another instance wrote the session since this copy was made (it took the session over, or
-            # installed a restore this one also staged): the copy is stale. The caller is refused this
-            # once; its next request rebuilds the session from the log here.
+            # Another instance wrote the session since this copy was made (a takeover, or a restore this
+            # one also staged): the copy is stale; refused once, the next request rebuilds it from the log.
             if self.sessions.get((s.rollout_id, s.attempt)) is s:
                 del self.sessions[(s.rollout_id, s.attempt)]
             raise
@@ -258,13 +257,13 @@ class ResourcesParticipant(Participant):
         name = request.match_info["name"]
         named = validate_tool_call_key(h) if (h := request.headers.get(TOOL_CALL_HEADER)) else None
         s = await self._session(key)
-        # Taken right before the lock: work admitted here and queued on the lock is in flight,
-        # and prepare, queued behind it, waits for it.
+        # Taken right before the lock: work admitted here and queued on the lock is in flight, and
+        # prepare, queued behind it, waits for it.
         admitted = self.admission_open
         async with s.lock:
             if self.sessions.get(key) is not s:
                 raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed")
-            call_key = s.key_for(named, activation_of(request))  # numbered in arrival order if not named
+            call_key = s.key_for(named, activation := activation_of(request))  # numbered in arrival order if not named
             recorded = s.tool_calls.get(call_key)
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
                 if (diverged := replayed_tool(recorded, name, body.arguments, call_key)) is not None:
@@ -274,7 +273,7 @@ class ResourcesParticipant(Participant):
                                           "done": bool(recorded.get("done")), "repeated": True})
             if relayed(s.env):  # every relayed call is a mutation: the record is its state
                 if not admitted:
-                    raise AdmissionClosed(f"tool {name} is relayed and a checkpoint is in progress")
+                    raise s.refused(named, activation, f"tool {name} is relayed and a checkpoint is in progress")
                 try:
                     outcome = await relay(s, self._append, lambda live: s.env.call_live(live, name, body.arguments, call_key))  # type: ignore[attr-defined]
                 except ToolError as exc:
@@ -282,7 +281,7 @@ class ResourcesParticipant(Participant):
                 new_state = s.env.apply(s.state, outcome.effect)
             elif live(s.env):
                 if not admitted:
-                    raise AdmissionClosed("tool calls on a live shell are refused while a checkpoint is in progress")
+                    raise s.refused(named, activation, "tool calls on a live shell are refused while a checkpoint is in progress")
                 try:
                     # The shell runs the command in a subprocess with a blocking read; keep it off the loop.
                     outcome = await asyncio.to_thread(s.env.call_live, await self._live(s), name, body.arguments)  # type: ignore[attr-defined]
@@ -296,7 +295,7 @@ class ResourcesParticipant(Participant):
                     if outcome.effect is None:  # read-only: allowed even while admission is closed
                         return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
                     if not admitted:
-                        raise AdmissionClosed(f"tool {name} changes the session and a checkpoint is in progress")
+                        raise s.refused(named, activation, f"tool {name} changes the session and a checkpoint is in progress")
                     new_state = s.env.apply(s.state, outcome.effect)
                 except ToolError as exc:
                     raise refused(exc) from exc
@@ -407,8 +406,7 @@ class ResourcesParticipant(Participant):
         await self._append(s, ev.SESSION_CLOSED, {**data, "revision": s.revision})
         await self._forget_session(s)
 
-    async def _forget_session(self, s: Session) -> None:
-        """Free a session whose `session_closed` is durable."""
+    async def _forget_session(self, s: Session) -> None:  # its `session_closed` is durable
         key = (s.rollout_id, s.attempt)
         self.sessions.pop(key, None)
         if len(self._closed) >= MAX_CLOSED_REMEMBERED:

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.agent_replay import numbered_tool_key
 from engine.errors import (
+    AdmissionClosed,
     InvalidCheckpointState,
     ReplayDivergence,
     RestartInScope,
@@ -61,6 +62,13 @@ class Session:
         n = self.numbers.get(activation, 0)
         self.numbers[activation] = n + 1
         return numbered_tool_key(activation, n)
+
+    def refused(self, named: str | None, activation: int, why: str) -> AdmissionClosed:
+        """A call refused for a checkpoint changed nothing: a number it took is the next call's again, so
+        the agent asking again numbers it as an uninterrupted run would (under the session's lock)."""
+        if named is None:
+            self.numbers[activation] -= 1
+        return AdmissionClosed(why)
 
 
 @dataclass(frozen=True)

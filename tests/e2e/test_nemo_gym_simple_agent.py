@@ -222,6 +222,46 @@ async def test_ng_collect_rollouts_drives_simple_agent_on_nemo_gyms_workplace_th
             stop(proc)
 
 
+async def test_simple_agents_calls_wait_while_a_checkpoint_holds_admission_closed_then_go_on(
+        cluster_factory: Callable[..., Awaitable[Cluster]]) -> None:
+    """A paused checkpoint closes admission on the model and resources servers. rollbook's own agent
+    waits a refusal out; simple_agent does not: a refused model call fails its run, a refused tool call
+    reaches its model as the tool's output. So a call rollbook numbers waits, unrecorded, until resume.
+    Held here with the servers' own control plane: the resources server while simple_agent's change
+    comes in, then the model server while its last call comes in. The rollout ends exactly as an
+    uninterrupted one, and nothing was refused."""
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, nemo_gym_agent={"simple": agent()})
+    task = replace(make_task("workplace", SEED), agent="simple").to_json()
+    clean = await dispatch(cluster, "hold-clean", task)
+    held = asyncio.create_task(dispatch(cluster, "hold", task))
+
+    def count(kind: str) -> Awaitable[Any]:
+        return cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'hold' AND kind = :k", k=kind)
+
+    await cluster.wait_for("its two reads answered", lambda: _equals(count("call_completed"), 2), timeout=120)
+    await cluster.upstream_stall(True)  # the call that decides the change, in flight
+    await cluster.control("resources", "prepare", "hold-r")
+    await cluster.upstream_stall(False)
+    await asyncio.sleep(4.0)  # the reply comes; simple_agent's change arrives at the held resources server
+    assert await count("mutation_applied") == 0 and not held.done()
+    await cluster.control("model", "prepare", "hold-m")
+    await cluster.control("resources", "resume", "hold-r")  # the change is applied; simple_agent asks its model
+    await cluster.wait_for("the change applied", lambda: _equals(count("mutation_applied"), 1), timeout=30)
+    await asyncio.sleep(2.0)
+    assert await count("call_accepted") == 3 and not held.done()  # its last call waits at the held model server
+    await cluster.control("model", "resume", "hold-m")
+    result = await asyncio.wait_for(held, 120)
+
+    assert result["reward"] == clean["reward"] == 1.0, result
+    assert await conversation(cluster, "hold") == await conversation(cluster, "hold-clean")
+    assert not await cluster.rows("SELECT 1 FROM rollbook.events WHERE rollout_id = 'hold' AND kind = 'call_excluded'")
+    assert await cluster.scalar("SELECT count(*) FROM rollbook.attempts WHERE rollout_id = 'hold'") == 1
+
+
+async def _equals(value: Awaitable[Any], expected: Any) -> bool:
+    return bool(await value == expected)
+
+
 async def test_an_agent_that_asks_something_else_after_a_crash_restarts_its_rollout_fresh(
         cluster_factory: Callable[..., Awaitable[Cluster]]) -> None:
     """tests/gym_servers/clock_agent: simple_agent with the current time in its instructions, as many

@@ -193,6 +193,10 @@ async def test_prepare_waits_for_no_mutation_then_refuses_new_ones_but_serves_re
     assert (await control(http, "resume"))[0] == 200
     status, reply = await tool(http, "w3", "update_deal", {"deal_id": "D-101", "seats": 3})
     assert status == 200 and reply["revision"] == 1
+    # The refused call, which named no key, gave its number back: the read took a0.s0, the change a0.s1,
+    # as in a run that was never refused (an agent continued by replay numbers its calls the same way).
+    [applied] = [e for e in await store.read_rollout("w3") if e.kind == "mutation_applied"]
+    assert applied.data["tool_call"] == "a0.s1"
 
 
 @pytest.mark.usefixtures("restart_only_live")
