@@ -65,20 +65,29 @@ async def agent(base_url: str, calls: int) -> list[float]:
     return took
 
 
-async def phase(store: PostgresEventStore, upstream: str, rollout: str, attempt: int, calls: int) -> dict[str, Any]:
-    """One run of the agent against a model server started for it (a restarted process: nothing in memory)."""
-    backend = OpenAICompatibleBackend(upstream, model="fake-policy")
-    runner = web.AppRunner(build_model_app(store, backend, PostgresTokenStore(store), CREDS))
+async def timed(app: web.Application, base_path: str, calls: int) -> dict[str, Any]:
+    """The agent's run against `app`, served on a free port for it, at `base_path` there."""
+    runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    took = await agent(f"http://127.0.0.1:{port}/rollouts/{rollout}/attempts/{attempt}/v1", calls)
-    out = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
-           "per_call_p50_ms": statistics.median(took) * 1000, "per_call_max_ms": max(took) * 1000}
-    await runner.cleanup()
-    await backend.close()
-    return out
+    try:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        took = await agent(f"http://127.0.0.1:{port}{base_path}", calls)
+        return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+                "per_call_p50_ms": statistics.median(took) * 1000, "per_call_max_ms": max(took) * 1000}
+    finally:
+        await runner.cleanup()
+
+
+async def phase(store: PostgresEventStore, upstream: str, rollout: str, attempt: int, calls: int) -> dict[str, Any]:
+    """One run of the agent against a model server started for it (a restarted process: nothing in memory)."""
+    backend = OpenAICompatibleBackend(upstream, model="fake-policy")
+    try:
+        return await timed(build_model_app(store, backend, PostgresTokenStore(store), CREDS),
+                           f"/rollouts/{rollout}/attempts/{attempt}/v1", calls)
+    finally:
+        await backend.close()
 
 
 async def agent_alone(calls: int) -> dict[str, Any]:
@@ -93,16 +102,7 @@ async def agent_alone(calls: int) -> dict[str, Any]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    took = await agent(f"http://127.0.0.1:{port}/v1", calls)
-    out = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
-           "per_call_p50_ms": statistics.median(took) * 1000, "per_call_max_ms": max(took) * 1000}
-    await runner.cleanup()
-    return out
+    return await timed(app, "/v1", calls)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -72,6 +72,19 @@ async def outcomes(c: Cluster, coll: Collection) -> dict[int, tuple[float, list[
     return out
 
 
+async def killed_and_rerun(c: Cluster, run: str, tasks: list[Task], seed: int, kind: str, at_least: int) -> Collection:
+    """`run` dispatched, every server SIGKILLed once `at_least` `kind` events of it are in the log, then
+    dispatched again on fresh processes to its end, the log's invariants checked."""
+    coll = c.collection(run, tasks, seed=seed)
+    first = asyncio.create_task(coll.dispatch(c.session))
+    await c.wait_count(run, kind, at_least, timeout=120)
+    await c.crash(first)
+    await c.start()
+    await asyncio.wait_for(coll.dispatch(c.session), 300)
+    await assert_invariants(c, coll)
+    return coll
+
+
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -233,13 +246,7 @@ async def test_a_stateless_verifier_goes_on_after_a_sigkill_with_a_fresh_session
     await asyncio.wait_for(base.dispatch(c.session), 300)
     uninterrupted = await outcomes(c, base)
 
-    coll = c.collection("stateless", tasks, seed=2)
-    first = asyncio.create_task(coll.dispatch(c.session))
-    await c.wait_count("stateless", "session_opened", 2, timeout=120)
-    await c.crash(first)
-    await c.start()
-    await asyncio.wait_for(coll.dispatch(c.session), 300)
-    await assert_invariants(c, coll)
+    coll = await killed_and_rerun(c, "stateless", tasks, 2, "session_opened", 2)
     assert await outcomes(c, coll) == uninterrupted
     # Nothing restarted from its input: every rollout went on (a call cut off by the SIGKILL may still be
     # continued from its boundary under the next attempt: a `continue` recovery, which this allows).
@@ -267,13 +274,7 @@ async def test_any_servers_tools_are_called_and_replayed_through_a_sigkill(
     uninterrupted = await outcomes(c, base)
     assert all(len(calls) >= 1 for _, calls in uninterrupted.values()), uninterrupted
 
-    coll = c.collection("schema", tasks, seed=3)
-    first = asyncio.create_task(coll.dispatch(c.session))
-    await c.wait_count("schema", "mutation_applied", 3, timeout=120)
-    await c.crash(first)
-    await c.start()
-    await asyncio.wait_for(coll.dispatch(c.session), 300)
-    await assert_invariants(c, coll)
+    coll = await killed_and_rerun(c, "schema", tasks, 3, "mutation_applied", 3)
     assert await outcomes(c, coll) == uninterrupted
     assert not await c.rows(TWICE_IN_ONE_LIVE_SESSION, p="schema-%")
     replays = await c.rows("SELECT data FROM rollbook.episode_history WHERE kind = 'session_replayed' "
