@@ -104,7 +104,10 @@ def _text_pieces(text: str, delta_for: Any) -> list[Piece]:
 
 def reply_pieces(message: dict[str, Any]) -> list[Piece]:
     """How the scripted model emits `message`: content, then each tool call, then EOS."""
-    pieces = _text_pieces(message.get("content") or "", lambda p: {"content": p})
+    content = message.get("content")
+    if isinstance(content, list):  # a client sends its history's text as parts, as a chat template joins them
+        content = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    pieces = _text_pieces(content or "", lambda p: {"content": p})
     for i, tc in enumerate(message.get("tool_calls") or []):
         fn = tc.get("function") or {}
         name, args = str(fn.get("name") or ""), str(fn.get("arguments") or "")

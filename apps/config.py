@@ -74,6 +74,15 @@
     continuation = "replay"                   # replay | restart_only; absent: restart_only
     # python, paths, url, port, config, config_file, start_timeout_s: as for [nemo_gym.NAME]
 
+    [harness.smol]                            # a third-party harness, unchanged, in a sandbox session
+                                              # for tasks that name it (needs [sandbox]; docs/agents.md)
+    command = ["{python}", "-m", "smolagents.cli", "{prompt}", "--model-type", "OpenAIModel",
+               "--model-id", "{model}", "--api-base", "{base_url}", "--api-key", "none"]
+    requirements = ["smolagents[openai]==1.26.0"]   # installed once for the server's Python, bound read-only
+    answer = "^Final answer: (.*)$"           # its output's last match is the answer; absent: the last line
+    continuation = "replay"                   # replay | restart_only; absent: restart_only
+    # env = {HF_HUB_OFFLINE = "1"}; paths = [...] bound read-only; timeout_s, cpu_s, memory_mb override [sandbox]
+
     [telemetry]                               # optional; GET /metrics is always served (control credential)
     otlp_endpoint = "http://127.0.0.1:4318/v1/traces"   # spans go here (OTLP over HTTP); absent: no spans
 
@@ -94,6 +103,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +121,7 @@ from engine.errors import ConfigError
 from engine.membership import DEFAULT_LEASE_S
 from engine.tool_replay import declared
 from participants.agent.external import MODEL_SERVER, RESOURCES_SERVER, GymAgent
+from participants.agent.harness import Harness
 from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
 from participants.environments.nemo_gym_relay import GymServer
@@ -237,6 +248,42 @@ class NemoGymAgentConfig(Strict):
     config_file: str | None = Field(default=None, max_length=1000)
 
 
+class HarnessConfig(Strict):
+    """One third-party harness (a `[harness.<name>]` table), run unchanged in a sandbox session of
+    its own for each activation of a task that names it (participants/agent/harness.py)."""
+
+    command: list[str] = Field(min_length=1)
+    requirements: list[str] = Field(default_factory=list)
+    paths: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    answer: str | None = Field(default=None, max_length=1000)
+    continuation: Literal["replay", "restart_only"] = "restart_only"
+    # Over the [sandbox] table's: a harness's run is one command, and longer than a tool call.
+    timeout_s: float = Field(default=600.0, gt=0, le=86400)
+    cpu_s: int = Field(default=600, ge=1, le=86400)
+    memory_mb: int = Field(default=1024, ge=64, le=1 << 20)
+
+    @field_validator("answer")
+    @classmethod
+    def _regex(cls, answer: str | None) -> str | None:
+        import re
+
+        if answer is not None:
+            try:
+                re.compile(answer)
+            except re.error as exc:
+                raise ValueError(f"answer is no regular expression: {exc}") from None
+        return answer
+
+    @field_validator("paths")
+    @classmethod
+    def _absolute(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.startswith("/") or ".." in path.split("/"):
+                raise ValueError(f"{path!r}: a path bound into the jail must be absolute, without ..")
+        return paths
+
+
 class LimitsConfig(Strict):
     """Every bound of a process on what it waits for and what it holds (the [limits] table)."""
 
@@ -283,6 +330,7 @@ class Config(Strict):
     run: RunConfig | None = None
     nemo_gym: dict[str, NemoGymConfig] = Field(default_factory=dict)
     nemo_gym_agent: dict[str, NemoGymAgentConfig] = Field(default_factory=dict)
+    harness: dict[str, HarnessConfig] = Field(default_factory=dict)
 
     @field_validator("nemo_gym_agent")
     @classmethod
@@ -312,6 +360,11 @@ class Config(Strict):
             # The agent would give up on a tool call the sandbox is still allowed to run.
             raise ValueError(f"limits.reply_s ({self.limits.reply_s:g}) must exceed sandbox.timeout_s "
                              f"({self.sandbox.timeout_s:g})")
+        if self.harness and self.sandbox is None:
+            raise ValueError(f"harness.{next(iter(self.harness))}: a harness runs in a sandbox session; add a [sandbox] table")
+        for name in self.harness:
+            if name in self.nemo_gym_agent or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name):
+                raise ValueError(f"harness.{name}: the name must be letters, digits, _ and -, and no other agent's")
         return self
 
     def url(self, kind: Kind) -> str:
@@ -358,6 +411,16 @@ class Config(Strict):
                                start_timeout_s=a.start_timeout_s, overrides=json.dumps({**refs, **a.config}, sort_keys=True),
                                config_file=a.config_file, servers=json.dumps(servers, sort_keys=True), table="nemo_gym_agent")
             out[name] = GymAgent(server, a.continuation)
+        return out
+
+    def harnesses(self) -> dict[str, Harness]:
+        assert self.sandbox is not None or not self.harness
+        out = {}
+        for name, h in self.harness.items():
+            base = self.sandbox.model_dump() if self.sandbox is not None else {}
+            limits = SandboxLimits(**{**base, "timeout_s": h.timeout_s, "cpu_s": h.cpu_s, "memory_mb": h.memory_mb})
+            out[name] = Harness(tuple(h.command), limits, h.continuation, tuple(h.requirements), tuple(h.paths),
+                                dict(h.env), h.answer)
         return out
 
     def environments(self) -> frozenset[str]:
@@ -464,6 +527,10 @@ def write(config: Config, path: str | Path) -> None:
         lines.append(f"\n[nemo_gym_agent.{name}]")
         for key, value in a.model_dump(exclude_defaults=True).items():
             lines.append(f"{key} = {_toml(value)}")
+    for name, h in config.harness.items():
+        lines.append(f"\n[harness.{name}]")
+        for key, value in h.model_dump(exclude_defaults=True).items():
+            lines.append(f"{key} = {_toml(value)}")
     if config.run:
         lines.append("\n[run]")
         for key, value in config.run.model_dump().items():
@@ -487,4 +554,5 @@ def _toml(value: Any) -> str:
 
 
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # A JSON string is a TOML basic string, once DEL (which JSON leaves raw and TOML does not) is escaped.
+    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -18,7 +18,8 @@ from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
 from apps.processes import free_port, instance_id
 from engine.membership import WorkerOf
-from participants.agent.external import GymAgents
+from participants.agent.external import Driver, ExternalAgents, gym_drivers
+from participants.agent.harness import HarnessDriver
 from participants.base.app import PARTICIPANT
 from participants.base.instances import Joining
 from participants.base.observability import TELEMETRY
@@ -63,12 +64,15 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
         # none comes from a request. The environment
         # server is where NeMo Gym rows received on the agent's POST /run run as episodes.
         env = config.servers.get("environment")
-        agents = GymAgents(config.gym_agents(free_port), config.limits.peer_timeouts()) if config.nemo_gym_agent else None
+        timeouts = config.limits.peer_timeouts()
+        drivers: dict[str, Driver] = {**gym_drivers(config.gym_agents(free_port), timeouts),
+                                      **{n: HarnessDriver(n, h, timeouts) for n, h in config.harnesses().items()}}
+        agents = ExternalAgents(drivers) if drivers else None
         if agents is not None:  # started now, as the resources server starts its NeMo Gym servers
             agents.start_all(lambda line: print(f"rollbook serve agent: {line}", file=sys.stderr, flush=True))
             stoppers.append(agents.stop)
         app = build_agent_app(store, config.credentials, config.url("model"), config.url("resources"), instance=instance,
-                              environment_url=env.base_url if env else None, gym_agents=agents)
+                              environment_url=env.base_url if env else None, agents=agents)
     else:
         from participants.environment.app import build_environment_app
 

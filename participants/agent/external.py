@@ -26,7 +26,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
@@ -54,39 +54,108 @@ SHOWN = 1000  # how much of a failed run's reply its error carries
 CONVERSATION_ITEMS = ("message", "function_call", "function_call_output")
 
 
+class DriveFailed(Exception):
+    """An agent's run ended without a reply: `detail` says how (its status or exit code, and output)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Driver(Protocol):
+    """How one configured agent runs an activation; `drive` answers a Responses object (its `output`
+    items are the conversation, the last message's text the final answer)."""
+
+    table: str  # the configuration table that declares it, named in every error about it
+    continuation: Literal["replay", "restart_only"]
+
+    def start(self, say: Callable[[str], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+    async def drive(self, p: Participant, key: Key, index: int, opening: list[dict[str, Any]],
+                    tools: list[dict[str, Any]], req: RunRequest) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class GymAgent:
     server: GymServer
     continuation: Literal["replay", "restart_only"] = "restart_only"
 
 
-class GymAgents:
-    """The configured NeMo Gym agents of one agent server, and their activations running here."""
+class GymDriver:
+    """A NeMo Gym agent, started by rollbook, sent the activation on its own `/v1/responses`."""
 
-    def __init__(self, agents: dict[str, GymAgent], timeouts: PeerTimeouts | None = None) -> None:
-        self.agents = agents
-        self.processes = {name: GymProcess(a.server) for name, a in agents.items()}
-        self.timeouts = timeouts or PeerTimeouts()
+    table = "nemo_gym_agent"
+
+    def __init__(self, name: str, agent: GymAgent, timeouts: PeerTimeouts) -> None:
+        self.name, self.continuation, self.timeouts = name, agent.continuation, timeouts
+        self.process = GymProcess(agent.server)
+
+    def start(self, say: Callable[[str], None]) -> None:
+        if self.process.server.url is None:
+            def start() -> None:
+                why = self.process.check()
+                if why is not None:
+                    say(f"{self.table}.{self.name}: {self.process.server.module} cannot start: {why}")
+            threading.Thread(target=start, name=f"start-{self.name}", daemon=True).start()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    async def drive(self, p: Participant, key: Key, index: int, opening: list[dict[str, Any]],
+                    tools: list[dict[str, Any]], req: RunRequest) -> dict[str, Any]:
+        capture = capture_id(key[0], key[1], index)
+        functions = [{"type": "function", "strict": False, **t["function"]} for t in tools if isinstance(t.get("function"), dict)]
+        try:
+            base = await asyncio.to_thread(self.process.base_url)  # started on first use, again if it died
+        except LiveGone as exc:
+            raise ParticipantUnavailable(f"{self.table}.{self.name}: {exc}") from exc
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.work_s)
+        try:
+            async with aiohttp.ClientSession(cookies={CAPTURE_COOKIE: capture}, timeout=timeout) as http, \
+                    http.post(f"{base}/ng-rollout/{capture}/v1/responses", json={"input": opening, "tools": functions}) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, OSError) as exc:
+            # The agent died under this activation: asked again, the log decides how it goes on.
+            raise ParticipantUnavailable(f"{self.table}.{self.name} at {base}: {exc}") from exc
+        if status != 200:
+            raise DriveFailed(f"its /v1/responses answered {status}: {text[:SHOWN]}")
+        try:
+            out = json.loads(text)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict) or not isinstance(out.get("output"), list):
+            raise DriveFailed(f"its /v1/responses answered 200 without a Responses object: {text[:SHOWN]}")
+        return out
+
+
+def gym_drivers(agents: dict[str, GymAgent], timeouts: PeerTimeouts | None = None) -> dict[str, Driver]:
+    return {name: GymDriver(name, a, timeouts or PeerTimeouts()) for name, a in agents.items()}
+
+
+class ExternalAgents:
+    """The configured agents rollbook runs unchanged (NeMo Gym's, and harnesses in a sandbox) of one
+    agent server, and their activations running here."""
+
+    def __init__(self, drivers: dict[str, Driver]) -> None:
+        self.drivers = drivers
         self.running: dict[tuple[str, int, int], asyncio.Task[dict[str, Any]]] = {}
         self.locks: KeyedLocks[tuple[str, int, int]] = KeyedLocks()
 
     def start_all(self, say: Callable[[str], None]) -> None:
-        """Start each agent rollbook runs, in a thread of its own (`rollbook serve agent` does), so that
+        """Start (or install) each agent, in a thread of its own (`rollbook serve agent` does), so that
         one that cannot start says why there, in one line, not only at a rollout's first activation."""
-        for name, process in self.processes.items():
-            if process.server.url is None:
-                def start(name: str = name, process: GymProcess = process) -> None:
-                    why = process.check()
-                    if why is not None:
-                        say(f"nemo_gym_agent.{name}: {process.server.module} cannot start: {why}")
-                threading.Thread(target=start, name=f"start-{name}", daemon=True).start()
+        for driver in self.drivers.values():
+            driver.start(say)
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            process.stop()
+        for driver in self.drivers.values():
+            driver.stop()
 
     def serves(self, name: str | None) -> bool:
-        return name is not None and name in self.agents
+        return name is not None and name in self.drivers
 
     async def activate(self, p: Participant, key: Key, index: int, req: RunRequest) -> dict[str, Any]:
         """The activation's reply: from the log once it completed, else from this run of the agent."""
@@ -127,8 +196,9 @@ class GymAgents:
         return asyncio.get_running_loop().create_task(self._run(p, name, key, index, req))
 
     def _interrupted(self, name: str, key: Key, index: int) -> AttemptLost:
-        said = f"activation {index} of {key[0]} attempt {key[1]} by nemo_gym_agent.{name} was cut off after it made calls"
-        if self.agents[name].continuation == "replay":
+        driver = self.drivers[name]
+        said = f"activation {index} of {key[0]} attempt {key[1]} by {driver.table}.{name} was cut off after it made calls"
+        if driver.continuation == "replay":
             return AttemptLost(f"{said}; it runs again from its start under a new attempt, answered from the log",
                                lost="agent")
         return AttemptLost(f"{said}, and the agent is restart_only: the rollout starts over from its input",
@@ -137,42 +207,21 @@ class GymAgents:
     async def _run(self, p: Participant, name: str, key: Key, index: int, req: RunRequest) -> dict[str, Any]:
         s = fresh_session(key, index, req)
         opening = [{"role": m["role"], "content": m["content"]} for m in s.messages]
-        tools = [{"type": "function", "strict": False, **t["function"]} for t in s.tools if isinstance(t.get("function"), dict)]
-        capture = capture_id(key[0], key[1], index)
+        driver = self.drivers[name]
         try:
-            base = await asyncio.to_thread(self.processes[name].base_url)  # started on first use, again if it died
-        except LiveGone as exc:
-            raise ParticipantUnavailable(f"nemo_gym_agent.{name}: {exc}") from exc
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.work_s)
-        try:
-            async with aiohttp.ClientSession(cookies={CAPTURE_COOKIE: capture}, timeout=timeout) as http, \
-                    http.post(f"{base}/ng-rollout/{capture}/v1/responses", json={"input": opening, "tools": tools}) as resp:
-                text = await resp.text()
-                status = resp.status
-        except (aiohttp.ClientError, OSError) as exc:
-            # The agent died under this activation: asked again, the log decides how it goes on.
-            raise ParticipantUnavailable(f"nemo_gym_agent.{name} at {base}: {exc}") from exc
-        if status != 200:
-            events = await p.store.read_rollout(*key)
-            diverged = divergence(events, *key, index)
+            out = await driver.drive(p, key, index, opening, s.tools, req)
+        except DriveFailed as exc:
+            diverged = divergence(await p.store.read_rollout(*key), *key, index)
             if diverged is not None:
-                raise AttemptLost(f"nemo_gym_agent.{name} diverged from its lineage at {diverged.data['call_id']}: the "
-                                  "rollout starts over from its input", lost="divergence", reason=DIVERGENCE_REASON)
-            raise GymServerFailed(f"nemo_gym_agent.{name}: its /v1/responses answered {status}: {text[:SHOWN]}",
-                                  server=name, stage="agent")
-        try:
-            out = json.loads(text)
-        except ValueError:
-            out = None
-        if not isinstance(out, dict) or not isinstance(out.get("output"), list):
-            raise GymServerFailed(f"nemo_gym_agent.{name}: its /v1/responses answered 200 without a Responses object: "
-                                  f"{text[:SHOWN]}", server=name, stage="agent")
+                raise AttemptLost(f"{driver.table}.{name} diverged from its lineage at {diverged.data['call_id']}: the "
+                                  "rollout starts over from its input", lost="divergence", reason=DIVERGENCE_REASON) from None
+            raise GymServerFailed(f"{driver.table}.{name}: {exc.detail}", server=name, stage="agent") from None
         # What the conversation has a chat form for: a reasoning item, say, is the agent's, not the record's.
         output = [o for o in out["output"] if isinstance(o, dict) and o.get("type") in CONVERSATION_ITEMS]
         try:
             s.messages = responses_messages(opening + output)
         except RollbookError as exc:  # a part with no chat form (an image it produced, say)
-            raise GymServerFailed(f"nemo_gym_agent.{name}: its output has no conversation rollbook can record: "
+            raise GymServerFailed(f"{driver.table}.{name}: its output has no conversation rollbook can record: "
                                   f"{exc.detail}", server=name, stage="agent") from exc
         s.final_answer = final_text(output)
         usage = out.get("usage")
@@ -193,4 +242,4 @@ def final_text(output: list[dict[str, Any]]) -> str | None:
     return "".join(str(c.get("text", "")) for c in last.get("content") or [] if isinstance(c, dict))
 
 
-__all__ = ["MODEL_SERVER", "RESOURCES_SERVER", "GymAgent", "GymAgents", "final_text"]
+__all__ = ["MODEL_SERVER", "RESOURCES_SERVER", "DriveFailed", "Driver", "ExternalAgents", "GymAgent", "GymDriver", "final_text", "gym_drivers"]

@@ -93,7 +93,7 @@ from participants.base.wire import (
 from participants.environments import ENVIRONMENTS
 
 if TYPE_CHECKING:
-    from participants.agent.external import GymAgents
+    from participants.agent.external import ExternalAgents
 
 
 def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
@@ -115,7 +115,7 @@ class AgentParticipant(Participant):
     # An agent that cannot go on from a boundary sets this False: it is then honestly restart-only.
     supports_continuation: ClassVar[bool] = True
     environment_url: str | None = None  # where NeMo Gym rows received on POST /run are run as episodes
-    gym_agents: GymAgents | None = None  # the NeMo Gym agents run for the tasks that name them
+    external_agents: ExternalAgents | None = None  # the agents run unchanged for the tasks that name them
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -147,8 +147,8 @@ class AgentParticipant(Participant):
             raise InvalidRequest(f"no environment named {req.task.env!r} to take the tools from; name the tools")
         await self.check_attempt(*key)
         self.served_sessions = True
-        if self.gym_agents is not None and self.gym_agents.serves(req.task.agent):
-            return web.json_response(await self.gym_agents.activate(self, key, index, req))
+        if self.external_agents is not None and self.external_agents.serves(req.task.agent):
+            return web.json_response(await self.external_agents.activate(self, key, index, req))
         async with self.locks(key):
             current = self.running.get(key)
             if current is not None and current[0] == index:

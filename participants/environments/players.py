@@ -10,6 +10,7 @@ replayed or resumed rollout gets byte-identical replies.
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import hashlib
 import json
@@ -78,6 +79,33 @@ def _history(messages: list[dict]) -> list[Step]:
                 result = {"text": content}
             steps.append(Step(name, args, result))
     return steps
+
+
+def _transcript(messages: list[dict]) -> list[Step]:
+    """Tool calls a harness wrote into the conversation as text (smolagents's tool-calling agent: an
+    assistant's "Calling tools:" and a list, then a user's "Observation:"), as steps."""
+    steps: list[Step] = []
+    pending: list[tuple[str, dict[str, Any]]] = []
+    for m in messages:
+        text = text_of(m.get("content"))
+        if m.get("role") == "assistant" and "Calling tools:" in text:
+            try:
+                calls = ast.literal_eval(text.split("Calling tools:", 1)[1].strip())
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                calls = []
+            pending = [(str(c["function"].get("name")), c["function"].get("arguments") or {}) for c in calls
+                       if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+        elif m.get("role") == "user" and text.startswith("Observation:") and pending:
+            name, args = pending.pop(0)
+            steps.append(Step(name, args if isinstance(args, dict) else {}, {"text": text.removeprefix("Observation:").strip()}))
+    return steps
+
+
+def text_of(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
 
 
 def _find(history: list[Step], tool: str, /, **arguments: Any) -> Any:
@@ -325,6 +353,18 @@ SANDBOX = Player(20, lambda names, prompt: "run" in names,
 WORKPLACE = Player(30, lambda names, prompt: bool({"send_email", "update_deal", "create_event"} & names),
                    lambda prompt, h, tools, seed: _workplace(prompt, h, tools, _chance(seed, prompt, "workplace")))
 MATH = Player(40, lambda names, prompt: _MATH_PROMPT.search(prompt) is not None, _math_move)
+def _python_move(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
+    """A harness offering a Python tool and a final-answer tool (smolagents's): compute, then answer
+    with what the computation printed."""
+    if not history:
+        m = _MATH_PROMPT.search(prompt)
+        return Call("python_interpreter", {"code": f"print({m.group(1).strip() if m else 0})"})
+    printed = re.findall(r"-?\d+", str((history[-1].result or {}).get("text", "")))
+    return Call("final_answer", {"answer": printed[0] if printed else "no answer"})
+
+
+# Before every environment's own: the harness brings its tools, whatever the task.
+PYTHON_TOOL = Player(5, lambda names, prompt: {"python_interpreter", "final_answer"} <= names, _python_move)
 # -- any tools, from their schemas -----------------------------------------------------
 
 SCHEMA_CALLS = 3  # tools called per episode: enough to exercise a server's replay, few enough to stay short

@@ -203,9 +203,10 @@ class SandboxEnvironment(Environment):
 
     # -- live session -------------------------------------------------------------
 
-    def open_live(self, task: Task, state: JSON = None, load: Load | None = None) -> LiveShell:
+    def open_live(self, task: Task, state: JSON = None, load: Load | None = None, paths: tuple[str, ...] = ()) -> LiveShell:
         """A jail for the session; with `state`, its tree, directory and environment rebuilt from the
-        snapshot the state names (ToolError `snapshot_unusable` when that cannot be done, with why)."""
+        snapshot the state names (ToolError `snapshot_unusable` when that cannot be done, with why).
+        `paths` are host folders bound read-only at the same place besides the system's (a harness's install)."""
         if state is not None and state.get("unrestorable"):
             raise ToolError("snapshot_unusable", state["unrestorable"])
         limits = self.limits
@@ -220,7 +221,7 @@ class SandboxEnvironment(Environment):
             os.close(uid_lock)
             raise
         args = {"cgroups": cgroups, "server": os.getpid(), "uid": uid, "gid": uid, "limits": limits.rlimits(), "shell": SHELL,
-                "home": HOME, "system": SYSTEM_PATHS, "devices": DEVICES, "disk_kb": limits.disk_mb * 1024,
+                "home": HOME, "system": SYSTEM_PATHS + tuple(p for p in paths if not p.startswith(tuple(f"{s}/" for s in SYSTEM_PATHS))), "devices": DEVICES, "disk_kb": limits.disk_mb * 1024,
                 "inodes": max(1024, limits.disk_mb * 256), "env": {"PATH": PATH, "HOME": HOME, "LC_ALL": "C"}}
         try:
             process = subprocess.Popen(
@@ -331,6 +332,18 @@ class SandboxEnvironment(Environment):
                 # stdin from /dev/null: otherwise a command like `cat` would swallow the marker line.
                 output, code, dropped = self._send(handle, f"{{ {command}\n}} </dev/null 2>&1\n")
             return self._snapshot(handle, self._outcome(command, output, code, dropped))
+        finally:
+            handle.busy, handle.last_used = False, time.monotonic()
+
+    def run_script(self, handle: LiveShell, script: str) -> tuple[str, int, int]:
+        """A shell script run in the session, as the jail's user: its output (at most `output_bytes`),
+        exit code and the bytes dropped; past `timeout_s` the session ends (ToolError `timeout`)."""
+        with handle.lock:
+            if handle.closed or handle.process.poll() is not None:
+                raise ToolError("session_lost", "the session's shell has ended")
+            handle.busy = True
+        try:
+            return self._send(handle, script)
         finally:
             handle.busy, handle.last_used = False, time.monotonic()
 

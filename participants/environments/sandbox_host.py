@@ -5,6 +5,7 @@ ends. Runtime state lives in a folder only root can make or write.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pwd
@@ -106,7 +107,15 @@ def make_cgroups(cgroup_root: str, uid: int, memory_mb: int, max_processes: int,
             if not cgroup_kill(group, time.monotonic() + 5.0):
                 raise OSError(f"{group} still has processes")
             if controller == "memory":
-                _cgroup_write(group, "memory.limit_in_bytes", str(memory_mb * mb))
+                try:
+                    _cgroup_write(group, "memory.limit_in_bytes", str(memory_mb * mb))
+                except OSError as exc:
+                    # A group left with a smaller memory + swap bound refuses a memory bound above it
+                    # (EINVAL): that one goes up first.
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    _cgroup_write(group, "memory.memsw.limit_in_bytes", str(memory_mb * mb))
+                    _cgroup_write(group, "memory.limit_in_bytes", str(memory_mb * mb))
                 # Swap would let the session hold more than its limit: bound memory + swap together
                 # where the kernel accounts swap, else keep the group's pages out of swap.
                 try:

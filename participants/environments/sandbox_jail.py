@@ -47,7 +47,7 @@ def build_root(root):
         if os.path.islink(path):
             os.symlink(os.readlink(path), root + path)
         elif os.path.isdir(path):
-            os.mkdir(root + path)
+            os.makedirs(root + path)  # a harness's folder may lie deeper than the system's
             mount(path, root + path, None, MS_BIND | MS_REC)
             mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     for folder, mode in (("/dev", 0o755), ("/dev/shm", 0o1777), ("/tmp", 0o1777), ("/var", 0o755), ("/var/tmp", 0o1777),

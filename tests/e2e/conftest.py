@@ -220,7 +220,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
     async def make(token_latency_s: float = 0.006, upstream: bool = False, continuation: str = "vllm",
                    derender: bool = True, nemo_gym: dict[str, cfg.NemoGymConfig] | None = None,
                    workers: dict[str, int] | None = None,
-                   nemo_gym_agent: dict[str, cfg.NemoGymAgentConfig] | None = None) -> Cluster:
+                   nemo_gym_agent: dict[str, cfg.NemoGymAgentConfig] | None = None,
+                   harness: dict[str, cfg.HarnessConfig] | None = None) -> Cluster:
         """`upstream`: the model server in front of the fake vLLM in its own process, whose policy also
         plays NeMo Gym's servers when `nemo_gym` names any (as the in-process scripted model does)."""
         # The model saves its generations' tokens often, so that paused checkpoints cut calls mid-generation.
@@ -242,7 +243,8 @@ async def cluster_factory(dsn: str, tmp_path: Path) -> AsyncIterator[Callable[..
                                                 url=f"http://127.0.0.1:{port}/v1", model="fake-policy",
                                                 policy_version="scripted-v1", progress_s=PROGRESS_E2E_S)
         config = cfg.Config(dsn=dsn, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12), servers=servers,
-                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {}, nemo_gym_agent=nemo_gym_agent or {})
+                            sandbox=cfg.SandboxConfig(), nemo_gym=nemo_gym or {}, nemo_gym_agent=nemo_gym_agent or {},
+                            harness=harness or {})
         work = tmp_path / f"cluster{len(made)}"
         work.mkdir()
         cfg.write(config, work / "rollbook.toml")

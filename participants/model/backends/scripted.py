@@ -20,7 +20,16 @@ from adapters import scripted_tokenizer as tok
 from engine.errors import UnsupportedParameter
 from engine.tokens import f32
 from participants.environments import ENVIRONMENTS
-from participants.environments.players import STRING, Answer, Call, Player, _history
+from participants.environments.players import (
+    PYTHON_TOOL,
+    STRING,
+    Answer,
+    Call,
+    Player,
+    _history,
+    _transcript,
+    text_of,
+)
 from participants.model.backends import (
     BackendSettings,
     End,
@@ -35,9 +44,11 @@ MAX_TOOL_CALLS = 12  # a scripted agent that is confused should stop, not loop
 
 
 def players() -> list[Player]:
-    """Every registered environment's player, in the order they are asked (the string one last)."""
+    """Every registered environment's player, in the order they are asked (the string one last), and
+    the player of a harness's own Python tool, whatever the environment."""
     found = {id(p): p for cls in ENVIRONMENTS.values() for p in _tuple(getattr(cls, "scripted", None))}
-    return sorted([*found.values(), *([] if id(STRING) in found else [STRING])], key=lambda p: p.priority)
+    always = [p for p in (STRING, PYTHON_TOOL) if id(p) not in found]
+    return sorted([*found.values(), *always], key=lambda p: p.priority)
 
 
 def _tuple(scripted: Player | tuple[Player, ...] | None) -> tuple[Player, ...]:
@@ -46,8 +57,8 @@ def _tuple(scripted: Player | tuple[Player, ...] | None) -> tuple[Player, ...]:
 
 def scripted_reply(messages: list[dict], tools: list[dict], seed: int) -> dict:
     tool_names = {t.get("function", {}).get("name") for t in tools}
-    prompt = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"), "")
-    history = _history(messages)
+    prompt = next((text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    history = _history(messages) or _transcript(messages)
     if len(history) >= MAX_TOOL_CALLS:
         action: Call | Answer = Answer("I have made too many tool calls and will stop here.")
     else:

@@ -22,7 +22,7 @@ from engine.catalog import AGENT_BOUNDARY
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
 from participants.agent.app import build_agent_app
-from participants.agent.external import GymAgent, GymAgents
+from participants.agent.external import ExternalAgents, GymAgent, gym_drivers
 from participants.agent.server import RunRequest, fresh_session
 from participants.base.app import PARTICIPANT
 from participants.base.wire import ACTIVATION_HEADER
@@ -191,8 +191,8 @@ async def test_two_agent_servers_racing_for_an_activation_of_a_nemo_gym_agent_fo
         async with stack(dsn, "ga") as s, second(dsn, "agent", "ga", s) as (b_url, other):
             agent = GymAgent(GymServer("simple", "responses_api_agents.simple_agent.app",
                                        url=str(gym.make_url("")).rstrip("/")), "replay")
-            s.participant("agent").gym_agents = GymAgents({"simple": agent})  # type: ignore[attr-defined]
-            other.gym_agents = GymAgents({"simple": agent})
+            s.participant("agent").external_agents = ExternalAgents(gym_drivers({"simple": agent}))  # type: ignore[attr-defined]
+            other.external_agents = ExternalAgents(gym_drivers({"simple": agent}))
             await seeded(s, store, "gym-race")
             task = {**WORKPLACE.to_json(), "agent": "simple"}
             both = [asyncio.ensure_future(s.client.post(data_url(base, "gym-race", 0, "/run"), {"task": task},

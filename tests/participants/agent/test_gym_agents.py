@@ -23,7 +23,7 @@ from engine.agent_replay import calls_made, divergence
 from engine.errors import AttemptLost, GymServerFailed
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id
-from participants.agent.external import GymAgent, GymAgents, final_text
+from participants.agent.external import ExternalAgents, GymAgent, final_text, gym_drivers
 from participants.agent.server import AgentParticipant, RunRequest
 from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.tasks import make_task
@@ -59,10 +59,10 @@ def test_divergence_is_the_excluded_call_of_that_activation_with_reason_agent_di
     assert divergence([cut, tool], "r", 2, 0) is None  # another attempt's
 
 
-def gym_agents(continuation: str) -> GymAgents:
+def gym_agents(continuation: str) -> ExternalAgents:
     # An address nothing listens on: none of these cases may reach the agent.
     server = GymServer("simple", "responses_api_agents.simple_agent.app", url="http://127.0.0.1:9")
-    return GymAgents({"simple": GymAgent(server, continuation)})  # type: ignore[arg-type]
+    return ExternalAgents(gym_drivers({"simple": GymAgent(server, continuation)}))  # type: ignore[arg-type]
 
 
 def run_request() -> RunRequest:
@@ -144,9 +144,9 @@ async def stub_agent(answers: web.Response) -> TestServer:
     return server
 
 
-def at(server: TestServer) -> GymAgents:
+def at(server: TestServer) -> ExternalAgents:
     agent = GymAgent(GymServer("simple", "responses_api_agents.simple_agent.app", url=str(server.make_url("")).rstrip("/")))
-    return GymAgents({"simple": agent})
+    return ExternalAgents(gym_drivers({"simple": agent}))
 
 
 @pytest.mark.parametrize("body", ["<html>502</html>", "[]", '{"output": "text"}', '{"id": "r"}'],
@@ -189,14 +189,16 @@ async def test_an_agent_whose_table_its_config_class_refuses_says_so_naming_the_
     servers = {k: cfg.ServerConfig(port=9100 + i) for i, k in enumerate(cfg.KINDS)}
     config = cfg.Config(control_token="c" * 16, data_token="d" * 16, servers=servers, nemo_gym_agent={
         "bad": cfg.NemoGymAgentConfig(python=str(gym_venv() / "bin" / "python"), config={"bonnus": 1})})
-    agents = GymAgents(config.gym_agents(free_port))
+    drivers = gym_drivers(config.gym_agents(free_port))
+    process = drivers["bad"].process  # type: ignore[attr-defined]
+    agents = ExternalAgents(drivers)
     try:
-        said = agents.processes["bad"].check()
+        said = process.check()
         assert said is not None and said.startswith("nemo_gym_agent.bad.config: bonnus is no field of SimpleAgentConfig"), said
         await started(memory_store)
         request = RunRequest.model_validate({"task": {**make_task("workplace", 3).to_json(), "agent": "bad"}})
         with pytest.raises(GymServerFailed, match="nemo_gym_agent.bad: .* cannot start: nemo_gym_agent.bad.config: bonnus"):
             await agents.activate(AgentParticipant(memory_store), ("r", 0), 0, request)
-        assert agents.processes["bad"].starts == 1  # refused once, never started again
+        assert process.starts == 1  # refused once, never started again
     finally:
         agents.stop()

@@ -18,6 +18,7 @@ import pytest
 from participants.environments import ToolError
 from participants.environments import sandbox as sandbox_module
 from participants.environments.sandbox import LiveShell, SandboxEnvironment, SandboxLimits
+from participants.environments.sandbox_host import claim_uid, make_cgroups, remove_cgroups
 from participants.environments.tasks import make_task
 
 TASK = make_task("sandbox", 0)
@@ -415,6 +416,23 @@ def test_a_machine_that_cannot_bound_a_session_refuses_it(tmp_path) -> None:
         SandboxEnvironment(SandboxLimits(cgroup_root=str(tmp_path))).open_live(TASK)
     assert err.value.code == "sandbox_unsupported" and "memory cgroup" in err.value.message, err.value
     assert not host_processes_with(str(tmp_path))
+
+
+def test_a_group_left_with_a_smaller_memory_bound_takes_a_larger_one(tmp_path) -> None:
+    """Input: a session's group left by a server that died (SIGKILLed, it never removed it) with
+    memory_mb 64, then a session of the same uid with memory_mb 256, as a harness's jail asks for
+    more than the sandbox's tool sessions. The kernel refused the larger memory bound while the
+    group's memory + swap bound was smaller (EINVAL), and the session did not start."""
+    uid, lock = claim_uid(str(tmp_path), 250_000, 1)
+    try:
+        groups = make_cgroups("/sys/fs/cgroup", uid, 64, 8, 1.0)  # left behind: never removed
+        groups = make_cgroups("/sys/fs/cgroup", uid, 256, 8, 1.0)
+        memory = next(g for g in groups if "/memory/" in g)
+        with open(os.path.join(memory, "memory.limit_in_bytes")) as f:
+            assert int(f.read()) == 256 * 1024 * 1024
+        remove_cgroups(groups)
+    finally:
+        os.close(lock)
 
 
 KEYS = r"""python3 -c '
