@@ -24,7 +24,8 @@ and cannot do):
   /var/tmp and /dev/shm) with the host's /usr, /etc and the /bin, /lib, /sbin links bound read-only,
   a few device nodes and a /proc that lists only the session's processes. Nothing else of the host
   (its disk, /tmp, /run and the sockets in it, the server's files) is there;
-- no network interface but a down loopback; rlimits per process (CPU, address space, file size, no
+- no network interface but a down loopback (up in a harness's session, with the agent server's egress
+  relay as its one listener: participants/agent/egress.py); rlimits per process (CPU, address space, file size, no
   core files); no supplementary groups; `PR_SET_NO_NEW_PRIVS`, so no setuid binary raises it; a
   seccomp filter refusing new user namespaces; keyrings of its own;
 - cgroups of its own (memory, pids, cpu), so the kernel bounds the session's totals: all the memory

@@ -135,6 +135,27 @@ def control_token_file_open_to_others(work: Path, dsn: str) -> Case:
                  "--participant", f"model=http://127.0.0.1:{free_port()}"], {})
 
 
+def with_tables(work: Path, dsn: str, tables: str) -> Path:
+    path = write_config(work, dsn)
+    path.write_text(path.read_text() + tables)
+    return path
+
+
+def harness_without_a_sandbox(work: Path, dsn: str) -> Case:
+    tables = '\n[harness.smol]\ncommand = ["{python}", "-m", "smolagents.cli", "{prompt}"]\n'
+    return Case(["serve", "agent", "--config", str(with_tables(work, dsn, tables))], {})
+
+
+def harness_answer_not_a_regex(work: Path, dsn: str) -> Case:
+    tables = '\n[sandbox]\n\n[harness.smol]\ncommand = ["smol", "{prompt}"]\nanswer = "^Final answer: (.*$"\n'
+    return Case(["serve", "agent", "--config", str(with_tables(work, dsn, tables))], {})
+
+
+def harness_path_not_absolute(work: Path, dsn: str) -> Case:
+    tables = '\n[sandbox]\n\n[harness.smol]\ncommand = ["smol"]\npaths = ["../../etc"]\n'
+    return Case(["serve", "agent", "--config", str(with_tables(work, dsn, tables))], {})
+
+
 # (the bad input, words the one line must say: the cause first, then where the fix goes)
 CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
     (wrong_dsn_unreachable, ["cannot connect to PostgreSQL", "Connection refused", "ROLLBOOK_DSN"]),
@@ -158,6 +179,9 @@ CASES: list[tuple[Callable[[Path, str], Case], list[str]]] = [
                                          "ROLLBOOK_CONTROL_TOKEN", "--control-token-file PATH"]),
     (control_token_file_open_to_others, ["control token file", "open to group or others (mode 0644)",
                                          "chmod 600 /"]),
+    (harness_without_a_sandbox, ["harness.smol", "runs in a sandbox session", "[sandbox]"]),
+    (harness_answer_not_a_regex, ["harness.smol.answer", "no regular expression", "missing )"]),
+    (harness_path_not_absolute, ["harness.smol.paths", "'../../etc'", "absolute"]),
 ]
 
 

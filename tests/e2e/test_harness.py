@@ -19,6 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -90,15 +91,7 @@ async def test_smolagents_killed_mid_episode_with_every_server_is_continued_by_r
 
     before = await generated(cluster)
     first = asyncio.create_task(dispatch(cluster, "smol-crash", task))
-    await eventually("its first call answered", lambda: cluster.scalar(
-        "SELECT count(*) = 1 FROM rollbook.events WHERE rollout_id = 'smol-crash' AND kind = 'call_completed'"))
-    await cluster.upstream_stall(True)
-    await eventually("its second call in flight", lambda: cluster.scalar(
-        "SELECT count(*) FILTER (WHERE kind = 'call_accepted') = 2 AND count(*) FILTER (WHERE kind = 'call_completed') = 1 "
-        "FROM rollbook.events WHERE rollout_id = 'smol-crash'"))
-    await cluster.crash(first)
-    await cluster.upstream_stall(False)
-    await cluster.start()
+    await crash_under_its_second_call(cluster, "smol-crash", first)
     continued = await dispatch(cluster, "smol-crash", task)
 
     assert (continued["attempt"], continued["reward"]) == (1, 1.0), continued
@@ -116,6 +109,47 @@ async def test_smolagents_killed_mid_episode_with_every_server_is_continued_by_r
     # Each model call of the finished attempt answered once, and no call generated for it twice.
     assert await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'smol-crash' AND attempt = 1 "
                                 "AND kind = 'call_completed'") == 2
+
+
+async def crash_under_its_second_call(cluster: Cluster, rollout: str, driver: asyncio.Task[Any]) -> None:
+    """Its first call answered and its second in flight, the upstream stalled: SIGKILL every rollbook
+    server (the harness's jail dies with the agent server), then start them again."""
+    await eventually("its first call answered", lambda: cluster.scalar(
+        "SELECT count(*) = 1 FROM rollbook.events WHERE rollout_id = :r AND kind = 'call_completed'", r=rollout))
+    await cluster.upstream_stall(True)
+    await eventually("its second call in flight", lambda: cluster.scalar(
+        "SELECT count(*) FILTER (WHERE kind = 'call_accepted') = 2 AND count(*) FILTER (WHERE kind = 'call_completed') = 1 "
+        "FROM rollbook.events WHERE rollout_id = :r", r=rollout))
+    await cluster.crash(driver)
+    await cluster.upstream_stall(False)
+    await cluster.start()
+
+
+async def test_a_harness_that_asks_something_else_after_a_crash_goes_on_live_with_the_divergence_in_sql(
+        smolagents: str, cluster_factory: Callable[..., Awaitable[Cluster]]) -> None:
+    """Input: smolagents's command line given the task with the time it started appended, as a harness
+    that dates its task would: run again after a crash, its first call differs from the recorded one."""
+    dated = ["/bin/sh", "-c", 'p="$1"; shift; exec "$0" -m smolagents.cli "$p (asked at $(date +%s%N))" "$@"', "{python}", "{prompt}",
+             *CLI[4:]]
+    cluster = await cluster_factory(upstream=True, token_latency_s=0.05, harness={"dated": cfg.HarnessConfig(
+        command=dated, requirements=[SMOLAGENTS], env={"HF_HUB_OFFLINE": "1"}, answer=r"^Final answer: (.*)$",
+        continuation="replay")})
+    task = replace(make_task("math", SEED), agent="dated").to_json()
+    before = await generated(cluster)
+    first = asyncio.create_task(dispatch(cluster, "dated", task))
+    await crash_under_its_second_call(cluster, "dated", first)
+    out = await dispatch(cluster, "dated", task)
+
+    assert (out["attempt"], out["reward"]) == (1, 1.0), out
+    excluded = await cluster.rows("SELECT data->>'call_id', data->>'reason', data->>'diverges_from' FROM rollbook.events "
+                                  "WHERE rollout_id = 'dated' AND kind = 'call_excluded'")
+    assert [tuple(r) for r in excluded] == [("dated.1.a0.m0", "agent_divergence", "dated.0.a0.m0")]
+    # Refused, its OpenAI client asked again (it retries a 409), and from there on it ran live: nothing
+    # of attempt 0 answered it, and every call it made was generated for it.
+    calls = await cluster.rows("SELECT data->>'disposition' FROM rollbook.events WHERE rollout_id = 'dated' "
+                               "AND attempt = 1 AND kind = 'call_completed'")
+    assert [r[0] for r in calls] == ["generated", "generated"]
+    assert await generated(cluster) - before == 4  # attempt 0's two (one cut by the kill), attempt 1's two
 
 
 async def test_a_harness_in_its_jail_reaches_its_model_route_through_the_relay_and_nothing_else(
