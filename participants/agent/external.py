@@ -1,4 +1,7 @@
-"""A NeMo Gym agent, unchanged, as the agent of the tasks that name it (`[nemo_gym_agent.<name>]`).
+"""Agents rollbook runs unchanged for the tasks that name them: a NeMo Gym agent
+(`[nemo_gym_agent.<name>]`, here) or a third-party harness in a sandbox session (`[harness.<name>]`,
+participants/agent/harness.py). Each is a `Driver`; claiming an activation, continuing it after a
+crash and recording its reply are the same for both, and live here.
 
 The agent server starts the agent the way the resources server starts a NeMo Gym resources server
 (participants/environments/nemo_gym_launcher.py), its model server and resources server being

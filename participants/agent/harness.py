@@ -122,7 +122,7 @@ class HarnessDriver:
     def stop(self) -> None:
         pass  # every jail ends with its activation
 
-    def script(self, prompt: str, base_url: str, model: str, folder: str | None, rollout_id: str = "") -> str:
+    def script(self, prompt: str, base_url: str, model: str, folder: str | None, task_id: str = "") -> str:
         python, _ = interpreter()
         values = {"{prompt}": prompt, "{base_url}": base_url, "{model}": model, "{python}": python}
 
@@ -131,8 +131,8 @@ class HarnessDriver:
 
         # Python orders a set of strings by a hash it seeds at random per process: a harness that lists
         # one in a prompt (smolagents's authorized imports) asks something else each run. Fixed per
-        # rollout, the run after a crash asks what the first asked.
-        hash_seed = int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:4], "big")
+        # task, the run after a crash asks what the first asked, as does any run of the same task.
+        hash_seed = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
         env = {"HOME": HOME, "PYTHONHASHSEED": str(hash_seed), **({"PYTHONPATH": folder} if folder else {}),
                **{k: fill(v) for k, v in self.harness.env.items()}}
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
@@ -169,7 +169,7 @@ class HarnessDriver:
             raise DriveFailed(f"its sandbox could not start: {exc}") from exc
         try:
             await relay.start(jail.init)
-            script = self.script(prompt, f"http://127.0.0.1:{relay.port}/v1", req.model, folder, key[0])
+            script = self.script(prompt, f"http://127.0.0.1:{relay.port}/v1", req.model, folder, req.task.task_id)
             output, code, _ = await asyncio.to_thread(self.sandbox.run_script, jail, script)
         except ToolError as exc:
             raise DriveFailed(f"its run ended: {exc}") from exc

@@ -100,6 +100,8 @@ async def test_smolagents_killed_mid_episode_with_every_server_is_continued_by_r
                                    "WHERE rollout_id = 'smol-crash' AND kind = 'rollout_recovered'")
     assert [tuple(r) for r in recovered] == [(0, "continue", None)]
     # The first call came from the log; the one in flight at the kill, never recorded, was generated again.
+    # The same model calls, in order, as the uninterrupted run's: attempt 1 asked what attempt 0 had.
+    assert await requests(cluster, "smol-crash", 1) == await requests(cluster, "smol-clean", 0)
     # Asked again from its start, it asked what it asked before: nothing excluded as a divergence.
     assert await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'smol-crash' "
                                 "AND kind = 'call_excluded'") == 0
@@ -109,6 +111,13 @@ async def test_smolagents_killed_mid_episode_with_every_server_is_continued_by_r
     # Each model call of the finished attempt answered once, and no call generated for it twice.
     assert await cluster.scalar("SELECT count(*) FROM rollbook.events WHERE rollout_id = 'smol-crash' AND attempt = 1 "
                                 "AND kind = 'call_completed'") == 2
+
+
+async def requests(cluster: Cluster, rollout: str, attempt: int) -> list[str]:
+    """The request digests of an attempt's model calls, in order."""
+    rows = await cluster.rows("SELECT data->>'request_digest' FROM rollbook.events WHERE rollout_id = :r AND attempt = :a "
+                              "AND kind = 'call_accepted' ORDER BY position", r=rollout, a=attempt)
+    return [r[0] for r in rows]
 
 
 async def crash_under_its_second_call(cluster: Cluster, rollout: str, driver: asyncio.Task[Any]) -> None:

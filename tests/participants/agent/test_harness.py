@@ -20,7 +20,7 @@ def test_a_prompt_holding_quotes_substitutions_and_placeholders_reaches_the_harn
     d = driver(["/bin/sh", "-c", 'printf "%s|" "$#" "$1"; ls -A', "harness", "{prompt}"])
     jail = d.sandbox.open_live(make_task("math", 0))
     try:
-        output, code, _ = d.sandbox.run_script(jail, d.script(HOSTILE, "http://127.0.0.1:1/v1", "policy", None, "r1"))
+        output, code, _ = d.sandbox.run_script(jail, d.script(HOSTILE, "http://127.0.0.1:1/v1", "policy", None, "math-1"))
     finally:
         d.sandbox.close_live(jail)
     assert code == 0, output
@@ -37,11 +37,12 @@ def test_the_answer_is_the_last_match_of_the_pattern_else_the_last_line() -> Non
     assert driver(["x"]).answer("") == ""
 
 
-def test_a_rollout_asks_with_one_hash_seed_every_time_and_rollouts_differ() -> None:
+def test_a_task_is_asked_with_one_hash_seed_every_time_and_tasks_differ() -> None:
     """Python seeds its string hashes at random per process, and a set's order with them: a harness
-    that lists a set in its prompt asks something else each run unless the seed is fixed."""
+    that lists a set in its prompt asks something else each run unless the seed is fixed. Fixed per
+    task, a crashed run and an uninterrupted one of the same task ask the same things."""
     d = driver(["x"])
-    seed = [line for line in d.script("p", "u", "m", None, "r1").splitlines() if "PYTHONHASHSEED" in line]
-    assert seed == [line for line in d.script("p", "u", "m", None, "r1").splitlines() if "PYTHONHASHSEED" in line]
-    assert seed != [line for line in d.script("p", "u", "m", None, "r2").splitlines() if "PYTHONHASHSEED" in line]
+    seed = [line for line in d.script("p", "u", "m", None, "math-1").splitlines() if "PYTHONHASHSEED" in line]
+    assert seed == [line for line in d.script("p", "u", "m", None, "math-1").splitlines() if "PYTHONHASHSEED" in line]
+    assert seed != [line for line in d.script("p", "u", "m", None, "math-2").splitlines() if "PYTHONHASHSEED" in line]
     assert len(seed) == 1
