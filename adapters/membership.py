@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from sqlalchemy import text
 
@@ -59,27 +60,54 @@ class MembershipReader:
 
 
 class Lease:
-    """One server process's membership, from its first renewal to its stop."""
+    """One server process's membership, from its first renewal to its stop.
+
+    Cut off from the database past `engine.membership.fenced_at` by its own clock, the process can no
+    longer know that nobody has taken its work over: `on_lapse` is called (the server exits there,
+    apps/serve.py) and nothing is renewed again under this instance."""
 
     def __init__(self, store: PostgresEventStore, kind: str, instance: str, address: str, workers: int = 1,
-                 lease_s: float = M.DEFAULT_LEASE_S, of: M.WorkerOf | None = None) -> None:
+                 lease_s: float = M.DEFAULT_LEASE_S, of: M.WorkerOf | None = None,
+                 on_lapse: Callable[[float], None] | None = None) -> None:
         self.store, self.kind, self.instance = store, kind, instance
         self.address, self.workers, self.lease_s, self.of = address, workers, lease_s, of
+        self.on_lapse = on_lapse
         self._task: asyncio.Task[None] | None = None
+        self.renewal_sent = 0.0  # monotonic: when the last renewal that landed was sent
 
     async def start(self) -> None:
         """Record the instance (its stream must be new: an instance id is used once) and keep it renewed."""
         event = M.start_event(self.kind, self.instance, self.address, self.workers, self.lease_s, self.of)
+        sent = time.monotonic()
         await self.store.append(AppendRequest((event,), {event.stream: 0}))
+        self.renewal_sent = sent
         self._task = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
+        every, retry = self.lease_s * M.RENEW_SHARE, self.lease_s * M.RETRY_SHARE
+        wait = every
         while True:
-            await asyncio.sleep(self.lease_s * M.RENEW_SHARE)
-            try:
-                await self.store.append(AppendRequest((M.renew_event(self.kind, self.instance),)))
-            except RollbookError as exc:  # the database is away: the next renewal tries again
-                log.warning("instance %s: lease not renewed: %s", self.instance, exc.detail)
+            fence = M.fenced_at(self.renewal_sent, self.lease_s)
+            await asyncio.sleep(max(0.0, min(wait, fence - time.monotonic())))
+            sent = time.monotonic()
+            if sent < fence:
+                try:
+                    # Never waits past the fence: a renewal lost in a partition is given up on in time.
+                    await asyncio.wait_for(self.store.append(AppendRequest((M.renew_event(self.kind, self.instance),))),
+                                           timeout=fence - sent)
+                    self.renewal_sent, wait = sent, every
+                    continue
+                except (RollbookError, TimeoutError) as exc:  # the database is away: tried again sooner
+                    detail = exc.detail if isinstance(exc, RollbookError) else "no answer in time"
+                    log.warning("instance %s: lease not renewed: %s", self.instance, detail)
+                    wait = retry
+            if time.monotonic() >= M.fenced_at(self.renewal_sent, self.lease_s):
+                silent = time.monotonic() - self.renewal_sent
+                log.error("instance %s: no renewal landed for %.1f s of a %g s lease: it stops", self.instance,
+                          silent, self.lease_s)
+                if self.on_lapse is not None:
+                    self.on_lapse(silent)
+                return
 
     async def stop(self, reason: str = "shutdown") -> None:
         if self._task is None:
@@ -98,7 +126,10 @@ _PAUSED_OPEN = text(
     "SELECT EXISTS (SELECT 1 FROM rollbook.checkpoint_state c JOIN rollbook.events e "
     "ON e.stream = :prefix || c.checkpoint_id AND e.stream_version = 1 "
     "WHERE c.phase = ANY(:open) AND e.data->>'mode' IS DISTINCT FROM 'online' "
-    "AND COALESCE((e.data->>'deadline')::double precision, 'infinity') > extract(epoch FROM now()) "
+    # Judged on the database's clock at both ends (its start's recorded_at and now()), by the span the
+    # coordinator gave it: a coordinator whose clock is behind never makes it look over early.
+    "AND CASE WHEN e.data ? 'span_s' THEN e.recorded_at + make_interval(secs => (e.data->>'span_s')::double precision) > now() "
+    "ELSE COALESCE((e.data->>'deadline')::double precision, 'infinity') > extract(epoch FROM now()) END "
     # A resume ends the pause for everyone, whether or not the commit was recorded.
     "AND NOT EXISTS (SELECT 1 FROM rollbook.events r WHERE r.kind = :resumed AND r.data->>'checkpoint_id' = c.checkpoint_id))")
 

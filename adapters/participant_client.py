@@ -27,7 +27,9 @@ class HttpParticipant:
             if operation == "status":
                 resp_cm = self.session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout))
             else:
-                resp_cm = self.session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout))
+                # The deadline travels with this clock's reading: the receiver judges the span, not the instant.
+                resp_cm = self.session.post(url, json={**body, "sent_at": time.time()}, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout))
             async with resp_cm as resp:
                 data = await resp.json(content_type=None)
                 if resp.status >= 400:

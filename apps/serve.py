@@ -5,7 +5,10 @@ Any number of instances of a kind may serve against one database: each records i
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -88,15 +91,34 @@ def build(kind: Kind, config: Config, dsn: str, worker: WorkerOf | None = None) 
         await store.close()
 
     app.on_cleanup.append(close_store)
-    _record_instance(app, kind, instance, config, store, worker)
+    _record_instance(app, kind, instance, config, store, worker, stoppers)
     return app
 
 
+# The exit status of a server that lost its lease (EX_TEMPFAIL): started again, it joins as a new instance.
+LEASE_LOST_EXIT = 75
+
+
+def _lease_lost(kind: Kind, instance: str, lease_s: float, stoppers: list[Callable[[], None]]) -> Callable[[float], None]:
+    def lapse(silent_s: float) -> None:
+        # Cut off from the log, it cannot know its work was not taken over: it does none from here on.
+        # What it started (NeMo Gym servers, agents) goes with it; a sandbox's jail ends with its server.
+        print(f"rollbook serve {kind}: instance {instance} renewed no lease for {silent_s:.1f} s of its {lease_s:g} s: "
+              f"it exits now, before another instance can take its work over; start it again to rejoin",
+              file=sys.stderr, flush=True)
+        for stop in stoppers:
+            with contextlib.suppress(Exception):
+                stop()
+        os._exit(LEASE_LOST_EXIT)
+    return lapse
+
+
 def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore,
-                     worker: WorkerOf | None) -> None:
+                     worker: WorkerOf | None, stoppers: list[Callable[[], None]]) -> None:
     """The instance joins the deployment once it listens (engine/membership.py), and leaves at shutdown."""
     lease = Lease(store, kind, instance, config.url(kind), workers=config.servers[kind].workers,
-                  lease_s=config.limits.instance_lease_s, of=worker)
+                  lease_s=config.limits.instance_lease_s, of=worker,
+                  on_lapse=_lease_lost(kind, instance, config.limits.instance_lease_s, stoppers))
     reader = MembershipReader(store)
     participant = app[PARTICIPANT]
     joining = Joining(participant, lease, reader, lambda: paused_checkpoint_open(store))

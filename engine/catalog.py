@@ -426,6 +426,8 @@ CAPTURE_KINDS = (CAPTURE_CALL_BEGUN, CAPTURE_ENTRY_PUT, CAPTURE_INCOMPLETE, CAPT
 _CK = need("checkpoint_id", "string", "the checkpoint")
 CHECKPOINT_STARTED = _kind("checkpoint_started", CHECKPOINT, _COORDINATOR, "A checkpoint begins.",
                            _CK, may("deadline", "number", "seconds since the epoch"),
+                           may("span_s", "number", "the deadline's distance from the start, on the coordinator's clock: "
+                               "judged from `recorded_at` on the database's"),
                            may("mode", "string", "`online` for a checkpoint that pauses no one; absent: paused"))
 CHECKPOINT_PREPARED = _kind("checkpoint_prepared", CHECKPOINT, _COORDINATOR, "Every participant is prepared.",
                             _CK, may("restarts", "array", "[rollout_id, attempt] pairs that restart from their input"))
@@ -451,7 +453,7 @@ RESTORE_INSTALLED = _kind(
 
 _PHASE = (_CK, need("from", "string", "the participant's phase before"), need("to", "string", "its phase after"))
 PARTICIPANT_PREPARE = _kind("participant_prepare", PARTICIPANT, _CONTROL, "The participant starts preparing.",
-                            *_PHASE, may("deadline", "number", "seconds since the epoch"))
+                            *_PHASE, may("deadline", "number", "seconds since the epoch, on the participant's clock"))
 PARTICIPANT_PREPARED = _kind("participant_prepared", PARTICIPANT, _CONTROL, "The participant is prepared.",
                              *_PHASE, may("counts", "object", "what it holds"), may("restarts", "integer", "restart-only attempts"))
 PARTICIPANT_COMMIT = _kind("participant_commit", PARTICIPANT, _CONTROL, "The participant accepted the commit.",

@@ -215,7 +215,8 @@ class Coordinator:
         """Prepare every participant in order; on the first failure resume those already prepared."""
         started = time.perf_counter()
         check_deadline(deadline, time.time(), f"prepare of {checkpoint_id}")  # before anything is written
-        started_event = checkpoint_started(checkpoint_id, deadline=deadline)
+        # The span too: a reader on another clock (the database's) judges the deadline by it.
+        started_event = checkpoint_started(checkpoint_id, deadline=deadline, span_s=deadline - time.time())
         try:  # expecting an empty stream: a checkpoint id is used once
             await self.store.append(AppendRequest((started_event,), {started_event.stream: 0}))
         except VersionConflict as exc:
@@ -330,7 +331,7 @@ class Coordinator:
         started = time.perf_counter()
         deadline = time.time() + ONLINE_LEASE_S if deadline is None else deadline
         check_deadline(deadline, time.time(), f"online checkpoint {checkpoint_id}")
-        started_event = checkpoint_started(checkpoint_id, deadline=deadline, mode="online")
+        started_event = checkpoint_started(checkpoint_id, deadline=deadline, span_s=deadline - time.time(), mode="online")
         try:  # expecting an empty stream: a checkpoint id is used once
             await self.store.append(AppendRequest((started_event,), {started_event.stream: 0}))
         except VersionConflict as exc:

@@ -34,6 +34,18 @@ from engine.identity import instance_stream
 State = Literal["live", "expired", "stopped", "superseded"]
 DEFAULT_LEASE_S = 10.0
 RENEW_SHARE = 1 / 3  # renewed three times a lease: two lost renewals in a row still leave it live
+RETRY_SHARE = 1 / 10  # after a renewal that did not land, the next is tried sooner
+# An instance judges its own lease by its own monotonic clock, never by the database's or another
+# host's: the lease the database grants it lasts at least `lease_s` from the moment it *sent* its
+# last renewal that landed (the renewal is recorded after it is sent), whatever the clocks read. It
+# stops at this share of that, leaving the rest for stopping and for clock rates that differ.
+FENCE_SHARE = 0.8
+
+
+def fenced_at(renewal_sent: float, lease_s: float) -> float:
+    """When an instance whose last renewal that landed was sent at `renewal_sent` (its own monotonic
+    clock) must have stopped taking and doing work: before anyone can take its work over."""
+    return renewal_sent + lease_s * FENCE_SHARE
 
 
 @dataclass(frozen=True)

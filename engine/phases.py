@@ -126,6 +126,14 @@ def check_deadline(deadline: float, now: float, what: str) -> float:
     return float(deadline)
 
 
+def on_this_clock(deadline: float, sent_at: float | None, now: float) -> float:
+    """A deadline another host set, as this host's clock reads it. Two hosts' clocks can disagree by
+    seconds; the span the sender granted does not: it is counted from receipt here, so it ends no
+    earlier than the sender meant (later by the message's transit). Without `sent_at` the deadline is
+    taken as it is (a sender that shares this clock)."""
+    return deadline if sent_at is None else now + (deadline - sent_at)
+
+
 # A checkpoint that is only started or prepared is held by a lease; past it (deadline + LEASE_GRACE_S)
 # whoever notices first records the abort in the log.
 OPEN_CHECKPOINT_PHASES = ("started", "prepared")

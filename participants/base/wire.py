@@ -9,14 +9,16 @@ validates with and the OpenAPI documents (participants.base.openapi) describe.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from adapters.http_client import CONTROL, PREFIX
 from engine.errors import InvalidIdentifier
 from engine.identity import ATTEMPT_PATTERN, parse_attempt, validate_id
+from engine.phases import on_this_clock
 from participants.base.guard import AttemptIndex, Body, Header, Identifier
 
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
@@ -116,6 +118,15 @@ class TaskBody(Body):
 class ControlRequest(Body):
     checkpoint_id: Identifier
     deadline: float = Field(gt=0, le=MAX_DEADLINE, description="absolute deadline, seconds since the Unix epoch")
+    sent_at: float | None = Field(default=None, gt=0, le=MAX_DEADLINE, description=(
+        "the sender's clock when it sent this: the deadline is then judged as the span between the two, "
+        "from receipt, on the receiver's clock (hosts' clocks disagree)"))
+
+    @model_validator(mode="after")
+    def _on_this_clock(self) -> ControlRequest:
+        if self.sent_at is not None:
+            self.deadline, self.sent_at = min(on_this_clock(self.deadline, self.sent_at, time.time()), MAX_DEADLINE), None
+        return self
 
 
 class Execution(Body):

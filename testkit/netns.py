@@ -1,0 +1,113 @@
+"""Hosts of their own on one machine: a network namespace per host, joined by a bridge.
+
+`Hosts` makes a bridge in the machine's own namespace (which holds the database's address) and, per
+`add(name)`, a namespace with a veth pair onto that bridge and an address of its own; a process is
+started on a host with `host.run(argv)` (`ip netns exec`). A partition is one rule on one host's
+side of its link, one direction: `host.cut(address)` routes what that host sends to `address` into a
+blackhole (packets are dropped silently, as a partition drops them: the sender learns nothing until
+its own timeouts), `host.heal(address)` removes it. Everything made is removed by `close()`.
+
+It needs root and iproute2 (`ip`); `unavailable()` says why it cannot run, or None.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+SUBNET = "10.231"  # 10.231.<net>.<host>/24: far from the addresses a machine's own networks use
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed (apt-get install iproute2)"
+    return None
+
+
+def ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+@dataclass
+class Host:
+    name: str
+    namespace: str
+    address: str
+    cuts: set[str] = field(default_factory=set)
+
+    def run(self, argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace, *argv], **popen)
+
+    def cut(self, address: str) -> None:
+        """Drop everything this host sends to `address` (one direction, silently)."""
+        ip("-n", self.namespace, "route", "add", "blackhole", f"{address}/32")
+        self.cuts.add(address)
+
+    def heal(self, address: str) -> None:
+        ip("-n", self.namespace, "route", "del", "blackhole", f"{address}/32")
+        self.cuts.discard(address)
+
+
+class Hosts:
+    """A bridge and its hosts; the machine's own namespace is `gateway` on it, and holds `extra`
+    addresses of its own (a database listening apart from everything else, so a cut to it cuts only it)."""
+
+    def __init__(self, extra: int = 1) -> None:
+        why = unavailable()
+        if why is not None:
+            raise OSError(why)
+        tag = secrets.token_hex(3)
+        self.bridge = f"rb{tag}"
+        self.net = f"{SUBNET}.{int(tag, 16) % 250 + 1}"
+        self.hosts: dict[str, Host] = {}
+        self.gateway = f"{self.net}.1"
+        ip("link", "add", self.bridge, "type", "bridge")
+        try:
+            ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            self.extra = [f"{self.net}.{2 + i}" for i in range(extra)]
+            for address in self.extra:
+                ip("addr", "add", f"{address}/32", "dev", self.bridge)
+            ip("link", "set", self.bridge, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, name: str) -> Host:
+        n = len(self.hosts)
+        host = Host(name, f"{self.bridge}-{name}", f"{self.net}.{10 + n}")
+        ip("netns", "add", host.namespace)
+        self.hosts[name] = host
+        outside = f"{self.bridge}v{n}"
+        ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+        ip("link", "set", outside, "master", self.bridge, "up")
+        ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        ip("-n", host.namespace, "link", "set", "eth0", "up")
+        ip("-n", host.namespace, "link", "set", "lo", "up")
+        ip("-n", host.namespace, "route", "add", "default", "via", self.gateway)
+        return host
+
+    def close(self) -> None:
+        for n, host in enumerate(self.hosts.values()):
+            # The link first: a namespace outlives its last process while the kernel still holds sockets
+            # of it (a connection a killed process left retransmitting into a cut), and its link with it.
+            subprocess.run(["ip", "link", "del", f"{self.bridge}v{n}"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
+        self.hosts.clear()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)  # its veth ends go with the namespaces
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Host", "Hosts", "unavailable"]

