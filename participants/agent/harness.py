@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -85,7 +86,7 @@ def install(requirements: tuple[str, ...], root: str, say: Callable[[str], None]
     try:
         staging.rename(folder)
     except OSError:  # another process installed it first
-        subprocess.run(["rm", "-rf", str(staging)], check=False)
+        shutil.rmtree(staging, ignore_errors=True)
     os.chmod(folder, 0o755)
     return str(folder)
 

@@ -11,6 +11,7 @@ the call over: its reply was never recorded, so the call is recorded lost, once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,16 +93,44 @@ async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
         return (await conn.execute(text(sql), params)).scalar()
 
 
-async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes_its_call_over(
-        hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
-    remote = tcp_dsn
-    a, b = hosts.add("a"), hosts.add("b")
+@contextlib.asynccontextmanager
+async def two_model_servers(hosts: Hosts, dsn: str, tmp_path: Path, names: tuple[str, str], skews: tuple[float, float] = (0.0, 0.0),
+                            ) -> AsyncIterator[tuple[cfg.Config, PostgresEventStore, list[Host], list[subprocess.Popen[bytes]]]]:
+    """A model server on each of two new hosts (wall clocks `skews` off), both live in the log."""
+    placed = [hosts.add(name) for name in names]
     path = tmp_path / "rollbook.toml"
-    config = model_config(hosts, remote, path)
-    store = PostgresEventStore.connect(remote, writer="partition-test")
-    procs = [serve_model(a, path, tmp_path / "a.log"), serve_model(b, path, tmp_path / "b.log")]
+    config = model_config(hosts, dsn, path)
+    store = PostgresEventStore.connect(dsn, writer="partition-test")
+    procs = [serve_model(h, path, tmp_path / f"{h.name}.log", skew) for h, skew in zip(placed, skews, strict=True)]
     try:
         await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
+        yield config, store, placed, procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await store.close()
+
+
+async def cut_from_the_database(hosts: Hosts, host: Host, proc: subprocess.Popen[bytes], store: PostgresEventStore,
+                                log: Path) -> float:
+    """Cut `host` off from PostgreSQL: its server exits on losing its lease, before that lease ends on
+    the database's clock (before anyone could take its work over). When it stopped."""
+    host.cut(hosts.extra[0])  # its packets to PostgreSQL are dropped; everything else still reaches it
+    await asyncio.to_thread(proc.wait, 30)
+    stopped = time.time()
+    assert proc.returncode == LEASE_LOST_EXIT, log.read_text()[-2000:]
+    assert "renewed no lease" in log.read_text()
+    lease_end = await scalar(store, "SELECT extract(epoch FROM renewed_at) + lease_s FROM rollbook.participants "
+                                    "WHERE kind = 'model' AND address LIKE :a", a=f"%{host.address}%")
+    assert lease_end is not None and stopped < float(lease_end), (stopped, lease_end)
+    return stopped
+
+
+async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes_its_call_over(
+        hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
+    async with two_model_servers(hosts, tcp_dsn, tmp_path, ("a", "b")) as (config, store, (a, b), procs):
         await store.append(AppendRequest((NewEvent(rollout_stream("p1"), ATTEMPT_STARTED, {"parent_attempt": None}, "p1", 0),)))
         body = {"model": "policy", "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
         headers = {"Authorization": f"Bearer {config.data_token}", "X-Rollbook-Call-Id": "p1.0.t0"}
@@ -111,17 +140,9 @@ async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes
             await eventually("the call accepted by a", lambda: scalar(
                 store, "SELECT count(*) = 1 FROM rollbook.events WHERE kind = 'call_accepted' AND data->>'call_id' = 'p1.0.t0'"))
 
-            a.cut(hosts.extra[0])  # a's packets to PostgreSQL are dropped; everything else still reaches it
-            await asyncio.to_thread(procs[0].wait, 30)
-            a_stopped = time.time()
-            assert procs[0].returncode == LEASE_LOST_EXIT, (tmp_path / "a.log").read_text()[-2000:]
-            assert "renewed no lease" in (tmp_path / "a.log").read_text()
+            a_stopped = await cut_from_the_database(hosts, a, procs[0], store, tmp_path / "a.log")
             with pytest.raises((aiohttp.ClientError, OSError)):  # its generation ended with it
                 await (await on_a).read()
-            # Stopped before its lease ended by the database's clock: before anyone could take its work over.
-            lease_end = await scalar(store, "SELECT extract(epoch FROM renewed_at) + lease_s FROM rollbook.participants "
-                                            "WHERE kind = 'model' AND address LIKE :a", a=f"%{a.address}%")
-            assert lease_end is not None and a_stopped < float(lease_end), (a_stopped, lease_end)
 
             # The call asked again of b: a is dead to everyone now, so b takes the call over. Its reply
             # was never recorded: b records the call lost, once, and the attempt goes on as a new one.
@@ -132,13 +153,6 @@ async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes
                                     "FROM rollbook.events WHERE data->>'call_id' = 'p1.0.t0' AND kind <> 'call_accepted'")
         assert [(kind, lost) for kind, lost, _ in taken] == [("call_failed", "true")], taken
         assert a_stopped < taken[0][2], (a_stopped, taken)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        await store.close()
-
 
 async def equals(value: Awaitable[Any], expected: Any) -> bool:
     return await value == expected
@@ -155,14 +169,8 @@ async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_a
     a deadline travels with the coordinator's clock reading and is judged as the span it grants, so
     the host ahead prepares rather than finding it long past, and the host behind does not hold its
     pause 30 s past it. A cut-off host still stops by its own clock before its lease ends."""
-    remote = tcp_dsn
-    a, b = hosts.add("ahead"), hosts.add("behind")
-    path = tmp_path / "rollbook.toml"
-    config = model_config(hosts, remote, path)
-    store = PostgresEventStore.connect(remote, writer="skew-test")
-    procs = [serve_model(a, path, tmp_path / "a.log", +SKEW_S), serve_model(b, path, tmp_path / "b.log", -SKEW_S)]
-    try:
-        await eventually("both instances live", lambda: equals(scalar(store, LIVE_MODELS), 2), timeout=60)
+    async with two_model_servers(hosts, tcp_dsn, tmp_path, ("ahead", "behind"), (+SKEW_S, -SKEW_S)) as (
+            config, store, (a, b), procs):
         async with aiohttp.ClientSession() as http:
             ours = [HttpParticipant(f"model:{h.name}", "model", f"http://{h.address}:{PORT}", config.control_token, http)
                     for h in (a, b)]
@@ -183,19 +191,7 @@ async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_a
         assert await scalar(store, LIVE_MODELS) == 2  # three leases on: both renewed all along
         assert await scalar(store, "SELECT count(*) FROM rollbook.events WHERE kind = 'instance_renewed'") >= 12
 
-        a.cut(hosts.extra[0])
-        await asyncio.to_thread(procs[0].wait, 30)
-        stopped = time.time()
-        lease_end = await scalar(store, "SELECT extract(epoch FROM renewed_at) + lease_s FROM rollbook.participants "
-                                        "WHERE kind = 'model' AND address LIKE :a", a=f"%{a.address}%")
-        assert procs[0].returncode == LEASE_LOST_EXIT and stopped < float(lease_end), (stopped, lease_end)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        await store.close()
-
+        await cut_from_the_database(hosts, a, procs[0], store, tmp_path / "ahead.log")
 
 # ---- random sequences with partitions ------------------------------------------------------------
 
