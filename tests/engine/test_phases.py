@@ -235,3 +235,23 @@ def test_a_checkpoint_has_no_move_outside_the_declared_table() -> None:
 def test_a_deadline_of_exactly_now_has_not_passed() -> None:
     assert check_deadline(100.0, 100.0, "prepare") == 100.0
     assert check_deadline(100, 99.5, "prepare") == 100.0
+
+
+def test_a_deadline_sent_from_another_clock_is_the_span_it_grants_counted_on_this_one() -> None:
+    """Input: a coordinator 30 s ahead sends deadline = its now + 10 at its now; this host reads now.
+    Taken as an instant it would be 20 s past here; as a span it ends 10 s from receipt, whichever
+    way the clocks disagree. Without `sent_at` (a sender on this clock) it is taken as it is."""
+    from engine.phases import on_this_clock
+
+    assert on_this_clock(1030.0 + 10, sent_at=1030.0, now=1000.0) == 1010.0
+    assert on_this_clock(970.0 + 10, sent_at=970.0, now=1000.0) == 1010.0
+    assert on_this_clock(1234.5, sent_at=None, now=1000.0) == 1234.5
+
+
+def test_an_instance_stops_before_its_lease_can_end_on_any_clock() -> None:
+    """The lease lasts at least lease_s from the send of its last landed renewal; the fence comes
+    first, by the share it keeps for stopping."""
+    from engine.membership import FENCE_SHARE, fenced_at
+
+    assert fenced_at(100.0, 10.0) == 100.0 + 10.0 * FENCE_SHARE
+    assert 100.0 < fenced_at(100.0, 10.0) < 110.0
