@@ -4,13 +4,15 @@ address, PostgreSQL listens on an address of the machine's own, and two more rul
 one direction, for a while, then heal:
 
 - `partition_from_database`: a host's packets to PostgreSQL are dropped, for less than the fence of
-  a lease (ridden out) or for longer than a lease (its instances stop by their own clock, the other
-  host's instances take their work over from the log, and the stopped ones are started again);
+  a lease (ridden out) or for longer than a lease (its instances stop by their own clock and are
+  started again as new instances; those, or the other host's, take their work over from the log);
 - `partition_hosts`: one host's packets to the other are dropped (its calls to the other's instances
   fail and are asked again, or go to a live instance the log names).
 
 On top of the machine's invariants: no instance wrote an event of a rollout after its lease ended on
-the database's clock.
+the database's clock. At the end of each sequence it counts the takeovers: for every instance a cut
+stopped, the rollouts whose work of its kind another instance went on with from the log (and the
+model calls recorded lost because the instance that had them was gone).
 """
 
 from __future__ import annotations
@@ -34,10 +36,22 @@ from testkit.stateful_processes import INSTANCES, TALLY, FaultMachine, World
 
 LEASE_S = 3.0  # fenced at 2.4 s: a cut of HOLDS[1] outlives it, one of HOLDS[0] does not
 HOLDS = (0.5, 4.0)
-# Work of an instance that is gone, taken over from the log: calls recorded lost, rollouts recovered.
+# The instances live on one host now (by the address they serve at).
+LIVE_ON_HOST = "SELECT instance FROM rollbook.participants WHERE state = 'live' AND address LIKE :at"
+# Per kind, the rollouts an instance that stopped had work of, which another instance of its kind
+# went on with: an event of the rollout by the other, after the stopped one's last. (A model call is
+# answered by whichever instance routing picks, so for the model a takeover is a call recorded lost.)
 TAKEN_OVER = """
-SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE :p
-AND (kind = 'rollout_recovered' OR (kind = 'call_failed' AND data->>'lost' = 'true'))
+SELECT s.kind, count(DISTINCT e.rollout_id) AS rollouts FROM rollbook.participants s
+JOIN rollbook.events e ON e.rollout_id LIKE :p AND e.writer <> s.instance
+JOIN rollbook.participants o ON o.instance = e.writer AND o.kind = s.kind
+WHERE s.instance = ANY(:stopped) AND s.kind <> 'model'
+AND e.position > (SELECT max(x.position) FROM rollbook.events x WHERE x.writer = s.instance AND x.rollout_id = e.rollout_id)
+GROUP BY s.kind
+"""
+CALLS_LOST = """
+SELECT count(*) FROM rollbook.events f JOIN rollbook.events a ON a.stream = f.stream AND a.kind = 'call_accepted'
+WHERE f.rollout_id LIKE :p AND f.kind = 'call_failed' AND f.data->>'lost' = 'true' AND a.data->>'instance' = ANY(:stopped)
 """
 # Events of a rollout written by an instance after its lease ended on the database's clock.
 AFTER_LEASE = """
@@ -89,6 +103,10 @@ def start_hosted_world(hosts: Hosts, dsn: str, restart_db: Any, work: Path, toke
 class PartitionMachine(FaultMachine):
     world: HostedWorld
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped: set[str] = set()  # instances a cut from PostgreSQL stopped, by their lease
+
     def _held(self, host: Host, address: str, hold: float) -> None:
         host.cut(address)
         try:
@@ -99,20 +117,21 @@ class PartitionMachine(FaultMachine):
     @rule(which=st.integers(0, INSTANCES - 1), hold=st.sampled_from(HOLDS))
     def partition_from_database(self, which: int, hold: float) -> None:
         self._live_now("partition_db")
-        before = self.run(self._rows(TAKEN_OVER))[0][0]
-        self._held(self.world.hosts[which], self.world.database_address, hold)
+        host = self.world.hosts[which]
+        there = [r.instance for r in self.run(self._rows(LIVE_ON_HOST, at=f"%//{host.address}:%"))]
+        self._held(host, self.world.database_address, hold)
         stopped = self.world.dead(which)  # the instances that could not renew stopped by their own clock
+        if stopped:
+            # Which of the host's instances they were: the fresh ones started below are live instead.
+            still = {r.instance for r in self.run(self._rows(LIVE_ON_HOST, at=f"%//{host.address}:%"))}
+            self.stopped.update(i for i in there if i not in still)
         self._revive()
-        taken = self.run(self._rows(TAKEN_OVER))[0][0] - before
         self.steps.append(f"cut host {which} from PostgreSQL for {hold} s" + (f", {','.join(stopped)} stopped" if stopped else ""))
         self._count("partition_db")
         self._count("heal")
         if stopped:
             self._count("partition_db_outlived_a_lease")
             TALLY["instances_stopped_by_their_lease"] = TALLY.get("instances_stopped_by_their_lease", 0) + len(stopped)
-        if taken:
-            self._count("takeovers")
-            TALLY["work_taken_over"] = TALLY.get("work_taken_over", 0) + taken
 
     @rule(which=st.integers(0, INSTANCES - 1), hold=st.sampled_from(HOLDS))
     def partition_hosts(self, which: int, hold: float) -> None:
@@ -127,6 +146,17 @@ class PartitionMachine(FaultMachine):
         await super()._check()
         rows = await self._rows(AFTER_LEASE)
         assert not rows, f"events written after their writer's lease ended: {rows[:5]} after {self.steps}"
+
+    async def _finish(self) -> None:
+        await super()._finish()
+        taken = {r.kind: r.rollouts for r in await self._rows(TAKEN_OVER, stopped=sorted(self.stopped))}
+        lost = (await self._rows(CALLS_LOST, stopped=sorted(self.stopped)))[0][0]
+        if lost:
+            taken["model"] = lost
+        for kind, n in taken.items():
+            TALLY[f"taken_over_{kind}"] = TALLY.get(f"taken_over_{kind}", 0) + n
+        if taken:
+            self._count("takeovers")
 
 
 __all__ = ["HOLDS", "LEASE_S", "HostedWorld", "PartitionMachine", "start_hosted_world", "tcp_database"]

@@ -230,8 +230,8 @@ def test_random_partitions_crashes_and_checkpoints_keep_every_invariant_of_the_l
 def test_a_host_cut_from_postgresql_past_its_lease_and_one_cut_from_the_other_host_lose_nothing(
         hosted: HostedWorld) -> None:
     """One fixed sequence with each partition: host 0 cut off from PostgreSQL for longer than a lease
-    while rollouts run (its instances stop by their own clock; host 1's take their work over from the
-    log), a short cut that is ridden out, host 1 cut off from host 0, then a checkpoint, every server
+    while rollouts run (its instances stop by their own clock; other instances take their work over
+    from the log), a short cut that is ridden out, host 1 cut off from host 0, then a checkpoint, every server
     killed and a restore. Every rollout finishes once, nothing is generated or applied twice, and no
     instance writes after its lease."""
     before = dict(TALLY)
@@ -242,5 +242,7 @@ def test_a_host_cut_from_postgresql_past_its_lease_and_one_cut_from_the_other_ho
     print(f"partitions, one sequence: operations that took effect: {gained}")
     assert gained["partition_db"] == 2 and gained["partition_hosts"] == 1 and gained["heal"] == 3, gained
     assert gained.get("instances_stopped_by_their_lease") == len(cfg.KINDS), gained  # host 0's, every kind
+    # Host 0's environment had rollouts live when it stopped; other instances went on with them from the log.
+    assert gained.get("taken_over_environment", 0) >= 1, gained
     assert gained.get("sequences_checked") == 1, gained
     assert not (found := tracebacks(hosted.log_dir)), "\n".join(found)
