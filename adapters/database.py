@@ -103,11 +103,19 @@ def code_revision() -> str:
     return known_revisions()[0]
 
 
+# How long a first connection may take. A database cut off by the network drops the connection's
+# packets silently, and the kernel's own retries would hold a starting server for about two minutes
+# with nothing said; a DSN's own `connect_timeout` wins.
+CONNECT_TIMEOUT_S = 10
+
+
 def database_revision(dsn: str) -> str | None:
     """The revision the database's schema is at (None: never migrated)."""
     import psycopg
 
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+    given = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True,
+                         connect_timeout=given.get("connect_timeout", CONNECT_TIMEOUT_S)) as conn:
         try:
             rows = conn.execute("SELECT version_num FROM rollbook.alembic_version").fetchall()
         except psycopg.errors.UndefinedTable:

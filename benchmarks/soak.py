@@ -1,22 +1,27 @@
 """Many more sequences of the control-operation state machine than CI runs, one seed each.
 
-    .venv/bin/python benchmarks/soak.py --seeds 500 [--steps 12] [--machine control|processes] [--out PATH]
+    .venv/bin/python benchmarks/soak.py --seeds 500 [--steps 12] [--machine control|processes|partitions] [--out PATH]
 
 One hypothesis run of --seeds examples, seeded with --first, every invariant checked after every
-step and at the end, of one of two machines:
+step and at the end, of one of three machines:
 - `control` (the default): testkit/stateful_control.ControlMachine, sequences of dispatch, prepare,
   commit, publish, resume, crash-and-restore, retire, forget against the four servers in process,
   on one throwaway embedded PostgreSQL (about 1 s a sequence);
 - `processes`: testkit/stateful_processes.FaultMachine, the same operations plus the real faults
   over two instances of every kind (SIGKILL of every instance of any subset of the four kinds, of
   one instance of one kind, of a coordinator process mid-checkpoint, a PostgreSQL restart, dropped
-  connections) on an embedded PostgreSQL of its own (several seconds a sequence), each sequence
-drawn whole before it runs (testkit/programs.py). A violation is printed with its seed (shrunk by
-hypothesis to a short sequence for `control`; real processes do not replay a sequence exactly, so
-not for `processes`); with `--machine processes` a traceback in any server's log counts as a
-violation too. Prints a table (each operation that took
-effect, counted over every sequence including shrinking, and for the processes machine the share of
-sequences in which a commit, a publish and a restore took effect) and writes JSON; never asserts a time.
+  connections) on an embedded PostgreSQL of its own (several seconds a sequence);
+- `partitions` (root): testkit/stateful_partitions.PartitionMachine, the processes machine with each
+  instance set on a host of its own (a network namespace) and PostgreSQL on an address of the
+  machine's own, plus a host cut from PostgreSQL or from the other host for a while, then healed; it
+  counts the takeovers (work of a lease-stopped instance that another instance went on with).
+
+The last two draw each sequence whole before it runs (testkit/programs.py): real processes do not
+replay a sequence exactly, so a violation is printed with its seed, shrunk by hypothesis to a short
+sequence only for `control`; for them a traceback in any server's log counts as a violation too.
+Prints a table (each operation that took effect, counted over every sequence including shrinking,
+and for the process machines the share of sequences in which a commit, a publish, a restore, a
+partition and a takeover took effect) and writes JSON; never asserts a time.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from adapters import database  # noqa: E402
-from testkit import pg, programs, stateful_control, stateful_processes  # noqa: E402
+from testkit import netns, pg, programs, stateful_control, stateful_partitions, stateful_processes  # noqa: E402
 from testkit.log_queries import tracebacks  # noqa: E402
 
 
@@ -45,30 +50,38 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=500, help="sequences to run")
     p.add_argument("--first", type=int, default=0, help="the seed of the run")
     p.add_argument("--steps", type=int, default=12, help="steps per sequence at most")
-    p.add_argument("--machine", choices=["control", "processes"], default="control",
-                   help="in-process control operations, or real processes and real faults")
+    p.add_argument("--machine", choices=["control", "processes", "partitions"], default="control",
+                   help="in-process control operations, real processes and real faults, or those on hosts with partitions")
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/soak[-processes].json")
     args = p.parse_args()
     if args.out is None:
-        args.out = ROOT / "benchmarks" / "results" / ("soak.json" if args.machine == "control" else "soak-processes.json")
+        args.out = ROOT / "benchmarks" / "results" / ("soak.json" if args.machine == "control" else f"soak-{args.machine}.json")
     failures: list[dict[str, object]] = []
     started = time.perf_counter()
     world = None
+    hosts = None
     if args.machine == "control":
         server = pg.primary_server()
         base: type = stateful_control.ControlMachine
         tally_of_run = stateful_control.TALLY
-    else:
+    elif args.machine == "processes":
         server, restart = pg.restartable_server()
         base, tally_of_run = stateful_processes.FaultMachine, stateful_processes.TALLY
+    else:
+        hosts = netns.Hosts()
+        dsn, restart, stop_db = stateful_partitions.tcp_database(hosts, "rollbook_soak")
+        base, tally_of_run = stateful_partitions.PartitionMachine, stateful_processes.TALLY
     try:
         if args.machine == "control":
             base.dsn = server.new_database()
         else:
             work = Path(tempfile.mkdtemp(prefix="rbsoak-"))
             print(f"server logs: {work}", file=sys.stderr)
-            world = stateful_processes.start_world(database.scratch_database(server.admin_dsn, "rollbook_soak"),
-                                                   restart, work)
+            if hosts is not None:
+                world = stateful_partitions.start_hosted_world(hosts, dsn, restart, work)
+            else:
+                world = stateful_processes.start_world(database.scratch_database(server.admin_dsn, "rollbook_soak"),
+                                                       restart, work)
             base.world = world
         every = 25 if args.machine == "control" else 5  # sequences between two progress lines
         # One hypothesis run of --seeds examples, seeded by --first: hypothesis varies the sequences
@@ -86,7 +99,7 @@ def main() -> int:
 
         machine = seed(args.first)(type("SoakMachine", (base,), {"progress": staticmethod(progress)}))
         try:
-            if args.machine == "processes":  # drawn whole before they run: real processes do not replay
+            if args.machine != "control":  # drawn whole before they run: real processes do not replay
                 programs.run_drawn(machine, examples=args.seeds, most=args.steps, chosen=args.first)
             else:
                 run_state_machine_as_test(machine, settings=settings(
@@ -105,7 +118,11 @@ def main() -> int:
             for found in tracebacks(world.log_dir):
                 print(f"TRACEBACK in a server log: {found[:400]}", file=sys.stderr)
                 failures.append({"seed": args.first, "error": f"server traceback: {found[:1000]}"})
-        server.close()
+        if hosts is not None:
+            stop_db()
+            hosts.close()
+        else:
+            server.close()
     elapsed = time.perf_counter() - started
     result = {"machine": args.machine, "seeds": args.seeds, "first": args.first, "steps": args.steps, "violations": len(failures),
               "failures": failures, "seconds": round(elapsed, 1), "operations": dict(sorted(tally_of_run.items()))}
@@ -120,9 +137,10 @@ def main() -> int:
     # The operations the fault machine must line up (a cut committed, published and restored): in how
     # many of the checked sequences each took effect at least once.
     checked = tally_of_run.get("sequences_checked", 0)
-    for op in ("commit", "publish", "online", "crash_and_restore", "kill_instance", "kill_worker", "kill_servers", "restart_postgres"):
+    for op in ("commit", "publish", "online", "crash_and_restore", "kill_instance", "kill_worker", "kill_servers",
+               "restart_postgres", "partition_db", "partition_db_outlived_a_lease", "partition_hosts", "takeovers"):
         n = tally_of_run.get(f"sequences_with_{op}", 0)
-        if checked and (n or args.machine == "processes"):
+        if checked and (n or args.machine != "control"):
             print(f"{'sequences with ' + op:<36}{n:>10}  {n / checked:.0%} of {checked}")
     print(json.dumps({k: v for k, v in result.items() if k != "failures"}))
     return 1 if failures else 0

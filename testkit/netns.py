@@ -4,12 +4,14 @@
 `add(name)`, a namespace with a veth pair onto that bridge and an address of its own; a process is
 started on a host with `host.run(argv)` (nsenter into its network namespace). A partition is one
 rule on one host's side of its link, one direction: `host.cut(address)` routes what that host sends
-to `address` into a blackhole (packets are dropped silently, as a partition drops them: the sender
-learns nothing until its own timeouts), `host.heal(address)` removes it. Everything made is removed
-by `close()`.
+to `address` through a gateway that is nowhere (a neighbour entry naming a hardware address no port
+has), so its frames are dropped silently, as a partition drops them: the sender learns nothing
+until its own timeouts, for a connection it holds and for one it opens. `host.heal(address)`
+removes the route. Everything made is removed by `close()`.
 
 This machine's kernel has no packet classifiers for `tc` (u32, flower) and no netfilter, so a cut
-is a route, which drops by destination address: PostgreSQL gets an address of its own for it.
+is a route, which drops by destination address: PostgreSQL gets an address of its own for it. (A
+blackhole route is not silent: a connection opened through it fails at once with EINVAL.)
 
 It needs root, iproute2 (`ip`) and nsenter; `unavailable()` says why it cannot run, or None.
 """
@@ -58,13 +60,15 @@ class Host:
         mounts a sysfs of the namespace over /sys, which hides the cgroup hierarchies a sandbox needs.)"""
         return ("nsenter", f"--net=/run/netns/{self.namespace}", "--")
 
+    nowhere: str = ""  # an address on the host's network whose hardware address no port has
+
     def cut(self, address: str) -> None:
         """Drop everything this host sends to `address` (one direction, silently)."""
-        ip("-n", self.namespace, "route", "add", "blackhole", f"{address}/32")
+        ip("-n", self.namespace, "route", "add", f"{address}/32", "via", self.nowhere)
         self.cuts.add(address)
 
     def heal(self, address: str) -> None:
-        ip("-n", self.namespace, "route", "del", "blackhole", f"{address}/32")
+        ip("-n", self.namespace, "route", "del", f"{address}/32", "via", self.nowhere)
         self.cuts.discard(address)
 
 
@@ -81,7 +85,11 @@ class Hosts:
         self.net = f"{SUBNET}.{int(tag, 16) % 250 + 1}"
         self.hosts: dict[str, Host] = {}
         self.gateway = f"{self.net}.1"
-        ip("link", "add", self.bridge, "type", "bridge")
+        # An address of its own: a bridge otherwise takes the lowest of its ports' addresses, which
+        # changes as hosts are added, and a host that had resolved the database's address to the old
+        # one failed to resolve it again while its connections waited (seen in benchmarks/scaling.py).
+        mac = "02:" + ":".join(tag[i:i + 2] for i in range(0, 6, 2)) + ":00:01"
+        ip("link", "add", self.bridge, "address", mac, "type", "bridge")
         try:
             ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             self.extra = [f"{self.net}.{2 + i}" for i in range(extra)]
@@ -94,7 +102,7 @@ class Hosts:
 
     def add(self, name: str) -> Host:
         n = len(self.hosts)
-        host = Host(name, f"{self.bridge}-{name}", f"{self.net}.{10 + n}")
+        host = Host(name, f"{self.bridge}-{name}", f"{self.net}.{10 + n}", nowhere=f"{self.net}.254")
         ip("netns", "add", host.namespace)
         self.hosts[name] = host
         outside = f"{self.bridge}v{n}"
@@ -104,6 +112,9 @@ class Hosts:
         ip("-n", host.namespace, "link", "set", "eth0", "up")
         ip("-n", host.namespace, "link", "set", "lo", "up")
         ip("-n", host.namespace, "route", "add", "default", "via", self.gateway)
+        # Frames to this hardware address reach no host: the bridge floods them and every port drops them.
+        ip("-n", host.namespace, "neigh", "replace", host.nowhere, "lladdr", "02:00:00:00:00:fe", "dev", "eth0",
+           "nud", "permanent")
         return host
 
     def close(self) -> None:

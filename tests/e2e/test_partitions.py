@@ -28,6 +28,7 @@ import aiohttp
 import pytest
 
 import apps.config as cfg
+from adapters import database
 from adapters.participant_client import HttpParticipant
 from adapters.postgres import PostgresEventStore
 from apps.serve import LEASE_LOST_EXIT
@@ -153,6 +154,28 @@ async def test_a_model_server_cut_off_from_postgresql_stops_before_another_takes
                                     "FROM rollbook.events WHERE data->>'call_id' = 'p1.0.t0' AND kind <> 'call_accepted'")
         assert [(kind, lost) for kind, lost, _ in taken] == [("call_failed", "true")], taken
         assert a_stopped < taken[0][2], (a_stopped, taken)
+
+
+async def test_a_server_started_on_a_host_cut_off_from_postgresql_says_so_within_the_connect_timeout(
+        hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
+    """Input: `rollbook serve model` on a host whose packets to PostgreSQL are dropped. Without a
+    connect timeout the kernel's own retries held it about two minutes, saying nothing."""
+    host = hosts.add("cut")
+    path = tmp_path / "rollbook.toml"
+    model_config(hosts, tcp_dsn, path)
+    host.cut(hosts.extra[0])
+    started = time.monotonic()
+    proc = serve_model(host, path, tmp_path / "cut.log")
+    try:
+        await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - started
+    out = (tmp_path / "cut.log").read_text()
+    assert proc.returncode == 2 and "cannot connect to PostgreSQL" in out and "timeout" in out, out[-1500:]
+    assert took < database.CONNECT_TIMEOUT_S + 15, took  # the timeout, Python's start, slack for a loaded machine
+
 
 async def equals(value: Awaitable[Any], expected: Any) -> bool:
     return await value == expected
