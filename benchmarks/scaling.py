@@ -1,7 +1,7 @@
 """The same rollouts with 1, 2 and 4 processes of every kind on one database, side by side in one run.
 
     .venv/bin/python benchmarks/scaling.py [--tasks 200] [--shapes 1x1,2x1,4x1] [--in-flight 32,200]
-                                           [--token-latency-s 0.004] [--dsn ADMIN_DSN] [--out PATH]
+                                           [--token-latency-s 0.004] [--dsn ADMIN_DSN] [--hosts] [--out PATH]
 
 A shape IxW is I instances of every kind (each started with `rollbook serve`) of W workers each.
 Instance i of every kind has a config of its own that names the other kinds' instance i, as a
@@ -18,6 +18,15 @@ the CPU-seconds per model call of every process: each server (user + system time
 ones that exited included) and this driver. While it runs it samples pg_stat_activity every 0.2 s:
 the connections to the database, how many run a statement, and how many wait on a lock (an append
 waits for the log head's row lock: adapters/postgres.py).
+
+With --hosts (root, iproute2: testkit/netns.py), instance i of every kind runs on a host of its own,
+a network namespace with its own address on a bridge, and PostgreSQL listens on an address of the
+machine's own: every call between two instances sets and every statement crosses a link, as between
+machines. The hosts still share this machine's cores, so the table says how far the log, its lock and
+its connections carry more hosts, not what more machines would add in CPU.
+
+For sizing, each run also reports the events appended per second, how many cores PostgreSQL kept busy
+and how many every process together did (on 2 cores, 2.0 is all of them).
 
 It prints a table and writes one JSON object to benchmarks/results/scaling.json. It never asserts a
 time: on a shared 2-core machine the absolute figures move between runs; the shapes side by side
@@ -43,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
 
 from adapters.database import libpq_dsn  # noqa: E402
 from adapters.http_client import unpooled_session  # noqa: E402
@@ -52,6 +62,7 @@ from apps.collection import Collection  # noqa: E402
 from apps.processes import ServerProcesses, free_port  # noqa: E402
 from benchmarks.append import Server, machine_info, progress, start_server  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
+from testkit import netns, pg  # noqa: E402
 
 ENVS = ["workplace", "blackjack", "math"]
 TASK_SEED = 7
@@ -114,22 +125,53 @@ def postmaster_pid(dsn: str) -> int:
         return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def configs(dsn: str, instances: int, workers: int, token_latency_s: float, work: Path) -> list[ServerProcesses]:
+def configs(dsn: str, instances: int, workers: int, token_latency_s: float, work: Path,
+            hosts: list[netns.Host]) -> list[ServerProcesses]:
+    """Instance i of every kind, on hosts[i] when there are hosts, else all on 127.0.0.1."""
     control, data = secrets.token_hex(16), secrets.token_hex(16)
     # Every process's pool fits the server's connections: 4 kinds x instances x (workers, and a front where
     # there are several), the driver and one more.
     limits = cfg.LimitsConfig(processes=len(cfg.KINDS) * instances * (workers + (workers > 1)) + 2)
     sets = []
     for i in range(instances):
+        host = hosts[i] if hosts else None
         servers = {}
         for k in cfg.KINDS:
             servers[k] = cfg.ServerConfig(port=free_port(), token_latency_s=token_latency_s if k == "model" else 0.0,
-                                          workers=workers)
+                                          workers=workers, **({"host": host.address} if host else {}))
         config = cfg.Config(dsn=dsn, control_token=control, data_token=data, servers=servers, limits=limits)
         path = work / f"rollbook-{i}.toml"
         cfg.write(config, path)
-        sets.append(ServerProcesses(config, path, work, name=f"i{i}-"))
+        sets.append(ServerProcesses(config, path, work, name=f"i{i}-", launch=host.enter if host else ()))
     return sets
+
+
+class Network:
+    """Hosts of their own, made as the shapes need them, and the DSN the servers on them use."""
+
+    def __init__(self) -> None:
+        self.hosts = netns.Hosts()
+        self.placed: list[netns.Host] = []
+
+    def server(self) -> Server:
+        db, _ = pg.restartable_server(listen=self.hosts.extra[0], trust=f"{self.hosts.net}.0/24")
+        # Durable as the loopback run's throwaway server is (a test's server of its own is not): the
+        # two tables must differ only in where the processes run.
+        with psycopg.connect(libpq_dsn(db.admin_dsn), autocommit=True) as conn:
+            for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+                conn.execute(f"ALTER SYSTEM SET {setting} = on")
+            conn.execute("SELECT pg_reload_conf()")
+        return Server(db.admin_dsn, cleanup=lambda: [stop() for stop in db.stop])
+
+    def first(self, n: int) -> list[netns.Host]:
+        while len(self.placed) < n:
+            self.placed.append(self.hosts.add(f"h{len(self.placed)}"))
+        return self.placed[:n]
+
+    def over_tcp(self, dsn: str) -> str:
+        """The same database, reached from a host: over TCP at the database's own address."""
+        url = make_url(dsn)
+        return f"postgresql://{url.username or 'postgres'}@{self.hosts.extra[0]}:{url.port or 5432}/{url.database}"
 
 
 class Spread(Collection):
@@ -164,12 +206,21 @@ async def model_calls(dsn: str, run_id: str) -> int:
     return int(row[0]) if row else 0
 
 
-async def run_shape(server: Server, shape: tuple[int, int], args: argparse.Namespace, postmaster: int) -> list[dict[str, Any]]:
+async def events_appended(dsn: str, run_id: str) -> int:
+    async with await psycopg.AsyncConnection.connect(libpq_dsn(dsn), autocommit=True) as conn:
+        cur = await conn.execute("SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s", (f"{run_id}-%",))
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def run_shape(server: Server, shape: tuple[int, int], args: argparse.Namespace, postmaster: int,
+                    network: Network | None) -> list[dict[str, Any]]:
     """Start the shape's processes on a fresh database, then run the tasks once per in-flight level."""
     instances, workers = shape
     dsn = server.new_database()
     work = Path(tempfile.mkdtemp(prefix=f"rb-scaling-{instances}x{workers}-"))
-    sets = configs(dsn, instances, workers, args.token_latency_s, work)
+    hosts = network.first(instances) if network else []
+    sets = configs(network.over_tcp(dsn) if network else dsn, instances, workers, args.token_latency_s, work, hosts)
     store = PostgresEventStore.connect(dsn, writer="scaling-driver")
     out = []
     try:
@@ -211,10 +262,13 @@ async def measure(dsn: str, store: PostgresEventStore, sets: list[ServerProcesse
     cpu["postgres"] = postgres_cpu_s(postmaster) - pg_before
     cpu["driver"] = cpu_s(os.getpid()) - me_before
     calls = await model_calls(dsn, run_id)
+    events = await events_appended(dsn, run_id)
     unfinished = len(await coll.unfinished())
     return {"shape": f"{instances}x{workers}", "instances": instances, "workers": workers, "tasks": args.tasks,
             "in_flight": in_flight, "unfinished": unfinished, "seconds": round(wall, 2),
             "rollouts_per_s": round((args.tasks - unfinished) / wall, 2),
+            "model_calls_per_s": round(calls / wall, 2), "events": events, "events_per_s": round(events / wall, 1),
+            "postgres_cores": round(cpu["postgres"] / wall, 2), "all_cores": round(sum(cpu.values()) / wall, 2),
             "model_calls": calls, "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
             "cpu_ms_per_call": {k: round(1000 * v / max(calls, 1), 2) for k, v in cpu.items()},
             "connections": _spread([s[0] for s in samples]), "running": _spread([s[1] for s in samples]),
@@ -237,8 +291,10 @@ def by_kind(r: dict[str, Any]) -> dict[str, float]:
 def table(results: list[dict[str, Any]]) -> str:
     rows = [("shape (instances x workers)", lambda r: r["shape"]), ("rollouts in flight", lambda r: r["in_flight"]),
             ("rollouts/s", lambda r: r["rollouts_per_s"]),
+            ("model calls/s", lambda r: r["model_calls_per_s"]), ("events appended/s", lambda r: r["events_per_s"]),
             ("seconds", lambda r: r["seconds"]), ("unfinished", lambda r: r["unfinished"]),
-            ("model calls", lambda r: r["model_calls"])]
+            ("model calls", lambda r: r["model_calls"]), ("cores busy, PostgreSQL", lambda r: r["postgres_cores"]),
+            ("cores busy, every process", lambda r: r["all_cores"])]
     rows += [(f"CPU ms/call {k}", lambda r, k=k: by_kind(r)[k]) for k in [*cfg.KINDS, "postgres", "driver", "total"]]
     rows += [("connections median / max", lambda r: f"{r['connections']['median']:g} / {r['connections']['max']:g}"),
              ("running median / max", lambda r: f"{r['running']['median']:g} / {r['running']['max']:g}"),
@@ -252,17 +308,27 @@ def table(results: list[dict[str, Any]]) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    server = start_server(args.dsn)
+    if args.hosts and (why := netns.unavailable()) is not None:
+        raise SystemExit(f"--hosts: {why}")
+    network = Network() if args.hosts else None
     try:
-        info = machine_info(server.admin_dsn)
-        postmaster = postmaster_pid(server.admin_dsn)
-        results = []
-        for shape in shapes:
-            results += await run_shape(server, shape, args, postmaster)
+        if network is not None:
+            progress("starting an embedded PostgreSQL on an address of the machine's own, and hosts of their own")
+        server = network.server() if network else start_server(args.dsn)
+        try:
+            info = machine_info(server.admin_dsn)
+            postmaster = postmaster_pid(server.admin_dsn)
+            results = []
+            for shape in shapes:
+                results += await run_shape(server, shape, args, postmaster, network)
+        finally:
+            server.close()
     finally:
-        server.close()
+        if network is not None:
+            network.hosts.close()
     print(table(results))
-    out = {"machine": info, "tasks": args.tasks, "in_flight": args.in_flight, "token_latency_s": args.token_latency_s,
+    out = {"machine": info, "hosts": bool(args.hosts), "tasks": args.tasks, "in_flight": args.in_flight,
+           "token_latency_s": args.token_latency_s,
            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "shapes": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
@@ -278,5 +344,7 @@ if __name__ == "__main__":
                    help="rollouts dispatched at a time, comma-separated: each shape runs the tasks once per level")
     p.add_argument("--token-latency-s", type=float, default=0.004, help="the scripted model's time per token")
     p.add_argument("--dsn", default=None, help="an admin DSN of a PostgreSQL to use instead of a throwaway one")
+    p.add_argument("--hosts", action="store_true",
+                   help="instance i of every kind on a host of its own (a network namespace; needs root)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scaling.json")
     asyncio.run(main(p.parse_args()))
