@@ -103,19 +103,29 @@ def code_revision() -> str:
     return known_revisions()[0]
 
 
-# How long a first connection may take. A database cut off by the network drops the connection's
-# packets silently, and the kernel's own retries would hold a starting server for about two minutes
-# with nothing said; a DSN's own `connect_timeout` wins.
+# A database the network cuts off drops packets silently, and the kernel's own retries would hold a
+# new connection about two minutes and a query on an open one about fifteen (its retransmissions),
+# with nothing said and past any patience of ours. So a connection gives up after CONNECT_TIMEOUT_S,
+# and an open one whose sent data goes unacknowledged that long fails (libpq's tcp_user_timeout). A
+# long query is not cut by it: the server acknowledges a request as it arrives. Over a Unix socket
+# neither applies. A DSN's own setting of either wins.
 CONNECT_TIMEOUT_S = 10
+
+
+def connect_options(dsn: str) -> dict[str, int]:
+    """The libpq parameters every connection of a process adds to its DSN (the ones it does not set)."""
+    import psycopg
+
+    given = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))
+    ours = {"connect_timeout": CONNECT_TIMEOUT_S, "tcp_user_timeout": CONNECT_TIMEOUT_S * 1000}
+    return {k: v for k, v in ours.items() if k not in given}
 
 
 def database_revision(dsn: str) -> str | None:
     """The revision the database's schema is at (None: never migrated)."""
     import psycopg
 
-    given = psycopg.conninfo.conninfo_to_dict(libpq_dsn(dsn))
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True,
-                         connect_timeout=given.get("connect_timeout", CONNECT_TIMEOUT_S)) as conn:
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True, **connect_options(dsn)) as conn:
         try:
             rows = conn.execute("SELECT version_num FROM rollbook.alembic_version").fetchall()
         except psycopg.errors.UndefinedTable:

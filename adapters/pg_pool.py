@@ -24,7 +24,7 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from adapters.database import sqlalchemy_url
+from adapters.database import connect_options, sqlalchemy_url
 from engine.errors import ConfigError, DatabaseUnavailable
 from engine.events import load_stored_json
 
@@ -61,7 +61,7 @@ def make_engine(dsn: str, pool: PoolLimits | None = None) -> AsyncEngine:
     # No hstore column exists: looking its type up cost each process five statements at its first connection.
     return create_async_engine(sqlalchemy_url(dsn), pool_size=pool.size, max_overflow=pool.overflow,
                                pool_timeout=pool.timeout_s, pool_pre_ping=False, json_deserializer=load_stored_json,
-                               use_native_hstore=False)
+                               use_native_hstore=False, connect_args=connect_options(dsn))
 
 
 @contextlib.asynccontextmanager
@@ -83,7 +83,7 @@ def server_connection_limit(dsn: str) -> tuple[int, int]:
     (`superuser_reserved_connections`, plus `reserved_connections` from PostgreSQL 16)."""
     from adapters.database import libpq_dsn
 
-    with psycopg.connect(libpq_dsn(dsn), autocommit=True) as conn:
+    with psycopg.connect(libpq_dsn(dsn), autocommit=True, **connect_options(dsn)) as conn:
         row = conn.execute("SELECT current_setting('max_connections')::int, "
                            "current_setting('superuser_reserved_connections')::int, "
                            "coalesce(current_setting('reserved_connections', true)::int, 0)").fetchone()

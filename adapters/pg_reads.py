@@ -16,7 +16,7 @@ from psycopg.rows import dict_row, namedtuple_row
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from adapters.database import libpq_dsn
+from adapters.database import connect_options, libpq_dsn
 from adapters.pg_pool import connection_lost, drop_pool, reading, retrying
 from engine import catalog as ev
 from engine.events import RecordedEvent
@@ -162,7 +162,7 @@ class LogReads:
 
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
         """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
-        conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True)
+        conn = await psycopg.AsyncConnection.connect(libpq_dsn(self.dsn), autocommit=True, **connect_options(self.dsn))
         try:
             await conn.execute(f"LISTEN {CHANNEL}")
             while True:

@@ -38,6 +38,16 @@ def unavailable() -> str | None:
     return None
 
 
+def _free_net(seed: int) -> str:
+    """A 10.231.N network no bridge of this machine holds now (tests on other workers make their own)."""
+    taken = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    for i in range(250):
+        net = f"{SUBNET}.{(seed + i) % 250 + 1}"
+        if f" {net}." not in taken:
+            return net
+    raise OSError(f"every {SUBNET}.N network is taken on this machine")
+
+
 def ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
@@ -82,7 +92,7 @@ class Hosts:
             raise OSError(why)
         tag = secrets.token_hex(3)
         self.bridge = f"rb{tag}"
-        self.net = f"{SUBNET}.{int(tag, 16) % 250 + 1}"
+        self.net = _free_net(int(tag, 16))
         self.hosts: dict[str, Host] = {}
         self.gateway = f"{self.net}.1"
         # An address of its own: a bridge otherwise takes the lowest of its ports' addresses, which

@@ -13,7 +13,7 @@ from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import MemoryTokenStore
 from apps.stack import MemoryBacking
-from testkit import pg
+from testkit import netns, pg
 from testkit.pg import DemoRun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +50,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     the hundreds of servers the suite starts would compile them again: 0.45 s of CPU apiece."""
     if hasattr(session.config, "workerinput"):
         return  # a parallel worker: the controller compiled them before it started the workers
+    # Whether the partition tests can make hosts of their own; without, they skip with this reason.
+    why = netns.unavailable()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("hosts of their own (network namespaces): " + ("available" if why is None else f"unavailable, {why}"))
     pg.ensure_unprivileged_user()
     for package in ("engine", "participants", "adapters", "apps", "migrations", "testkit", "tests"):
         compileall.compile_dir(ROOT / package, quiet=2)
