@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -144,4 +147,24 @@ async def paused_checkpoint_open(store: PostgresEventStore) -> bool:
                                                         "resumed": ev.PARTICIPANT_RESUME})).scalar())
 
 
-__all__ = ["Lease", "MembershipReader", "paused_checkpoint_open"]
+def discard_unsent() -> None:
+    """Make every socket of this process close with a reset, its unsent data thrown away, when the
+    process exits. Called by an instance that stops because it lost its lease: an append it sent into
+    a partition sits in its kernel's send buffer, and the kernel would go on retransmitting it after
+    the process is gone, to be written once the network heals, after the lease ended and another
+    instance took the work over (seen: an agent turn recorded twice)."""
+    linger_off = struct.pack("ii", 1, 0)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except (OSError, ValueError):
+            continue  # not a socket, or already closed
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the fd stays open: it closes, with a reset, when the process exits
+
+
+__all__ = ["Lease", "MembershipReader", "discard_unsent", "paused_checkpoint_open"]

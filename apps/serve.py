@@ -15,7 +15,7 @@ from aiohttp import web
 from adapters import database
 from adapters.http_client import set_default_timeouts
 from adapters.http_server import AFTER_BIND, run_bounded
-from adapters.membership import Lease, MembershipReader, paused_checkpoint_open
+from adapters.membership import Lease, MembershipReader, discard_unsent, paused_checkpoint_open
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import configure_tracing
 from apps.config import Config, Kind
@@ -109,6 +109,7 @@ def _lease_lost(kind: Kind, instance: str, lease_s: float, stoppers: list[Callab
         for stop in stoppers:
             with contextlib.suppress(Exception):
                 stop()
+        discard_unsent()  # nothing it sent into the partition may land after it is gone
         os._exit(LEASE_LOST_EXIT)
     return lapse
 
