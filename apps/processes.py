@@ -154,14 +154,16 @@ class ServerProcesses:
 
 
 def worker_pids(front_pid: int) -> list[int]:
-    """The worker processes a front started, oldest first (their parent is the front)."""
+    """The worker processes a front started, oldest first (their parent is the front, and they were
+    started as its workers: a server's other children, a sandbox's jail among them, are not)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid and b"--worker-of" in argv:
                 out.append(int(entry.name))
     return sorted(out)
