@@ -47,7 +47,7 @@ from tests.waiting import eventually
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(unavailable() is not None, reason=f"hosts of their own: {unavailable()}")]
 ROOT = Path(__file__).resolve().parents[2]
-LEASE_S = 3.0
+LEASE_S = 5.0  # short enough to wait out, long enough that a loaded machine renews in time
 PORT = 8300
 
 
@@ -292,13 +292,13 @@ async def equals(value: Awaitable[Any], expected: Any) -> bool:
     return await value == expected
 
 
-SKEW_S = 30.0  # ten leases, and three times a checkpoint's deadline
+SKEW_S = 30.0  # six leases, and three times a checkpoint's deadline
 
 
 async def test_model_servers_whose_clocks_are_a_minute_apart_keep_their_leases_and_take_part_in_a_checkpoint(
         hosts: Hosts, tcp_dsn: str, tmp_path: Path) -> None:
     """Input: one host's clock 30 s ahead of the machine's, another's 30 s behind (a minute apart),
-    against a 3 s lease and a checkpoint whose deadline is 10 s away by the coordinator's clock.
+    against a 5 s lease and a checkpoint whose deadline is 10 s away by the coordinator's clock.
     Leases are judged on the database's clock at both ends, so neither instance ever reads expired;
     a deadline travels with the coordinator's clock reading and is judged as the span it grants, so
     the host ahead prepares rather than finding it long past, and the host behind does not hold its

@@ -43,7 +43,7 @@ from tests.waiting import eventually
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(unavailable() is not None, reason=f"hosts of their own: {unavailable()}")]
 ROOT = Path(__file__).resolve().parents[2]
-LEASE_S = 3.0
+LEASE_S = 5.0  # short enough to wait out, long enough that a loaded machine renews in time
 __all__ = ["gym_python"]  # a fixture, used by name
 
 LIVE_RESOURCES = "SELECT count(*) FROM rollbook.participants WHERE kind = 'resources' AND state = 'live'"
