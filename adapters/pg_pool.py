@@ -24,7 +24,7 @@ import psycopg
 import sqlalchemy.exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from adapters.database import connect_options, sqlalchemy_url
+from adapters.database import connect_options, libpq_dsn, sqlalchemy_url
 from engine.errors import ConfigError, DatabaseUnavailable
 from engine.events import load_stored_json
 
@@ -81,8 +81,6 @@ MIN_POOL = 2
 def server_connection_limit(dsn: str) -> tuple[int, int]:
     """The server's `max_connections` and the slots ordinary roles cannot take
     (`superuser_reserved_connections`, plus `reserved_connections` from PostgreSQL 16)."""
-    from adapters.database import libpq_dsn
-
     with psycopg.connect(libpq_dsn(dsn), autocommit=True, **connect_options(dsn)) as conn:
         row = conn.execute("SELECT current_setting('max_connections')::int, "
                            "current_setting('superuser_reserved_connections')::int, "

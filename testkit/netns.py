@@ -59,6 +59,7 @@ class Host:
     name: str
     namespace: str
     address: str
+    nowhere: str = ""  # an address on the host's network whose hardware address no port has: cuts route there
     cuts: set[str] = field(default_factory=set)
 
     def run(self, argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
@@ -69,8 +70,6 @@ class Host:
         """What runs a command on this host: into its network namespace alone. (`ip netns exec` also
         mounts a sysfs of the namespace over /sys, which hides the cgroup hierarchies a sandbox needs.)"""
         return ("nsenter", f"--net=/run/netns/{self.namespace}", "--")
-
-    nowhere: str = ""  # an address on the host's network whose hardware address no port has
 
     def cut(self, address: str) -> None:
         """Drop everything this host sends to `address` (one direction, silently)."""

@@ -18,7 +18,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,7 +28,7 @@ from apps import config as cfg
 from apps.processes import ServerProcesses, free_port
 from apps.serve import LEASE_LOST_EXIT
 from testkit.netns import Hosts, unavailable
-from testkit.stateful_partitions import AFTER_LEASE, tcp_database
+from testkit.stateful_partitions import AFTER_LEASE
 from tests.e2e.conftest import Cluster, assert_invariants
 from tests.e2e.test_nemo_gym_resources import (
     TWICE_IN_ONE_LIVE_SESSION,
@@ -38,13 +37,14 @@ from tests.e2e.test_nemo_gym_resources import (
     gym_python,
     outcomes,
 )
+from tests.e2e.test_partitions import hosts, tcp_dsn
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(unavailable() is not None, reason=f"hosts of their own: {unavailable()}")]
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 5.0  # short enough to wait out, long enough that a loaded machine renews in time
-__all__ = ["gym_python"]  # a fixture, used by name
+__all__ = ["gym_python", "hosts", "tcp_dsn"]  # fixtures, used by name
 
 LIVE_RESOURCES = "SELECT count(*) FROM rollbook.participants WHERE kind = 'resources' AND state = 'live'"
 # The instance (and its address) that recorded the run's first applied tool call.
@@ -62,15 +62,9 @@ AND EXISTS (SELECT 1 FROM rollbook.events m WHERE m.kind = 'mutation_applied' AN
 """
 
 
-@pytest.fixture
-def hosts() -> Iterator[Hosts]:
-    with Hosts() as made:
-        yield made
-
-
 async def test_a_resources_server_cut_off_from_postgresql_hands_its_workplace_sessions_over_applying_nothing_twice(
-        hosts: Hosts, gym_python: Path, tmp_path: Path) -> None:
-    dsn, _, stop_db = tcp_database(hosts, "rollbook_gym_partition")
+        hosts: Hosts, tcp_dsn: str, gym_python: Path, tmp_path: Path) -> None:
+    dsn = tcp_dsn
     placed = [hosts.add("r0"), hosts.add("r1")]
     port, gym_port = free_port(), free_port()  # the same on both hosts: each has ports of its own
     servers = {k: cfg.ServerConfig(port=free_port(), host=hosts.gateway, token_latency_s=0.01 if k == "model" else 0.0)
@@ -133,4 +127,3 @@ async def test_a_resources_server_cut_off_from_postgresql_hands_its_workplace_se
         await asyncio.to_thread(rest.stop)
         await session.close()
         await store.close()
-        stop_db()
