@@ -230,8 +230,11 @@ async def test_a_tool_less_call_and_a_call_with_tools_both_run_on_vllm(vllm: vll
 
 def _config(work: Path, dsn: str, run_id: str, upstream: str, every_s: float) -> Path:
     servers = {k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS}
+    # Tokens saved every quarter second (not every second): a checkpoint cuts only a generation with
+    # saved tokens of its own, and with a save a second, 40-token replies on this model gave a run 2
+    # cuts in all on a loaded machine, the least the test needs.
     servers["model"] = cfg.ServerConfig(port=free_port(), backend="openai_compatible", url=upstream,
-                                        model=vllm_env.SERVED_NAME)
+                                        model=vllm_env.SERVED_NAME, progress_s=0.25)
     config = cfg.Config(dsn=dsn, control_token="c0ntrol-t0ken", data_token="data-t0ken", servers=servers,
                         run=cfg.RunConfig(run_id=run_id, tasks=str(work / "tasks.jsonl"), checkpoint_every_s=every_s,
                                           checkpoint_mode="paused", concurrency=8))
@@ -272,8 +275,7 @@ def test_a_run_on_vllm_with_a_paused_checkpoint_every_second_killed_and_rerun_ex
     try:
         first = Run(run_path)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            asyncio.run(_until(conn, "SELECT count(*) FROM rollbook.events WHERE kind = 'call_completed' AND "
-                                     "rollout_id LIKE 'vcut-%' AND data->'continuation'->>'mode' = 'continued'", 2))
+            asyncio.run(_until_continued(conn, first, 2))
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(timeout=30)
         procs.kill()
@@ -304,7 +306,29 @@ def test_a_run_on_vllm_with_a_paused_checkpoint_every_second_killed_and_rerun_ex
     assert _tokens(export(dsn, "vcut", work / "vcut.jsonl"), "vcut") == _tokens(export(dsn, "vref", work / "vref.jsonl"), "vref")
 
 
-async def _until(conn: psycopg.Connection, sql: str, at_least: int, timeout: float = 240.0) -> None:
-    from tests.waiting import eventually
+async def _until_continued(conn: psycopg.Connection, run: Run, at_least: int, timeout: float = 240.0) -> None:
+    """Wait for `at_least` cut calls of the run to have been continued; fail saying what the run logged
+    if it ends first (no generation was in flight with saved tokens when a checkpoint came) or if time
+    runs out."""
+    from tests.waiting import NeverHappened, eventually
 
-    await eventually(f"{at_least} of: {sql}", lambda: conn.execute(sql).fetchone()[0] >= at_least, timeout=timeout)
+    def logged() -> str:
+        seen = conn.execute("SELECT kind, count(*) FROM rollbook.events WHERE rollout_id LIKE 'vcut-%' "
+                            "GROUP BY 1 ORDER BY 1").fetchall()
+        checkpoints = conn.execute("SELECT count(*) FROM rollbook.events WHERE kind = 'checkpoint_committed'").fetchone()
+        return f"its events by kind: {seen}; checkpoints committed in the database: {checkpoints}"
+
+    def continued() -> bool:
+        if run.proc.poll() is not None:
+            raise AssertionError(f"the run ended ({run.proc.returncode}) before {at_least} cut calls were continued; "
+                                 + logged())
+        return bool(conn.execute(CONTINUED).fetchone()[0] >= at_least)
+
+    try:
+        await eventually(f"{at_least} of: {CONTINUED}", continued, timeout=timeout)
+    except NeverHappened as exc:
+        raise NeverHappened(f"{exc}; {logged()}") from None
+
+
+CONTINUED = ("SELECT count(*) FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE 'vcut-%' "
+             "AND data->'continuation'->>'mode' = 'continued'")
