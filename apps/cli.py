@@ -215,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     from apps import ui
 
     ui.add_parser(sub)
-    from apps import nemo_gym_install
+    from apps import nemo_gym_install, nemo_gym_sweep
 
-    nemo_gym_install.add_parser(sub)
+    nemo_gym_sweep.add_parser(nemo_gym_install.add_parser(sub))
     return parser
 
 

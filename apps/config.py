@@ -124,6 +124,7 @@ from participants.agent.external import MODEL_SERVER, RESOURCES_SERVER, GymAgent
 from participants.agent.harness import Harness
 from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
+from participants.environments.gymnasium import GYMNASIUM_AGENT
 from participants.environments.nemo_gym_relay import GymServer
 from participants.environments.sandbox import SandboxLimits
 from participants.model.backends import backend_names
@@ -239,6 +240,10 @@ class NemoGymAgentConfig(Strict):
     # replay: after a crash or at a restore it runs again from its episode's start, answered from the
     # log (engine.agent_replay); restart_only: its rollout starts over from its input.
     continuation: Literal["replay", "restart_only"] = "restart_only"
+    # responses: rollbook sends the activation to its `/v1/responses` and seeds and verifies the session
+    # itself (simple_agent); run: it sends the row to its `/run`, where the agent drives its resources
+    # server itself (gymnasium_agent's /reset and /step). Absent: run for NeMo Gym's gymnasium_agent.
+    drive: Literal["responses", "run"] | None = None
     url: str | None = Field(default=None, pattern=r"^https?://[^\s/?#]+/?$", max_length=2000)
     python: str | None = None
     paths: list[str] = Field(default_factory=list)
@@ -246,6 +251,12 @@ class NemoGymAgentConfig(Strict):
     start_timeout_s: float = Field(default=180.0, gt=0, le=3600)
     config: dict[str, Any] = Field(default_factory=dict)
     config_file: str | None = Field(default=None, max_length=1000)
+
+    @property
+    def drives(self) -> Literal["responses", "run"]:
+        if self.drive is not None:
+            return self.drive
+        return "run" if self.module == GYMNASIUM_AGENT else "responses"
 
 
 class HarnessConfig(Strict):
@@ -407,10 +418,13 @@ class Config(Strict):
         for name, a in self.nemo_gym_agent.items():
             python = a.python or (None if a.url else str(installed_python()))
             chosen = a.port or (port() if port is not None and a.url is None else None)
+            # An agent driven through its `/run` names its rollout in its calls' paths only where NeMo
+            # Gym's observability is on (its ServerClient then prefixes /ng-rollout/<capture>).
+            named = {**servers, "observability_enabled": True} if a.drives == "run" else servers
             server = GymServer(name, a.module, url=a.url, python=python, paths=tuple(a.paths), port=chosen,
                                start_timeout_s=a.start_timeout_s, overrides=json.dumps({**refs, **a.config}, sort_keys=True),
-                               config_file=a.config_file, servers=json.dumps(servers, sort_keys=True), table="nemo_gym_agent")
-            out[name] = GymAgent(server, a.continuation)
+                               config_file=a.config_file, servers=json.dumps(named, sort_keys=True), table="nemo_gym_agent")
+            out[name] = GymAgent(server, a.continuation, a.drives)
         return out
 
     def harnesses(self) -> dict[str, Harness]:

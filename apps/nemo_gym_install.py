@@ -184,8 +184,9 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
-    gym = sub.add_parser("nemo-gym", help="NeMo Gym resources servers: install what runs them")
+def add_parser(sub: Any) -> Any:
+    """`rollbook nemo-gym install`; the `nemo-gym` subcommands, for the others to join."""
+    gym = sub.add_parser("nemo-gym", help="NeMo Gym resources servers: install what runs them, try them all")
     gsub = gym.add_subparsers(dest="nemo_gym_command", required=True)
     inst = gsub.add_parser("install", help="build the environment that runs NeMo Gym 0.7.0's resources servers")
     inst.add_argument("--python", help="a Python 3.13 interpreter (default: pyenv's, or python3.13)")
@@ -193,3 +194,4 @@ def add_parser(sub: Any) -> None:
                       help="also install this server's own requirements.txt (a NeMo Gym resources server or agent, "
                            "or a folder holding one); again for more")
     inst.set_defaults(func=_install)
+    return gsub

@@ -53,16 +53,27 @@ def reply_digest(reply: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def entry(tool: str, arguments: dict[str, Any], reply: Any, tool_call: str | None) -> dict[str, Any]:
-    """One call as the record keeps it (the session mutation's effect)."""
-    return {"tool": tool, "arguments": arguments, "digest": reply_digest(reply), "tool_call": tool_call}
+def entry(tool: str, arguments: dict[str, Any], reply: Any, tool_call: str | None,
+          reward: float | None = None) -> dict[str, Any]:
+    """One call as the record keeps it (the session mutation's effect); `reward`, the reward the reply
+    gave, for a server that scores each call (a gymnasium step) rather than verifying the episode."""
+    out = {"tool": tool, "arguments": arguments, "digest": reply_digest(reply), "tool_call": tool_call}
+    return out if reward is None else {**out, "reward": reward}
 
 
 def record(calls: Sequence[dict[str, Any]], effect: dict[str, Any]) -> list[dict[str, Any]]:
     """The reducer of a relayed session: the record with one more call. Never edits `calls`."""
     if not isinstance(effect, dict) or not isinstance(effect.get("tool"), str) or not isinstance(effect.get("digest"), str):
         raise ReplayDivergence(f"a relayed call's effect needs a tool and a digest, got {effect!r}"[:300])
-    return [*calls, {k: effect.get(k) for k in ("tool", "arguments", "digest", "tool_call")}]
+    kept = {k: effect.get(k) for k in ("tool", "arguments", "digest", "tool_call")}
+    return [*calls, {**kept, "reward": effect["reward"]} if "reward" in effect else kept]
+
+
+def rewards(calls: Sequence[dict[str, Any]]) -> float | None:
+    """The episode's reward from a record whose calls were scored one by one: their sum; None when no
+    call of the record was scored."""
+    scored = [float(c["reward"]) for c in calls if isinstance(c.get("reward"), int | float)]
+    return sum(scored) if scored else None
 
 
 def replay(calls: Sequence[dict[str, Any]], send: Callable[[str, dict[str, Any]], Any]) -> int:

@@ -48,6 +48,7 @@ from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import CLAIM_TRIES, settled
 from participants.base.participant import Participant
 from participants.base.wire import CAPTURE_COOKIE, capture_id
+from participants.environments import gymnasium
 from participants.environments.nemo_gym_relay import GymProcess, GymServer, LiveGone
 
 # The names the agent's config gives rollbook's model and resources servers (apps/config.py).
@@ -84,6 +85,9 @@ class Driver(Protocol):
 class GymAgent:
     server: GymServer
     continuation: Literal["replay", "restart_only"] = "restart_only"
+    # responses: sent the activation on its `/v1/responses`; run: sent the task's row on its `/run`,
+    # where it drives its resources server itself (participants.environments.gymnasium)
+    drive: Literal["responses", "run"] = "responses"
 
 
 class GymDriver:
@@ -92,7 +96,7 @@ class GymDriver:
     table = "nemo_gym_agent"
 
     def __init__(self, name: str, agent: GymAgent, timeouts: PeerTimeouts) -> None:
-        self.name, self.continuation, self.timeouts = name, agent.continuation, timeouts
+        self.name, self.continuation, self.timeouts, self.drives = name, agent.continuation, timeouts, agent.drive
         self.process = GymProcess(agent.server)
 
     def start(self, say: Callable[[str], None]) -> None:
@@ -114,21 +118,36 @@ class GymDriver:
             base = await asyncio.to_thread(self.process.base_url)  # started on first use, again if it died
         except LiveGone as exc:
             raise ParticipantUnavailable(f"{self.table}.{self.name}: {exc}") from exc
+        if self.drives == "run":
+            row = req.task.params.get("row")
+            if not isinstance(row, dict):
+                raise DriveFailed("it is driven through its /run, which takes a NeMo Gym data row: the task has no "
+                                  "params.row (make the tasks with `rollbook tasks from-gym`)")
+            route, path, body = "/run", "/run", gymnasium.run_body(row, capture)
+        else:
+            route, path = "/v1/responses", f"/ng-rollout/{capture}/v1/responses"
+            body = {"input": opening, "tools": functions}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s, sock_read=self.timeouts.work_s)
         try:
             async with aiohttp.ClientSession(cookies={CAPTURE_COOKIE: capture}, timeout=timeout) as http, \
-                    http.post(f"{base}/ng-rollout/{capture}/v1/responses", json={"input": opening, "tools": functions}) as resp:
+                    http.post(base + path, json=body) as resp:
                 text = await resp.text()
                 status = resp.status
         except (aiohttp.ClientError, OSError) as exc:
             # The agent died under this activation: asked again, the log decides how it goes on.
             raise ParticipantUnavailable(f"{self.table}.{self.name} at {base}: {exc}") from exc
         if status != 200:
-            raise DriveFailed(f"its /v1/responses answered {status}: {text[:SHOWN]}")
+            raise DriveFailed(f"its {route} answered {status}: {text[:SHOWN]}")
         try:
             out = json.loads(text)
         except ValueError:
             out = None
+        if self.drives == "run":
+            output = gymnasium.run_output(body, out)
+            if output is None:
+                raise DriveFailed(f"its /run answered 200 without a run response (responses_create_params and a "
+                                  f"response): {text[:SHOWN]}")
+            return {**out["response"], "output": output}
         if not isinstance(out, dict) or not isinstance(out.get("output"), list):
             raise DriveFailed(f"its /v1/responses answered 200 without a Responses object: {text[:SHOWN]}")
         return out

@@ -53,7 +53,15 @@ from engine.errors import (
     ParticipantUnavailable,
     ReplayDivergence,
 )
-from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, ToolOutcome, Trajectory
+from participants.environments import (
+    ENVIRONMENTS,
+    Environment,
+    Task,
+    ToolError,
+    ToolOutcome,
+    Trajectory,
+    gymnasium,
+)
 from participants.environments.base import JSON
 from participants.environments.gym_http import Cookies, connections
 from participants.environments.nemo_gym_row import chat_tools, row_messages, row_sampling
@@ -114,6 +122,7 @@ class GymProcess:
         # Why it cannot start as configured (the launcher's one line): starting it again cannot help,
         # so every session asking for it is told this instead of starting it once more.
         self.failed: str | None = None
+        self._paths: tuple[int | None, frozenset[str]] | None = None  # (the process's pid, what it serves)
 
     def base_url(self) -> str:
         if self.server.url is not None:
@@ -124,6 +133,15 @@ class GymProcess:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
         return f"http://127.0.0.1:{self.server.port}"
+
+    def gymnasium(self) -> bool:
+        """Whether the server speaks NeMo Gym's gymnasium protocol (participants.environments.gymnasium),
+        read from the running server once per process."""
+        base = self.base_url()
+        pid = None if self.proc is None else self.proc.pid
+        if self._paths is None or self._paths[0] != pid:
+            self._paths = (pid, gymnasium.served_paths(base, self.server.call_timeout_s))
+        return gymnasium.speaks(self._paths[1])
 
     def failure(self) -> GymServerFailed:
         return GymServerFailed(f"{self.server.table}.{self.server.name}: {self.server.module} cannot start: {self.failed}",
@@ -284,6 +302,9 @@ class NemoGymEnvironment(Environment):
         proc = self.process
         base = proc.base_url()
         live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s)
+        if proc.gymnasium():
+            row_of(task)
+            return live  # its agent's /reset is the seed, and the first call of the record
         try:
             live.post("/seed_session", row_of(task))
         except GymReplyError as exc:
@@ -325,7 +346,8 @@ class NemoGymEnvironment(Environment):
             # rollbook could replay (it is not recorded as a mutation).
             code = "gym_not_json" if exc.status < 400 else "gym_refused"
             raise ToolError(code, f"{name}: {exc.status} {exc.body}") from None
-        return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call))
+        reward = gymnasium.step_reward(reply) if name == gymnasium.STEP and self.process.gymnasium() else None
+        return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call, reward))
 
     @staticmethod
     def _send(live: Live, name: str, arguments: dict[str, Any]) -> Any:
@@ -464,7 +486,15 @@ async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> An
 
 async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory) -> float:
     """NeMo Gym's verify of the session. Only a rebuild of its live session takes the session's lock:
-    a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint."""
+    a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
+    gymnasium server is not asked: its reward is the sum its recorded steps gave."""
+    if await asyncio.to_thread(s.env.process.gymnasium):
+        reward = tool_replay.rewards(s.state)
+        if reward is None:
+            raise GymServerFailed(f"nemo_gym.{s.env.name}: {s.env.server.module} speaks NeMo Gym's gymnasium protocol and "
+                                  "was never stepped: its tasks need an agent that drives /reset and /step (NeMo Gym's "
+                                  "gymnasium_agent, a [nemo_gym_agent] table)", server=s.env.name, stage="verify")
+        return reward
     for tries in range(2):
         async with s.lock:
             live = await ensure_live(s, append)

@@ -28,6 +28,7 @@ from engine.errors import (
 )
 from engine.events import canonical_json
 from participants.base.guard import Route
+from participants.base.wire import NG_ROLLOUT
 from participants.resources.server import ResourcesParticipant
 from participants.resources.wire import ToolRequest
 
@@ -41,9 +42,12 @@ class ResourcesFront:
         self.p = p
 
     def routes(self) -> list[Route]:
-        return [Route("POST", "/{name}", self.call_tool, ToolArguments, None,
-                      (InvalidIdentifier, StaleAttempt, NotFound, AdmissionClosed, ToolCallRefused, AgentDiverged),
-                      basic=True, name="nemo_gym_tool")]
+        errors = (InvalidIdentifier, StaleAttempt, NotFound, AdmissionClosed, ToolCallRefused, AgentDiverged)
+        # An agent that names its rollout in the path instead (NeMo Gym's ServerClient with observability
+        # on, as gymnasium_agent's `/run` is driven: its /reset and /step) reaches the same call.
+        return [Route("POST", "/{name}", self.call_tool, ToolArguments, None, errors, basic=True, name="nemo_gym_tool"),
+                Route("POST", f"{NG_ROLLOUT}/{{name}}", self.call_tool, ToolArguments, None, errors, basic=True,
+                      name="nemo_gym_rollout_tool")]
 
     async def call_tool(self, request: web.Request, body: ToolArguments) -> web.Response:
         while True:

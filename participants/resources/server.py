@@ -35,6 +35,7 @@ from engine.errors import (
     AgentDiverged,
     AttemptLost,
     Forbidden,
+    GymServerFailed,
     InvalidIdentifier,
     InvalidRequest,
     NotFound,
@@ -354,8 +355,8 @@ class ResourcesParticipant(Participant):
                 else:
                     reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
                 status = "passed" if reward > 0 else "failed"
-            except (AttemptLost, ParticipantUnavailable):
-                raise  # the attempt or its server is gone: nothing was verified
+            except (AttemptLost, ParticipantUnavailable, GymServerFailed):
+                raise  # the attempt or its server is gone, or a NeMo Gym server refused: nothing was verified
             except Exception as exc:  # any verifier failure is recorded, then reported
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
             data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
@@ -490,7 +491,7 @@ class ResourcesParticipant(Participant):
                   headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
                                   description="the call's key: a repeat gets the recorded outcome; without it the "
                                               "server numbers the call (engine.agent_replay)"), NUMBERED_IN)),
-            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, RequestConflict)),
+            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, RequestConflict, GymServerFailed)),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),
         ]

@@ -86,3 +86,15 @@ def test_a_divergence_restarts_that_rollout_alone_from_its_input_recorded_as_rep
     assert recovered.kind == ev.ROLLOUT_RECOVERED and recovered.data["reason"] == "replay_divergence"
     assert fenced.kind == ev.ATTEMPT_FENCED and fenced.attempt == 2
     assert started.attempt == 3 and started.data["origin_attempt"] is None
+
+
+def test_a_scored_calls_reward_stays_in_the_record_and_the_episodes_reward_is_their_sum() -> None:
+    reset = tool_replay.entry("reset", {"row": 1}, {"observation": "go"}, "a0.s0")
+    assert "reward" not in reset and "reward" not in tool_replay.record([], reset)[0]  # an unscored call's record as before
+    calls: list[dict[str, Any]] = tool_replay.record([], reset)
+    for n, reward in enumerate((0.0, 0.25, 1.0)):
+        calls = tool_replay.record(calls, tool_replay.entry("step", {"n": n}, {"reward": reward}, f"a0.s{n + 1}", reward))
+    assert [c.get("reward") for c in calls] == [None, 0.0, 0.25, 1.0]
+    assert tool_replay.rewards(calls) == 1.25
+    assert tool_replay.rewards(calls[:1]) is None  # reset only: never stepped, no reward at all (not 0)
+    assert tool_replay.rewards(calls[:2]) == 0.0

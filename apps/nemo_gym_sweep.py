@@ -1,0 +1,209 @@
+"""`rollbook nemo-gym sweep`: every resources server of the installed NeMo Gym, started and seeded as
+rollbook runs it, in one table.
+
+For each folder of `resources_servers/` with an `app.py` (143 in NeMo Gym 0.7.0's wheel), the sweep
+reads what the server says it needs from its own files: its `requirements.txt` past NeMo Gym itself,
+the model servers its `configs/*.yaml` entry names (a judge), Ray where its class does not turn it off,
+docker where its code names it. Then rollbook's relay starts it as a rollout would
+(participants/environments/nemo_gym_relay.py: the launcher, NeMo Gym's Python, a table holding only
+its module) and opens a live session with its first example row (`data/example.jsonl`): seeded with the
+row, or for a gymnasium-style server reset with it. The verdict is what happened:
+
+- `seeds`: it started and took the row;
+- `cannot start`: the launcher's one line (an import its requirements would bring, a config field it
+  requires, ...);
+- `refused`: it started and refused the row (its status and body);
+- `no example`: it has no example row to seed with.
+
+It writes the table (server, protocol, needs, verdict, reason) as Markdown, with the counts and the
+wall time. Nothing is installed: `rollbook nemo-gym install --server NAME` installs what a server's
+row names.
+
+    rollbook nemo-gym sweep [--server NAME ...] [--out docs/nemo-gym-servers.md] [--parallel 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from apps.nemo_gym_install import install, requirement_lines
+from apps.processes import free_port
+from engine.errors import GymServerFailed
+from participants.environments import gymnasium
+from participants.environments.nemo_gym_relay import (
+    BODY_SHOWN,
+    GymProcess,
+    GymReplyError,
+    GymServer,
+    Live,
+    LiveGone,
+    NemoGymEnvironment,
+)
+from participants.environments.nemo_gym_relay import task_from_row as row_task
+
+START_TIMEOUT_S = 90.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    server: str
+    protocol: str  # "tools" (seed_session, a route per tool, verify) or "gymnasium" (reset, step); "" when it did not start
+    needs: tuple[str, ...]
+    verdict: str  # seeds | cannot start | refused | no example
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def servers(site: Path) -> list[str]:
+    """The resources servers of an installed NeMo Gym: folders of `resources_servers/` with an `app.py`."""
+    return sorted(p.parent.name for p in (site / "resources_servers").glob("*/app.py"))
+
+
+def needs(folder: Path) -> tuple[str, ...]:
+    """What a server says it needs, from its own files."""
+    out = []
+    reqs = folder / "requirements.txt"
+    wanted = requirement_lines(reqs.read_text()) if reqs.exists() else []
+    if wanted:
+        out.append("requirements: " + ", ".join(re.split(r"[<>=!~\[; ]", w, maxsplit=1)[0] for w in wanted))
+    models = sorted({k for k, _ in _refs(_own_entry(folder), "responses_api_models")})
+    if models:
+        out.append("a model server: " + ", ".join(models))
+    source = "\n".join(p.read_text(errors="replace") for p in folder.glob("*.py"))
+    if "ray_enabled = False" not in source:
+        out.append("ray")
+    if re.search(r"\bdocker\b", source, re.IGNORECASE):
+        out.append("docker")
+    return tuple(out)
+
+
+def _own_entry(folder: Path) -> dict[str, Any]:
+    """The server's entry in its own configs/*.yaml (`resources_servers.<folder>`), as the launcher finds it."""
+    configs = sorted((folder / "configs").glob("*.y*ml")) if (folder / "configs").is_dir() else []
+    for path in sorted(configs, key=lambda p: p.stem != folder.name):
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            continue
+        for top in doc.values() if isinstance(doc, dict) else []:
+            entry = ((top or {}).get("resources_servers") or {}).get(folder.name) if isinstance(top, dict) else None
+            if isinstance(entry, dict):
+                return entry
+    return {}
+
+
+def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
+    """The (field, ref) pairs of `value` that point at a server of `kind`."""
+    if isinstance(value, dict):
+        if value.get("type") == kind and "name" in value:
+            return [(key, value)]
+        return [r for k, v in value.items() for r in _refs(v, kind, str(k))]
+    if isinstance(value, list):
+        return [r for v in value for r in _refs(v, kind, key)]
+    return []
+
+
+def first_row(folder: Path) -> dict[str, Any] | None:
+    example = folder / "data" / "example.jsonl"
+    if not example.exists():
+        return None
+    for line in example.read_text(errors="replace").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return None
+            return row if isinstance(row, dict) and isinstance(row.get("responses_create_params"), dict) else None
+    return None
+
+
+def try_server(python: Path, site: Path, name: str, timeout_s: float = START_TIMEOUT_S) -> Verdict:
+    """Start server `name` as rollbook's relay does and seed a live session with its first example row."""
+    folder = site / "resources_servers" / name
+    t0 = time.monotonic()
+    said = needs(folder)
+    server = GymServer(f"sweep_{name}", f"resources_servers.{name}.app", state="replay", python=str(python),
+                       port=free_port(), start_timeout_s=timeout_s, call_timeout_s=timeout_s)
+    process = GymProcess(server)
+    env = type(f"Sweep_{name}", (NemoGymEnvironment,), {"name": server.name, "state_mode": "replay",
+                                                         "verification": "replay", "server": server, "process": process})()
+    try:
+        why = process.check()
+        if why is not None:
+            return Verdict(name, "", said, "cannot start", why, time.monotonic() - t0)
+        protocol = "gymnasium" if process.gymnasium() else "tools"
+        row = first_row(folder)
+        if row is None:
+            return Verdict(name, protocol, said, "no example", "no data/example.jsonl row with responses_create_params",
+                           time.monotonic() - t0)
+        try:
+            live: Live = env.open_live(row_task(server.name, row, 0))
+            if protocol == "gymnasium":
+                live.post(f"/{gymnasium.RESET}", row)
+        except GymServerFailed as exc:
+            return Verdict(name, protocol, said, "refused", exc.detail, time.monotonic() - t0)
+        except GymReplyError as exc:
+            return Verdict(name, protocol, said, "refused", f"{exc.path}: {exc.status} {exc.body}", time.monotonic() - t0)
+        except LiveGone as exc:
+            return Verdict(name, protocol, said, "refused", f"its server went away: {exc}", time.monotonic() - t0)
+        return Verdict(name, protocol, said, "seeds", "", time.monotonic() - t0)
+    finally:
+        process.stop()
+
+
+def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print) -> tuple[list[Verdict], float]:
+    """Every named server (all, when none is named), `parallel` at a time; the verdicts and the wall time."""
+    python, _ = install()
+    site = next(python.parent.parent.glob("lib/python3*/site-packages"))
+    chosen = names or servers(site)
+    t0 = time.monotonic()
+    out: list[Verdict] = []
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for n, verdict in enumerate(pool.map(lambda s: try_server(python, site, s), chosen), start=1):
+            out.append(verdict)
+            say(f"[{n}/{len(chosen)}] {verdict.server}: {verdict.verdict}"
+                + (f" ({verdict.reason[:120]})" if verdict.reason else ""))
+    return out, time.monotonic() - t0
+
+
+def table(verdicts: list[Verdict], wall_s: float) -> str:
+    counts = Counter(v.verdict for v in verdicts)
+    lines = [f"{len(verdicts)} servers in {wall_s:.0f} s: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()) + ".",
+             "", "| server | protocol | needs | verdict | reason |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        reason = v.reason.replace("|", "\\|").replace("\n", " ")[:BODY_SHOWN]
+        lines.append(f"| `{v.server}` | {v.protocol} | {'; '.join(v.needs)} | {v.verdict} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True))
+    text = table(verdicts, wall)
+    if args.out:
+        out = Path(args.out)
+        head = out.read_text().split(MARK)[0].rstrip("\n") + "\n\n" if out.exists() else ""
+        out.write_text(head + MARK + "\n\n" + text)
+    print(text)
+    return 0
+
+
+MARK = "<!-- the sweep's table: written by `rollbook nemo-gym sweep --out` -->"
+
+
+def add_parser(gsub: Any) -> None:
+    p = gsub.add_parser("sweep", help="start and seed every resources server of the installed NeMo Gym as rollbook runs it")
+    p.add_argument("--server", action="append", metavar="NAME", help="only this server (again for more)")
+    p.add_argument("--parallel", type=int, default=2, help="servers tried at once (default 2)")
+    p.add_argument("--out", help="write the table into this Markdown file, below its marker line (kept above it)")
+    p.set_defaults(func=_sweep)
