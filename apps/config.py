@@ -387,31 +387,38 @@ class Config(Strict):
 
     def gym_servers(self, port: Callable[[], int] | None = None) -> list[GymServer]:
         """The configured NeMo Gym servers; `port` hands a free one to each that rollbook starts
-        without a port of its own (the resources server does; the others never start one)."""
+        without a port of its own (the resources server does; the others never start one). Each is
+        told rollbook's model server, which a model server its config names and nothing defines (a
+        judge) resolves to, with NeMo Gym's observability on so that its calls name their rollout."""
         from apps.nemo_gym_install import installed_python
 
+        servers = json.dumps({**self._gym_peers(), "observability_enabled": True}, sort_keys=True)
         out = []
         for name, g in self.nemo_gym.items():
             python = g.python or (None if g.url else str(installed_python()))
             chosen = g.port or (port() if port is not None and g.url is None else None)
             out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
                                  g.start_timeout_s, g.call_timeout_s, json.dumps(g.config, sort_keys=True),
-                                 g.config_file, g.rebuild_attempts))
+                                 g.config_file, g.rebuild_attempts, servers))
         return out
 
-    def gym_agents(self, port: Callable[[], int] | None = None) -> dict[str, GymAgent]:
-        """The configured NeMo Gym agents, each told that its model and resources servers are
-        rollbook's (addresses carrying the data credential: NeMo Gym's client sends no header)."""
-        from apps.nemo_gym_install import installed_python
-
+    def _gym_peers(self) -> dict[str, Any]:
+        """rollbook's model and resources servers as entries of a NeMo Gym config (addresses carrying the
+        data credential: NeMo Gym's client sends no header)."""
         host = f"rollbook:{self.data_token}@{{}}"
-        servers = {
+        return {
             MODEL_SERVER: {"responses_api_models": {"rollbook": {
                 "entrypoint": "rollbook", "host": host.format(self.servers["model"].host), "port": self.servers["model"].port}}},
             RESOURCES_SERVER: {"resources_servers": {"rollbook": {
                 "entrypoint": "rollbook", "domain": "other", "host": host.format(self.servers["resources"].host),
                 "port": self.servers["resources"].port}}},
         }
+
+    def gym_agents(self, port: Callable[[], int] | None = None) -> dict[str, GymAgent]:
+        """The configured NeMo Gym agents, each told that its model and resources servers are rollbook's."""
+        from apps.nemo_gym_install import installed_python
+
+        servers = self._gym_peers()
         refs = {"model_server": {"type": "responses_api_models", "name": MODEL_SERVER},
                 "resources_server": {"type": "resources_servers", "name": RESOURCES_SERVER}}
         out = {}

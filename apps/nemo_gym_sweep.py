@@ -40,6 +40,7 @@ import yaml
 from apps.nemo_gym_install import install, requirement_lines
 from apps.processes import free_port
 from engine.errors import GymServerFailed
+from participants.agent.external import MODEL_SERVER
 from participants.environments import gymnasium
 from participants.environments.nemo_gym_relay import (
     BODY_SHOWN,
@@ -133,8 +134,13 @@ def try_server(python: Path, site: Path, name: str, timeout_s: float = START_TIM
     folder = site / "resources_servers" / name
     t0 = time.monotonic()
     said = needs(folder)
+    # A model server as `rollbook serve` gives one (a judge its config names resolves to it): nothing here
+    # answers there, and a seed asks no judge.
+    model = {MODEL_SERVER: {"responses_api_models": {"rollbook": {"entrypoint": "rollbook", "host": "127.0.0.1",
+                                                                  "port": free_port()}}}}
     server = GymServer(f"sweep_{name}", f"resources_servers.{name}.app", state="replay", python=str(python),
-                       port=free_port(), start_timeout_s=timeout_s, call_timeout_s=timeout_s)
+                       port=free_port(), start_timeout_s=timeout_s, call_timeout_s=timeout_s,
+                       servers=json.dumps({**model, "observability_enabled": True}))
     process = GymProcess(server)
     env = type(f"Sweep_{name}", (NemoGymEnvironment,), {"name": server.name, "state_mode": "replay",
                                                          "verification": "replay", "server": server, "process": process})()

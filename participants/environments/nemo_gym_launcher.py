@@ -17,7 +17,8 @@ What `ng_run` gives a server, this gives it too:
   (ROLLBOOK_GYM_OVERRIDES, a JSON object) merged over it, each key checked against the fields of
   the server's own config class, and the whole validated by that class before the server starts;
 - the servers it calls by name (an agent's model and resources servers): ROLLBOOK_GYM_SERVERS, a JSON
-  object of top-level entries added to the config as they are.
+  object of top-level entries added to the config as they are; a model server its own config names
+  and nothing defines (a judge) is the one model server defined there, rollbook's.
 
 A server that cannot import, or whose config does not validate, writes one line saying why (its
 traceback's last line, or the fields at fault) to ROLLBOOK_GYM_FAILURE and exits 3: the resources
@@ -115,6 +116,22 @@ def checked(module: str, name: str, entry: dict, overrides: dict, table: str = "
     return merged
 
 
+def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
+    """`value` (a server's own config entry) with every model server it names that the config does not
+    define (a judge's `judge_model_server: {type: responses_api_models, name: genrm_model}`) pointed at
+    the one model server ROLLBOOK_GYM_SERVERS defines: rollbook's, which records those calls too."""
+    models = [k for k, v in servers.items() if isinstance(v, dict) and "responses_api_models" in v]
+    if len(models) != 1:
+        return value
+    if isinstance(value, dict):
+        if value.get("type") == "responses_api_models" and value.get("name") not in servers:
+            return {**value, "name": models[0]}
+        return {k: resolved_models(v, servers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolved_models(v, servers) for v in value]
+    return value
+
+
 def main(argv: list[str]) -> None:
     module, name, port, *paths = argv
     for path in reversed(paths):
@@ -122,16 +139,17 @@ def main(argv: list[str]) -> None:
     folder = server_folder(module)
     sys.path.insert(0, folder)  # ng_run runs app.py from here: its sibling modules import as top-level ones
     overrides = json.loads(os.environ.get("ROLLBOOK_GYM_OVERRIDES") or "{}")
+    servers = json.loads(os.environ.get("ROLLBOOK_GYM_SERVERS") or "{}")
     kind = server_kind(module)
     table = "nemo_gym_agent" if kind == "responses_api_agents" else "nemo_gym"  # the config table a person fixes
-    entry = own_config(folder, name, kind, table)
+    entry = resolved_models(own_config(folder, name, kind, table), servers)
     # Where it listens and what it runs are rollbook's to say, as ng_run's are.
     entry.update({"entrypoint": "app.py", "host": "127.0.0.1", "port": int(port)})
     entry.setdefault("domain", "other")
     merged = checked(module, name, entry, overrides, table)
     merged.update({"host": "127.0.0.1", "port": int(port)})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **json.loads(os.environ.get("ROLLBOOK_GYM_SERVERS") or "{}"),
+        json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **servers,
                    name: {kind: {os.path.basename(folder): merged}}}, f)  # JSON is YAML
     sys.argv = [sys.argv[0], f"+config_paths=[{f.name}]"]
     from nemo_gym.global_config import get_global_config_dict

@@ -356,13 +356,15 @@ class NemoGymEnvironment(Environment):
             raise ToolError("unknown_tool", f"{name[:80]!r} is not a tool of this server")
         return live.post("/" + name, arguments)
 
-    def verify_live(self, live: Live, task: Task, trajectory: Trajectory) -> float:
-        """The row's own fields, with the Responses-API `response` NeMo Gym's verify reads."""
+    def verify_live(self, live: Live, task: Task, trajectory: Trajectory, capture: str) -> float:
+        """The row's own fields, with the Responses-API `response` NeMo Gym's verify reads. Asked under the
+        activation's `/ng-rollout/<capture>/` path, which NeMo Gym carries to the calls the server makes
+        from there: a judge's model calls reach rollbook's model server as calls of the rollout."""
         row = row_of(task)
         response = responses_object(task.task_id, trajectory.messages, {}, time.time())
         del response["usage"]  # optional in NeMo Gym's response, and its token counts are the model server's
         try:
-            reply = live.post("/verify", {**row, "response": response})
+            reply = live.post(f"/ng-rollout/{capture}/verify", {**row, "response": response})
         except GymReplyError as exc:
             raise self.refused("verify", exc) from None
         if not isinstance(reply, dict) or not isinstance(reply.get("reward"), int | float):
@@ -484,7 +486,7 @@ async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> An
     raise AssertionError("unreachable")
 
 
-async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory) -> float:
+async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, capture: str) -> float:
     """NeMo Gym's verify of the session. Only a rebuild of its live session takes the session's lock:
     a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
     gymnasium server is not asked: its reward is the sum its recorded steps gave."""
@@ -499,7 +501,7 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory) -> fl
         async with s.lock:
             live = await ensure_live(s, append)
         try:
-            reward = float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory))
+            reward = float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory, capture))
             _through(s)
             return reward
         except LiveGone as exc:

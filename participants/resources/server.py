@@ -70,6 +70,7 @@ from participants.base.wire import (
     TOOL_CALL_HEADER,
     Execution,
     activation_of,
+    capture_id,
     data_path,
     identity,
 )
@@ -351,7 +352,7 @@ class ResourcesParticipant(Participant):
                 # A verifier may be slow (a judge, a subprocess); a thread keeps the loop serving.
                 trajectory = Trajectory(list(answer.get("messages") or []), answer.get("final_answer"))
                 if relayed(s.env):
-                    reward = await relayed_verify(s, self._append, trajectory)
+                    reward = await relayed_verify(s, self._append, trajectory, capture_id(*key, max(replies)))
                 else:
                     reward = float(await asyncio.to_thread(s.env.verify, s.task, state, trajectory))
                 status = "passed" if reward > 0 else "failed"

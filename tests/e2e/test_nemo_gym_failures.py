@@ -109,7 +109,7 @@ def test_calendar_imports_its_sibling_module_and_verifies_a_row(environment: Cal
     from participants.environments import Trajectory
 
     reward = env.verify_live(live, task, Trajectory([{"role": "user", "content": task.prompt},
-                                                     {"role": "assistant", "content": "[]"}], "[]"))
+                                                     {"role": "assistant", "content": "[]"}], "[]"), "r1.0.0")
     assert 0.0 <= reward <= 1.0
 
 
@@ -122,7 +122,7 @@ def test_the_seed_carries_the_row_as_simple_agent_posts_it(environment: Callable
     env.call_live(live, "increment_counter", {"count": 2})
     from participants.environments import Trajectory
 
-    assert env.verify_live(live, task, Trajectory([{"role": "assistant", "content": "7"}], "7")) == 1.0
+    assert env.verify_live(live, task, Trajectory([{"role": "assistant", "content": "7"}], "7"), "r1.0.0") == 1.0
 
 
 def test_a_seed_the_server_refuses_fails_with_its_status_and_body(environment: Callable[..., NemoGymEnvironment]) -> None:
