@@ -15,11 +15,13 @@ row, or for a gymnasium-style server reset with it. The verdict is what happened
 - `refused`: it started and refused the row (its status and body);
 - `no example`: it has no example row to seed with.
 
-It writes the table (server, protocol, needs, verdict, reason) as Markdown, with the counts and the
-wall time. Nothing is installed: `rollbook nemo-gym install --server NAME` installs what a server's
-row names.
+With `--crash`, each server that seeds then goes through the crash check
+(apps/nemo_gym_conformance.py): its example rows through a SIGKILL of every server, against an
+uninterrupted run. It writes the table (server, protocol, needs, verdict, reason, crash check) as
+Markdown, with the counts and the wall time. Nothing is installed: `rollbook nemo-gym install --server
+NAME` installs what a server's requirements name.
 
-    rollbook nemo-gym sweep [--server NAME ...] [--out docs/nemo-gym-servers.md] [--parallel 2]
+    rollbook nemo-gym sweep [--server NAME ...] [--crash [--dsn DSN]] [--out docs/nemo-gym-servers.md] [--parallel 2]
 """
 
 from __future__ import annotations
@@ -27,16 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from adapters.database import prepare_database
+from apps.nemo_gym_conformance import conformance
 from apps.nemo_gym_install import install, requirement_lines
 from apps.processes import free_port
 from engine.errors import GymServerFailed
@@ -64,6 +70,8 @@ class Verdict:
     verdict: str  # seeds | cannot start | refused | no example
     reason: str = ""
     seconds: float = 0.0
+    crash: str = ""  # the crash check's verdict (apps/nemo_gym_conformance.py) where it ran: conforms | differs | failed
+    crash_reason: str = ""
 
 
 def servers(site: Path) -> list[str]:
@@ -115,22 +123,37 @@ def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
     return []
 
 
-def first_row(folder: Path) -> dict[str, Any] | None:
+def example_rows(folder: Path) -> list[dict[str, Any]]:
+    """Its `data/example.jsonl` rows, up to the first that is not a data row."""
     example = folder / "data" / "example.jsonl"
-    if not example.exists():
-        return None
-    for line in example.read_text(errors="replace").splitlines():
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                return None
-            return row if isinstance(row, dict) and isinstance(row.get("responses_create_params"), dict) else None
-    return None
+    rows = []
+    for line in example.read_text(errors="replace").splitlines() if example.exists() else []:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
+            break
+        rows.append(row)
+    return rows
 
 
-def try_server(python: Path, site: Path, name: str, timeout_s: float = START_TIMEOUT_S) -> Verdict:
-    """Start server `name` as rollbook's relay does and seed a live session with its first example row."""
+def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
+               timeout_s: float = START_TIMEOUT_S) -> Verdict:
+    """Start server `name` as rollbook's relay does and seed a live session with its first example row;
+    with `crash_dsn`, a server that seeds then goes through the crash check on that database's server."""
+    seeded = _seed(python, site, name, timeout_s)
+    if crash_dsn is None or seeded.verdict != "seeds" or work is None:
+        return seeded
+    t0 = time.monotonic()
+    rows = example_rows(site / "resources_servers" / name)
+    crash, why = conformance(name, python, rows, seeded.protocol == "gymnasium", crash_dsn, work / name)
+    return replace(seeded, crash=crash, crash_reason=why, seconds=seeded.seconds + time.monotonic() - t0)
+
+
+def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
     folder = site / "resources_servers" / name
     t0 = time.monotonic()
     said = needs(folder)
@@ -149,7 +172,7 @@ def try_server(python: Path, site: Path, name: str, timeout_s: float = START_TIM
         if why is not None:
             return Verdict(name, "", said, "cannot start", why, time.monotonic() - t0)
         protocol = "gymnasium" if process.gymnasium() else "tools"
-        row = first_row(folder)
+        row = next(iter(example_rows(folder)), None)
         if row is None:
             return Verdict(name, protocol, said, "no example", "no data/example.jsonl row with responses_create_params",
                            time.monotonic() - t0)
@@ -168,33 +191,45 @@ def try_server(python: Path, site: Path, name: str, timeout_s: float = START_TIM
         process.stop()
 
 
-def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print) -> tuple[list[Verdict], float]:
-    """Every named server (all, when none is named), `parallel` at a time; the verdicts and the wall time."""
+def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,
+          crash_dsn: str | None = None) -> tuple[list[Verdict], float]:
+    """Every named server (all, when none is named), `parallel` at a time; the verdicts and the wall
+    time. With `crash_dsn` (a database whose server the checks make scratch databases on), each server
+    that seeds goes through the crash check too."""
     python, _ = install()
     site = next(python.parent.parent.glob("lib/python3*/site-packages"))
     chosen = names or servers(site)
+    work = Path(tempfile.mkdtemp(prefix="rollbook-sweep-"))
     t0 = time.monotonic()
     out: list[Verdict] = []
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for n, verdict in enumerate(pool.map(lambda s: try_server(python, site, s), chosen), start=1):
-            out.append(verdict)
-            say(f"[{n}/{len(chosen)}] {verdict.server}: {verdict.verdict}"
-                + (f" ({verdict.reason[:120]})" if verdict.reason else ""))
+        tried = pool.map(lambda s: try_server(python, site, s, crash_dsn, work), chosen)
+        for n, v in enumerate(tried, start=1):
+            out.append(v)
+            say(f"[{n}/{len(chosen)}] {v.server}: {v.verdict}" + (f" ({v.reason[:120]})" if v.reason else "")
+                + (f"; crash check: {v.crash}" + (f" ({v.crash_reason[:120]})" if v.crash_reason else "") if v.crash else ""))
+    shutil.rmtree(work, ignore_errors=True)
     return out, time.monotonic() - t0
 
 
 def table(verdicts: list[Verdict], wall_s: float) -> str:
-    counts = Counter(v.verdict for v in verdicts)
+    counts = Counter(v.verdict for v in verdicts) + Counter(f"crash check {v.crash}" for v in verdicts if v.crash)
     lines = [f"{len(verdicts)} servers in {wall_s:.0f} s: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()) + ".",
-             "", "| server | protocol | needs | verdict | reason |", "|---|---|---|---|---|"]
+             "", "| server | protocol | needs | verdict | reason | crash check |", "|---|---|---|---|---|---|"]
     for v in verdicts:
-        reason = v.reason.replace("|", "\\|").replace("\n", " ")[:BODY_SHOWN]
-        lines.append(f"| `{v.server}` | {v.protocol} | {'; '.join(v.needs)} | {v.verdict} | {reason} |")
+        reason = _cell(v.reason)
+        crash = f"{v.crash}: {_cell(v.crash_reason)}" if v.crash_reason else v.crash
+        lines.append(f"| `{v.server}` | {v.protocol} | {'; '.join(v.needs)} | {v.verdict} | {reason} | {crash} |")
     return "\n".join(lines) + "\n"
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:BODY_SHOWN]
+
+
 def _sweep(args: argparse.Namespace) -> int:
-    verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True))
+    crash_dsn = prepare_database(args.dsn) if args.crash else None
+    verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True), crash_dsn)
     text = table(verdicts, wall)
     if args.out:
         out = Path(args.out)
@@ -212,4 +247,8 @@ def add_parser(gsub: Any) -> None:
     p.add_argument("--server", action="append", metavar="NAME", help="only this server (again for more)")
     p.add_argument("--parallel", type=int, default=2, help="servers tried at once (default 2)")
     p.add_argument("--out", help="write the table into this Markdown file, below its marker line (kept above it)")
+    p.add_argument("--crash", action="store_true",
+                   help="also put each server that seeds through the crash check (its example rows through a SIGKILL "
+                        "of every server, against an uninterrupted run), on scratch databases")
+    p.add_argument("--dsn", help="the PostgreSQL the crash check makes its scratch databases on (default: the embedded one)")
     p.set_defaults(func=_sweep)

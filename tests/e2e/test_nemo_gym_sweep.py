@@ -7,6 +7,8 @@ resolved to rollbook's model server), and one whose requirements the install lac
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from apps.nemo_gym_sweep import sweep, table
@@ -30,3 +32,16 @@ def test_the_sweep_starts_and_seeds_each_server_and_says_why_one_cannot() -> Non
     text = table(verdicts, wall)
     assert text.startswith(f"6 servers in {wall:.0f} s: 5 seeds, 1 cannot start.")
     assert "| `example_multi_turn_gymnasium` | gymnasium |  | seeds |  |" in text
+
+
+def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_against_an_uninterrupted_run(
+        dsn: str) -> None:
+    """NeMo Gym's `example_multi_step` (its tools called by the scripted model): killed mid-run, every
+    rollout ends with the uninterrupted run's reward and tool calls, sessions rebuilt by replay."""
+    (verdict,), _ = sweep(["example_multi_step"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
+    assert (verdict.verdict, verdict.crash) == ("seeds", "conforms"), verdict
+    killed = re.fullmatch(r"killed at (\d+) of (\d+) model and relayed calls; (\d+) sessions rebuilt, \d+ rollouts "
+                          r"continued under a new attempt, (\d+) started over", verdict.crash_reason)
+    assert killed, verdict.crash_reason
+    at, of, rebuilt, restarted = map(int, killed.groups())
+    assert 0 < at < of and rebuilt >= 1 and restarted == 0, verdict.crash_reason

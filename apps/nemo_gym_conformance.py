@@ -1,0 +1,196 @@
+"""The crash check of one NeMo Gym resources server: its example rows through a SIGKILL of everything.
+
+The sweep (apps/nemo_gym_sweep.py) runs it on every server that seeds. The server's first ROWS example
+rows become tasks of a `[nemo_gym.<env>]` table holding only its module and `state = "replay"`
+(gymnasium-style servers run with NeMo Gym's `gymnasium_agent`), on a scratch database beside the
+given one, with rollbook's scripted model playing them (it calls whatever tools a row offers, with
+arguments built from their schemas). They run twice through rollbook's four servers as processes and
+`rollbook run`: once uninterrupted; once killed, `rollbook run` and every server's process group
+(the NeMo Gym server with the resources server's) SIGKILLed when the run has logged half the model
+calls and relayed calls the uninterrupted one did, then the servers started again and the run again
+with the same run_id, to its end. The server conforms when every rollout of both runs finished once,
+each with the uninterrupted run's reward and tool-call sequence (name and arguments, over the lineage
+that finished it), and no call was applied twice in one live NeMo Gym session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from adapters.database import drop_database, libpq_dsn, scratch_database
+from adapters.postgres import PostgresEventStore
+from apps import config as cfg
+from apps.nemo_gym_tasks import convert
+from apps.processes import ServerProcesses, free_port
+from engine.lineage import effective_history
+from participants.environments.gymnasium import GYMNASIUM_AGENT
+
+ROWS = 3
+RUN_TIMEOUT_S = 300.0
+# A relayed call applied twice in one live session: a relayed call and the replays that sent it again.
+TWICE = """
+WITH applied AS (
+  SELECT rollout_id, data->>'live' AS live, data->>'tool_call' AS tool_call FROM rollbook.episode_history
+  WHERE kind = 'mutation_applied'
+  UNION ALL
+  SELECT rollout_id, data->>'live', jsonb_array_elements_text(data->'tool_calls') FROM rollbook.episode_history
+  WHERE kind = 'session_replayed')
+SELECT rollout_id, tool_call FROM applied GROUP BY rollout_id, live, tool_call HAVING count(*) > 1"""
+LOGGED = "SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s AND kind IN ('call_completed', 'mutation_applied')"
+
+
+def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: bool, dsn: str, work: Path) -> tuple[str, str]:
+    """(verdict, reason): `conforms`, `differs` (what differs) or `failed` (why a run did not finish)."""
+    env = f"gym_{name}"
+    tasks = convert([json.dumps(r) for r in rows[:ROWS]], "example.jsonl", env)
+    if gymnasium:
+        tasks = [replace(t, agent="gymnasium") for t in tasks]
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
+    db = scratch_database(dsn, f"rollbook_sweep_{name}"[:63])
+    try:
+        base = _config(work, db, name, env, python, gymnasium, "ref")
+        procs = ServerProcesses(cfg.load(base), base, work, name="ref-")
+        with _servers(procs):
+            if (code := _run(base).wait(RUN_TIMEOUT_S)) != 0:
+                return "failed", f"the uninterrupted run exited {code}: " + _fences(db, "ref")
+        logged = _count(db, "ref")
+        path = _config(work, db, name, env, python, gymnasium, "crash")
+        procs = ServerProcesses(cfg.load(path), path, work, name="crash-")
+        with _servers(procs):
+            run = _run(path)
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while _count(db, "crash") < max(1, logged // 2) and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            killed, at = run.poll() is None, _count(db, "crash")
+            run.send_signal(signal.SIGKILL)
+            run.wait()
+            procs.kill()
+            procs.start()
+            if (code := _run(path).wait(RUN_TIMEOUT_S)) != 0:
+                return "failed", f"the run after the SIGKILL exited {code}: " + _fences(db, "crash")
+        if not killed:
+            return "failed", "the run ended before the kill: nothing was tried"
+        verdict, why = _compare(db, len(tasks), gymnasium)
+        return verdict, why or _what_happened(db, at, logged)
+    except subprocess.TimeoutExpired:
+        return "failed", f"a run took over {RUN_TIMEOUT_S:.0f} s"
+    finally:
+        drop_database(db)
+
+
+def _config(work: Path, dsn: str, name: str, env: str, python: Path, gymnasium: bool, run_id: str) -> Path:
+    agents = {"gymnasium": cfg.NemoGymAgentConfig(module=GYMNASIUM_AGENT, continuation="replay", python=str(python),
+                                                  port=free_port())} if gymnasium else {}
+    config = cfg.Config(dsn=dsn, control_token="sweep-c0ntrol", data_token="sweep-d4ta",
+                        servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS},
+                        nemo_gym={env: cfg.NemoGymConfig(module=f"resources_servers.{name}.app", state="replay",
+                                                         python=str(python), port=free_port())},
+                        nemo_gym_agent=agents,
+                        run=cfg.RunConfig(run_id=run_id, tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
+                                          concurrency=ROWS))
+    path = work / f"{run_id}.toml"
+    cfg.write(config, path)
+    return path
+
+
+class _servers:
+    """The four servers for the length of a block, stopped however it ends."""
+
+    def __init__(self, procs: ServerProcesses) -> None:
+        self.procs = procs
+
+    def __enter__(self) -> ServerProcesses:
+        self.procs.start(timeout=120)
+        return self.procs
+
+    def __exit__(self, *_: object) -> None:
+        self.procs.stop()
+
+
+def _run(config: Path) -> subprocess.Popen[bytes]:
+    log = open(config.with_suffix(".run.log"), "ab")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--config", str(config)], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _count(dsn: str, run_id: str) -> int:
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        row = conn.execute(LOGGED, (f"{run_id}-%",)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _fences(dsn: str, run_id: str) -> str:
+    """Why the run's rollouts that failed failed, from their fences (the first few)."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        rows = conn.execute("SELECT DISTINCT data->>'code', left(data->>'detail', 200) FROM rollbook.episode_history "
+                            "WHERE rollout_id LIKE %s AND kind = 'attempt_fenced' AND data->>'reason' = 'failed' LIMIT 3",
+                            (f"{run_id}-%",)).fetchall()
+    return "; ".join(f"{code}: {detail}" for code, detail in rows) or "no rollout failed (see its run log)"
+
+
+def _what_happened(dsn: str, at: int, logged: int) -> str:
+    """How the killed run went on: where it was killed, the sessions rebuilt by replay, the rollouts that
+    went on under a new attempt (a call cut off by the kill) and those that started over (a server that
+    did not replay)."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE kind = 'rollout_recovered' AND data->>'disposition' = 'continue'), "
+            "count(*) FILTER (WHERE kind = 'session_replayed'), count(*) FILTER (WHERE kind = 'rollout_recovered' "
+            "AND data->>'disposition' = 'fresh_dispatch') FROM rollbook.episode_history WHERE rollout_id LIKE 'crash-%'"
+        ).fetchone()
+    continued, replayed, restarted = row if row else (0, 0, 0)
+    return (f"killed at {at} of {logged} model and relayed calls; {replayed} sessions rebuilt, {continued} rollouts "
+            f"continued under a new attempt, {restarted} started over")
+
+
+def _compare(dsn: str, tasks: int, gymnasium: bool) -> tuple[str, str]:
+    ref, crash = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in ("ref", "crash"))
+    for i in range(tasks):
+        if ref[i] != crash[i]:
+            return "differs", f"task {i}: uninterrupted {json.dumps(ref[i], default=str)[:300]}, " \
+                              f"killed {json.dumps(crash[i], default=str)[:300]}"
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        twice = conn.execute(TWICE).fetchall()
+    if twice:
+        return "differs", f"a call applied twice in one live session: {twice[:3]}"
+    return "conforms", ""
+
+
+async def _outcomes(dsn: str, run_id: str, tasks: int, gymnasium: bool) -> list[Any]:
+    """Each task's reward and the relayed calls of the lineage that finished it: name and arguments, or
+    for a gymnasium server name and reward (a step's arguments hold the model's response, whose ids
+    name the run)."""
+    store = PostgresEventStore.connect(dsn, writer="sweep")
+    try:
+        out: list[Any] = []
+        with psycopg.connect(libpq_dsn(dsn)) as conn:
+            for i in range(tasks):
+                rid = f"{run_id}-{i:04d}"
+                finished = conn.execute("SELECT attempt, reward FROM rollbook.attempts WHERE rollout_id = %s "
+                                        "AND status = 'finished'", (rid,)).fetchall()
+                if len(finished) != 1:
+                    out.append({"finished attempts": len(finished), "why": _fences(dsn, rid)})
+                    continue
+                attempt, reward = finished[0]
+                events = await effective_history(store, rid, attempt)
+                out.append({"reward": reward, "calls": [
+                    (e.data["tool"], e.data["effect"].get("reward") if gymnasium else e.data["arguments"])
+                    for e in events if e.kind == "mutation_applied"]})
+        return out
+    finally:
+        await store.close()
+
+
+__all__ = ["ROWS", "conformance"]
