@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from engine.lineage import effective_history
 from participants.environments.gymnasium import GYMNASIUM_AGENT
 
 ROWS = 3
+_MIGRATING = threading.Lock()  # Alembic's migration context is one per process: one scratch database at a time
 RUN_TIMEOUT_S = 300.0
 # A relayed call applied twice in one live session: a relayed call and the replays that sent it again.
 TWICE = """
@@ -58,7 +60,8 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
         tasks = [replace(t, agent="gymnasium") for t in tasks]
     work.mkdir(parents=True, exist_ok=True)
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
-    db = scratch_database(dsn, f"rollbook_sweep_{name}"[:63])
+    with _MIGRATING:
+        db = scratch_database(dsn, f"rollbook_sweep_{name}"[:63])
     try:
         base = _config(work, db, name, env, python, gymnasium, "ref")
         procs = ServerProcesses(cfg.load(base), base, work, name="ref-")

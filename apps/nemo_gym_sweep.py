@@ -149,7 +149,10 @@ def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None
         return seeded
     t0 = time.monotonic()
     rows = example_rows(site / "resources_servers" / name)
-    crash, why = conformance(name, python, rows, seeded.protocol == "gymnasium", crash_dsn, work / name)
+    try:
+        crash, why = conformance(name, python, rows, seeded.protocol == "gymnasium", crash_dsn, work / name)
+    except Exception as exc:  # the check's own failure, said in its row: the other servers are still tried
+        crash, why = "failed", f"the check itself failed: {type(exc).__name__}: {exc}"
     return replace(seeded, crash=crash, crash_reason=why, seconds=seeded.seconds + time.monotonic() - t0)
 
 
