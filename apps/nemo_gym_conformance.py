@@ -38,6 +38,9 @@ from engine.lineage import effective_history
 from participants.environments.gymnasium import GYMNASIUM_AGENT
 
 ROWS = 3
+# The scripted model's pace: a reply of tens of tokens takes a second or so, so the kill lands while
+# calls are in flight rather than after a run that a fast model finished before it was looked at.
+TOKEN_S = 0.03
 _MIGRATING = threading.Lock()  # Alembic's migration context is one per process: one scratch database at a time
 RUN_TIMEOUT_S = 300.0
 # A relayed call applied twice in one live session: a relayed call and the replays that sent it again.
@@ -83,8 +86,8 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
             procs.start()
             if (code := _run(path).wait(RUN_TIMEOUT_S)) != 0:
                 return "failed", f"the run after the SIGKILL exited {code}: " + _fences(db, "crash")
-        if not killed:
-            return "failed", "the run ended before the kill: nothing was tried"
+        if not killed or at >= logged:
+            return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
         verdict, why = _compare(db, len(tasks), gymnasium)
         return verdict, why or _what_happened(db, at, logged)
     except subprocess.TimeoutExpired:
@@ -97,7 +100,8 @@ def _config(work: Path, dsn: str, name: str, env: str, python: Path, gymnasium: 
     agents = {"gymnasium": cfg.NemoGymAgentConfig(module=GYMNASIUM_AGENT, continuation="replay", python=str(python),
                                                   port=free_port())} if gymnasium else {}
     config = cfg.Config(dsn=dsn, control_token="sweep-c0ntrol", data_token="sweep-d4ta",
-                        servers={k: cfg.ServerConfig(port=free_port()) for k in cfg.KINDS},
+                        servers={k: cfg.ServerConfig(port=free_port(), token_latency_s=TOKEN_S if k == "model" else 0.0)
+                                 for k in cfg.KINDS},
                         nemo_gym={env: cfg.NemoGymConfig(module=f"resources_servers.{name}.app", state="replay",
                                                          python=str(python), port=free_port())},
                         nemo_gym_agent=agents,
