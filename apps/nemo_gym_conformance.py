@@ -7,7 +7,7 @@ given one, with rollbook's scripted model playing them (it calls whatever tools 
 arguments built from their schemas). They run twice through rollbook's four servers as processes and
 `rollbook run`: once uninterrupted; once killed, `rollbook run` and every server's process group
 (the NeMo Gym server with the resources server's) SIGKILLed when the run has logged half the model
-calls and relayed calls the uninterrupted one did, then the servers started again and the run again
+calls (accepted, completed) and relayed calls the uninterrupted one did, then the servers started again and the run again
 with the same run_id, to its end. The server conforms when every rollout of both runs finished once,
 each with the uninterrupted run's reward and tool-call sequence (name and arguments, over the lineage
 that finished it), and no call was applied twice in one live NeMo Gym session.
@@ -52,7 +52,11 @@ WITH applied AS (
   SELECT rollout_id, data->>'live', jsonb_array_elements_text(data->'tool_calls') FROM rollbook.episode_history
   WHERE kind = 'session_replayed')
 SELECT rollout_id, tool_call FROM applied GROUP BY rollout_id, live, tool_call HAVING count(*) > 1"""
-LOGGED = "SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s AND kind IN ('call_completed', 'mutation_applied')"
+# What the kill is timed by: model calls accepted and completed, relayed calls applied. Half of the
+# uninterrupted run's count falls while calls are in flight (rows of one model call each, all sent at
+# once, complete within milliseconds of each other: timed by completions alone, the kill came after them).
+LOGGED = ("SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s AND "
+          "kind IN ('call_accepted', 'call_completed', 'mutation_applied')")
 
 
 def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: bool, dsn: str, work: Path) -> tuple[str, str]:
@@ -141,10 +145,12 @@ def _count(dsn: str, run_id: str) -> int:
 def _fences(dsn: str, run_id: str) -> str:
     """Why the run's rollouts that failed failed, from their fences (the first few)."""
     with psycopg.connect(libpq_dsn(dsn)) as conn:
-        rows = conn.execute("SELECT DISTINCT data->>'code', left(data->>'detail', 200) FROM rollbook.episode_history "
-                            "WHERE rollout_id LIKE %s AND kind = 'attempt_fenced' AND data->>'reason' = 'failed' LIMIT 3",
-                            (f"{run_id}-%",)).fetchall()
-    return "; ".join(f"{code}: {detail}" for code, detail in rows) or "no rollout failed (see its run log)"
+        rows = conn.execute("SELECT DISTINCT data->>'code', coalesce(data->'context'->>'stage', ''), "
+                            "coalesce(data->'context'->>'status', ''), left(coalesce(data->'context'->>'body', "
+                            "data->>'detail'), 300) FROM rollbook.episode_history WHERE rollout_id LIKE %s AND "
+                            "kind = 'attempt_fenced' AND data->>'reason' = 'failed' LIMIT 3", (f"{run_id}-%",)).fetchall()
+    return "; ".join(f"{code} ({stage} {status}): {said}".replace(" ()", "") for code, stage, status, said in rows) \
+        or "no rollout failed (see its run log)"
 
 
 def _what_happened(dsn: str, at: int, logged: int) -> str:
@@ -158,7 +164,7 @@ def _what_happened(dsn: str, at: int, logged: int) -> str:
             "AND data->>'disposition' = 'fresh_dispatch') FROM rollbook.episode_history WHERE rollout_id LIKE 'crash-%'"
         ).fetchone()
     continued, replayed, restarted = row if row else (0, 0, 0)
-    return (f"killed at {at} of {logged} model and relayed calls; {replayed} sessions rebuilt, {continued} rollouts "
+    return (f"killed at {at} of {logged} model and relayed call events; {replayed} sessions rebuilt, {continued} rollouts "
             f"continued under a new attempt, {restarted} started over")
 
 

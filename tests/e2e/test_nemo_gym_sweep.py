@@ -40,7 +40,7 @@ def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_aga
     rollout ends with the uninterrupted run's reward and tool calls, sessions rebuilt by replay."""
     (verdict,), _ = sweep(["example_multi_step"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
     assert (verdict.verdict, verdict.crash) == ("seeds", "conforms"), verdict
-    killed = re.fullmatch(r"killed at (\d+) of (\d+) model and relayed calls; (\d+) sessions rebuilt, \d+ rollouts "
+    killed = re.fullmatch(r"killed at (\d+) of (\d+) model and relayed call events; (\d+) sessions rebuilt, \d+ rollouts "
                           r"continued under a new attempt, (\d+) started over", verdict.crash_reason)
     assert killed, verdict.crash_reason
     at, of, rebuilt, restarted = map(int, killed.groups())
