@@ -18,6 +18,11 @@ a requirement that needs another version fails, naming the server and pip's acco
 Then the server's module is imported as the launcher imports it, and one that still cannot import
 says why in one line. A server installed once is not installed again while its requirements are the same.
 
+`--server NAME --apart` installs them into an environment of the server's own instead, layered over
+that one (a `.pth` puts its packages behind the server's), as `ng_run` gives each server its own: two
+servers whose requirements conflict each get theirs, and the command prints the Python to name as the
+table's `python`. `rollbook nemo-gym sweep --install` runs every server so.
+
 A user with a NeMo Gym checkout of their own does not need this: `python` and `paths` in the
 `[nemo_gym.<name>]` table point at it (docs/nemo-gym.md).
 """
@@ -139,29 +144,71 @@ def install_server(python: Path, name: str) -> tuple[list[str], float]:
     installed (none: nothing new) and the seconds it took."""
     venv = python.parent.parent
     folder, module = server_folder(venv, name)
-    wanted = requirement_lines((folder / "requirements.txt").read_text()) if (folder / "requirements.txt").exists() else []
+    t0 = time.monotonic()
+    added = _requirements_into(python, venv, folder, name)
+    _imports(python, folder, module, name)
+    return added, time.monotonic() - t0
+
+
+def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
+    """A Python for server `name` alone: an environment of its own over the installed one (whose packages
+    a `.pth` puts behind its own), holding the server's requirements, so that servers whose requirements
+    conflict each run with theirs. Built once per set of requirements; the installed one's Python itself
+    for a server that names none. (its Python, what was installed, the seconds it took)"""
+    base = python.parent.parent
+    folder, module = server_folder(base, name)
+    wanted = _wanted(folder)
+    if not wanted:
+        return python, [], 0.0
+    layer = base.parent / f"{base.name}-servers" / f"{folder.name}-{hashlib.sha256(chr(10).join(wanted).encode()).hexdigest()[:12]}"
+    own = layer / "bin" / "python"
+    if (layer / "complete").exists():
+        return own, [], 0.0
+    t0 = time.monotonic()
+    shutil.rmtree(layer, ignore_errors=True)
+    subprocess.run([str(python), "-m", "venv", str(layer)], check=True, capture_output=True)
+    sites = sorted(base.glob("lib/python3*/site-packages"))
+    (next(layer.glob("lib/python3*/site-packages")) / "rollbook_nemo_gym.pth").write_text("".join(f"{p}\n" for p in sites))
+    added = _requirements_into(own, layer, folder, name)
+    _imports(own, folder, module, name)
+    (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
+    return own, added, time.monotonic() - t0
+
+
+def _wanted(folder: Path) -> list[str]:
+    return requirement_lines((folder / "requirements.txt").read_text()) if (folder / "requirements.txt").exists() else []
+
+
+def _requirements_into(python: Path, venv: Path, folder: Path, name: str) -> list[str]:
+    """pip installs the server's requirements into `python`'s environment, constrained to the pinned
+    list; what it installed (none when they were installed already)."""
+    wanted = _wanted(folder)
     marker = venv / "servers" / f"{folder.name}.txt"
     digest = hashlib.sha256("\n".join(wanted).encode()).hexdigest()
-    t0 = time.monotonic()
-    fresh = bool(wanted) and not (marker.exists() and marker.read_text() == digest)
-    if fresh:
-        constraints = venv / "servers" / "constraints.txt"
-        constraints.parent.mkdir(exist_ok=True)
-        constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r)]) + "\n")
-        pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-                              "--constraint", str(constraints), *wanted], capture_output=True, text=True, timeout=3600)
-        if pip.returncode != 0:
-            said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
-            # pip's own account of a conflict ("The user requested pandas==2.0.0", "... (constraint) pandas==3.1.1"),
-            # else its errors.
-            shown = [line for line in said if line.startswith("The user requested") or " depends on " in line] \
-                or [line for line in said if line.startswith("ERROR")] or said[-3:]
-            raise ConfigError(f"NeMo Gym server {name}: its requirements ({', '.join(wanted)}) do not install into {venv}: "
-                              + " / ".join(shown[-8:])[:1500],
-                              "change the server's requirements.txt, or run it from a NeMo Gym environment of its own "
-                              "(`python` in its table)")
-        marker.write_text(digest)
-    # As the launcher runs it: its folder first on sys.path, and for a folder of one's own, its parent too.
+    if not wanted or (marker.exists() and marker.read_text() == digest):
+        return []
+    constraints = venv / "servers" / "constraints.txt"
+    constraints.parent.mkdir(exist_ok=True)
+    constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r)]) + "\n")
+    pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+                          "--constraint", str(constraints), *wanted], capture_output=True, text=True, timeout=3600)
+    if pip.returncode != 0:
+        said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
+        # pip's own account of a conflict ("The user requested pandas==2.0.0", "... (constraint) pandas==3.1.1"),
+        # else its errors.
+        shown = [line for line in said if line.startswith("The user requested") or " depends on " in line] \
+            or [line for line in said if line.startswith("ERROR")] or said[-3:]
+        raise ConfigError(f"NeMo Gym server {name}: its requirements ({', '.join(wanted)}) do not install into {venv}: "
+                          + " / ".join(shown[-8:])[:1500],
+                          "change the server's requirements.txt, or run it from a NeMo Gym environment of its own "
+                          "(`python` in its table)")
+    marker.write_text(digest)
+    return wanted
+
+
+def _imports(python: Path, folder: Path, module: str, name: str) -> None:
+    """Import the server's module as the launcher imports it: its folder first on sys.path, and for a
+    folder of one's own, its parent too; one that cannot says why in one line."""
     check = subprocess.run([str(python), "-c", f"import sys; sys.path[:0] = [{str(folder)!r}, {str(folder.parent)!r}]; "
                             f"import {module}"],
                            capture_output=True, text=True, cwd=folder)
@@ -169,7 +216,6 @@ def install_server(python: Path, name: str) -> tuple[list[str], float]:
         last = (check.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ConfigError(f"NeMo Gym server {name}: {module} does not import: {last}",
                           "install what it names (its requirements.txt may lack it)")
-    return (wanted if fresh else []), time.monotonic() - t0
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -178,9 +224,9 @@ def _install(args: argparse.Namespace) -> int:
     for name in args.server or []:
         with open(python.parent.parent.parent / ".install.lock", "w") as lock:  # one pip at a time per environment
             fcntl.flock(lock, fcntl.LOCK_EX)
-            added, took = install_server(python, name)
+            own, added, took = server_python(python, name) if args.apart else (python, *install_server(python, name))
         print(f"{name}: {'installed ' + ', '.join(added) + f' in {took:.0f} s' if added else 'its requirements are installed'}; "
-              "it imports")
+              "it imports" + (f"; its Python (the table's `python`): {own}" if args.apart else ""))
     return 0
 
 
@@ -193,5 +239,8 @@ def add_parser(sub: Any) -> Any:
     inst.add_argument("--server", action="append", metavar="NAME",
                       help="also install this server's own requirements.txt (a NeMo Gym resources server or agent, "
                            "or a folder holding one); again for more")
+    inst.add_argument("--apart", action="store_true",
+                      help="each --server into an environment of its own over the installed one (servers whose "
+                           "requirements conflict); prints the Python to name in its table")
     inst.set_defaults(func=_install)
     return gsub

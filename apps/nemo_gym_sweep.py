@@ -13,15 +13,18 @@ row, or for a gymnasium-style server reset with it. The verdict is what happened
 - `cannot start`: the launcher's one line (an import its requirements would bring, a config field it
   requires, ...);
 - `refused`: it started and refused the row (its status and body);
-- `no example`: it has no example row to seed with.
+- `no example`: it has no example row to seed with;
+- `cannot install` (with `--install`): its requirements do not install (pip's account).
 
 With `--crash`, each server that seeds then goes through the crash check
 (apps/nemo_gym_conformance.py): its example rows through a SIGKILL of every server, against an
 uninterrupted run. It writes the table (server, protocol, needs, verdict, reason, crash check) as
-Markdown, with the counts and the wall time. Nothing is installed: `rollbook nemo-gym install --server
-NAME` installs what a server's requirements name.
+Markdown, with the counts and the wall time. Nothing is installed unless `--install` says so: then
+each server with a `requirements.txt` runs in an environment of its own over the installed one,
+holding them (apps.nemo_gym_install.server_python), so servers whose requirements conflict each get
+theirs.
 
-    rollbook nemo-gym sweep [--server NAME ...] [--crash [--dsn DSN]] [--out docs/nemo-gym-servers.md] [--parallel 2]
+    rollbook nemo-gym sweep [--server NAME ...] [--install] [--crash [--dsn DSN]] [--out FILE] [--parallel 2]
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ import yaml
 
 from adapters.database import prepare_database
 from apps.nemo_gym_conformance import conformance
-from apps.nemo_gym_install import install, requirement_lines
+from apps.nemo_gym_install import install, requirement_lines, server_python
 from apps.processes import free_port
-from engine.errors import GymServerFailed
+from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
 from participants.environments import gymnasium
 from participants.environments.nemo_gym_relay import (
@@ -141,9 +144,15 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
-               timeout_s: float = START_TIMEOUT_S) -> Verdict:
+               timeout_s: float = START_TIMEOUT_S, apart: bool = False) -> Verdict:
     """Start server `name` as rollbook's relay does and seed a live session with its first example row;
-    with `crash_dsn`, a server that seeds then goes through the crash check on that database's server."""
+    with `crash_dsn`, a server that seeds then goes through the crash check on that database's server.
+    With `apart`, a server with requirements runs in an environment of its own holding them."""
+    if apart:
+        try:
+            python = server_python(python, name)[0]
+        except ConfigError as exc:
+            return Verdict(name, "", needs(site / "resources_servers" / name), "cannot install", exc.detail)
     seeded = _seed(python, site, name, timeout_s)
     if crash_dsn is None or seeded.verdict != "seeds" or work is None:
         return seeded
@@ -195,10 +204,11 @@ def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
 
 
 def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,
-          crash_dsn: str | None = None) -> tuple[list[Verdict], float]:
+          crash_dsn: str | None = None, apart: bool = False) -> tuple[list[Verdict], float]:
     """Every named server (all, when none is named), `parallel` at a time; the verdicts and the wall
     time. With `crash_dsn` (a database whose server the checks make scratch databases on), each server
-    that seeds goes through the crash check too."""
+    that seeds goes through the crash check too; with `apart`, each server's requirements are installed
+    into an environment of its own (apps.nemo_gym_install.server_python) that it runs in."""
     python, _ = install()
     site = next(python.parent.parent.glob("lib/python3*/site-packages"))
     chosen = names or servers(site)
@@ -206,7 +216,7 @@ def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,
     t0 = time.monotonic()
     out: list[Verdict] = []
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        tried = pool.map(lambda s: try_server(python, site, s, crash_dsn, work), chosen)
+        tried = pool.map(lambda s: try_server(python, site, s, crash_dsn, work, apart=apart), chosen)
         for n, v in enumerate(tried, start=1):
             out.append(v)
             say(f"[{n}/{len(chosen)}] {v.server}: {v.verdict}" + (f" ({v.reason[:120]})" if v.reason else "")
@@ -232,7 +242,8 @@ def _cell(text: str) -> str:
 
 def _sweep(args: argparse.Namespace) -> int:
     crash_dsn = prepare_database(args.dsn) if args.crash else None
-    verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True), crash_dsn)
+    verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True), crash_dsn,
+                           args.install)
     text = table(verdicts, wall)
     if args.out:
         out = Path(args.out)
@@ -253,5 +264,8 @@ def add_parser(gsub: Any) -> None:
     p.add_argument("--crash", action="store_true",
                    help="also put each server that seeds through the crash check (its example rows through a SIGKILL "
                         "of every server, against an uninterrupted run), on scratch databases")
+    p.add_argument("--install", action="store_true",
+                   help="install each server's requirements.txt into an environment of its own first (pip, from the "
+                        "package index) and run it there")
     p.add_argument("--dsn", help="the PostgreSQL the crash check makes its scratch databases on (default: the embedded one)")
     p.set_defaults(func=_sweep)

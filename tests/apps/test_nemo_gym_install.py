@@ -83,3 +83,27 @@ def test_an_unknown_server_is_refused_naming_where_it_was_looked_for(python: Pat
     for name in ("no_such_server", "../structeval"):
         with pytest.raises(ConfigError, match="no NeMo Gym server named"):
             nemo_gym_install.install_server(python, name)
+
+
+def version(python: Path, module: str) -> str:
+    return subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({module!r}))"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_servers_whose_requirements_conflict_each_run_apart_in_an_environment_of_their_own(
+        python: Path, tmp_path: Path) -> None:
+    """Input: two server folders whose requirements.txt ask for toml 0.10.1 and toml 0.10.2, and one with none."""
+    folders = []
+    for name, pin in (("old_toml_server", "toml==0.10.1"), ("new_toml_server", "toml==0.10.2"), ("plain_server", None)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "app.py").write_text("import toml\n" if pin else "")
+        if pin:
+            (folder / "requirements.txt").write_text(f"-e nemo-gym[dev] @ ../../\n{pin}\n")
+        folders.append(folder)
+    (old, added, _), (new, _, _) = (nemo_gym_install.server_python(python, str(f)) for f in folders[:2])
+    assert added == ["toml==0.10.1"] and len({old, new, python}) == 3
+    assert (version(old, "toml"), version(new, "toml")) == ("0.10.1", "0.10.2")
+    assert version(old, "pandas") == version(python, "pandas") == "3.1.1"  # the installed environment behind its own
+    assert nemo_gym_install.server_python(python, str(folders[0]))[1:] == ([], 0.0)  # built once
+    assert nemo_gym_install.server_python(python, str(folders[2]))[0] == python  # nothing of its own: the installed one
