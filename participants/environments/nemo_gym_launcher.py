@@ -159,6 +159,14 @@ def main(argv: list[str]) -> None:
     os.chdir(scratch)
     get_global_config_dict()  # resolved once, cached: run_webserver reads this one
     os.unlink(f.name)
+    # Hydra left a log file handler in the scratch folder, opened at its first record: once the folder is
+    # gone, any server that logs (a judge's verify does) fails that request with FileNotFoundError.
+    import logging
+
+    for logger in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]:
+        for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler) and h.baseFilename.startswith(scratch)]:
+            logger.removeHandler(handler)
+            handler.close()
     shutil.rmtree(scratch, ignore_errors=True)
     os.environ["NEMO_GYM_CONFIG_PATH"] = name
     os.chdir(folder)  # ng_run starts a server in its own folder

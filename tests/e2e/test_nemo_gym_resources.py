@@ -257,22 +257,27 @@ async def test_a_stateless_verifier_goes_on_after_a_sigkill_with_a_fresh_session
     assert fresh and all(r.data["tool_calls"] == [] for r in fresh), fresh
 
 
+@pytest.mark.parametrize(("server", "judged"), [("abstention", 1), ("agentif", 0)])
 async def test_an_llm_judges_calls_are_rollbooks_model_calls_of_the_rollout_they_judge(
-        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path) -> None:
-    """NeMo Gym's `abstention` verifies with an LLM judge its config names (`judge_model_server:
-    genrm_model`, defined nowhere here): from a table holding only its module and state it starts, its
-    judge resolved to rollbook's model server, and each verify's judge call is a recorded model call of
-    the rollout it judges (an unnamed call, numbered in the activation it verifies)."""
-    os.environ["ROLLBOOK_GYM_LOG"] = str(tmp_path / "abstention.log")
+        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path, server: str,
+        judged: int) -> None:
+    """NeMo Gym's `abstention` and `agentif` verify with an LLM judge their config names
+    (`judge_model_server`, defined nowhere here): from a table holding only its module and state each
+    starts, its judge resolved to rollbook's model server, and each verify's judge call is a recorded
+    model call of the rollout it judges (an unnamed call, numbered in the activation it verifies).
+    `agentif` logs while it verifies (and asks its judge nothing for these rows): a log file NeMo Gym's
+    config left in a folder the launcher had removed once failed every such verify with FileNotFoundError."""
+    os.environ["ROLLBOOK_GYM_LOG"] = str(tmp_path / f"{server}.log")
     c = await cluster_factory(token_latency_s=0.01, nemo_gym={
-        "gym_judged": gym(gym_python, "stateless", free_port(), module="resources_servers.abstention.app")})
-    tasks = example_tasks(gym_python, "gym_judged", "abstention")[:3]
+        "gym_judged": gym(gym_python, "stateless", free_port(), module=f"resources_servers.{server}.app")})
+    tasks = example_tasks(gym_python, "gym_judged", server)[:3]
     coll = c.collection("judged", tasks, seed=2)
     await asyncio.wait_for(coll.dispatch(c.session), 300)
-    rows = await c.rows("SELECT rollout_id, count(*) FILTER (WHERE kind = 'call_completed' AND data->>'call_id' LIKE '%.m%') "
-                        "AS judged, count(*) FILTER (WHERE kind = 'session_verified') AS verified "
-                        "FROM rollbook.episode_history WHERE rollout_id LIKE 'judged-%' GROUP BY 1 ORDER BY 1")
-    assert len(rows) == len(tasks) and all(r.verified == 1 and r.judged == 1 for r in rows), rows
+    rows = await c.rows("SELECT rollout_id, count(*) FILTER (WHERE kind = 'call_completed' AND data->>'call_id' LIKE "
+                        "'%.m%') AS judged, count(*) FILTER (WHERE kind = 'session_verified' AND data->>'status' <> "
+                        "'error') AS verified FROM rollbook.episode_history WHERE rollout_id LIKE 'judged-%' "
+                        "GROUP BY 1 ORDER BY 1")
+    assert len(rows) == len(tasks) and all(r.verified == 1 and r.judged == judged for r in rows), rows
     assert not await c.rows("SELECT 1 FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id IS NULL")
 
 
