@@ -74,7 +74,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
         procs = ServerProcesses(cfg.load(base), base, work, name="ref-")
         with _servers(procs):
             if (code := _run(base).wait(RUN_TIMEOUT_S)) != 0:
-                return "failed", f"the uninterrupted run exited {code}: " + _fences(db, "ref")
+                return "failed", f"the uninterrupted run exited {code}: " + (_fences(db, "ref") or _said(base))
         logged = _count(db, "ref")
         path = _config(work, db, name, env, python, gymnasium, "crash")
         procs = ServerProcesses(cfg.load(path), path, work, name="crash-")
@@ -89,7 +89,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
             procs.kill()
             procs.start()
             if (code := _run(path).wait(RUN_TIMEOUT_S)) != 0:
-                return "failed", f"the run after the SIGKILL exited {code}: " + _fences(db, "crash")
+                return "failed", f"the run after the SIGKILL exited {code}: " + (_fences(db, "crash") or _said(path))
         if not killed or at >= logged:
             return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
         verdict, why = _compare(db, len(tasks), gymnasium)
@@ -149,8 +149,13 @@ def _fences(dsn: str, run_id: str) -> str:
                             "coalesce(data->'context'->>'status', ''), left(coalesce(data->'context'->>'body', "
                             "data->>'detail'), 300) FROM rollbook.episode_history WHERE rollout_id LIKE %s AND "
                             "kind = 'attempt_fenced' AND data->>'reason' = 'failed' LIMIT 3", (f"{run_id}-%",)).fetchall()
-    return "; ".join(f"{code} ({stage} {status}): {said}".replace(" ()", "") for code, stage, status, said in rows) \
-        or "no rollout failed (see its run log)"
+    return "; ".join(f"{code} ({stage} {status}): {said}".replace(" ()", "") for code, stage, status, said in rows)
+
+
+def _said(config: Path) -> str:
+    """The last line `rollbook run` printed (where no rollout failed: it could not start the run)."""
+    lines = config.with_suffix(".run.log").read_text(errors="replace").strip().splitlines()
+    return lines[-1][:400] if lines else "it printed nothing"
 
 
 def _what_happened(dsn: str, at: int, logged: int) -> str:
@@ -194,7 +199,7 @@ async def _outcomes(dsn: str, run_id: str, tasks: int, gymnasium: bool) -> list[
                 finished = conn.execute("SELECT attempt, reward FROM rollbook.attempts WHERE rollout_id = %s "
                                         "AND status = 'finished'", (rid,)).fetchall()
                 if len(finished) != 1:
-                    out.append({"finished attempts": len(finished), "why": _fences(dsn, rid)})
+                    out.append({"finished attempts": len(finished), "why": _fences(dsn, rid) or "no fence"})
                     continue
                 attempt, reward = finished[0]
                 events = await effective_history(store, rid, attempt)

@@ -16,11 +16,12 @@ from pydantic import BaseModel, Field
 from adapters.openai_wire import ToolSpec
 from engine.boundaries import boundary_messages
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED, AGENT_BOUNDARY
+from engine.errors import InvalidRequest
 from engine.events import NewEvent, RecordedEvent
 from engine.identity import Key, agent_stream
 from participants.base.guard import Body, Int64
 from participants.base.wire import TaskBody
-from participants.environments import ENVIRONMENTS, Task, get_environment
+from participants.environments import ENVIRONMENTS, Task, ToolError, get_environment
 from participants.environments.base import prompt_messages
 
 
@@ -127,12 +128,15 @@ def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
     # its task opens as any task does, with its prompt.
     env = get_environment(req.task.env) if req.task.env in ENVIRONMENTS else None
     task = Task.from_json(req.task.model_dump())
-    opening = env.task_messages(task) if env is not None else prompt_messages(task)
+    try:
+        opening = env.task_messages(task) if env is not None else prompt_messages(task)
+        sampling = env.task_sampling(task) if env is not None else dict(task.sampling)
+    except ToolError as exc:  # the task's own content (a NeMo Gym row with an image part): the caller's input
+        raise InvalidRequest(f"task {task.task_id} of {task.env}: {exc}", task_error=exc.code) from None
     messages = ([{"role": "system", "content": req.system_prompt}] if req.system_prompt else []) + opening
     tools = ([t.model_dump(exclude_none=True) for t in req.tools] if req.tools is not None
              else env.tools() if env is not None else [])
-    return Session(key[0], key[1], index, req, messages, tools,
-                   sampling=env.task_sampling(task) if env is not None else dict(task.sampling))
+    return Session(key[0], key[1], index, req, messages, tools, sampling=sampling)
 
 
 def continued_session(key: Key, index: int, req: RunRequest, boundary: dict[str, Any]) -> Session:
