@@ -235,7 +235,8 @@ class ExternalAgents:
         except DriveFailed as exc:
             diverged = divergence(await p.store.read_rollout(*key), *key, index)
             if diverged is not None:
-                raise AttemptLost(f"{driver.table}.{name} diverged from its lineage at {diverged.data['call_id']}: the "
+                at = diverged.data.get("call_id") or diverged.data.get("tool_call")  # a model call's, or a tool call's key
+                raise AttemptLost(f"{driver.table}.{name} diverged from its lineage at {at}: the "
                                   "rollout starts over from its input", lost="divergence", reason=DIVERGENCE_REASON) from None
             raise GymServerFailed(f"{driver.table}.{name}: {exc.detail}", server=name, stage="agent") from None
         # What the conversation has a chat form for: a reasoning item, say, is the agent's, not the record's.
