@@ -406,13 +406,14 @@ class Config(Strict):
         """rollbook's model and resources servers as entries of a NeMo Gym config (addresses carrying the
         data credential: NeMo Gym's client sends no header)."""
         host = f"rollbook:{self.data_token}@{{}}"
-        return {
-            MODEL_SERVER: {"responses_api_models": {"rollbook": {
-                "entrypoint": "rollbook", "host": host.format(self.servers["model"].host), "port": self.servers["model"].port}}},
-            RESOURCES_SERVER: {"resources_servers": {"rollbook": {
-                "entrypoint": "rollbook", "domain": "other", "host": host.format(self.servers["resources"].host),
-                "port": self.servers["resources"].port}}},
-        }
+        peers = {}
+        if (model := self.servers.get("model")) is not None:  # a file may configure some kinds only
+            peers[MODEL_SERVER] = {"responses_api_models": {"rollbook": {
+                "entrypoint": "rollbook", "host": host.format(model.host), "port": model.port}}}
+        if (resources := self.servers.get("resources")) is not None:
+            peers[RESOURCES_SERVER] = {"resources_servers": {"rollbook": {
+                "entrypoint": "rollbook", "domain": "other", "host": host.format(resources.host), "port": resources.port}}}
+        return peers
 
     def gym_agents(self, port: Callable[[], int] | None = None) -> dict[str, GymAgent]:
         """The configured NeMo Gym agents, each told that its model and resources servers are rollbook's."""

@@ -34,6 +34,7 @@ from adapters.postgres import PostgresEventStore
 from apps import config as cfg
 from apps.nemo_gym_tasks import convert
 from apps.processes import ServerProcesses, free_port
+from engine.catalog import MUTATION_APPLIED
 from engine.lineage import effective_history
 from participants.environments.gymnasium import GYMNASIUM_AGENT
 
@@ -205,7 +206,7 @@ async def _outcomes(dsn: str, run_id: str, tasks: int, gymnasium: bool) -> list[
                 events = await effective_history(store, rid, attempt)
                 out.append({"reward": reward, "calls": [
                     (e.data["tool"], e.data["effect"].get("reward") if gymnasium else e.data["arguments"])
-                    for e in events if e.kind == "mutation_applied"]})
+                    for e in events if e.kind == MUTATION_APPLIED]})
         return out
     finally:
         await store.close()

@@ -160,7 +160,9 @@ def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
     wanted = _wanted(folder)
     if not wanted:
         return python, [], 0.0
-    layer = base.parent / f"{base.name}-servers" / f"{folder.name}-{hashlib.sha256(chr(10).join(wanted).encode()).hexdigest()[:12]}"
+    # One per server folder and requirements: a folder of one's own with the same name is another server.
+    key = hashlib.sha256("\n".join([str(folder), *wanted]).encode()).hexdigest()[:12]
+    layer = base.parent / f"{base.name}-servers" / f"{folder.name}-{key}"
     own = layer / "bin" / "python"
     if (layer / "complete").exists():
         return own, [], 0.0

@@ -286,7 +286,7 @@ async def test_every_server_documents_every_route_it_serves(stack: Stack, kind: 
     gym = {"environment": {("post", "/run"), ("post", "/aggregate_metrics")},
            "agent": {("post", "/run"), ("post", "/aggregate_metrics")},
            "model": {("post", "/ng-rollout/{capture}/v1/responses"), ("post", "/ng-rollout/{capture}/v1/chat/completions")},
-           "resources": {("post", "/{name}")}}[kind]
+           "resources": {("post", "/{name}"), ("post", "/ng-rollout/{capture}/{name}")}}[kind]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             want = [{"bearer": []}, {"basic": []}] if (method, path) in gym else [{"bearer": []}]

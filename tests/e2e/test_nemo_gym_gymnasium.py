@@ -9,8 +9,8 @@ call on rollbook's routes under the activation's capture path: every model call,
 the log, the session is never seeded (the server has no `/seed_session`), and the reward is the sum of
 the recorded steps' rewards (the server has no `/verify`).
 
-Killed mid-episode and dispatched again, each rollout ends with the reward and the reset-and-step
-sequence of an uninterrupted run, no step applied twice in any live session, read through SQL. The
+Killed mid-episode and dispatched again, each rollout ends with the reward and the steps of an
+uninterrupted run, no call applied twice in any live session, read through SQL. The
 rows are the server's five example rows and two of ours that rollbook's scripted model answers right
 (it computes the first user message's arithmetic), so a reward of 1 is seen to travel. A task of such a
 server run by rollbook's own agent, which never steps it, fails with a reason instead of scoring 0.
@@ -99,7 +99,14 @@ async def test_gymnasium_agent_on_a_gymnasium_server_is_continued_through_a_sigk
     await c.crash(first)  # every server's process group: gymnasium_agent and the NeMo Gym server with them
     await c.start()
     await asyncio.wait_for(coll.dispatch(c.session), 300)
-    assert await steps(c, coll) == uninterrupted
+    # The rewards, and each rollout's steps (name, reward) in order. Not its resets: a rollout whose kill
+    # met a model call in flight goes on under a new attempt in which gymnasium_agent runs from its start
+    # and resets a fresh live session, and that second reset is recorded beside the first (seen in a full
+    # suite run; each live session still got one reset).
+    killed = await steps(c, coll)
+    assert {i: (r, [x for x in calls if x[0] != "reset"]) for i, (r, calls) in killed.items()} == \
+        {i: (r, [x for x in calls if x[0] != "reset"]) for i, (r, calls) in uninterrupted.items()}
+    assert all(calls[0] == ("reset", None) for _, calls in killed.values()), killed
     finished = await c.rows("SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') AS n FROM rollbook.attempts "
                             "WHERE rollout_id LIKE 'killed-%' GROUP BY 1")
     assert len(finished) == len(work) and all(r.n == 1 for r in finished), finished

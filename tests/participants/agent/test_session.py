@@ -6,13 +6,20 @@ import pytest
 
 from engine.errors import InvalidRequest
 from participants.agent.session import RunRequest, fresh_session
-from participants.environments import Task
+from participants.environments import ENVIRONMENTS, Task
 from participants.environments.nemo_gym_relay import GymServer, register
 
 
 def test_a_row_the_chat_form_cannot_hold_is_the_callers_bad_input_with_its_code_not_an_internal_error() -> None:
     """Input: a NeMo Gym row whose user message holds an image part (NeMo Gym's image_tools rows do)."""
     register([GymServer("gym_pictures", "resources_servers.image_tools.app", "replay")])
+    try:
+        _refused_as_bad_input()
+    finally:
+        ENVIRONMENTS.pop("gym_pictures")  # the registry is the process's: other tests read every environment in it
+
+
+def _refused_as_bad_input() -> None:
     row = {"responses_create_params": {"input": [
         {"role": "user", "content": [{"type": "input_text", "text": "What is in it?"},
                                      {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}}
