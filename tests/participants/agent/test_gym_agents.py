@@ -22,7 +22,7 @@ from engine import catalog as ev
 from engine.agent_replay import calls_made, divergence
 from engine.errors import AttemptLost, GymServerFailed
 from engine.events import AppendRequest, NewEvent, RecordedEvent
-from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id
+from engine.identity import agent_stream, call_stream, rollout_stream, server_call_id, session_stream
 from participants.agent.external import ExternalAgents, GymAgent, final_text, gym_drivers
 from participants.agent.server import AgentParticipant, RunRequest
 from participants.environments.nemo_gym_relay import GymServer
@@ -202,3 +202,22 @@ async def test_an_agent_whose_table_its_config_class_refuses_says_so_naming_the_
         assert process.starts == 1  # refused once, never started again
     finally:
         agents.stop()
+
+
+async def test_an_agent_that_fails_after_one_of_its_tool_calls_diverged_loses_the_attempt_to_agent_divergence(
+        memory_store: MemoryEventStore) -> None:
+    """Input: the agent answers 500 after the resources server refused its tool call a0.s1 as not the
+    recorded one (`tool_call_diverged`, which names the call by its key, not by a call_id): the
+    rollout starts over from its input, and the error names that call."""
+    await started(memory_store)
+    await memory_store.append(AppendRequest((NewEvent(
+        session_stream("r", 0), ev.TOOL_CALL_DIVERGED,
+        {"tool_call": "a0.s1", "tool": "step", "reason": "agent_divergence", "diverges_from": {"tool": "step"}},
+        "r", 0),)))
+    server = await stub_agent(web.Response(status=500, text="Hit an exception calling an inner server"))
+    try:
+        with pytest.raises(AttemptLost, match="diverged from its lineage at a0.s1") as lost:
+            await at(server).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+        assert lost.value.context["reason"] == "agent_divergence"
+    finally:
+        await server.close()
