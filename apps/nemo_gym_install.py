@@ -145,7 +145,7 @@ def install_server(python: Path, name: str) -> tuple[list[str], float]:
     venv = python.parent.parent
     folder, module = server_folder(venv, name)
     t0 = time.monotonic()
-    added = _requirements_into(python, venv, folder, name)
+    added = _requirements_into(python, venv, folder, name, server_requirements(folder))
     _imports(python, folder, module, name)
     return added, time.monotonic() - t0
 
@@ -157,7 +157,7 @@ def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
     for a server that names none. (its Python, what was installed, the seconds it took)"""
     base = python.parent.parent
     folder, module = server_folder(base, name)
-    wanted = _wanted(folder)
+    wanted = server_requirements(folder)
     if not wanted:
         return python, [], 0.0
     # One per server folder and requirements: a folder of one's own with the same name is another server.
@@ -171,20 +171,20 @@ def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
     subprocess.run([str(python), "-m", "venv", str(layer)], check=True, capture_output=True)
     sites = sorted(base.glob("lib/python3*/site-packages"))
     (next(layer.glob("lib/python3*/site-packages")) / "rollbook_nemo_gym.pth").write_text("".join(f"{p}\n" for p in sites))
-    added = _requirements_into(own, layer, folder, name)
+    added = _requirements_into(own, layer, folder, name, wanted)
     _imports(own, folder, module, name)
     (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
     return own, added, time.monotonic() - t0
 
 
-def _wanted(folder: Path) -> list[str]:
+def server_requirements(folder: Path) -> list[str]:
+    """What a server folder's requirements.txt asks for, NeMo Gym itself left out (none without one)."""
     return requirement_lines((folder / "requirements.txt").read_text()) if (folder / "requirements.txt").exists() else []
 
 
-def _requirements_into(python: Path, venv: Path, folder: Path, name: str) -> list[str]:
-    """pip installs the server's requirements into `python`'s environment, constrained to the pinned
-    list; what it installed (none when they were installed already)."""
-    wanted = _wanted(folder)
+def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted: list[str]) -> list[str]:
+    """pip installs the server's requirements (`wanted`) into `python`'s environment, constrained to the
+    pinned list; what it installed (none when they were installed already)."""
     marker = venv / "servers" / f"{folder.name}.txt"
     digest = hashlib.sha256("\n".join(wanted).encode()).hexdigest()
     if not wanted or (marker.exists() and marker.read_text() == digest):

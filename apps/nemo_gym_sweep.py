@@ -46,11 +46,12 @@ import yaml
 
 from adapters.database import prepare_database
 from apps.nemo_gym_conformance import conformance
-from apps.nemo_gym_install import install, requirement_lines, server_python
+from apps.nemo_gym_install import install, server_python, server_requirements
 from apps.processes import free_port
 from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
 from participants.environments import gymnasium
+from participants.environments.nemo_gym_launcher import own_config
 from participants.environments.nemo_gym_relay import (
     BODY_SHOWN,
     GymProcess,
@@ -85,11 +86,14 @@ def servers(site: Path) -> list[str]:
 def needs(folder: Path) -> tuple[str, ...]:
     """What a server says it needs, from its own files."""
     out = []
-    reqs = folder / "requirements.txt"
-    wanted = requirement_lines(reqs.read_text()) if reqs.exists() else []
+    wanted = server_requirements(folder)
     if wanted:
         out.append("requirements: " + ", ".join(re.split(r"[<>=!~\[; ]", w, maxsplit=1)[0] for w in wanted))
-    models = sorted({k for k, _ in _refs(_own_entry(folder), "responses_api_models")})
+    try:  # its entry in its own configs/*.yaml, found as the launcher finds it
+        entry = own_config(str(folder), folder.name, "resources_servers")
+    except yaml.YAMLError:
+        entry = {}  # its launch will say what is wrong with it
+    models = sorted({k for k, _ in _refs(entry, "responses_api_models")})
     if models:
         out.append("a model server: " + ", ".join(models))
     source = "\n".join(p.read_text(errors="replace") for p in folder.glob("*.py"))
@@ -98,21 +102,6 @@ def needs(folder: Path) -> tuple[str, ...]:
     if re.search(r"\bdocker\b", source, re.IGNORECASE):
         out.append("docker")
     return tuple(out)
-
-
-def _own_entry(folder: Path) -> dict[str, Any]:
-    """The server's entry in its own configs/*.yaml (`resources_servers.<folder>`), as the launcher finds it."""
-    configs = sorted((folder / "configs").glob("*.y*ml")) if (folder / "configs").is_dir() else []
-    for path in sorted(configs, key=lambda p: p.stem != folder.name):
-        try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError:
-            continue
-        for top in doc.values() if isinstance(doc, dict) else []:
-            entry = ((top or {}).get("resources_servers") or {}).get(folder.name) if isinstance(top, dict) else None
-            if isinstance(entry, dict):
-                return entry
-    return {}
 
 
 def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
