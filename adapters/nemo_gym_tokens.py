@@ -55,7 +55,7 @@ from engine.errors import InvalidCheckpointState, InvalidPayload, StaleAttempt, 
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import call_stream, capture_stream, rollout_stream, validate_id
 from engine.lineage import effective_history
-from engine.tokens import CallTokens, Receipt
+from engine.tokens import CallTokens, Receipt, token_digest
 
 ARRAYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 BLOB_PREFIX = "sha256-"
@@ -64,10 +64,6 @@ MAX_TOKEN_ID = 2**31 - 1  # token_blobs.token_ids is integer[]
 # again, so a bound this high is only reached by a stream under a write storm.
 MAX_RETRIES = 100
 SOURCE = "nemo_gym"
-
-
-def _array_digest(ids: list[int], logprobs: list[float] | None) -> str:
-    return hashlib.sha256(canonical_json({"ids": ids, "logprobs": logprobs}).encode()).hexdigest()
 
 
 def _check_array(what: str, ids: list[int], logprobs: list[float] | None) -> None:
@@ -123,7 +119,7 @@ class _Client:
         between leaves at most an unreferenced blob."""
         receipts, rows = [], []
         for ids, logprobs in arrays:
-            digest = _array_digest(ids, logprobs)
+            digest = token_digest(ids, logprobs)
             receipts.append(Receipt(BLOB_PREFIX + digest, digest, len(ids)))
             rows.append({"b": BLOB_PREFIX + digest, "t": ids, "l": logprobs, "d": digest})
         async with self.store.engine.begin() as conn:
@@ -159,7 +155,7 @@ class _Client:
             for r in rows:
                 ids = list(r.token_ids)
                 lps = None if r.logprobs is None else [float(x) for x in r.logprobs]
-                actual = _array_digest(ids, lps)
+                actual = token_digest(ids, lps)
                 if actual != r.digest or r.blob_id != BLOB_PREFIX + actual:
                     raise InvalidCheckpointState(f"token blob {r.blob_id} does not match its digest", blob_id=r.blob_id)
                 out[r.blob_id] = (ids, lps)

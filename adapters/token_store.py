@@ -33,6 +33,7 @@ from adapters.pg_arrays import float4s, int4s
 from adapters.pg_pool import PoolLimits, StoreObserver, make_engine, reading, retrying
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import write_private
+from engine import tokens
 from engine.errors import InvalidCheckpointState, InvalidIdentifier, InvalidPayload
 from engine.events import canonical_json
 from engine.identity import validate_id
@@ -65,8 +66,7 @@ def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[fl
 
 
 def token_digest(arr: TokenArray) -> str:
-    # Tuples are encoded as the lists they were: the digest is the same, without copying thousands of ids.
-    return hashlib.sha256(canonical_json({"ids": arr.ids, "logprobs": arr.logprobs}).encode()).hexdigest()
+    return tokens.token_digest(arr.ids, arr.logprobs)
 
 
 def snapshot_digest(checkpoint_id: str, blobs: list[tuple[str, str]], parent_digest: str | None = None) -> str:

@@ -165,6 +165,8 @@ BAD_BODIES: list[tuple[str, bytes, int, str]] = [
     ("JSON nested 65 deep", b'{"rollout_id": "n", "task": ' + b"[" * 65 + b"]" * 65 + b"}", 400, "invalid_json"),
     ("an integer over 4300 digits", b'{"rollout_id": "i", "seed": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
     ("an integer over 64 bits", b'{"rollout_id": "i", "seed": 18446744073709551616}', 400, "invalid_json"),
+    ("an integer one past 63 bits", b'{"rollout_id": "i", "seed": 9223372036854775808}', 400, "invalid_json"),
+    ("an integer one below -2**63", b'{"rollout_id": "i", "seed": -9223372036854775809}', 400, "invalid_json"),
     ("a number that is not finite", b'{"rollout_id": "f", "seed": 1e999}', 400, "invalid_json"),
     ("NaN", b'{"rollout_id": "f", "seed": NaN}', 400, "invalid_json"),
     ("malformed JSON", b'{"rollout_id": ', 400, "invalid_json"),

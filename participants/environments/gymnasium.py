@@ -12,13 +12,14 @@ lost live session), so the server's state comes back by replaying its reset and 
 - each step's reward is kept with the call in the record, and the episode's reward is their sum
   (`engine.tool_replay.rewards`), which is what `gymnasium_agent` reports; nothing is asked at verify.
 
-Which servers speak it is read from the server itself (its OpenAPI document), never configured.
+Which servers speak it is read from the server itself (which of the two routes it serves), never configured.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -28,16 +29,26 @@ RESET, STEP = "reset", "step"
 GYMNASIUM_AGENT = "responses_api_agents.gymnasium_agent.app"  # NeMo Gym's agent of these servers
 
 
+# The routes that tell the protocols apart.
+PROBED = (f"/{STEP}", "/seed_session")
+
+
 def served_paths(base_url: str, timeout_s: float) -> frozenset[str]:
-    """The paths a running NeMo Gym server serves, from its OpenAPI document (FastAPI's); none when it
-    publishes no document."""
-    try:
-        with urllib.request.urlopen(f"{base_url}/openapi.json", timeout=timeout_s) as resp:
-            doc = json.loads(resp.read())
-    except (OSError, ValueError):
-        return frozenset()
-    paths = doc.get("paths") if isinstance(doc, dict) else None
-    return frozenset(paths) if isinstance(paths, dict) else frozenset()
+    """Which of PROBED a running NeMo Gym server serves. Each is asked with a GET, which a POST route
+    answers 405 and a path the server does not serve 404: nothing runs, and no document is built
+    (FastAPI builds its OpenAPI document on first request, about a second of CPU for a server with
+    Workplace's tools)."""
+    served = set()
+    for path in PROBED:
+        try:
+            with urllib.request.urlopen(base_url + path, timeout=timeout_s):
+                served.add(path)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                served.add(path)
+        except OSError:
+            pass
+    return frozenset(served)
 
 
 def speaks(paths: frozenset[str]) -> bool:
