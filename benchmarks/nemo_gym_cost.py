@@ -251,6 +251,10 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
         result["transactions"] = after["transactions"] - before["transactions"]
         with psycopg.connect(database.libpq_dsn(dsn)) as conn:
             result["events"] = conn.execute("SELECT count(*) FROM rollbook.events").fetchone()[0]  # type: ignore[index]
+            # Which server wrote which events, and in how many appends (an append's events share a commit time).
+            result["event_kinds"] = {f"{w} {k}": [n, a] for w, k, n, a in conn.execute(
+                "SELECT split_part(writer, '-', 1), kind, count(*), count(DISTINCT (writer, recorded_at)) "
+                "FROM rollbook.events GROUP BY 1, 2 ORDER BY 3 DESC").fetchall()}
         result["statement_ms"] = statement_times(admin, dbname)
         return result
     finally:
@@ -362,6 +366,9 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
           "database's since it was made, so its migration is among them):\n")
     for q, ms in last["statement_ms"].items():
         print(f"  {ms / last['model_calls']:6.2f}  {q}")
+    print("\nEvents per model call by writer and kind, and the commits that wrote them (the last round):\n")
+    for name, (n, commits) in last.get("event_kinds", {}).items():
+        print(f"  {n / last['model_calls']:5.2f}  {commits / last['model_calls']:5.2f}  {name}")
 
 
 if __name__ == "__main__":
