@@ -28,7 +28,7 @@ again. The rules, once (the environments' counterpart is engine.tool_replay):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engine import catalog as ev
@@ -97,11 +97,14 @@ def next_tool_numbers(events: Iterable[RecordedEvent]) -> dict[int, int]:
     return out
 
 
-def replayed_tool(recorded: dict[str, Any], tool: str, arguments: Any, key: str) -> dict[str, Any] | None:
+def replayed_tool(recorded: dict[str, Any], tool: str, arguments: Any, key: str,
+                  as_recorded: Callable[[str, Any], Any] = lambda _tool, args: args) -> dict[str, Any] | None:
     """A numbered tool call answered from the record of its place: only if it asks what was recorded
-    there. Otherwise the data of its `tool_call_diverged` (the caller records it, then refuses the call
-    with `AgentDiverged`); None when it replays."""
-    if _TOOL_KEY.fullmatch(key) and (recorded.get("tool"), recorded.get("arguments")) != (tool, arguments):
+    there (both read through `as_recorded`: what of the arguments must match). Otherwise the data of its
+    `tool_call_diverged` (the caller records it, then refuses the call with `AgentDiverged`); None when
+    it replays."""
+    if _TOOL_KEY.fullmatch(key) and (recorded.get("tool"), as_recorded(tool, recorded.get("arguments"))) != \
+            (tool, as_recorded(tool, arguments)):
         return {"tool_call": key, "tool": tool, "arguments": arguments, "reason": DIVERGENCE_REASON,
                 "diverges_from": {"tool": recorded.get("tool"), "arguments": recorded.get("arguments")}}
     return None

@@ -169,6 +169,12 @@ class Environment(ABC):
     def tool_names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools()]
 
+    def as_recorded(self, name: str, arguments: Any) -> Any:
+        """What of a tool call's arguments must match the call recorded at its place for the record to
+        answer it when an agent runs again: all of them, unless the environment knows parts that only
+        name one try."""
+        return arguments
+
 
 class StatelessEnvironment(Environment):
     """Single-turn question/answer environments: no tools, nothing to rebuild."""

@@ -56,6 +56,31 @@ def speaks(paths: frozenset[str]) -> bool:
     return f"/{STEP}" in paths and "/seed_session" not in paths
 
 
+# What names one try of a step rather than what it asks: the model response's id and time and rollbook's
+# custody facts (a reply the model server answers from its record goes out under the new call's id, at
+# the new time), the ids of its message items (named after that call), and the key NeMo Gym's agent
+# draws anew for each step of a server that asks for one.
+_RESPONSE_NAMES = ("id", "created_at", "rollbook")
+_STEP_KEY = "_ng_step_request_id"
+
+
+def step_as_recorded(arguments: Any) -> Any:
+    """A step's body as it is compared with the step recorded at its place: what it asks, not the names
+    of this try (an agent run again after a crash steps with the same replies under new names)."""
+    if not isinstance(arguments, dict):
+        return arguments
+    out = {k: v for k, v in arguments.items() if k != _STEP_KEY}
+    response = out.get("response")
+    if isinstance(response, dict):
+        response = {k: v for k, v in response.items() if k not in _RESPONSE_NAMES}
+        if isinstance(response.get("output"), list):
+            response["output"] = [{k: v for k, v in item.items() if k != "id"}
+                                  if isinstance(item, dict) and item.get("type") == "message" else item
+                                  for item in response["output"]]
+        out["response"] = response
+    return out
+
+
 def step_reward(reply: Any) -> float:
     """The reward one step gave; a reply without a finite number there is the server's error, shown to
     the agent like any tool error."""
@@ -87,4 +112,5 @@ def run_output(row: dict[str, Any], reply: Any) -> list[dict[str, Any]] | None:
     return [{"type": "message", **m} if isinstance(m, dict) and "type" not in m else m for m in [*sent[opening:], *output]]
 
 
-__all__ = ["GYMNASIUM_AGENT", "RESET", "STEP", "run_body", "run_output", "served_paths", "speaks", "step_reward"]
+__all__ = ["GYMNASIUM_AGENT", "RESET", "STEP", "run_body", "run_output", "served_paths", "speaks", "step_as_recorded",
+           "step_reward"]

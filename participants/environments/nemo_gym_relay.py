@@ -338,6 +338,9 @@ class NemoGymEnvironment(Environment):
         except GymReplyError as exc:  # a recorded call it answered before and refuses now: not the same server state
             raise ReplayDivergence(f"{name} was answered before and now gets {exc.status} {exc.body}"[:400]) from None
 
+    def as_recorded(self, name: str, arguments: Any) -> Any:
+        return gymnasium.step_as_recorded(arguments) if name == gymnasium.STEP and self.process.gymnasium() else arguments
+
     def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None) -> ToolOutcome:
         try:
             reply = self._send(live, name, arguments)

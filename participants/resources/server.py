@@ -268,7 +268,7 @@ class ResourcesParticipant(Participant):
             call_key = s.key_for(named, activation := activation_of(request))  # numbered in arrival order if not named
             recorded = s.tool_calls.get(call_key)
             if recorded is not None:  # applied before (a caller that restarted asks again): the same answer
-                if (diverged := replayed_tool(recorded, name, body.arguments, call_key)) is not None:
+                if (diverged := replayed_tool(recorded, name, body.arguments, call_key, s.env.as_recorded)) is not None:
                     await self._append(s, ev.TOOL_CALL_DIVERGED, diverged)
                     raise tool_diverged(diverged)
                 return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],

@@ -95,7 +95,10 @@ async def test_gymnasium_agent_on_a_gymnasium_server_is_continued_through_a_sigk
 
     coll = c.collection("killed", work, seed=3)
     first = asyncio.create_task(coll.dispatch(c.session))
-    await c.wait_count("killed", "mutation_applied", 6, timeout=120)
+    async def stepped() -> bool:  # some rollouts have a step recorded and more to come: the kill meets them there
+        return await c.scalar("SELECT count(*) FROM rollbook.events WHERE kind = 'mutation_applied' AND rollout_id "
+                              "LIKE 'killed-%' AND data->>'tool' = 'step'") >= 3
+    await c.wait_for("3 steps of the killed run", stepped, 120)
     await c.crash(first)  # every server's process group: gymnasium_agent and the NeMo Gym server with them
     await c.start()
     await asyncio.wait_for(coll.dispatch(c.session), 300)
@@ -115,6 +118,14 @@ async def test_gymnasium_agent_on_a_gymnasium_server_is_continued_through_a_sigk
     continued = await c.scalar("SELECT count(*) FROM rollbook.events WHERE kind = 'rollout_recovered' AND rollout_id "
                                "LIKE 'killed-%' AND data->>'disposition' = 'continue'")
     assert continued >= 1  # the kill met rollouts mid-episode, and they went on from their log
+    # gymnasium_agent, run again from its start, steps with the model's recorded replies, which the model
+    # server delivers under the new calls' ids: each step still asks what the record holds at its place,
+    # so it is answered from there, and no rollout starts over on a divergence.
+    assert not await c.rows("SELECT data FROM rollbook.events WHERE kind = 'tool_call_diverged' AND rollout_id LIKE "
+                            "'killed-%'")
+    replayed = await c.scalar("SELECT count(*) FROM rollbook.events WHERE kind = 'call_completed' AND rollout_id LIKE "
+                              "'killed-%' AND data->>'disposition' = 'linked'")
+    assert replayed >= 1  # a step was asked again with a reply delivered from the record
     assert not await c.rows(TWICE_IN_ONE_LIVE_SESSION, p="killed-%")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from engine import catalog as ev
@@ -85,3 +87,15 @@ def test_a_numbered_tool_call_is_answered_from_its_record_only_if_it_asks_the_sa
         refusal = tool_diverged(diverged)
         assert isinstance(refusal, AgentDiverged) and refusal.context["call_id"] == "a0.s1"
     assert replayed_tool(recorded, "send", {"to": "c@d"}, "a0.t1.0") is None  # a key the agent named: its own promise
+
+
+def test_a_numbered_tool_call_replays_when_it_asks_what_was_recorded_as_the_environment_compares_it() -> None:
+    """Input: a call whose arguments differ from the record only in a field the environment's comparison
+    leaves out (a per-try key), then in one it keeps."""
+    recorded = {"tool": "step", "arguments": {"a": 1, "try": "k1"}}
+    def without_try(_tool: str, args: Any) -> Any:
+        return {k: v for k, v in args.items() if k != "try"}
+    assert replayed_tool(recorded, "step", {"a": 1, "try": "k2"}, "a0.s1", without_try) is None
+    assert replayed_tool(recorded, "step", {"a": 1, "try": "k2"}, "a0.s1") is not None  # compared whole by default
+    diverged = replayed_tool(recorded, "step", {"a": 2, "try": "k1"}, "a0.s1", without_try)
+    assert diverged is not None and diverged["diverges_from"] == {"tool": "step", "arguments": {"a": 1, "try": "k1"}}

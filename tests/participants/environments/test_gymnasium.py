@@ -58,3 +58,26 @@ def test_nemo_gyms_gymnasium_agent_is_driven_through_its_run_with_observability_
     assert (agents["g"].drive, agents["s"].drive) == ("run", "responses")
     assert '"observability_enabled": true' in agents["g"].server.servers
     assert "observability_enabled" not in agents["s"].server.servers  # simple_agent's tool calls stay on /<tool>
+
+
+def step(text: str, call: str, when: int, key: str | None = None) -> dict[str, object]:
+    """A gymnasium_agent step body: the row and the model's response as NeMo Gym dumps it."""
+    body: dict[str, object] = {"responses_create_params": {"input": "What is 7 + 5?"}, "expected_answer": "12", "response": {
+        "id": f"resp_{call}", "created_at": when, "model": "rollbook", "rollbook": {"call_id": call, "disposition": "x"},
+        "output": [{"type": "message", "id": f"msg_{call}", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}]},
+                   {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"}]}}
+    return body if key is None else {**body, "_ng_step_request_id": key}
+
+
+def test_a_step_is_compared_by_what_it_asks_not_by_the_names_of_its_try() -> None:
+    """Input: the same step under another call id, time and per-try key (a reply the model server answered
+    from its record); then steps whose text, tool call or row differ."""
+    first = gymnasium.step_as_recorded(step("12", "r.0.a0.m0", 100, "k1"))
+    assert gymnasium.step_as_recorded(step("12", "r.1.a0.m0", 200, "k2")) == first
+    assert gymnasium.step_as_recorded(step("13", "r.0.a0.m0", 100, "k1")) != first
+    other_call = step("12", "r.0.a0.m0", 100, "k1")
+    other_call["response"]["output"][1]["arguments"] = '{"x": 1}'  # type: ignore[index]
+    assert gymnasium.step_as_recorded(other_call) != first
+    assert gymnasium.step_as_recorded({**step("12", "r.0.a0.m0", 100), "expected_answer": "13"}) != first
+    assert gymnasium.step_as_recorded(None) is None  # a record without arguments compares as it is
