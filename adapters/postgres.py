@@ -12,8 +12,9 @@ request still atomic and checked on its own (engine.log.plan_batch). A caller's 
 only after the transaction holding it has committed.
 
 Every writer of every process waits for the lock as long as one holds it, so an append holds it for
-no round trip to its process and no Python: it reads what its plan needs without the lock (READ),
-plans, then sends the lock and one statement that writes everything, and the Sync that commits,
+no round trip to its process and no Python: it plans from what the process remembers of the log
+(adapters.pg_plan_inputs) or from a read without the lock (READ), then sends the lock and one
+statement that writes everything, and the Sync that commits,
 in one flush (pipeline mode: no BEGIN, no COMMIT; every statement up to the Sync is one implicit
 transaction). That statement checks, in a snapshot taken after the lock, that what the plan read is
 still what the log holds, and moves each planned position by how far the head has moved since
@@ -46,6 +47,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from adapters.pg_blobs import BlobRows
+from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row
 from adapters.pg_pool import (
     DEFAULT_PATIENCE_S,
     PoolLimits,
@@ -204,6 +206,9 @@ class PostgresEventStore(BlobRows):
         self._notify_owed: float | None = None  # loop time of the first commit no hint has covered yet
         self._notify_inline = False  # the group being committed carries the hint
         self.observers: list[StoreObserver] = []  # told of every append and database fault (a server's metrics)
+        self.plan_inputs = PlanInputs()  # what appends plan from, remembered (adapters.pg_plan_inputs)
+        self._stale: list[Row] | None = None  # a plan from memory found stale: until the read under the lock
+        self._first_try = False  # the group being committed has not been tried yet
 
     @classmethod
     def connect(cls, dsn: str, writer: str, pool: PoolLimits | None = None, **kw: Any) -> PostgresEventStore:
@@ -271,7 +276,9 @@ class PostgresEventStore(BlobRows):
                 self._carrying, self._carried = self._carried, {}
                 self._notify_inline = False
                 try:
-                    # A lost connection is retried: the keys make a retry of a committed group return it.
+                    # A lost connection is retried: the keys make a retry of a committed group return it,
+                    # so a retry reads them (only the first try may plan from memory).
+                    self._first_try = True
                     outcomes = await with_retry(lambda r=requests: self._commit_group(r),  # type: ignore[misc]
                                                 self.patience_s, "an append", self.observers)
                 except Exception as exc:  # the whole transaction failed: every caller in it hears why
@@ -308,7 +315,8 @@ class PostgresEventStore(BlobRows):
         planned again after the lock only when what it read had changed by then (another writer on
         the same stream or rollout), or when it must read after the lock (a retry of a group that may
         have committed, a retire's guarded update)."""
-        outcomes = await self._try_group(requests, locked=False)
+        remembered, self._first_try = self._first_try, False
+        outcomes = await self._try_group(requests, locked=False, remembered=remembered)
         if outcomes is None:
             for o in self.observers:
                 o.replanned()
@@ -316,17 +324,18 @@ class PostgresEventStore(BlobRows):
         assert outcomes is not None  # planned under the lock: nothing it read can change
         return outcomes
 
-    async def _try_group(self, requests: Sequence[AppendRequest], locked: bool) -> list[Outcome] | None:
-        """One transaction of the group, its plan read before the lock (`locked` False) or after it.
-        None when a plan read before the lock was stale at the lock, or needs reading after it: the
-        transaction then committed the carried rows alone (written again, as they are, by the next)."""
+    async def _try_group(self, requests: Sequence[AppendRequest], locked: bool,
+                         remembered: bool = False) -> list[Outcome] | None:
+        """One transaction of the group, its plan read before the lock (`locked` False) or after it, or
+        (`remembered`) made from memory where it can be, with no read at all. None when a plan made
+        before the lock was stale at the lock, or needs reading after it: the transaction then
+        committed the carried rows alone (written again, as they are, by the next)."""
         # No BEGIN, no COMMIT: in pipeline mode every statement up to the Sync that ends the pipeline
         # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
         async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
             try:
                 await self._write_carried(conn)
-                state, plan = await self._read_plan_inputs(conn, requests, locked)
-                written = self._plan(plan, state)
+                state, plan, written, from_memory = await self._planned(conn, requests, locked, remembered)
                 changes = [ch for e in written for ch in changes_for(e)]
                 if not locked and (plan.done or any(ch.guard for ch in changes)):
                     return None
@@ -340,6 +349,7 @@ class PostgresEventStore(BlobRows):
                     if await moved.fetchone() is None:
                         raise RuntimeError("a plan read after the log's lock was stale under it")
                     await apply_changes(conn, rest)
+                    self._remember(written, changes, state, 0)
             except BaseException:
                 # The Sync on the way out would commit what was sent so far: the connection goes
                 # instead, and the server rolls the transaction back.
@@ -348,7 +358,41 @@ class PostgresEventStore(BlobRows):
         if locked:
             return plan.outcomes(requests, 0)
         row = await moved.fetchone()
-        return None if row is None else plan.outcomes(requests, int(row[0]))
+        if row is None:
+            self._stale = plan.read if from_memory else None
+            return None
+        self._remember(written, changes, state, int(row[0]))
+        return plan.outcomes(requests, int(row[0]))
+
+    async def _planned(self, conn: psycopg.AsyncConnection[Any], requests: Sequence[AppendRequest], locked: bool,
+                       remembered: bool) -> tuple[LogState, _Plan, list[RecordedEvent], bool]:
+        """The group's plan and the events it writes, made from memory where it may be (the last: True),
+        else from a read before the lock or after it."""
+        guess = self._remembered_plan(requests) if remembered and not locked else None
+        if guess is not None:
+            return (*guess, True)
+        state, plan = await self._read_plan_inputs(conn, requests, locked)
+        return state, plan, self._plan(plan, state), False
+
+    def _remembered_plan(self, requests: Sequence[AppendRequest]) -> tuple[LogState, _Plan, list[RecordedEvent]] | None:
+        """The group planned from what this process remembers of the log, when it remembers all it needs
+        and the plan refuses nothing (a refusal is decided on a read)."""
+        params = _inputs(requests)
+        rows = self.plan_inputs.rows(params)
+        if rows is None:
+            return None
+        state, _ = _log_state(self.plan_inputs.position, rows)
+        plan = _Plan({}, {}, list(requests), self.plan_inputs.position, rows, params)
+        written = self._plan(plan, state)
+        if any(isinstance(o, RollbookError) for o in plan.planned):
+            return None
+        return state, plan, written
+
+    def _remember(self, written: list[RecordedEvent], changes: list[Change], state: LogState, delta: int) -> None:
+        """A committed group: its streams' heads, and the rollouts whose attempt rows it changed."""
+        self.plan_inputs.written({e.stream: state.streams[e.stream] for e in written},
+                                 {str(ch.key["rollout_id"]) for ch in changes if ch.table in ROLLOUT_TABLES},
+                                 state.position + delta)
 
     async def _read_plan_inputs(self, conn: psycopg.AsyncConnection[Any], requests: Sequence[AppendRequest],
                                 locked: bool) -> tuple[LogState, _Plan]:
@@ -362,6 +406,10 @@ class PostgresEventStore(BlobRows):
         if position != seen:  # an append committed while this one waited for the lock: read after it
             rows = await (await conn.execute(READ_HEADS, params)).fetchall()
         read = [tuple(r) for r in rows if r[0] != "l"]
+        if self._stale is not None and locked:
+            self.plan_inputs.differed(self._stale, read)
+        self._stale = None
+        self.plan_inputs.read(params, read, position)
         state, done = _log_state(position, read)
         earlier = await self._earlier(conn, done) if done and locked else {}
         return state, _Plan(done, earlier, [r for r in requests if r.key not in done], position, read, params)

@@ -115,11 +115,12 @@ def gym_process_env(work: Path, token: str) -> dict[str, str]:
 
 def profile(work: Path, groups: dict[str, int]) -> list[subprocess.Popen[bytes]]:
     """With ROLLBOOK_BENCH_PROFILE set, py-spy samples every server (and its children) while the collector
-    runs, into <work>/profile-<group>.txt (folded stacks; the work folder is kept)."""
+    runs (only the thread holding the GIL: a thread blocked on a socket is no CPU), into
+    <work>/profile-<group>.txt (folded stacks; the work folder is kept)."""
     if not os.environ.get("ROLLBOOK_BENCH_PROFILE"):
         return []
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "200",
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--gil", "--rate", "200",
                               "--format", "raw", "--output", str(work / f"profile-{name}.txt")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in groups.items() if name != "postgres" and not name.endswith(" alone")]

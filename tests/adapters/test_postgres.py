@@ -17,7 +17,7 @@ from adapters.postgres import PostgresEventStore
 from adapters.telemetry import Telemetry
 from engine.attempts import ATTEMPT_FENCED
 from engine.errors import StaleAttempt
-from engine.events import AppendRequest, NewEvent, chain_hash, encode_payload
+from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import rollout_stream
 from engine.log import append_one
 from tests.log_contract import LogContract, OpenStore, ev, start_attempt
@@ -128,18 +128,18 @@ async def test_the_head_is_the_last_committed_position_and_waits_for_no_append_i
 
 
 def interrupted(store: PostgresEventStore, meanwhile: Callable[[], Awaitable[object]]) -> list[bool]:
-    """Have `meanwhile` commit between `store`'s next read of what it plans from and its lock (as
-    another process would); the list records, per read from now on, whether it was taken after the lock."""
-    real, reads = store._read_plan_inputs, []
+    """Have `meanwhile` commit between `store`'s next plan (from a read, or from what it remembers) and its
+    lock, as another process would; the list records, per plan from now on, whether it was made after the lock."""
+    real, reads = store._planned, []
 
-    async def read(conn, requests, locked):  # type: ignore[no-untyped-def]
-        got = await real(conn, requests, locked)
+    async def planned(conn, requests, locked, remembered):  # type: ignore[no-untyped-def]
+        got = await real(conn, requests, locked, remembered)
         reads.append(locked)
         if len(reads) == 1:
             await meanwhile()
         return got
 
-    store._read_plan_inputs = read  # type: ignore[method-assign]
+    store._planned = planned  # type: ignore[method-assign]
     return reads
 
 
@@ -212,3 +212,75 @@ async def test_an_append_planned_before_other_streams_moved_the_head_is_written_
         row = await (await conn.execute("SELECT a.ended_position, h.fence_position FROM rollbook.attempt_state a, "
                                         "rollbook.log_head h WHERE a.rollout_id = 'pm'")).fetchone()
     assert row == (7, 7)
+
+
+def counted_reads(store: PostgresEventStore) -> list[bool]:
+    """Every read of what `store` plans from, from now on: whether it was taken after the lock."""
+    real, reads = store._read_plan_inputs, []
+
+    async def read(conn, requests, locked):  # type: ignore[no-untyped-def]
+        reads.append(locked)
+        return await real(conn, requests, locked)
+
+    store._read_plan_inputs = read  # type: ignore[method-assign]
+    return reads
+
+
+async def test_a_writer_plans_from_what_it_remembers_and_reads_only_what_it_cannot_know(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    """Its own stream's head after its own append, a rollout's attempts after a read: no read. A rollout
+    whose attempt rows its own append changed is read again; a new stream is taken as new."""
+    mine, _ = two_writers
+    reads = counted_reads(mine)
+    await start_attempt(mine, "mr", 0)  # the rollout is read, then changed by this append
+    for i in range(4):
+        await append_one(mine, ev("agent:mr:0", "turn", "mr", 0, i=i))
+    await append_one(mine, ev("fresh", n=1))  # never seen: taken as new, no read
+    assert reads == [False, False]  # the start, and the first turn (its rollout's attempt rows had changed)
+    turns = await mine.read_stream("agent:mr:0")
+    assert [e.stream_version for e in turns] == [1, 2, 3, 4] and [e.position for e in turns] == [2, 3, 4, 5]
+    previous = GENESIS_HASH
+    for e in turns:  # each hash chains from the one before, as a read-planned append writes them
+        assert e.hash == chain_hash(previous, e.stream, e.stream_version, e, encode_payload(e.data))
+        previous = e.hash
+
+
+async def test_a_stream_another_writer_moved_makes_the_plan_from_memory_stale_and_is_read_from_then_on(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    """Input: another writer appends to a stream this writer remembers the head of."""
+    mine, other = two_writers
+    await append_one(mine, ev("both", n=1))
+    await append_one(other, ev("both", n=2))
+    reads = counted_reads(mine)
+    written = await append_one(mine, ev("both", n=3))  # from memory: stale at the lock, planned again under it
+    assert reads == [True] and written.stream_version == 3
+    await append_one(mine, ev("both", n=4))
+    assert reads == [True, False]  # shared now: read before the lock, every time
+    assert [(e.writer, e.stream_version) for e in await mine.read_stream("both")] == \
+        [("mine", 1), ("other", 2), ("mine", 3), ("mine", 4)]
+
+
+async def test_an_attempt_fenced_by_another_writer_refuses_the_append_planned_from_memory(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    """Input: the coordinator fences an attempt this writer remembers live."""
+    agent, coordinator = two_writers
+    await start_attempt(agent, "mf", 0)
+    await append_one(agent, ev("agent:mf:0", "turn", "mf", 0, i=0))  # the rollout read again, remembered live
+    await append_one(coordinator, ev(rollout_stream("mf"), ATTEMPT_FENCED, "mf", 0, reason="restore"))
+    with pytest.raises(StaleAttempt):
+        await append_one(agent, ev("agent:mf:0", "turn", "mf", 0, i=1))
+    assert len(await agent.read_stream("agent:mf:0")) == 1
+
+
+async def test_a_refusal_is_never_decided_from_memory(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    """Input: an event of attempt 1, which another writer started after this one last read the rollout
+    (its memory knows attempt 0 only, so a plan from memory would refuse it)."""
+    agent, env = two_writers
+    await start_attempt(agent, "mn", 0)
+    await append_one(agent, ev("agent:mn:0", "turn", "mn", 0, i=0))
+    await append_one(env, ev(rollout_stream("mn"), ATTEMPT_FENCED, "mn", 0, reason="crash"))
+    await start_attempt(env, "mn", 1)
+    reads = counted_reads(agent)
+    written = await append_one(agent, ev("agent:mn:1", "turn", "mn", 1, i=0))
+    assert reads == [False] and written.attempt == 1

@@ -1,0 +1,97 @@
+"""What an append plans from, remembered from this process's own reads and writes.
+
+Every append plans from the rows READ_HEADS returns for its keys, streams and rollouts (adapters.postgres),
+and its writing statement checks, under the log's lock, that those rows are still what the log holds,
+writing nothing when they are not. So the rows need not be read before every append: a process that
+remembers them (the heads of the streams it wrote, the attempts of the rollouts it read) plans from
+memory, and skips the read and the round trip that waits for it. The database stays the judge: a
+remembered row another process has changed since makes the write find a difference, write nothing,
+and the group is planned again from a read under the lock. That costs a retry, never a wrong write;
+and a plan from memory that refuses a request is not trusted either (the refusal is decided on a read).
+
+What is taken without a read: a request's idempotency key is new (it is made per call of `append`; a
+retry of a group reads); a stream this process never saw has no head (a new call, session or episode
+stream). What is read every time: a rollout this process has not read since its own writes could have
+changed its attempts, and any stream or rollout that another process was found writing ("shared").
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from engine.log import StreamHead
+
+# One row of READ_HEADS: (what, name, n, m, status, digest).
+Row = tuple[Any, ...]
+# The tables whose rows READ_HEADS returns for a rollout ('a' and 'r' rows).
+ROLLOUT_TABLES = frozenset({"attempt_state", "rollout_state"})
+
+
+class PlanInputs:
+    """The rows READ_HEADS last returned, or this process last wrote, per stream and rollout."""
+
+    def __init__(self, max_entries: int = 65_536) -> None:
+        self.position = 0  # a log position at or before now: a plan from memory is moved from here when written
+        self._max = max_entries
+        self._heads: dict[str, Row | None] = {}
+        self._rollouts: dict[str, list[Row]] = {}
+        self._shared: set[str] = set()
+
+    def rows(self, inputs: dict[str, list[str]]) -> list[Row] | None:
+        """READ_HEADS's rows for these inputs as remembered; None when one must be read."""
+        out: list[Row] = []
+        for stream in inputs["streams"]:
+            if stream in self._shared:
+                return None
+            head = self._heads.get(stream)
+            if head is not None:
+                out.append(head)
+        for rollout in inputs["rollouts"]:
+            if rollout in self._shared or rollout not in self._rollouts:
+                return None
+            out.extend(self._rollouts[rollout])
+        return out
+
+    def read(self, inputs: dict[str, list[str]], rows: Sequence[Row], position: int) -> None:
+        """READ_HEADS returned `rows` for `inputs` at `position`."""
+        self._bound()
+        heads = {r[1]: r for r in rows if r[0] == "h"}
+        for stream in inputs["streams"]:
+            self._heads[stream] = heads.get(stream)
+        by_rollout: dict[str, list[Row]] = defaultdict(list)
+        for r in rows:
+            if r[0] in ("a", "r"):
+                by_rollout[r[1]].append(r)
+        for rollout in inputs["rollouts"]:
+            self._rollouts[rollout] = by_rollout.get(rollout, [])
+        self.position = max(self.position, position)
+
+    def written(self, heads: dict[str, StreamHead], rollouts: Iterable[str], position: int) -> None:
+        """This process's append committed: the streams' new heads; the rollouts whose attempt or retire
+        rows it changed are read again before the next plan (their new rows are the projections')."""
+        self._bound()
+        for stream, head in heads.items():
+            self._heads[stream] = ("h", stream, head.version, None, None, head.hash)
+        for rollout in rollouts:
+            self._rollouts.pop(rollout, None)
+        self.position = max(self.position, position)
+
+    def differed(self, remembered: Sequence[Row], read: Sequence[Row]) -> None:
+        """A plan from `remembered` was stale, and a read found `read`: the streams and rollouts whose rows
+        differ are written by another process too, and are read before every plan from now on."""
+        for row in set(remembered) ^ set(read):
+            name = row[1]
+            # A stream never seen was only taken as new: learning it exists is no sign of another writer.
+            if row[0] != "k" and (name in self._rollouts or self._heads.get(name) is not None):
+                self._shared.add(name)
+
+    def _bound(self) -> None:
+        if len(self._heads) + len(self._rollouts) + len(self._shared) >= self._max:
+            self._heads.clear()
+            self._rollouts.clear()
+            self._shared.clear()
+
+
+__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row"]
