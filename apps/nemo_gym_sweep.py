@@ -74,7 +74,8 @@ class Verdict:
     verdict: str  # seeds | cannot start | refused | no example
     reason: str = ""
     seconds: float = 0.0
-    crash: str = ""  # the crash check's verdict (apps/nemo_gym_conformance.py) where it ran: conforms | differs | failed
+    crash: str = ""  # the crash check's verdict (apps/nemo_gym_conformance.py) where it ran: conforms | differs |
+    # does not replay | failed
     crash_reason: str = ""
 
 

@@ -119,8 +119,11 @@ def tool_diverged(diverged: dict[str, Any]) -> AgentDiverged:
 
 def divergence(events: Iterable[RecordedEvent], rollout_id: str, attempt: int, activation: int) -> RecordedEvent | None:
     """The event that recorded `activation`'s divergence under `attempt` (a model call's `call_excluded`
-    or a tool call's `tool_call_diverged`), if it diverged."""
+    or a tool call's `tool_call_diverged`), or the attempt's session that could not be rebuilt by replay
+    (`session_replay_failed`), if either happened."""
     for e in events:
+        if e.kind == ev.SESSION_REPLAY_FAILED and e.attempt == attempt:
+            return e
         if e.kind == ev.CALL_EXCLUDED and e.data.get("reason") == DIVERGENCE_REASON \
                 and _activation_of(str(e.data.get("call_id")), rollout_id) == (attempt, activation):
             return e

@@ -320,6 +320,13 @@ SESSION_REPLAYED = _kind(
     need("tool_calls", "array", "the keys of the calls sent again, in order"),
     may("seconds", "number", "how long the seed and the replay took"),
 )
+SESSION_REPLAY_FAILED = _kind(
+    "session_replay_failed", SESSION, _RESOURCES,
+    "A relayed server's lost live session could not be rebuilt: a reply of the replay was not the recorded one "
+    "(the server does not replay). The call that needed it is refused and the rollout starts over from its "
+    "input; an agent of NeMo Gym's that called the server itself fails, and this says why.",
+    need("reason", "string", "replay_divergence"), need("detail", "string", "which call replied what"),
+)
 SESSION_VERIFIED = _kind(
     "session_verified", SESSION, _RESOURCES,
     "The session's final state is verified.",

@@ -37,7 +37,7 @@ from adapters.http_client import PeerTimeouts
 from adapters.openai_wire import responses_messages
 from engine.agent_replay import DIVERGENCE_REASON, calls_made, divergence
 from engine.boundaries import completed_activations
-from engine.catalog import ACTIVATION_CLAIMED, AGENT_BOUNDARY
+from engine.catalog import ACTIVATION_CLAIMED, AGENT_BOUNDARY, SESSION_REPLAY_FAILED
 from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable, RollbookError, VersionConflict
 from engine.events import AppendRequest, NewEvent
 from engine.identity import Key, agent_stream
@@ -234,6 +234,10 @@ class ExternalAgents:
             out = await driver.drive(p, key, index, opening, s.tools, req)
         except DriveFailed as exc:
             diverged = divergence(await p.store.read_rollout(*key), *key, index)
+            if diverged is not None and diverged.kind == SESSION_REPLAY_FAILED:
+                raise AttemptLost(f"{driver.table}.{name} failed after its session could not be rebuilt "
+                                  f"({diverged.data.get('detail')}): the rollout starts over from its input",
+                                  lost="divergence", reason=diverged.data.get("reason")) from None
             if diverged is not None:
                 at = diverged.data.get("call_id") or diverged.data.get("tool_call")  # a model call's, or a tool call's key
                 raise AttemptLost(f"{driver.table}.{name} diverged from its lineage at {at}: the "

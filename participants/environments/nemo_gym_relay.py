@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 
 from adapters.openai_wire import responses_object
 from engine import tool_replay
-from engine.catalog import SESSION_REPLAYED
+from engine.catalog import SESSION_REPLAY_FAILED, SESSION_REPLAYED
 from engine.errors import (
     AttemptLost,
     GymServerFailed,
@@ -449,8 +449,10 @@ async def ensure_live(s: Any, append: Appender) -> Live:
     try:
         live = await asyncio.to_thread(s.env.revive, s.task, list(s.state))
     except ReplayDivergence as exc:
+        # In the log, for whoever called: NeMo Gym's own agent sees only its call refused.
+        await append(s, SESSION_REPLAY_FAILED, {"reason": tool_replay.DIVERGENCE_REASON, "detail": exc.detail[:400]})
         raise AttemptLost(f"{where}: {exc.detail}", rollout_id=s.rollout_id, attempt=s.attempt,
-                          lost="divergence") from exc
+                          lost="divergence", reason=tool_replay.DIVERGENCE_REASON) from exc
     except LiveGone as exc:
         raise ParticipantUnavailable(f"{s.env.name}: its NeMo Gym server cannot be reached: {exc}") from exc
     # What was sent again, exactly: a stateless server is seeded afresh and gets none of the record.

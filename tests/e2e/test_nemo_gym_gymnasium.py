@@ -140,3 +140,37 @@ async def test_a_gymnasium_server_under_rollbooks_own_agent_fails_with_its_reaso
     assert fence and fence[0].data["code"] == "gym_server_failed", fence
     assert "gymnasium_agent" in fence[0].data["detail"] and fence[0].data["context"]["stage"] == "verify", fence[0].data
     assert not await c.rows("SELECT 1 FROM rollbook.attempts WHERE rollout_id LIKE 'own-%' AND status = 'finished'")
+
+
+async def test_a_gymnasium_server_that_deals_at_random_starts_its_rollouts_over_after_a_sigkill(
+        cluster_factory: Callable[..., Awaitable[Cluster]], gym_python: Path, tmp_path: Path) -> None:
+    """NeMo Gym's `blackjack` deals from an unseeded generator at `/reset`, so a live session lost to the
+    kill cannot be rebuilt by sending its reset again. Each rollout the kill met mid-hand records why
+    (`session_replay_failed`) and starts over from its input; gymnasium_agent's own failure (a 500 on its
+    `/run`, after its step was refused) is not taken as the agent's error, and every rollout finishes once."""
+    c = await gymnasium_cluster(cluster_factory, gym_python, tmp_path, server="blackjack")
+    work = [replace(t, task_id=f"{i}-{t.task_id}", agent="gymnasium")
+            for i, t in enumerate(example_tasks(gym_python, "gym_turns", "blackjack"))]
+    coll = c.collection("dealt", work, seed=3)
+    first = asyncio.create_task(coll.dispatch(c.session))
+
+    async def dealt() -> bool:  # hands dealt and not all played: the kill meets some mid-hand
+        return await c.scalar("SELECT count(*) FROM rollbook.events WHERE kind = 'mutation_applied' AND rollout_id "
+                              "LIKE 'dealt-%' AND data->>'tool' = 'reset'") >= 2
+    await c.wait_for("2 hands dealt", dealt, 120)
+    await c.crash(first)
+    await c.start()
+    await asyncio.wait_for(coll.dispatch(c.session), 300)
+    failed = await c.rows("SELECT rollout_id, data FROM rollbook.events WHERE kind = 'attempt_fenced' AND rollout_id "
+                          "LIKE 'dealt-%' AND data->>'reason' = 'failed'")
+    assert not failed, failed
+    rebuilds = await c.rows("SELECT DISTINCT rollout_id, attempt FROM rollbook.events WHERE kind = 'session_replay_failed' "
+                            "AND rollout_id LIKE 'dealt-%'")
+    assert rebuilds  # the kill met a hand in play, and its reset dealt other cards when sent again
+    over = {(r.rollout_id, r.attempt) for r in await c.rows(
+        "SELECT rollout_id, attempt FROM rollbook.events WHERE kind = 'rollout_recovered' AND rollout_id LIKE 'dealt-%' "
+        "AND data->>'disposition' = 'fresh_dispatch' AND data->>'reason' = 'replay_divergence'")}
+    assert {(r.rollout_id, r.attempt) for r in rebuilds} <= over, (rebuilds, over)
+    finished = await c.rows("SELECT rollout_id, count(*) FILTER (WHERE status = 'finished') AS n FROM rollbook.attempts "
+                            "WHERE rollout_id LIKE 'dealt-%' GROUP BY 1")
+    assert len(finished) == len(work) and all(r.n == 1 for r in finished), finished

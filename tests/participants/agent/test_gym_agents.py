@@ -57,6 +57,9 @@ def test_divergence_is_the_excluded_call_of_that_activation_with_reason_agent_di
     elsewhere = recorded(5, ev.TOOL_CALL_DIVERGED, "session:r:1", 1, tool_call="a1.s0", reason="agent_divergence")
     assert divergence([cut, elsewhere, tool], "r", 1, 0) is tool
     assert divergence([cut, tool], "r", 2, 0) is None  # another attempt's
+    rebuilt = recorded(6, ev.SESSION_REPLAY_FAILED, "session:r:1", 1, reason="replay_divergence", detail="call 0")
+    assert divergence([cut, rebuilt], "r", 1, 3) is rebuilt  # the attempt's session, whichever activation asks
+    assert divergence([cut, rebuilt], "r", 2, 0) is None
 
 
 def gym_agents(continuation: str) -> ExternalAgents:
@@ -219,5 +222,24 @@ async def test_an_agent_that_fails_after_one_of_its_tool_calls_diverged_loses_th
         with pytest.raises(AttemptLost, match="diverged from its lineage at a0.s1") as lost:
             await at(server).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
         assert lost.value.context["reason"] == "agent_divergence"
+    finally:
+        await server.close()
+
+
+async def test_an_agent_that_fails_after_its_session_could_not_be_rebuilt_starts_the_rollout_over(
+        memory_store: MemoryEventStore) -> None:
+    """Input: the agent answers 500 after the resources server could not rebuild its lost live session
+    (a server that draws at random on reset replied otherwise than recorded: `session_replay_failed`).
+    The rollout starts over from its input (`replay_divergence`), not failed as the agent's own error."""
+    await started(memory_store)
+    await memory_store.append(AppendRequest((NewEvent(
+        session_stream("r", 0), ev.SESSION_REPLAY_FAILED,
+        {"reason": "replay_divergence", "detail": "call 0 (reset, key a0.s0) replied 1a2b, the log recorded 3c4d"},
+        "r", 0),)))
+    server = await stub_agent(web.Response(status=500, text="Hit an exception calling an inner server"))
+    try:
+        with pytest.raises(AttemptLost, match="session could not be rebuilt .*call 0 \\(reset") as lost:
+            await at(server).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+        assert (lost.value.context["lost"], lost.value.context["reason"]) == ("divergence", "replay_divergence")
     finally:
         await server.close()
