@@ -25,6 +25,7 @@ import aiohttp
 
 from engine.capability import capability
 from engine.errors import ParticipantUnavailable, RollbookError
+from engine.events import loads
 
 # The paths every server mounts (participants.base.control_plane) and every client calls.
 PREFIX = "/rollbook/v1"
@@ -141,11 +142,11 @@ class JsonClient:
         try:
             async with self.session.request(method, url, json=body, headers=self._headers(headers),
                                             timeout=self.timeouts.for_url(url)) as resp:
-                raw = await resp.text()
+                raw = await resp.read()
                 try:
-                    data = json.loads(raw) if raw else None
-                except json.JSONDecodeError:
-                    data = raw  # a proxy's or a crashed handler's plain-text page
+                    data = loads(raw) if raw else None
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    data = raw.decode(errors="replace")  # a proxy's or a crashed handler's plain-text page
                 if resp.status >= 400:
                     raise error_from_reply(resp.status, data)
                 return data

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from engine.errors import InvalidPayload, PayloadTooLarge
 
 # Documented in docs/sql.md ("The log"): one event's data, as canonical JSON, may not exceed this.
@@ -109,10 +111,28 @@ def unescape_strings(value: Any) -> Any:
     return value
 
 
+# A run of this many digits may be an integer past 64 bits, which orjson would hand back as a float.
+_LONG_NUMBER, _LONG_NUMBER_BYTES = re.compile("[0-9]{19}"), re.compile(rb"[0-9]{19}")
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads, through orjson (several times faster) wherever that gives the same value. What orjson
+    refuses and json.loads alone reads (NaN, Infinity, a number past a double, a lone surrogate) goes to
+    json.loads, which decides; so does text with a run of 19 digits (an integer past 64 bits, which
+    orjson would read as a float)."""
+    long = _LONG_NUMBER_BYTES.search(text) if isinstance(text, bytes) else _LONG_NUMBER.search(text)
+    if long is None:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
+
+
 def load_stored_json(raw: str | bytes) -> Any:
     """How the store's reads turn JSONB text into values: only text that holds the escape is walked."""
     text = raw.decode() if isinstance(raw, bytes) else raw
-    value = json.loads(text)
+    value = loads(text)
     return unescape_strings(value) if STORE_ESCAPE in text else value
 
 

@@ -53,6 +53,7 @@ from engine.errors import (
     ParticipantUnavailable,
     ReplayDivergence,
 )
+from engine.events import loads
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -249,7 +250,7 @@ class Live:
                 raise LiveGone(f"{path}: {status} {text}")
             raise GymReplyError(path, status, text)
         try:
-            return json.loads(raw or b"null")
+            return loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise GymReplyError(path, status, raw.decode(errors="replace")[:BODY_SHOWN]) from None
 

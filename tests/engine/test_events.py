@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidPayload, PayloadTooLarge
@@ -25,6 +25,7 @@ from engine.events import (
     escape_strings,
     has_large_float,
     load_stored_json,
+    loads,
     stored_text,
     unescape_strings,
 )
@@ -142,3 +143,26 @@ def test_any_payload_is_stored_without_nul_or_lone_surrogates_and_read_back_as_i
     assert not any("\x00" in s for s in strings(json.loads(text)))  # JSONB refuses U+0000
     assert load_stored_json(text) == data
     assert load_stored_json(text.encode()) == data
+
+
+_ANY_NUMBER = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                        st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**19, 1e-7, 1e308, -0.0]))
+_ANY_TEXT = st.text(st.characters(codec=None, categories=None), max_size=12)  # NUL and lone surrogates among them
+_ANY_JSON = st.recursive(st.one_of(st.none(), st.booleans(), _ANY_NUMBER, _ANY_TEXT),
+                         lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_ANY_TEXT, inner, max_size=4)),
+                         max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_ANY_JSON, ascii_only=st.booleans())
+def test_loads_reads_any_text_as_json_loads_does(value: object, ascii_only: bool) -> None:
+    """Input: any value as Python's json writes it (integers past 64 bits, NaN, infinities, NUL and lone
+    surrogates, escaped or not), as text and as UTF-8 bytes where it has a UTF-8 spelling."""
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    expected = json.dumps(json.loads(text), sort_keys=True)
+    assert json.dumps(loads(text), sort_keys=True) == expected
+    try:
+        raw = text.encode()
+    except UnicodeEncodeError:  # a lone surrogate written as itself has no UTF-8 spelling
+        return
+    assert json.dumps(loads(raw), sort_keys=True) == expected

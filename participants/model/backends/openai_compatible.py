@@ -15,6 +15,7 @@ import aiohttp
 from adapters.http_client import unpooled_session
 from adapters.openai_wire import partial_message
 from engine.errors import ConfigError, GenerationFailed, UpstreamInvalid
+from engine.events import loads
 from engine.tokens import f32
 from participants.model.backends import BackendSettings, End, Event, Prefix, Start, Step, max_tokens
 
@@ -458,7 +459,7 @@ async def _sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, A
 
     def parse(event: str) -> dict[str, Any]:
         try:
-            chunk = json.loads(event)
+            chunk = loads(event)
         except json.JSONDecodeError as exc:
             raise GenerationFailed(f"the upstream stream sent an event that is not JSON: {event[:100]!r}") from exc
         if not isinstance(chunk, dict):
