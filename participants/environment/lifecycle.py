@@ -360,7 +360,18 @@ class EpisodeLifecycle(Participant):
     async def _verify(self, ep: Episode) -> dict[str, Any]:
         # The resources server reads the answer and the conversation from the log itself. The reward is
         # recorded here alone; everything after derives it from this step (engine.episodes.reward).
-        out = await self._post(ep, self.resources_peers, "/verify", {})
+        try:
+            out = await self._post(ep, self.resources_peers, "/verify", {})
+        except GymServerFailed as exc:
+            # A judge's model call lost with the model server that held it is refused as lost (attempt_lost),
+            # which the NeMo Gym server can only report as its own failure: the attempt was lost, not failed.
+            lost = [e for e in await self.store.read_rollout(ep.rollout_id, ep.attempt)
+                    if e.kind == ev.CALL_FAILED and e.data.get("lost")]
+            if not lost:
+                raise
+            raise AttemptLost(f"the verify of rollout {ep.rollout_id} attempt {ep.attempt} failed after its model call "
+                              f"{lost[-1].data.get('call_id')} was lost: {exc.detail}"[:600], rollout_id=ep.rollout_id,
+                              attempt=ep.attempt, lost="call", call_id=lost[-1].data.get("call_id")) from exc
         ep.closed_by_verify = ep.attempt if out.get("closed") else None
         return {"reward": float(out["reward"])}
 

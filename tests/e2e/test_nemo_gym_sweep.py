@@ -45,3 +45,13 @@ def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_aga
     assert killed, verdict.crash_reason
     at, of, rebuilt, restarted = map(int, killed.groups())
     assert 0 < at < of and rebuilt >= 1 and restarted == 0, verdict.crash_reason
+
+
+def test_a_judge_call_lost_with_the_killed_model_server_loses_the_attempt_rather_than_failing_it(dsn: str) -> None:
+    """NeMo Gym's `false_statement_judge` judges each answer with a model call of its own, made under the
+    rollout's capture path to rollbook's model server. Killed halfway (its judge's call in flight), the
+    rerun's verify asks that call again: the model server refuses it as lost with the process that held it,
+    the NeMo Gym server reports its verify failed (500), and the environment server, finding the lost call
+    in the attempt's log, continues the rollout under a new attempt instead of failing it."""
+    (verdict,), _ = sweep(["false_statement_judge"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
+    assert (verdict.verdict, verdict.crash) == ("seeds", "conforms"), verdict
