@@ -349,13 +349,13 @@ class PostgresEventStore(BlobRows):
                     if await moved.fetchone() is None:
                         raise RuntimeError("a plan read after the log's lock was stale under it")
                     await apply_changes(conn, rest)
-                    self._remember(written, changes, state, 0)
             except BaseException:
                 # The Sync on the way out would commit what was sent so far: the connection goes
                 # instead, and the server rolls the transaction back.
                 await conn.close()
                 raise
         if locked:
+            self._remember(written, changes, state, 0)  # committed: the Sync on the way out succeeded
             return plan.outcomes(requests, 0)
         row = await moved.fetchone()
         if row is None:
