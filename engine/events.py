@@ -115,18 +115,23 @@ def unescape_strings(value: Any) -> Any:
 _LONG_NUMBER, _LONG_NUMBER_BYTES = re.compile("[0-9]{19}"), re.compile(rb"[0-9]{19}")
 
 
-def loads(text: str | bytes) -> Any:
-    """json.loads, through orjson (several times faster) wherever that gives the same value. What orjson
-    refuses and json.loads alone reads (NaN, Infinity, a number past a double, a lone surrogate) goes to
-    json.loads, which decides; so does text with a run of 19 digits (an integer past 64 bits, which
-    orjson would read as a float)."""
+def orjson_value(text: str | bytes) -> tuple[bool, Any]:
+    """(True, the value) where orjson reads `text` as json.loads would, else (False, None): orjson refuses
+    what json.loads alone reads (NaN, Infinity, a number past a double, a lone surrogate), and reads an
+    integer past 64 bits as a float, so text with a run of 19 digits is not given to it."""
     long = _LONG_NUMBER_BYTES.search(text) if isinstance(text, bytes) else _LONG_NUMBER.search(text)
     if long is None:
         try:
-            return orjson.loads(text)
+            return True, orjson.loads(text)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(text)
+    return False, None
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads, through orjson (several times faster) wherever that gives the same value."""
+    fast, value = orjson_value(text)
+    return value if fast else json.loads(text)
 
 
 def load_stored_json(raw: str | bytes) -> Any:

@@ -30,18 +30,17 @@ import binascii
 import hmac
 import json
 import math
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.capability import PREFIX as CAPABILITY
 from engine.capability import capability_opens
 from engine.errors import Forbidden, InvalidJson, PayloadTooLarge, RollbookError, Unauthorized
+from engine.events import orjson_value
 from engine.identity import ATTEMPT_MAX, ATTEMPT_PATTERN, ID_PATTERN, MAX_ID_LENGTH
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -151,19 +150,13 @@ def _constant(text: str) -> Any:
     raise InvalidJson(f"{text} is not JSON")
 
 
-# A run of this many digits may be an integer past 64 bits, which orjson would hand back as a float.
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
-
-
 def parse_json(raw: bytes) -> Any:
     """Strict UTF-8 JSON within the bounds above, or InvalidJson."""
-    if _LONG_NUMBER.search(raw) is None:
-        try:
-            # orjson refuses what the rule refuses (bad UTF-8, NaN, a number that overflows a double) and
-            # a lone surrogate, which the rule keeps: all of those go the slow way below, which says why.
-            return _within_depth(orjson.loads(raw))
-        except orjson.JSONDecodeError:
-            pass
+    # What orjson does not read as json.loads would (NaN, a number past a double or past 64 bits, a lone
+    # surrogate, which the rule keeps) goes the slow way below, which says why it is refused, if it is.
+    fast, value = orjson_value(raw)
+    if fast:
+        return _within_depth(value)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
