@@ -256,6 +256,7 @@ def responses_object(rollout_id: str, messages: list[dict[str, Any]], usage: dic
 
 RESPONSES_IGNORED = frozenset({"metadata", "store", "user", "service_tier", "include_obfuscation"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+MEDIA_PARTS = frozenset({"input_image", "input_video"})
 
 
 class ResponsesRequest(BaseModel):
@@ -314,8 +315,10 @@ def responses_messages(items: str | list[dict[str, Any]], instructions: str | No
     model (its assistant messages and function calls, in a row) becomes one assistant message, its
     texts concatenated and its calls in order; a function call's output becomes a tool message; the
     instructions and the leading system or developer messages become one system message (chat
-    templates take one, first). Other messages' text parts are joined by a newline, as vLLM joins them
-    for a chat template that takes text; parts of any other kind are refused."""
+    templates take one, first); a reasoning item's summary opens the model's turn inside `<think>`
+    tags. A user message's text parts are joined by a newline, as vLLM joins them for a chat template
+    that takes text; one that holds an image or a video keeps its parts, as chat parts (`image_url`,
+    `video_url`). Parts of any other kind, and images anywhere else, are refused."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -333,14 +336,19 @@ def responses_messages(items: str | list[dict[str, Any]], instructions: str | No
             raise UnsupportedParameter(f"input[{n}]: an item must be an object, not {type(item).__name__}", param="input")
         kind = item.get("type") or ("message" if item.get("role") else None)
         role = item.get("role")
-        if kind == "function_call" or (kind == "message" and role == "assistant"):
+        if kind in ("function_call", "reasoning") or (kind == "message" and role == "assistant"):
             turn = turn or {"content": "", "tool_calls": []}
-            if kind == "message":
+            if kind == "reasoning":
+                turn["content"] += _thoughts(item, n)
+            elif kind == "message":
                 turn["content"] += "".join(_texts(item.get("content"), n)) if item.get("content") is not None else ""
             else:
                 turn["tool_calls"].append({"id": item.get("call_id"), "type": "function",
                                            "function": {"name": item.get("name"), "arguments": item.get("arguments")}})
-        elif kind == "message" and role in ("system", "developer", "user"):
+        elif kind == "message" and role == "user":
+            flush()
+            messages.append({"role": role, "content": _user_content(item.get("content"), n)})
+        elif kind == "message" and role in ("system", "developer"):
             flush()
             messages.append({"role": role, "content": _texts(item.get("content"), n)})
         elif kind == "function_call_output":
@@ -357,9 +365,45 @@ def responses_messages(items: str | list[dict[str, Any]], instructions: str | No
             leading.append("".join(messages.pop(0)["content"]))
         messages.insert(0, {"role": "system", "content": "\n\n".join(leading)})
     for m in messages:
-        if isinstance(m["content"], list):
+        if isinstance(m["content"], list) and all(isinstance(t, str) for t in m["content"]):
             m["content"] = "\n".join(m["content"])
     return messages
+
+
+def _thoughts(item: dict[str, Any], n: int) -> str:
+    """A reasoning item's summary texts, each in `<think>` tags, as NeMo Gym's converter hands a
+    model's earlier reasoning back to it."""
+    summary = item.get("summary") or []
+    if not isinstance(summary, list) or not all(isinstance(s, dict) and isinstance(s.get("text"), str) for s in summary):
+        raise UnsupportedParameter(f"input[{n}]: a reasoning item's summary must be a list of text parts", param="input")
+    return "".join(f"<think>{s['text']}</think>" for s in summary if s["text"])
+
+
+def _user_content(content: Any, n: int) -> str | list[Any]:
+    """A user message's content: its texts (`_texts`), or, when it holds an image or a video, its
+    parts as chat-completions parts (NeMo Gym's converter's `image_url` with its `detail`, `video_url`)."""
+    parts = content if isinstance(content, list) else None
+    if parts is None or not any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in parts):
+        return _texts(content, n)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            field = "image_url" if kind == "input_image" else "video_url"
+            url = part.get(field, part.get("video")) if kind == "input_video" else part.get(field)
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise UnsupportedParameter(f"input[{n}]: an {kind} part needs a non-empty {field} (a file_id has "
+                                           "no chat form)", param="input")
+            if kind == "input_video":
+                out.append({"type": "video_url", "video_url": {"url": url}})
+            elif part.get("detail") == "original":
+                raise UnsupportedParameter(f"input[{n}]: image detail 'original' has no chat form", param="input")
+            else:
+                out.append({"type": "image_url", "image_url": {"url": url, "detail": part.get("detail") or "auto"}})
+        else:
+            out.extend({"type": "text", "text": t} for t in _texts([part], n))
+    return out
 
 
 def _texts(content: Any, n: int) -> str | list[str]:
@@ -371,7 +415,8 @@ def _texts(content: Any, n: int) -> str | list[str]:
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise UnsupportedParameter(f"input[{n}]: a content part of type {kind!r} cannot be sent as chat text "
-                                       "(only input_text, output_text and text parts can)", param="input")
+                                       "(only input_text, output_text and text parts can, and images and "
+                                       "videos in a user message)", param="input")
         texts.append(part["text"])
     return texts
 

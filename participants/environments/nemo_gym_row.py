@@ -7,8 +7,9 @@ completions, so the same turning happens here, once, for every relayed environme
 - `input` (a string is one user message) as vllm_model turns it into chat messages, with the one
   conversion `/v1/responses` uses too (adapters.openai_wire.responses_messages): `instructions` and
   the leading system and developer messages become one system message; earlier function calls and
-  their outputs become assistant tool calls and tool messages; a message's text parts are joined; a
-  part of any other kind (an image, a file) is refused, not dropped.
+  their outputs become assistant tool calls and tool messages; a reasoning item opens the model's
+  turn in think tags; a message's text parts are joined, a user message's images and videos kept as
+  chat parts; a part of any other kind (a file) is refused, not dropped.
 - the function tools, as chat-completions tools;
 - `temperature`, `top_p`, `max_output_tokens` (as `max_tokens`), `tool_choice` and
   `parallel_tool_calls`, sent with every model call of the rollout and recorded with each.

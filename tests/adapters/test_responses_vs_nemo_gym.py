@@ -3,12 +3,13 @@
 `/v1/responses` and the relay's rows turn a Responses request into chat messages with
 `adapters.openai_wire`; NeMo Gym's vllm_model does it with `nemo_gym.responses_converter`. Both must
 hand a vLLM the same conversation. Each example is a batch of requests (instructions, string or item
-input: system, developer, user and assistant messages with text parts, function calls and their
-outputs, function tools, tool choices, output limits), each one NeMo Gym's request model admits
-(images are left out: NeMo Gym passes them on, rollbook refuses them); NeMo Gym's converter runs on the batch in its
-own Python (3.13, the cached NeMo Gym environment), ours here. Where NeMo Gym keeps a message's text
-parts as a list, vLLM joins them with a newline for a chat template that takes text, so the
-comparison does too. A request one side refuses, the other must refuse.
+input: system, developer, user and assistant messages with text parts, images in user messages,
+reasoning items, function calls and their outputs, function tools, tool choices, output limits),
+each one NeMo Gym's request model admits; NeMo Gym's converter runs on the batch in its own Python
+(3.13, the cached NeMo Gym environment), ours here. Where NeMo Gym keeps a message's text parts as a
+list, vLLM joins them with a newline for a chat template that takes text, so the comparison does
+too; a message with an image keeps its parts on both sides. A request one side refuses, the other
+must refuse.
 """
 
 from __future__ import annotations
@@ -43,12 +44,18 @@ print(json.dumps(out))
 
 text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 parts = st.lists(st.builds(lambda t, k: {"type": k, "text": t}, text, st.just("input_text")), min_size=1, max_size=3)
+image = st.builds(lambda u, d: {"type": "input_image", "image_url": u, "detail": d},  # NeMo Gym requires a detail
+                  st.sampled_from(["data:image/png;base64,AAAA", "https://example.invalid/a.png"]),
+                  st.sampled_from(["auto", "low", "high"]))
+with_images = st.lists(st.one_of(parts.map(lambda p: p[0]), image), min_size=1, max_size=3)
 call_ids = st.sampled_from(["c1", "c2", "call_x"])
 names = st.sampled_from(["add", "look", "send_email"])
 items = st.one_of(
     st.builds(lambda r, c: {"type": "message", "role": r, "content": c}, st.sampled_from(["system", "developer", "user"]),
               st.one_of(text, parts)),
-    st.builds(lambda c: {"role": "user", "content": c}, st.one_of(text, parts)),
+    st.builds(lambda c: {"role": "user", "content": c}, st.one_of(text, parts, with_images)),
+    st.builds(lambda ts: {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": t} for t in ts]},
+              st.lists(text, max_size=2)),
     st.builds(lambda t: {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
                          "content": [{"type": "output_text", "text": t, "annotations": []}]}, text),
     st.builds(lambda i, n, a: {"type": "function_call", "call_id": i, "name": n, "arguments": a}, call_ids, names,
@@ -72,7 +79,7 @@ def nemo_gym_converts(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def as_vllm_reads(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and all(p.get("type") == "text" for p in content):
         message = {**message, "content": "\n".join(p["text"] for p in content)}
     return {k: v for k, v in message.items() if v is not None}
 

@@ -11,7 +11,7 @@ from participants.environments.nemo_gym_relay import GymServer, register
 
 
 def test_a_row_the_chat_form_cannot_hold_is_the_callers_bad_input_with_its_code_not_an_internal_error() -> None:
-    """Input: a NeMo Gym row whose user message holds an image part (NeMo Gym's image_tools rows do)."""
+    """Input: a NeMo Gym row whose user message holds a file part (a chat message holds no file)."""
     register([GymServer("gym_pictures", "resources_servers.image_tools.app", "replay")])
     try:
         _refused_as_bad_input()
@@ -22,9 +22,9 @@ def test_a_row_the_chat_form_cannot_hold_is_the_callers_bad_input_with_its_code_
 def _refused_as_bad_input() -> None:
     row = {"responses_create_params": {"input": [
         {"role": "user", "content": [{"type": "input_text", "text": "What is in it?"},
-                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}}
+                                     {"type": "input_file", "file_id": "file-1"}]}]}}
     req = RunRequest(task=Task("gym_pictures", "0", "What is in it?", {"row": row}).to_json(), seed=1)
     with pytest.raises(InvalidRequest) as refused:
         fresh_session(("pictures", 0), 0, req)
     assert refused.value.status == 400 and refused.value.context["task_error"] == "bad_row"
-    assert "input_image" in refused.value.detail and "task 0 of gym_pictures" in refused.value.detail
+    assert "input_file" in refused.value.detail and "task 0 of gym_pictures" in refused.value.detail

@@ -35,11 +35,31 @@ def test_the_input_becomes_the_chat_messages_vllm_model_would_send() -> None:
     assert row_messages(row(input="What is 2 + 3?")) == [{"role": "user", "content": "What is 2 + 3?"}]
 
 
-def test_a_part_no_chat_text_holds_is_refused_naming_it() -> None:
-    """Input: a user message holding an image part."""
-    r = row(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}])
-    with pytest.raises(ToolError, match=r"input\[0\].*'input_image'"):
+def test_a_part_no_chat_message_holds_is_refused_naming_it() -> None:
+    """Input: a user message holding a file part (a chat message has no file part)."""
+    r = row(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}])
+    with pytest.raises(ToolError, match=r"input\[0\].*'input_file'"):
         row_messages(r)
+
+
+def test_an_image_row_and_its_reasoning_reach_the_model_as_nemo_gym_sends_them() -> None:
+    """Input: circle_click's shape (a user message with text and an image) after a reasoning item and
+    an answer: the image stays a chat image part beside its text, the reasoning opens the assistant
+    turn in think tags."""
+    r = row(input=[{"role": "system", "content": "Click the circle."},
+                   {"role": "user", "content": [{"type": "input_text", "text": "Where is it?"},
+                                                {"type": "input_image", "image_url": "data:image/png;base64,AA",
+                                                 "detail": "high"}]},
+                   {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "left side"}]},
+                   {"role": "assistant", "content": "(3, 4)"},
+                   {"role": "user", "content": "Again."}])
+    assert row_messages(r) == [
+        {"role": "system", "content": "Click the circle."},
+        {"role": "user", "content": [{"type": "text", "text": "Where is it?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA",
+                                                                         "detail": "high"}}]},
+        {"role": "assistant", "content": "<think>left side</think>(3, 4)"},
+        {"role": "user", "content": "Again."}]
 
 
 def test_sampling_parameters_take_their_chat_names() -> None:

@@ -126,8 +126,11 @@ async def test_the_upstream_gets_the_turn_as_chat_messages_and_no_empty_tools(st
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input_image"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f1"}]}]}, "input_file"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "file_id"),
+    ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input_image"),
+    ({"input": [{"type": "reasoning", "summary": "thought"}]}, "reasoning"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"tools": [{"type": "web_search"}]}, "web_search"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"stream": True}, "stream"),
