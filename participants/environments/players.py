@@ -375,15 +375,27 @@ def _words(prompt: str) -> str:
     return quoted[0] if quoted else " ".join(prompt.split()[-3:]) or "x"
 
 
-def _value(schema: Any, prompt: str, depth: int = 0) -> Any:
+def schema_value(schema: Any, prompt: str) -> Any:
+    """A value of JSON schema `schema` (its local `$ref`s resolved against its `$defs`), built from the
+    schema and the prompt alone: what a structured-output answer or a tool's arguments hold."""
+    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})} if isinstance(schema, dict) else {}
+    return _value(schema, prompt, 0, defs)
+
+
+def _value(schema: Any, prompt: str, depth: int = 0, defs: dict[str, Any] | None = None) -> Any:
     """A value of JSON schema `schema`, built from the schema and the prompt alone: the first of an
-    enum, the prompt's first quoted phrase (else its last words) for a string, its first number for a
+    enum, false for a boolean, the prompt's first quoted phrase (else its last words) for a string, its first number for a
     number, one item for an array, the required fields (else the first) for an object."""
-    if not isinstance(schema, dict) or depth > 4:
+    if not isinstance(schema, dict) or depth > 6:
         return _words(prompt)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and defs and ref.rsplit("/", 1)[-1] in defs:
+        return _value(defs[ref.rsplit("/", 1)[-1]], prompt, depth + 1, defs)
+    if "const" in schema:
+        return schema["const"]
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            return _value(schema[key][0], prompt, depth + 1)
+            return _value(schema[key][0], prompt, depth + 1, defs)
     if isinstance(schema.get("enum"), list) and schema["enum"]:
         return schema["enum"][0]
     kind = schema.get("type")
@@ -394,20 +406,22 @@ def _value(schema: Any, prompt: str, depth: int = 0) -> Any:
     if kind == "number":
         return float(number.group()) if number else 1.0
     if kind == "boolean":
-        return True
+        return False  # the cautious answer: a flag a judge raises usually needs others to agree
     if kind == "array":
-        return [_value(schema.get("items"), prompt, depth + 1)]
+        return [_value(schema.get("items"), prompt, depth + 1, defs)]
     if kind == "object" or "properties" in schema:
-        return _arguments(schema, prompt, depth + 1)
+        return _arguments(schema, prompt, depth + 1, defs)
+    if kind == "null":
+        return None
     return _words(prompt)
 
 
-def _arguments(schema: Any, prompt: str, depth: int = 0) -> dict[str, Any]:
+def _arguments(schema: Any, prompt: str, depth: int = 0, defs: dict[str, Any] | None = None) -> dict[str, Any]:
     properties = schema.get("properties") if isinstance(schema, dict) else None
     if not isinstance(properties, dict) or not properties:
         return {}
     required = [k for k in schema.get("required") or [] if k in properties] or list(properties)[:1]
-    return {k: _value(properties[k], prompt, depth) for k in required}
+    return {k: _value(properties[k], prompt, depth, defs) for k in required}
 
 
 def _schema_move(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:

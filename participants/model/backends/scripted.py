@@ -28,6 +28,7 @@ from participants.environments.players import (
     Player,
     _history,
     _transcript,
+    schema_value,
     text_of,
 )
 from participants.model.backends import (
@@ -73,6 +74,20 @@ def scripted_reply(messages: list[dict], tools: list[dict], seed: int) -> dict:
 
 
 
+def _output_schema(request: dict[str, Any]) -> Any:
+    """The JSON schema the reply must hold: False for free text, {} for any JSON object, None for a
+    response_format the scripted model cannot honour."""
+    fmt = request.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return False
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    return schema if isinstance(schema, dict) else None
+
+
 def _stops(request: dict[str, Any]) -> list[str]:
     stop = request.get("stop")
     return [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
@@ -82,7 +97,8 @@ class ScriptedBackend:
     """Deterministic: the reply is scripted_reply(messages, tools, seed), emitted token by token with
     the ids and logprobs of adapters.scripted_tokenizer. It is greedy: `temperature` and `top_p` do
     not change its choice (they are recorded with the call), `max_tokens` / `max_completion_tokens`
-    and `stop` are honoured, `response_format` other than text is refused.
+    and `stop` are honoured; a `response_format` json_schema is answered with a value of its schema
+    (`players.schema_value`), json_object with an object, any other is refused.
 
     `latency_s` is paid once before the first token, `token_latency_s` before each step, so tests
     can hold a call in flight long enough to cut it."""
@@ -100,15 +116,20 @@ class ScriptedBackend:
         return cls(latency_s=s.latency_s, token_latency_s=s.token_latency_s, policy_version=s.policy_version or "scripted-v1")
 
     def check(self, request: dict[str, Any]) -> None:
-        fmt = request.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        if _output_schema(request) is None:
+            fmt = request.get("response_format")
             raise UnsupportedParameter(
-                f"response_format {fmt.get('type')!r} cannot be honoured by the scripted backend (it cannot constrain "
-                "its output); use the openai_compatible backend", param="response_format")
+                f"response_format {fmt!r} cannot be honoured by the scripted backend (it answers a json_schema with "
+                "a schema and json_object); use the openai_compatible backend", param="response_format")
 
     def reply(self, request: dict[str, Any]) -> dict[str, Any]:
         seed = request.get("seed")
-        return scripted_reply(list(request.get("messages") or []), list(request.get("tools") or []), int(seed or 0))
+        messages = list(request.get("messages") or [])
+        schema = _output_schema(request)
+        if schema not in (False, None):  # structured output, as a judge asks for it: a value of its schema
+            prompt = next((text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+            return {"role": "assistant", "content": json.dumps(schema_value(schema, prompt), sort_keys=True)}
+        return scripted_reply(messages, list(request.get("tools") or []), int(seed or 0))
 
     def plan(self, request: dict[str, Any]) -> tuple[list[int], list[Step], str]:
         """The whole generation: prompt ids, the steps, the finish reason."""

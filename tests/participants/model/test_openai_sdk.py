@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -68,14 +69,14 @@ async def test_sampling_parameters_pass_through_to_the_upstream_and_logprobs_com
         async with sdk(store, backend, tokens, "s1") as (client, _):
             reply = await client.chat.completions.create(
                 model="fake-policy", messages=MATH, max_tokens=5, temperature=0.3, top_p=0.9, stop=["zzz"], seed=7,
-                logprobs=True, top_logprobs=2, response_format={"type": "json_object"}, **call("s1.0.t0"))
+                logprobs=True, top_logprobs=2, response_format={"type": "text"}, **call("s1.0.t0"))
             capped = await client.chat.completions.create(model="fake-policy", messages=MATH, max_completion_tokens=3,
                                                           **call("s1.0.t1"))
         await backend.close()
     sent = fake.requests[0]
     assert {k: sent[k] for k in ("max_tokens", "temperature", "top_p", "stop", "seed", "top_logprobs", "response_format")} == {
         "max_tokens": 5, "temperature": 0.3, "top_p": 0.9, "stop": ["zzz"], "seed": 7, "top_logprobs": 2,
-        "response_format": {"type": "json_object"}}
+        "response_format": {"type": "text"}}
     assert fake.requests[1]["max_completion_tokens"] == 3
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and reply.usage is not None and reply.usage.completion_tokens == 5
@@ -94,14 +95,41 @@ async def test_the_scripted_backend_honours_max_tokens_and_stop(store, tokens) -
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].message.content == "12 + 30"
 
 
-@pytest.mark.parametrize("kwargs,needle", [({"n": 3}, "n=3"), ({"response_format": {"type": "json_object"}}, "response_format"),
-                                           ({"top_logprobs": 2}, "top_logprobs needs logprobs")])
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"n": 3}, "n=3"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),  # no schema
+    ({"response_format": {"type": "grammar", "grammar": "root ::= 'a'"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs")])
 async def test_a_parameter_that_cannot_be_honoured_is_a_400_that_says_so(store, tokens, kwargs, needle) -> None:
     async with sdk(store, ScriptedBackend(), tokens, "s3") as (client, _):
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model="scripted", messages=MATH, **kwargs, **call("s3.0.t0"))
     assert needle in info.value.message and info.value.code == "unsupported_parameter"
     assert await store.read_stream(call_stream("s3.0.t0")) == []  # refused before anything was recorded
+
+
+async def test_a_judge_asking_for_structured_output_gets_a_value_of_its_schema(store, tokens) -> None:
+    """Input: the SDK's `parse` with a pydantic model whose schema has a nested model ($defs/$ref), an
+    enum in an anyOf and a nullable field (the shape of NeMo Gym's bbq judge), then json_object."""
+    from pydantic import BaseModel
+
+    class Evidence(BaseModel):
+        quote: str
+        certain: bool
+
+    class Judgment(BaseModel):
+        selected_answer: Literal["uncertain", "the doctor"] | None
+        evidence: Evidence
+        score: int
+
+    async with sdk(store, ScriptedBackend(), tokens, "s5") as (client, _):
+        parsed = await client.beta.chat.completions.parse(model="scripted", messages=MATH, response_format=Judgment,
+                                                          **call("s5.0.t0"))
+        anything = await client.chat.completions.create(model="scripted", messages=MATH,
+                                                        response_format={"type": "json_object"}, **call("s5.0.t1"))
+    judged = parsed.choices[0].message.parsed
+    assert isinstance(judged, Judgment) and judged.selected_answer == "uncertain" and judged.score == 12
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
 
 
 async def test_a_stream_sends_deltas_as_they_are_generated_and_usage_when_asked(store, tokens) -> None:
