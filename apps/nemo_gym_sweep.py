@@ -97,6 +97,11 @@ def needs(folder: Path) -> tuple[str, ...]:
     models = sorted({k for k, _ in _refs(entry, "responses_api_models")})
     if models:
         out.append("a model server: " + ", ".join(models))
+    agents = entry.get("allowed_agents") if isinstance(entry, dict) else None
+    if isinstance(agents, list) and agents and not {"simple_agent", "gymnasium_agent"} & set(map(str, agents)):
+        out.append("its own agent: " + ", ".join(map(str, agents)))
+    if isinstance(entry, dict) and entry.get("sandbox_provider"):
+        out.append(f"a sandbox provider: {entry['sandbox_provider']}")
     source = "\n".join(p.read_text(errors="replace") for p in folder.glob("*.py"))
     if "ray_enabled = False" not in source:
         out.append("ray")

@@ -40,9 +40,13 @@ def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     params = row["responses_create_params"]
     instructions = params.get("instructions") if isinstance(params.get("instructions"), str) else None
     try:
-        return responses_messages(params.get("input") or [], instructions)
+        messages = responses_messages(params.get("input") or [], instructions)
     except UnsupportedParameter as exc:
         raise ToolError("bad_row", f"responses_create_params.{exc.detail}") from None
+    if not messages:  # scicode's rows: its own agent writes the prompt from the row's other fields
+        raise ToolError("bad_row", "responses_create_params.input is empty: the row holds no message to send the "
+                                   "model (a server whose own agent writes the prompt needs that agent)")
+    return messages
 
 
 def row_sampling(row: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from apps.nemo_gym_sweep import sweep, table
+from apps.nemo_gym_install import install
+from apps.nemo_gym_sweep import needs, sweep, table
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,6 +33,17 @@ def test_the_sweep_starts_and_seeds_each_server_and_says_why_one_cannot() -> Non
     text = table(verdicts, wall)
     assert text.startswith(f"6 servers in {wall:.0f} s: 5 seeds, 1 cannot start.")
     assert "| `example_multi_turn_gymnasium` | gymnasium |  | seeds |  |" in text
+
+
+def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
+    """NeMo Gym's `scicode` (only its scicode_agent writes a prompt from its rows, which hold no input),
+    `scale_swe` (a sandbox provider its config names) and `swe_pivot` and `blackjack` (agents rollbook
+    drives: neither is named)."""
+    python, _ = install()
+    site = next(python.parent.parent.glob("lib/python3*/site-packages")) / "resources_servers"
+    assert "its own agent: scicode_agent" in needs(site / "scicode")
+    assert {"its own agent: opencode_sandboxed_agent", "a sandbox provider: sandbox"} <= set(needs(site / "scale_swe"))
+    assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
 
 
 def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_against_an_uninterrupted_run(

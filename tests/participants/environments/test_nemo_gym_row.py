@@ -42,6 +42,13 @@ def test_a_part_no_chat_message_holds_is_refused_naming_it() -> None:
         row_messages(r)
 
 
+def test_a_row_with_no_input_is_refused_saying_its_agent_writes_the_prompt() -> None:
+    """Input: scicode's row shape, `responses_create_params.input` an empty list."""
+    with pytest.raises(ToolError, match="input is empty") as refused:
+        row_messages(row(input=[]))
+    assert refused.value.code == "bad_row"
+
+
 def test_an_image_row_and_its_reasoning_reach_the_model_as_nemo_gym_sends_them() -> None:
     """Input: circle_click's shape (a user message with text and an image) after a reasoning item and
     an answer: the image stays a chat image part beside its text, the reasoning opens the assistant
