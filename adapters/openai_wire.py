@@ -275,6 +275,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_output_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    reasoning: dict[str, Any] | None = None
     stream: bool = False
 
     def chat_request(self) -> ChatRequest:
@@ -287,6 +288,12 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {"messages": responses_messages(self.input, self.instructions)}
         body.update({k: v for k, v in (("model", self.model), ("temperature", self.temperature), ("top_p", self.top_p),
                                        ("max_tokens", self.max_output_tokens), ("seed", self.seed)) if v is not None})
+        reasoning = {k: v for k, v in (self.reasoning or {}).items() if v is not None}
+        if set(reasoning) - {"effort"}:  # as NeMo Gym's converter: only the effort has a chat form
+            raise UnsupportedParameter(f"reasoning {sorted(set(reasoning) - {'effort'})} have no chat-completions form",
+                                       param="reasoning")
+        if "effort" in reasoning:
+            body["reasoning_effort"] = reasoning["effort"]
         if self.tools:  # an empty list is no tools: vLLM refuses `"tools": []`
             body["tools"] = [_chat_tool(t) for t in self.tools]
             if self.parallel_tool_calls is not None:

@@ -147,7 +147,7 @@ def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None
         try:
             python = server_python(python, name)[0]
         except ConfigError as exc:
-            return Verdict(name, "", needs(site / "resources_servers" / name), "cannot install", exc.detail)
+            return Verdict(name, "", needs(site / "resources_servers" / name), "cannot install", str(exc))
     seeded = _seed(python, site, name, timeout_s)
     if crash_dsn is None or seeded.verdict != "seeds" or work is None:
         return seeded

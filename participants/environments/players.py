@@ -438,6 +438,24 @@ def _schema_move(prompt: str, history: list[Step], tools: list[dict], seed: int)
     return Answer(_failed(last) or (json.dumps(last, sort_keys=True)[:200] if last is not None else "Done."))
 
 
+_TAG_EXAMPLE = re.compile(r"<([A-Za-z_][\w-]{0,30})>([^<>\n]{1,40})</\1>")
+
+
+def tagged_answer(messages: list[dict], seed: int) -> Answer | None:
+    """The answer to instructions that show the reply's format as tagged examples (gymnasium-style
+    servers: "reply with one of <action>Up</action>, <action>Down</action>, ..."): one of the examples
+    of the first tag shown, chosen by the seed and the turn, as a model that follows the format would;
+    None when the instructions show none."""
+    shown = [m for msg in messages if msg.get("role") in ("system", "developer", "user")
+             for m in _TAG_EXAMPLE.finditer(text_of(msg.get("content")))]
+    if not shown:
+        return None
+    tag = shown[0].group(1)
+    options = list(dict.fromkeys(m.group(2) for m in shown if m.group(1) == tag))
+    turn = sum(1 for msg in messages if msg.get("role") == "assistant")
+    return Answer(f"<{tag}>{options[(seed + turn) % len(options)]}</{tag}>")
+
+
 # After every environment's own player: any request that offers tools.
 SCHEMA = Player(900, lambda names, prompt: bool(names - {None}), _schema_move)
 # The last resort: any request no other player recognises.

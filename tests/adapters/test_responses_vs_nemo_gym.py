@@ -4,7 +4,8 @@
 `adapters.openai_wire`; NeMo Gym's vllm_model does it with `nemo_gym.responses_converter`. Both must
 hand a vLLM the same conversation. Each example is a batch of requests (instructions, string or item
 input: system, developer, user and assistant messages with text parts, images in user messages,
-reasoning items, function calls and their outputs, function tools, tool choices, output limits),
+reasoning items, function calls and their outputs, function tools, tool choices, output limits,
+reasoning effort and summary),
 each one NeMo Gym's request model admits; NeMo Gym's converter runs on the batch in its own Python
 (3.13, the cached NeMo Gym environment), ours here. Where NeMo Gym keeps a message's text parts as a
 list, vLLM joins them with a newline for a chat template that takes text, so the comparison does
@@ -68,7 +69,10 @@ tools = st.lists(st.builds(lambda n, strict: {"type": "function", "name": n, "st
 requests = st.fixed_dictionaries({"input": st.one_of(text.filter(bool), st.lists(items, min_size=1, max_size=6))},
                                  optional={"instructions": text.filter(bool), "tools": tools,
                                            "tool_choice": st.sampled_from(["auto", "none", "required"]),
-                                           "max_output_tokens": st.integers(1, 64)})
+                                           "max_output_tokens": st.integers(1, 64),
+                                           "reasoning": st.fixed_dictionaries(
+                                               {"effort": st.sampled_from([None, "low", "high"])},
+                                               optional={"summary": st.sampled_from([None, "auto"])})})
 
 
 def nemo_gym_converts(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,3 +111,4 @@ def test_a_vllm_gets_the_conversation_nemo_gym_would_give_it(batch: list[dict[st
         assert [as_vllm_reads(m) for m in got["messages"]] == [as_vllm_reads(m) for m in want["messages"]], request
         assert got.get("tools") == want.get("tools") and got.get("max_tokens") == want.get("max_tokens"), request
         assert got.get("tool_choice") == want.get("tool_choice"), request
+        assert got.get("reasoning_effort") == want.get("reasoning_effort"), request

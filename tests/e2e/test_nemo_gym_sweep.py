@@ -46,6 +46,13 @@ def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
     assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
 
 
+def test_a_server_whose_requirements_do_not_install_says_so_in_its_row() -> None:
+    """Input: NeMo Gym's `tales`, whose requirements.txt names a git URL (no network here): with
+    `--install` its row says `cannot install` and pip's reason, and the sweep goes on."""
+    (verdict,), _ = sweep(["tales"], parallel=1, say=lambda _line: None, apart=True)
+    assert verdict.verdict == "cannot install" and "tale-suite" in verdict.reason, verdict
+
+
 def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_against_an_uninterrupted_run(
         dsn: str) -> None:
     """NeMo Gym's `example_multi_step` (its tools called by the scripted model): killed mid-run, every

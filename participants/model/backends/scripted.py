@@ -29,6 +29,7 @@ from participants.environments.players import (
     _history,
     _transcript,
     schema_value,
+    tagged_answer,
     text_of,
 )
 from participants.model.backends import (
@@ -65,6 +66,8 @@ def scripted_reply(messages: list[dict], tools: list[dict], seed: int) -> dict:
     else:
         player = next(p for p in players() if p.recognizes(tool_names, prompt))
         action = player.move(prompt, history, tools, seed)
+        if player is STRING and not tool_names - {None}:
+            action = tagged_answer(messages, seed) or action
     if isinstance(action, Answer):
         return {"role": "assistant", "content": action.text}
     digest = hashlib.sha256(json.dumps([messages, tools, seed], sort_keys=True, default=str).encode()).hexdigest()

@@ -3,11 +3,14 @@
 Run with NeMo Gym's Python, by rollbook's launcher (participants/environments/nemo_gym_launcher.py),
 from this folder's parent on sys.path. It imports a sibling module as a top-level one (as NeMo Gym's
 `calendar` and `citation_if` do), declares config fields of its own (one required, set by its
-configs/*.yaml), needs a row field in its seed (as `example_session_state_mgmt` does), and has a
+configs/*.yaml), sees no module of the launcher's own folder (`ng_run` puts none of its own on
+sys.path: grl_tetris's `import gymnasium` must find gymnasium, not rollbook's module of that name),
+needs a row field in its seed (as `example_session_state_mgmt` does), and has a
 tool for each way a reply goes wrong: plain text (as `citation_if`'s), a 500 from a live process,
 and a process that dies mid-call.
 """
 
+import importlib.util
 import os
 
 from fastapi import Request
@@ -23,6 +26,9 @@ from nemo_gym.base_resources_server import (
 from nemo_gym.server_utils import SESSION_ID_KEY
 from pydantic import BaseModel, ConfigDict
 from sibling import TERMINAL  # a sibling module: importable only with this folder on sys.path
+
+if importlib.util.find_spec("nemo_gym_launcher") is not None:
+    raise ImportError("the launcher's own folder is on sys.path: its modules shadow the server's imports")
 
 
 class ConfiguredResourcesServerConfig(BaseResourcesServerConfig):

@@ -78,3 +78,20 @@ def test_any_schema_gets_json_arguments_without_an_error(parameters: Any, prompt
     assert isinstance(move, Call) and isinstance(move.arguments, dict)
     json.dumps(move.arguments)
     assert SCHEMA.move(prompt, [], tools, 0) == move
+
+
+SOKOBAN = ("You are a Sokoban-solving assistant. Reply with exactly one move each turn using one of <action>Up</action>, "
+           "<action>Down</action>, <action>Left</action>, or <action>Right</action>.")  # grl_sokoban's example row
+
+
+def test_instructions_that_show_a_tagged_reply_format_are_answered_in_it_turn_by_turn() -> None:
+    """Input: grl_sokoban's system message (no tools), over three turns of its gymnasium agent; then a
+    prompt that shows no tagged format, which gets the last resort's answer."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SOKOBAN}, {"role": "user", "content": "Solve it."}]
+    moves = []
+    for _ in range(3):
+        reply = scripted_reply(messages, [], 1)
+        moves.append(reply["content"])
+        messages += [reply, {"role": "user", "content": "#__P#\n"}]
+    assert moves == ["<action>Down</action>", "<action>Left</action>", "<action>Right</action>"]
+    assert "<" not in scripted_reply([{"role": "user", "content": "Tell me a story."}], [], 1)["content"]
