@@ -47,7 +47,7 @@ import yaml
 from adapters.database import prepare_database
 from apps.nemo_gym_conformance import conformance
 from apps.nemo_gym_install import install, server_python, server_requirements
-from apps.processes import free_port
+from apps.processes import free_port, reap_on_signal
 from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
 from participants.environments import gymnasium
@@ -237,6 +237,8 @@ def _cell(text: str) -> str:
 
 def _sweep(args: argparse.Namespace) -> int:
     crash_dsn = prepare_database(args.dsn) if args.crash else None
+    # After the database is up: an embedded PostgreSQL outlives the sweep; no server it starts does.
+    reap_on_signal()
     verdicts, wall = sweep(args.server, args.parallel, lambda line: print(line, file=sys.stderr, flush=True), crash_dsn,
                            args.install)
     text = table(verdicts, wall)

@@ -167,3 +167,44 @@ def worker_pids(front_pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == front_pid and b"--worker-of" in argv:
                 out.append(int(entry.name))
     return sorted(out)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "(comm)", which may hold spaces
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def reap_on_signal() -> None:
+    """Make every process this one starts end with it on SIGTERM or SIGINT, however deep, even where
+    it left its parent's process group (each server has a group of its own) or lost its parent: this
+    process becomes their reaper (PR_SET_CHILD_SUBREAPER), and the signal SIGKILLs all it finds below."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+    def end(signum: int, _frame: object) -> None:
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, end)
+    signal.signal(signal.SIGINT, end)

@@ -7,12 +7,19 @@ resolved to rollbook's model server), and one whose requirements the install lac
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from apps.nemo_gym_install import install
 from apps.nemo_gym_sweep import needs, sweep, table
+from apps.processes import descendants
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +58,38 @@ def test_a_server_whose_requirements_do_not_install_says_so_in_its_row() -> None
     `--install` its row says `cannot install` and pip's reason, and the sweep goes on."""
     (verdict,), _ = sweep(["tales"], parallel=1, say=lambda _line: None, apart=True)
     assert verdict.verdict == "cannot install" and "tale-suite" in verdict.reason, verdict
+
+
+def test_a_sweep_stopped_with_sigterm_leaves_no_server_behind() -> None:
+    """Input: SIGTERM to `rollbook nemo-gym sweep` while NeMo Gym's `example_multi_step` runs under it
+    (its server in a process group and session of its own, as every server the sweep starts)."""
+    install()
+    sweep_proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "nemo-gym", "sweep", "--server", "example_multi_step"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, below = time.monotonic() + 120, []
+    while time.monotonic() < deadline and not any(_launcher(p) for p in below):
+        time.sleep(0.1)
+        below = descendants(sweep_proc.pid)
+    assert any(_launcher(p) for p in below), "the NeMo Gym server never started"
+    sweep_proc.send_signal(signal.SIGTERM)
+    assert sweep_proc.wait(30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    assert [p for p in below if _alive(p)] == []
+
+
+def _launcher(pid: int) -> bool:
+    try:
+        return b"nemo_gym_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_against_an_uninterrupted_run(
