@@ -197,9 +197,9 @@ def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted
     if pip.returncode != 0:
         said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
         # pip's own account of a conflict ("The user requested pandas==2.0.0", "... (constraint) pandas==3.1.1"),
-        # else its errors.
+        # else its errors and those of the tools it ran (git's "fatal: unable to access ...").
         shown = [line for line in said if line.startswith("The user requested") or " depends on " in line] \
-            or [line for line in said if line.startswith("ERROR")] or said[-3:]
+            or [line for line in said if line.startswith(("ERROR", "fatal:"))] or said[-3:]
         raise ConfigError(f"NeMo Gym server {name}: its requirements ({', '.join(wanted)}) do not install into {venv}: "
                           + " / ".join(shown[-8:])[:1500],
                           "change the server's requirements.txt, or run it from a NeMo Gym environment of its own "

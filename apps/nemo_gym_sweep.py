@@ -138,8 +138,24 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+# What a process says when it reached for the network and found none (this machine has only package
+# registries): a name that does not resolve, a host it cannot reach, Hugging Face's offline refusal.
+OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
+                     r"Failed to establish a new connection|Max retries exceeded|LocalEntryNotFoundError|"
+                     r"couldn't connect to '?https?://|Could not resolve host")
+
+
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
                timeout_s: float = START_TIMEOUT_S, apart: bool = False) -> Verdict:
+    """`_tried`'s verdict, with "network" among its needs where its failure shows it reached for the network."""
+    verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
+    if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
+        return replace(verdict, needs=(*verdict.needs, "network"))
+    return verdict
+
+
+def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Path | None, timeout_s: float,
+           apart: bool) -> Verdict:
     """Start server `name` as rollbook's relay does and seed a live session with its first example row;
     with `crash_dsn`, a server that seeds then goes through the crash check on that database's server.
     With `apart`, a server with requirements runs in an environment of its own holding them."""

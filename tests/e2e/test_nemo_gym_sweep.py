@@ -53,11 +53,18 @@ def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
     assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
 
 
+def test_a_server_that_reaches_for_the_network_at_start_needs_the_network() -> None:
+    """Input: NeMo Gym's `bird_sql`, which downloads its databases when it starts (no network here)."""
+    (verdict,), _ = sweep(["bird_sql"], parallel=1, say=lambda _line: None)
+    assert verdict.verdict == "cannot start" and "network" in verdict.needs, verdict
+
+
 def test_a_server_whose_requirements_do_not_install_says_so_in_its_row() -> None:
     """Input: NeMo Gym's `tales`, whose requirements.txt names a git URL (no network here): with
     `--install` its row says `cannot install` and pip's reason, and the sweep goes on."""
     (verdict,), _ = sweep(["tales"], parallel=1, say=lambda _line: None, apart=True)
     assert verdict.verdict == "cannot install" and "tale-suite" in verdict.reason, verdict
+    assert "network" in verdict.needs, verdict  # git's own line says it could not reach github.com
 
 
 def test_a_sweep_stopped_with_sigterm_leaves_no_server_behind() -> None:
