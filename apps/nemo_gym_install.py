@@ -121,9 +121,16 @@ def _build(venv: Path, python: Path | None) -> tuple[Path, float]:
 
 
 def requirement_lines(text: str) -> list[str]:
-    """A requirements.txt's requirements, less comments, blank lines and NeMo Gym itself."""
+    """A requirements.txt's requirements, less comments, blank lines and NeMo Gym itself (by name, or as
+    the checkout two folders up that a server's requirements name it by: `-e ../../`)."""
     lines = [line.split(" #")[0].strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
-    return [line for line in lines if line and not re.match(r"^(-e\s+)?nemo[-_]gym\b", line, re.IGNORECASE)]
+    return [line for line in lines
+            if line and not re.match(r"^(-e\s+)?(nemo[-_]gym\b|\.\./\.\.(/|$|-e\b))", line, re.IGNORECASE)]
+
+
+def requirement_name(line: str) -> str:
+    """The distribution a requirement line names, normalized (`Foo_Bar[x]>=1` -> `foo-bar`)."""
+    return re.split(r"[<>=!~\[; @]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
 def server_folder(venv: Path, name: str) -> tuple[Path, str]:
@@ -171,7 +178,7 @@ def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
     subprocess.run([str(python), "-m", "venv", str(layer)], check=True, capture_output=True)
     sites = sorted(base.glob("lib/python3*/site-packages"))
     (next(layer.glob("lib/python3*/site-packages")) / "rollbook_nemo_gym.pth").write_text("".join(f"{p}\n" for p in sites))
-    added = _requirements_into(own, layer, folder, name, wanted)
+    added = _requirements_into(own, layer, folder, name, wanted, own=True)
     _imports(own, folder, module, name)
     (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
     return own, added, time.monotonic() - t0
@@ -182,7 +189,8 @@ def server_requirements(folder: Path) -> list[str]:
     return requirement_lines((folder / "requirements.txt").read_text()) if (folder / "requirements.txt").exists() else []
 
 
-def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted: list[str]) -> list[str]:
+def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted: list[str], own: bool = False
+                       ) -> list[str]:
     """pip installs the server's requirements (`wanted`) into `python`'s environment, constrained to the
     pinned list; what it installed (none when they were installed already)."""
     marker = venv / "servers" / f"{folder.name}.txt"
@@ -191,9 +199,16 @@ def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted
         return []
     constraints = venv / "servers" / "constraints.txt"
     constraints.parent.mkdir(exist_ok=True)
-    constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r)]) + "\n")
+    # The pins keep NeMo Gym's own stack as installed. In an environment of the server's own, not where
+    # the server names a package itself: ng_run builds each server's environment from its own
+    # requirements, so there the server's pin wins (in a shared environment it is a conflict, named).
+    named = {requirement_name(w) for w in wanted} if own else set()
+    constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r and requirement_name(r) not in named)])
+                           + "\n")
+    # From the server's folder: its requirements name their local paths relative to it (`-e ./pocketshell`).
     pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-                          "--constraint", str(constraints), *wanted], capture_output=True, text=True, timeout=3600)
+                          "--constraint", str(constraints), *_pip_args(wanted)], capture_output=True, text=True, timeout=3600,
+                         cwd=folder)
     if pip.returncode != 0:
         said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
         # pip's own account of a conflict ("The user requested pandas==2.0.0", "... (constraint) pandas==3.1.1"),
@@ -206,6 +221,11 @@ def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted
                           "(`python` in its table)")
     marker.write_text(digest)
     return wanted
+
+
+def _pip_args(wanted: list[str]) -> list[str]:
+    """Requirement lines as pip's arguments: an editable one (`-e ./pocketshell[pcre]`) is two."""
+    return [arg for w in wanted for arg in (["-e", w[2:].strip()] if re.match(r"-e\s", w) else [w])]
 
 
 def _imports(python: Path, folder: Path, module: str, name: str) -> None:

@@ -33,6 +33,9 @@ def test_a_requirements_file_less_nemo_gym_itself_comments_and_blank_lines() -> 
     assert nemo_gym_install.requirement_lines(IFBENCH) == [
         "setuptools<71", "absl-py", "tqdm>=4.66.0", "https://example.org/en_core_web_sm-3.8.0-py3-none-any.whl"]
     assert nemo_gym_install.requirement_lines("nemo_gym==0.7.0\nNeMo-Gym[dev]\n") == []
+    # arc_agi's: NeMo Gym as the checkout two folders up, its newline lost
+    assert nemo_gym_install.requirement_lines("-e ../../-e nemo-gym[dev] @ ../../\n-e ../..\n../../\n") == []
+    assert nemo_gym_install.requirement_name("Foo_Bar[x]>=1.0 ; python_version>'3'") == "foo-bar"
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +110,20 @@ def test_servers_whose_requirements_conflict_each_run_apart_in_an_environment_of
     assert version(old, "pandas") == version(python, "pandas") == "3.1.1"  # the installed environment behind its own
     assert nemo_gym_install.server_python(python, str(folders[0]))[1:] == ([], 0.0)  # built once
     assert nemo_gym_install.server_python(python, str(folders[2]))[0] == python  # nothing of its own: the installed one
+
+
+def test_a_servers_own_pin_wins_in_its_own_environment_and_its_local_paths_resolve_from_its_folder(
+        python: Path, tmp_path: Path) -> None:
+    """Input: code_gen's shape (a pin of a package the installed environment pins otherwise: code_gen's is
+    numpy, here tqdm 4.66.1 against 4.70.1) and browsecomp_advanced_harness's (`-e ./pocketshell`, a package in the server's folder)."""
+    folder = tmp_path / "own_pin_server"
+    (folder / "localpkg" / "localpkg").mkdir(parents=True)
+    (folder / "localpkg" / "localpkg" / "__init__.py").write_text("WHERE = 'local'\n")
+    (folder / "localpkg" / "pyproject.toml").write_text(
+        '[project]\nname = "localpkg"\nversion = "0.1"\n[build-system]\nrequires = ["setuptools"]\n'
+        'build-backend = "setuptools.build_meta"\n')
+    (folder / "requirements.txt").write_text("-e nemo-gym[dev] @ ../../\ntqdm==4.66.1\n-e ./localpkg\n")
+    (folder / "app.py").write_text("import tqdm, localpkg\n")
+    own, added, _ = nemo_gym_install.server_python(python, str(folder))
+    assert added == ["tqdm==4.66.1", "-e ./localpkg"] and version(own, "localpkg") == "0.1"
+    assert (version(own, "tqdm"), version(python, "tqdm")) == ("4.66.1", "4.70.1")
