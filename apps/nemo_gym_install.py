@@ -18,10 +18,12 @@ a requirement that needs another version fails, naming the server and pip's acco
 Then the server's module is imported as the launcher imports it, and one that still cannot import
 says why in one line. A server installed once is not installed again while its requirements are the same.
 
-`--server NAME --apart` installs them into an environment of the server's own instead, layered over
-that one (a `.pth` puts its packages behind the server's), as `ng_run` gives each server its own: two
-servers whose requirements conflict each get theirs, and the command prints the Python to name as the
-table's `python`. `rollbook nemo-gym sweep --install` runs every server so.
+`--server NAME --apart` installs them into an environment of the server's own instead, as `ng_run`
+gives each server its own: layered over NeMo Gym with everything it declares (built once, over the
+installed one; a `.pth` puts each layer's packages behind the next), so a server that imports one of
+NeMo Gym's own dependencies (ray's msgpack, mcp, anthropic) finds it, and two servers whose
+requirements conflict each get theirs. The command prints the Python to name as the table's
+`python`. `rollbook nemo-gym sweep --install` runs every server so.
 
 A user with a NeMo Gym checkout of their own does not need this: `python` and `paths` in the
 `[nemo_gym.<name>]` table point at it (docs/nemo-gym.md).
@@ -157,27 +159,56 @@ def install_server(python: Path, name: str) -> tuple[list[str], float]:
     return added, time.monotonic() - t0
 
 
+def nemo_gym_python(python: Path) -> Path:
+    """The Python of NeMo Gym with all it declares (`nemo-gym[dev] @ ../../`, the first line of every
+    server's requirements.txt, as ng_run installs it into each server's environment): an environment
+    over the installed one (a `.pth` puts those packages behind its own) holding what nemo-gym depends on
+    and the installed one lacks (MLflow, datasets, ray's own dependencies, mcp, anthropic, ...),
+    constrained to the pinned list. Built once, about 600 MB."""
+    base = python.parent.parent
+    layer = base.parent / f"{base.name}-nemo-gym"
+    own = layer / "bin" / "python"
+    if (layer / "complete").exists():
+        return own
+    with open(base.parent / ".nemo-gym-layer.lock", "w") as lock:  # the sweep's threads build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (layer / "complete").exists():
+            t0 = time.monotonic()
+            shutil.rmtree(layer, ignore_errors=True)
+            _layered(python, layer, [base])
+            _requirements_into(own, layer, layer, "nemo-gym", [NEMO_GYM])
+            (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
+    return own
+
+
+def _layered(python: Path, layer: Path, under: list[Path]) -> None:
+    """A virtual environment at `layer` whose Python also sees the packages of the environments `under`
+    (in that order, behind its own)."""
+    subprocess.run([str(python), "-m", "venv", str(layer)], check=True, capture_output=True)
+    sites = [site for env in under for site in sorted(env.glob("lib/python3*/site-packages"))]
+    (next(layer.glob("lib/python3*/site-packages")) / "rollbook_nemo_gym.pth").write_text("".join(f"{p}\n" for p in sites))
+
+
 def server_python(python: Path, name: str) -> tuple[Path, list[str], float]:
-    """A Python for server `name` alone: an environment of its own over the installed one (whose packages
-    a `.pth` puts behind its own), holding the server's requirements, so that servers whose requirements
-    conflict each run with theirs. Built once per set of requirements; the installed one's Python itself
-    for a server that names none. (its Python, what was installed, the seconds it took)"""
+    """A Python for server `name` alone, as ng_run gives each server an environment of its own: NeMo Gym
+    with all it declares (`nemo_gym_python`), and over it the server's own requirements, so that servers
+    whose requirements conflict each run with theirs. Built once per set of requirements; NeMo Gym's
+    own Python for a server that names none. (its Python, what was installed, the seconds it took)"""
     base = python.parent.parent
     folder, module = server_folder(base, name)
     wanted = server_requirements(folder)
+    full = nemo_gym_python(python)
     if not wanted:
-        return python, [], 0.0
+        return full, [], 0.0
     # One per server folder and requirements: a folder of one's own with the same name is another server.
-    key = hashlib.sha256("\n".join([str(folder), *wanted]).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\n".join([str(full), str(folder), *wanted]).encode()).hexdigest()[:12]
     layer = base.parent / f"{base.name}-servers" / f"{folder.name}-{key}"
     own = layer / "bin" / "python"
     if (layer / "complete").exists():
         return own, [], 0.0
     t0 = time.monotonic()
     shutil.rmtree(layer, ignore_errors=True)
-    subprocess.run([str(python), "-m", "venv", str(layer)], check=True, capture_output=True)
-    sites = sorted(base.glob("lib/python3*/site-packages"))
-    (next(layer.glob("lib/python3*/site-packages")) / "rollbook_nemo_gym.pth").write_text("".join(f"{p}\n" for p in sites))
+    _layered(python, layer, [full.parent.parent, base])
     added = _requirements_into(own, layer, folder, name, wanted, own=True)
     _imports(own, folder, module, name)
     (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")

@@ -109,7 +109,10 @@ def test_servers_whose_requirements_conflict_each_run_apart_in_an_environment_of
     assert (version(old, "toml"), version(new, "toml")) == ("0.10.1", "0.10.2")
     assert version(old, "pandas") == version(python, "pandas") == "3.1.1"  # the installed environment behind its own
     assert nemo_gym_install.server_python(python, str(folders[0]))[1:] == ([], 0.0)  # built once
-    assert nemo_gym_install.server_python(python, str(folders[2]))[0] == python  # nothing of its own: the installed one
+    # nothing of its own: NeMo Gym with all it declares, which code_fim's and the other ray users' `msgpack` is part of
+    plain = nemo_gym_install.server_python(python, str(folders[2]))[0]
+    assert plain == nemo_gym_install.nemo_gym_python(python) and imports(plain, "msgpack") and not imports(python, "msgpack")
+    assert imports(old, "msgpack")  # a server's own environment is over it
 
 
 def test_a_servers_own_pin_wins_in_its_own_environment_and_its_local_paths_resolve_from_its_folder(
