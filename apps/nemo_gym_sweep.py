@@ -46,7 +46,7 @@ import yaml
 
 from adapters.database import prepare_database
 from apps.nemo_gym_conformance import conformance
-from apps.nemo_gym_install import install, server_python, server_requirements
+from apps.nemo_gym_install import install, requirement_name, server_python, server_requirements
 from apps.processes import free_port, reap_on_signal
 from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
@@ -89,7 +89,7 @@ def needs(folder: Path) -> tuple[str, ...]:
     out = []
     wanted = server_requirements(folder)
     if wanted:
-        out.append("requirements: " + ", ".join(re.split(r"[<>=!~\[; ]", w, maxsplit=1)[0] for w in wanted))
+        out.append("requirements: " + ", ".join(requirement_name(re.sub(r"^-e\s+", "", w)) for w in wanted))
     try:  # its entry in its own configs/*.yaml, found as the launcher finds it
         entry = own_config(str(folder), folder.name, "resources_servers")
     except yaml.YAMLError:
@@ -145,12 +145,17 @@ OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resol
                      r"couldn't connect to '?https?://|Could not resolve host")
 
 
+KEY_NEEDED = re.compile(r"references '(\w*api_key)', which is not set")
+
+
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
                timeout_s: float = START_TIMEOUT_S, apart: bool = False) -> Verdict:
     """`_tried`'s verdict, with "network" among its needs where its failure shows it reached for the network."""
     verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
     if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
         return replace(verdict, needs=(*verdict.needs, "network"))
+    if key := KEY_NEEDED.search(verdict.reason):  # a service's key its config leaves to the operator
+        return replace(verdict, needs=(*verdict.needs, f"network: a service's {key.group(1)}"))
     return verdict
 
 

@@ -59,6 +59,16 @@ def test_a_server_that_reaches_for_the_network_at_start_needs_the_network() -> N
     assert verdict.verdict == "cannot start" and "network" in verdict.needs, verdict
 
 
+def test_a_server_whose_config_leaves_a_services_key_to_the_operator_needs_that_service() -> None:
+    """Input: NeMo Gym's `browsecomp_advanced_harness` with its requirements installed (one of them a
+    package in its own folder, `-e ./pocketshell[pcre]`): its config's `${tavily_api_key}`, a web
+    search service's key, is unset."""
+    (verdict,), _ = sweep(["browsecomp_advanced_harness"], parallel=1, say=lambda _line: None, apart=True)
+    assert verdict.verdict == "cannot start" and "tavily_api_key" in verdict.reason, verdict
+    assert "network: a service's tavily_api_key" in verdict.needs, verdict
+    assert "requirements: tavily-python, ./pocketshell" in verdict.needs, verdict
+
+
 def test_a_server_whose_requirements_do_not_install_says_so_in_its_row() -> None:
     """Input: NeMo Gym's `tales`, whose requirements.txt names a git URL (no network here): with
     `--install` its row says `cannot install` and pip's reason, and the sweep goes on."""
