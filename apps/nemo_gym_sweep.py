@@ -145,7 +145,9 @@ OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resol
                      r"couldn't connect to '?https?://|Could not resolve host")
 
 
-KEY_NEEDED = re.compile(r"references '(\w*api_key)', which is not set")
+# A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):
+# the `[nemo_gym.<name>]` table's `config` gives the field that names it.
+UNSET = re.compile(r"references '(\w+)', which is not set")
 
 
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
@@ -154,8 +156,10 @@ def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None
     verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
     if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
         return replace(verdict, needs=(*verdict.needs, "network"))
-    if key := KEY_NEEDED.search(verdict.reason):  # a service's key its config leaves to the operator
-        return replace(verdict, needs=(*verdict.needs, f"network: a service's {key.group(1)}"))
+    if unset := UNSET.search(verdict.reason):  # a value its config leaves to the operator (NeMo Gym's env.yaml)
+        key = unset.group(1)
+        need = f"network: a service's {key}" if key.endswith("api_key") else f"a value its config leaves unset: {key}"
+        return replace(verdict, needs=(*verdict.needs, need))
     return verdict
 
 
