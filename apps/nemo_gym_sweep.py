@@ -142,7 +142,7 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
 # registries): a name that does not resolve, a host it cannot reach, Hugging Face's offline refusal.
 OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
                      r"Failed to establish a new connection|Max retries exceeded|LocalEntryNotFoundError|"
-                     r"couldn't connect to '?https?://|Could not resolve host")
+                     r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'")
 
 
 # A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):
