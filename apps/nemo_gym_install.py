@@ -223,22 +223,24 @@ def server_requirements(folder: Path) -> list[str]:
 def _requirements_into(python: Path, venv: Path, folder: Path, name: str, wanted: list[str], own: bool = False
                        ) -> list[str]:
     """pip installs the server's requirements (`wanted`) into `python`'s environment, constrained to the
-    pinned list; what it installed (none when they were installed already)."""
+    pinned list (`own`: to NeMo Gym's declarations alone); what it installed (none when they were installed
+    already)."""
     marker = venv / "servers" / f"{folder.name}.txt"
     digest = hashlib.sha256("\n".join(wanted).encode()).hexdigest()
     if not wanted or (marker.exists() and marker.read_text() == digest):
         return []
     constraints = venv / "servers" / "constraints.txt"
     constraints.parent.mkdir(exist_ok=True)
-    # The pins keep NeMo Gym's own stack as installed. In an environment of the server's own, not where
-    # the server names a package itself: ng_run builds each server's environment from its own
-    # requirements, so there the server's pin wins (in a shared environment it is a conflict, named).
-    named = {requirement_name(w) for w in wanted} if own else set()
-    constraints.write_text("\n".join([NEMO_GYM, *(r for r in REQUIREMENTS if "==" in r and requirement_name(r) not in named)])
-                           + "\n")
+    # In a shared environment the pins keep NeMo Gym's stack as installed (a requirement that needs
+    # another version is a conflict, named). In an environment of the server's own, only NeMo Gym and
+    # what it declares bind, as when ng_run resolves `nemo-gym[dev]` with the server's requirements: a
+    # package the server needs at another version goes into its layer, in front of the one below.
+    pins = [] if own else [r for r in REQUIREMENTS if "==" in r]
+    constraints.write_text("\n".join([NEMO_GYM, *pins]) + "\n")
+    args = _pip_args([*wanted, NEMO_GYM] if own else wanted)
     # From the server's folder: its requirements name their local paths relative to it (`-e ./pocketshell`).
     pip = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-                          "--constraint", str(constraints), *_pip_args(wanted)], capture_output=True, text=True, timeout=3600,
+                          "--constraint", str(constraints), *args], capture_output=True, text=True, timeout=3600,
                          cwd=folder)
     if pip.returncode != 0:
         said = [line.strip() for line in (pip.stdout + pip.stderr).splitlines() if line.strip()]
