@@ -118,15 +118,17 @@ def test_servers_whose_requirements_conflict_each_run_apart_in_an_environment_of
 def test_a_servers_own_pin_wins_in_its_own_environment_and_its_local_paths_resolve_from_its_folder(
         python: Path, tmp_path: Path) -> None:
     """Input: code_gen's shape (a pin of a package the installed environment pins otherwise: code_gen's is
-    numpy, here tqdm 4.66.1 against 4.70.1) and browsecomp_advanced_harness's (`-e ./pocketshell`, a package in the server's folder)."""
+    numpy, here tqdm 4.66.1 against 4.70.1; cvdp's, pydantic 2.13.4, whose pydantic-core is pinned otherwise) and browsecomp_advanced_harness's (`-e ./pocketshell`, a package in the server's folder)."""
     folder = tmp_path / "own_pin_server"
     (folder / "localpkg" / "localpkg").mkdir(parents=True)
     (folder / "localpkg" / "localpkg" / "__init__.py").write_text("WHERE = 'local'\n")
     (folder / "localpkg" / "pyproject.toml").write_text(
         '[project]\nname = "localpkg"\nversion = "0.1"\n[build-system]\nrequires = ["setuptools"]\n'
         'build-backend = "setuptools.build_meta"\n')
-    (folder / "requirements.txt").write_text("-e nemo-gym[dev] @ ../../\ntqdm==4.66.1\n-e ./localpkg\n")
+    (folder / "requirements.txt").write_text("-e nemo-gym[dev] @ ../../\ntqdm==4.66.1\npydantic==2.13.4\n-e ./localpkg\n")
     (folder / "app.py").write_text("import tqdm, localpkg\n")
     own, added, _ = nemo_gym_install.server_python(python, str(folder))
-    assert added == ["tqdm==4.66.1", "-e ./localpkg"] and version(own, "localpkg") == "0.1"
+    assert added == ["tqdm==4.66.1", "pydantic==2.13.4", "-e ./localpkg"] and version(own, "localpkg") == "0.1"
     assert (version(own, "tqdm"), version(python, "tqdm")) == ("4.66.1", "4.70.1")
+    # cvdp's shape: what its pin depends on moves too (pydantic 2.13.4 needs pydantic-core 2.46.4, pinned 2.50.5)
+    assert (version(own, "pydantic-core"), version(python, "pydantic-core")) == ("2.46.4", "2.50.5")
