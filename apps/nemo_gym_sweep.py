@@ -100,8 +100,9 @@ def needs(folder: Path) -> tuple[str, ...]:
     agents = entry.get("allowed_agents") if isinstance(entry, dict) else None
     if isinstance(agents, list) and agents and not {"simple_agent", "gymnasium_agent"} & set(map(str, agents)):
         out.append("its own agent: " + ", ".join(map(str, agents)))
-    if isinstance(entry, dict) and entry.get("sandbox_provider"):
-        out.append(f"a sandbox provider: {entry['sandbox_provider']}")
+    provider = entry.get("sandbox_provider") if isinstance(entry, dict) else None
+    if provider:  # a reference to a top-level block, or the block itself (its provider's name the key)
+        out.append("a sandbox provider: " + (", ".join(map(str, provider)) if isinstance(provider, dict) else str(provider)))
     source = "\n".join(p.read_text(errors="replace") for p in folder.glob("*.py"))
     if "ray_enabled = False" not in source:
         out.append("ray")
@@ -142,7 +143,7 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
 # registries): a name that does not resolve, a host it cannot reach, Hugging Face's offline refusal.
 OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
                      r"Failed to establish a new connection|Max retries exceeded|LocalEntryNotFoundError|"
-                     r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'")
+                     r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'|NLTK Downloader")
 
 
 # A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):

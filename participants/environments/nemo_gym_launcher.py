@@ -108,12 +108,36 @@ def checked(module: str, name: str, entry: dict, overrides: dict, table: str = "
     merged = {**entry, **overrides}
     from pydantic import ValidationError
 
+    values, pending = resolved_values(merged)
     try:
-        config_cls.model_validate({**merged, "name": name})
+        config_cls.model_validate({**values, "name": name})
     except ValidationError as exc:
-        said = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in exc.errors())
-        raise Refused(f"{table}.{name}: {config_cls.__name__} of {module} refuses its config: {said}") from None
+        # A field that names another part of the config (`${policy_base_url}`) is NeMo Gym's to resolve,
+        # once the whole config is built, and to refuse: it names what is missing itself.
+        errors = [e for e in exc.errors() if not (e["loc"] and e["loc"][0] in pending)]
+        if errors:
+            said = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in errors)
+            raise Refused(f"{table}.{name}: {config_cls.__name__} of {module} refuses its config: {said}") from None
     return merged
+
+
+def resolved_values(entry: dict) -> tuple:
+    """(the entry with each field's interpolations resolved as NeMo Gym's OmegaConf will resolve them,
+    the fields that name other parts of the config and resolve only within it). The entry itself goes
+    to NeMo Gym unresolved: `${oc.env:NEMO_SKILLS_SANDBOX_PORT,6000}` is 6000 for the validation, and
+    still follows the environment when the server starts."""
+    from omegaconf import OmegaConf
+
+    values, pending = {}, set()
+    for key, value in entry.items():
+        if "${" not in json.dumps(value):
+            values[key] = value
+            continue
+        try:
+            values[key] = OmegaConf.to_container(OmegaConf.create({"v": value}), resolve=True)["v"]
+        except Exception:  # noqa: BLE001 - OmegaConf's own errors: an interpolation of the whole config
+            values[key], pending = value, pending | {key}
+    return values, pending
 
 
 def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment

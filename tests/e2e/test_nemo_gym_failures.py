@@ -140,6 +140,16 @@ def test_the_servers_own_config_is_merged_with_the_tables_overrides(environment:
     assert env.call_live(live, "show", {}).output == {"greeting": "from its own yaml", "step": 3, "bonus": 40, "value": 1}
 
 
+def test_a_field_its_config_takes_from_the_environment_is_checked_as_nemo_gym_resolves_it(
+        environment: Callable[..., NemoGymEnvironment]) -> None:
+    """Input: `step = "${oc.env:ROLLBOOK_NO_SUCH_VARIABLE,5}"` (an int field, its value an interpolation
+    with a default, as math_formal_lean's `sandbox_port` and litmus_agent's tolerances are)."""
+    env = environment("gym_from_env", CONFIGURED, overrides=json.dumps({"step": "${oc.env:ROLLBOOK_NO_SUCH_VARIABLE,5}"}))
+    assert env.process.check() is None
+    live = env.open_live(row_task("gym_from_env", start=1))
+    assert env.call_live(live, "add", {}).output == {"value": 6}
+
+
 def test_a_key_the_servers_config_class_does_not_declare_is_refused_with_its_fields(
         environment: Callable[..., NemoGymEnvironment]) -> None:
     env = environment("gym_typo", CONFIGURED, overrides=json.dumps({"bonnus": 1}))

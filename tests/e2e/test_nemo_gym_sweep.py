@@ -44,13 +44,14 @@ def test_the_sweep_starts_and_seeds_each_server_and_says_why_one_cannot() -> Non
 
 def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
     """NeMo Gym's `scicode` (only its scicode_agent writes a prompt from its rows, which hold no input),
-    `scale_swe` (a sandbox provider its config names) and `swe_pivot` and `blackjack` (agents rollbook
+    `scale_swe` (a sandbox provider its config names; `litmus_agent`'s config holds the provider's block) and `swe_pivot` and `blackjack` (agents rollbook
     drives: neither is named)."""
     python, _ = install()
     site = next(python.parent.parent.glob("lib/python3*/site-packages")) / "resources_servers"
     assert "its own agent: scicode_agent" in needs(site / "scicode")
     assert {"its own agent: opencode_sandboxed_agent", "a sandbox provider: sandbox"} <= set(needs(site / "scale_swe"))
     assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
+    assert "a sandbox provider: opensandbox" in needs(site / "litmus_agent")  # the provider's block itself, named
 
 
 def test_a_server_that_reaches_for_the_network_at_start_needs_the_network() -> None:
