@@ -35,10 +35,12 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +192,13 @@ def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
     folder = site / "resources_servers" / name
     t0 = time.monotonic()
     said = needs(folder)
-    # A model server as `rollbook serve` gives one (a judge its config names resolves to it): nothing here
-    # answers there, and a seed asks no judge.
+    # A model server as `rollbook serve` gives one (a judge its config names resolves to it). A seed asks
+    # no judge, so what listens there answers every request 404; but it answers, as NeMo Gym's own
+    # poll for a server's status wants (xstest waits at start until its judge is reachable).
+    judge = ThreadingHTTPServer(("127.0.0.1", free_port()), _Nothing)
+    threading.Thread(target=judge.serve_forever, daemon=True).start()
     model = {MODEL_SERVER: {"responses_api_models": {"rollbook": {"entrypoint": "rollbook", "host": "127.0.0.1",
-                                                                  "port": free_port()}}}}
+                                                                  "port": judge.server_address[1]}}}}
     server = GymServer(f"sweep_{name}", f"resources_servers.{name}.app", state="replay", python=str(python),
                        port=free_port(), start_timeout_s=timeout_s, call_timeout_s=timeout_s,
                        servers=json.dumps({**model, "observability_enabled": True}))
@@ -222,6 +227,18 @@ def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
         return Verdict(name, protocol, said, "seeds", "", time.monotonic() - t0)
     finally:
         process.stop()
+        judge.shutdown()
+        judge.server_close()
+
+
+class _Nothing(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        self.send_error(404)
+
+    do_POST = do_GET
+
+    def log_message(self, *_: Any) -> None:
+        pass
 
 
 def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,
