@@ -62,6 +62,9 @@ typing_extensions==4.16.0 tzdata==2026.6 urllib3==2.8.0 uvicorn==0.54.0 wandb==0
 yappi==1.7.6 yarl==1.25.1
 """.split()
 WORKPLACE = "resources_servers.workplace_assistant.app"
+# NeMo Gym with all it declares, and uv, which ng_run builds every server's environment with (so a
+# server that builds one of its own, as bigcodebench does, finds it on the PATH of its activated one).
+NEMO_GYM_LAYER = [NEMO_GYM, "uv"]
 
 
 def home() -> Path:
@@ -166,7 +169,8 @@ def nemo_gym_python(python: Path) -> Path:
     and the installed one lacks (MLflow, datasets, ray's own dependencies, mcp, anthropic, ...),
     constrained to the pinned list. Built once, about 600 MB."""
     base = python.parent.parent
-    layer = base.parent / f"{base.name}-nemo-gym"
+    key = hashlib.sha256(" ".join(NEMO_GYM_LAYER).encode()).hexdigest()[:8]
+    layer = base.parent / f"{base.name}-nemo-gym-{key}"
     own = layer / "bin" / "python"
     if (layer / "complete").exists():
         return own
@@ -176,7 +180,7 @@ def nemo_gym_python(python: Path) -> Path:
             t0 = time.monotonic()
             shutil.rmtree(layer, ignore_errors=True)
             _layered(python, layer, [base])
-            _requirements_into(own, layer, layer, "nemo-gym", [NEMO_GYM])
+            _requirements_into(own, layer, layer, "nemo-gym", NEMO_GYM_LAYER)
             (layer / "complete").write_text(f"built in {time.monotonic() - t0:.0f} s\n")
     return own
 

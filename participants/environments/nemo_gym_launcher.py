@@ -10,7 +10,8 @@ NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH; this resolves the same config in 
 Gym caches it) and runs the module as `__main__`, where every server calls its own `run_webserver`.
 
 What `ng_run` gives a server, this gives it too:
-- its own folder first on sys.path, and this file's folder (rollbook's modules) off it (`ng_run` runs `app.py` from there, and servers import their
+- its own folder first on sys.path, and this file's folder (rollbook's modules) off it;
+- its environment's scripts first on PATH, as an activated environment has them (`ng_run` runs `app.py` from there, and servers import their
   sibling modules as top-level ones: `from utils import ...`);
 - its own config: the entry its `configs/*.yaml` declares for it (ROLLBOOK_GYM_CONFIG_FILE, else
   `configs/<folder>.yaml`, else the first there), with the `[nemo_gym.NAME]` table's overrides
@@ -162,6 +163,8 @@ def main(argv: list[str]) -> None:
     # server's own imports (grl_tetris's `import gymnasium`), and ng_run puts no such folder there.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    # As in the activated environment ng_run starts a server in: its scripts (uv, say) on PATH first.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     for path in reversed(paths):
         sys.path.insert(0, path)
     folder = server_folder(module)

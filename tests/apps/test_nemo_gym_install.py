@@ -112,6 +112,7 @@ def test_servers_whose_requirements_conflict_each_run_apart_in_an_environment_of
     # nothing of its own: NeMo Gym with all it declares, which code_fim's and the other ray users' `msgpack` is part of
     plain = nemo_gym_install.server_python(python, str(folders[2]))[0]
     assert plain == nemo_gym_install.nemo_gym_python(python) and imports(plain, "msgpack") and not imports(python, "msgpack")
+    assert (plain.parent / "uv").exists()  # ng_run builds environments with it; bigcodebench builds its own
     assert imports(old, "msgpack")  # a server's own environment is over it
 
 

@@ -5,6 +5,7 @@ from this folder's parent on sys.path. It imports a sibling module as a top-leve
 `calendar` and `citation_if` do), declares config fields of its own (one required, set by its
 configs/*.yaml), sees no module of the launcher's own folder (`ng_run` puts none of its own on
 sys.path: grl_tetris's `import gymnasium` must find gymnasium, not rollbook's module of that name),
+finds its environment's scripts first on PATH (ng_run's environments are activated),
 needs a row field in its seed (as `example_session_state_mgmt` does), and has a
 tool for each way a reply goes wrong: plain text (as `citation_if`'s), a 500 from a live process,
 and a process that dies mid-call.
@@ -12,6 +13,7 @@ and a process that dies mid-call.
 
 import importlib.util
 import os
+import sys
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
@@ -29,6 +31,8 @@ from sibling import TERMINAL  # a sibling module: importable only with this fold
 
 if importlib.util.find_spec("nemo_gym_launcher") is not None:
     raise ImportError("the launcher's own folder is on sys.path: its modules shadow the server's imports")
+if os.environ["PATH"].split(os.pathsep)[0] != os.path.dirname(sys.executable):  # ng_run's environment is activated
+    raise ImportError("its environment's scripts (uv, for a server that builds an environment) are not first on PATH")
 
 
 class ConfiguredResourcesServerConfig(BaseResourcesServerConfig):
