@@ -57,7 +57,7 @@ def test_retention_under_a_live_run_frees_what_it_promises_and_a_kept_checkpoint
     tasks = make_tasks(24, seed=5, envs=["workplace", "blackjack", "math"])
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     # Tokens take a while to come, so calls are under way while the checkpoint is cut and retention runs.
-    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.02 if k == "model" else 0.0) for k in cfg.KINDS}
+    servers = {k: cfg.ServerConfig(port=free_port(), token_latency_s=0.04 if k == "model" else 0.0) for k in cfg.KINDS}
     config = cfg.Config(dsn=dsn, control_token="c0ntrol-token", data_token="d4ta-token", servers=servers,
                         run=cfg.RunConfig(run_id="ret", tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
                                           concurrency=4))
