@@ -134,8 +134,9 @@ def requirement_lines(text: str) -> list[str]:
 
 
 def requirement_name(line: str) -> str:
-    """The distribution a requirement line names, normalized (`Foo_Bar[x]>=1` -> `foo-bar`)."""
-    return re.split(r"[<>=!~\[; @]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
+    """The distribution or path a requirement line names, normalized (`Foo_Bar[x]>=1` -> `foo-bar`,
+    `-e ./pocketshell[pcre]` -> `./pocketshell`)."""
+    return re.split(r"[<>=!~\[; @]", re.sub(r"^-e\s+", "", line.strip()), maxsplit=1)[0].lower().replace("_", "-")
 
 
 def server_folder(venv: Path, name: str) -> tuple[Path, str]:

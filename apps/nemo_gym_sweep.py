@@ -91,7 +91,7 @@ def needs(folder: Path) -> tuple[str, ...]:
     out = []
     wanted = server_requirements(folder)
     if wanted:
-        out.append("requirements: " + ", ".join(requirement_name(re.sub(r"^-e\s+", "", w)) for w in wanted))
+        out.append("requirements: " + ", ".join(requirement_name(w) for w in wanted))
     try:  # its entry in its own configs/*.yaml, found as the launcher finds it
         entry = own_config(str(folder), folder.name, "resources_servers")
     except yaml.YAMLError:
@@ -155,7 +155,8 @@ UNSET = re.compile(r"references '(\w+)', which is not set")
 
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
                timeout_s: float = START_TIMEOUT_S, apart: bool = False) -> Verdict:
-    """`_tried`'s verdict, with "network" among its needs where its failure shows it reached for the network."""
+    """`_tried`'s verdict, with what its failure shows it needs added to its needs: the network where it
+    reached for it, a value its config leaves to the operator."""
     verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
     if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
         return replace(verdict, needs=(*verdict.needs, "network"))

@@ -10,9 +10,10 @@ NEMO_GYM_CONFIG_DICT and NEMO_GYM_CONFIG_PATH; this resolves the same config in 
 Gym caches it) and runs the module as `__main__`, where every server calls its own `run_webserver`.
 
 What `ng_run` gives a server, this gives it too:
-- its own folder first on sys.path, and this file's folder (rollbook's modules) off it;
-- its environment's scripts first on PATH, as an activated environment has them (`ng_run` runs `app.py` from there, and servers import their
-  sibling modules as top-level ones: `from utils import ...`);
+- its own folder first on sys.path (`ng_run` runs `app.py` from there, and servers import their
+  sibling modules as top-level ones: `from utils import ...`), and this file's folder (rollbook's
+  modules) off it;
+- its environment's scripts first on PATH, as an activated environment has them;
 - its own config: the entry its `configs/*.yaml` declares for it (ROLLBOOK_GYM_CONFIG_FILE, else
   `configs/<folder>.yaml`, else the first there), with the `[nemo_gym.NAME]` table's overrides
   (ROLLBOOK_GYM_OVERRIDES, a JSON object) merged over it, each key checked against the fields of

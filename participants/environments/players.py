@@ -378,8 +378,12 @@ def _words(prompt: str) -> str:
 def schema_value(schema: Any, prompt: str) -> Any:
     """A value of JSON schema `schema` (its local `$ref`s resolved against its `$defs`), built from the
     schema and the prompt alone: what a structured-output answer or a tool's arguments hold."""
-    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})} if isinstance(schema, dict) else {}
-    return _value(schema, prompt, 0, defs)
+    return _value(schema, prompt, 0, _defs(schema))
+
+
+def _defs(schema: Any) -> dict[str, Any]:
+    """The definitions a schema's local `$ref`s name (`#/$defs/X`, `#/definitions/X`)."""
+    return {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})} if isinstance(schema, dict) else {}
 
 
 def _value(schema: Any, prompt: str, depth: int = 0, defs: dict[str, Any] | None = None) -> Any:
@@ -433,7 +437,7 @@ def _schema_move(prompt: str, history: list[Step], tools: list[dict], seed: int)
         fn = tool.get("function") or {}
         name = fn.get("name")
         if len(history) < SCHEMA_CALLS and isinstance(name, str) and name not in called:
-            return Call(name, _arguments(fn.get("parameters"), prompt))
+            return Call(name, _arguments(fn.get("parameters"), prompt, 0, _defs(fn.get("parameters"))))
     last = history[-1].result if history else None
     return Answer(_failed(last) or (json.dumps(last, sort_keys=True)[:200] if last is not None else "Done."))
 

@@ -36,6 +36,7 @@ def test_a_requirements_file_less_nemo_gym_itself_comments_and_blank_lines() -> 
     # arc_agi's: NeMo Gym as the checkout two folders up, its newline lost
     assert nemo_gym_install.requirement_lines("-e ../../-e nemo-gym[dev] @ ../../\n-e ../..\n../../\n") == []
     assert nemo_gym_install.requirement_name("Foo_Bar[x]>=1.0 ; python_version>'3'") == "foo-bar"
+    assert nemo_gym_install.requirement_name("-e ./pocketshell[pcre]") == "./pocketshell"
 
 
 @pytest.fixture(scope="module")

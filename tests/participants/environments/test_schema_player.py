@@ -95,3 +95,13 @@ def test_instructions_that_show_a_tagged_reply_format_are_answered_in_it_turn_by
         messages += [reply, {"role": "user", "content": "#__P#\n"}]
     assert moves == ["<action>Down</action>", "<action>Left</action>", "<action>Right</action>"]
     assert "<" not in scripted_reply([{"role": "user", "content": "Tell me a story."}], [], 1)["content"]
+
+
+def test_a_tools_parameters_that_refer_to_their_definitions_get_arguments_of_them() -> None:
+    """Input: parameters as pydantic writes them for a nested model (`$ref` into `$defs`)."""
+    tool = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "required": ["room"], "properties": {"room": {"$ref": "#/$defs/Room"}},
+        "$defs": {"Room": {"type": "object", "required": ["floor", "view"],
+                           "properties": {"floor": {"type": "integer"}, "view": {"type": "boolean"}}}}}}}
+    move = SCHEMA.move("Book a room on floor 3.", [], [tool], 0)
+    assert move == Call("book", {"room": {"floor": 3, "view": False}})
