@@ -10,7 +10,9 @@ arguments built from their schemas). They run twice through rollbook's four serv
 calls (accepted, completed) and relayed calls the uninterrupted one did, then the servers started again and the run again
 with the same run_id, to its end. The server conforms when every rollout of both runs finished once,
 each with the uninterrupted run's reward and tool-call sequence (name and arguments, over the lineage
-that finished it), and no call was applied twice in one live NeMo Gym session.
+that finished it), and no call was applied twice in one live NeMo Gym session. Where a killed run's
+rollouts all finished once and yet one ends otherwise, with no replay refused to say why, the rows run
+a second time uninterrupted: a server whose own two runs differ (it deals at random) is the cause.
 """
 
 from __future__ import annotations
@@ -93,7 +95,18 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
                 return "failed", f"the run after the SIGKILL exited {code}: " + (_fences(db, "crash") or _said(path))
         if not killed or at >= logged:
             return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
-        verdict, why = _compare(db, len(tasks), gymnasium)
+        verdict, why, chance = _compare(db, len(tasks), gymnasium)
+        if chance:
+            # Is it the server's own? Its rows run once more, uninterrupted: a server whose own runs
+            # differ (it deals at random) gives nothing a killed run can be held to.
+            again = _config(work, db, name, env, python, gymnasium, "again")
+            with _servers(ServerProcesses(cfg.load(again), again, work, name="again-")):
+                if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
+                    return "failed", f"the second uninterrupted run exited {code}: " + (_fences(db, "again") or _said(again))
+            if (own := _unlike(db, len(tasks), gymnasium, "ref", "again")) is not None:
+                return "does not replay", (f"two uninterrupted runs of its rows differ ({own}): its outcomes are its "
+                                           "own; in the killed run every rollout finished once and no call was "
+                                           "applied twice in one live session")[:600]
         return verdict, why or _what_happened(db, at, logged)
     except subprocess.TimeoutExpired:
         return "failed", f"a run took over {RUN_TIMEOUT_S:.0f} s"
@@ -174,27 +187,37 @@ def _what_happened(dsn: str, at: int, logged: int) -> str:
             f"continued under a new attempt, {restarted} started over")
 
 
-def _compare(dsn: str, tasks: int, gymnasium: bool) -> tuple[str, str]:
+def _compare(dsn: str, tasks: int, gymnasium: bool) -> tuple[str, str, bool]:
     """`conforms`; `differs` and the first difference rollbook is answerable for; or `does not replay`: the
     only differences are rollouts whose lost live session the server would not rebuild (a replayed call
     answered otherwise than recorded), which started over from their input and finished once, as they
-    must: the server's own promise broken, not rollbook's."""
+    must: the server's own promise broken, not rollbook's. The flag: a difference that may yet be the
+    server's own chance (every rollout finished once, none applied a call twice), which only a second
+    uninterrupted run can tell."""
     ref, crash = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in ("ref", "crash"))
     own = []
     with psycopg.connect(libpq_dsn(dsn)) as conn:
-        for i in (i for i in range(tasks) if ref[i] != crash[i]):
+        if twice := conn.execute(TWICE).fetchall():
+            return "differs", f"a call applied twice in one live session: {twice[:3]}", False
+        unfinished = [i for i in range(tasks) if "reward" not in crash[i]]
+        for i in unfinished or [i for i in range(tasks) if ref[i] != crash[i]]:
             replay = conn.execute("SELECT data->>'detail' FROM rollbook.events WHERE kind = 'session_replay_failed' "
                                   "AND rollout_id = %s LIMIT 1", (f"crash-{i:04d}",)).fetchone()
-            if replay is None or "reward" not in crash[i]:
+            if replay is None or unfinished:
                 return "differs", f"task {i}: uninterrupted {json.dumps(ref[i], default=str)[:300]}, " \
-                                  f"killed {json.dumps(crash[i], default=str)[:300]}"
+                                  f"killed {json.dumps(crash[i], default=str)[:300]}", not unfinished
             own.append(f"task {i}: {replay[0]}"[:300])
-        twice = conn.execute(TWICE).fetchall()
-    if twice:
-        return "differs", f"a call applied twice in one live session: {twice[:3]}"
     if own:
-        return "does not replay", "; ".join(own) + " (each started over from its input and finished once)"
-    return "conforms", ""
+        return "does not replay", "; ".join(own) + " (each started over from its input and finished once)", False
+    return "conforms", "", False
+
+
+def _unlike(dsn: str, tasks: int, gymnasium: bool, one: str, other: str) -> str | None:
+    """The first task on which two runs ended otherwise, said in a line; None when every task agrees."""
+    a, b = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in (one, other))
+    i = next((i for i in range(tasks) if a[i] != b[i]), None)
+    return None if i is None else \
+        f"task {i}: {json.dumps(a[i], default=str)[:200]} against {json.dumps(b[i], default=str)[:200]}"
 
 
 async def _outcomes(dsn: str, run_id: str, tasks: int, gymnasium: bool) -> list[Any]:

@@ -125,6 +125,16 @@ def test_the_crash_check_runs_a_servers_rows_through_a_sigkill_of_everything_aga
     assert 0 < at < of and rebuilt >= 1 and restarted == 0, verdict.crash_reason
 
 
+def test_a_server_that_deals_at_random_is_told_apart_from_a_killed_run_that_went_wrong(dsn: str) -> None:
+    """NeMo Gym's `blackjack` deals each hand from an unseeded generator: two uninterrupted runs of its
+    rows end with other rewards, so the killed run's difference from the first is the server's own chance.
+    The check runs its rows once more uninterrupted and says so, instead of `differs` (rollbook's fault)."""
+    (verdict,), _ = sweep(["blackjack"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
+    assert verdict.verdict == "seeds" and verdict.crash in ("does not replay", "conforms"), verdict
+    if verdict.crash_reason.startswith("two uninterrupted runs"):
+        assert "its outcomes are its own" in verdict.crash_reason, verdict
+
+
 def test_a_judge_call_lost_with_the_killed_model_server_loses_the_attempt_rather_than_failing_it(dsn: str) -> None:
     """NeMo Gym's `false_statement_judge` judges each answer with a model call of its own, made under the
     rollout's capture path to rollbook's model server. Killed halfway (its judge's call in flight), the
