@@ -14,8 +14,8 @@ chat messages, the last message's text as the final answer, in the log as rollbo
 records its completion.
 
 Such an agent cannot say where it stands, so it is never resumed in the middle (engine.agent_replay):
-- an activation asked again that already made calls under this attempt (its run was cut off by a
-  crash of this server or of the agent) is `attempt_lost`: declared `replay`, the rollout goes on
+- an activation asked again that was already claimed under this attempt (its run was cut off by a
+  crash of this server or of the agent, whether or not it had made calls) is `attempt_lost`: declared `replay`, the rollout goes on
   under a new attempt continuing from all of this one, where the agent runs from the start, answered
   from the log; declared `restart_only` (the default), it starts over from its input;
 - a run that fails after one of its calls diverged from the recorded one is `attempt_lost` with
@@ -209,7 +209,11 @@ class ExternalAgents:
         if index in completed:
             return completed[index]
         name = str(req.task.agent)
-        if calls_made(await p.store.read_rollout(*key), *key, index):
+        # Claimed under this attempt and not completed: a run of it was cut off. Its calls took numbers
+        # (a tool call answered from the record takes one too, in the resources server that gave it),
+        # so a second run under this attempt would number its calls after the first run's.
+        if any(e.kind == ACTIVATION_CLAIMED and e.data.get("index") == index for e in own) \
+                or calls_made(await p.store.read_rollout(*key), *key, index):
             raise self._interrupted(name, key, index)
         p.admission.require_open("a new activation")
         # Claimed at the version read: of two instances asked at once, one runs it.
@@ -219,7 +223,7 @@ class ExternalAgents:
 
     def _interrupted(self, name: str, key: Key, index: int) -> AttemptLost:
         driver = self.drivers[name]
-        said = f"activation {index} of {key[0]} attempt {key[1]} by {driver.table}.{name} was cut off after it made calls"
+        said = f"activation {index} of {key[0]} attempt {key[1]} by {driver.table}.{name} was cut off after it started"
         if driver.continuation == "replay":
             return AttemptLost(f"{said}; it runs again from its start under a new attempt, answered from the log",
                                lost="agent")

@@ -87,6 +87,20 @@ async def test_an_activation_asked_again_after_it_made_calls_is_never_run_again_
     assert raised.value.context["lost"] == lost
 
 
+@pytest.mark.parametrize(("continuation", "lost"), [("replay", "agent"), ("restart_only", "session")])
+async def test_an_activation_claimed_under_the_attempt_and_cut_off_before_its_first_model_call_is_not_run_again_there(
+        memory_store: MemoryEventStore, continuation: str, lost: str) -> None:
+    """Input: a claim of activation 0 by an instance that is gone, no model call accepted. Its run may have
+    made tool calls (gymnasium_agent's /reset) that took the numbers the resources server gives in arrival
+    order; run again under the same attempt, its reset would take the next number and be applied anew."""
+    await started(memory_store)
+    await memory_store.append(AppendRequest((NewEvent(agent_stream("r", 0), ev.ACTIVATION_CLAIMED,
+                                                      {"index": 0, "instance": "agent-gone-1"}, "r", 0),)))
+    with pytest.raises(AttemptLost) as raised:
+        await gym_agents(continuation).activate(AgentParticipant(memory_store), ("r", 0), 0, run_request())
+    assert raised.value.context["lost"] == lost
+
+
 async def test_a_completed_activation_is_answered_from_the_log(memory_store: MemoryEventStore) -> None:
     await started(memory_store)
     boundary = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "done"}]}
