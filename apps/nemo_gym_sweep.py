@@ -100,8 +100,10 @@ def needs(folder: Path) -> tuple[str, ...]:
     if models:
         out.append("a model server: " + ", ".join(models))
     agents = entry.get("allowed_agents") if isinstance(entry, dict) else None
-    if isinstance(agents, list) and agents and not {"simple_agent", "gymnasium_agent"} & set(map(str, agents)):
-        out.append("its own agent: " + ", ".join(map(str, agents)))
+    own_agents = [str(a) for a in agents] if isinstance(agents, list) and agents and \
+        not {"simple_agent", "gymnasium_agent"} & set(map(str, agents)) else []
+    if own_agents:
+        out.append("its own agent: " + ", ".join(own_agents))
     provider = entry.get("sandbox_provider") if isinstance(entry, dict) else None
     if provider:  # a reference to a top-level block, or the block itself (its provider's name the key)
         out.append("a sandbox provider: " + (", ".join(map(str, provider)) if isinstance(provider, dict) else str(provider)))
@@ -110,6 +112,11 @@ def needs(folder: Path) -> tuple[str, ...]:
         out.append("ray")
     if re.search(r"\bdocker\b", source, re.IGNORECASE):
         out.append("docker")
+    # What its agent runs the model's code in: a server that only its own agent can play needs it too.
+    agent_source = "\n".join(p.read_text(errors="replace") for a in own_agents
+                             for p in (folder.parent.parent / "responses_api_agents" / a).glob("*.py"))
+    if re.search(r"\bapptainer\b", agent_source, re.IGNORECASE):
+        out.append("apptainer (its agent's sandbox)")
     return tuple(out)
 
 

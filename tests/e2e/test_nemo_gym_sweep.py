@@ -46,11 +46,15 @@ def test_the_sweep_starts_and_seeds_each_server_and_says_why_one_cannot() -> Non
 
 def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
     """NeMo Gym's `scicode` (only its scicode_agent writes a prompt from its rows, which hold no input),
+    `gdpval` (its stirrup_agent runs code in an Apptainer container),
     `scale_swe` (a sandbox provider its config names; `litmus_agent`'s config holds the provider's block) and `swe_pivot` and `blackjack` (agents rollbook
     drives: neither is named)."""
     python, _ = install()
     site = next(python.parent.parent.glob("lib/python3*/site-packages")) / "resources_servers"
     assert "its own agent: scicode_agent" in needs(site / "scicode")
+    # gdpval's stirrup_agent runs the model's code only in an Apptainer container (a .sif it must be given).
+    assert {"its own agent: stirrup_agent", "apptainer (its agent's sandbox)"} <= set(needs(site / "gdpval"))
+    assert not any(n.startswith("apptainer") for n in needs(site / "toolsandbox"))
     assert {"its own agent: opencode_sandboxed_agent", "a sandbox provider: sandbox"} <= set(needs(site / "scale_swe"))
     assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
     assert "a sandbox provider: opensandbox" in needs(site / "litmus_agent")  # the provider's block itself, named
