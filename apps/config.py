@@ -393,13 +393,14 @@ class Config(Strict):
         from apps.nemo_gym_install import installed_python
 
         servers = json.dumps({**self._gym_peers(), "observability_enabled": True}, sort_keys=True)
+        driven_by = tuple(sorted(name for name, a in self.nemo_gym_agent.items() if a.drives == "run"))
         out = []
         for name, g in self.nemo_gym.items():
             python = g.python or (None if g.url else str(installed_python()))
             chosen = g.port or (port() if port is not None and g.url is None else None)
             out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
                                  g.start_timeout_s, g.call_timeout_s, json.dumps(g.config, sort_keys=True),
-                                 g.config_file, g.rebuild_attempts, servers))
+                                 g.config_file, g.rebuild_attempts, servers, driven_by=driven_by))
         return out
 
     def _gym_peers(self) -> dict[str, Any]:

@@ -2,15 +2,16 @@
 
 The sweep (apps/nemo_gym_sweep.py) runs it on every server that seeds. The server's first ROWS example
 rows become tasks of a `[nemo_gym.<env>]` table holding only its module and `state = "replay"`
-(gymnasium-style servers run with NeMo Gym's `gymnasium_agent`), on a scratch database beside the
+(gymnasium-style servers run with NeMo Gym's `gymnasium_agent`, a server whose rows only its own agent
+can play with that agent, each driving the server through its `/run`), on a scratch database beside the
 given one, with rollbook's scripted model playing them (it calls whatever tools a row offers, with
 arguments built from their schemas). They run twice through rollbook's four servers as processes and
 `rollbook run`: once uninterrupted; once killed, `rollbook run` and every server's process group
 (the NeMo Gym server with the resources server's) SIGKILLed when the run has logged half the model
 calls (accepted, completed) and relayed calls the uninterrupted one did, then the servers started again and the run again
 with the same run_id, to its end. The server conforms when every rollout of both runs finished once,
-each with the uninterrupted run's reward and tool-call sequence (name and arguments, over the lineage
-that finished it), and no call was applied twice in one live NeMo Gym session. Where a killed run's
+each with the uninterrupted run's reward and tool-call sequence (name and arguments, a value an earlier
+reply handed out named by its place, over the lineage that finished it), and no call was applied twice in one live NeMo Gym session. Where a killed run's
 rollouts all finished once and yet one ends otherwise, with no replay refused to say why, the rows run
 a second time uninterrupted: a server whose own two runs differ (it deals at random) is the cause.
 """
@@ -46,6 +47,7 @@ ROWS = 3
 TOKEN_S = 0.03
 _MIGRATING = threading.Lock()  # Alembic's migration context is one per process: one scratch database at a time
 RUN_TIMEOUT_S = 300.0
+DRIVER = "driver"  # the `[nemo_gym_agent]` table of the agent that drives the server, where one does
 # A relayed call applied twice in one live session: a relayed call and the replays that sent it again.
 TWICE = """
 WITH applied AS (
@@ -62,24 +64,28 @@ LOGGED = ("SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s AND "
           "kind IN ('call_accepted', 'call_completed', 'mutation_applied')")
 
 
-def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: bool, dsn: str, work: Path) -> tuple[str, str]:
-    """(verdict, reason): `conforms`, `differs` (what differs) or `failed` (why a run did not finish)."""
+def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str | None, dsn: str,
+                work: Path) -> tuple[str, str]:
+    """(verdict, reason): `conforms`, `differs` (what differs) or `failed` (why a run did not finish).
+    `driver`: the NeMo Gym agent that drives the server through its `/run` (gymnasium_agent for a
+    gymnasium-style server, a server's own agent), or None for rollbook's own agent."""
     env = f"gym_{name}"
     tasks = convert([json.dumps(r) for r in rows[:ROWS]], "example.jsonl", env)
-    if gymnasium:
-        tasks = [replace(t, agent="gymnasium") for t in tasks]
+    gymnasium = f"responses_api_agents.{driver}.app" == GYMNASIUM_AGENT  # its steps' rewards are compared
+    if driver is not None:
+        tasks = [replace(t, agent=DRIVER) for t in tasks]
     work.mkdir(parents=True, exist_ok=True)
     (work / "tasks.jsonl").write_text("".join(json.dumps(t.to_json()) + "\n" for t in tasks))
     with _MIGRATING:
         db = scratch_database(dsn, f"rollbook_sweep_{name}"[:63])
     try:
-        base = _config(work, db, name, env, python, gymnasium, "ref")
+        base = _config(work, db, name, env, python, driver, "ref")
         procs = ServerProcesses(cfg.load(base), base, work, name="ref-")
         with _servers(procs):
             if (code := _run(base).wait(RUN_TIMEOUT_S)) != 0:
                 return "failed", f"the uninterrupted run exited {code}: " + (_fences(db, "ref") or _said(base))
         logged = _count(db, "ref")
-        path = _config(work, db, name, env, python, gymnasium, "crash")
+        path = _config(work, db, name, env, python, driver, "crash")
         procs = ServerProcesses(cfg.load(path), path, work, name="crash-")
         with _servers(procs):
             run = _run(path)
@@ -99,7 +105,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
         if chance:
             # Is it the server's own? Its rows run once more, uninterrupted: a server whose own runs
             # differ (it deals at random) gives nothing a killed run can be held to.
-            again = _config(work, db, name, env, python, gymnasium, "again")
+            again = _config(work, db, name, env, python, driver, "again")
             with _servers(ServerProcesses(cfg.load(again), again, work, name="again-")):
                 if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
                     return "failed", f"the second uninterrupted run exited {code}: " + (_fences(db, "again") or _said(again))
@@ -114,9 +120,9 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], gymnasium: 
         drop_database(db)
 
 
-def _config(work: Path, dsn: str, name: str, env: str, python: Path, gymnasium: bool, run_id: str) -> Path:
-    agents = {"gymnasium": cfg.NemoGymAgentConfig(module=GYMNASIUM_AGENT, continuation="replay", python=str(python),
-                                                  port=free_port())} if gymnasium else {}
+def _config(work: Path, dsn: str, name: str, env: str, python: Path, driver: str | None, run_id: str) -> Path:
+    agents = {DRIVER: cfg.NemoGymAgentConfig(module=f"responses_api_agents.{driver}.app", continuation="replay",
+                                             drive="run", python=str(python), port=free_port())} if driver else {}
     config = cfg.Config(dsn=dsn, control_token="sweep-c0ntrol", data_token="sweep-d4ta",
                         servers={k: cfg.ServerConfig(port=free_port(), token_latency_s=TOKEN_S if k == "model" else 0.0)
                                  for k in cfg.KINDS},
@@ -212,6 +218,28 @@ def _compare(dsn: str, tasks: int, gymnasium: bool) -> tuple[str, str, bool]:
     return "conforms", "", False
 
 
+def _handles(arguments: Any, earlier: list[dict[str, Any]]) -> Any:
+    """A call's arguments with each value an earlier reply handed out (toolsandbox's `env_id`, a fresh
+    uuid each seed) named by that reply's place: what the call asks, not which run it asked in."""
+    given = {v: n for n, d in enumerate(earlier) for v in _strings(d.get("output")) if len(v) >= 8}
+
+    def named(value: Any) -> Any:
+        if isinstance(value, str) and value in given:
+            return f"<a value reply {given[value]} gave>"
+        if isinstance(value, dict):
+            return {k: named(v) for k, v in value.items()}
+        return [named(v) for v in value] if isinstance(value, list) else value
+    return named(arguments) if given else arguments
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
+
+
 def _unlike(dsn: str, tasks: int, gymnasium: bool, one: str, other: str) -> str | None:
     """The first task on which two runs ended otherwise, said in a line; None when every task agrees."""
     a, b = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in (one, other))
@@ -237,9 +265,10 @@ async def _outcomes(dsn: str, run_id: str, tasks: int, gymnasium: bool) -> list[
                     continue
                 attempt, reward = finished[0]
                 events = await effective_history(store, rid, attempt)
+                applied = [e.data for e in events if e.kind == MUTATION_APPLIED]
                 out.append({"reward": reward, "calls": [
-                    (e.data["tool"], e.data["effect"].get("reward") if gymnasium else e.data["arguments"])
-                    for e in events if e.kind == MUTATION_APPLIED]})
+                    (d["tool"], d["effect"].get("reward") if gymnasium else _handles(d["arguments"], applied[:n]))
+                    for n, d in enumerate(applied)]})
         return out
     finally:
         await store.close()

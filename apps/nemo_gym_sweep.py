@@ -99,10 +99,7 @@ def needs(folder: Path) -> tuple[str, ...]:
     models = sorted({k for k, _ in _refs(entry, "responses_api_models")})
     if models:
         out.append("a model server: " + ", ".join(models))
-    agents = entry.get("allowed_agents") if isinstance(entry, dict) else None
-    own_agents = [str(a) for a in agents] if isinstance(agents, list) and agents and \
-        not {"simple_agent", "gymnasium_agent"} & set(map(str, agents)) else []
-    if own_agents:
+    if own_agents := _own_agents(entry):
         out.append("its own agent: " + ", ".join(own_agents))
     provider = entry.get("sandbox_provider") if isinstance(entry, dict) else None
     if provider:  # a reference to a top-level block, or the block itself (its provider's name the key)
@@ -118,6 +115,26 @@ def needs(folder: Path) -> tuple[str, ...]:
     if re.search(r"\bapptainer\b", agent_source, re.IGNORECASE):
         out.append("apptainer (its agent's sandbox)")
     return tuple(out)
+
+
+def _own_agents(entry: Any) -> list[str]:
+    """The agents a server's config entry allows, where it allows none that rollbook drives."""
+    agents = entry.get("allowed_agents") if isinstance(entry, dict) else None
+    if not isinstance(agents, list) or not agents or {"simple_agent", "gymnasium_agent"} & set(map(str, agents)):
+        return []
+    return [str(a) for a in agents]
+
+
+def own_driver(folder: Path, rows: list[dict[str, Any]]) -> str | None:
+    """The agent the crash check drives a server's rows with where only its own agent can: rows that hold
+    no prompt (the agent writes it), and one agent its config allows (toolsandbox's toolsandbox_agent)."""
+    if not rows or any((r.get("responses_create_params") or {}).get("input") for r in rows):
+        return None
+    try:
+        agents = _own_agents(own_config(str(folder), folder.name, "resources_servers"))
+    except yaml.YAMLError:
+        return None
+    return agents[0] if len(agents) == 1 else None
 
 
 def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
@@ -189,8 +206,9 @@ def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Pat
         return seeded
     t0 = time.monotonic()
     rows = example_rows(site / "resources_servers" / name)
+    driver = "gymnasium_agent" if seeded.protocol == "gymnasium" else own_driver(site / "resources_servers" / name, rows)
     try:
-        crash, why = conformance(name, python, rows, seeded.protocol == "gymnasium", crash_dsn, work / name)
+        crash, why = conformance(name, python, rows, driver, crash_dsn, work / name)
     except Exception as exc:  # the check's own failure, said in its row: the other servers are still tried
         crash, why = "failed", f"the check itself failed: {type(exc).__name__}: {exc}"
     return replace(seeded, crash=crash, crash_reason=why, seconds=seeded.seconds + time.monotonic() - t0)

@@ -81,12 +81,12 @@ def step_as_recorded(arguments: Any) -> Any:
     return out
 
 
-def step_reward(reply: Any) -> float:
-    """The reward one step gave; a reply without a finite number there is the server's error, shown to
-    the agent like any tool error."""
+def step_reward(reply: Any, route: str = STEP) -> float:
+    """The reward one step (or an agent-driven server's verify) gave; a reply without a finite number
+    there is the server's error, shown to the agent like any tool error."""
     reward = reply.get("reward", 0.0) if isinstance(reply, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise ToolError("gym_bad_reply", f"/{STEP} answered without a finite reward: {json.dumps(reply)[:300]}")
+        raise ToolError("gym_bad_reply", f"/{route} answered without a finite reward: {json.dumps(reply)[:300]}")
     return float(reward)
 
 

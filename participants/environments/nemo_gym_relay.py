@@ -72,6 +72,8 @@ LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
 # A NeMo Gym resources server's own routes (its RESERVED_MCP_TOOL_NAMES, and more): never a tool call.
 SERVER_ENDPOINTS = frozenset({"seed_session", "close_session", "verify", "aggregate_metrics", "mcp", "reverify_mode",
                               "health", "healthz", "livez", "readyz", "docs", "openapi"})
+# Of those, the ones an agent that drives its server itself calls (toolsandbox_agent's seed and verify).
+AGENT_ROUTES = frozenset({"seed_session", "verify", "close_session"})
 # The resources server's append of one event to a session's stream (under the session's lock).
 Appender = Callable[[Any, str, dict[str, Any]], Awaitable[Any]]
 
@@ -94,6 +96,9 @@ class GymServer:
     rebuild_attempts: int = 3  # rebuilds of a session without a call succeeding in between, then it fails
     servers: str = "{}"  # the servers it calls by name (an agent's model and resources servers), as JSON
     table: str = "nemo_gym"  # the config table that names it, in what it says: nemo_gym or nemo_gym_agent
+    # The agents (`[nemo_gym_agent]` tables sent the row on their `/run`) that drive the server themselves:
+    # a task naming one is seeded, stepped, closed and verified by that agent, each call relayed and recorded.
+    driven_by: tuple[str, ...] = ()
 
 
 class LiveGone(Exception):
@@ -227,6 +232,7 @@ class Live:
     timeout_s: float
     live_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cookies: Cookies = field(default_factory=Cookies)
+    driven: bool = False  # by its task's own agent (GymServer.driven_by), which calls the server's own routes
 
     def gone(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -276,7 +282,14 @@ class NemoGymEnvironment(Environment):
         return chat_tools(row_of(task))
 
     def task_messages(self, task: Task) -> list[dict[str, Any]]:
-        return row_messages(row_of(task))
+        row = row_of(task)
+        if self.driven(task) and not row["responses_create_params"].get("input"):
+            return []  # its agent writes the prompt from the row's other fields (toolsandbox_agent, scicode_agent)
+        return row_messages(row)
+
+    def driven(self, task: Task) -> bool:
+        """Whether the task's own agent drives the server (GymServer.driven_by)."""
+        return task.agent is not None and task.agent in self.server.driven_by
 
     def task_sampling(self, task: Task) -> dict[str, Any]:
         return {**row_sampling(row_of(task)), **task.sampling}  # the task's own, where it names one, win
@@ -302,10 +315,11 @@ class NemoGymEnvironment(Environment):
         `initial_count`); a seed the server refuses fails the rollout with its status and body."""
         proc = self.process
         base = proc.base_url()
-        live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s)
-        if proc.gymnasium():
+        live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s,
+                    driven=self.driven(task))
+        if proc.gymnasium() or live.driven:
             row_of(task)
-            return live  # its agent's /reset is the seed, and the first call of the record
+            return live  # its agent's /reset or /seed_session is the seed, and the first call of the record
         try:
             live.post("/seed_session", row_of(task))
         except GymReplyError as exc:
@@ -342,23 +356,30 @@ class NemoGymEnvironment(Environment):
     def as_recorded(self, name: str, arguments: Any) -> Any:
         return gymnasium.step_as_recorded(arguments) if name == gymnasium.STEP and self.process.gymnasium() else arguments
 
-    def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None) -> ToolOutcome:
+    def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None,
+                  capture: str | None = None) -> ToolOutcome:
+        # An agent-driven server's calls go under the activation's path, which NeMo Gym carries to the
+        # model calls the server makes from there (toolsandbox's simulated user): calls of the rollout.
+        under = f"/ng-rollout/{capture}" if capture is not None and live.driven else ""
         try:
-            reply = self._send(live, name, arguments)
+            reply = self._send(live, name, arguments, under)
         except GymReplyError as exc:
             # The server's own answer: the model reads it as the call's error, and the call changed nothing
             # rollbook could replay (it is not recorded as a mutation).
             code = "gym_not_json" if exc.status < 400 else "gym_refused"
             raise ToolError(code, f"{name}: {exc.status} {exc.body}") from None
-        reward = gymnasium.step_reward(reply) if name == gymnasium.STEP and self.process.gymnasium() else None
+        scored = name == "verify" and live.driven or name == gymnasium.STEP and self.process.gymnasium()
+        reward = gymnasium.step_reward(reply, name) if scored else None
         return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call, reward))
 
     @staticmethod
-    def _send(live: Live, name: str, arguments: dict[str, Any]) -> Any:
-        # The name reaches a URL path: one plain segment, never one of the server's own endpoints.
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name) or name in SERVER_ENDPOINTS:
+    def _send(live: Live, name: str, arguments: dict[str, Any], under: str = "") -> Any:
+        # The name reaches a URL path: one plain segment, never one of the server's own endpoints, but
+        # those its own agent drives it by.
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name) or \
+                name in SERVER_ENDPOINTS and not (live.driven and name in AGENT_ROUTES):
             raise ToolError("unknown_tool", f"{name[:80]!r} is not a tool of this server")
-        return live.post("/" + name, arguments)
+        return live.post(f"{under}/{name}", arguments)
 
     def verify_live(self, live: Live, task: Task, trajectory: Trajectory, capture: str) -> float:
         """The row's own fields, with the Responses-API `response` NeMo Gym's verify reads. Asked under the
@@ -495,9 +516,13 @@ async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> An
 async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, capture: str) -> float:
     """NeMo Gym's verify of the session. Only a rebuild of its live session takes the session's lock:
     a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
-    gymnasium server is not asked: its reward is the sum its recorded steps gave."""
-    if await asyncio.to_thread(s.env.process.gymnasium):
+    gymnasium server is not asked: its reward is the sum its recorded steps gave; nor is one its task's
+    agent drives: its reward is what that agent's recorded verify gave."""
+    if s.env.driven(s.task) or await asyncio.to_thread(s.env.process.gymnasium):
         reward = tool_replay.rewards(s.state)
+        if reward is None and s.env.driven(s.task):
+            raise GymServerFailed(f"nemo_gym.{s.env.name}: its agent {s.task.agent} drives {s.env.server.module} and never "
+                                  "verified the session", server=s.env.name, stage="verify")
         if reward is None:
             raise GymServerFailed(f"nemo_gym.{s.env.name}: {s.env.server.module} speaks NeMo Gym's gymnasium protocol and "
                                   "was never stepped: its tasks need an agent that drives /reset and /step (NeMo Gym's "

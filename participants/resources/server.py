@@ -277,7 +277,8 @@ class ResourcesParticipant(Participant):
                 if not admitted:
                     raise s.refused(named, activation, f"tool {name} is relayed and a checkpoint is in progress")
                 try:
-                    outcome = await relay(s, self._append, lambda live: s.env.call_live(live, name, body.arguments, call_key))  # type: ignore[attr-defined]
+                    outcome = await relay(s, self._append, lambda live: s.env.call_live(  # type: ignore[attr-defined]
+                        live, name, body.arguments, call_key, capture_id(*key, activation)))
                 except ToolError as exc:
                     raise refused(exc) from exc
                 new_state = s.env.apply(s.state, outcome.effect)
@@ -322,9 +323,8 @@ class ResourcesParticipant(Participant):
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
     async def verify(self, request: web.Request, _body: Empty) -> web.Response:
-        """Verify the session against the answer the log holds: the last completed agent activation
-        of this attempt (its lineage included), never an answer a request brings, which anyone
-        holding the data credential could forge."""
+        """Verify the session against the answer the log holds: the last completed agent activation of
+        this attempt (its lineage included), never an answer a request brings (anyone can forge one)."""
         key = await self._enter(request)
         s = self.sessions.get(key) or await self._recover(key)
         history = await effective_history(self.store, *key)

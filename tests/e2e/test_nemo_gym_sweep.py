@@ -139,6 +139,19 @@ def test_a_server_that_deals_at_random_is_told_apart_from_a_killed_run_that_went
         assert "its outcomes are its own" in verdict.crash_reason, verdict
 
 
+def test_a_server_only_its_own_agent_can_play_is_driven_by_that_agent_through_a_sigkill(dsn: str) -> None:
+    """NeMo Gym's `toolsandbox`, its requirements installed, and its own `toolsandbox_agent`, both unchanged:
+    its rows hold no prompt (the agent writes it from `task_idx`), and the agent seeds it, steps it (each
+    step asking rollbook's model server, as the server's user simulator, for the user's turn), closes and
+    verifies it. Through the kill every rollout finishes once with the uninterrupted run's reward and calls;
+    a session lost mid-episode cannot be rebuilt (its seed hands out a fresh uuid4 `env_id`), so those
+    start over, which the check names as the server's own."""
+    (verdict,), _ = sweep(["toolsandbox"], parallel=1, say=lambda _line: None, crash_dsn=dsn, apart=True)
+    assert "its own agent: toolsandbox_agent" in verdict.needs, verdict
+    assert (verdict.verdict, verdict.crash) == ("seeds", "does not replay"), verdict
+    assert "(seed_session, key a0.s0) replied" in verdict.crash_reason, verdict
+
+
 def test_a_judge_call_lost_with_the_killed_model_server_loses_the_attempt_rather_than_failing_it(dsn: str) -> None:
     """NeMo Gym's `false_statement_judge` judges each answer with a model call of its own, made under the
     rollout's capture path to rollbook's model server. Killed halfway (its judge's call in flight), the
