@@ -6,23 +6,15 @@ such agent keeps every one of the server's own routes out of the model's reach."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 
 from participants.environments import ENVIRONMENTS, ToolError
 from participants.environments.nemo_gym_relay import GymServer, NemoGymEnvironment, register, task_from_row
-from tests.participants.environments.test_gym_http import Recorder, serving, stopped
+from tests.participants.environments.test_gym_http import Recorder  # its `recorder` fixture: conftest.py
 
 ROW = {"responses_create_params": {"input": []}, "task_idx": 3}  # toolsandbox's: only its agent writes a prompt
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    server = serving()
-    yield server
-    stopped(server)
 
 
 def environment(recorder: Recorder) -> NemoGymEnvironment:
