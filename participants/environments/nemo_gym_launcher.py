@@ -25,6 +25,7 @@ What `ng_run` gives a server, this gives it too:
 A server that cannot import, or whose config does not validate, writes one line saying why (its
 traceback's last line, or the fields at fault) to ROLLBOOK_GYM_FAILURE and exits 3: the resources
 server shows that line instead of starting it again and again.
+It ends when the rollbook server that started it is gone (`end_with_parent`).
 It imports nothing of rollbook: it runs in NeMo Gym's environment, not rollbook's.
 """
 
@@ -36,6 +37,8 @@ import runpy
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import traceback
 
 FAILED = 3  # the exit status of a server that cannot start as configured (the reason is in ROLLBOOK_GYM_FAILURE)
@@ -158,7 +161,22 @@ def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON 
     return value
 
 
+def end_with_parent() -> None:
+    """Exit once the rollbook server that started this one is gone, however it went (a SIGKILL of its
+    process alone, an exit on a lost lease): a server left behind keeps its port and its sessions, and
+    the server started again in its place cannot listen there. Its parent changes when it is gone
+    (reparented to init or a subreaper); polled, as no signal says so to a process of another program."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
+    end_with_parent()
     module, name, port, *paths = argv
     # Python put this file's folder first: rollbook's modules there (gymnasium.py) would shadow the
     # server's own imports (grl_tetris's `import gymnasium`), and ng_run puts no such folder there.

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -174,6 +178,40 @@ def test_a_server_that_cannot_import_says_why_in_one_line_and_is_started_once(
             env.open_live(row_task("gym_judge"))
         assert caught.value.context == {"server": "gym_judge", "stage": "start"}
     assert env.process.starts == 1
+
+
+def test_a_nemo_gym_server_ends_with_the_rollbook_server_that_started_it_however_that_one_ends(
+        gym_python: Path, tmp_path: Path) -> None:
+    """Input: the process that started NeMo Gym's `workplace_assistant` (as a resources server does) is
+    SIGKILLed alone, not its process group, as a lease-lost exit or the kernel's OOM killer ends it. Left
+    running, the NeMo Gym server would keep its port, where the server started in its place listens."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from participants.environments.nemo_gym_relay import GymProcess, GymServer
+        p = GymProcess(GymServer("gym_orphan", "resources_servers.workplace_assistant.app", "replay", None,
+                                 {str(gym_python)!r}, (), {free_port()}, start_timeout_s=120))
+        p.base_url()
+        print(p.proc.pid, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "ROLLBOOK_GYM_LOG": str(tmp_path / "gym.log")})
+    try:
+        assert holder.stdout is not None
+        launcher = int(holder.stdout.readline())
+        assert Path(f"/proc/{launcher}").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{launcher}/stat").read_text().split(") ")[1][0] == "Z"
+        except FileNotFoundError:
+            return True
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), f"the NeMo Gym server {launcher} outlived the process that started it"
 
 
 # ---- replies taken for what they are -----------------------------------------------------------------
