@@ -109,6 +109,8 @@ def needs(folder: Path) -> tuple[str, ...]:
         out.append("ray")
     if re.search(r"\bdocker\b", source, re.IGNORECASE):
         out.append("docker")
+    if re.search(r"\bLocalSandbox\b", source):  # NeMo Skills' code-execution service, waited for at start
+        out.append("a code-execution sandbox service")
     # What its agent runs the model's code in: a server that only its own agent can play needs it too.
     agent_source = "\n".join(p.read_text(errors="replace") for a in own_agents
                              for p in (folder.parent.parent / "responses_api_agents" / a).glob("*.py"))
@@ -175,6 +177,7 @@ OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resol
 # A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):
 # the `[nemo_gym.<name>]` table's `config` gives the field that names it.
 UNSET = re.compile(r"references '(\w+)', which is not set")
+UNDECLARED = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
@@ -184,6 +187,9 @@ def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None
     verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
     if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
         return replace(verdict, needs=(*verdict.needs, "network"))
+    if verdict.verdict == "cannot start" and apart and (missing := UNDECLARED.search(verdict.reason)):
+        # Its requirements were installed, and it imports what none of them brings.
+        return replace(verdict, needs=(*verdict.needs, f"a module its requirements do not declare: {missing.group(1)}"))
     if unset := UNSET.search(verdict.reason):  # a value its config leaves to the operator (NeMo Gym's env.yaml)
         key = unset.group(1)
         need = f"network: a service's {key}" if key.endswith("api_key") else f"a value its config leaves unset: {key}"

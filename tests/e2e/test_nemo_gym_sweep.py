@@ -58,6 +58,8 @@ def test_what_a_server_needs_names_its_own_agent_and_its_sandbox() -> None:
     assert {"its own agent: opencode_sandboxed_agent", "a sandbox provider: sandbox"} <= set(needs(site / "scale_swe"))
     assert not any(n.startswith("its own agent") for n in needs(site / "blackjack") + needs(site / "example_multi_step"))
     assert "a sandbox provider: opensandbox" in needs(site / "litmus_agent")  # the provider's block itself, named
+    # competitive_coding_challenges waits at start for NeMo Skills' code-execution service on localhost.
+    assert "a code-execution sandbox service" in needs(site / "competitive_coding_challenges")
 
 
 def test_a_server_that_reaches_for_the_network_at_start_needs_the_network() -> None:
@@ -74,6 +76,14 @@ def test_a_server_whose_config_leaves_a_services_key_to_the_operator_needs_that_
     assert verdict.verdict == "cannot start" and "tavily_api_key" in verdict.reason, verdict
     assert "network: a service's tavily_api_key" in verdict.needs, verdict
     assert "requirements: tavily-python, ./pocketshell" in verdict.needs, verdict
+
+
+def test_a_server_that_imports_what_its_requirements_do_not_declare_says_which_module() -> None:
+    """Input: NeMo Gym's `code_fim`, installed as `--install` installs it: it imports `human_eval_infilling`,
+    which neither its folder (it has no requirements.txt) nor NeMo Gym declares."""
+    (verdict,), _ = sweep(["code_fim"], parallel=1, say=lambda _line: None, apart=True)
+    assert verdict.verdict == "cannot start", verdict
+    assert "a module its requirements do not declare: human_eval_infilling" in verdict.needs, verdict
 
 
 def test_a_server_whose_requirements_do_not_install_says_so_in_its_row() -> None:
