@@ -96,9 +96,7 @@ class GymServer:
     rebuild_attempts: int = 3  # rebuilds of a session without a call succeeding in between, then it fails
     servers: str = "{}"  # the servers it calls by name (an agent's model and resources servers), as JSON
     table: str = "nemo_gym"  # the config table that names it, in what it says: nemo_gym or nemo_gym_agent
-    # The agents (`[nemo_gym_agent]` tables sent the row on their `/run`) that drive the server themselves:
-    # a task naming one is seeded, stepped, closed and verified by that agent, each call relayed and recorded.
-    driven_by: tuple[str, ...] = ()
+    driven_by: tuple[str, ...] = ()  # agents (drive = "run") that seed, step and verify it themselves
 
 
 class LiveGone(Exception):
@@ -518,11 +516,14 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, captu
     a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
     gymnasium server is not asked: its reward is the sum its recorded steps gave; nor is one its task's
     agent drives: its reward is what that agent's recorded verify gave."""
-    if s.env.driven(s.task) or await asyncio.to_thread(s.env.process.gymnasium):
-        reward = tool_replay.rewards(s.state)
-        if reward is None and s.env.driven(s.task):
+    if s.env.driven(s.task):  # its agent's last verify: one asked again answers for the session as it is then
+        verified = [c["reward"] for c in s.state if c.get("tool") == "verify" and c.get("reward") is not None]
+        if not verified:
             raise GymServerFailed(f"nemo_gym.{s.env.name}: its agent {s.task.agent} drives {s.env.server.module} and never "
                                   "verified the session", server=s.env.name, stage="verify")
+        return float(verified[-1])
+    if await asyncio.to_thread(s.env.process.gymnasium):
+        reward = tool_replay.rewards(s.state)
         if reward is None:
             raise GymServerFailed(f"nemo_gym.{s.env.name}: {s.env.server.module} speaks NeMo Gym's gymnasium protocol and "
                                   "was never stepped: its tasks need an agent that drives /reset and /step (NeMo Gym's "

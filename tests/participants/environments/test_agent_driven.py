@@ -6,12 +6,22 @@ such agent keeps every one of the server's own routes out of the model's reach."
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from engine.errors import GymServerFailed
 from participants.environments import ENVIRONMENTS, ToolError
-from participants.environments.nemo_gym_relay import GymServer, NemoGymEnvironment, register, task_from_row
+from participants.environments.nemo_gym_relay import (
+    GymServer,
+    NemoGymEnvironment,
+    register,
+    relayed_verify,
+    task_from_row,
+)
 from tests.participants.environments.test_gym_http import Recorder  # its `recorder` fixture: conftest.py
 
 ROW = {"responses_create_params": {"input": []}, "task_idx": 3}  # toolsandbox's: only its agent writes a prompt
@@ -58,3 +68,19 @@ def test_a_task_that_names_no_such_agent_is_seeded_by_rollbook_and_its_model_nev
     with pytest.raises(ToolError) as empty:
         env.task_messages(replace(task, params={"row": ROW}))
     assert empty.value.code == "bad_row"  # only an agent that writes the prompt plays a row without one
+
+
+def test_the_reward_of_a_session_its_agent_drives_is_its_last_recorded_verify_and_none_without_one(
+        recorder: Recorder) -> None:
+    """Input: records of seed, verify 1.0, verify 0.0 (an agent that verified again), and of seed alone."""
+    env = environment(recorder)
+    task = replace(task_from_row("driven_test", ROW, 0), agent="own")
+    calls = [{"tool": "seed_session"}, {"tool": "verify", "reward": 1.0}, {"tool": "verify", "reward": 0.0}]
+
+    def verified(state: list[dict[str, Any]]) -> float:
+        s = SimpleNamespace(env=env, task=task, state=state)
+        return asyncio.run(relayed_verify(s, None, None, "r.0.0"))  # type: ignore[arg-type]
+    assert verified(calls) == 0.0  # the session as its last verify found it, not the sum of the two
+    with pytest.raises(GymServerFailed, match="never verified") as failed:
+        verified(calls[:1])
+    assert failed.value.context["stage"] == "verify"
