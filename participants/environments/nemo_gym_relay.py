@@ -516,12 +516,6 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, captu
     a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
     gymnasium server is not asked: its reward is the sum its recorded steps gave; nor is one its task's
     agent drives: its reward is what that agent's recorded verify gave."""
-    if s.env.driven(s.task):  # its agent's last verify: one asked again answers for the session as it is then
-        verified = [c["reward"] for c in s.state if c.get("tool") == "verify" and c.get("reward") is not None]
-        if not verified:
-            raise GymServerFailed(f"nemo_gym.{s.env.name}: its agent {s.task.agent} drives {s.env.server.module} and never "
-                                  "verified the session", server=s.env.name, stage="verify")
-        return float(verified[-1])
     if await asyncio.to_thread(s.env.process.gymnasium):
         reward = tool_replay.rewards(s.state)
         if reward is None:
@@ -529,6 +523,12 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, captu
                                   "was never stepped: its tasks need an agent that drives /reset and /step (NeMo Gym's "
                                   "gymnasium_agent, a [nemo_gym_agent] table)", server=s.env.name, stage="verify")
         return reward
+    if s.env.driven(s.task):  # its agent's last verify: one asked again answers for the session as it is then
+        verified = [c["reward"] for c in s.state if c.get("tool") == "verify" and c.get("reward") is not None]
+        if not verified:
+            raise GymServerFailed(f"nemo_gym.{s.env.name}: its agent {s.task.agent} drives {s.env.server.module} and never "
+                                  "verified the session", server=s.env.name, stage="verify")
+        return float(verified[-1])
     for tries in range(2):
         async with s.lock:
             live = await ensure_live(s, append)
