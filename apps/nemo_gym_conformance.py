@@ -10,10 +10,11 @@ arguments built from their schemas). They run twice through rollbook's four serv
 (the NeMo Gym server with the resources server's) SIGKILLed when the run has logged half the model
 calls (accepted, completed) and relayed calls the uninterrupted one did, then the servers started again and the run again
 with the same run_id, to its end. The server conforms when every rollout of both runs finished once,
-each with the uninterrupted run's reward and tool-call sequence (name and arguments, a value an earlier
-reply handed out named by its place, over the lineage that finished it), and no call was applied twice in one live NeMo Gym session. Where a killed run's
-rollouts all finished once and yet one ends otherwise, with no replay refused to say why, the rows run
-a second time uninterrupted: a server whose own two runs differ (it deals at random) is the cause.
+each with the uninterrupted run's reward and tool-call sequence (name and arguments, a value an
+earlier reply handed out named by its place, over the lineage that finished it), and no call was
+applied twice in one live NeMo Gym session. Where a killed run's rollouts all finished once and yet
+one ends otherwise, with no replay refused to say why, the rows run again uninterrupted (up to
+AGAIN_RUNS times): a server whose own two runs differ (it deals at random) is the cause.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ ROWS = 3
 TOKEN_S = 0.03
 _MIGRATING = threading.Lock()  # Alembic's migration context is one per process: one scratch database at a time
 RUN_TIMEOUT_S = 300.0
+AGAIN_RUNS = 4  # uninterrupted runs after a difference no replay explains, until one differs from the first
 DRIVER = "driver"  # the `[nemo_gym_agent]` table of the agent that drives the server, where one does
 # A relayed call applied twice in one live session: a relayed call and the replays that sent it again.
 TWICE = """
@@ -102,14 +104,15 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
         if not killed or at >= logged:
             return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
         verdict, why, chance = _compare(db, len(tasks), gymnasium)
-        if chance:
-            # Is it the server's own? Its rows run once more, uninterrupted: a server whose own runs
-            # differ (it deals at random) gives nothing a killed run can be held to.
-            again = _config(work, db, name, env, python, driver, "again")
-            with _servers(ServerProcesses(cfg.load(again), again, work, name="again-")):
+        # Is it the server's own? Its rows run again, uninterrupted, a few times: a server whose own runs
+        # differ (it deals at random) gives nothing a killed run can be held to. One run alone may deal
+        # the same three hands by chance (a blackjack hand ends in one of three rewards).
+        for n in range(AGAIN_RUNS if chance else 0):
+            again = _config(work, db, name, env, python, driver, f"again{n}")
+            with _servers(ServerProcesses(cfg.load(again), again, work, name=f"again{n}-")):
                 if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
-                    return "failed", f"the second uninterrupted run exited {code}: " + (_fences(db, "again") or _said(again))
-            if (own := _unlike(db, len(tasks), gymnasium, "ref", "again")) is not None:
+                    return "failed", f"an uninterrupted run again exited {code}: " + (_fences(db, f"again{n}") or _said(again))
+            if (own := _unlike(db, len(tasks), gymnasium, "ref", f"again{n}")) is not None:
                 return "does not replay", (f"two uninterrupted runs of its rows differ ({own}): its outcomes are its "
                                            "own; in the killed run every rollout finished once and no call was "
                                            "applied twice in one live session")[:600]
