@@ -103,7 +103,8 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
                 return "failed", f"the run after the SIGKILL exited {code}: " + (_fences(db, "crash") or _said(path))
         if not killed or at >= logged:
             return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
-        verdict, why, chance = _compare(db, len(tasks), gymnasium)
+        ref, crash = (asyncio.run(_outcomes(db, run, len(tasks), gymnasium)) for run in ("ref", "crash"))
+        verdict, why, chance = _compare(db, ref, crash)
         # Is it the server's own? Its rows run again, uninterrupted, a few times: a server whose own runs
         # differ (it deals at random) gives nothing a killed run can be held to. One run alone may deal
         # the same three hands by chance (a blackjack hand ends in one of three rewards).
@@ -112,7 +113,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
             with _servers(ServerProcesses(cfg.load(again), again, work, name=f"again{n}-")):
                 if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
                     return "failed", f"an uninterrupted run again exited {code}: " + (_fences(db, f"again{n}") or _said(again))
-            if (own := _unlike(db, len(tasks), gymnasium, "ref", f"again{n}")) is not None:
+            if (own := _unlike(ref, asyncio.run(_outcomes(db, f"again{n}", len(tasks), gymnasium)))) is not None:
                 return "does not replay", (f"two uninterrupted runs of its rows differ ({own}): its outcomes are its "
                                            "own; in the killed run every rollout finished once and no call was "
                                            "applied twice in one live session")[:600]
@@ -196,15 +197,14 @@ def _what_happened(dsn: str, at: int, logged: int) -> str:
             f"continued under a new attempt, {restarted} started over")
 
 
-def _compare(dsn: str, tasks: int, gymnasium: bool) -> tuple[str, str, bool]:
+def _compare(dsn: str, ref: list[Any], crash: list[Any]) -> tuple[str, str, bool]:
     """`conforms`; `differs` and the first difference rollbook is answerable for; or `does not replay`: the
     only differences are rollouts whose lost live session the server would not rebuild (a replayed call
     answered otherwise than recorded), which started over from their input and finished once, as they
     must: the server's own promise broken, not rollbook's. The flag: a difference that may yet be the
-    server's own chance (every rollout finished once, none applied a call twice), which only a second
-    uninterrupted run can tell."""
-    ref, crash = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in ("ref", "crash"))
-    own = []
+    server's own chance (every rollout finished once, none applied a call twice), which only further
+    uninterrupted runs can tell."""
+    tasks, own = len(ref), []
     with psycopg.connect(libpq_dsn(dsn)) as conn:
         if twice := conn.execute(TWICE).fetchall():
             return "differs", f"a call applied twice in one live session: {twice[:3]}", False
@@ -243,10 +243,10 @@ def _strings(value: Any) -> list[str]:
     return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
 
 
-def _unlike(dsn: str, tasks: int, gymnasium: bool, one: str, other: str) -> str | None:
-    """The first task on which two runs ended otherwise, said in a line; None when every task agrees."""
-    a, b = (asyncio.run(_outcomes(dsn, run, tasks, gymnasium)) for run in (one, other))
-    i = next((i for i in range(tasks) if a[i] != b[i]), None)
+def _unlike(a: list[Any], b: list[Any]) -> str | None:
+    """The first task on which two runs (their `_outcomes`) ended otherwise, said in a line; None when
+    every task agrees."""
+    i = next((i for i in range(len(a)) if a[i] != b[i]), None)
     return None if i is None else \
         f"task {i}: {json.dumps(a[i], default=str)[:200]} against {json.dumps(b[i], default=str)[:200]}"
 

@@ -15,9 +15,10 @@ records its completion.
 
 Such an agent cannot say where it stands, so it is never resumed in the middle (engine.agent_replay):
 - an activation asked again that was already claimed under this attempt (its run was cut off by a
-  crash of this server or of the agent, whether or not it had made calls) is `attempt_lost`: declared `replay`, the rollout goes on
-  under a new attempt continuing from all of this one, where the agent runs from the start, answered
-  from the log; declared `restart_only` (the default), it starts over from its input;
+  crash of this server or of the agent, whether or not it had made calls) is `attempt_lost`: declared
+  `replay`, the rollout goes on under a new attempt continuing from all of this one, where the agent
+  runs from the start, answered from the log; declared `restart_only` (the default), it starts over
+  from its input;
 - a run that fails after one of its calls diverged from the recorded one is `attempt_lost` with
   reason `agent_divergence`: that rollout alone starts over from its input.
 """

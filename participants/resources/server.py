@@ -323,8 +323,8 @@ class ResourcesParticipant(Participant):
             return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
 
     async def verify(self, request: web.Request, _body: Empty) -> web.Response:
-        """Verify the session against the answer the log holds: the last completed agent activation of
-        this attempt (its lineage included), never an answer a request brings (anyone can forge one)."""
+        """Verify against the answer the log holds: the attempt's last completed agent activation (its
+        lineage included), never an answer a request brings, which any data-credential holder could forge."""
         key = await self._enter(request)
         s = self.sessions.get(key) or await self._recover(key)
         history = await effective_history(self.store, *key)
