@@ -214,6 +214,20 @@ class SandboxConfig(Strict):
         return SandboxLimits(**self.model_dump())
 
 
+MODEL_URL = re.compile(r"^http://((?:[^\s/?#@]+@)?[^\s/?#@:]+):([0-9]{1,5})/?$")
+
+
+def given(models: dict[str, str]) -> dict[str, Any]:
+    """Model servers at URLs the operator gave, as entries of a NeMo Gym config (its host and port)."""
+    out: dict[str, Any] = {}
+    for name, url in models.items():
+        m = MODEL_URL.fullmatch(url)
+        assert m is not None  # validated with the table
+        # The host keeps a credential the URL carries: NeMo Gym's client sends it as basic auth.
+        out[name] = {"responses_api_models": {"given": {"entrypoint": "given", "host": m.group(1), "port": int(m.group(2))}}}
+    return out
+
+
 class NemoGymConfig(Strict):
     """One NeMo Gym resources server (a `[nemo_gym.<name>]` table): the environment `<name>`."""
 
@@ -229,6 +243,18 @@ class NemoGymConfig(Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     config_file: str | None = Field(default=None, max_length=1000)  # which configs/*.yaml, relative to its folder
     rebuild_attempts: int = Field(default=3, ge=1, le=100)
+    # Model servers its config names, at URLs you give (a judge elsewhere: genrm_compare's GenRM model):
+    # the name its config refers to -> http://host:port. Their calls are not rollbook's to record.
+    models: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("models")
+    @classmethod
+    def _model_urls(cls, models: dict[str, str]) -> dict[str, str]:
+        for name, url in models.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or not MODEL_URL.fullmatch(url):
+                raise ValueError(f"{name[:80]!r} = {url[:80]!r}: a model server's name and its http://host:port "
+                                 "(NeMo Gym calls a named server at a host and port, over plain HTTP)")
+        return models
 
 
 class NemoGymAgentConfig(Strict):
@@ -392,7 +418,7 @@ class Config(Strict):
         judge) resolves to, with NeMo Gym's observability on so that its calls name their rollout."""
         from apps.nemo_gym_install import installed_python
 
-        servers = json.dumps({**self._gym_peers(), "observability_enabled": True}, sort_keys=True)
+        peers = {**self._gym_peers(), "observability_enabled": True}
         driven_by = tuple(sorted(name for name, a in self.nemo_gym_agent.items() if a.drives == "run"))
         out = []
         for name, g in self.nemo_gym.items():
@@ -400,7 +426,8 @@ class Config(Strict):
             chosen = g.port or (port() if port is not None and g.url is None else None)
             out.append(GymServer(name, g.module, declared(g.state), g.url, python, tuple(g.paths), chosen,
                                  g.start_timeout_s, g.call_timeout_s, json.dumps(g.config, sort_keys=True),
-                                 g.config_file, g.rebuild_attempts, servers, driven_by=driven_by))
+                                 g.config_file, g.rebuild_attempts, json.dumps({**peers, **given(g.models)}, sort_keys=True),
+                                 driven_by=driven_by))
         return out
 
     def _gym_peers(self) -> dict[str, Any]:

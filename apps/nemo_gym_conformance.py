@@ -67,12 +67,15 @@ LOGGED = ("SELECT count(*) FROM rollbook.events WHERE rollout_id LIKE %s AND "
 
 
 def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str | None, dsn: str,
-                work: Path) -> tuple[str, str]:
+                work: Path, cohort: int = 1, models: dict[str, str] | None = None) -> tuple[str, str]:
     """(verdict, reason): `conforms`, `differs` (what differs) or `failed` (why a run did not finish).
     `driver`: the NeMo Gym agent that drives the server through its `/run` (gymnasium_agent for a
-    gymnasium-style server, a server's own agent), or None for rollbook's own agent."""
+    gymnasium-style server, a server's own agent), or None for rollbook's own agent. `cohort`: how many
+    rollouts of one row the server compares at verify (its `num_rollouts_per_prompt`): then one row runs
+    that many times, all at once, tagged as NeMo Gym's collector tags repeats. `models`: model servers
+    its config names at URLs given (the table's `models`)."""
     env = f"gym_{name}"
-    tasks = convert([json.dumps(r) for r in rows[:ROWS]], "example.jsonl", env)
+    tasks = convert([json.dumps(r) for r in rows[:ROWS if cohort == 1 else 1]], "example.jsonl", env, cohort)
     gymnasium = f"responses_api_agents.{driver}.app" == GYMNASIUM_AGENT  # its steps' rewards are compared
     if driver is not None:
         tasks = [replace(t, agent=DRIVER) for t in tasks]
@@ -81,13 +84,13 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
     with _MIGRATING:
         db = scratch_database(dsn, f"rollbook_sweep_{name}"[:63])
     try:
-        base = _config(work, db, name, env, python, driver, "ref")
+        base = _config(work, db, name, env, python, driver, "ref", models)
         procs = ServerProcesses(cfg.load(base), base, work, name="ref-")
         with _servers(procs):
             if (code := _run(base).wait(RUN_TIMEOUT_S)) != 0:
                 return "failed", f"the uninterrupted run exited {code}: " + (_fences(db, "ref") or _said(base))
         logged = _count(db, "ref")
-        path = _config(work, db, name, env, python, driver, "crash")
+        path = _config(work, db, name, env, python, driver, "crash", models)
         procs = ServerProcesses(cfg.load(path), path, work, name="crash-")
         with _servers(procs):
             run = _run(path)
@@ -109,7 +112,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
         # differ (it deals at random) gives nothing a killed run can be held to. One run alone may deal
         # the same three hands by chance (a blackjack hand ends in one of three rewards).
         for n in range(AGAIN_RUNS if chance else 0):
-            again = _config(work, db, name, env, python, driver, f"again{n}")
+            again = _config(work, db, name, env, python, driver, f"again{n}", models)
             with _servers(ServerProcesses(cfg.load(again), again, work, name=f"again{n}-")):
                 if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
                     return "failed", f"an uninterrupted run again exited {code}: " + (_fences(db, f"again{n}") or _said(again))
@@ -124,17 +127,19 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
         drop_database(db)
 
 
-def _config(work: Path, dsn: str, name: str, env: str, python: Path, driver: str | None, run_id: str) -> Path:
+def _config(work: Path, dsn: str, name: str, env: str, python: Path, driver: str | None, run_id: str,
+            models: dict[str, str] | None) -> Path:
+    tasks = sum(1 for _ in (work / "tasks.jsonl").open())
     agents = {DRIVER: cfg.NemoGymAgentConfig(module=f"responses_api_agents.{driver}.app", continuation="replay",
                                              drive="run", python=str(python), port=free_port())} if driver else {}
     config = cfg.Config(dsn=dsn, control_token="sweep-c0ntrol", data_token="sweep-d4ta",
                         servers={k: cfg.ServerConfig(port=free_port(), token_latency_s=TOKEN_S if k == "model" else 0.0)
                                  for k in cfg.KINDS},
                         nemo_gym={env: cfg.NemoGymConfig(module=f"resources_servers.{name}.app", state="replay",
-                                                         python=str(python), port=free_port())},
+                                                         python=str(python), port=free_port(), models=models or {})},
                         nemo_gym_agent=agents,
                         run=cfg.RunConfig(run_id=run_id, tasks=str(work / "tasks.jsonl"), checkpoint_every_s=3600,
-                                          concurrency=ROWS))
+                                          concurrency=tasks))
     path = work / f"{run_id}.toml"
     cfg.write(config, path)
     return path
@@ -171,7 +176,7 @@ def _fences(dsn: str, run_id: str) -> str:
     with psycopg.connect(libpq_dsn(dsn)) as conn:
         rows = conn.execute("SELECT DISTINCT data->>'code', coalesce(data->'context'->>'stage', ''), "
                             "coalesce(data->'context'->>'status', ''), left(coalesce(data->'context'->>'body', "
-                            "data->>'detail'), 300) FROM rollbook.episode_history WHERE rollout_id LIKE %s AND "
+                            "data->>'detail'), 500) FROM rollbook.episode_history WHERE rollout_id LIKE %s AND "
                             "kind = 'attempt_fenced' AND data->>'reason' = 'failed' LIMIT 3", (f"{run_id}-%",)).fetchall()
     return "; ".join(f"{code} ({stage} {status}): {said}".replace(" ()", "") for code, stage, status, said in rows)
 

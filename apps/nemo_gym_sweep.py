@@ -139,6 +139,17 @@ def own_driver(folder: Path, rows: list[dict[str, Any]]) -> str | None:
     return agents[0] if len(agents) == 1 else None
 
 
+def cohort(folder: Path) -> int:
+    """How many rollouts of one prompt the server compares with each other at verify: its config's
+    `num_rollouts_per_prompt` (genrm_compare's 16), else 1."""
+    try:
+        entry = own_config(str(folder), folder.name, "resources_servers")
+    except yaml.YAMLError:
+        return 1
+    size = entry.get("num_rollouts_per_prompt") if isinstance(entry, dict) else None
+    return size if isinstance(size, int) and size > 1 else 1
+
+
 def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
     """The (field, ref) pairs of `value` that point at a server of `kind`."""
     if isinstance(value, dict):
@@ -171,7 +182,8 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
 # registries): a name that does not resolve, a host it cannot reach, Hugging Face's offline refusal.
 OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
                      r"Failed to establish a new connection|Max retries exceeded|LocalEntryNotFoundError|"
-                     r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'|NLTK Downloader")
+                     r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'|git clone https?://|"
+                     r"NLTK Downloader|Hugging Face|Failed to load [\w ]+ after retries")
 
 
 # A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):
@@ -180,21 +192,37 @@ UNSET = re.compile(r"references '(\w+)', which is not set")
 UNDECLARED = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
+# A file it reads from its own folder that the wheel does not hold (a dataset to download or generate).
+LACKS = r"(?:/resources_servers/{name}/)([\w./-]+)"
+# A key to a service its config class requires (critpt's api_key, google_search's google_api_key).
+KEY = re.compile(r"refuses its config: .*?\b(\w*api_key)\b")
+PYTHON = re.compile(r"'uv', 'venv'.*?'--python', '([\d.]+)'")  # a Python of its own, which uv fetches
+
+
 def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None, work: Path | None = None,
                timeout_s: float = START_TIMEOUT_S, apart: bool = False) -> Verdict:
     """`_tried`'s verdict, with what its failure shows it needs added to its needs: the network where it
-    reached for it, a value its config leaves to the operator."""
+    reached for it, a value its config leaves to the operator, data its wheel lacks."""
     verdict = _tried(python, site, name, crash_dsn, work, timeout_s, apart)
-    if verdict.verdict != "seeds" and OFFLINE.search(verdict.reason) or OFFLINE.search(verdict.crash_reason):
-        return replace(verdict, needs=(*verdict.needs, "network"))
-    if verdict.verdict == "cannot start" and apart and (missing := UNDECLARED.search(verdict.reason)):
+    failed = "" if verdict.verdict == "seeds" else verdict.reason
+    said, found = failed + "\n" + verdict.crash_reason, []
+    if re.search(r"FileNotFoundError|not found|does not exist", said) and \
+            (lacks := re.search(LACKS.format(name=re.escape(name)), said)):
+        found.append(f"data its wheel lacks: {lacks.group(1).rstrip('.')}")
+    if OFFLINE.search(failed) or OFFLINE.search(verdict.crash_reason):
+        found.append("network")
+    elif wanted := PYTHON.search(failed):
+        found.append(f"network: uv downloads the Python {wanted.group(1)} it runs in")
+    elif key := KEY.search(failed):
+        found.append(f"network: a service's {key.group(1)}")
+    if verdict.verdict == "cannot start" and apart and (missing := UNDECLARED.search(failed)):
         # Its requirements were installed, and it imports what none of them brings.
-        return replace(verdict, needs=(*verdict.needs, f"a module its requirements do not declare: {missing.group(1)}"))
-    if unset := UNSET.search(verdict.reason):  # a value its config leaves to the operator (NeMo Gym's env.yaml)
-        key = unset.group(1)
-        need = f"network: a service's {key}" if key.endswith("api_key") else f"a value its config leaves unset: {key}"
-        return replace(verdict, needs=(*verdict.needs, need))
-    return verdict
+        found.append(f"a module its requirements do not declare: {missing.group(1)}")
+    if unset := UNSET.search(failed):  # a value its config leaves to the operator (NeMo Gym's env.yaml)
+        key_name = unset.group(1)
+        found.append(f"network: a service's {key_name}" if key_name.endswith("api_key") else
+                     f"a value its config leaves unset: {key_name}")
+    return replace(verdict, needs=(*verdict.needs, *found)) if found else verdict
 
 
 def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Path | None, timeout_s: float,
@@ -213,11 +241,36 @@ def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Pat
     t0 = time.monotonic()
     rows = example_rows(site / "resources_servers" / name)
     driver = "gymnasium_agent" if seeded.protocol == "gymnasium" else own_driver(site / "resources_servers" / name, rows)
-    try:
-        crash, why = conformance(name, python, rows, driver, crash_dsn, work / name)
-    except Exception as exc:  # the check's own failure, said in its row: the other servers are still tried
-        crash, why = "failed", f"the check itself failed: {type(exc).__name__}: {exc}"
+    folder = site / "resources_servers" / name
+    crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, cohort(folder))
+    if crash == "failed" and "rollout_id_required" in why:
+        # Its judge calls name no rollout (genrm_compare judges a cohort in a task of its own): they need a
+        # model server of their own, as the operator gives one. The check gives each a stand-in.
+        names = sorted({str(ref["name"]) for _, ref in _refs(own_config(str(folder), name, "resources_servers"),
+                                                              "responses_api_models")})
+        seeded = replace(seeded, needs=(*seeded.needs, "a model server at a URL you give: " + ", ".join(names)
+                                        + " (its calls name no rollout)"))
+        judge = _serving(_StandIn)
+        try:
+            given = {n: f"http://127.0.0.1:{judge.server_address[1]}" for n in names}
+            crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, cohort(folder), given)
+        finally:
+            judge.shutdown()
+            judge.server_close()
     return replace(seeded, crash=crash, crash_reason=why, seconds=seeded.seconds + time.monotonic() - t0)
+
+
+def _checked(*args: Any) -> tuple[str, str]:
+    try:
+        return conformance(*args)
+    except Exception as exc:  # the check's own failure, said in its row: the other servers are still tried
+        return "failed", f"the check itself failed: {type(exc).__name__}: {exc}"
+
+
+def _serving(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
@@ -227,8 +280,7 @@ def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
     # A model server as `rollbook serve` gives one (a judge its config names resolves to it). A seed asks
     # no judge, so what listens there answers every request 404; but it answers, as NeMo Gym's own
     # poll for a server's status wants (xstest waits at start until its judge is reachable).
-    judge = ThreadingHTTPServer(("127.0.0.1", free_port()), _Nothing)
-    threading.Thread(target=judge.serve_forever, daemon=True).start()
+    judge = _serving(_Nothing)
     model = {MODEL_SERVER: {"responses_api_models": {"rollbook": {"entrypoint": "rollbook", "host": "127.0.0.1",
                                                                   "port": judge.server_address[1]}}}}
     server = GymServer(f"sweep_{name}", f"resources_servers.{name}.app", state="replay", python=str(python),
@@ -271,6 +323,31 @@ class _Nothing(BaseHTTPRequestHandler):
 
     def log_message(self, *_: Any) -> None:
         pass
+
+
+class _StandIn(_Nothing):
+    """A stand-in for a model server an operator gives a server (a judge of its own): every Responses call
+    is answered with one completed message, the same each time (genrm_compare's parser finds no scores in
+    it and takes its default ones)."""
+
+    TEXT = "A stand-in judge: no scores."
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's names
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.dumps(responses_reply(self.TEXT)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def responses_reply(text: str) -> dict[str, Any]:
+    """A completed Responses-API reply of one message: what a NeMo Gym server reads of a model's answer."""
+    return {"id": "resp_stand_in", "object": "response", "created_at": 0, "model": "stand-in", "status": "completed",
+            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+            "output": [{"type": "message", "id": "msg_stand_in", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
 
 
 def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,

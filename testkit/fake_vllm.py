@@ -350,11 +350,10 @@ class FakeVLLM:
 
 
 def teach_nemo_gym_players() -> None:
-    """The players a NeMo Gym environment brings (participants/environments/nemo_gym_relay.py), which
+    """The players a NeMo Gym environment brings (participants/environments/players.py), which
     this process, reading no config, would not otherwise register."""
     from participants.environments import ENVIRONMENTS
-    from participants.environments.nemo_gym_relay import GYM_PLAYER
-    from participants.environments.players import SCHEMA
+    from participants.environments.players import GYM_PLAYER, SCHEMA
 
     ENVIRONMENTS["nemo-gym-players"] = type("NemoGymPlayers", (), {"scripted": (GYM_PLAYER, SCHEMA)})  # type: ignore[assignment]
 

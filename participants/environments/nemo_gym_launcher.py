@@ -148,8 +148,9 @@ def resolved_values(entry: dict) -> tuple:
 def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
     """`value` (a server's own config entry) with every model server it names that the config does not
     define (a judge's `judge_model_server: {type: responses_api_models, name: genrm_model}`) pointed at
-    the one model server ROLLBOOK_GYM_SERVERS defines: rollbook's, which records those calls too."""
-    models = [k for k, v in servers.items() if isinstance(v, dict) and "responses_api_models" in v]
+    rollbook's model server (of those ROLLBOOK_GYM_SERVERS defines, the one named "rollbook"), which
+    records those calls too. One the config defines (at a URL the operator gave) is left as it is."""
+    models = [k for k, v in servers.items() if isinstance(v, dict) and "rollbook" in (v.get("responses_api_models") or {})]
     if len(models) != 1:
         return value
     if isinstance(value, dict):
@@ -159,6 +160,19 @@ def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON 
     if isinstance(value, list):
         return [resolved_models(v, servers) for v in value]
     return value
+
+
+def model_refs(value):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
+    """The names of the model servers `value` refers to."""
+    if isinstance(value, dict):
+        if value.get("type") == "responses_api_models" and "name" in value:
+            yield str(value["name"])
+        else:
+            for v in value.values():
+                yield from model_refs(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from model_refs(v)
 
 
 def end_with_parent() -> None:
@@ -198,6 +212,12 @@ def main(argv: list[str]) -> None:
     entry.setdefault("domain", "other")
     merged = checked(module, name, entry, overrides, table)
     merged.update({"host": "127.0.0.1", "port": int(port)})
+    named = set(model_refs(merged))
+    for given in sorted(k for k, v in servers.items()
+                        if isinstance(v, dict) and "given" in (v.get("responses_api_models") or {})):
+        if given not in named:  # a misspelt judge would otherwise be rollbook's model server, silently
+            raise Refused(f"{table}.{name}.models: {given!r} is no model server {module}'s config names; it names "
+                          f"{', '.join(sorted(named)) or 'none'}")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **servers,
                    name: {kind: {os.path.basename(folder): merged}}}, f)  # JSON is YAML

@@ -66,7 +66,7 @@ from participants.environments import (
 from participants.environments.base import JSON
 from participants.environments.gym_http import Cookies, connections
 from participants.environments.nemo_gym_row import chat_tools, row_messages, row_sampling
-from participants.environments.players import SCHEMA, Answer, Call, Player, Step
+from participants.environments.players import GYM_PLAYER, SCHEMA
 
 LAUNCHER = Path(__file__).with_name("nemo_gym_launcher.py")
 # A NeMo Gym resources server's own routes (its RESERVED_MCP_TOOL_NAMES, and more): never a tool call.
@@ -390,8 +390,9 @@ class NemoGymEnvironment(Environment):
             reply = live.post(f"/ng-rollout/{capture}/verify", {**row, "response": response})
         except GymReplyError as exc:
             raise self.refused("verify", exc) from None
-        if not isinstance(reply, dict) or not isinstance(reply.get("reward"), int | float):
-            raise self.refused("verify", GymReplyError("/verify", 200, json.dumps(reply)[:BODY_SHOWN]))
+        if not isinstance(reply, dict) or not isinstance(reply.get("reward"), int | float) or reply.get("mask_sample"):
+            # A masked sample (NeMo Gym's judge_failsafe: its judge failed) carries a 0 that is no reward.
+            raise self.refused("verify", GymReplyError("/verify", 200, json.dumps(_why(reply))[:BODY_SHOWN]))
         return float(reply["reward"])
 
     def close_live(self, live: Live) -> None:
@@ -550,6 +551,13 @@ def stop_all() -> None:
             cls.process.stop()
 
 
+def _why(reply: Any) -> Any:
+    """A verify reply as its refusal shows it: a masked one's failure first, not the echoed row."""
+    if isinstance(reply, dict) and reply.get("mask_sample"):
+        return {k: reply.get(k) for k in ("failure_kind", "failure_reason", "mask_sample")}
+    return reply
+
+
 def task_from_row(env: str, row: dict[str, Any], index: int) -> Task:
     """A NeMo Gym data row as a rollbook task bound to the configured environment `env`."""
     params = row.get("responses_create_params")
@@ -563,38 +571,3 @@ def task_from_row(env: str, row: dict[str, Any], index: int) -> Task:
         prompt = "\n\n".join(p if isinstance(p, str) else json.dumps(p) for p in parts)
     task_id = str(row.get("id", index))
     return Task(env, task_id, prompt, {"row": row})
-
-
-# ---- the scripted stand-in model's play of NeMo Gym's Workplace Assistant ------------------------
-
-
-def _quoted(prompt: str) -> list[str]:
-    return re.findall(r"(?:^|\s)'(.+?)'(?=[\s.,!?;:]|$)", prompt)
-
-
-def _gym_workplace(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
-    """Search the mail for the first quoted phrase, reply to the named sender's latest with the second;
-    without quotes, look the customers up once. A pure function of its inputs, so a replayed or resumed
-    rollout plays the same moves."""
-    request = prompt.split("\n\n")[-1]
-    quoted = _quoted(request)
-    if not quoted:  # look the people up, then stop
-        names = re.findall(r"\b([A-Z][a-z]+)\b", request)[1:3]
-        if len(history) < len(names):
-            return Call("company_directory_find_email_address", {"name": names[len(history)]})
-        return Answer("Done.")
-    if not history:
-        return Call("email_search_emails", {"query": quoted[0]})
-    last = history[-1]
-    if last.name == "email_search_emails" and len(history) == 1:
-        emails = ((last.result or {}).get("output") or {}).get("emails") if isinstance(last.result, dict) else None
-        if emails:
-            who = re.search(r"(\w+)'s", prompt.split("\n\n")[-1])
-            named = [e for e in emails if who and who.group(1).lower() in str(e.get("sender/recipient", "")).lower()]
-            pick = (named or emails)[0]
-            body = quoted[1] if len(quoted) > 1 else "Thanks, noted."
-            return Call("email_reply_email", {"email_id": pick["email_id"], "body": body})
-    return Answer("Done.")
-
-
-GYM_PLAYER = Player(25, lambda names, prompt: {"email_search_emails", "email_reply_email"} <= names, _gym_workplace)

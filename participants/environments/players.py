@@ -465,3 +465,38 @@ SCHEMA = Player(900, lambda names, prompt: bool(names - {None}), _schema_move)
 # The last resort: any request no other player recognises.
 STRING = Player(1000, lambda names, prompt: True,
                 lambda prompt, h, tools, seed: _string(prompt, _chance(seed, prompt, "string")))
+
+
+# -- NeMo Gym's Workplace Assistant (its own server, relayed: participants/environments/nemo_gym_relay.py) --
+
+
+def _quoted(prompt: str) -> list[str]:
+    return re.findall(r"(?:^|\s)'(.+?)'(?=[\s.,!?;:]|$)", prompt)
+
+
+def _gym_workplace(prompt: str, history: list[Step], tools: list[dict], seed: int) -> Call | Answer:
+    """Search the mail for the first quoted phrase, reply to the named sender's latest with the second;
+    without quotes, look the customers up once. A pure function of its inputs, so a replayed or resumed
+    rollout plays the same moves."""
+    request = prompt.split("\n\n")[-1]
+    quoted = _quoted(request)
+    if not quoted:  # look the people up, then stop
+        names = re.findall(r"\b([A-Z][a-z]+)\b", request)[1:3]
+        if len(history) < len(names):
+            return Call("company_directory_find_email_address", {"name": names[len(history)]})
+        return Answer("Done.")
+    if not history:
+        return Call("email_search_emails", {"query": quoted[0]})
+    last = history[-1]
+    if last.name == "email_search_emails" and len(history) == 1:
+        emails = ((last.result or {}).get("output") or {}).get("emails") if isinstance(last.result, dict) else None
+        if emails:
+            who = re.search(r"(\w+)'s", prompt.split("\n\n")[-1])
+            named = [e for e in emails if who and who.group(1).lower() in str(e.get("sender/recipient", "")).lower()]
+            pick = (named or emails)[0]
+            body = quoted[1] if len(quoted) > 1 else "Thanks, noted."
+            return Call("email_reply_email", {"email_id": pick["email_id"], "body": body})
+    return Answer("Done.")
+
+
+GYM_PLAYER = Player(25, lambda names, prompt: {"email_search_emails", "email_reply_email"} <= names, _gym_workplace)

@@ -228,8 +228,11 @@ class ModelParticipant(Participant):
                     name=f"nemo_gym_{name}") for path, handler, body, reply, name in (
                 (RESPONSES, self.responses, ResponsesRequest, ResponsesReply, "responses"),
                 (COMPLETIONS, self.chat_completions, ChatRequest, ChatCompletion, "chat_completions"))),
-            Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), name="completions_without_identity"),
-            Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), name="responses_without_identity"),
+            # Basic too: a NeMo Gym client (a judge's calls made outside any rollout) learns why, not 401.
+            Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), basic=True,
+                  name="completions_without_identity"),
+            Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), basic=True,
+                  name="responses_without_identity"),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
             Route("GET", data_path(MODELS), self.models, None, None, (), name="list_models_of_attempt"),
             Route("POST", POLICY_VERSION, self.set_policy_version, PolicyVersionRequest, None,
@@ -279,7 +282,10 @@ class ModelParticipant(Participant):
     # ---- the data route ---------------------------------------------------------------------
 
     async def _no_identity(self, request: web.Request, _body: None) -> web.Response:
-        raise RolloutIdRequired(f"call {data_path(COMPLETIONS)}: every model call belongs to a rollout attempt")
+        raise RolloutIdRequired(f"{request.path}: every model call belongs to a rollout attempt: call "
+                                f"{data_path(request.path)}, or from a NeMo Gym server under /ng-rollout/<capture>/ (a "
+                                "judge that calls outside any rollout needs a model server of its own: the "
+                                "[nemo_gym.<name>] table's models)")
 
     async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
         model = body.model or str(getattr(self.backend, "model", "rollbook"))

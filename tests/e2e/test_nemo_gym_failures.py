@@ -58,8 +58,11 @@ def site(python: Path) -> Path:
 
 
 def example_tasks(python: Path, env: str, server: str) -> list[Task]:
-    rows = (site(python) / "resources_servers" / server / "data" / "example.jsonl").read_text().splitlines()
-    return convert(rows, "example.jsonl", env)
+    return convert(example_rows(python, server), "example.jsonl", env)
+
+
+def example_rows(python: Path, server: str) -> list[str]:
+    return (site(python) / "resources_servers" / server / "data" / "example.jsonl").read_text().splitlines()
 
 
 def row_task(env: str, **fields: Any) -> Task:
@@ -166,6 +169,49 @@ def test_a_key_the_servers_config_class_does_not_declare_is_refused_with_its_fie
     assert env.process.starts == 1
     bad = environment("gym_badtype", CONFIGURED, overrides=json.dumps({"step": "many"}))
     assert "step" in (bad.process.check() or "") and bad.process.starts == 1
+
+
+GENRM = "resources_servers.genrm_compare.app"
+
+
+def genrm_judged_at(port: int, name: str = "genrm_model") -> str:
+    """The servers a genrm_compare is told of: its GenRM model given at a URL, as `models` gives it."""
+    return json.dumps({name: {"responses_api_models": {"given": {"entrypoint": "given", "host": "127.0.0.1",
+                                                                 "port": port}}}})
+
+
+def test_a_verify_whose_judge_failed_is_a_failure_saying_why_not_a_reward_of_zero(
+        environment: Callable[..., NemoGymEnvironment], gym_python: Path) -> None:
+    """NeMo Gym's genrm_compare, a cohort of two, its GenRM judge at a port where nothing listens: NeMo
+    Gym's judge_failsafe answers each verify 200 with `reward: 0.0` and `mask_sample: true`."""
+    env = environment("gym_genrm", GENRM, overrides=json.dumps({"num_rollouts_per_prompt": 2, "genrm_parse_retries": 0,
+                                                         "judge_request_timeout_s": 1}),
+                      servers=genrm_judged_at(free_port()))
+    tasks = convert(example_rows(gym_python, "genrm_compare")[:1], "example.jsonl", "gym_genrm", repeats=2)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from participants.environments import Trajectory
+
+    def verified(task: Task) -> BaseException | float:
+        try:
+            return env.verify_live(env.open_live(task), task, Trajectory([{"role": "assistant", "content": "hi"}], "hi"),
+                                   f"r{task.task_id}.0.0")
+        except GymServerFailed as exc:
+            return exc
+    with ThreadPoolExecutor(2) as pool:  # the cohort is judged once both are in
+        outcomes = list(pool.map(verified, tasks))
+    for failed in outcomes:
+        assert isinstance(failed, GymServerFailed), outcomes
+        assert failed.context["stage"] == "verify" and '"failure_kind": "judge_failed"' in failed.detail, failed.detail
+
+
+def test_a_model_server_given_by_a_name_the_servers_config_never_uses_is_refused_naming_those_it_does(
+        environment: Callable[..., NemoGymEnvironment]) -> None:
+    """Input: `models = { genrm_modle = ... }` for genrm_compare, whose config names `genrm_model`."""
+    env = environment("gym_genrm_typo", GENRM, servers=genrm_judged_at(free_port(), "genrm_modle"))
+    why = env.process.check()
+    assert why == ("nemo_gym.gym_genrm_typo.models: 'genrm_modle' is no model server resources_servers.genrm_compare.app's "
+                   "config names; it names genrm_model"), why
 
 
 def test_a_server_that_cannot_import_says_why_in_one_line_and_is_started_once(

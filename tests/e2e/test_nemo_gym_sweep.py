@@ -68,6 +68,17 @@ def test_a_server_that_reaches_for_the_network_at_start_needs_the_network() -> N
     assert verdict.verdict == "cannot start" and "network" in verdict.needs, verdict
 
 
+def test_a_server_that_lacks_its_data_or_a_services_key_or_fetches_its_own_code_says_which() -> None:
+    """Input: NeMo Gym's `wordle` (its word list, data/guesses.txt, is made by a script from the network;
+    the wheel lacks it), `critpt` (its config class requires the `api_key` of a grading service) and
+    `vlm_eval_kit` (it git-clones VLMEvalKit when it starts)."""
+    verdicts, _ = sweep(["wordle", "critpt", "vlm_eval_kit"], parallel=2, say=lambda _line: None)
+    wordle, critpt, vlm = verdicts
+    assert wordle.verdict == "refused" and "data its wheel lacks: data/guesses.txt" in wordle.needs, wordle
+    assert critpt.verdict == "cannot start" and "network: a service's api_key" in critpt.needs, critpt
+    assert vlm.verdict == "cannot start" and "network" in vlm.needs, vlm
+
+
 def test_a_server_whose_config_leaves_a_services_key_to_the_operator_needs_that_service() -> None:
     """Input: NeMo Gym's `browsecomp_advanced_harness` with its requirements installed (one of them a
     package in its own folder, `-e ./pocketshell[pcre]`): its config's `${tavily_api_key}`, a web
@@ -169,4 +180,16 @@ def test_a_judge_call_lost_with_the_killed_model_server_loses_the_attempt_rather
     the NeMo Gym server reports its verify failed (500), and the environment server, finding the lost call
     in the attempt's log, continues the rollout under a new attempt instead of failing it."""
     (verdict,), _ = sweep(["false_statement_judge"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
+    assert (verdict.verdict, verdict.crash) == ("seeds", "conforms"), verdict
+
+
+def test_a_server_that_judges_a_cohort_of_rollouts_outside_any_rollout_gets_them_and_a_judge_of_its_own(
+        dsn: str) -> None:
+    """NeMo Gym's `genrm_compare`, unchanged: its verify waits for all 16 rollouts of a prompt
+    (`num_rollouts_per_prompt`, each tagged `_ng_rollout_index` as NeMo Gym's collector tags repeats), then
+    judges them pairwise in a task of no rollout's, its calls naming none. rollbook's model server refuses
+    those, NeMo Gym masks the verify, and the check says what the server needs (a judge at a URL given),
+    then runs it again with a stand-in judge there: 16 verifies held at once, killed, conforming."""
+    (verdict,), _ = sweep(["genrm_compare"], parallel=1, say=lambda _line: None, crash_dsn=dsn)
+    assert "a model server at a URL you give: genrm_model (its calls name no rollout)" in verdict.needs, verdict
     assert (verdict.verdict, verdict.crash) == ("seeds", "conforms"), verdict

@@ -44,7 +44,11 @@ def test_a_table_round_trips_and_each_server_is_an_environment_of_the_deployment
     ('[nemo_gym.g]\nmodule = "resources_servers.x.app"\nstate = "deterministic"\n', "nemo_gym.g.state"),
     ('[nemo_gym.g]\nmodule = "../../etc/passwd"\n', "nemo_gym.g.module"),
     ('[nemo_gym.g]\nmodule = "m"\ncookie = "x"\n', "nemo_gym.g.cookie"),
-], ids=["shadows-a-registered-environment", "unknown-state", "not-a-module", "unknown-key"])
+    ('[nemo_gym.g]\nmodule = "m"\nmodels = { genrm_model = "https://judge:8000" }\n', "nemo_gym.g.models"),
+    ('[nemo_gym.g]\nmodule = "m"\nmodels = { genrm_model = "http://judge" }\n', "nemo_gym.g.models"),
+    ('[nemo_gym.g]\nmodule = "m"\nmodels = { "a b" = "http://judge:8000" }\n', "nemo_gym.g.models"),
+], ids=["shadows-a-registered-environment", "unknown-state", "not-a-module", "unknown-key", "model-over-https",
+        "model-without-port", "model-name-with-space"])
 def test_a_bad_table_is_refused_naming_it(tmp_path: Path, table: str, problem: str) -> None:
     cfg.write(config(), tmp_path / "rollbook.toml")
     path = tmp_path / "rollbook.toml"
@@ -124,3 +128,27 @@ def test_a_server_killed_between_its_headers_and_its_body_is_a_live_session_gone
     finally:
         server.join(5)
         listener.close()
+
+
+def test_a_model_server_given_by_url_reaches_the_server_as_a_named_server_beside_rollbooks() -> None:
+    """Input: `models = { genrm_model = "http://u:secret@10.0.0.5:8000" }` (genrm_compare's GenRM judge)."""
+    loaded = config(gym_genrm=cfg.NemoGymConfig(module="resources_servers.genrm_compare.app",
+                                                models={"genrm_model": "http://u:secret@10.0.0.5:8000"}))
+    servers = json.loads(loaded.gym_servers(port=lambda: 9300)[0].servers)
+    assert servers["genrm_model"] == {"responses_api_models": {"given": {
+        "entrypoint": "given", "host": "u:secret@10.0.0.5", "port": 8000}}}  # NeMo Gym sends the credential
+    assert "rollbook" in servers["rollbook_model"]["responses_api_models"]  # the others still resolve to rollbook's
+
+
+def test_from_gym_with_repeats_tags_each_rows_repeats_as_nemo_gyms_collector_does() -> None:
+    """Input: two rows, repeats = 3 (NeMo Gym's num_repeats); then repeats without an environment, and 0."""
+    rows = [{"id": "a", "responses_create_params": {"input": "one"}}, {"responses_create_params": {"input": "two"}}]
+    tasks = convert([json.dumps(r) for r in rows], "rows.jsonl", "gym_genrm", repeats=3)
+    assert [t.task_id for t in tasks] == ["a.0", "a.1", "a.2", "1.0", "1.1", "1.2"]
+    assert [(t.params["row"]["_ng_task_index"], t.params["row"]["_ng_rollout_index"]) for t in tasks] == \
+        [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [t.prompt for t in tasks] == ["one"] * 3 + ["two"] * 3
+    with pytest.raises(InvalidRequest, match="repeats take an env"):
+        convert([json.dumps(rows[0])], "rows.jsonl", None, repeats=2)
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        convert([json.dumps(rows[0])], "rows.jsonl", "gym_genrm", repeats=0)

@@ -215,3 +215,15 @@ def test_call_numbering_repeats_only_an_undelivered_call_with_the_same_request()
     n = CallNumbering()
     assert [n.number("a", False), n.number("a", False), n.number("a", True), n.number("b", False), n.number("a", False)] \
         == [0, 0, 1, 2, 3]
+
+
+async def test_a_nemo_gym_call_outside_any_rollout_is_told_it_needs_one_not_unauthorized(store, tokens) -> None:
+    """Input: `POST /v1/responses` with the data credential as NeMo Gym's client sends it (basic auth from
+    the host in its config), no rollout in the path: genrm_compare's judge calls from a task of no rollout."""
+    async with served(store, ScriptedBackend(), tokens) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.make_url("/v1/responses"), json={"input": "judge these"},
+                             headers={"Authorization": aiohttp.encode_basic_auth("rollbook", CREDS.data)}) as resp:
+            status, error = resp.status, (await resp.json())["error"]
+    assert (status, error["code"]) == (400, "rollout_id_required")
+    assert "/ng-rollout/<capture>/" in error["detail"] and "models" in error["detail"]
+    assert await store.read_all() == []  # nothing recorded
