@@ -53,7 +53,7 @@ from apps.processes import free_port, reap_on_signal
 from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
 from participants.environments import gymnasium
-from participants.environments.nemo_gym_launcher import own_config
+from participants.environments.nemo_gym_launcher import own_config, references
 from participants.environments.nemo_gym_relay import (
     BODY_SHOWN,
     GymProcess,
@@ -96,7 +96,7 @@ def needs(folder: Path) -> tuple[str, ...]:
         entry = own_config(str(folder), folder.name, "resources_servers")
     except yaml.YAMLError:
         entry = {}  # its launch will say what is wrong with it
-    models = sorted({k for k, _ in _refs(entry, "responses_api_models")})
+    models = sorted({k for k, _ in references(entry, "responses_api_models")})
     if models:
         out.append("a model server: " + ", ".join(models))
     if own_agents := _own_agents(entry):
@@ -148,17 +148,6 @@ def cohort(folder: Path) -> int:
         return 1
     size = entry.get("num_rollouts_per_prompt") if isinstance(entry, dict) else None
     return size if isinstance(size, int) and size > 1 else 1
-
-
-def _refs(value: Any, kind: str, key: str = "") -> list[tuple[str, Any]]:
-    """The (field, ref) pairs of `value` that point at a server of `kind`."""
-    if isinstance(value, dict):
-        if value.get("type") == kind and "name" in value:
-            return [(key, value)]
-        return [r for k, v in value.items() for r in _refs(v, kind, str(k))]
-    if isinstance(value, list):
-        return [r for v in value for r in _refs(v, kind, key)]
-    return []
 
 
 def example_rows(folder: Path) -> list[dict[str, Any]]:
@@ -246,7 +235,7 @@ def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Pat
     if crash == "failed" and "rollout_id_required" in why:
         # Its judge calls name no rollout (genrm_compare judges a cohort in a task of its own): they need a
         # model server of their own, as the operator gives one. The check gives each a stand-in.
-        names = sorted({str(ref["name"]) for _, ref in _refs(own_config(str(folder), name, "resources_servers"),
+        names = sorted({str(ref["name"]) for _, ref in references(own_config(str(folder), name, "resources_servers"),
                                                               "responses_api_models")})
         seeded = replace(seeded, needs=(*seeded.needs, "a model server at a URL you give: " + ", ".join(names)
                                         + " (its calls name no rollout)"))

@@ -162,17 +162,28 @@ def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON 
     return value
 
 
-def model_refs(value):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
-    """The names of the model servers `value` refers to."""
+def strings(value):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
+    """The names `value` may call a server by: a reference's name, or any string (verifif names its
+    judge by `judge_server_name`)."""
     if isinstance(value, dict):
-        if value.get("type") == "responses_api_models" and "name" in value:
-            yield str(value["name"])
-        else:
-            for v in value.values():
-                yield from model_refs(v)
+        for v in value.values():
+            yield from strings(v)
     elif isinstance(value, list):
         for v in value:
-            yield from model_refs(v)
+            yield from strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def references(value, kind: str, key: str = "") -> list:  # noqa: ANN001 - plain JSON in NeMo Gym's environment
+    """The (field, reference) pairs of `value` that point at a server of `kind` ({type: kind, name: ...})."""
+    if isinstance(value, dict):
+        if value.get("type") == kind and "name" in value:
+            return [(key, value)]
+        return [r for k, v in value.items() for r in references(v, kind, str(k))]
+    if isinstance(value, list):
+        return [r for v in value for r in references(v, kind, key)]
+    return []
 
 
 def end_with_parent() -> None:
@@ -212,12 +223,13 @@ def main(argv: list[str]) -> None:
     entry.setdefault("domain", "other")
     merged = checked(module, name, entry, overrides, table)
     merged.update({"host": "127.0.0.1", "port": int(port)})
-    named = set(model_refs(merged))
+    named = set(strings(merged))
     for given in sorted(k for k, v in servers.items()
                         if isinstance(v, dict) and "given" in (v.get("responses_api_models") or {})):
         if given not in named:  # a misspelt judge would otherwise be rollbook's model server, silently
+            refs = sorted({str(r["name"]) for _, r in references(merged, "responses_api_models")})
             raise Refused(f"{table}.{name}.models: {given!r} is no model server {module}'s config names; it names "
-                          f"{', '.join(sorted(named)) or 'none'}")
+                          f"{', '.join(refs) or 'none'}")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump({"head_server": {"host": "127.0.0.1", "port": 0}, **servers,
                    name: {kind: {os.path.basename(folder): merged}}}, f)  # JSON is YAML

@@ -212,6 +212,10 @@ def test_a_model_server_given_by_a_name_the_servers_config_never_uses_is_refused
     why = env.process.check()
     assert why == ("nemo_gym.gym_genrm_typo.models: 'genrm_modle' is no model server resources_servers.genrm_compare.app's "
                    "config names; it names genrm_model"), why
+    # A server may name its judge in a plain field (verifif's `judge_server_name`): that name is used.
+    named = environment("gym_named", CONFIGURED, overrides=json.dumps({"greeting": "my_judge"}),
+                        servers=genrm_judged_at(free_port(), "my_judge"))
+    assert named.process.check() is None, named.process.check()
 
 
 def test_a_server_that_cannot_import_says_why_in_one_line_and_is_started_once(
