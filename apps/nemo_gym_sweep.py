@@ -210,6 +210,7 @@ def try_server(python: Path, site: Path, name: str, crash_dsn: str | None = None
     if unset := UNSET.search(failed):  # a value its config leaves to the operator (NeMo Gym's env.yaml)
         key_name = unset.group(1)
         found.append(f"network: a service's {key_name}" if key_name.endswith("api_key") else
+                     f"a model server at a URL you give: {key_name}" if key_name.endswith("_url") else
                      f"a value its config leaves unset: {key_name}")
     return replace(verdict, needs=(*verdict.needs, *found)) if found else verdict
 

@@ -79,6 +79,12 @@ def test_a_server_that_lacks_its_data_or_a_services_key_or_fetches_its_own_code_
     assert vlm.verdict == "cannot start" and "network" in vlm.needs, vlm
 
 
+def test_a_server_whose_config_leaves_its_judges_url_to_the_operator_needs_a_model_server_there() -> None:
+    """Input: NeMo Gym's `verifif`, its `judge_base_url: ${policy_base_url}` unset (NeMo Gym's env.yaml)."""
+    (verdict,), _ = sweep(["verifif"], parallel=1, say=lambda _line: None)
+    assert verdict.verdict == "cannot start" and "a model server at a URL you give: policy_base_url" in verdict.needs, verdict
+
+
 def test_a_server_whose_config_leaves_a_services_key_to_the_operator_needs_that_service() -> None:
     """Input: NeMo Gym's `browsecomp_advanced_harness` with its requirements installed (one of them a
     package in its own folder, `-e ./pocketshell[pcre]`): its config's `${tavily_api_key}`, a web
