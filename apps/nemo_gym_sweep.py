@@ -172,7 +172,7 @@ def example_rows(folder: Path) -> list[dict[str, Any]]:
 OFFLINE = re.compile(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
                      r"Failed to establish a new connection|Max retries exceeded|LocalEntryNotFoundError|"
                      r"couldn't connect to '?https?://|Could not resolve host|\['git', 'clone'|git clone https?://|"
-                     r"NLTK Downloader|Hugging Face|Failed to load [\w ]+ after retries")
+                     r"NLTK Downloader|Hugging Face|Failed to load [\w ]+ after retries|ENOTFOUND")
 
 
 # A config value NeMo Gym leaves to the operator's env.yaml (`${policy_base_url}`, `${tavily_api_key}`):
