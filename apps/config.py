@@ -125,7 +125,7 @@ from participants.agent.harness import Harness
 from participants.base.guard import Credentials
 from participants.environments import enabled_environments, registered_environments
 from participants.environments.gymnasium import GYMNASIUM_AGENT
-from participants.environments.nemo_gym_relay import GymServer
+from participants.environments.nemo_gym_relay import MODEL_URL, GymServer, given
 from participants.environments.sandbox import SandboxLimits
 from participants.model.backends import backend_names
 from participants.model.progress import PROGRESS_S
@@ -212,20 +212,6 @@ class SandboxConfig(Strict):
 
     def limits(self) -> SandboxLimits:
         return SandboxLimits(**self.model_dump())
-
-
-MODEL_URL = re.compile(r"^http://((?:[^\s/?#@]+@)?[^\s/?#@:]+):([0-9]{1,5})/?$")
-
-
-def given(models: dict[str, str]) -> dict[str, Any]:
-    """Model servers at URLs the operator gave, as entries of a NeMo Gym config (its host and port)."""
-    out: dict[str, Any] = {}
-    for name, url in models.items():
-        m = MODEL_URL.fullmatch(url)
-        assert m is not None  # validated with the table
-        # The host keeps a credential the URL carries: NeMo Gym's client sends it as basic auth.
-        out[name] = {"responses_api_models": {"given": {"entrypoint": "given", "host": m.group(1), "port": int(m.group(2))}}}
-    return out
 
 
 class NemoGymConfig(Strict):

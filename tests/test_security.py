@@ -287,7 +287,9 @@ async def test_every_server_documents_every_route_it_serves(stack: Stack, kind: 
     # Bearer everywhere; HTTP Basic (the data credential as password) on NeMo Gym's fronts alone.
     gym = {"environment": {("post", "/run"), ("post", "/aggregate_metrics")},
            "agent": {("post", "/run"), ("post", "/aggregate_metrics")},
-           "model": {("post", "/ng-rollout/{capture}/v1/responses"), ("post", "/ng-rollout/{capture}/v1/chat/completions")},
+           # and the refusals a NeMo Gym client's call that names no rollout gets (rollout_id_required, not 401)
+           "model": {("post", "/ng-rollout/{capture}/v1/responses"), ("post", "/ng-rollout/{capture}/v1/chat/completions"),
+                     ("post", "/v1/responses"), ("post", "/v1/chat/completions")},
            "resources": {("post", "/{name}"), ("post", "/ng-rollout/{capture}/{name}")}}[kind]
     for path, ops in doc["paths"].items():
         for method, op in ops.items():

@@ -402,6 +402,20 @@ class NemoGymEnvironment(Environment):
             pass  # a server that keeps nothing per session, or is gone: nothing left to release
 
 
+MODEL_URL = re.compile(r"^http://((?:[^\s/?#@]+@)?[^\s/?#@:]+):([0-9]{1,5})/?$")
+
+
+def given(models: dict[str, str]) -> dict[str, Any]:
+    """Model servers at URLs the operator gave, as entries of a NeMo Gym config (its host and port)."""
+    out: dict[str, Any] = {}
+    for name, url in models.items():
+        m = MODEL_URL.fullmatch(url)
+        assert m is not None  # validated with the table
+        # The host keeps a credential the URL carries: NeMo Gym's client sends it as basic auth.
+        out[name] = {"responses_api_models": {"given": {"entrypoint": "given", "host": m.group(1), "port": int(m.group(2))}}}
+    return out
+
+
 def register(servers: list[GymServer]) -> None:
     """Make each configured server an environment of this process (idempotent per configuration)."""
     for s in servers:

@@ -1,9 +1,9 @@
 """The policy model server: an OpenAI-compatible front to a generation backend, with custody.
 
-Every call leaves events on its stream (engine.identity.call_stream): `call_accepted`, then one
-of `call_completed` (token receipt + reply), `call_cut` (receipt of the durable prefix),
-`call_failed`; a call refused because admission is closed leaves `call_excluded`. A call of a
-fenced attempt leaves nothing: check_attempt and the append itself refuse it.
+Every call leaves events on its stream (engine.identity.call_stream): `call_accepted`, then one of
+`call_completed` (token receipt + reply), `call_cut` (receipt of the durable prefix), `call_failed`; a
+call refused because admission is closed leaves `call_excluded`. A call of a fenced attempt leaves
+nothing: check_attempt and the append itself refuse it.
 
 Checkpoint behaviour:
 - prepare closes admission and cuts every generation that has made tokens of its own, at its
@@ -17,13 +17,12 @@ Checkpoint behaviour:
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
 
-After a crash: a call asked for again whose reply the log holds gets that reply, never a second
-generation. A call is owned by the instance that accepted it (engine.ownership: the acceptance is
-appended at the version read, so two model servers never both accept it); asked of another
-instance while its owner is live, the call's outcome is awaited in the log, never generated again.
-A call the log says was accepted whose owner is gone (engine.recovery.call_lost) is recorded
-`call_failed` (`call_lost`) and refused with `attempt_lost`: the environment server continues the
-rollout under a new attempt from the boundary before that call.
+After a crash: a call asked for again whose reply the log holds gets that reply, never a second generation.
+A call is owned by the instance that accepted it (engine.ownership: the acceptance is appended at the
+version read, so two model servers never both accept it); asked of another instance while its owner is
+live, the call's outcome is awaited in the log, never generated again. A call the log says was accepted
+whose owner is gone (engine.recovery.call_lost) is recorded `call_failed` (`call_lost`) and refused with
+`attempt_lost`: the environment server goes on under a new attempt from the boundary before that call.
 """
 
 from __future__ import annotations
@@ -228,11 +227,9 @@ class ModelParticipant(Participant):
                     name=f"nemo_gym_{name}") for path, handler, body, reply, name in (
                 (RESPONSES, self.responses, ResponsesRequest, ResponsesReply, "responses"),
                 (COMPLETIONS, self.chat_completions, ChatRequest, ChatCompletion, "chat_completions"))),
-            # Basic too: a NeMo Gym client (a judge's calls made outside any rollout) learns why, not 401.
-            Route("POST", COMPLETIONS, self._no_identity, None, None, (RolloutIdRequired,), basic=True,
-                  name="completions_without_identity"),
-            Route("POST", RESPONSES, self._no_identity, None, None, (RolloutIdRequired,), basic=True,
-                  name="responses_without_identity"),
+            # Basic too: a NeMo Gym client's call that names no rollout (a judge's) learns why, not 401.
+            *(Route("POST", path, self._no_identity, None, None, (RolloutIdRequired,), basic=True,
+                    name=f"{name}_without_identity") for path, name in ((COMPLETIONS, "completions"), (RESPONSES, "responses"))),
             Route("GET", MODELS, self.models, None, None, (), name="list_models"),
             Route("GET", data_path(MODELS), self.models, None, None, (), name="list_models_of_attempt"),
             Route("POST", POLICY_VERSION, self.set_policy_version, PolicyVersionRequest, None,
@@ -282,10 +279,8 @@ class ModelParticipant(Participant):
     # ---- the data route ---------------------------------------------------------------------
 
     async def _no_identity(self, request: web.Request, _body: None) -> web.Response:
-        raise RolloutIdRequired(f"{request.path}: every model call belongs to a rollout attempt: call "
-                                f"{data_path(request.path)}, or from a NeMo Gym server under /ng-rollout/<capture>/ (a "
-                                "judge that calls outside any rollout needs a model server of its own: the "
-                                "[nemo_gym.<name>] table's models)")
+        raise RolloutIdRequired(f"{request.path}: a model call belongs to a rollout attempt ({data_path(request.path)}; from NeMo "
+                                "Gym /ng-rollout/<capture>/...): a judge calling outside any rollout needs [nemo_gym.X] models")
 
     async def chat_completions(self, request: web.Request, body: ChatRequest) -> web.StreamResponse:
         model = body.model or str(getattr(self.backend, "model", "rollbook"))
