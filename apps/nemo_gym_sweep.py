@@ -18,8 +18,11 @@ row, or for a gymnasium-style server reset with it. The verdict is what happened
 
 With `--crash`, each server that seeds then goes through the crash check
 (apps/nemo_gym_conformance.py): its example rows through a SIGKILL of every server, against an
-uninterrupted run. It writes the table (server, protocol, needs, verdict, reason, crash check) as
-Markdown, with the counts and the wall time. Nothing is installed unless `--install` says so: then
+uninterrupted run: a server whose verify compares a cohort of a prompt's rollouts
+(`num_rollouts_per_prompt`) gets its first row that many times at once; one whose judge calls name no
+rollout (rollbook's model server refuses them) is checked again with a stand-in judge at a URL of its
+own, as an operator would give it one (the table's `models`). It writes the table (server, protocol,
+needs, verdict, reason, crash check) as Markdown, with the counts and the wall time. Nothing is installed unless `--install` says so: then
 each server with a `requirements.txt` runs in an environment of its own over the installed one,
 holding them (apps.nemo_gym_install.server_python), so servers whose requirements conflict each get
 theirs.
