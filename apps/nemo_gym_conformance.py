@@ -41,6 +41,7 @@ from apps.processes import ServerProcesses, free_port
 from engine.catalog import MUTATION_APPLIED
 from engine.lineage import effective_history
 from participants.environments.gymnasium import GYMNASIUM_AGENT
+from participants.environments.nemo_gym_launcher import strings
 
 ROWS = 3
 # The scripted model's pace: a reply of tens of tokens takes a second or so, so the kill lands while
@@ -229,7 +230,7 @@ def _compare(dsn: str, ref: list[Any], crash: list[Any]) -> tuple[str, str, bool
 def _handles(arguments: Any, earlier: list[dict[str, Any]]) -> Any:
     """A call's arguments with each value an earlier reply handed out (toolsandbox's `env_id`, a fresh
     uuid each seed) named by that reply's place: what the call asks, not which run it asked in."""
-    given = {v: n for n, d in enumerate(earlier) for v in _strings(d.get("output")) if len(v) >= 8}
+    given = {v: n for n, d in enumerate(earlier) for v in strings(d.get("output")) if len(v) >= 8}
 
     def named(value: Any) -> Any:
         if isinstance(value, str) and value in given:
@@ -238,14 +239,6 @@ def _handles(arguments: Any, earlier: list[dict[str, Any]]) -> Any:
             return {k: named(v) for k, v in value.items()}
         return [named(v) for v in value] if isinstance(value, list) else value
     return named(arguments) if given else arguments
-
-
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
 
 
 def _unlike(a: list[Any], b: list[Any]) -> str | None:

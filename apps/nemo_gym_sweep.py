@@ -50,6 +50,7 @@ from typing import Any
 import yaml
 
 from adapters.database import prepare_database
+from adapters.openai_wire import responses_object
 from apps.nemo_gym_conformance import conformance
 from apps.nemo_gym_install import install, requirement_name, server_python, server_requirements
 from apps.processes import free_port, reap_on_signal
@@ -232,10 +233,10 @@ def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Pat
     if crash_dsn is None or seeded.verdict != "seeds" or work is None:
         return seeded
     t0 = time.monotonic()
-    rows = example_rows(site / "resources_servers" / name)
-    driver = "gymnasium_agent" if seeded.protocol == "gymnasium" else own_driver(site / "resources_servers" / name, rows)
     folder = site / "resources_servers" / name
-    crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, cohort(folder))
+    rows, size = example_rows(folder), cohort(folder)
+    driver = "gymnasium_agent" if seeded.protocol == "gymnasium" else own_driver(folder, rows)
+    crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, size)
     if crash == "failed" and "rollout_id_required" in why:
         # Its judge calls name no rollout (genrm_compare judges a cohort in a task of its own): they need a
         # model server of their own, as the operator gives one. The check gives each a stand-in.
@@ -246,7 +247,7 @@ def _tried(python: Path, site: Path, name: str, crash_dsn: str | None, work: Pat
         judge = _serving(_StandIn)
         try:
             given = {n: f"http://127.0.0.1:{judge.server_address[1]}" for n in names}
-            crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, cohort(folder), given)
+            crash, why = _checked(name, python, rows, driver, crash_dsn, work / name, size, given)
         finally:
             judge.shutdown()
             judge.server_close()
@@ -327,20 +328,12 @@ class _StandIn(_Nothing):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's names
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = json.dumps(responses_reply(self.TEXT)).encode()
+        body = json.dumps(responses_object("stand-in", [{"role": "assistant", "content": self.TEXT}], {}, 0)).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-
-def responses_reply(text: str) -> dict[str, Any]:
-    """A completed Responses-API reply of one message: what a NeMo Gym server reads of a model's answer."""
-    return {"id": "resp_stand_in", "object": "response", "created_at": 0, "model": "stand-in", "status": "completed",
-            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
-            "output": [{"type": "message", "id": "msg_stand_in", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
 
 
 def sweep(names: list[str] | None = None, parallel: int = 2, say: Any = print,

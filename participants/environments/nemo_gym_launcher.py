@@ -163,8 +163,8 @@ def resolved_models(value, servers: dict):  # noqa: ANN001, ANN201 - plain JSON 
 
 
 def strings(value):  # noqa: ANN001, ANN201 - plain JSON in NeMo Gym's environment
-    """The names `value` may call a server by: a reference's name, or any string (verifif names its
-    judge by `judge_server_name`)."""
+    """Every string in `value`, however deep (the names a config may call a server by: a reference's
+    name, or a plain field, as verifif's `judge_server_name`)."""
     if isinstance(value, dict):
         for v in value.values():
             yield from strings(v)
