@@ -75,6 +75,7 @@ def canonical_json(value: Any) -> str:
 # (`load_stored_json`), so what comes back is exactly what was produced. STORE_ESCAPE is a
 # private-use character, so ordinary text is stored as it is and reads the same in SQL.
 STORE_ESCAPE = "\ue000"
+_STORE_ESCAPE_UTF8 = STORE_ESCAPE.encode()
 _ESCAPED = re.compile("[\x00\ue000\ud800-\udfff]")
 _CODED = re.compile("\ue000(e|0|s[0-9a-f]{4})")
 
@@ -112,15 +113,23 @@ def unescape_strings(value: Any) -> Any:
 
 
 # A run of this many digits may be an integer past 64 bits, which orjson would hand back as a float.
-_LONG_NUMBER, _LONG_NUMBER_BYTES = re.compile("[0-9]{19}"), re.compile(rb"[0-9]{19}")
+# It is found as a substring of the text with every ASCII digit spelt 0 and every other byte a space:
+# on a prompt of 13,000 token ids that took a ninth of the time of the regular expression [0-9]{19},
+# which had cost more than json.loads itself.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_NUMBER = b"0" * 19
+
+
+def _has_long_number(text: str | bytes) -> bool:
+    raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    return _LONG_NUMBER in raw.translate(_DIGITS_AS_ZEROS)
 
 
 def orjson_value(text: str | bytes) -> tuple[bool, Any]:
     """(True, the value) where orjson reads `text` as json.loads would, else (False, None): orjson refuses
     what json.loads alone reads (NaN, Infinity, a number past a double, a lone surrogate), and reads an
     integer past 64 bits as a float, so text with a run of 19 digits is not given to it."""
-    long = _LONG_NUMBER_BYTES.search(text) if isinstance(text, bytes) else _LONG_NUMBER.search(text)
-    if long is None:
+    if not _has_long_number(text):
         try:
             return True, orjson.loads(text)
         except orjson.JSONDecodeError:
@@ -136,9 +145,9 @@ def loads(text: str | bytes) -> Any:
 
 def load_stored_json(raw: str | bytes) -> Any:
     """How the store's reads turn JSONB text into values: only text that holds the escape is walked."""
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    value = loads(text)
-    return unescape_strings(value) if STORE_ESCAPE in text else value
+    value = loads(raw)
+    escaped = _STORE_ESCAPE_UTF8 in raw if isinstance(raw, bytes) else STORE_ESCAPE in raw
+    return unescape_strings(value) if escaped else value
 
 
 def stored_text(data: Any, text: str | None = None) -> str:
