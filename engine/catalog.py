@@ -126,7 +126,7 @@ def may(name: str, type: str, doc: str) -> Field:
 _FORK = "a fork (engine/forks.py, appended by the environment server's control operation `fork`)"
 _ENV = ("environment server (participants/environment/lifecycle.py, payloads from engine/episodes.py; NeMo Gym's "
         "episodes go through it from participants/environment/nemo_gym.py)")
-_RESTORE = "restore (engine/checkpoint.py install_request, appended by the coordinator's restore)"
+_RESTORE = "restore (engine/install.py install_request, appended by the coordinator's restore)"
 _RECOVERY = "recovery (engine/recovery.py, appended by the environment server or `rollbook run`)"
 _TAKEOVER = "a caller's retry (engine/retry.py, appended by the environment server for its NeMo Gym episode front)"
 _CAPTURE = "NeMo Gym token capture (adapters/nemo_gym_tokens.py)"

@@ -77,11 +77,9 @@ from engine.checkpoint import (
     Cut,
     CutStore,
     committed_event,
-    install_request,
     load_cut,
     make_cut,
     make_online_cut,
-    retired_since,
     started_after,
     validate_cut,
 )
@@ -94,6 +92,7 @@ from engine.errors import (
 )
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.identity import Key, checkpoint_stream
+from engine.install import install_request, retired_since
 from engine.phases import (
     LEASE_GRACE_S,
     OPEN_CHECKPOINT_PHASES,

@@ -39,7 +39,7 @@ from engine.admission import retired
 from engine.boundaries import completed_activations, full_boundary
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
-from engine.checkpoint import Cut, ParticipantStore, read_cut, restored_attempt
+from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     ActivationOutOfOrder,
     AdmissionClosed,
@@ -59,6 +59,7 @@ from engine.errors import (
 from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import inherited_boundary
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
+from engine.install import restored_attempt
 from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import Patience

@@ -21,7 +21,7 @@ from adapters.http_client import CONTROL
 from engine import catalog as ev
 from engine.admission import drain
 from engine.capability import capability
-from engine.checkpoint import Cut, ParticipantStore, read_cut, restored_attempt
+from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
     AdmissionClosed,
     Forbidden,
@@ -40,6 +40,7 @@ from engine.errors import (
 )
 from engine.forks import MAX_FORKS, ForkPlan, Origin, plan_forks
 from engine.identity import Key, episode_stream, rollout_stream, validate_id
+from engine.install import restored_attempt
 from engine.lineage import effective_history
 from participants.base.guard import Body, Identifier, Int64, Route
 from participants.base.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S

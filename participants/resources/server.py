@@ -29,7 +29,7 @@ from engine import catalog as ev
 from engine.admission import retired, wait_for_all
 from engine.agent_replay import next_tool_numbers, replayed_tool, tool_diverged
 from engine.boundaries import completed_activations
-from engine.checkpoint import Cut, ParticipantStore, restored_targets
+from engine.checkpoint import Cut, ParticipantStore
 from engine.errors import (
     AdmissionClosed,
     AgentDiverged,
@@ -57,6 +57,7 @@ from engine.identity import (
     session_stream,
     validate_tool_call_key,
 )
+from engine.install import restored_targets
 from engine.lineage import effective_history
 from engine.recovery import tool_call_outcomes
 from engine.sessions import open_session_mode

@@ -12,9 +12,10 @@ import pytest
 from adapters.postgres import PostgresEventStore
 from adapters.retention import retain
 from adapters.token_store import PostgresTokenStore
-from engine.checkpoint import committed_event, install_request, make_cut
+from engine.checkpoint import committed_event, make_cut
 from engine.events import AppendRequest
 from engine.identity import call_stream
+from engine.install import install_request
 from engine.tokens import TokenArray
 from participants.model.backends.scripted import ScriptedBackend
 from tests.participants.model.test_server import (

@@ -25,7 +25,7 @@ from engine.catalog import (
     CALL_FAILED,
     EPISODE_STEP,
 )
-from engine.checkpoint import Cut, CutHistory, restored_attempt
+from engine.checkpoint import Cut, CutHistory
 from engine.errors import InvalidIdentifier, InvalidPhase, RequestConflict
 from engine.events import GENESIS_HASH, RecordedEvent
 from engine.identity import call_stream
@@ -88,20 +88,6 @@ def test_a_released_claim_lets_another_call_replace() -> None:
         r.claim("old", 1, "new-b")
     r.release(claim, "new-a")
     r.claim("old", 1, "new-b")
-
-
-def row(status: str, restored_from: str | None) -> dict[str, Any]:
-    return {"status": status, "restored_from": restored_from}
-
-
-def test_the_attempt_a_restore_installed_is_the_latest_live_one_above_the_origin_restored_from_it() -> None:
-    rows = {("r", 0): row("fenced", None), ("r", 1): row("fenced", "ck"), ("r", 2): row("live", "ck"),
-            ("q", 3): row("live", "ck"), ("s", 1): row("live", "other"), ("t", 1): row("finished", "ck")}
-    assert restored_attempt(rows, "r", 0, "ck") == 2
-    assert restored_attempt(rows, "r", 2, "ck") is None  # nothing above the origin
-    assert restored_attempt(rows, "s", 0, "ck") is None  # restored from another checkpoint
-    assert restored_attempt(rows, "t", 0, "ck") is None  # not live
-    assert restored_attempt(rows, "u", 0, "ck") is None
 
 
 def started(attempt: int, position: int, **data: Any) -> RecordedEvent:

@@ -24,7 +24,7 @@ from adapters.database import libpq_dsn
 from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_FINISHED, ATTEMPT_STARTED
-from engine.catalog import CHECKPOINT_PUBLISHED, CHECKPOINT_STARTED, RESTORE_INSTALLED, ROLLOUT_RETIRED
+from engine.catalog import CHECKPOINT_PUBLISHED, CHECKPOINT_STARTED, RESTORE_INSTALLED
 from engine.checkpoint import (
     Cut,
     CutHistory,
@@ -32,12 +32,9 @@ from engine.checkpoint import (
     classify,
     committed_event,
     cut_digest,
-    install_request,
     load_cut,
     make_cut,
     read_cut,
-    restored_targets,
-    retired_since,
     started_after,
     validate_cut,
 )
@@ -51,6 +48,7 @@ from engine.identity import (
     rollout_stream,
     session_stream,
 )
+from engine.install import install_request
 from engine.lineage import effective_history
 from engine.log import append_one
 
@@ -600,23 +598,6 @@ async def test_an_open_checkpoint_past_its_lease_is_aborted_in_the_log_once(stor
     assert [e.kind for e in await store.read_stream("checkpoint:fresh")][-1] == "checkpoint_prepared"
 
 
-def test_an_install_leaves_every_rollout_retired_since_the_cut_as_it_is() -> None:
-    """Continued, restarted from input or started after the cut: a rollout retired since is neither
-    fenced (its retire mark refuses the write, which used to fail the whole restore) nor restarted;
-    the rest are, and the install names what it left."""
-    cut = Cut("ck", 10, (ScopeEntry("kept", 0, 5), ScopeEntry("gone-scoped", 0, 6)),
-              fresh=(("fresh", 0), ("gone-fresh", 0)), digest="d")
-    rows = {(r, 0): {"retired_through": 0 if r.startswith("gone") else None} for r in
-            ("kept", "gone-scoped", "fresh", "gone-fresh", "gone-late")}
-    retired = retired_since(rows)
-    assert retired == {"gone-scoped", "gone-fresh", "gone-late"}
-    request = install_request(cut, {r: 0 for r, _ in rows}, late=[("gone-late", 0)], retired=retired)
-    touched = {e.rollout_id for e in request.events if e.rollout_id is not None}
-    assert touched == {"kept", "fresh"}
-    assert request.events[-1].data == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 1,
-                                       "left_retired": ["gone-fresh", "gone-late", "gone-scoped"]}
-
-
 @pytest.fixture
 def mem() -> MemoryEventStore:
     return MemoryEventStore(writer="test")
@@ -869,29 +850,6 @@ async def test_started_after_names_the_attempts_the_cut_never_saw(mem: MemoryEve
     # c was complete at P: its later attempt is not the cut's to fence; g was not (fenced by P)
     assert await started_after(mem, cut) == [("d", 0), ("e", 0), ("g", 1), ("x-1", 0)]
     assert await started_after(mem, dataclasses.replace(cut, run="x")) == [("x-1", 0)]
-
-
-def test_restored_targets_name_the_latest_live_attempt_the_restore_installed() -> None:
-    rows = {("a", 0): {"status": "fenced"}, ("a", 1): {"status": "fenced", "restored_from": "ck"},
-            ("a", 2): {"status": "live", "restored_from": "ck"}, ("b", 0): {"status": "fenced"},
-            ("b", 1): {"status": "live", "restored_from": "other"}, ("c", 0): {"status": "live", "retired_through": 0},
-            ("d", 3): {"status": "live", "restored_from": "ck"}}
-    assert restored_targets(rows, [("a", 0), ("c", 0)], "ck") == {("a", 0): 2}
-    with pytest.raises(InvalidCheckpointState, match="rollout d"):
-        restored_targets(rows, [("d", 3)], "ck")  # only an attempt above the origin was installed over it
-    with pytest.raises(InvalidCheckpointState, match="checkpoint ck is not installed: rollout b has no live attempt"):
-        restored_targets(rows, [("b", 0)], "ck")
-
-
-def test_an_install_leaves_rollouts_retired_since_the_cut_and_says_so() -> None:
-    cut = Cut("ck", 10, (ScopeEntry("kept", 0, 5), ScopeEntry("gone", 0, 6)), fresh=(("fresh", 0), ("gone2", 0)),
-              digest="d")
-    request = install_request(cut, {"kept": 2}, late=[("late", 0)], retired={"gone", "gone2"})
-    fenced = [(e.rollout_id, e.attempt) for e in request.events if e.kind == ATTEMPT_FENCED]
-    assert fenced == [("kept", 2), ("fresh", 0), ("late", 0)]
-    assert request.events[-1].data == {"checkpoint_id": "ck", "continued": 1, "fresh_dispatch": 1,
-                                       "left_retired": ["gone", "gone2"]}
-    assert not any(e.kind == ROLLOUT_RETIRED for e in request.events)
 
 
 def test_a_scope_naming_restart_only_executions_is_refused_naming_the_first_and_at_most_ten() -> None:

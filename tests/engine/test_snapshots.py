@@ -20,9 +20,9 @@ from adapters.postgres import PostgresEventStore
 from adapters.retention import retain
 from apps.replay import replay
 from engine import snapshots
-from engine.checkpoint import install_request
 from engine.events import AppendRequest, NewEvent, RecordedEvent, canonical_json
 from engine.identity import agent_stream, rollout_stream, session_stream
+from engine.install import install_request
 from engine.lineage import effective_history
 from engine.sessions import SessionReplay
 from engine.snapshots import COUNTS, SessionSnapshot, fold_session, snapshot_digest

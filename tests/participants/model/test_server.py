@@ -23,10 +23,11 @@ from adapters.memory_store import MemoryEventStore
 from adapters.openai_wire import final_message, merge_delta
 from adapters.token_store import MemoryTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
-from engine.checkpoint import committed_event, install_request, make_cut
+from engine.checkpoint import committed_event, make_cut
 from engine.errors import GenerationFailed
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
+from engine.install import install_request
 from engine.tokens import TokenArray
 from participants.base.app import PARTICIPANT
 from participants.base.guard import Credentials

@@ -8,9 +8,10 @@ import pytest
 from sqlalchemy import text
 
 from adapters.postgres import PostgresEventStore
-from engine.checkpoint import install_request, make_cut
+from engine.checkpoint import make_cut
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, session_stream
+from engine.install import install_request
 from tests.resources_harness import call, checkpoint, control, open_session, prefix, serving, start, tool
 
 pytestmark = pytest.mark.timeout(120)

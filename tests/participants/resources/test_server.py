@@ -19,11 +19,11 @@ from adapters.memory_store import MemoryEventStore
 from apps.stack import MemoryBacking
 from engine.agent_replay import divergence
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
-from engine.checkpoint import install_request, retired_since
 from engine.control import retire_events
 from engine.errors import RestartInScope
 from engine.events import AppendRequest, NewEvent, canonical_json
 from engine.identity import rollout_stream, session_stream
+from engine.install import install_request, retired_since
 from engine.recovery import Recovery, recovery_request
 from participants.base.wire import CONTROL
 from participants.environments import get_environment
@@ -495,7 +495,7 @@ async def test_a_restore_leaves_a_rollout_retired_since_its_cut_retired_and_inst
     database: MemoryBacking, store: MemoryEventStore, retired_when: str
 ) -> None:
     """A rollout the framework retired after the cut has no attempt restored from it: the install
-    (engine.checkpoint.install_request) leaves it as it is, and the resume installs every other
+    (engine.install.install_request) leaves it as it is, and the resume installs every other
     session and opens. It used to refuse the whole resume and stay closed, so the rollouts it did
     hold waited for a resume that never succeeded."""
     async with serving(database, "resources-a") as (http, _):
