@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from engine.attempts import FENCE_KINDS
-from engine.checkpoint import restart_only_at
+from engine.checkpoint import CutReads, online_cut_reads, restart_only_at
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent, load_stored_json, stored_text
 from engine.file_blobs import Blob
@@ -235,6 +235,9 @@ class MemoryEventStore:
             if key in wanted and e.kind in kinds_:
                 out[key] = e.position  # type: ignore[index]
         return out
+
+    async def online_cut_reads(self, run: str | None, kinds: Sequence[str]) -> CutReads:
+        return await online_cut_reads(self, run, kinds)  # one moment: nothing runs between its reads here
 
     async def restart_only_at(self, boundaries: dict[Key, int]) -> list[Key]:
         own: dict[Key, list[RecordedEvent]] = {k: [] for k in boundaries}

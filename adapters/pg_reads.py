@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from adapters.database import connect_options, libpq_dsn
 from adapters.pg_pool import connection_lost, drop_pool, reading, retrying
 from engine import catalog as ev
+from engine.checkpoint import CutReads
 from engine.events import RecordedEvent
 
 CHANNEL = "rollbook_events"
@@ -57,6 +58,52 @@ RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
 # attempt_state_live, those finished after P through attempt_state_finished.
 RUNNING_ATTEMPTS = ("SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %(p)s)) "
                     f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)")
+# engine.checkpoint.restart_only_at, over attempts k(r, a, b) (rollout, attempt, boundary position):
+# the read by parameters and the online cut's statement share it.
+RESTART_ONLY = (
+    "(EXISTS ("
+    " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = %(opened)s"
+    " AND o.position <= k.b AND COALESCE(NULLIF(o.data->>'state_mode', ''), (SELECT s.data->>'state_mode'"
+    "  FROM rollbook.events s WHERE s.rollout_id = k.r AND s.attempt = k.a AND s.kind = %(step)s"
+    "  AND s.data->>'step' = 'seed' AND s.position < o.position ORDER BY s.position DESC LIMIT 1)) = 'restart_only'"
+    " AND NOT EXISTS ("
+    "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = %(closed)s"
+    "  AND c.position > o.position AND c.position <= k.b)"
+    ") OR EXISTS ("
+    # engine.sessions.open_session_restart: the session's last change left it unrestorable
+    " SELECT 1 FROM rollbook.events m WHERE m.rollout_id = k.r AND m.attempt = k.a AND m.kind = %(mutated)s"
+    " AND m.position <= k.b AND m.data ? 'unrestorable' AND NOT EXISTS ("
+    "  SELECT 1 FROM rollbook.events n WHERE n.rollout_id = k.r AND n.attempt = k.a"
+    "  AND n.kind IN (%(mutated)s, %(opened)s, %(closed)s) AND n.position > m.position AND n.position <= k.b)"
+    ") OR EXISTS ("
+    " SELECT 1 FROM rollbook.events g WHERE g.rollout_id = k.r AND g.attempt = k.a AND g.kind = %(boundary)s"
+    " AND g.position <= k.b AND g.data->>'continuable' = 'false' AND NOT EXISTS ("
+    "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = %(completed)s"
+    "  AND c.position > g.position AND c.position <= k.b)))"
+)
+RESTART_ONLY_KINDS = {"opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
+                      "completed": ev.ACTIVATION_COMPLETED, "step": ev.EPISODE_STEP, "mutated": ev.MUTATION_APPLIED}
+# What an online cut reads (engine.checkpoint.CutReads), in one statement and so one snapshot, where it
+# was five round trips: P (p), the running attempts (a), the boundaries of those started by P (b), the
+# restart-only ones among them (o) and their rollouts' stream heads at P (h). P is read as a scalar
+# subquery so that the partial indexes of what is open serve the attempts as they do RUNNING_ATTEMPTS.
+_P = "(SELECT position FROM p)"
+ONLINE_CUT = (
+    "WITH p AS MATERIALIZED (" + READ_LOG_HEAD + "), "
+    "att AS MATERIALIZED (SELECT rollout_id, attempt, status, started_position, ended_position FROM rollbook.attempt_state "
+    f"WHERE (status = 'live' OR (status = 'finished' AND ended_position > {_P})) "
+    f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)), "
+    "k AS MATERIALIZED (SELECT * FROM (SELECT rollout_id AS r, attempt AS a, (SELECT max(e.position) FROM rollbook.events e "
+    f"WHERE e.rollout_id = att.rollout_id AND e.attempt = att.attempt AND e.position <= {_P} AND e.kind = ANY(%(kinds)s)) AS b "
+    f"FROM att WHERE COALESCE(started_position, 0) <= {_P}) AS started WHERE b IS NOT NULL) "
+    "SELECT 'p', NULL::text, NULL::int, position, NULL::bigint, NULL::text, NULL::bytea FROM p "
+    "UNION ALL SELECT 'a', rollout_id, attempt, started_position, ended_position, status, NULL FROM att "
+    "UNION ALL SELECT 'b', r, a, b, NULL, NULL, NULL FROM k "
+    "UNION ALL SELECT 'o', r, a, NULL, NULL, NULL, NULL FROM k WHERE " + RESTART_ONLY + " "
+    "UNION ALL (SELECT DISTINCT ON (e.rollout_id, e.stream) 'h', e.rollout_id, e.stream_version, NULL, NULL, e.stream, e.hash "
+    f"FROM rollbook.events e WHERE e.rollout_id IN (SELECT r FROM k) AND e.position <= {_P} "
+    "ORDER BY e.rollout_id, e.stream, e.stream_version DESC)"
+)
 OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
                  "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
 CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
@@ -287,32 +334,25 @@ class LogReads:
         if not boundaries:
             return []
         keys = list(boundaries)
-        async with self._reading() as conn:
-            rows = await conn.execute(text(
-                "SELECT k.r, k.a FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[]), CAST(:bs AS bigint[])) AS k(r, a, b)"
-                " WHERE EXISTS ("
-                " SELECT 1 FROM rollbook.events o WHERE o.rollout_id = k.r AND o.attempt = k.a AND o.kind = :opened"
-                " AND o.position <= k.b AND COALESCE(NULLIF(o.data->>'state_mode', ''), (SELECT s.data->>'state_mode'"
-                "  FROM rollbook.events s WHERE s.rollout_id = k.r AND s.attempt = k.a AND s.kind = :step"
-                "  AND s.data->>'step' = 'seed' AND s.position < o.position ORDER BY s.position DESC LIMIT 1)) = 'restart_only'"
-                " AND NOT EXISTS ("
-                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :closed"
-                "  AND c.position > o.position AND c.position <= k.b)"
-                ") OR EXISTS ("
-                # engine.sessions.open_session_restart: the session's last change left it unrestorable
-                " SELECT 1 FROM rollbook.events m WHERE m.rollout_id = k.r AND m.attempt = k.a AND m.kind = :mutated"
-                " AND m.position <= k.b AND m.data ? 'unrestorable' AND NOT EXISTS ("
-                "  SELECT 1 FROM rollbook.events n WHERE n.rollout_id = k.r AND n.attempt = k.a"
-                "  AND n.kind IN (:mutated, :opened, :closed) AND n.position > m.position AND n.position <= k.b)"
-                ") OR EXISTS ("
-                " SELECT 1 FROM rollbook.events g WHERE g.rollout_id = k.r AND g.attempt = k.a AND g.kind = :boundary"
-                " AND g.position <= k.b AND g.data->>'continuable' = 'false' AND NOT EXISTS ("
-                "  SELECT 1 FROM rollbook.events c WHERE c.rollout_id = k.r AND c.attempt = k.a AND c.kind = :completed"
-                "  AND c.position > g.position AND c.position <= k.b))"),
-                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "bs": [boundaries[k] for k in keys],
-                 "opened": ev.SESSION_OPENED, "closed": ev.SESSION_CLOSED, "boundary": ev.AGENT_BOUNDARY,
-                 "completed": ev.ACTIVATION_COMPLETED, "step": ev.EPISODE_STEP, "mutated": ev.MUTATION_APPLIED})
-            return sorted((r.r, r.a) for r in rows)
+        async with self._driver_connection(autocommit=True) as conn:
+            rows = await (await conn.execute(
+                "SELECT k.r, k.a FROM unnest(%(rs)s::text[], %(as_)s::int[], %(bs)s::bigint[]) AS k(r, a, b) WHERE "
+                + RESTART_ONLY, {"rs": [r for r, _ in keys], "as_": [a for _, a in keys],
+                                 "bs": [boundaries[k] for k in keys], **RESTART_ONLY_KINDS})).fetchall()
+            return sorted((r[0], r[1]) for r in rows)
+
+    @retrying("reading an online cut")
+    async def online_cut_reads(self, run: str | None, kinds: Sequence[str]) -> CutReads:
+        async with self._driver_connection(autocommit=True) as conn:
+            rows = await (await conn.execute(ONLINE_CUT, {"run": run, "kinds": list(kinds), **RESTART_ONLY_KINDS})).fetchall()
+        position = next(r[3] for r in rows if r[0] == "p")
+        attempts = {(r[1], r[2]): {"status": r[5], "started_position": r[3], "ended_position": r[4]} for r in rows if r[0] == "a"}
+        heads: dict[str, list[tuple[str, int, bytes]]] = {}
+        for r in rows:
+            if r[0] == "h":
+                heads.setdefault(r[1], []).append((r[5], r[2], bytes(r[6])))
+        return CutReads(int(position), attempts, {(r[1], r[2]): int(r[3]) for r in rows if r[0] == "b"},
+                        frozenset((r[1], r[2]) for r in rows if r[0] == "o"), heads)
 
     @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:

@@ -48,6 +48,30 @@ BOUNDARY_KINDS = (ev.ATTEMPT_STARTED, ev.EPISODE_STEP, ev.AGENT_BOUNDARY)
 
 
 
+@dataclass(frozen=True)
+class CutReads:
+    """What an online cut reads of the log, as of one moment (CutStore.online_cut_reads)."""
+
+    position: int  # P, the head of the log
+    attempts: dict[Key, dict[str, Any]]  # running_attempts(P, run): each one's status, started_position, ended_position
+    boundaries: dict[Key, int]  # of those started by P, the latest boundary at or below P of each that has one
+    restarts: frozenset[Key]  # of those with a boundary, the ones restart-only there (restart_only_at)
+    heads: dict[str, list[tuple[str, int, bytes]]]  # rollout_heads_at(the rollouts of `boundaries`, P)
+
+
+async def online_cut_reads(store: CutStore, run: str | None, kinds: Sequence[str]) -> CutReads:
+    """CutReads by the store's separate reads, each of them at P: what a store without a statement of
+    its own for it answers, and what the PostgreSQL statement is held to."""
+    position = await store.head()
+    attempts = {k: {c: row[c] for c in ("status", "started_position", "ended_position")}
+                for k, row in (await store.running_attempts(position, run)).items()}
+    started = sorted(k for k, row in attempts.items() if (row["started_position"] or 0) <= position)
+    boundaries = await store.latest_boundaries(started, position, kinds)
+    restarts = frozenset(await store.restart_only_at(boundaries))
+    heads = await store.rollout_heads_at(sorted({r for r, _ in boundaries}), position)
+    return CutReads(position, attempts, boundaries, restarts, heads)
+
+
 class CutStore(EventStore, Protocol):
     async def latest_boundaries(self, keys: Sequence[Key], position: int, kinds: Sequence[str]) -> dict[Key, int]: ...
 
@@ -71,6 +95,11 @@ class CutStore(EventStore, Protocol):
         """Each attempt of the run's rollouts (every rollout's, with no run) live now or finished after
         `position`: what was in flight at `position`, plus what started since. Its rows only, whatever
         the run has finished before."""
+        ...
+
+    async def online_cut_reads(self, run: str | None, kinds: Sequence[str]) -> CutReads:
+        """What an online cut reads (CutReads, with `kinds` the boundaries' kinds), as of one moment:
+        `online_cut_reads` by the separate reads, or one statement that reads what they read."""
         ...
 
     async def restart_only_at(self, boundaries: dict[Key, int]) -> list[Key]:
@@ -228,14 +257,15 @@ async def make_online_cut(store: CutStore, checkpoint_id: str, run: str | None =
     Work done after an attempt's boundary and before P is not part of the cut: restore continues
     from the boundary, and that work is done again under the new attempt (a model call in flight is
     generated again, a tool call after the boundary is applied again to the state rebuilt at it)."""
-    position = await store.head()
-    live, finished = attempts_at(await store.running_attempts(position, run), position)
+    reads = await store.online_cut_reads(run, BOUNDARY_KINDS)
+    live, finished = attempts_at(reads.attempts, reads.position)
     running = sorted(set(live) - set(finished))
+    boundaries = {k: reads.boundaries[k] for k in running if k in reads.boundaries}
     # What cannot be rebuilt at the boundary it would continue from restarts from its input instead.
-    boundaries = await store.latest_boundaries(running, position, BOUNDARY_KINDS)
-    restarts = set(await store.restart_only_at(boundaries))
+    restarts = reads.restarts & set(running)
     scope = [k for k in running if k not in restarts]
-    return await _cut_at(store, checkpoint_id, position, classify(live, finished, scope, restarts), run, boundaries)
+    return await _cut_at(store, checkpoint_id, reads.position, classify(live, finished, scope, restarts), run,
+                         boundaries, reads.heads)
 
 
 def restart_only_at(own: Sequence[RecordedEvent], boundary: int) -> bool:
@@ -263,16 +293,18 @@ def attempts_at(rows: dict[Key, dict[str, Any]], position: int) -> tuple[list[Ke
 
 
 async def _cut_at(store: CutStore, checkpoint_id: str, position: int, cls: Classification,
-                  run: str | None, boundaries: dict[Key, int] | None = None) -> Cut:
-    """The cut at `position`; `boundaries` where the caller already read them at `position` (every
-    continued attempt's, or more)."""
+                  run: str | None, boundaries: dict[Key, int] | None = None,
+                  heads: dict[str, list[tuple[str, int, bytes]]] | None = None) -> Cut:
+    """The cut at `position`; `boundaries` and `heads` where the caller already read them at `position`
+    (every continued attempt's and its rollout's, or more)."""
     if boundaries is None:
         boundaries = await store.latest_boundaries(list(cls.continued), position, BOUNDARY_KINDS)
     missing = [k for k in cls.continued if k not in boundaries]
     if missing:
         raise InvalidCheckpointState(f"rollout {missing[0][0]} attempt {missing[0][1]} has no boundary at or below {position}")
     entries = tuple(ScopeEntry(r, a, boundaries[(r, a)]) for r, a in cls.continued)
-    heads = await store.rollout_heads_at(sorted({s.rollout_id for s in entries}), position)
+    rollouts = sorted({s.rollout_id for s in entries})
+    heads = await store.rollout_heads_at(rollouts, position) if heads is None else {r: heads.get(r, []) for r in rollouts}
     cut = Cut(checkpoint_id, position, entries, cls.fresh_dispatch, "", run=run)
     return replace(cut, digest=digest_of(cut, heads))
 

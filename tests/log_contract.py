@@ -18,7 +18,7 @@ import pytest
 
 from engine import catalog
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED, ROLLOUT_FORGOTTEN, ROLLOUT_RETIRED
-from engine.checkpoint import BOUNDARY_KINDS, ParticipantStore, recorded_chain_hash
+from engine.checkpoint import BOUNDARY_KINDS, ParticipantStore, online_cut_reads, recorded_chain_hash
 from engine.errors import InvalidPayload, PayloadTooLarge, StaleAttempt, UnknownAttempt, VersionConflict
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import agent_stream, checkpoint_stream, episode_stream, rollout_stream, session_stream
@@ -304,3 +304,27 @@ class LogContract:
         later = {("s1", 0): closed.position, ("g1", 0): done.position}  # closed, completed: nothing live is lost
         assert await log_store.restart_only_at(later) == []
         assert await log_store.restart_only_at({}) == []
+
+    async def test_an_online_cut_reads_in_one_moment_what_its_separate_reads_read(self, log_store: ParticipantStore) -> None:
+        """CutStore.online_cut_reads (on PostgreSQL one statement) against engine.checkpoint.online_cut_reads
+        (the five reads it replaced), on attempts of every kind a cut meets: live with a boundary, live
+        with a restart-only session open, finished before and after P, fenced, of another run."""
+        for r in ("o-1", "o-2", "o-3", "o-4", "o-5", "other-1"):
+            await start_attempt(log_store, r, 0)
+        step = await append_one(log_store, ev(episode_stream("o-1", 0), catalog.EPISODE_STEP, "o-1", 0, step="seed"))
+        await append_one(log_store, ev(session_stream("o-2", 0), catalog.SESSION_OPENED, "o-2", 0, env="sandbox",
+                                       state_mode="restart_only"))
+        await append_one(log_store, ev(episode_stream("o-2", 0), catalog.EPISODE_STEP, "o-2", 0, step="agent"))  # open there
+        await append_one(log_store, ev(rollout_stream("o-3"), catalog.ATTEMPT_FINISHED, "o-3", 0, reward=1.0))
+        await append_one(log_store, ev(rollout_stream("o-4"), ATTEMPT_FENCED, "o-4", 0, reason="test"))
+        reads = await log_store.online_cut_reads("o", BOUNDARY_KINDS)
+        assert reads == await online_cut_reads(log_store, "o", BOUNDARY_KINDS)
+        assert reads.position == await log_store.head()
+        assert sorted(reads.attempts) == [("o-1", 0), ("o-2", 0), ("o-5", 0)]  # o-3 finished by P, o-4 fenced
+        assert reads.attempts[("o-1", 0)] == {"status": "live", "started_position": 1, "ended_position": None}
+        assert reads.boundaries[("o-1", 0)] == step.position
+        assert reads.restarts == {("o-2", 0)}
+        assert sorted(reads.heads) == ["o-1", "o-2", "o-5"]
+        assert sorted((s, v) for s, v, _ in reads.heads["o-1"]) == [(episode_stream("o-1", 0), 1), (rollout_stream("o-1"), 1)]
+        assert (await log_store.online_cut_reads(None, BOUNDARY_KINDS)).attempts.keys() == reads.attempts.keys() | {("other-1", 0)}
+

@@ -196,6 +196,7 @@ READS = {
     "latest_boundaries": ([("r", 0)], 1, ["agent_boundary"]), "rollout_heads_at": (["r"], 1),
     "checkpoints_in_phase": (["prepared"],), "session_revision": ("r", 0), "retired_through": ("r",),
     "fence_position": (), "attempt_status": ("r", 0), "attempt_reading": ("r", 0), "open_sessions": (), "restart_only_at": ({("r", 0): 1},),
+    "online_cut_reads": ("r", ["agent_boundary"]),
     "session_snapshots": ({"s": 1},), "get_blobs": (["ab" * 32],),
 }
 NOT_READS = {"append", "carry", "close", "subscribe", "rebuild_projections", "connect",
