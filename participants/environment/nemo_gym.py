@@ -81,7 +81,7 @@ class EnvironmentFront:
             events = await p.store.read_rollout(rid)
             recorded = _gym_record(events)
             _check_same_task(req, rid, task, events, recorded)
-            finished = await self._finished(rid)
+            finished = await self._finished(rid) if events else None  # a rollout the log has not seen has no result
             if finished is not None:
                 return self._result(req, rid, finished)
             decision = retry.decide(rid, req.episode_id.attempt, None if recorded is None else recorded["attempt"],
