@@ -566,11 +566,9 @@ class ResourcesParticipant(Participant):
         for (rid, old), st in self.staged.items():
             env = self._logged_environment(st.env_name)
             fresh.append((old, Session(rid, targets[(rid, old)], env, st.task, st.state, st.revision, opened=True)))
-        events = tuple(
-            s.event(ev.SESSION_OPENED, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id,
-                                       "revision": s.revision, "origin_attempt": old, "instance": self.instance})
-            for old, s in fresh
-        )
+        opened = [(s, {"env": s.env.name, "task": s.task.to_json(), "restored_from": checkpoint_id, "revision": s.revision,
+                       "origin_attempt": old, "instance": self.instance}) for old, s in fresh]
+        events = tuple(s.event(ev.SESSION_OPENED, data) for s, data in opened)
         # Expecting version 0: the new attempt's stream must be empty, or someone opened it already.
         try:
             recorded = [] if not events else await self.store.append(AppendRequest(events, {s.stream: 0 for _, s in fresh}))
