@@ -170,9 +170,10 @@ class MemoryEventStore:
         that deletes an event behind the store's back (as a careless operator would a row) leaves a gap."""
         return bisect.bisect_right(self.log.events, position, key=lambda e: e.position)
 
-    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]:
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None,
+                           kinds: Sequence[str] | None = None) -> list[RecordedEvent]:
         return [e for e in self.log.events if e.rollout_id == rollout_id and (attempt is None or e.attempt == attempt)
-                and (to is None or e.position <= to)]
+                and (to is None or e.position <= to) and (kinds is None or e.kind in kinds)]
 
     async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
                             after: Mapping[str, int] | None = None) -> list[RecordedEvent]:

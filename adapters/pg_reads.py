@@ -162,7 +162,8 @@ class LogReads:
             params["t"] = to
         return await self._select_events(where, params, "ORDER BY position LIMIT :l")
 
-    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]:
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None,
+                           kinds: Sequence[str] | None = None) -> list[RecordedEvent]:
         where = "rollout_id = :r"
         params: dict[str, Any] = {"r": rollout_id}
         if attempt is not None:
@@ -171,6 +172,9 @@ class LogReads:
         if to is not None:
             where += " AND position <= :t"
             params["t"] = to
+        if kinds is not None:
+            where += " AND kind = ANY(:k)"
+            params["k"] = list(kinds)
         return await self._select_events(where, params, "ORDER BY position")
 
     @retrying("reading events")

@@ -77,7 +77,8 @@ class CutStore(EventStore, Protocol):
 
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]: ...
 
-    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None,
+                           kinds: Sequence[str] | None = None) -> list[RecordedEvent]: ...
 
     async def read_rollouts(self, rollout_ids: Sequence[str], to: int | None = None,
                             after: Mapping[str, int] | None = None) -> list[RecordedEvent]:

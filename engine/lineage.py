@@ -15,16 +15,19 @@ from engine.events import RecordedEvent
 
 
 class RolloutReader(Protocol):
-    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None) -> list[RecordedEvent]: ...
+    async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None,
+                           kinds: Sequence[str] | None = None) -> list[RecordedEvent]: ...
 
 
-async def effective_history(store: RolloutReader, rollout_id: str, attempt: int, to: int | None = None) -> list[RecordedEvent]:
+async def effective_history(store: RolloutReader, rollout_id: str, attempt: int, to: int | None = None,
+                            kinds: Sequence[str] | None = None) -> list[RecordedEvent]:
     """An attempt's history as its participants replay it: its origin's events up to the origin
     boundary (recursively), then its own. A fresh dispatch has no origin and starts from input; a
-    fork's origin is an attempt of another rollout (engine/forks.py)."""
-    own = await store.read_rollout(rollout_id, attempt, to)
+    fork's origin is an attempt of another rollout (engine/forks.py). `kinds`: only events of those
+    kinds (and each attempt's start, which names its origin), for a reader that needs no other."""
+    own = await store.read_rollout(rollout_id, attempt, to, None if kinds is None else [*kinds, ev.ATTEMPT_STARTED])
     origin = lineage_origin(rollout_id, own)
-    return own if origin is None else await effective_history(store, *origin) + own
+    return own if origin is None else await effective_history(store, *origin, kinds) + own
 
 
 def origin_of(own: Sequence[RecordedEvent]) -> tuple[int, int | None] | None:

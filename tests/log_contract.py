@@ -268,6 +268,8 @@ class LogContract:
             (session_stream("r8", 0), 2): mutation.hash}
         assert [e.position for e in await log_store.read_rollouts(["r8"], to=step.position)] == [1, 2, 3]
         assert [e.position for e in await log_store.read_rollout("r8", 0, to=2)] == [1, 2]
+        assert [e.position for e in await log_store.read_rollout("r8", 0, kinds=[catalog.EPISODE_STEP, ATTEMPT_STARTED])] == [
+            1, step.position]
         await append_one(log_store, ev(rollout_stream("r8"), ATTEMPT_FENCED, "r8", 0, reason="test"))
         assert await log_store.open_sessions() == {}  # open, but its attempt is no longer live
 

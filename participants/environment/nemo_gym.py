@@ -38,6 +38,9 @@ from participants.environment.server import EnvironmentParticipant
 from participants.environments import Task
 
 STAGE_OF_STEP: dict[str, FailureStage] = {"seed": "seed", "agent": "agent", "verify": "verification", "close": "cleanup"}
+# What an episode's answer is read from (`_finished`, `_result`): its steps (the reward, their names) and its
+# agent's boundaries and completed activations (the reply); the rest of the episode's history is not read.
+RESULT_KINDS = (ev.EPISODE_STEP, ev.AGENT_BOUNDARY, ev.ACTIVATION_COMPLETED)
 JOIN_WAIT_S = 10.0  # a join is one append; past this the instance is not coming, and the row fails as before
 
 
@@ -133,7 +136,7 @@ class EnvironmentFront:
         if not done:
             return None
         attempt = max(a for a, _ in done)
-        history = await effective_history(self.p.store, rid, attempt)
+        history = await effective_history(self.p.store, rid, attempt, kinds=RESULT_KINDS)
         # The reward its verify step recorded, the one every copy of it derives from.
         return {"attempt": attempt, "reward": episodes.reward(episodes.recorded_steps(history)), "history": history}
 

@@ -328,7 +328,8 @@ class ResourcesParticipant(Participant):
         lineage included), never an answer a request brings, which any data-credential holder could forge."""
         key = await self._enter(request)
         s = self.sessions.get(key) or await self._recover(key)
-        history = await effective_history(self.store, *key)
+        history = await effective_history(self.store, *key, kinds=(ev.SESSION_VERIFIED, ev.AGENT_BOUNDARY,
+                                                                   ev.ACTIVATION_COMPLETED))
         if s is None:
             # A passed verify retires its session; a caller that crashed before it heard the answer
             # asks again and gets the recorded verification, not a second one.
