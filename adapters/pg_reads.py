@@ -56,8 +56,10 @@ RUN_OF = r"regexp_replace(rollout_id, '-[0-9]+$', '')"
 # Asked at every checkpoint, answered from partial indexes of what is open (migrations 0013, 0014),
 # so their cost follows what is live, not the run's history. A cut's attempts: the live ones through
 # attempt_state_live, those finished after P through attempt_state_finished.
-RUNNING_ATTEMPTS = ("SELECT * FROM rollbook.attempt_state WHERE (status = 'live' OR (status = 'finished' AND ended_position > %(p)s)) "
-                    f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)")
+# The attempts of `run` (every rollout's, with none) live now or finished after the position `{p}`.
+_RUNNING = ("(status = 'live' OR (status = 'finished' AND ended_position > {p})) "
+            f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)")
+RUNNING_ATTEMPTS = "SELECT * FROM rollbook.attempt_state WHERE " + _RUNNING.format(p="%(p)s")
 # engine.checkpoint.restart_only_at, over attempts k(r, a, b) (rollout, attempt, boundary position):
 # the read by parameters and the online cut's statement share it.
 RESTART_ONLY = (
@@ -91,8 +93,7 @@ _P = "(SELECT position FROM p)"
 ONLINE_CUT = (
     "WITH p AS MATERIALIZED (" + READ_LOG_HEAD + "), "
     "att AS MATERIALIZED (SELECT rollout_id, attempt, status, started_position, ended_position FROM rollbook.attempt_state "
-    f"WHERE (status = 'live' OR (status = 'finished' AND ended_position > {_P})) "
-    f"AND (%(run)s::text IS NULL OR {RUN_OF} = %(run)s)), "
+    "WHERE " + _RUNNING.format(p=_P) + "), "
     "k AS MATERIALIZED (SELECT * FROM (SELECT rollout_id AS r, attempt AS a, (SELECT max(e.position) FROM rollbook.events e "
     f"WHERE e.rollout_id = att.rollout_id AND e.attempt = att.attempt AND e.position <= {_P} AND e.kind = ANY(%(kinds)s)) AS b "
     f"FROM att WHERE COALESCE(started_position, 0) <= {_P}) AS started WHERE b IS NOT NULL) "
