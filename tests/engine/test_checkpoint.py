@@ -34,6 +34,7 @@ from engine.checkpoint import (
     cut_digest,
     load_cut,
     make_cut,
+    make_online_cut,
     read_cut,
     started_after,
     validate_cut,
@@ -936,3 +937,19 @@ async def test_a_gap_in_a_scoped_stream_names_the_missing_version(mem: MemoryEve
     for rehash in (True, False):
         with pytest.raises(InvalidCheckpointState, match="^stream session:r2:0 is missing version 2$"):
             await read_cut(mem, cut, rehash=rehash)
+
+
+@ON_BOTH
+async def test_an_online_cut_restarts_what_cannot_be_continued_from_its_boundary_and_continues_the_rest(
+        store: Store, world: dict[str, Positions]) -> None:
+    """Input: besides the world's episodes, rollout ro whose restart-only sandbox session is open at
+    its latest boundary. The online cut continues every running episode from its boundary but ro,
+    which restarts from its input (on PostgreSQL the cut's one statement decides it)."""
+    await store.append(AppendRequest((
+        E(rollout_stream("ro"), ATTEMPT_STARTED, "ro", 0, parent_attempt=None),
+        E(session_stream("ro", 0), "session_opened", "ro", 0, env="sandbox", state_mode="restart_only"),
+        E(agent_stream("ro", 0), "agent_boundary", "ro", 0, turn=0))))
+    cut = await make_online_cut(store, "ck-online")
+    assert cut.fresh == (("ro", 0),)
+    assert [(s.rollout_id, s.boundary) for s in cut.scope] == [(r, world[r]["boundary"]) for r in ("r0", "r1", "r2", "r3", "r5")]
+
