@@ -63,20 +63,18 @@ from engine.install import restored_attempt
 from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import Patience
-from engine.recovery import resume_point
 from participants.agent.session import (
     RunReply,
     RunRequest,
     Session,
     SessionList,
     activation_holder,
-    continued_session,
-    fresh_session,
     offered_tools,
-    resumed_session,
+    session_for,
     tool_call_key,
 )
 from participants.base.guard import Header, Route, tool_arguments
+from participants.base.http_errors import json_reply
 from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import CLAIM_TRIES, settled
 from participants.base.participant import Participant, PrepareReport
@@ -149,7 +147,7 @@ class AgentParticipant(Participant):
         await self.check_attempt(*key)
         self.served_sessions = True
         if self.external_agents is not None and self.external_agents.serves(req.task.agent):
-            return web.json_response(await self.external_agents.activate(self, key, index, req))
+            return json_reply(await self.external_agents.activate(self, key, index, req))
         async with self.locks(key):
             current = self.running.get(key)
             if current is not None and current[0] == index:
@@ -163,9 +161,9 @@ class AgentParticipant(Participant):
                         if tries == CLAIM_TRIES:
                             raise  # otherwise another instance claimed it first: read again, now seeing its owner
                 if isinstance(started, dict):
-                    return web.json_response(started)
+                    return json_reply(started)
                 task = started
-        return web.json_response(await asyncio.shield(task))
+        return json_reply(await asyncio.shield(task))
 
     async def _start(self, key: Key, index: int, req: RunRequest,
                      current: tuple[int, asyncio.Task[dict[str, Any]]] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
@@ -183,7 +181,7 @@ class AgentParticipant(Participant):
                 + (f", {current[0]} is running" if current else f", so only {last + 1} may start"),
                 rollout_id=key[0], attempt=key[1], completed=last)
         self.admission.require_open("a new activation")
-        session = self._session_for(key, index, req, history)
+        session = session_for(key, index, req, history, self.restored.pop(key, None), self.supports_continuation)
         await self._claim(session, own[-1].stream_version if own else 0)
         task = asyncio.get_running_loop().create_task(self._drive(session))
         self.sessions[key] = session
@@ -207,20 +205,6 @@ class AgentParticipant(Participant):
     def _finished(self, key: Key) -> None:
         self.running.pop(key, None)
         self.sessions.pop(key, None)
-
-    def _session_for(self, key: Key, index: int, req: RunRequest, history: list[RecordedEvent]) -> Session:
-        boundary = self.restored.pop(key, None)
-        if boundary is None and self.supports_continuation:
-            last = resume_point(history, index)
-            if last is not None and (last.rollout_id, last.attempt) == key:
-                # This attempt's own activation, cut off by a crash: it goes on, nothing before it is redone.
-                return resumed_session(key, index, req, last.data)
-            if last is not None:
-                # The log says the same as restore staged: an inherited boundary of this very activation.
-                boundary = inherited_boundary(last, key[0])
-        if boundary is not None and self.supports_continuation and boundary.get("activation", 0) == index:
-            return continued_session(key, index, req, boundary)
-        return fresh_session(key, index, req)
 
     async def _drive(self, s: Session) -> dict[str, Any]:
         while not s.finished and s.turn < s.request.max_steps:
@@ -382,7 +366,7 @@ class AgentParticipant(Participant):
                 for s in self.sessions.values()]
         rows += [{"rollout_id": r, "attempt": a, "activation": b.get("activation", 0), "state": "idle", "turn": b["turn"]}
                  for (r, a), b in self.restored.items()]
-        return web.json_response({"sessions": rows})
+        return json_reply({"sessions": rows})
 
     def routes(self) -> list[Route]:
         activation = Header(ACTIVATION_HEADER, ATTEMPT_PATTERN, description="the activation index: 0, then one more each time")

@@ -18,7 +18,9 @@ from engine.boundaries import boundary_messages
 from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED, AGENT_BOUNDARY
 from engine.errors import InvalidRequest
 from engine.events import NewEvent, RecordedEvent
+from engine.forks import inherited_boundary
 from engine.identity import Key, agent_stream
+from engine.recovery import resume_point
 from participants.base.guard import Body, Int64
 from participants.base.wire import TaskBody
 from participants.environments import ENVIRONMENTS, Task, ToolError, get_environment
@@ -169,6 +171,25 @@ def resumed_session(key: Key, index: int, req: RunRequest, boundary: dict[str, A
     s.resumed = boundary["state"] == "before_model"
     s.recorded = len(s.messages)  # that boundary is the latest of this attempt's stream
     return s
+
+
+def session_for(key: Key, index: int, req: RunRequest, history: Sequence[RecordedEvent], staged: dict[str, Any] | None,
+                continues: bool) -> Session:
+    """How activation `index` of attempt `key` begins, given the attempt's effective history and the
+    boundary a restore staged for it here (if any). This attempt's own last boundary comes first: a
+    restore stages the origin's boundary on every instance of the kind, so when the instance that went
+    on from it died, another one holds the same staged boundary, and going on from that would record
+    again the turns the dead one had recorded. Then the staged boundary, or the inherited one the log
+    holds (the same boundary, read back); else afresh. A restart-only agent always starts afresh."""
+    if not continues:
+        return fresh_session(key, index, req)
+    last = resume_point(history, index)
+    if last is not None and (last.rollout_id, last.attempt) == key:
+        return resumed_session(key, index, req, last.data)
+    boundary = staged if staged is not None else inherited_boundary(last, key[0]) if last is not None else None
+    if boundary is not None and boundary.get("activation", 0) == index:
+        return continued_session(key, index, req, boundary)
+    return fresh_session(key, index, req)
 
 
 def activation_holder(index: int) -> Callable[[Sequence[RecordedEvent]], str | None]:

@@ -23,7 +23,7 @@ from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
 from participants.agent.app import build_agent_app
 from participants.agent.external import ExternalAgents, GymAgent, gym_drivers
-from participants.agent.server import RunRequest, fresh_session
+from participants.agent.session import RunRequest, fresh_session
 from participants.base.app import PARTICIPANT
 from participants.base.wire import ACTIVATION_HEADER
 from participants.environment.app import build_environment_app
