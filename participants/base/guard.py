@@ -30,8 +30,10 @@ import binascii
 import hmac
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -156,7 +158,8 @@ def parse_json(raw: bytes) -> Any:
     # surrogate, which the rule keeps) goes the slow way below, which says why it is refused, if it is.
     fast, value = orjson_value(raw)
     if fast:
-        return _within_depth(value)
+        _within_depth(raw)
+        return value
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -172,21 +175,27 @@ def parse_json_text(text: str) -> Any:
         raise InvalidJson(f"the body is nested more than {MAX_DEPTH} levels deep") from None
     except json.JSONDecodeError as exc:
         raise InvalidJson(f"the body is not JSON: {exc.msg} at {exc.pos}") from None
-    return _within_depth(value)
-
-
-def _within_depth(value: Any) -> Any:
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth >= MAX_DEPTH:
-                raise InvalidJson(f"the body is nested more than {MAX_DEPTH} levels deep")
-            if isinstance(item, dict):
-                stack.extend((v, depth + 1) for v in item.values())
-            else:
-                stack.extend((v, depth + 1) for v in item)
+    _within_depth(text.encode("utf-8", "surrogatepass"))
     return value
+
+
+# A JSON text's nesting, read from its bytes: once every escape (a backslash and the byte after it) is
+# gone, every quote opens or closes a string, and what lies between a string's quotes (brackets among
+# it) is dropped. Left: its brackets, in order.
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_STEP = {0x5B: 1, 0x7B: 1, 0x5D: -1, 0x7D: -1}
+
+
+def _within_depth(raw: bytes) -> None:
+    """InvalidJson when the JSON text `raw`, parsed already (so well formed), nests deeper than MAX_DEPTH.
+    Read from the bytes, not the parsed value: a walk of every value took 4 times as long as orjson's
+    parse of a NeMo Gym row, and 11 times as long on a body of 16,000 numbers (a call's token ids)."""
+    kept = _ESCAPE.sub(b"", raw).translate(None, _NOT_STRUCTURE)
+    brackets = b"".join(kept.split(b'"')[::2])
+    if brackets.count(b"[") + brackets.count(b"{") > MAX_DEPTH and \
+            max(accumulate(map(_STEP.__getitem__, brackets))) > MAX_DEPTH:
+        raise InvalidJson(f"the body is nested more than {MAX_DEPTH} levels deep")
 
 
 def tool_arguments(raw: object) -> dict[str, Any]:
