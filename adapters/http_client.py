@@ -25,7 +25,7 @@ import aiohttp
 
 from engine.capability import capability
 from engine.errors import ParticipantUnavailable, RollbookError
-from engine.events import loads
+from engine.events import dumps, loads
 
 # The paths every server mounts (participants.base.control_plane) and every client calls.
 PREFIX = "/rollbook/v1"
@@ -110,8 +110,9 @@ def unpooled_session(**kwargs: Any) -> aiohttp.ClientSession:
     """A client session with no cap on its connections. aiohttp caps a session at 100, and a hop that
     holds a connection for a whole episode or activation (dispatch, /run) then queued the 101st
     rollout, and any request behind it, for as long as one of the first hundred lasted: the callers'
-    own concurrency (the rollouts in flight) is the bound, and the callee caps what it accepts."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), **kwargs)
+    own concurrency (the rollouts in flight) is the bound, and the callee caps what it accepts. Bodies
+    are written by engine.events.dumps, not json.dumps."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), **{"json_serialize": dumps, **kwargs})
 
 
 class JsonClient:

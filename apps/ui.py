@@ -27,6 +27,7 @@ from apps import ui_pages as pages
 from apps.ui_auth import SESSION_TTL_S, Auth, Session, is_loopback, safe_next
 from engine.errors import ConfigError, Forbidden, NotFound, RollbookError, Unauthorized
 from engine.identity import run_of
+from participants.base.http_errors import json_reply
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
@@ -90,7 +91,7 @@ def _error(exc: RollbookError, request: web.Request) -> web.Response:
         return _signin_page(request, request.rel_url.raw_path_qs, None, exc.status)
     if not isinstance(exc, NotFound) and request.method == "POST" and _wants_html(request):
         return _html(pages.problem_page("refused", exc.detail), exc.status)
-    return web.json_response(exc.to_json(), status=exc.status)
+    return json_reply(exc.to_json(), status=exc.status)
 
 
 @web.middleware
@@ -221,11 +222,11 @@ def _page_handler(kind: str, fragment_only: bool) -> Handler:
 
 
 async def head(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[READS].head())
+    return json_reply(await request.app[READS].head())
 
 
 async def runs_json(request: web.Request) -> web.Response:
-    return web.json_response({"runs": await request.app[READS].runs()})
+    return json_reply({"runs": await request.app[READS].runs()})
 
 
 def build_app(dsn: str, token: str, session_ttl_s: float = SESSION_TTL_S) -> web.Application:

@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from participants.base.http_errors import json_reply
+
 CLONE_NEWNET = 0x40000000
 SIOCSIFFLAGS = 0x8914
 IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40
@@ -104,9 +106,9 @@ class Relay:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         if not request.path.startswith("/v1/") or ".." in request.path:
             self.refused += 1
-            return web.json_response({"error": {"code": "relay_refused", "message": f"{request.path}: this relay "
-                                                 "reaches its attempt's model routes under /v1/ and nothing else"}},
-                                     status=404)
+            return json_reply({"error": {"code": "relay_refused", "message": f"{request.path}: this relay "
+                                          "reaches its attempt's model routes under /v1/ and nothing else"}},
+                              status=404)
         assert self.http is not None
         base = (await self.target()).rstrip("/")
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -125,7 +127,7 @@ class Relay:
         except (aiohttp.ClientError, OSError) as exc:
             if reply is not None:
                 raise  # cut mid-reply: the harness sees its connection end, as from the model server itself
-            return web.json_response({"error": {"code": "model_unreachable", "message": f"{base}: {exc}"}}, status=502)
+            return json_reply({"error": {"code": "model_unreachable", "message": f"{base}: {exc}"}}, status=502)
 
 
 __all__ = ["Relay", "listen_in"]

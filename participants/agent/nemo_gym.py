@@ -19,6 +19,7 @@ from engine.errors import (
 )
 from participants.agent.server import AgentParticipant
 from participants.base.guard import Route
+from participants.base.http_errors import json_reply
 from participants.base.nemo_gym_rows import (
     EpisodeResponse,
     FlatRow,
@@ -55,8 +56,8 @@ class AgentFront:
         if out.failure is not None:
             raise EpisodeFailed(out.failure.failure_reason, failure_kind=out.failure.failure_kind, stage=out.failure.stage)
         result = out.result or {}
-        return web.json_response({**row, "response": result.get("response"), "reward": result.get("reward"),
-                                  "rollbook": result.get("rollbook")})
+        return json_reply({**row, "response": result.get("response"), "reward": result.get("reward"),
+                           "rollbook": result.get("rollbook")})
 
 
 __all__ = ["AgentFront"]

@@ -20,7 +20,7 @@ from engine.errors import AdmissionClosed
 from engine.phases import LEASE_GRACE_S
 from participants.base.control_plane import ControlPlane
 from participants.base.guard import MAX_BODY_BYTES, Credentials, Route, authenticate
-from participants.base.http_errors import errors_as_json
+from participants.base.http_errors import errors_as_json, json_reply
 from participants.base.observability import observe
 from participants.base.openapi import document
 from participants.base.participant import Participant
@@ -47,7 +47,7 @@ def build_app(participant: Participant, credentials: Credentials, grace: float =
         return document(f"rollbook {participant.kind} server", routes)
 
     async def openapi(request: web.Request, _body: None) -> web.Response:
-        return web.json_response(doc())
+        return json_reply(doc())
 
     # Metrics and spans (participants.base.observability): phases and calls wrapped, GET /metrics added.
     routes = observe(app, [*plane.routes(), *participant.routes(), *fronts,

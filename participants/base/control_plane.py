@@ -38,6 +38,7 @@ from engine.events import AppendRequest, NewEvent
 from engine.patience import Patience
 from engine.phases import LEASE_GRACE_S, Lease, ParticipantPhases
 from participants.base.guard import Body, Route
+from participants.base.http_errors import json_reply
 from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import (
     CommitRequest,
@@ -114,7 +115,7 @@ class ControlPlane:
 
     def _reply(self, op: str, checkpoint_id: str, body: dict[str, Any]) -> web.Response:
         self.replies[(op, checkpoint_id)] = body
-        return web.json_response(body)
+        return json_reply(body)
 
     def _guard(self, op: str, req: ControlRequest, *, needs_active: bool = True) -> web.Response | None:
         """Repeats get the same reply; the rest is engine.control.check_operation."""
@@ -122,13 +123,13 @@ class ControlPlane:
         if C.check_operation(op, req.checkpoint_id, req.deadline, time.time(), active=self.phases.checkpoint_id,
                              phase=self.phases.phase, finished=self.finished, repeated=cached is not None,
                              needs_active=needs_active):
-            return web.json_response(cached)
+            return json_reply(cached)
         return None
 
     # ---- operations -----------------------------------------------------------------------
 
     async def status(self, request: web.Request, _body: None) -> web.Response:
-        return web.json_response(
+        return json_reply(
             Status(
                 kind=self.p.kind,
                 instance=self.p.instance,
@@ -161,7 +162,7 @@ class ControlPlane:
             if report.ready:  # deferred too: a prepare appends nothing of its own (see _record)
                 await self._record("prepared", req.checkpoint_id, defer=True, counts=report.counts, restarts=len(report.restarts))
             body = self._prepare_body(req.checkpoint_id, report, self.phases.phase)
-            return self._reply("prepare", req.checkpoint_id, body) if report.ready else web.json_response(body)
+            return self._reply("prepare", req.checkpoint_id, body) if report.ready else json_reply(body)
 
     @staticmethod
     def _prepare_body(checkpoint_id: str, report: PrepareReport, phase: str) -> dict[str, Any]:
@@ -180,8 +181,8 @@ class ControlPlane:
         async with self.lock:
             C.check_renew(req.checkpoint_id, req.deadline, time.time(), active=self.phases.checkpoint_id, finished=self.finished)
             self.lease = Lease(req.deadline, self.grace)
-            return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
-                                                    detail={"lease_deadline": req.deadline}).model_dump())
+            return json_reply(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                             detail={"lease_deadline": req.deadline}).model_dump())
 
     async def commit(self, request: web.Request, req: CommitRequest) -> web.Response:
         async with self.lock:
@@ -209,7 +210,7 @@ class ControlPlane:
         async with self.lock:
             cached = self.replies.get(("resume", req.checkpoint_id))
             if cached is not None:
-                return web.json_response(cached)
+                return json_reply(cached)
             C.check_resume(req.checkpoint_id, active=self.phases.checkpoint_id, finished=self.finished)
             restored = self.phases.phase == "restored"
             try:
@@ -243,8 +244,8 @@ class ControlPlane:
             await self.p.store.append(AppendRequest(events))
         for r in req.rollouts:
             await self.p.retire(r.rollout_id, r.through)
-        return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
-                                                detail={"retired": len(req.rollouts)}).model_dump())
+        return json_reply(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                         detail={"retired": len(req.rollouts)}).model_dump())
 
     async def forget(self, request: web.Request, req: ForgetRequest) -> web.Response:
         """All or nothing: every id is checked by the body model before one append clears the marks."""
@@ -255,8 +256,8 @@ class ControlPlane:
             await self.p.store.append(AppendRequest(events))
         for rid in ids:
             await self.p.forget(rid)
-        return web.json_response(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
-                                                detail={"forgotten": len(req.rollout_ids)}).model_dump())
+        return json_reply(OperationReply(checkpoint_id=req.checkpoint_id, phase=self.phases.phase,
+                                         detail={"forgotten": len(req.rollout_ids)}).model_dump())
 
     async def _abort(self, checkpoint_id: str, reason: str) -> None:
         if self.phases.can("abort"):

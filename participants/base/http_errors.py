@@ -1,4 +1,5 @@
-"""Every error the servers return: one JSON shape, one HTTP status per code.
+"""Every JSON reply of the servers (`json_reply`, written by engine.events.dumps), and every error
+they return: one JSON shape, one HTTP status per code.
 
 The shape is `{"error": {"code", "detail", "message", "type"}}` (plus `context` when there is some):
 `code` and `detail` are rollbook's; `message` and `type` are OpenAI's, so an OpenAI SDK pointed at
@@ -8,6 +9,7 @@ Anything unforeseen is a JSON `internal_error`, never a page.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -15,6 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from engine.errors import STATUS, RollbookError
+from engine.events import dumps
 
 log = logging.getLogger("rollbook.http")
 
@@ -22,6 +25,9 @@ log = logging.getLogger("rollbook.http")
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
                 422: "invalid_request_error", 429: "rate_limit_error"}
+
+# web.json_response, written several times faster than json.dumps writes it (engine.events.dumps).
+json_reply = functools.partial(web.json_response, dumps=dumps)
 
 
 def error_body(code: str, detail: str, **context: object) -> dict[str, object]:
@@ -35,7 +41,7 @@ def error_body(code: str, detail: str, **context: object) -> dict[str, object]:
 
 
 def error_response(code: str, detail: str, **context: object) -> web.Response:
-    return web.json_response(error_body(code, detail, **context), status=STATUS.get(code, 500))
+    return json_reply(error_body(code, detail, **context), status=STATUS.get(code, 500))
 
 
 @web.middleware

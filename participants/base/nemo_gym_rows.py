@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from engine.errors import InvalidRequest, RolloutIdRequired
 from engine.identity import MAX_ID_LENGTH
 from participants.base.guard import Route
+from participants.base.http_errors import json_reply
 from participants.environments import Task, ToolError, get_environment
 from participants.environments.base import canonical
 from participants.environments.tasks import make_task
@@ -300,7 +301,7 @@ def aggregate(verify_responses: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def aggregate_metrics(request: web.Request, body: AggregateMetricsRequest) -> web.Response:
-    return web.json_response(aggregate(body.verify_responses))
+    return json_reply(aggregate(body.verify_responses))
 
 
 def aggregate_route() -> Route:

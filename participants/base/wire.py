@@ -13,7 +13,7 @@ import time
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adapters.http_client import CONTROL, PREFIX
 from engine.errors import InvalidIdentifier
@@ -149,6 +149,14 @@ class RetireRequest(ControlRequest):
 
 class ForgetRequest(ControlRequest):
     rollout_ids: list[Identifier] = Field(max_length=MAX_ITEMS)
+
+
+class PolicyVersionRequest(BaseModel):
+    """The model server's policy version, set by a trainer's weight sync."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy_version: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")
+    source: str = Field(default="weight_sync", max_length=64)
 
 
 class Status(BaseModel):

@@ -25,6 +25,7 @@ from engine.errors import Forbidden, ParticipantUnavailable, StaleAttempt, TaskC
 from engine.events import RecordedEvent
 from engine.lineage import effective_history
 from participants.base.guard import Route
+from participants.base.http_errors import json_reply
 from participants.base.nemo_gym_rows import (
     EpisodeFailure,
     EpisodeRequest,
@@ -73,7 +74,7 @@ class EnvironmentFront:
 
     async def run(self, request: web.Request, req: EpisodeRequest) -> web.Response:
         reply = await self.episode(req)
-        return web.json_response(reply.model_dump(mode="json", exclude_none=True))
+        return json_reply(reply.model_dump(mode="json", exclude_none=True))
 
     async def episode(self, req: EpisodeRequest) -> EpisodeResponse:
         rid = scoped_rollout_id(req.task.task_id.taskset, req.episode_id.rollout_id)

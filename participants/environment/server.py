@@ -43,6 +43,7 @@ from engine.identity import Key, episode_stream, rollout_stream, validate_id
 from engine.install import restored_attempt
 from engine.lineage import effective_history
 from participants.base.guard import Body, Identifier, Int64, Route
+from participants.base.http_errors import json_reply
 from participants.base.owners import CLAIM_TRIES, FIRST_POLL_S, LAST_POLL_S
 from participants.base.participant import PrepareReport
 from participants.base.routing import EPISODE_ATTEMPT
@@ -134,7 +135,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
                 rows = await self._held_elsewhere(rid)  # the rollout's attempts, read once for the questions below
                 done = await self._from_log(rid, requested, rows)
                 if done is not None:
-                    return web.json_response(done)  # already finished: its result, never a second run
+                    return json_reply(done)  # already finished: its result, never a second run
                 self.admission.require_open("a new episode")
                 try:
                     task = await self.run_episode(rid, requested, req.seed, req.max_steps, rows=rows)
@@ -142,7 +143,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
                     tries += 1  # another instance claimed it first: wait for its result instead
                     if tries == CLAIM_TRIES:
                         raise
-        return web.json_response(await asyncio.shield(task))
+        return json_reply(await asyncio.shield(task))
 
     async def _held_elsewhere(self, rid: str) -> dict[Key, dict[str, Any]]:
         """Wait while another live instance drives the rollout's live episode (engine/ownership.py); its
@@ -174,7 +175,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
         rid = validate_id(request.match_info["rollout_id"], "rollout id")
         ep = self.episodes.get(rid)
         if ep is not None:
-            return web.json_response({**ep.status_json(), **self._capability(rid, ep.attempt)})
+            return json_reply({**ep.status_json(), **self._capability(rid, ep.attempt)})
         rows = await self.store.attempt_rows([rid])
         if not rows:
             raise NotFound(f"no episode for rollout {rid}")
@@ -187,7 +188,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
             ep = episode_from_history(rid, attempt, history, history)
             if ep is not None:
                 body = {**ep.status_json(), "status": status, "attempt": attempt}
-        return web.json_response({**body, **self._capability(rid, attempt)})
+        return json_reply({**body, **self._capability(rid, attempt)})
 
     def _capability(self, rollout_id: str, attempt: int) -> dict[str, str]:
         return {"capability": capability(self.secret, rollout_id, attempt)} if self.secret else {}
@@ -209,7 +210,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
             launched = 0
             for f in plan.forks:
                 launched += await self._drive_fork(f.rollout_id)
-        return web.json_response({**plan.to_json(), "launched": launched})
+        return json_reply({**plan.to_json(), "launched": launched})
 
     async def _fork_plan(self, req: ForkRequest) -> ForkPlan:
         origin = Origin(req.rollout_id, req.attempt, req.position)

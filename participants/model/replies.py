@@ -30,6 +30,7 @@ from adapters.openai_wire import (
 from engine.admission import Admission
 from engine.errors import AdmissionClosed
 from engine.tokens import Receipt
+from participants.base.http_errors import json_reply
 from participants.model.calls import LiveCall, TokenStore
 
 
@@ -69,7 +70,7 @@ class CallReplies:
     async def json(self, call: LiveCall, model: str, logprobs: bool) -> web.Response:
         result = await self._whole(call)
         entries = await self.logprobs(call, result) if logprobs else None
-        return web.json_response(completion_body(call.call_id, model, result, entries))
+        return json_reply(completion_body(call.call_id, model, result, entries))
 
     async def response(self, call: LiveCall, model: str, request: ResponsesRequest) -> web.Response:
         """The reply of a `/v1/responses` call: the same call, as a Responses object with its token ids."""
@@ -78,7 +79,7 @@ class CallReplies:
         prompt = list(call.prompt_ids) if call.prompt_ids else list(
             (await self.token_store.get(Receipt.from_json(result["prompt_receipt"]).blob_id)).ids
             if result.get("prompt_receipt") else ())
-        return web.json_response(response_body(call.call_id, model, request, result, (prompt, ids, logprobs)))
+        return json_reply(response_body(call.call_id, model, request, result, (prompt, ids, logprobs)))
 
     async def stream(self, request: web.Request, call: LiveCall, model: str, logprobs: bool,
                      include_usage: bool) -> web.StreamResponse:

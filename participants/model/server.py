@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.openai_wire import (
     ChatCompletion,
@@ -81,6 +80,7 @@ from engine.prepare_records import PrepareRecord
 from engine.recovery import call_lost
 from engine.tokens import Receipt
 from participants.base.guard import Header, Route
+from participants.base.http_errors import json_reply
 from participants.base.keyed_locks import KeyedLocks
 from participants.base.owners import owner_verdict, settled
 from participants.base.participant import Participant, PrepareReport
@@ -92,6 +92,7 @@ from participants.base.wire import (
     PARENT_HEADER,
     REPLACES_HEADER,
     Execution,
+    PolicyVersionRequest,
     activation_of,
     data_path,
     identity,
@@ -268,13 +269,13 @@ class ModelParticipant(Participant):
         if body.policy_version != previous:
             await self._record_policy_version(body.policy_version, previous, body.source)
             self.backend.policy_version = body.policy_version
-        return web.json_response({"policy_version": body.policy_version, "previous": previous})
+        return json_reply({"policy_version": body.policy_version, "previous": previous})
 
     async def get_policy_version(self, request: web.Request, _body: None) -> web.Response:
-        return web.json_response({"policy_version": self.policy_version})
+        return json_reply({"policy_version": self.policy_version})
 
     async def models(self, request: web.Request, _body: None) -> web.Response:
-        return web.json_response(models_body(str(getattr(self.backend, "model", "rollbook")), self.policy_version))
+        return json_reply(models_body(str(getattr(self.backend, "model", "rollbook")), self.policy_version))
 
     # ---- the data route ---------------------------------------------------------------------
 
@@ -589,12 +590,6 @@ def _holder(call_id: str) -> Callable[[Sequence[RecordedEvent]], str | None]:
 def _optional_id(request: web.Request, header: str) -> str | None:
     value = request.headers.get(header)
     return validate_id(value, f"{header} header") if value else None
-
-
-class PolicyVersionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    policy_version: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")
-    source: str = Field(default="weight_sync", max_length=64)
 
 
 __all__ = ["ModelParticipant", "PolicyVersionRequest"]

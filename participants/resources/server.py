@@ -64,6 +64,7 @@ from engine.sessions import open_session_mode
 from engine.snapshot_reads import lineage_rows, read_scope
 from engine.snapshots import SessionSnapshot, lineage_bounds, store_snapshots
 from participants.base.guard import Empty, Header, Route
+from participants.base.http_errors import json_reply
 from participants.base.owners import orphaned_sessions
 from participants.base.participant import Participant, PrepareReport
 from participants.base.wire import (
@@ -79,7 +80,7 @@ from participants.environments import Environment, Task, ToolError, get_environm
 from participants.environments.base import Trajectory
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.resources.session import Session, Staged, live, rebuild, restart_only
+from participants.resources.session import Session, Staged, live, rebuild, refused, restart_only
 from participants.resources.wire import (
     OpenRequest,
     SessionReply,
@@ -94,10 +95,6 @@ MAX_CLOSED_REMEMBERED = 65_536
 # How often the live sessions' attempts are checked: a fence (a failed attempt's, a restore's) or a
 # retire mark written by any server ends its live shell within this.
 LIVE_CHECK_S = 0.5
-
-
-def refused(exc: ToolError) -> ToolCallRefused:
-    return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
 
 
 class ResourcesParticipant(Participant):
@@ -220,7 +217,7 @@ class ResourcesParticipant(Participant):
                 raise ToolCallRefused(f"rollout {key[0]} attempt {key[1]} already has a different session",
                                       tool_error="session_exists")
             async with existing.lock:  # a repeated open is answered once the first is durable
-                return web.json_response(self._describe(await self._session(key)))
+                return json_reply(self._describe(await self._session(key)))
         self.admission.require_open("opening a session")
         s = Session(key[0], key[1], env, task, state)
         async with s.lock:  # free, so no yield: prepare and repeats see the session from here on
@@ -247,7 +244,7 @@ class ResourcesParticipant(Participant):
         # be used again, and nothing else would end them (a failed rollout restarts without closing).
         for older in [k for k, o in self.sessions.items() if k[0] == key[0] and k[1] < key[1] and o.live is not None]:
             await self._close_live(self.sessions.pop(older))
-        return web.json_response(self._describe(s))
+        return json_reply(self._describe(s))
 
     @staticmethod
     def _describe(s: Session) -> dict[str, Any]:
@@ -272,8 +269,8 @@ class ResourcesParticipant(Participant):
                 if (diverged := replayed_tool(recorded, name, body.arguments, call_key, s.env.as_recorded)) is not None:
                     await self._append(s, ev.TOOL_CALL_DIVERGED, diverged)
                     raise tool_diverged(diverged)
-                return web.json_response({"output": recorded.get("output"), "revision": recorded["revision"],
-                                          "done": bool(recorded.get("done")), "repeated": True})
+                return json_reply({"output": recorded.get("output"), "revision": recorded["revision"],
+                                   "done": bool(recorded.get("done")), "repeated": True})
             if relayed(s.env):  # every relayed call is a mutation: the record is its state
                 if not admitted:
                     raise s.refused(named, activation, f"tool {name} is relayed and a checkpoint is in progress")
@@ -297,14 +294,14 @@ class ResourcesParticipant(Participant):
                 try:
                     outcome = s.env.call_tool(s.state, name, body.arguments)
                     if outcome.effect is None:  # read-only: allowed even while admission is closed
-                        return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
+                        return json_reply({"output": outcome.output, "revision": s.revision, "done": outcome.done})
                     if not admitted:
                         raise s.refused(named, activation, f"tool {name} changes the session and a checkpoint is in progress")
                     new_state = s.env.apply(s.state, outcome.effect)
                 except ToolError as exc:
                     raise refused(exc) from exc
             if outcome.effect is None:
-                return web.json_response({"output": outcome.output, "revision": s.revision, "done": outcome.done})
+                return json_reply({"output": outcome.output, "revision": s.revision, "done": outcome.done})
             revision = s.revision + 1
             # The event first: a crash after it replays this change, a crash before it never happened.
             data = {"revision": revision, "tool": name, "arguments": body.arguments, "effect": outcome.effect,
@@ -321,7 +318,7 @@ class ResourcesParticipant(Participant):
                                       tool_error="bad_arguments") from None
             s.state, s.revision = new_state, revision
             s.tool_calls[call_key] = data
-            return web.json_response({"output": outcome.output, "revision": revision, "done": outcome.done})
+            return json_reply({"output": outcome.output, "revision": revision, "done": outcome.done})
 
     async def verify(self, request: web.Request, _body: Empty) -> web.Response:
         """Verify against the answer the log holds: the attempt's last completed agent activation (its
@@ -336,8 +333,8 @@ class ResourcesParticipant(Participant):
             verified = [e for e in history if e.kind == ev.SESSION_VERIFIED and e.stream == session_stream(*key)]
             if verified:  # and no session is open: it was closed
                 d = verified[-1].data
-                return web.json_response({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
-                                          "closed": True, "repeated": True})
+                return json_reply({"reward": d["reward"], "status": d["status"], "revision": d["revision"],
+                                   "closed": True, "repeated": True})
             s = await self._session(key)  # raises not_found
         replies = completed_activations(history)
         if not replies:
@@ -371,8 +368,8 @@ class ResourcesParticipant(Participant):
                 s.verify_idle.set()
         if error is not None:
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
-        return web.json_response({"reward": reward, "status": status, "revision": revision,
-                                  **({"closed": True} if status == "passed" else {})})
+        return json_reply({"reward": reward, "status": status, "revision": revision,
+                           **({"closed": True} if status == "passed" else {})})
 
     async def _record_verify(self, s: Session, key: Key, data: dict[str, Any]) -> None:
         """A successful terminal session is retired, its close in the verify's own append; a failed one
@@ -390,20 +387,20 @@ class ResourcesParticipant(Participant):
     async def close_session(self, request: web.Request, _body: None) -> web.Response:
         key = await self._enter(request)
         if key in self._closed and key not in self.sessions:
-            return web.json_response({})  # closed by this process: its close is in the log
+            return json_reply({})  # closed by this process: its close is in the log
         s = self.sessions.get(key) or await self._recover(key)
         if s is None:
             # Closing twice, or after a passed verify retired the session, is fine if the log agrees:
             # the session's own stream or, for a restored attempt, its origin's up to the boundary.
             history = [e for e in await effective_history(self.store, *key) if is_session_stream(e.stream)]
             if history and history[-1].kind == ev.SESSION_CLOSED:
-                return web.json_response({})
+                return json_reply({})
             raise NotFound(f"no session for rollout {key[0]} attempt {key[1]}")
         self.admission.require_open("closing a session")
         async with s.lock:
             if self.sessions.get(key) is s:
                 await self._retire_session(s, {"status": s.verify_status or "unverified", "reason": "closed"})
-        return web.json_response({})
+        return json_reply({})
 
     async def _retire_session(self, s: Session, data: dict[str, Any]) -> None:
         """Under the session's lock: record the close, then free the session."""
@@ -420,7 +417,7 @@ class ResourcesParticipant(Participant):
 
     async def get_state(self, request: web.Request, _body: None) -> web.Response:
         s = await self._session(await self._enter(request))
-        return web.json_response({"state": s.state, "revision": s.revision})
+        return json_reply({"state": s.state, "revision": s.revision})
 
     async def _watch_live(self) -> None:
         """Ends the live shell of every attempt that has ended without closing its session: fenced

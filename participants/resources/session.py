@@ -13,6 +13,7 @@ from engine.errors import (
     InvalidCheckpointState,
     ReplayDivergence,
     RestartInScope,
+    ToolCallRefused,
 )
 from engine.events import NewEvent, RecordedEvent
 from engine.identity import (
@@ -24,6 +25,7 @@ from participants.environments import (
     ENVIRONMENTS,
     Environment,
     Task,
+    ToolError,
     open_from_log,
 )
 from participants.environments.base import JSON
@@ -115,6 +117,11 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
 def live(env: Environment) -> bool:
     """Whether the environment's sessions run in a live process this server holds (`*_live` methods)."""
     return env.state_mode in ("restart_only", "snapshot") or relayed(env)
+
+
+def refused(exc: ToolError) -> ToolCallRefused:
+    """An environment's refusal of a tool call or a session, as the caller gets it (its code kept)."""
+    return ToolCallRefused(exc.message or exc.code, tool_error=exc.code)
 
 
 def restart_only(env_name: str | None) -> bool:

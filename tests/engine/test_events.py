@@ -1,5 +1,6 @@
 """engine.events at its edges: the payload limit to the byte, what is not plain JSON, the floats
-JSONB reads back as integers, and the stored spelling of the strings PostgreSQL refuses.
+JSONB reads back as integers, the stored spelling of the strings PostgreSQL refuses, and the fast
+JSON reader and writer that must read and write as the stdlib's does.
 
 engine.events' stored spelling of strings, searched by hypothesis: any JSON value round-trips, and
 what PostgreSQL is given holds no U+0000 and no lone surrogate.
@@ -8,6 +9,7 @@ what PostgreSQL is given holds no U+0000 and no lone surrogate.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +23,7 @@ from engine.events import (
     STORE_ESCAPE,
     NewEvent,
     canonical_json,
+    dumps,
     encode_payload,
     escape_strings,
     has_large_float,
@@ -166,3 +169,23 @@ def test_loads_reads_any_text_as_json_loads_does(value: object, ascii_only: bool
     except UnicodeEncodeError:  # a lone surrogate written as itself has no UTF-8 spelling
         return
     assert json.dumps(loads(raw), sort_keys=True) == expected
+
+
+_ANY_KEY = st.one_of(_ANY_TEXT, st.integers(-5, 5), st.booleans(), st.none())  # json.dumps writes these keys as text
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.one_of(st.none(), st.booleans(), _ANY_NUMBER, _ANY_TEXT),
+                          lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner),
+                                                  st.dictionaries(_ANY_KEY, inner, max_size=4)), max_leaves=25))
+def test_dumps_writes_any_value_as_json_dumps_does(value: object) -> None:
+    """Input: any value json.dumps writes (integers past 64 bits, NaN and infinities, NUL and lone
+    surrogates, keys that are numbers, booleans or None): read back, the same value as json.dumps' text."""
+    assert json.dumps(json.loads(dumps(value)), sort_keys=True) == json.dumps(json.loads(json.dumps(value)), sort_keys=True)
+
+
+def test_dumps_refuses_what_json_dumps_refuses() -> None:
+    """Input: a date, a dataclass and a set, none of them JSON: refused as json.dumps refuses them."""
+    for value in ({"at": datetime(2026, 12, 7)}, [NewEvent("s", "k", {})], {1, 2}):
+        with pytest.raises(TypeError):
+            dumps(value)
