@@ -150,13 +150,16 @@ _LIKE_JSON_DUMPS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DAT
 def dumps(value: Any) -> str:
     """json.dumps(value), written by orjson (on a NeMo Gym row, seventeen times faster) wherever that
     reads back as the same value. orjson writes a NaN or an infinity as null where json.dumps writes
-    NaN or Infinity (a logprob of -inf stays one), so a text with null in it is json.dumps' own; what
-    orjson refuses (an integer past 64 bits, a key that is not a string, a lone surrogate) is too."""
+    NaN or Infinity (a logprob of -inf stays one): a text with null in it is read back and compared,
+    and is json.dumps' own unless it equals the value (a NaN equals nothing read back). What orjson
+    refuses (an integer past 64 bits, a key that is not a string, a lone surrogate) is json.dumps' too."""
     try:
         text = orjson.dumps(value, option=_LIKE_JSON_DUMPS)
     except TypeError:
         return json.dumps(value)
-    return json.dumps(value) if b"null" in text else text.decode()
+    if b"null" in text and orjson.loads(text) != value:
+        return json.dumps(value)
+    return text.decode()
 
 
 def load_stored_json(raw: str | bytes) -> Any:

@@ -1,0 +1,97 @@
+"""What a server pays to read and write one JSON body, against the stdlib and the walk it replaced.
+
+    .venv/bin/python -m benchmarks.json_bodies [--repeats 2000]
+
+Two bodies: a chat call as an agent sends it on a Workplace task (six messages and the environment's
+tool schemas), and a model call's token record (13,000 prompt ids, 3,000 completion ids and their
+logprobs). For each, alternating in one process, medians of the per-call time of `--repeats` calls:
+writing it with `json.dumps` against `engine.events.dumps` (what every client session and reply now
+uses), and checking its nesting by walking the parsed value (the rule's check before 2026-12-07, kept
+here as the reference) against the check on its bytes that `participants.base.guard.parse_json` makes,
+beside orjson's parse of it alone. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.events import dumps  # noqa: E402
+from participants.base.guard import MAX_DEPTH, _within_depth, parse_json  # noqa: E402
+from participants.environments import get_environment  # noqa: E402
+
+
+def walked(value: Any) -> Any:
+    """The nesting check as it was: every value of the parsed body visited."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= MAX_DEPTH:
+                raise ValueError("too deep")
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
+def bodies() -> dict[str, Any]:
+    tools = get_environment("workplace").tools()
+    turn = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "email_search_emails", "arguments": '{"query": "quarterly report"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": json.dumps([{"email_id": "00042", "subject": "Q3 report",
+                                                                       "body": "Figures attached.\n" * 20}])}]
+    chat = {"model": "policy", "messages": [{"role": "system", "content": "Today is Thursday.\n" * 5},
+                                            {"role": "user", "content": "Reply to the last email about the report."},
+                                            *turn, *turn], "tools": tools, "temperature": 1.0, "seed": 7}
+    tokens = {"prompt_token_ids": list(range(13_000)), "token_ids": list(range(3_000)),
+              "logprobs": [-0.25 - i / 10_000 for i in range(3_000)]}
+    return {"chat call (Workplace)": chat, "token record": tokens}
+
+
+def per_call_us(fn: Callable[[], Any], n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def measure(value: Any, repeats: int, rounds: int) -> dict[str, Any]:
+    raw = orjson.dumps(value)
+    parsed = orjson.loads(raw)
+    assert json.loads(dumps(value)) == json.loads(json.dumps(value)) and parse_json(raw) == parsed
+    ways: dict[str, Callable[[], Any]] = {
+        "write: json.dumps": lambda: json.dumps(value),
+        "write: engine.events.dumps": lambda: dumps(value),
+        "read: orjson.loads alone": lambda: orjson.loads(raw),
+        "nesting: walk of the value (before)": lambda: walked(parsed),
+        "nesting: the bytes (now)": lambda: _within_depth(raw),
+        "read: parse_json, the whole rule": lambda: parse_json(raw),
+    }
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(rounds):
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            times[name].append(per_call_us(ways[name], repeats))
+    return {"bytes": len(raw), "us_per_call_median": {k: round(statistics.median(v), 1) for k, v in times.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    out = {name: measure(value, args.repeats, args.rounds) for name, value in bodies().items()}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
