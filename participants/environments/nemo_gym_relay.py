@@ -53,7 +53,7 @@ from engine.errors import (
     ParticipantUnavailable,
     ReplayDivergence,
 )
-from engine.events import loads
+from engine.events import dumps, loads
 from participants.environments import (
     ENVIRONMENTS,
     Environment,
@@ -243,7 +243,7 @@ class Live:
             raise LiveGone(f"the server of live session {self.live_id} exited")
         pool = connections(self.base_url, None if self.proc is None else self.proc.pid, self.timeout_s)
         try:
-            status, raw = pool.post(path, json.dumps(body).encode(), self.cookies)
+            status, raw = pool.post(path, dumps(body).encode(), self.cookies)
         except (OSError, http.client.HTTPException) as exc:
             # HTTPException: a server killed between its headers and its body (IncompleteRead) is gone
             # as surely as one that refused the connection.
