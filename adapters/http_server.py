@@ -161,9 +161,9 @@ def run_bounded(app: web.Application, host: str, port: int, limits: ServerLimits
     Raises OSError (EADDRINUSE) when the port is taken, before serving anything."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    # A blocking call (a relayed NeMo Gym call) holds a thread for as long as its server takes: a verify
-    # that waits for the rest of its cohort, a judge's minutes. With the default pool (cores + 4) a few
-    # such calls would stall every other connection's; one thread per connection lets none wait on another.
+    # A blocking call (a sandbox's command, a NeMo Gym server starting) holds a thread for as long as it
+    # takes: a command's minutes. With the default pool (cores + 4) a few such calls would stall every
+    # other connection's; one thread per connection lets none wait on another.
     loop.set_default_executor(ThreadPoolExecutor(max_workers=limits.max_connections))
     # As web.run_app does: a handler is not cancelled when its client goes away (its work is in the log).
     runner = BoundedAppRunner(app, limits, handle_signals=True, access_log=None, handler_cancellation=False)

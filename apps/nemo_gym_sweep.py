@@ -33,6 +33,7 @@ theirs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import shutil
@@ -56,7 +57,8 @@ from apps.nemo_gym_install import install, requirement_name, server_python, serv
 from apps.processes import free_port, reap_on_signal
 from engine.errors import ConfigError, GymServerFailed
 from participants.agent.external import MODEL_SERVER
-from participants.environments import gymnasium
+from participants.environments import Task, gymnasium
+from participants.environments.gym_http import close_all
 from participants.environments.nemo_gym_launcher import own_config, references
 from participants.environments.nemo_gym_relay import (
     BODY_SHOWN,
@@ -267,6 +269,16 @@ def _serving(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
     return server
 
 
+async def _seeded(env: NemoGymEnvironment, task: Task, reset: dict[str, Any] | None) -> None:
+    """A live session of `task`, seeded (or, for a gymnasium server, reset with the row `reset`)."""
+    try:
+        live: Live = await env.open_live(task)
+        if reset is not None:
+            await live.post(f"/{gymnasium.RESET}", reset)
+    finally:
+        await close_all()
+
+
 def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
     folder = site / "resources_servers" / name
     t0 = time.monotonic()
@@ -293,9 +305,7 @@ def _seed(python: Path, site: Path, name: str, timeout_s: float) -> Verdict:
             return Verdict(name, protocol, said, "no example", "no data/example.jsonl row with responses_create_params",
                            time.monotonic() - t0)
         try:
-            live: Live = env.open_live(row_task(server.name, row, 0))
-            if protocol == "gymnasium":
-                live.post(f"/{gymnasium.RESET}", row)
+            asyncio.run(_seeded(env, row_task(server.name, row, 0), row if protocol == "gymnasium" else None))
         except GymServerFailed as exc:
             return Verdict(name, protocol, said, "refused", exc.detail, time.monotonic() - t0)
         except GymReplyError as exc:

@@ -16,6 +16,7 @@ JSON and never asserts a time.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ from typing import Any
 from apps.nemo_gym_install import WORKPLACE, install
 from apps.processes import free_port
 from participants.environments import ENVIRONMENTS, Task
+from participants.environments.gym_http import close_all
 from participants.environments.nemo_gym_relay import GymServer, register
 
 
@@ -43,6 +45,25 @@ def calls_for(n: int) -> list[tuple[str, dict[str, Any]]]:
     return [kinds[i % len(kinds)](i) for i in range(n)]
 
 
+async def timed(env: Any, task: Task, n: int, repeats: int) -> tuple[float, list[float], list[dict[str, Any]]]:
+    """A live session of n tool calls (seconds), then `repeats` rebuilds of it by replay (seconds each)."""
+    try:
+        live = await env.open_live(task)
+        record: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        for i, (name, arguments) in enumerate(calls_for(n)):
+            record = env.apply(record, (await env.call_live(live, name, arguments, f"a0.t{i}.0")).effect)
+        live_s = time.perf_counter() - t0
+        replays = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await env.revive(task, record)
+            replays.append(time.perf_counter() - t0)
+        return live_s, replays, record
+    finally:
+        await close_all()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", default="1,8,32,128")
@@ -57,22 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     csv = site / "resources_servers" / "workplace_assistant" / "csv_data" / "processed"
     state_bytes = sum(f.stat().st_size for f in csv.glob("*.csv"))
     t0 = time.perf_counter()
-    env.open_live(task)  # starts the server: not part of any replay below
+    asyncio.run(env.open_live(task))  # starts the server: not part of any replay below
     start_s = time.perf_counter() - t0
     rows = []
     try:
         for n in [int(x) for x in args.calls.split(",")]:
-            live = env.open_live(task)
-            record: list[dict[str, Any]] = []
-            t0 = time.perf_counter()
-            for i, (name, arguments) in enumerate(calls_for(n)):
-                record = env.apply(record, env.call_live(live, name, arguments, f"a0.t{i}.0").effect)
-            live_s = time.perf_counter() - t0
-            replays = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                env.revive(task, record)
-                replays.append(time.perf_counter() - t0)
+            live_s, replays, record = asyncio.run(timed(env, task, n, args.repeats))
             replay_s = statistics.median(replays)
             rows.append({"calls": n, "live_s": round(live_s, 4), "replay_s": round(replay_s, 4),
                          "replay_per_call_ms": round(1000 * replay_s / n, 2),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from engine.errors import InvalidRequest, ReplayDivergence
@@ -76,11 +76,11 @@ def rewards(calls: Sequence[dict[str, Any]]) -> float | None:
     return sum(scored) if scored else None
 
 
-def replay(calls: Sequence[dict[str, Any]], send: Callable[[str, dict[str, Any]], Any]) -> int:
+async def replay(calls: Sequence[dict[str, Any]], send: Callable[[str, dict[str, Any]], Awaitable[Any]]) -> int:
     """Send every recorded call again, in order, checking each reply; returns how many were sent.
     Raises ReplayDivergence at the first reply that is not the recorded one."""
     for n, call in enumerate(calls):
-        reply = send(call["tool"], dict(call.get("arguments") or {}))
+        reply = await send(call["tool"], dict(call.get("arguments") or {}))
         got = reply_digest(reply)
         if got != call["digest"]:
             raise ReplayDivergence(

@@ -1,27 +1,30 @@
-"""HTTP from the relay's threads to a NeMo Gym server: kept-alive connections, shared by its live sessions.
+"""HTTP from the relay to a NeMo Gym server: one pooled async client per server, kept-alive connections.
 
 A connection per call costs both sides a TCP handshake, and the server a connection set-up, for
-every tool call, seed and verify. Here each server (its address and, for a process rollbook runs,
-that process) has a pool of idle connections; a call takes one, or opens one, and gives it back when
-the reply was read whole and the server keeps it open. A connection idle longer than IDLE_S is closed
-instead of reused: a server drops idle connections after its keep-alive timeout (NeMo Gym's uvicorn
-after 30 s, common servers after 2 s or more), and a call sent on one it dropped would fail. Any
-failure closes the idle connections beside it too: it usually means the server went away, and the
-caller then takes the session for gone and rebuilds it, which a stale connection must not do again.
+every tool call, seed and verify; a blocking client costs the resources server a thread hop per call
+besides. Here each server (its address and, for a process rollbook runs, that process) has one
+aiohttp client session on the event loop that uses it, and its connector keeps idle connections. A
+connection idle longer than IDLE_S is closed instead of reused: a server drops idle connections after
+its keep-alive timeout (NeMo Gym's uvicorn after 30 s, common servers after 2 s or more), and a call
+sent on one it dropped would fail. Any failure retires the client session with its idle connections:
+it usually means the server went away, and the caller then takes the session for gone and rebuilds
+it, which a stale connection must not do again. Calls already in flight on the retired client finish
+there; it is closed once they have had their timeout.
 
-Cookies (NeMo Gym keeps its session in one) are the caller's: it sends what it holds and keeps what
-each reply sets (`Cookies`).
+Cookies (NeMo Gym keeps its session in one) are the caller's, never the client's jar: it sends what
+it holds and keeps what each reply sets (`Cookies`), so two live sessions on one server never share one.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import http.cookies
 import threading
 import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from urllib.parse import urlsplit
+
+import aiohttp
 
 IDLE_S = 1.0
 
@@ -61,65 +64,58 @@ def _expired(morsel: http.cookies.Morsel[str]) -> bool:
 
 
 class Connections:
-    """The kept-alive connections to one server; safe to use from many threads."""
+    """The kept-alive connections to one server, on the event loop that uses them."""
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
-        parts = urlsplit(base_url)
-        self.https = parts.scheme == "https"
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port
-        self.prefix = parts.path.rstrip("/")
+        self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.idle: list[tuple[float, http.client.HTTPConnection]] = []
-        self.lock = threading.Lock()
+        self.client: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def post(self, path: str, body: bytes, cookies: Cookies) -> tuple[int, bytes]:
-        """The reply's status and body. OSError or http.client.HTTPException when no whole reply came."""
-        conn = self._take()
+    async def post(self, path: str, body: bytes, cookies: Cookies) -> tuple[int, bytes]:
+        """The reply's status and body. OSError (a timeout is one) or aiohttp.ClientError when no whole
+        reply came."""
         headers = {"Content-Type": "application/json"}
         if (cookie := cookies.header()) is not None:
             headers["Cookie"] = cookie
+        client = self._client()
         try:
-            conn.request("POST", self.prefix + path, body, headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except BaseException:
-            conn.close()
-            self.close()
+            async with client.post(self.base_url + path, data=body, headers=headers) as resp:
+                raw = await resp.read()
+        except (OSError, aiohttp.ClientError):
+            self._retire(client)
             raise
-        cookies.take(resp.headers.get_all("Set-Cookie") or [])
-        if resp.will_close:
-            conn.close()
-        else:
-            with self.lock:
-                self.idle.append((time.monotonic(), conn))
+        cookies.take(resp.headers.getall("Set-Cookie", []))
         return resp.status, raw
 
-    def _take(self) -> http.client.HTTPConnection:
-        now, stale = time.monotonic(), []
-        with self.lock:
-            while self.idle:
-                since, conn = self.idle.pop()
-                if now - since < IDLE_S:
-                    break
-                stale.append(conn)
-            else:
-                conn = None
-        for old in stale:
-            old.close()
-        if conn is not None:
-            return conn
-        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=self.timeout_s)
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self.client is None or self.client.closed or self._loop is not loop:
+            # Timeouts per connect and per read, not for the whole call: a verify that asks a judge may
+            # take long, as long as its server keeps answering.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
+            self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_S),
+                                                cookie_jar=aiohttp.DummyCookieJar(), timeout=timeout)
+            self._loop = loop
+        return self.client
 
-    def close(self) -> None:
-        with self.lock:
-            idle, self.idle = self.idle, []
-        for _, conn in idle:
-            conn.close()
+    def _retire(self, client: aiohttp.ClientSession) -> None:
+        """No later call uses `client`; it closes after the calls in flight on it had their timeout."""
+        if self.client is client:
+            self.client = None
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:  # a client of a loop that ended went with it
+            loop.call_later(self.timeout_s, lambda: loop.create_task(client.close()))
+
+    async def close(self) -> None:
+        """Close the client, if it is this loop's (a sweep runs one loop per thread, each its own servers)."""
+        if self.client is not None and self._loop is asyncio.get_running_loop():
+            client, self.client = self.client, None
+            await client.close()
 
 
 _POOLS: dict[tuple[str, int | None, float], Connections] = {}
-_POOLS_LOCK = threading.Lock()
+_POOLS_LOCK = threading.Lock()  # a sweep seeds servers from several threads, each on a loop of its own
 
 
 def connections(base_url: str, pid: int | None, timeout_s: float) -> Connections:
@@ -130,6 +126,16 @@ def connections(base_url: str, pid: int | None, timeout_s: float) -> Connections
         pool = _POOLS.get(key)
         if pool is None:
             for old in [k for k in _POOLS if k[0] == base_url]:
-                _POOLS.pop(old).close()  # a predecessor's: its process is gone
+                gone = _POOLS.pop(old)  # a predecessor's: its process is gone
+                if gone.client is not None:
+                    gone._retire(gone.client)
             pool = _POOLS[key] = Connections(base_url, timeout_s)
         return pool
+
+
+async def close_all() -> None:
+    """Close every pool's client on this loop (before a loop that used them ends: `asyncio.run`)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+    for pool in pools:
+        await pool.close()

@@ -21,13 +21,13 @@ at most `rebuild_attempts` times without a call succeeding in between, then the 
 failed: the one line the launcher wrote says why), or when its seed or verify is refused (the
 server's status and body in the error).
 
-The live half does blocking HTTP: the resources server calls it in a thread.
+The live half is async (participants/environments/gym_http.py: one pooled client per server, on the
+resources server's event loop); only starting a server, or waiting for one, runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import re
@@ -42,6 +42,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+import aiohttp
 
 from adapters.openai_wire import responses_object
 from engine import tool_replay
@@ -235,7 +237,7 @@ class Live:
     def gone(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
         """The reply's JSON. LiveGone when the session's server is not the one that seeded it any more
         (it exited, or cannot be reached); GymReplyError when it answered with an error status or
         with something that is not JSON: its answer, which a rebuild would only ask for again."""
@@ -243,9 +245,9 @@ class Live:
             raise LiveGone(f"the server of live session {self.live_id} exited")
         pool = connections(self.base_url, None if self.proc is None else self.proc.pid, self.timeout_s)
         try:
-            status, raw = pool.post(path, dumps(body).encode(), self.cookies)
-        except (OSError, http.client.HTTPException) as exc:
-            # HTTPException: a server killed between its headers and its body (IncompleteRead) is gone
+            status, raw = await pool.post(path, dumps(body).encode(), self.cookies)
+        except (OSError, aiohttp.ClientError) as exc:
+            # ClientError: a server killed between its headers and its body (ClientPayloadError) is gone
             # as surely as one that refused the connection.
             raise LiveGone(f"{path}: {exc!r}") from None
         if status >= 400:
@@ -305,21 +307,22 @@ class NemoGymEnvironment(Environment):
     def verify(self, task: Task, state: JSON, trajectory: Trajectory) -> float:
         raise ToolError("relayed", f"{self.name} is verified by its NeMo Gym server, in a live session")
 
-    # ---- the live half (blocking: called in a thread) ---------------------------------------
+    # ---- the live half ---------------------------------------------------------------------
 
-    def open_live(self, task: Task) -> Live:
+    async def open_live(self, task: Task) -> Live:
         """A live session seeded with the task's row, as NeMo Gym's simple_agent seeds one (it posts the
         whole run request: the row, `responses_create_params` and the server's own fields, such as
         `initial_count`); a seed the server refuses fails the rollout with its status and body."""
         proc = self.process
-        base = proc.base_url()
+        # Started (and asked what it serves) on first use, in a thread: that waits for a process.
+        base, gym = await asyncio.to_thread(lambda: (proc.base_url(), proc.gymnasium()))
         live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s,
                     driven=self.driven(task))
-        if proc.gymnasium() or live.driven:
+        if gym or live.driven:
             row_of(task)
             return live  # its agent's /reset or /seed_session is the seed, and the first call of the record
         try:
-            live.post("/seed_session", row_of(task))
+            await live.post("/seed_session", row_of(task))
         except GymReplyError as exc:
             raise self.refused("seed", exc) from None
         return live
@@ -328,39 +331,39 @@ class NemoGymEnvironment(Environment):
         return GymServerFailed(f"nemo_gym.{self.name}: {self.server.module} answered {exc.path} with {exc.status}: "
                                f"{exc.body}", server=self.name, stage=stage, status=exc.status, body=exc.body)
 
-    def revive(self, task: Task, calls: list[dict[str, Any]]) -> Live:
+    async def revive(self, task: Task, calls: list[dict[str, Any]]) -> Live:
         """A fresh live session with the record sent again (replay), or none sent (stateless).
         Raises ReplayDivergence when a reply is not the recorded one."""
         if not tool_replay.continues(self.server.state):
             raise ReplayDivergence(f"{self.name} is restart_only: its lost session cannot be rebuilt")
         for tries in range(2):  # the server may die again mid-replay: once more from a fresh process
-            self.process.settle()
-            live = self.open_live(task)
+            await asyncio.to_thread(self.process.settle)
+            live = await self.open_live(task)
             try:
                 if self.server.state == "replay":  # a stateless server has nothing to rebuild
-                    tool_replay.replay(calls, lambda tool, args, live=live: self._replayed(live, tool, args))
+                    await tool_replay.replay(calls, lambda tool, args, live=live: self._replayed(live, tool, args))
                 return live
             except LiveGone:
                 if tries:
                     raise
         raise AssertionError("unreachable")
 
-    def _replayed(self, live: Live, name: str, arguments: dict[str, Any]) -> Any:
+    async def _replayed(self, live: Live, name: str, arguments: dict[str, Any]) -> Any:
         try:
-            return self._send(live, name, arguments)
+            return await self._send(live, name, arguments)
         except GymReplyError as exc:  # a recorded call it answered before and refuses now: not the same server state
             raise ReplayDivergence(f"{name} was answered before and now gets {exc.status} {exc.body}"[:400]) from None
 
     def as_recorded(self, name: str, arguments: Any) -> Any:
         return gymnasium.step_as_recorded(arguments) if name == gymnasium.STEP and self.process.gymnasium() else arguments
 
-    def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None,
-                  capture: str | None = None) -> ToolOutcome:
+    async def call_live(self, live: Live, name: str, arguments: dict[str, Any], tool_call: str | None = None,
+                        capture: str | None = None) -> ToolOutcome:
         # An agent-driven server's calls go under the activation's path, which NeMo Gym carries to the
         # model calls the server makes from there (toolsandbox's simulated user): calls of the rollout.
         under = f"/ng-rollout/{capture}" if capture is not None and live.driven else ""
         try:
-            reply = self._send(live, name, arguments, under)
+            reply = await self._send(live, name, arguments, under)
         except GymReplyError as exc:
             # The server's own answer: the model reads it as the call's error, and the call changed nothing
             # rollbook could replay (it is not recorded as a mutation).
@@ -371,15 +374,15 @@ class NemoGymEnvironment(Environment):
         return ToolOutcome(reply, tool_replay.entry(name, arguments, reply, tool_call, reward))
 
     @staticmethod
-    def _send(live: Live, name: str, arguments: dict[str, Any], under: str = "") -> Any:
+    async def _send(live: Live, name: str, arguments: dict[str, Any], under: str = "") -> Any:
         # The name reaches a URL path: one plain segment, never one of the server's own endpoints, but
         # those its own agent drives it by.
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name) or \
                 name in SERVER_ENDPOINTS and not (live.driven and name in AGENT_ROUTES):
             raise ToolError("unknown_tool", f"{name[:80]!r} is not a tool of this server")
-        return live.post(f"{under}/{name}", arguments)
+        return await live.post(f"{under}/{name}", arguments)
 
-    def verify_live(self, live: Live, task: Task, trajectory: Trajectory, capture: str) -> float:
+    async def verify_live(self, live: Live, task: Task, trajectory: Trajectory, capture: str) -> float:
         """The row's own fields, with the Responses-API `response` NeMo Gym's verify reads. Asked under the
         activation's `/ng-rollout/<capture>/` path, which NeMo Gym carries to the calls the server makes
         from there: a judge's model calls reach rollbook's model server as calls of the rollout."""
@@ -387,7 +390,7 @@ class NemoGymEnvironment(Environment):
         response = responses_object(task.task_id, trajectory.messages, {}, time.time())
         del response["usage"]  # optional in NeMo Gym's response, and its token counts are the model server's
         try:
-            reply = live.post(f"/ng-rollout/{capture}/verify", {**row, "response": response})
+            reply = await live.post(f"/ng-rollout/{capture}/verify", {**row, "response": response})
         except GymReplyError as exc:
             raise self.refused("verify", exc) from None
         if not isinstance(reply, dict) or not isinstance(reply.get("reward"), int | float) or reply.get("mask_sample"):
@@ -395,9 +398,9 @@ class NemoGymEnvironment(Environment):
             raise self.refused("verify", GymReplyError("/verify", 200, json.dumps(_why(reply))[:BODY_SHOWN]))
         return float(reply["reward"])
 
-    def close_live(self, live: Live) -> None:
+    async def close_live(self, live: Live) -> None:
         try:
-            live.post("/close_session", {"resources_session_id": live.live_id})
+            await live.post("/close_session", {"resources_session_id": live.live_id})
         except (LiveGone, GymReplyError, ToolError):
             pass  # a server that keeps nothing per session, or is gone: nothing left to release
 
@@ -482,7 +485,7 @@ async def ensure_live(s: Any, append: Appender) -> Live:
     _rebuilds[key] = _rebuilds.get(key, 0) + 1
     t0 = time.perf_counter()
     try:
-        live = await asyncio.to_thread(s.env.revive, s.task, list(s.state))
+        live = await s.env.revive(s.task, list(s.state))
     except ReplayDivergence as exc:
         # In the log, for whoever called: NeMo Gym's own agent sees only its call refused.
         await append(s, SESSION_REPLAY_FAILED, {"reason": tool_replay.DIVERGENCE_REASON, "detail": exc.detail[:400]})
@@ -506,13 +509,13 @@ def _through(s: Any) -> None:
     _rebuilds.pop((s.rollout_id, s.attempt), None)
 
 
-async def relay(s: Any, append: Appender, blocking: Callable[[Live], Any]) -> Any:
-    """`blocking(live)` on the session's live session (in a thread); once more on a rebuilt one when
-    the live session turns out to be gone (its server restarted)."""
+async def relay(s: Any, append: Appender, call: Callable[[Live], Awaitable[Any]]) -> Any:
+    """`call(live)` on the session's live session; once more on a rebuilt one when the live session
+    turns out to be gone (its server restarted)."""
     for tries in range(2):
         live = await ensure_live(s, append)
         try:
-            out = await asyncio.to_thread(blocking, live)
+            out = await call(live)
         except LiveGone as exc:
             s.live = None
             if tries:
@@ -548,7 +551,7 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, captu
         async with s.lock:
             live = await ensure_live(s, append)
         try:
-            reward = float(await asyncio.to_thread(s.env.verify_live, live, s.task, trajectory, capture))
+            reward = float(await s.env.verify_live(live, s.task, trajectory, capture))
             _through(s)
             return reward
         except LiveGone as exc:

@@ -78,9 +78,10 @@ from participants.base.wire import (
 )
 from participants.environments import Environment, Task, ToolError, get_environment
 from participants.environments.base import Trajectory
+from participants.environments.gym_http import close_all
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
 from participants.environments.sandbox import SandboxEnvironment, SandboxLimits
-from participants.resources.session import Session, Staged, live, rebuild, refused, restart_only
+from participants.resources.session import Session, Staged, live, rebuild, refused, restart_only, run_live
 from participants.resources.wire import (
     OpenRequest,
     SessionReply,
@@ -224,9 +225,8 @@ class ResourcesParticipant(Participant):
             self.sessions[key] = s
             try:
                 if live(env):
-                    # Popen and mkdtemp block; a thread keeps the event loop serving other sessions.
                     try:
-                        s.live = await asyncio.to_thread(env.open_live, task)  # type: ignore[attr-defined]
+                        s.live = await run_live(env.open_live, task)  # type: ignore[attr-defined]
                     except ToolError as exc:  # the jail did not come up: nothing ran, the session never opened
                         raise refused(exc) from exc
                     except LiveGone as exc:
@@ -284,8 +284,7 @@ class ResourcesParticipant(Participant):
                 if not admitted:
                     raise s.refused(named, activation, "tool calls on a live shell are refused while a checkpoint is in progress")
                 try:
-                    # The shell runs the command in a subprocess with a blocking read; keep it off the loop.
-                    outcome = await asyncio.to_thread(s.env.call_live, await self._live(s), name, body.arguments)  # type: ignore[attr-defined]
+                    outcome = await run_live(s.env.call_live, await self._live(s), name, body.arguments)  # type: ignore[attr-defined]
                 except ToolError as exc:
                     raise refused(exc) from exc
                 await self.store.put_blobs(outcome.blobs)  # before the effect that names them
@@ -444,6 +443,7 @@ class ResourcesParticipant(Participant):
             self._live_watch.cancel()
         held = [s for s in self.sessions.values() if s.live is not None]
         await asyncio.gather(*(self._close_live(s) for s in held))
+        await close_all()  # the relay's clients, their connections to NeMo Gym's servers
         await super().stop()
 
     async def _live(self, s: Session) -> Any:
@@ -457,7 +457,7 @@ class ResourcesParticipant(Participant):
                 return asyncio.run_coroutine_threadsafe(self.store.get_blobs(digests), loop).result()
 
             try:
-                s.live = await asyncio.to_thread(s.env.open_live, s.task, s.state, load)  # type: ignore[attr-defined]
+                s.live = await run_live(s.env.open_live, s.task, s.state, load)  # type: ignore[attr-defined]
             except ToolError as exc:
                 if exc.code != "snapshot_unusable":
                     raise
@@ -475,7 +475,7 @@ class ResourcesParticipant(Participant):
     async def _close_live(s: Session) -> None:
         if s.live is not None:
             handle, s.live = s.live, None
-            await asyncio.to_thread(s.env.close_live, handle)  # type: ignore[attr-defined]
+            await run_live(s.env.close_live, handle)  # type: ignore[attr-defined]
 
     async def no_identity(self, request: web.Request, _body: Any) -> web.Response:
         raise RolloutIdRequired("data routes live under /rollouts/{rollout_id}/attempts/{attempt}/")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,14 @@ def rebuild(rollout_id: str, attempt: int, boundary: int, history: list[Recorded
 def live(env: Environment) -> bool:
     """Whether the environment's sessions run in a live process this server holds (`*_live` methods)."""
     return env.state_mode in ("restart_only", "snapshot") or relayed(env)
+
+
+async def run_live(method: Callable[..., Any], *args: Any) -> Any:
+    """An environment's `*_live` method, off the event loop's back either way: awaited where it is a
+    coroutine (the relay's HTTP), else run in a thread (a sandbox's Popen and blocking reads)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
 
 
 def refused(exc: ToolError) -> ToolCallRefused:

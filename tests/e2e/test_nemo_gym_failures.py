@@ -106,58 +106,58 @@ def recorder() -> tuple[list[tuple[str, dict[str, Any]]], Callable[[Any, str, di
 # ---- what ng_run gives a server ---------------------------------------------------------------------
 
 
-def test_calendar_imports_its_sibling_module_and_verifies_a_row(environment: Callable[..., NemoGymEnvironment],
+async def test_calendar_imports_its_sibling_module_and_verifies_a_row(environment: Callable[..., NemoGymEnvironment],
                                                                 gym_python: Path) -> None:
     """NeMo Gym's `calendar` does `from utils import ...`: ng_run's working folder and sys.path."""
     env = environment("gym_calendar", "resources_servers.calendar.app", "stateless")
     task = example_tasks(gym_python, "gym_calendar", "calendar")[0]
     assert env.process.check() is None, env.process.failed
-    live = env.open_live(task)
+    live = await env.open_live(task)
     from participants.environments import Trajectory
 
-    reward = env.verify_live(live, task, Trajectory([{"role": "user", "content": task.prompt},
-                                                     {"role": "assistant", "content": "[]"}], "[]"), "r1.0.0")
+    reward = await env.verify_live(live, task, Trajectory([{"role": "user", "content": task.prompt},
+                                                           {"role": "assistant", "content": "[]"}], "[]"), "r1.0.0")
     assert 0.0 <= reward <= 1.0
 
 
-def test_the_seed_carries_the_row_as_simple_agent_posts_it(environment: Callable[..., NemoGymEnvironment]) -> None:
+async def test_the_seed_carries_the_row_as_simple_agent_posts_it(environment: Callable[..., NemoGymEnvironment]) -> None:
     """`example_session_state_mgmt` seeds its counter from the row's `initial_count` (422 on `{}`)."""
     env = environment("gym_counter", "resources_servers.example_session_state_mgmt.app")
     task = row_task("gym_counter", initial_count=5, expected_count=7)
-    live = env.open_live(task)
-    assert env.call_live(live, "get_counter_value", {}).output == {"count": 5}
-    env.call_live(live, "increment_counter", {"count": 2})
+    live = await env.open_live(task)
+    assert (await env.call_live(live, "get_counter_value", {})).output == {"count": 5}
+    await env.call_live(live, "increment_counter", {"count": 2})
     from participants.environments import Trajectory
 
-    assert env.verify_live(live, task, Trajectory([{"role": "assistant", "content": "7"}], "7"), "r1.0.0") == 1.0
+    assert await env.verify_live(live, task, Trajectory([{"role": "assistant", "content": "7"}], "7"), "r1.0.0") == 1.0
 
 
-def test_a_seed_the_server_refuses_fails_with_its_status_and_body(environment: Callable[..., NemoGymEnvironment]) -> None:
+async def test_a_seed_the_server_refuses_fails_with_its_status_and_body(environment: Callable[..., NemoGymEnvironment]) -> None:
     env = environment("gym_counter_bad", "resources_servers.example_session_state_mgmt.app")
     with pytest.raises(GymServerFailed) as caught:
-        env.open_live(row_task("gym_counter_bad", expected_count=7))  # no initial_count
+        await env.open_live(row_task("gym_counter_bad", expected_count=7))  # no initial_count
     assert caught.value.context["stage"] == "seed" and caught.value.context["status"] == 422
     assert "initial_count" in caught.value.context["body"] and "initial_count" in caught.value.detail
 
 
-def test_the_servers_own_config_is_merged_with_the_tables_overrides(environment: Callable[..., NemoGymEnvironment]) -> None:
+async def test_the_servers_own_config_is_merged_with_the_tables_overrides(environment: Callable[..., NemoGymEnvironment]) -> None:
     env = environment("gym_configured", CONFIGURED, overrides=json.dumps({"bonus": 40, "step": 3}))
-    live = env.open_live(row_task("gym_configured", start=1))
+    live = await env.open_live(row_task("gym_configured", start=1))
     # greeting from its configs/*.yaml, step from the table over the yaml's, bonus from the table.
-    assert env.call_live(live, "show", {}).output == {"greeting": "from its own yaml", "step": 3, "bonus": 40, "value": 1}
+    assert (await env.call_live(live, "show", {})).output == {"greeting": "from its own yaml", "step": 3, "bonus": 40, "value": 1}
 
 
-def test_a_field_its_config_takes_from_the_environment_is_checked_as_nemo_gym_resolves_it(
+async def test_a_field_its_config_takes_from_the_environment_is_checked_as_nemo_gym_resolves_it(
         environment: Callable[..., NemoGymEnvironment]) -> None:
     """Input: `step = "${oc.env:ROLLBOOK_NO_SUCH_VARIABLE,5}"` (an int field, its value an interpolation
     with a default, as math_formal_lean's `sandbox_port` and litmus_agent's tolerances are)."""
     env = environment("gym_from_env", CONFIGURED, overrides=json.dumps({"step": "${oc.env:ROLLBOOK_NO_SUCH_VARIABLE,5}"}))
     assert env.process.check() is None
-    live = env.open_live(row_task("gym_from_env", start=1))
-    assert env.call_live(live, "add", {}).output == {"value": 6}
+    live = await env.open_live(row_task("gym_from_env", start=1))
+    assert (await env.call_live(live, "add", {})).output == {"value": 6}
 
 
-def test_a_key_the_servers_config_class_does_not_declare_is_refused_with_its_fields(
+async def test_a_key_the_servers_config_class_does_not_declare_is_refused_with_its_fields(
         environment: Callable[..., NemoGymEnvironment]) -> None:
     env = environment("gym_typo", CONFIGURED, overrides=json.dumps({"bonnus": 1}))
     why = env.process.check()
@@ -165,7 +165,7 @@ def test_a_key_the_servers_config_class_does_not_declare_is_refused_with_its_fie
                                               "ConfiguredResourcesServerConfig"), why
     assert "bonus" in why and "greeting" in why and "step" in why
     with pytest.raises(GymServerFailed, match="bonnus"):  # told again, never started again
-        env.open_live(row_task("gym_typo", start=1))
+        await env.open_live(row_task("gym_typo", start=1))
     assert env.process.starts == 1
     bad = environment("gym_badtype", CONFIGURED, overrides=json.dumps({"step": "many"}))
     assert "step" in (bad.process.check() or "") and bad.process.starts == 1
@@ -180,7 +180,7 @@ def genrm_judged_at(port: int, name: str = "genrm_model") -> str:
                                                                  "port": port}}}})
 
 
-def test_a_verify_whose_judge_failed_is_a_failure_saying_why_not_a_reward_of_zero(
+async def test_a_verify_whose_judge_failed_is_a_failure_saying_why_not_a_reward_of_zero(
         environment: Callable[..., NemoGymEnvironment], gym_python: Path) -> None:
     """NeMo Gym's genrm_compare, a cohort of two, its GenRM judge at a port where nothing listens: NeMo
     Gym's judge_failsafe answers each verify 200 with `reward: 0.0` and `mask_sample: true`."""
@@ -188,18 +188,15 @@ def test_a_verify_whose_judge_failed_is_a_failure_saying_why_not_a_reward_of_zer
                                                          "judge_request_timeout_s": 1}),
                       servers=genrm_judged_at(free_port()))
     tasks = convert(example_rows(gym_python, "genrm_compare")[:1], "example.jsonl", "gym_genrm", repeats=2)
-    from concurrent.futures import ThreadPoolExecutor
-
     from participants.environments import Trajectory
 
-    def verified(task: Task) -> BaseException | float:
+    async def verified(task: Task) -> BaseException | float:
         try:
-            return env.verify_live(env.open_live(task), task, Trajectory([{"role": "assistant", "content": "hi"}], "hi"),
-                                   f"r{task.task_id}.0.0")
+            return await env.verify_live(await env.open_live(task), task,
+                                         Trajectory([{"role": "assistant", "content": "hi"}], "hi"), f"r{task.task_id}.0.0")
         except GymServerFailed as exc:
             return exc
-    with ThreadPoolExecutor(2) as pool:  # the cohort is judged once both are in
-        outcomes = list(pool.map(verified, tasks))
+    outcomes = await asyncio.gather(*(verified(t) for t in tasks))  # the cohort is judged once both are in
     for failed in outcomes:
         assert isinstance(failed, GymServerFailed), outcomes
         assert failed.context["stage"] == "verify" and '"failure_kind": "judge_failed"' in failed.detail, failed.detail
@@ -218,14 +215,14 @@ def test_a_model_server_given_by_a_name_the_servers_config_never_uses_is_refused
     assert named.process.check() is None, named.process.check()
 
 
-def test_a_server_that_cannot_import_says_why_in_one_line_and_is_started_once(
+async def test_a_server_that_cannot_import_says_why_in_one_line_and_is_started_once(
         environment: Callable[..., NemoGymEnvironment]) -> None:
     """NeMo Gym's `math_with_judge` imports `math_verify`, which the installed environment lacks."""
     env = environment("gym_judge", "resources_servers.math_with_judge.app")
     assert env.process.check() == "ModuleNotFoundError: No module named 'math_verify'"
     for _ in range(3):
         with pytest.raises(GymServerFailed, match="math_verify") as caught:
-            env.open_live(row_task("gym_judge"))
+            await env.open_live(row_task("gym_judge"))
         assert caught.value.context == {"server": "gym_judge", "stage": "start"}
     assert env.process.starts == 1
 
@@ -272,7 +269,7 @@ async def test_citation_ifs_plain_text_reply_is_a_tool_error_not_a_dead_server(
     env = environment("gym_citation", "resources_servers.citation_if.app", "stateless")
     task = example_tasks(gym_python, "gym_citation", "citation_if")[0]
     s = session(env, task)
-    s.live = await asyncio.to_thread(env.open_live, task)
+    s.live = await env.open_live(task)
     appended, append = recorder()
     for _ in range(3):
         with pytest.raises(ToolError) as caught:
@@ -286,7 +283,7 @@ async def test_a_500_from_a_live_server_is_a_tool_error_and_rebuilds_nothing(
     env = environment("gym_broken", CONFIGURED)
     task = row_task("gym_broken", start=1)
     s = session(env, task)
-    s.live = await asyncio.to_thread(env.open_live, task)
+    s.live = await env.open_live(task)
     appended, append = recorder()
     with pytest.raises(ToolError) as caught:
         await relay(s, append, lambda live: env.call_live(live, "broken", {}, "k1"))
@@ -303,7 +300,7 @@ async def test_a_server_that_dies_on_every_rebuild_ends_the_rollout_after_the_co
     env = environment("gym_dying", CONFIGURED, rebuild_attempts=2)
     task = row_task("gym_dying", start=1)
     s = session(env, task)
-    s.live = await asyncio.to_thread(env.open_live, task)
+    s.live = await env.open_live(task)
     appended, append = recorder()
     first = await relay(s, append, lambda live: env.call_live(live, "add", {}, "k1"))
     s.state = env.apply(s.state, first.effect)

@@ -39,43 +39,43 @@ def calls(*replies: Any) -> list[dict[str, Any]]:
     return out
 
 
-def test_replay_sends_every_recorded_call_in_order_once() -> None:
+async def test_replay_sends_every_recorded_call_in_order_once() -> None:
     sent: list[tuple[str, dict[str, Any]]] = []
     replies = {"t0": {"output": 0}, "t1": {"output": [1]}, "t2": "two"}
 
-    def send(tool: str, arguments: dict[str, Any]) -> Any:
+    async def send(tool: str, arguments: dict[str, Any]) -> Any:
         sent.append((tool, arguments))
         return replies[tool]
 
-    assert tool_replay.replay(calls(*replies.values()), send) == 3
+    assert await tool_replay.replay(calls(*replies.values()), send) == 3
     assert sent == [("t0", {"n": 0}), ("t1", {"n": 1}), ("t2", {"n": 2})]
-    assert tool_replay.replay([], send) == 0
+    assert await tool_replay.replay([], send) == 0
 
 
-def test_a_reply_that_is_not_the_recorded_one_stops_the_replay_there() -> None:
+async def test_a_reply_that_is_not_the_recorded_one_stops_the_replay_there() -> None:
     sent: list[str] = []
 
-    def send(tool: str, arguments: dict[str, Any]) -> Any:
+    async def send(tool: str, arguments: dict[str, Any]) -> Any:
         sent.append(tool)
         return {"output": "changed"} if tool == "t1" else {"output": tool}
 
     with pytest.raises(ReplayDivergence) as caught:
-        tool_replay.replay(calls({"output": "t0"}, {"output": "t1"}, {"output": "t2"}), send)
+        await tool_replay.replay(calls({"output": "t0"}, {"output": "t1"}, {"output": "t2"}), send)
     assert sent == ["t0", "t1"]  # nothing after the divergence is sent
     assert caught.value.context == {"call": 1, "tool": "t1"}
 
 
-def test_the_replays_cost_is_one_request_per_call_whatever_the_size_of_the_replies() -> None:
+async def test_the_replays_cost_is_one_request_per_call_whatever_the_size_of_the_replies() -> None:
     big = {"output": "x" * 1_000_000}
     requests = 0
 
-    def send(tool: str, arguments: dict[str, Any]) -> Any:
+    async def send(tool: str, arguments: dict[str, Any]) -> Any:
         nonlocal requests
         requests += 1
         return big
 
     record = calls(*([big] * 7))
-    assert tool_replay.replay(record, send) == requests == 7
+    assert await tool_replay.replay(record, send) == requests == 7
     assert all(len(str(entry)) < 300 for entry in record)  # the record keeps digests, not the replies
 
 

@@ -38,14 +38,14 @@ def environment(recorder: Recorder) -> NemoGymEnvironment:
     return env
 
 
-def test_the_agent_seeds_steps_and_verifies_a_server_it_drives_its_calls_under_the_activations_path(
+async def test_the_agent_seeds_steps_and_verifies_a_server_it_drives_its_calls_under_the_activations_path(
         recorder: Recorder) -> None:
     env = environment(recorder)
     task = replace(task_from_row("driven_test", ROW, 0), agent="own")
     assert env.task_messages(task) == []  # the agent writes the prompt from the row's task_idx
-    live = env.open_live(task)
-    seed = env.call_live(live, "seed_session", {"task_idx": 3}, "a0.s0", "r.0.0")
-    verify = env.call_live(live, "verify", {"task_idx": 3, "response": {}}, "a0.s1", "r.0.0")
+    live = await env.open_live(task)
+    seed = await env.call_live(live, "seed_session", {"task_idx": 3}, "a0.s0", "r.0.0")
+    verify = await env.call_live(live, "verify", {"task_idx": 3, "response": {}}, "a0.s1", "r.0.0")
     assert [c.output["path"] for c in (seed, verify)] == ["/ng-rollout/r.0.0/seed_session", "/ng-rollout/r.0.0/verify"]
     # Nothing went to the server but the agent's two calls: rollbook seeded nothing.
     assert len(recorder.cookies) == 2
@@ -53,16 +53,16 @@ def test_the_agent_seeds_steps_and_verifies_a_server_it_drives_its_calls_under_t
     assert verify.effect["reward"] == 0.0  # the verify's reply is the record's reward (this one names none)
 
 
-def test_a_task_that_names_no_such_agent_is_seeded_by_rollbook_and_its_model_never_reaches_the_servers_routes(
+async def test_a_task_that_names_no_such_agent_is_seeded_by_rollbook_and_its_model_never_reaches_the_servers_routes(
         recorder: Recorder) -> None:
     """Input: a tool call named `verify`, then `seed_session`, on a session rollbook's own agent plays."""
     env = environment(recorder)
     task = task_from_row("driven_test", {**ROW, "responses_create_params": {"input": "hi"}}, 0)
-    live = env.open_live(task)
+    live = await env.open_live(task)
     assert len(recorder.cookies) == 1  # rollbook's own seed, with the row
     for name in ("verify", "seed_session"):
         with pytest.raises(ToolError) as refused:
-            env.call_live(live, name, {}, "a0.s0", "r.0.0")
+            await env.call_live(live, name, {}, "a0.s0", "r.0.0")
         assert refused.value.code == "unknown_tool"
     assert len(recorder.cookies) == 1
     with pytest.raises(ToolError) as empty:

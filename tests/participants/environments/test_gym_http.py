@@ -3,12 +3,12 @@ sent back, never a connection the server may have dropped, and a failure never l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -21,6 +21,7 @@ class Recorder(ThreadingHTTPServer):
     """An HTTP/1.1 server that keeps connections open, as uvicorn does, and records what it was sent."""
 
     daemon_threads = True
+    request_queue_size = 64  # the default 5 drops connections of 8 calls started at once
 
     def __init__(self, port: int = 0) -> None:
         super().__init__(("127.0.0.1", port), Handler)
@@ -71,6 +72,12 @@ def stopped(server: Recorder) -> None:
             conn.shutdown(socket.SHUT_RDWR)
 
 
+@pytest.fixture(autouse=True)
+async def closed_clients() -> AsyncIterator[None]:
+    yield
+    await gym_http.close_all()
+
+
 @pytest.fixture
 def recorder() -> Iterator[Recorder]:
     server = serving()
@@ -82,54 +89,69 @@ def live_on(server: Recorder) -> Live:
     return Live(f"http://127.0.0.1:{server.server_address[1]}", None, 5.0)
 
 
-def test_a_sessions_calls_share_one_connection_and_send_its_cookie_back(recorder: Recorder) -> None:
+async def test_a_sessions_calls_share_one_connection_and_send_its_cookie_back(recorder: Recorder) -> None:
     """Input: a seed that sets NeMo Gym's `session` cookie, four tool calls and a close that expires it."""
     live = live_on(recorder)
-    assert live.post("/seed_session", {}) == {"path": "/seed_session", "got": {}}
+    assert await live.post("/seed_session", {}) == {"path": "/seed_session", "got": {}}
     for n in range(4):
-        assert live.post("/email_search_emails", {"query": str(n)})["got"] == {"query": str(n)}
-    live.post("/close_session", {})
-    live.post("/email_search_emails", {"query": "after"})
+        assert (await live.post("/email_search_emails", {"query": str(n)}))["got"] == {"query": str(n)}
+    await live.post("/close_session", {})
+    await live.post("/email_search_emails", {"query": "after"})
     assert len(recorder.connections) == 1, recorder.connections  # one connection per call before
     assert recorder.cookies == [None, *["session=s1"] * 5, None]
 
 
-def test_two_sessions_on_one_server_keep_their_own_cookies(recorder: Recorder) -> None:
+async def test_two_sessions_on_one_server_keep_their_own_cookies(recorder: Recorder) -> None:
     """Input: two live sessions seeded on one server, the first one's cookie set by its own seed only."""
     first, second = live_on(recorder), live_on(recorder)
-    first.post("/seed_session", {})
-    second.post("/email_search_emails", {})
-    first.post("/email_search_emails", {})
+    await first.post("/seed_session", {})
+    await second.post("/email_search_emails", {})
+    await first.post("/email_search_emails", {})
     assert recorder.cookies == [None, None, "session=s1"]
 
 
-def test_a_connection_idle_longer_than_a_server_may_keep_it_is_not_reused(recorder: Recorder,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_concurrent_calls_of_many_sessions_share_the_servers_kept_connections(recorder: Recorder) -> None:
+    """Input: 8 sessions seeded at once, then 5 rounds of their 8 tool calls at once (the resources
+    server's event loop, never a thread per call): at most one connection per call in flight."""
+    lives = [live_on(recorder) for _ in range(8)]
+    await asyncio.gather(*(live.post("/seed_session", {}) for live in lives))
+    for n in range(5):
+        replies = await asyncio.gather(*(live.post("/email_search_emails", {"n": n}) for live in lives))
+        assert [r["got"] for r in replies] == [{"n": n}] * 8
+    assert len(recorder.connections) == 8, recorder.connections  # one each at the first round, then kept
+    assert recorder.cookies.count("session=s1") == 40
+
+
+async def test_a_connection_idle_longer_than_a_server_may_keep_it_is_not_reused(recorder: Recorder,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Input: a pause longer than IDLE_S between two calls (a server may have closed the connection)."""
     monkeypatch.setattr(gym_http, "IDLE_S", 0.05)
     live = live_on(recorder)
-    live.post("/a", {})
-    time.sleep(0.1)
-    live.post("/b", {})
-    live.post("/c", {})
+    await live.post("/a", {})
+    await asyncio.sleep(0.2)
+    await live.post("/b", {})
+    await live.post("/c", {})
     assert len(recorder.connections) == 2  # a fresh one after the pause, kept for the next call
 
 
-def test_a_server_gone_is_live_gone_and_its_idle_connections_are_dropped() -> None:
+async def test_a_server_gone_is_live_gone_and_its_kept_connections_are_not_used_again() -> None:
     """Input: the server a session's kept-alive connection leads to stops, and another starts on its port."""
     server = serving()
     live = live_on(server)
-    live.post("/seed_session", {})
+    await live.post("/seed_session", {})
     pool = gym_http.connections(live.base_url, None, live.timeout_s)
-    assert len(pool.idle) == 1
+    kept = pool.client
+    assert kept is not None
     stopped(server)
     with pytest.raises(LiveGone):
         for _ in range(2):  # the kept connection may fail at once or only at its reply; a new one is refused
-            live.post("/email_search_emails", {})
-    assert pool.idle == []
+            await live.post("/email_search_emails", {})
+    assert pool.client is None  # retired with its connections
     again = serving(server.server_address[1])
     try:
-        assert live.post("/email_search_emails", {"q": 1})["got"] == {"q": 1}  # on a fresh connection
+        assert (await live.post("/email_search_emails", {"q": 1}))["got"] == {"q": 1}  # on a fresh connection
         assert len(again.connections) == 1
+        assert pool.client is not kept
     finally:
         stopped(again)
+        await pool.close()

@@ -84,17 +84,17 @@ def test_rollbook_run_takes_tasks_of_the_configs_nemo_gym_servers_and_no_other_u
         load_tasks(path)
 
 
-def test_a_tool_name_never_reaches_another_path_or_an_endpoint_of_the_server() -> None:
+async def test_a_tool_name_never_reaches_another_path_or_an_endpoint_of_the_server() -> None:
     from participants.environments import ToolError
     from participants.environments.nemo_gym_relay import Live, NemoGymEnvironment
 
     live = Live("http://127.0.0.1:9", None, 1.0)  # nothing listens: a request sent would be LiveGone
     for name in ("../verify", "verify", "seed_session", "a/b", "email..x?y", "x" * 129):
         with pytest.raises(ToolError, match="not a tool of this server"):
-            NemoGymEnvironment._send(live, name, {})
+            await NemoGymEnvironment._send(live, name, {})
 
 
-def test_a_server_killed_between_its_headers_and_its_body_is_a_live_session_gone() -> None:
+async def test_a_server_killed_between_its_headers_and_its_body_is_a_live_session_gone() -> None:
     """Input: a reply that promises 37 bytes of body and closes the connection before sending any (what a
     SIGKILLed NeMo Gym server leaves mid-reply). It is LiveGone, which rebuilds the session in a fresh
     process, not an unhandled error that leaves the rollout unfinished."""
@@ -123,8 +123,8 @@ def test_a_server_killed_between_its_headers_and_its_body_is_a_live_session_gone
     server.start()
     live = Live(f"http://127.0.0.1:{listener.getsockname()[1]}", None, 5.0)
     try:
-        with pytest.raises(LiveGone, match="IncompleteRead"):
-            live.post("/company_directory_find_email_address", {"name": "x"})
+        with pytest.raises(LiveGone, match="ClientPayloadError"):
+            await live.post("/company_directory_find_email_address", {"name": "x"})
     finally:
         server.join(5)
         listener.close()
