@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row, namedtuple_row
-from sqlalchemy import text
+from psycopg.rows import dict_row, namedtuple_row, tuple_row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
 from adapters.database import connect_options, libpq_dsn
 from adapters.pg_pool import connection_lost, drop_pool, reading, retrying
@@ -107,7 +107,7 @@ ONLINE_CUT = (
 )
 OPEN_SESSIONS = ("SELECT s.rollout_id, s.attempt, s.env FROM rollbook.session_state s JOIN rollbook.attempt_state a "
                  "USING (rollout_id, attempt) WHERE s.status = 'open' AND a.status = 'live'")
-CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(:ph) ORDER BY checkpoint_id"
+CHECKPOINTS_IN_PHASE = "SELECT checkpoint_id FROM rollbook.checkpoint_state WHERE phase = ANY(%(ph)s) ORDER BY checkpoint_id"
 
 
 class LogReads:
@@ -122,59 +122,74 @@ class LogReads:
 
     @contextlib.asynccontextmanager
     async def _driver_connection(self, autocommit: bool = False) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """The psycopg connection under a pooled SQLAlchemy one: the append path needs pipeline
-        mode, which SQLAlchemy does not offer, and a large read is twice as fast without SQLAlchemy's
-        row processing. The pool still owns the connection's life."""
-        async with self.engine.connect() as pooled:
+        """The psycopg connection of a pooled one, taken from SQLAlchemy's pool with no SQLAlchemy
+        Connection around it: the append path needs pipeline mode, which SQLAlchemy does not offer, a
+        large read is twice as fast without SQLAlchemy's row processing, and a Connection with its
+        execution options cost about 55 us of CPU a checkout more than the pool's own 30 (every append
+        and most reads take one; benchmarks/README.md). The pool still owns the connection's life, and
+        gets it back as it gave it (out of autocommit)."""
+        pooled = await self.engine.raw_connection()
+        conn: psycopg.AsyncConnection[Any] = pooled.driver_connection  # type: ignore[assignment]
+        try:
             if autocommit:
-                pooled = await pooled.execution_options(isolation_level="AUTOCOMMIT")
-            raw = await pooled.get_raw_connection()
-            try:
-                yield raw.driver_connection
-            except BaseException as exc:
-                if connection_lost(exc) or raw.driver_connection.closed:
-                    # psycopg raised past SQLAlchemy, which would hand this dead connection out again,
-                    # and its siblings from before the same restart with it.
-                    await pooled.invalidate()
-                    await drop_pool(self.engine)
-                raise
+                await conn.set_autocommit(True)
+            yield conn
+        except BaseException as exc:
+            if connection_lost(exc) or conn.closed:
+                # psycopg raised past SQLAlchemy, which would hand this dead connection out again,
+                # and its siblings from before the same restart with it.
+                await greenlet_spawn(pooled.invalidate)
+                await drop_pool(self.engine)
+            raise
+        finally:
+            if autocommit and not conn.closed:
+                try:
+                    await conn.set_autocommit(False)
+                except psycopg.Error:  # left inside a transaction: not one to hand out again
+                    await greenlet_spawn(pooled.invalidate)
+            await greenlet_spawn(pooled.close)
 
+    async def _rows(self, sql: str, params: Mapping[str, Any] | None = None, rows: Any = tuple_row) -> list[Any]:
+        """One read's rows on a pool's psycopg connection (`%(name)s` placeholders): a read through
+        SQLAlchemy's Connection and `text()` cost about 200 us of CPU against 85 here (benchmarks/README.md)."""
+        async with self._driver_connection(autocommit=True) as conn, conn.cursor(row_factory=rows) as cur:
+            await cur.execute(sql, params)
+            return await cur.fetchall()
 
     # ---- reading --------------------------------------------------------------------------
 
     @retrying("reading the log head")
     async def head(self) -> int:
-        async with self._reading() as conn:
-            return int((await conn.execute(text(READ_LOG_HEAD))).scalar_one())
+        return int((await self._rows(READ_LOG_HEAD))[0][0])
 
     async def read_stream(self, stream: str, after_version: int = 0, to_version: int | None = None) -> list[RecordedEvent]:
-        where = "stream = :s AND stream_version > :v"
+        where = "stream = %(s)s AND stream_version > %(v)s"
         params: dict[str, Any] = {"s": stream, "v": after_version}
         if to_version is not None:
-            where += " AND stream_version <= :t"
+            where += " AND stream_version <= %(t)s"
             params["t"] = to_version
         return await self._select_events(where, params, "ORDER BY stream_version")
 
     async def read_all(self, after: int = 0, limit: int = 1000, to: int | None = None) -> list[RecordedEvent]:
-        where = "position > :a"
+        where = "position > %(a)s"
         params: dict[str, Any] = {"a": after, "l": limit}
         if to is not None:
-            where += " AND position <= :t"
+            where += " AND position <= %(t)s"
             params["t"] = to
-        return await self._select_events(where, params, "ORDER BY position LIMIT :l")
+        return await self._select_events(where, params, "ORDER BY position LIMIT %(l)s")
 
     async def read_rollout(self, rollout_id: str, attempt: int | None = None, to: int | None = None,
                            kinds: Sequence[str] | None = None) -> list[RecordedEvent]:
-        where = "rollout_id = :r"
+        where = "rollout_id = %(r)s"
         params: dict[str, Any] = {"r": rollout_id}
         if attempt is not None:
-            where += " AND attempt = :n"
+            where += " AND attempt = %(n)s"
             params["n"] = attempt
         if to is not None:
-            where += " AND position <= :t"
+            where += " AND position <= %(t)s"
             params["t"] = to
         if kinds is not None:
-            where += " AND kind = ANY(:k)"
+            where += " AND kind = ANY(%(k)s)"
             params["k"] = list(kinds)
         return await self._select_events(where, params, "ORDER BY position")
 
@@ -208,9 +223,8 @@ class LogReads:
 
     @retrying("reading events")
     async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
-        async with self._reading() as conn:
-            rows = await conn.execute(text(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}"), params)
-            return [_row_to_event(r) for r in rows]
+        rows = await self._rows(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}", params, namedtuple_row)
+        return [_row_to_event(r) for r in rows]
 
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
         """Catch up from `after`, then follow. NOTIFY only wakes the reader early; the poll is the truth."""
@@ -255,16 +269,12 @@ class LogReads:
     ) -> dict[tuple[str, int], int]:
         if not keys:
             return {}
-        async with self._reading() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT k.r, k.a, (SELECT max(e.position) FROM rollbook.events e WHERE e.rollout_id = k.r "
-                    "AND e.attempt = k.a AND e.position <= :p AND e.kind = ANY(:kinds)) AS b "
-                    "FROM unnest(CAST(:rs AS text[]), CAST(:as_ AS int[])) AS k(r, a)"
-                ),
-                {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "kinds": list(kinds)},
-            )
-            return {(r.r, r.a): r.b for r in rows if r.b is not None}
+        rows = await self._rows(
+            "SELECT k.r, k.a, (SELECT max(e.position) FROM rollbook.events e WHERE e.rollout_id = k.r "
+            "AND e.attempt = k.a AND e.position <= %(p)s AND e.kind = ANY(%(kinds)s)) AS b "
+            "FROM unnest(%(rs)s::text[], %(as_)s::int[]) AS k(r, a)",
+            {"rs": [r for r, _ in keys], "as_": [a for _, a in keys], "p": position, "kinds": list(kinds)})
+        return {(r, a): b for r, a, b in rows if b is not None}
 
     @retrying("reading stream heads")
     async def rollout_heads_at(self, rollout_ids: Sequence[str], position: int) -> dict[str, list[tuple[str, int, bytes]]]:
@@ -273,66 +283,54 @@ class LogReads:
         out: dict[str, list[tuple[str, int, bytes]]] = {r: [] for r in rollout_ids}
         if not rollout_ids:
             return out
-        async with self._reading() as conn:
-            rows = await conn.execute(
-                text(
-                    "SELECT DISTINCT ON (e.rollout_id, e.stream) e.rollout_id, e.stream, e.stream_version, e.hash "
-                    "FROM rollbook.events e WHERE e.rollout_id = ANY(CAST(:rs AS text[])) AND e.position <= :p "
-                    "ORDER BY e.rollout_id, e.stream, e.stream_version DESC"
-                ),
-                {"rs": list(rollout_ids), "p": position},
-            )
-            for r in rows:
-                out[r.rollout_id].append((r.stream, r.stream_version, bytes(r.hash)))
+        rows = await self._rows(
+            "SELECT DISTINCT ON (e.rollout_id, e.stream) e.rollout_id, e.stream, e.stream_version, e.hash "
+            "FROM rollbook.events e WHERE e.rollout_id = ANY(%(rs)s::text[]) AND e.position <= %(p)s "
+            "ORDER BY e.rollout_id, e.stream, e.stream_version DESC", {"rs": list(rollout_ids), "p": position})
+        for rollout_id, stream, version, hash_ in rows:
+            out[rollout_id].append((stream, version, bytes(hash_)))
         return out
 
     @retrying("reading checkpoints")
     async def checkpoints_in_phase(self, phases: Sequence[str]) -> list[str]:
-        async with self._reading() as conn:
-            rows = await conn.execute(text(CHECKPOINTS_IN_PHASE), {"ph": list(phases)})
-            return [r for (r,) in rows]
+        return [r for (r,) in await self._rows(CHECKPOINTS_IN_PHASE, {"ph": list(phases)})]
 
     @retrying("reading a retire mark")
     async def session_revision(self, rollout_id: str, attempt: int) -> int | None:
         """The revision the session projection records for an attempt (None: it never opened one)."""
-        async with self._reading() as conn:
-            return (await conn.execute(
-                text("SELECT revision FROM rollbook.session_state WHERE rollout_id = :r AND attempt = :a"),
-                {"r": rollout_id, "a": attempt})).scalar()
+        rows = await self._rows("SELECT revision FROM rollbook.session_state WHERE rollout_id = %(r)s AND attempt = %(a)s",
+                                {"r": rollout_id, "a": attempt})
+        return rows[0][0] if rows else None
 
     @retrying("reading the fence position")
     async def fence_position(self) -> int:
         """engine.attempts.AttemptStore: one single-row read, no lock (an append in flight has not
         fenced anything yet; once it commits, this read sees it)."""
-        async with self._reading() as conn:
-            return int((await conn.execute(text("SELECT fence_position FROM rollbook.log_head WHERE id = 1"))).scalar() or 0)
+        rows = await self._rows("SELECT fence_position FROM rollbook.log_head WHERE id = 1")
+        return int(rows[0][0] or 0) if rows else 0
 
     @retrying("reading an attempt")
     async def attempt_status(self, rollout_id: str, attempt: int) -> tuple[str | None, int]:
         """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one statement."""
-        async with self._reading() as conn:
-            row = (await conn.execute(text(
-                "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
-                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
-            return row[0], -1 if row[1] is None else int(row[1])
+        (status, mark), = await self._rows(
+            "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = %(r)s AND attempt = %(a)s), "
+            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt})
+        return status, -1 if mark is None else int(mark)
 
     @retrying("reading an attempt")
     async def attempt_reading(self, rollout_id: str, attempt: int) -> tuple[int, str | None, int]:
         """engine.attempts.AttemptStore: the fence position, the attempt's status and its rollout's retire
         mark, in one statement (one snapshot)."""
-        async with self._reading() as conn:
-            row = (await conn.execute(text(
-                "SELECT (SELECT fence_position FROM rollbook.log_head WHERE id = 1), "
-                "(SELECT status FROM rollbook.attempt_state WHERE rollout_id = :r AND attempt = :a), "
-                "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r)"), {"r": rollout_id, "a": attempt})).one()
-            return int(row[0] or 0), row[1], -1 if row[2] is None else int(row[2])
+        (fence, status, mark), = await self._rows(
+            "SELECT (SELECT fence_position FROM rollbook.log_head WHERE id = 1), "
+            "(SELECT status FROM rollbook.attempt_state WHERE rollout_id = %(r)s AND attempt = %(a)s), "
+            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt})
+        return int(fence or 0), status, -1 if mark is None else int(mark)
 
     @retrying("reading sessions")
     async def open_sessions(self) -> dict[tuple[str, int], str]:
         """The environment of each live attempt's open resources session, as the log records it."""
-        async with self._reading() as conn:
-            rows = await conn.execute(text(OPEN_SESSIONS))
-            return {(r.rollout_id, r.attempt): r.env for r in rows}
+        return {(r, a): env for r, a, env in await self._rows(OPEN_SESSIONS)}
 
     @retrying("reading restart-only executions")
     async def restart_only_at(self, boundaries: dict[tuple[str, int], int]) -> list[tuple[str, int]]:
@@ -361,8 +359,5 @@ class LogReads:
 
     @retrying("reading a retire mark")
     async def retired_through(self, rollout_id: str) -> int:
-        async with self._reading() as conn:
-            mark = (
-                await conn.execute(text("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = :r"), {"r": rollout_id})
-            ).scalar()
-            return -1 if mark is None else int(mark)
+        rows = await self._rows("SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s", {"r": rollout_id})
+        return -1 if not rows or rows[0][0] is None else int(rows[0][0])

@@ -60,7 +60,7 @@ def test_what_a_checkpoint_asks_about_open_state_can_be_answered_from_the_open_s
         # a cut's attempts: live ones through one index, those finished after P through the other
         "running_attempts": (RUNNING_ATTEMPTS, {"p": 10, "run": "run"}, "attempt_state_finished"),
         "open_sessions": (OPEN_SESSIONS, {}, "session_state_open"),
-        "open_checkpoints": (CHECKPOINTS_IN_PHASE.replace(":ph", "%(ph)s"), {"ph": ["started", "prepared"]},
+        "open_checkpoints": (CHECKPOINTS_IN_PHASE, {"ph": ["started", "prepared"]},
                              "checkpoint_state_open"),
         "last_snapshot": (LAST_SNAPSHOT.replace(":p", "%(p)s").replace(":b", "%(b)s"), {"p": "run-ck%", "b": 10**6},
                           "checkpoint_state_published"),

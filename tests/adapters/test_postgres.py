@@ -284,3 +284,32 @@ async def test_a_refusal_is_never_decided_from_memory(
     reads = counted_reads(agent)
     written = await append_one(agent, ev("agent:mn:1", "turn", "mn", 1, i=0))
     assert reads == [False] and written.attempt == 1
+
+
+async def test_a_connection_the_driver_path_used_goes_back_to_the_pool_as_it_came_even_after_a_failed_read(
+        dsn: str) -> None:
+    """The append path and the driver's reads take a pool's psycopg connection without SQLAlchemy's
+    Connection and put it in autocommit. Input: an append, then a read on that path that fails
+    (`SELEC 1`, a syntax error), on a pool of one connection. The pool hands the same connection out
+    again, transactional as SQLAlchemy gave it, and a transaction on it rolls back."""
+    from adapters.pg_pool import PoolLimits
+
+    store = PostgresEventStore.connect(dsn, writer="t", pool=PoolLimits(size=1, overflow=0, timeout_s=2.0))
+    try:
+        await store.append(AppendRequest((ev("pool-1", n=1),)))
+        with pytest.raises(psycopg.errors.SyntaxError):
+            async with store._driver_connection(autocommit=True) as conn:
+                first = conn.info.backend_pid
+                await conn.execute("SELEC 1")
+        async with store.engine.connect() as pooled:
+            raw = (await pooled.get_raw_connection()).driver_connection
+            assert raw.info.backend_pid == first and raw.autocommit is False
+            await pooled.exec_driver_sql("CREATE TABLE rollbook.pool_probe (x int)")
+            await pooled.rollback()
+        async with store._driver_connection(autocommit=True) as conn:
+            assert conn.info.backend_pid == first
+            probe = await (await conn.execute("SELECT to_regclass('rollbook.pool_probe')")).fetchone()
+            assert probe == (None,)  # rolled back: the pool's connection was in a transaction
+        assert [e.data for e in await store.read_stream("pool-1")] == [{"n": 1}]
+    finally:
+        await store.close()
