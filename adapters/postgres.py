@@ -504,8 +504,8 @@ class PostgresEventStore(BlobRows):
                 continue
             self._notify_owed, self._last_notify = None, loop.time()
             try:
-                async with self._reading() as conn:
-                    await conn.execute(text(f"NOTIFY {CHANNEL}"))
+                async with self._driver_connection(autocommit=True) as conn:
+                    await conn.execute(f"NOTIFY {CHANNEL}")
             except Exception:  # a lost hint only delays readers until their poll
                 log.debug("notify failed", exc_info=True)
 
