@@ -8,7 +8,9 @@ logprobs). For each, alternating in one process, medians of the per-call time of
 writing it with `json.dumps` against `engine.events.dumps` (what every client session and reply now
 uses), and checking its nesting by walking the parsed value (the rule's check before 2026-12-07, kept
 here as the reference) against the check on its bytes that `participants.base.guard.parse_json` makes,
-beside orjson's parse of it alone. Prints JSON.
+beside orjson's parse of it alone; and the token record's 13,000 prompt ids made a tuple as the model
+server takes them from an upstream, converted one by one (before 2026-12-07) against the check of the
+whole list (`_integers`). Prints JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.events import dumps  # noqa: E402
 from participants.base.guard import MAX_DEPTH, _within_depth, parse_json  # noqa: E402
 from participants.environments import get_environment  # noqa: E402
+from participants.model.backends.openai_compatible import _integers  # noqa: E402
 
 
 def walked(value: Any) -> Any:
@@ -83,12 +86,26 @@ def measure(value: Any, repeats: int, rounds: int) -> dict[str, Any]:
     return {"bytes": len(raw), "us_per_call_median": {k: round(statistics.median(v), 1) for k, v in times.items()}}
 
 
+def prompt_ids(repeats: int, rounds: int) -> dict[str, Any]:
+    """An upstream's 13,000 prompt ids made a tuple: each converted, as until 2026-12-07, against the
+    model server's check of the whole list (`_integers`: a sum stays an int only over integers)."""
+    ids = bodies()["token record"]["prompt_token_ids"]
+    ways: dict[str, Callable[[], Any]] = {"tuple(map(int, ids)) (before)": lambda: tuple(map(int, ids)),
+                                          "_integers (now)": lambda: _integers(ids, "prompt_token_ids")}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(rounds):
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            times[name].append(per_call_us(ways[name], repeats))
+    return {"ids": len(ids), "us_per_call_median": {k: round(statistics.median(v), 1) for k, v in times.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     out = {name: measure(value, args.repeats, args.rounds) for name, value in bodies().items()}
+    out["prompt ids of the token record"] = prompt_ids(args.repeats // 10, args.rounds)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -607,24 +608,19 @@ def _rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-@pytest.mark.parametrize("index", [2_000_000, -1, "0", 128])
-async def test_an_upstream_tool_call_index_bomb_fails_that_call_upstream_invalid_before_anything_is_allocated(
-        store, tokens, index: Any) -> None:
-    """Bad input tried: one ~100-byte streamed chunk with `tool_calls[{"index": 2000000}]` (and a
-    negative, a string and a just-too-large index). Before, the server filled the gap slot by slot in its
-    event loop: 8-9 s and 2.2 GB for 2,000,000. Now that call fails `upstream_invalid` at once, the
-    process grows by no more than a few MB, and the next call on the same server is answered."""
-    bomb = {"index": index, "id": "x", "type": "function", "function": {"name": "f", "arguments": ""}}
+def streaming_upstream(call: Callable[[int], tuple[Any, dict[str, Any]]]) -> web.Application:
+    """An upstream that streams each call three chunks: the first with `prompt_token_ids`, one delta with
+    one token, the finish. `call(n)` gives the n-th call's (1, 2, ...) prompt ids and delta."""
     served = {"n": 0}
 
     async def upstream(request: web.Request) -> web.StreamResponse:
         served["n"] += 1
+        prompt_ids, delta = call(served["n"])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        first = {"id": "c", "prompt_token_ids": [1, 2, 3],
+        first = {"id": "c", "prompt_token_ids": prompt_ids,
                  "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
         await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
-        delta = {"tool_calls": [bomb]} if served["n"] == 1 else {"content": "42"}
         step = {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": None,
                                         "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.5}]}}]}
         await resp.write(b"data: " + json.dumps(step).encode() + b"\n\n")
@@ -634,6 +630,18 @@ async def test_an_upstream_tool_call_index_bomb_fails_that_call_upstream_invalid
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", upstream)
+    return app
+
+
+@pytest.mark.parametrize("index", [2_000_000, -1, "0", 128])
+async def test_an_upstream_tool_call_index_bomb_fails_that_call_upstream_invalid_before_anything_is_allocated(
+        store, tokens, index: Any) -> None:
+    """Bad input tried: one ~100-byte streamed chunk with `tool_calls[{"index": 2000000}]` (and a
+    negative, a string and a just-too-large index). Before, the server filled the gap slot by slot in its
+    event loop: 8-9 s and 2.2 GB for 2,000,000. Now that call fails `upstream_invalid` at once, the
+    process grows by no more than a few MB, and the next call on the same server is answered."""
+    bomb = {"index": index, "id": "x", "type": "function", "function": {"name": "f", "arguments": ""}}
+    app = streaming_upstream(lambda n: ([1, 2, 3], {"tool_calls": [bomb]} if n == 1 else {"content": "42"}))
     await start_attempt(store, "bomb")
     async with TestServer(app) as server:
         backend = OpenAICompatibleBackend(str(server.make_url("/v1")), model="m1")
@@ -650,4 +658,31 @@ async def test_an_upstream_tool_call_index_bomb_fails_that_call_upstream_invalid
     assert (resp.status, body["error"]["code"]) == (502, "upstream_invalid"), body
     assert grown < 50, f"the model server grew by {grown:.0f} MB on one chunk (in {took:.1f} s)"
     failed = [e for e in await store.read_stream(call_stream("bomb.0.t0")) if e.kind == "call_failed"]
+    assert [e.data["error"]["code"] for e in failed] == ["upstream_invalid"]
+
+
+@pytest.mark.parametrize("prompt_ids", [[1, "7", 3], [1, 1.5, 3], [1, None, 3], [1, [2], 3], "1 2 3", [1, float("nan")]],
+                         ids=["string", "float", "null", "list", "text", "nan"])
+async def test_an_upstreams_prompt_token_ids_that_are_not_integers_fail_that_call_upstream_invalid(
+        store, tokens, prompt_ids: Any) -> None:
+    """Bad input tried: a streamed first chunk whose `prompt_token_ids` holds a string id, a float, a null,
+    a list or a NaN, or is a string itself. Before, `"7"` was taken for 7 and `1.5` for 1 (the call was
+    answered), and the others failed the call `generation_failed` with Python's own TypeError or
+    ValueError for a message. Now that call fails `upstream_invalid`, recorded in its stream, and the
+    next call on the same server, whose ids are integers, is answered."""
+    app = streaming_upstream(lambda n: (prompt_ids if n == 1 else [1, 2, 3], {"content": "42"}))
+    await start_attempt(store, "ids")
+    async with TestServer(app) as server:
+        backend = OpenAICompatibleBackend(str(server.make_url("/v1")), model="m1")
+        try:
+            async with model_server(store, backend, tokens) as client:
+                resp = await client.post(url("ids"), json=MATH, headers=call_headers("ids.0.t0"))
+                body = await resp.json()
+                again = await client.post(url("ids"), json=MATH, headers=call_headers("ids.0.t1"))
+                assert again.status == 200, await again.text()
+        finally:
+            await backend.close()
+    assert (resp.status, body["error"]["code"]) == (502, "upstream_invalid"), body
+    assert "prompt_token_ids" in body["error"]["message"]
+    failed = [e for e in await store.read_stream(call_stream("ids.0.t0")) if e.kind == "call_failed"]
     assert [e.data["error"]["code"] for e in failed] == ["upstream_invalid"]
