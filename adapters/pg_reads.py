@@ -13,11 +13,11 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row, namedtuple_row, tuple_row
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from adapters.database import connect_options, libpq_dsn
-from adapters.pg_pool import connection_lost, drop_pool, reading, retrying
+from adapters.pg_pool import connection_lost, drop_pool, retrying
 from engine import catalog as ev
 from engine.checkpoint import CutReads
 from engine.events import RecordedEvent
@@ -116,9 +116,6 @@ class LogReads:
     engine: AsyncEngine
     dsn: str
     patience_s: float
-
-    def _reading(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
-        return reading(self.engine)
 
     @contextlib.asynccontextmanager
     async def _driver_connection(self, autocommit: bool = False) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
