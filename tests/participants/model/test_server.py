@@ -17,6 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapters import scripted_tokenizer as tok
 from adapters.export import call_tokens
@@ -25,7 +27,7 @@ from adapters.openai_wire import final_message, merge_delta
 from adapters.token_store import MemoryTokenStore, token_digest
 from engine.attempts import ATTEMPT_FENCED, ATTEMPT_STARTED
 from engine.checkpoint import committed_event, make_cut
-from engine.errors import GenerationFailed
+from engine.errors import GenerationFailed, UpstreamInvalid
 from engine.events import AppendRequest, NewEvent
 from engine.identity import call_stream, rollout_stream
 from engine.install import install_request
@@ -35,7 +37,7 @@ from participants.base.guard import Credentials
 from participants.base.wire import CONTROL
 from participants.model.app import build_model_app
 from participants.model.backends import End, Prefix, Start, Step
-from participants.model.backends.openai_compatible import OpenAICompatibleBackend
+from participants.model.backends.openai_compatible import OpenAICompatibleBackend, _integers
 from participants.model.backends.scripted import ScriptedBackend
 from testkit.fake_vllm import FakeVLLM
 from tests.waiting import eventually
@@ -686,3 +688,17 @@ async def test_an_upstreams_prompt_token_ids_that_are_not_integers_fail_that_cal
     assert "prompt_token_ids" in body["error"]["message"]
     failed = [e for e in await store.read_stream(call_stream("ids.0.t0")) if e.kind == "call_failed"]
     assert [e.data["error"]["code"] for e in failed] == ["upstream_invalid"]
+
+
+@given(st.lists(st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.booleans(), st.floats(allow_nan=True),
+                          st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=2)), max_size=30))
+@settings(max_examples=400)
+def test_an_upstreams_token_ids_are_taken_exactly_when_every_one_is_an_integer(ids: list[Any]) -> None:
+    """Any list of JSON-like scalars and lists as an upstream's `prompt_token_ids`: taken as they are
+    when every element is an int (a bool is one, and the token store refuses it), refused
+    `upstream_invalid` otherwise (a float however integral, a string, a null, a list)."""
+    if all(isinstance(i, int) for i in ids):
+        assert _integers(ids, "prompt_token_ids") == tuple(ids)
+    else:
+        with pytest.raises(UpstreamInvalid, match="prompt_token_ids must be integers"):
+            _integers(ids, "prompt_token_ids")
