@@ -21,12 +21,21 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from engine.events import AppendRequest
 from engine.log import StreamHead
 
 # One row of READ_HEADS: (what, name, n, m, status, digest).
 Row = tuple[Any, ...]
 # The tables whose rows READ_HEADS returns for a rollout ('a' and 'r' rows).
 ROLLOUT_TABLES = frozenset({"attempt_state", "rollout_state"})
+
+
+def read_inputs(requests: Sequence[AppendRequest]) -> dict[str, list[str]]:
+    """READ_HEADS's parameters: the keys, streams and rollouts whose rows a plan of `requests` reads."""
+    events = [e for r in requests for e in r.events]
+    return {"keys": [r.key for r in requests if r.key is not None],
+            "streams": sorted({e.stream for e in events} | {s for r in requests for s in r.expected_versions}),
+            "rollouts": sorted({e.rollout_id for e in events if e.rollout_id is not None})}
 
 
 class PlanInputs:

@@ -14,13 +14,13 @@ only after the transaction holding it has committed.
 Every writer of every process waits for the lock as long as one holds it, so an append holds it for
 no round trip to its process and no Python: it plans from what the process remembers of the log
 (adapters.pg_plan_inputs) or from a read without the lock (READ), then sends the lock and one
-statement that writes everything, and the Sync that commits,
-in one flush (pipeline mode: no BEGIN, no COMMIT; every statement up to the Sync is one implicit
-transaction). That statement checks, in a snapshot taken after the lock, that what the plan read is
-still what the log holds, and moves each planned position by how far the head has moved since
-(PLANNED_FROM). When another writer changed a stream or rollout of the group in between, it writes
-nothing, and the group is planned again after the lock (LOCK_AND_READ), as it is from the start
-when it must be: a retry that found its keys, or a retire's guarded update.
+statement that writes everything, and the Sync that commits, in one flush (pipeline mode: no BEGIN,
+no COMMIT; every statement up to the Sync is one implicit transaction). That statement checks, in a
+snapshot taken after the lock, that what the plan read is still what the log holds, and moves each
+planned position by how far the head has moved since (PLANNED_FROM). When another writer changed a
+stream or rollout of the group in between, it writes nothing, and the group is planned again after
+the lock (LOCK_AND_READ), as it is from the start when it must be: a retry that found its keys, or a
+retire's guarded update.
 Rows of other tables that must be durable no later than the events that name them (a model call's
 token blobs, adapters.token_store) ride in the next append transaction of the process (`carry`),
 written before the lock is asked for, so that no other append waits while they are.
@@ -47,7 +47,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from adapters.pg_blobs import BlobRows
-from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row
+from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row, read_inputs
 from adapters.pg_pool import (
     DEFAULT_PATIENCE_S,
     PoolLimits,
@@ -125,6 +125,10 @@ MOVE_LOG_HEAD = _SET_LOG_HEAD + "FROM d WHERE id = 1 RETURNING d.delta"
 # The subscribers' hint, sent by the append's own statement when one is due (see NOTIFY_INTERVAL_S). In
 # FROM, where a volatile call is evaluated; in EXISTS the planner drops the select list unevaluated.
 MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM d, (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1 RETURNING d.delta"
+# An append's reads and its write are prepared at their first use on a connection and planned there once,
+# generically (GENERIC_PLANS heads its transaction, and ends with it): planned on every call, the write had
+# cost PostgreSQL as much time planning as running (benchmarks/README.md, nemo_gym_cost.py).
+GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 MAX_GROUP_EVENTS = 2000
 # A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
 # group stops taking requests once it reaches it (one request is atomic, so it is never split).
@@ -334,6 +338,7 @@ class PostgresEventStore(BlobRows):
         # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
         async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
             try:
+                await conn.execute(GENERIC_PLANS, prepare=True)
                 await self._write_carried(conn)
                 state, plan, written, from_memory = await self._planned(conn, requests, locked, remembered)
                 changes = [ch for e in written for ch in changes_for(e)]
@@ -342,9 +347,9 @@ class PostgresEventStore(BlobRows):
                 if not written:  # every request refused, from a consistent read: nothing to lock for
                     return plan.outcomes(requests, 0)
                 if not locked:
-                    await conn.execute(LOCK_LOG_HEAD)
+                    await conn.execute(LOCK_LOG_HEAD, prepare=True)
                 upserts, rest = until_guarded(changes)
-                moved = await conn.execute(*self._write(plan, written, upserts, state))
+                moved = await conn.execute(*self._write(plan, written, upserts, state), prepare=True)
                 if locked:  # one round trip under the lock, only on this path: nothing stale is written
                     if await moved.fetchone() is None:
                         raise RuntimeError("a plan read after the log's lock was stale under it")
@@ -377,7 +382,7 @@ class PostgresEventStore(BlobRows):
     def _remembered_plan(self, requests: Sequence[AppendRequest]) -> tuple[LogState, _Plan, list[RecordedEvent]] | None:
         """The group planned from what this process remembers of the log, when it remembers all it needs
         and the plan refuses nothing (a refusal is decided on a read)."""
-        params = _inputs(requests)
+        params = read_inputs(requests)
         rows = self.plan_inputs.rows(params)
         if rows is None:
             return None
@@ -398,13 +403,13 @@ class PostgresEventStore(BlobRows):
                                 locked: bool) -> tuple[LogState, _Plan]:
         """The log state a plan starts from, read before the lock or after it, and (after it) what
         earlier tries committed."""
-        params = _inputs(requests)
-        rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params)).fetchall()
+        params = read_inputs(requests)
+        rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params, prepare=True)).fetchall()
         position, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
         if position is None:
             raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
         if position != seen:  # an append committed while this one waited for the lock: read after it
-            rows = await (await conn.execute(READ_HEADS, params)).fetchall()
+            rows = await (await conn.execute(READ_HEADS, params, prepare=True)).fetchall()
         read = [tuple(r) for r in rows if r[0] != "l"]
         if self._stale is not None and locked:
             self.plan_inputs.differed(self._stale, read)
@@ -554,14 +559,6 @@ class PostgresEventStore(BlobRows):
                     count += len(evs)
                     after = evs[-1].position
         return count
-
-
-def _inputs(requests: Sequence[AppendRequest]) -> dict[str, list[str]]:
-    """READ_HEADS's parameters: the keys, streams and rollouts whose rows a plan of `requests` reads."""
-    events = [e for r in requests for e in r.events]
-    return {"keys": [r.key for r in requests if r.key is not None],
-            "streams": sorted({e.stream for e in events} | {s for r in requests for s in r.expected_versions}),
-            "rollouts": sorted({e.rollout_id for e in events if e.rollout_id is not None})}
 
 
 def _head_params(plan: _Plan, written: list[RecordedEvent], state: LogState) -> dict[str, Any]:

@@ -250,6 +250,7 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
         after = counters(admin, dbname)
         result["statements"] = after["statements"] - before["statements"]
         result["transactions"] = after["transactions"] - before["transactions"]
+        result["sessions"] = after["sessions"] - before["sessions"]  # connections PostgreSQL started
         with psycopg.connect(database.libpq_dsn(dsn)) as conn:
             result["events"] = conn.execute("SELECT count(*) FROM rollbook.events").fetchone()[0]  # type: ignore[index]
             # Which server wrote which events, and in how many appends (an append's events share a commit time).
@@ -276,13 +277,18 @@ def statement_times(admin: str, dbname: str) -> dict[str, float]:
 
 def planning(admin: str, dbname: str) -> dict[str, float]:
     """How often PostgreSQL planned the run's statements and its time planning them against running them,
-    ms in all; the lock on the log's head is left out, its time being the wait for it."""
+    ms in all; the lock on the log's head is left out, its time being the wait for it. `by_statement`: the
+    ten statements it spent most time planning, each [text, executions, plans, ms planning, ms running]."""
     with psycopg.connect(admin, autocommit=True) as conn:
         row = conn.execute("SELECT sum(calls), sum(plans), sum(total_plan_time), sum(total_exec_time) FROM pg_stat_statements "
                            "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) AND query NOT LIKE %s",
                            (dbname, "%FOR UPDATE%")).fetchone()
+        top = conn.execute("SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 90), sum(calls), sum(plans), sum(total_plan_time), "
+                           "sum(total_exec_time) FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) "
+                           "GROUP BY 1 ORDER BY 4 DESC LIMIT 10", (dbname,)).fetchall()
     assert row is not None
-    return {"calls": float(row[0] or 0), "plans": float(row[1] or 0), "plan_ms": float(row[2] or 0), "exec_ms": float(row[3] or 0)}
+    return {"calls": float(row[0] or 0), "plans": float(row[1] or 0), "plan_ms": float(row[2] or 0), "exec_ms": float(row[3] or 0),
+            "by_statement": [[q, int(c), int(n), round(float(pm), 1), round(float(em), 1)] for q, c, n, pm, em in top]}
 
 
 GROUPS = ("agent", "model", "resources", "environment", "postgres")
@@ -373,13 +379,17 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     print(f"wall (noisy): {med(gym, 'wall_s'):.1f} s vs {med(rb, 'wall_s'):.1f} s")
     calls = med(rb, "model_calls")
     print(f"rollbook per model call: {med(rb, 'statements') / calls:.1f} statements, "
-          f"{med(rb, 'transactions') / calls:.1f} transactions, {med(rb, 'events') / calls:.2f} events")
+          f"{med(rb, 'transactions') / calls:.1f} transactions, {med(rb, 'events') / calls:.2f} events; "
+          f"{med(rb, 'sessions'):.0f} connections opened a round")
     last = rb[-1]
     if "planning" in last:
         pl = last["planning"]
         print(f"PostgreSQL (the last round, the database's migration included): {pl['plans'] / calls:.1f} plans for "
               f"{pl['calls'] / calls:.1f} statements, {pl['plan_ms'] / calls:.2f} ms planning and {pl['exec_ms'] / calls:.2f} ms "
               "running them per model call (the log head's lock left out)")
+        print("\nPostgreSQL's planning by statement, per model call: executions, plans, ms planning, ms running (the last round):\n")
+        for q, n, plans, plan_ms, exec_ms in pl.get("by_statement", []):
+            print(f"  {n / calls:5.2f} {plans / calls:5.2f} {plan_ms / calls:6.2f} {exec_ms / calls:6.2f}  {q}")
     print("\nPostgreSQL's time in its costliest statements, ms per model call (the last round; the counters are the "
           "database's since it was made, so its migration is among them):\n")
     for q, ms in last["statement_ms"].items():

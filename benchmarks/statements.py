@@ -82,9 +82,11 @@ def counters(admin: str, dbname: str) -> dict[str, int]:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         oid = conn.execute("SELECT oid FROM pg_database WHERE datname = %s", (dbname,)).fetchone()[0]  # type: ignore[index]
         rows = conn.execute("SELECT query, calls FROM pg_stat_statements WHERE dbid = %s", (oid,)).fetchall()
-        xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datid = %s", (oid,)).fetchone()
+        xacts = conn.execute("SELECT xact_commit + xact_rollback, sessions FROM pg_stat_database WHERE datid = %s",
+                             (oid,)).fetchone()
     return {"statements": sum(c for _, c in rows), "check": sum(c for q, c in rows if is_check(q)),
-            "transactions": int(xacts[0]) if xacts else 0, **{f"q:{q}": c for q, c in rows}}
+            "transactions": int(xacts[0]) if xacts else 0, "sessions": int(xacts[1]) if xacts else 0,
+            **{f"q:{q}": c for q, c in rows}}
 
 
 def is_check(query: str) -> bool:

@@ -286,6 +286,29 @@ async def test_a_refusal_is_never_decided_from_memory(
     assert reads == [False] and written.attempt == 1
 
 
+async def test_an_appends_statements_are_prepared_at_first_use_and_planned_generically_in_its_transaction_alone(
+        dsn: str) -> None:
+    """Planned on every call, an append's write cost PostgreSQL as much planning as running. Input: three
+    appends to three streams, one at a time, on a pool of one connection. The write is prepared by the
+    first and planned once, generically (PostgreSQL's own count of each prepared statement's plans); the
+    planning mode is the append transaction's own: the connection's other statements keep PostgreSQL's."""
+    from adapters.pg_pool import PoolLimits
+
+    store = PostgresEventStore.connect(dsn, writer="t", pool=PoolLimits(size=1, overflow=0, timeout_s=2.0))
+    try:
+        for i in range(3):
+            await store.append(AppendRequest((ev(f"plans-{i}", n=i),)))
+        async with store._driver_connection(autocommit=True) as conn:
+            writes = await (await conn.execute(
+                "SELECT sum(generic_plans), sum(custom_plans) FROM pg_prepared_statements "
+                "WHERE statement LIKE 'WITH was AS%'")).fetchone()
+            mode = await (await conn.execute("SELECT current_setting('plan_cache_mode')")).fetchone()
+        assert writes == (3, 0)
+        assert mode == ("auto",)
+    finally:
+        await store.close()
+
+
 async def test_a_connection_the_driver_path_used_goes_back_to_the_pool_as_it_came_even_after_a_failed_read(
         dsn: str) -> None:
     """The append path and the driver's reads take a pool's psycopg connection without SQLAlchemy's
