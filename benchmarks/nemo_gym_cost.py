@@ -253,9 +253,11 @@ def run_rollbook(work: Path, rows: list[dict[str, Any]], upstream: str, parallel
         result["sessions"] = after["sessions"] - before["sessions"]  # connections PostgreSQL started
         with psycopg.connect(database.libpq_dsn(dsn)) as conn:
             result["events"] = conn.execute("SELECT count(*) FROM rollbook.events").fetchone()[0]  # type: ignore[index]
-            # Which server wrote which events, and in how many appends (an append's events share a commit time).
-            result["event_kinds"] = {f"{w} {k}": [n, a] for w, k, n, a in conn.execute(
-                "SELECT split_part(writer, '-', 1), kind, count(*), count(DISTINCT (writer, recorded_at)) "
+            # Which server wrote which events, in how many appends (an append's events share a commit time),
+            # their payloads' JSON text and what PostgreSQL stores of them (compressed where large), in bytes.
+            result["event_kinds"] = {f"{w} {k}": [n, a, int(t), int(c)] for w, k, n, a, t, c in conn.execute(
+                "SELECT split_part(writer, '-', 1), kind, count(*), count(DISTINCT (writer, recorded_at)), "
+                "sum(octet_length(data::text)), sum(pg_column_size(data)) "
                 "FROM rollbook.events GROUP BY 1, 2 ORDER BY 3 DESC").fetchall()}
         result["statement_ms"] = statement_times(admin, dbname)
         result["planning"] = planning(admin, dbname)
@@ -394,9 +396,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
           "database's since it was made, so its migration is among them):\n")
     for q, ms in last["statement_ms"].items():
         print(f"  {ms / last['model_calls']:6.2f}  {q}")
-    print("\nEvents per model call by writer and kind, and the commits that wrote them (the last round):\n")
-    for name, (n, commits) in last.get("event_kinds", {}).items():
-        print(f"  {n / last['model_calls']:5.2f}  {commits / last['model_calls']:5.2f}  {name}")
+    print("\nEvents per model call by writer and kind, the commits that wrote them, and their payloads' bytes per model "
+          "call as JSON text and as stored (the last round):\n")
+    for name, (n, commits, *size) in last.get("event_kinds", {}).items():
+        text_b, stored_b = (f"{b / last['model_calls']:8.0f}" for b in size) if size else ("", "")
+        print(f"  {n / last['model_calls']:5.2f}  {commits / last['model_calls']:5.2f} {text_b} {stored_b}  {name}")
 
 
 if __name__ == "__main__":
