@@ -126,8 +126,10 @@ MOVE_LOG_HEAD = _SET_LOG_HEAD + "FROM d WHERE id = 1 RETURNING d.delta"
 # FROM, where a volatile call is evaluated; in EXISTS the planner drops the select list unevaluated.
 MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM d, (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1 RETURNING d.delta"
 # An append's reads and its write are prepared at their first use on a connection and planned there once,
-# generically (GENERIC_PLANS heads its transaction, and ends with it): planned on every call, the write had
-# cost PostgreSQL as much time planning as running (benchmarks/README.md, nemo_gym_cost.py).
+# generically: planned on every call, the write had cost PostgreSQL as much time planning as running
+# (benchmarks/README.md, generic_plans.py). GENERIC_PLANS heads the append's transaction and the setting
+# ends with it: the connection's other statements keep PostgreSQL's own choice of plan. A prepared write
+# holds about 220 KB of its backend's memory; psycopg keeps at most 100 statements a connection.
 GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 MAX_GROUP_EVENTS = 2000
 # A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
