@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from adapters.pg_arrays import float4s, int4s
+from adapters.pg_arrays import float4s, int4s, nonnegative_words
 from adapters.pg_pool import PoolLimits, StoreObserver, make_engine, reading, retrying
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import write_private
@@ -45,9 +45,9 @@ MAX_TOKEN_ID = 2**31 - 1  # integer[]
 
 def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[float, ...] | None) -> TokenArray:
     """Check and canonicalize what is about to be stored: ids are int32 and >= 0, logprobs finite float32.
-    Every generated token passes here, so the common case is checked at C speed (map, min, array)."""
+    Every generated token passes here, so the common case is checked at C speed (map, array)."""
     exact = not ids or set(map(type, ids)) == {int}  # then they are stored as they are, not converted one by one
-    if not exact or (ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID)):
+    if not exact or not _int31(ids):
         bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= MAX_TOKEN_ID]
         if bad:
             raise InvalidPayload(f"token ids must be integers from 0 to {MAX_TOKEN_ID}; got {bad[0]!r}")
@@ -63,6 +63,14 @@ def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[fl
         if not finite:
             raise InvalidPayload("a logprob is not a finite number")
     return TokenArray(tuple(ids) if exact else tuple(map(int, ids)), lps)
+
+
+def _int31(ids: list[int] | tuple[int, ...]) -> bool:
+    try:
+        nonnegative_words(ids)
+    except OverflowError:
+        return False
+    return True
 
 
 def token_digest(arr: TokenArray) -> str:

@@ -10,7 +10,8 @@ uses), and checking its nesting by walking the parsed value (the rule's check be
 here as the reference) against the check on its bytes that `participants.base.guard.parse_json` makes,
 beside orjson's parse of it alone; and the token record's 13,000 prompt ids made a tuple as the model
 server takes them from an upstream, converted one by one (before 2026-12-07) against the check of the
-whole list (`_integers`). Prints JSON.
+whole list (`_integers`); and the same ids checked by the token store and packed for its blob row, as
+until 2026-12-07 (min, max, array("i")) against now (unsigned words, bit 31 checked). Prints JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from adapters.pg_arrays import INT4, _packed, int4s  # noqa: E402
+from adapters.token_store import MAX_TOKEN_ID, normalize  # noqa: E402
 from engine.events import dumps  # noqa: E402
 from participants.base.guard import MAX_DEPTH, _within_depth, parse_json  # noqa: E402
 from participants.environments import get_environment  # noqa: E402
@@ -86,17 +90,39 @@ def measure(value: Any, repeats: int, rounds: int) -> dict[str, Any]:
     return {"bytes": len(raw), "us_per_call_median": {k: round(statistics.median(v), 1) for k, v in times.items()}}
 
 
-def prompt_ids(repeats: int, rounds: int) -> dict[str, Any]:
-    """An upstream's 13,000 prompt ids made a tuple: each converted, as until 2026-12-07, against the
-    model server's check of the whole list (`_integers`: a sum stays an int only over integers)."""
-    ids = bodies()["token record"]["prompt_token_ids"]
-    ways: dict[str, Callable[[], Any]] = {"tuple(map(int, ids)) (before)": lambda: tuple(map(int, ids)),
-                                          "_integers (now)": lambda: _integers(ids, "prompt_token_ids")}
+def compared(ways: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in ways}
     for r in range(rounds):
         for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
             times[name].append(per_call_us(ways[name], repeats))
-    return {"ids": len(ids), "us_per_call_median": {k: round(statistics.median(v), 1) for k, v in times.items()}}
+    return {k: round(statistics.median(v), 1) for k, v in times.items()}
+
+
+def prompt_ids(repeats: int, rounds: int) -> dict[str, Any]:
+    """An upstream's 13,000 prompt ids made a tuple: each converted, as until 2026-12-07, against the
+    model server's check of the whole list (`_integers`: a sum stays an int only over integers)."""
+    ids = bodies()["token record"]["prompt_token_ids"]
+    return {"ids": len(ids), "us_per_call_median": compared({
+        "tuple(map(int, ids)) (before)": lambda: tuple(map(int, ids)),
+        "_integers (now)": lambda: _integers(ids, "prompt_token_ids")}, repeats, rounds)}
+
+
+def checked_and_packed_before(ids: list[int]) -> Any:
+    """The token store's check of ids and the blob's integer[] as they were until 2026-12-07: the types,
+    min() and max(), then array("i")."""
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        raise ValueError("not int32 ids")
+    return tuple(ids), _packed(INT4, array("i", ids))
+
+
+def stored_ids(repeats: int, rounds: int) -> dict[str, Any]:
+    """The same 13,000 ids checked by the token store (`normalize`) and packed for its blob row (`int4s`):
+    the range checked by min() and max() and packed through array("i") (before) against converted to
+    unsigned words once for each and bit 31 checked on their bytes (now)."""
+    ids = bodies()["token record"]["prompt_token_ids"]
+    return {"ids": len(ids), "us_per_call_median": compared({
+        "types, min, max, array('i') (before)": lambda: checked_and_packed_before(ids),
+        "normalize and int4s (now)": lambda: (normalize(ids, None), int4s(ids))}, repeats, rounds)}
 
 
 def main() -> int:
@@ -106,6 +132,7 @@ def main() -> int:
     args = ap.parse_args()
     out = {name: measure(value, args.repeats, args.rounds) for name, value in bodies().items()}
     out["prompt ids of the token record"] = prompt_ids(args.repeats // 10, args.rounds)
+    out["the same ids checked and packed by the token store"] = stored_ids(args.repeats // 10, args.rounds)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -78,10 +78,12 @@ async def test_a_blob_written_packed_reads_back_whole_through_the_store(dsn: str
         await store.close()
 
 
-def test_an_id_out_of_int32_is_refused_before_it_is_packed() -> None:
-    """Input: 2**31, which int32 cannot hold (normalize refuses it before the store packs anything)."""
+@pytest.mark.parametrize("ids", [[2**31], [2**32 - 1], [5, 2**31, 6], [-1], [2**32]])
+def test_an_id_out_of_int32_is_refused_before_it_is_packed(ids: list[int]) -> None:
+    """Input: 2**31 and 2**32 - 1 (held by an unsigned word, not by int32), one such among ids that fit,
+    -1 and 2**32 (normalize refuses each before the store packs anything)."""
     with pytest.raises(OverflowError):
-        int4s([2**31])
+        int4s(ids)
     assert float4s([]) != int4s([])  # the element type is in the header, even of an empty array
 
 

@@ -80,7 +80,8 @@ async def test_put_then_get_returns_the_same_ids_and_float32_logprobs_with_a_rec
     assert (await tokens.get(empty.blob_id)).ids == () and empty.blob_id != receipt.blob_id
 
 
-@pytest.mark.parametrize("ids,logprobs", [([-1], None), ([2**31], None), (["7"], None), ([True], None), ([1.0], None),
+@pytest.mark.parametrize("ids,logprobs", [([-1], None), ([2**31], None), ([2**32 - 1], None), ([2**32], None),
+                                          ([7, 2**31 + 5, 9], None), (["7"], None), ([True], None), ([1.0], None),
                                           ([None], None), ([1, 2], [-0.5]), ([1], [float("nan")]), ([1], [float("-inf")]),
                                           ([1], [-1e300]), ([1], ["-0.5"]), ([1], [None])])
 async def test_put_refuses_ids_that_are_not_int32_and_logprobs_that_do_not_fit(tokens, ids, logprobs) -> None:
