@@ -15,10 +15,8 @@ append, medians of the rounds. Never asserted.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,8 +24,8 @@ from typing import Any
 import psycopg
 
 import adapters.postgres as pg_append
-from adapters import database, embedded
 from adapters.postgres import PostgresEventStore
+from benchmarks.plan_memory import arguments, two_ways
 from benchmarks.scaling import postgres_cpu_s, postmaster_pid
 from engine.catalog import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
@@ -73,29 +71,13 @@ async def one_writer(dsn: str, tag: str, tasks: int, appends: int) -> tuple[floa
     return (p1 - p0) / n * 1000, (c1 - c0) / n * 1000, (w1 - w0) / n * 1000
 
 
-async def main(args: argparse.Namespace) -> None:
-    admin, stop = embedded.throwaway()
-    try:
-        dsn = database.scratch_database(admin, "generic_plans")
-        runs: dict[str, list[tuple[float, float, float]]] = {"every call": [], "once": []}
-        for r in range(args.rounds):
-            for way in (("every call", "once") if r % 2 == 0 else ("once", "every call")):
-                with planned_every_call() if way == "every call" else contextlib.nullcontext():
-                    runs[way].append(await one_writer(dsn, f"r{r}{way[0]}", args.tasks, args.appends))
-            print(f"[generic_plans] round {r + 1}/{args.rounds}", flush=True)
-        print("| ms per append (median) | planned every call (before) | planned once per connection (now) | ratio |")
-        print("|---|--:|--:|--:|")
-        for i, what in enumerate(("PostgreSQL CPU", "client CPU", "wall")):
-            a, b = (statistics.median(x[i] for x in runs[w]) for w in ("every call", "once"))
-            print(f"| {what} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
-        print("rounds (PostgreSQL CPU):", {w: [round(x[0], 3) for x in v] for w, v in runs.items()})
-    finally:
-        stop()
-
+EVERY_CALL, ONCE = "planned every call (before)", "planned once per connection (now)"
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--appends", type=int, default=600)
-    parser.add_argument("--tasks", type=int, default=8)
-    asyncio.run(main(parser.parse_args()))
+    args = arguments(__doc__, tasks=8)
+
+    async def writer(dsn: str, way: str, tag: str) -> tuple[float, float, float]:
+        with planned_every_call() if way == EVERY_CALL else contextlib.nullcontext():
+            return await one_writer(dsn, tag, args.tasks, args.appends)
+
+    asyncio.run(two_ways("generic_plans", (EVERY_CALL, ONCE), writer, args.rounds))
