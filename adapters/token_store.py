@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from adapters.pg_arrays import float4s, int4s, nonnegative_words
+from adapters.pg_arrays import float4s, int4s
 from adapters.pg_pool import PoolLimits, StoreObserver, make_engine, reading, retrying
 from adapters.postgres import PostgresEventStore
 from adapters.secret_files import write_private
@@ -67,7 +67,7 @@ def normalize(ids: list[int] | tuple[int, ...], logprobs: list[float] | tuple[fl
 
 def _int31(ids: list[int] | tuple[int, ...]) -> bool:
     try:
-        nonnegative_words(ids)
+        tokens.id_words(ids)
     except OverflowError:
         return False
     return True

@@ -20,6 +20,7 @@ parent_call_id, rollout_id) so an adapter converts it without loss.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,21 @@ def f32s(values: Iterable[float]) -> tuple[float, ...]:
     """f32 of each value, a whole array at once: TypeError where one is not a number; one too large
     for float32 becomes infinite, which the token store refuses as not finite."""
     return tuple(array("f", values).tolist())
+
+
+# Converted unsigned, bit 31 then checked on the bytes: array("I") takes Python ints about twice as fast as
+# array("i") or min() and max() over them (76 against 201 and 293 us on 13,000 ids).
+_BIT_31_BYTE = 3 if sys.byteorder == "little" else 0
+_BELOW_BIT_7 = bytes(range(128))
+
+
+def id_words(ids: Sequence[int]) -> array[int]:
+    """Token ids as 32-bit words, each from 0 to 2**31 - 1 (what an integer[] element holds): OverflowError
+    for one outside that range, TypeError for one that is not an integer."""
+    words = array("I", ids)
+    if words.itemsize != 4 or words.tobytes()[_BIT_31_BYTE::4].translate(None, _BELOW_BIT_7):
+        raise OverflowError("a token id is past 2**31 - 1")
+    return words
 
 
 def token_digest(ids: Sequence[int], logprobs: Sequence[float] | None) -> str:
