@@ -11,7 +11,9 @@ here as the reference) against the check on its bytes that `participants.base.gu
 beside orjson's parse of it alone; and the token record's 13,000 prompt ids made a tuple as the model
 server takes them from an upstream, converted one by one (before 2026-12-07) against the check of the
 whole list (`_integers`); and the same ids checked by the token store and packed for its blob row, as
-until 2026-12-07 (min, max, array("i")) against now (unsigned words, bit 31 checked). Prints JSON.
+until 2026-12-07 (min, max, array("i")) against now (unsigned words, bit 31 checked); and each body, and a small event payload, in the canonical spelling that
+payloads are hashed and stored in: by json alone (before 2026-12-07) against `canonical_json` (orjson where
+its text is json's). Prints JSON.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters.pg_arrays import INT4, _packed, int4s  # noqa: E402
 from adapters.token_store import MAX_TOKEN_ID, normalize  # noqa: E402
-from engine.events import dumps  # noqa: E402
+from engine.events import _CANONICAL, canonical_json, dumps  # noqa: E402
 from participants.base.guard import MAX_DEPTH, _within_depth, parse_json  # noqa: E402
 from participants.environments import get_environment  # noqa: E402
 from participants.model.backends.openai_compatible import _integers  # noqa: E402
@@ -125,6 +127,20 @@ def stored_ids(repeats: int, rounds: int) -> dict[str, Any]:
         "normalize and int4s (now)": lambda: (normalize(ids, None), int4s(ids))}, repeats, rounds)}
 
 
+def canonical(repeats: int, rounds: int) -> dict[str, Any]:
+    """The canonical spelling (sorted keys, no spaces) of each body and of a small payload, as json wrote
+    it alone until 2026-12-07 against `canonical_json` now; the same text either way (asserted)."""
+    values = {**bodies(), "small payload": {"rollout_id": "0-0", "attempt": 0, "step": "seed", "ok": True}}
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        assert canonical_json(value) == _CANONICAL.encode(value)
+        n = repeats // 10 if name == "token record" else repeats
+        out[name] = {"bytes": len(canonical_json(value).encode()), "us_per_call_median": compared({
+            "json (before)": lambda v=value: _CANONICAL.encode(v),
+            "canonical_json (now)": lambda v=value: canonical_json(v)}, n, rounds)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=2000)
@@ -133,6 +149,7 @@ def main() -> int:
     out = {name: measure(value, args.repeats, args.rounds) for name, value in bodies().items()}
     out["prompt ids of the token record"] = prompt_ids(args.repeats // 10, args.rounds)
     out["the same ids checked and packed by the token store"] = stored_ids(args.repeats // 10, args.rounds)
+    out["canonical spelling"] = canonical(args.repeats, args.rounds)
     print(json.dumps(out, indent=1))
     return 0
 

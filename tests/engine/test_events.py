@@ -189,3 +189,58 @@ def test_dumps_refuses_what_json_dumps_refuses() -> None:
     for value in ({"at": datetime(2026, 12, 7)}, [NewEvent("s", "k", {})], {1, 2}):
         with pytest.raises(TypeError):
             dumps(value)
+
+
+def _json_spelling(value: object) -> str:
+    """The canonical spelling as json writes it, the spelling every stored digest was made from."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+# Floats of every magnitude either writer spells with an exponent, and at the thresholds between.
+_EVERY_FLOAT = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
+    [1e-4, 1e-5, -1e-5, 0.00009999, 1e-7, 5e-324, 1e15, 9999999999999998.0, 1e16, -1e16, 1e300, 10.00001, -0.0]),
+    st.floats(-30, 30).map(lambda x: 10.0 ** x))
+# Strings that look like a float's exponent or a small float, which the fast path must not be fooled by.
+_LIKE_NUMBERS = st.sampled_from(["1e-05", "2e+16", "0.00001", "3e-", "e-mail", "-", "+", "null", "NaN"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), _EVERY_FLOAT, _ANY_TEXT,
+                                    _LIKE_NUMBERS),
+                          lambda inner: st.one_of(st.lists(inner, max_size=4), st.tuples(inner),
+                                                  st.dictionaries(st.one_of(_ANY_TEXT, _LIKE_NUMBERS), inner, max_size=4)),
+                          max_leaves=25))
+def test_canonical_json_spells_any_value_as_json_does_and_refuses_what_it_refuses(value: object) -> None:
+    """Input: any JSON value with floats of every magnitude (NaN and the infinities among them), integers
+    past 64 bits, NUL, lone surrogates and any other character, strings spelt like numbers, tuples: the
+    same text as json's sorted, compact spelling (so digests written before are the same), or the same
+    refusal."""
+    try:
+        expected: str | type[Exception] = _json_spelling(value)
+    except (ValueError, TypeError) as exc:
+        expected = type(exc)
+    if isinstance(expected, str):
+        assert canonical_json(value) == expected
+    else:
+        with pytest.raises(expected):
+            canonical_json(value)
+
+
+def test_canonical_json_writes_a_nemo_gym_row_without_json_and_a_small_float_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: a NeMo Gym row (text, integers, a float that needs no exponent) is written by orjson alone;
+    {"p": 1e-05}, which orjson spells 0.00001, by json, as 1e-05."""
+    import engine.events as events
+
+    row = {"id": 7, "responses_create_params": {"input": [{"role": "user", "content": "Email Carlos re: the Q3-plan."}],
+                                                 "temperature": 0.7, "tools": [{"name": "send", "strict": True}]}}
+    expected = _json_spelling(row)
+
+    class Refuses:
+        def encode(self, value: object) -> str:
+            raise AssertionError(f"json wrote {value!r}")
+
+    real = events._CANONICAL
+    monkeypatch.setattr(events, "_CANONICAL", Refuses())
+    assert canonical_json(row) == expected
+    monkeypatch.setattr(events, "_CANONICAL", real)
+    assert canonical_json({"p": 1e-05}) == '{"p":1e-05}'
