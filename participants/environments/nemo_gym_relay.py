@@ -149,6 +149,16 @@ class GymProcess:
             self._paths = (pid, gymnasium.served_paths(base, self.server.call_timeout_s))
         return gymnasium.speaks(self._paths[1])
 
+    async def served(self) -> tuple[str, bool]:
+        """`base_url()` and `gymnasium()`: at once where neither would wait (it runs, or is the operator's,
+        and was asked what it serves), else from a thread, which starts it and waits for it. A session's
+        open and verify ask; a hop to a thread where nothing waits cost more than the question."""
+        url, proc, paths = self.server.url, self.proc, self._paths
+        running = url is not None or (proc is not None and self.failed is None and proc.poll() is None)
+        if running and paths is not None and paths[0] == (None if proc is None else proc.pid):
+            return (url.rstrip("/") if url is not None else f"http://127.0.0.1:{self.server.port}"), gymnasium.speaks(paths[1])
+        return await asyncio.to_thread(lambda: (self.base_url(), self.gymnasium()))
+
     def failure(self) -> GymServerFailed:
         return GymServerFailed(f"{self.server.table}.{self.server.name}: {self.server.module} cannot start: {self.failed}",
                                server=self.server.name, stage="start")
@@ -313,10 +323,8 @@ class NemoGymEnvironment(Environment):
         """A live session seeded with the task's row, as NeMo Gym's simple_agent seeds one (it posts the
         whole run request: the row, `responses_create_params` and the server's own fields, such as
         `initial_count`); a seed the server refuses fails the rollout with its status and body."""
-        proc = self.process
-        # Started (and asked what it serves) on first use, in a thread: that waits for a process.
-        base, gym = await asyncio.to_thread(lambda: (proc.base_url(), proc.gymnasium()))
-        live = Live(base, proc.proc if self.server.url is None else None, self.server.call_timeout_s,
+        base, gym = await self.process.served()  # started, and asked what it serves, on first use
+        live = Live(base, self.process.proc if self.server.url is None else None, self.server.call_timeout_s,
                     driven=self.driven(task))
         if gym or live.driven:
             row_of(task)
@@ -534,7 +542,7 @@ async def relayed_verify(s: Any, append: Appender, trajectory: Trajectory, captu
     a verify may be slow (a judge) and, being asked again after a restore, holds no checkpoint. A
     gymnasium server is not asked: its reward is the sum its recorded steps gave; nor is one its task's
     agent drives: its reward is what that agent's recorded verify gave."""
-    if await asyncio.to_thread(s.env.process.gymnasium):
+    if (await s.env.process.served())[1]:
         reward = tool_replay.rewards(s.state)
         if reward is None:
             raise GymServerFailed(f"nemo_gym.{s.env.name}: {s.env.server.module} speaks NeMo Gym's gymnasium protocol and "
