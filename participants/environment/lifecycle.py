@@ -107,15 +107,18 @@ class EpisodeLifecycle(Participant):
 
     async def run_episode(self, rid: str, task: Task, seed: int, max_steps: int, *,
                           rows: dict[Key, dict[str, Any]] | None = None,
-                          gym: Mapping[str, Any] | None = None) -> asyncio.Task[dict[str, Any]]:
+                          gym: Mapping[str, Any] | None = None, unseen: bool = False) -> asyncio.Task[dict[str, Any]]:
         """The rollout's episode, running here: the one this process runs already; else attempt 0 from
         its input, or the rollout's live attempt picked up where its log leaves it, claimed for this
         process (engine/ownership.py) or VersionConflict. `rows`: its attempts, when just read; `gym`:
-        NeMo Gym's caller identity, recorded on a start. The caller holds `self.locks(rid)`."""
+        NeMo Gym's caller identity, recorded on a start; `unseen`: the caller just read the rollout's
+        whole log and found nothing, so neither its attempts nor its stream are read again (another
+        instance's start meanwhile still makes the claim a VersionConflict). The caller holds
+        `self.locks(rid)`."""
         running = self.tasks.get(rid)
         if running is not None and not running.done():
             return running
-        return self._launch(await self._open(rid, task, seed, max_steps, rows, gym))
+        return self._launch(await self._open(rid, task, seed, max_steps, {} if unseen else rows, gym, unseen))
 
     async def continue_episode(self, rid: str, task: Task, seed: int, max_steps: int, *,
                                gym: Mapping[str, Any] | None, reason: str) -> asyncio.Task[dict[str, Any]]:
@@ -142,15 +145,15 @@ class EpisodeLifecycle(Participant):
         # instance: its retry may land on any instance, so its start names the caller and no owner.
         return {"gym": gym} if gym is not None else {"instance": self.instance}
 
-    async def _open(self, rid: str, task: Task, seed: int, max_steps: int,
-                    rows: dict[Key, dict[str, Any]] | None, gym: Mapping[str, Any] | None) -> Episode:
+    async def _open(self, rid: str, task: Task, seed: int, max_steps: int, rows: dict[Key, dict[str, Any]] | None,
+                    gym: Mapping[str, Any] | None, unseen: bool = False) -> Episode:
         rows = rows if rows is not None else await self.store.attempt_rows([rid])
         claimant = self._claimant(gym)
         started = episodes.started(task.to_json(), seed, max_steps, **claimant)
         if not rows:  # one append: the attempt never exists without its episode's input; of two instances, one lands
             await self._claim(rollout_stream(rid), (
                 NewEvent(rollout_stream(rid), ev.ATTEMPT_STARTED, {"parent_attempt": None}, rid, 0),
-                NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, started, rid, 0)))
+                NewEvent(episode_stream(rid, 0), ev.EPISODE_STARTED, started, rid, 0)), [] if unseen else None)
             return Episode(rid, 0, task, seed, max_steps)
         attempt = max(a for _, a in rows)
         if rows[(rid, attempt)]["status"] == "fenced":
@@ -222,9 +225,10 @@ class EpisodeLifecycle(Participant):
             NewEvent(episode_stream(rid, nxt), ev.EPISODE_STARTED, started, rid, nxt)), stream, last.stream_version))
         return nxt
 
-    async def _claim(self, stream: str, events: tuple[NewEvent, ...]) -> None:
-        """Append `events` at `stream`'s version if it is as the decision found it (no attempt, no live claim)."""
-        seen = await self.store.read_stream(stream)
+    async def _claim(self, stream: str, events: tuple[NewEvent, ...], seen: Sequence[RecordedEvent] | None = None) -> None:
+        """Append `events` at `stream`'s version if it is as the decision found it (no attempt, no live
+        claim); `seen`: the stream, when just read."""
+        seen = await self.store.read_stream(stream) if seen is None else seen
         if any(e.kind == ev.ATTEMPT_STARTED for e in seen) or await self._claimed_elsewhere(seen):
             raise VersionConflict(f"{stream} was claimed by another instance meanwhile")
         await self.store.append(claim(events, stream, seen[-1].stream_version if seen else 0))

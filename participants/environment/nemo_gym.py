@@ -98,20 +98,21 @@ class EnvironmentFront:
             if decision != "join" and not p.admission_open:
                 return _failure(req, "a checkpoint is in progress; new work waits for resume",
                                 "rollbook:admission_closed", "admission")
-            running = await self._running(rid, req, task, decision)
+            running = await self._running(rid, req, task, decision, unseen=not events)
         return await self._outcome(req, rid, running)
 
-    async def _running(self, rid: str, req: EpisodeRequest, task: Task, decision: str) -> asyncio.Task[Any]:
+    async def _running(self, rid: str, req: EpisodeRequest, task: Task, decision: str, unseen: bool) -> asyncio.Task[Any]:
         """The episode task this request waits for, through the participant's lifecycle: for a newer
         caller attempt a takeover; else the rollout's episode, started, joined, or (where this process
-        does not run it: it crashed, or another took over) continued from where the log leaves it."""
+        does not run it: it crashed, or another took over) continued from where the log leaves it.
+        `unseen`: the log held nothing of the rollout when read under its lock."""
         ti = req.task.task_input
         if decision == "takeover":
             return await self.p.continue_episode(rid, task, ti.seed, ti.max_steps, gym=self._gym(req),
                                                  reason=f"caller attempt {req.episode_id.attempt}")
         # Only a start records the caller; a join names it already.
         return await self.p.run_episode(rid, task, ti.seed, ti.max_steps,
-                                        gym=self._gym(req) if decision == "start" else None)
+                                        gym=self._gym(req) if decision == "start" else None, unseen=unseen)
 
     async def _outcome(self, req: EpisodeRequest, rid: str, running: asyncio.Task[Any]) -> EpisodeResponse:
         try:
