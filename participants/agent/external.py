@@ -205,8 +205,12 @@ class ExternalAgents:
                      req: RunRequest) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
         # Another live instance running it is waited for: two runs of one activation would number
         # their calls in one sequence, and apply a change of each.
-        own = await settled(p, agent_stream(*key), activation_holder(index))
-        completed = completed_activations(await effective_history(p.store, *key))
+        history = await effective_history(p.store, *key)
+        seen = [e for e in history if e.stream == agent_stream(*key)]
+        own = await settled(p, agent_stream(*key), activation_holder(index), seen)
+        if own is not seen:  # another instance held it: what it recorded meanwhile is read too
+            history = await effective_history(p.store, *key)
+        completed = completed_activations(history)
         if index in completed:
             return completed[index]
         name = str(req.task.agent)
@@ -214,7 +218,7 @@ class ExternalAgents:
         # (a tool call answered from the record takes one too, in the resources server that gave it),
         # so a second run under this attempt would number its calls after the first run's.
         if any(e.kind == ACTIVATION_CLAIMED and e.data.get("index") == index for e in own) \
-                or calls_made(await p.store.read_rollout(*key), *key, index):
+                or calls_made(history, *key, index):  # the lineage's calls carry other attempts' numbers
             raise self._interrupted(name, key, index)
         p.admission.require_open("a new activation")
         # Claimed at the version read: of two instances asked at once, one runs it.

@@ -169,8 +169,11 @@ class AgentParticipant(Participant):
                      current: tuple[int, asyncio.Task[dict[str, Any]]] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
         """The activation's reply from the log, or its task here once this instance has claimed it
         (engine/ownership.py). While another live instance holds it, this waits for its outcome."""
-        own = await settled(self, agent_stream(*key), activation_holder(index))
         history = await effective_history(self.store, *key)
+        seen = [e for e in history if e.stream == agent_stream(*key)]
+        own = await settled(self, agent_stream(*key), activation_holder(index), seen)
+        if own is not seen:  # another instance held it: what it recorded meanwhile is read too
+            history = await effective_history(self.store, *key)
         completed = completed_activations(history)
         last = max(completed, default=-1)
         if index == last and last >= 0:

@@ -29,18 +29,22 @@ async def owner_verdict(p: Participant, owner: str | None, held_here: bool) -> V
     return verdict(owner, p.instance, held_here, live)
 
 
-async def settled(p: Participant, stream: str, holder: Callable[[Sequence[RecordedEvent]], str | None]) -> list[RecordedEvent]:
+async def settled(p: Participant, stream: str, holder: Callable[[Sequence[RecordedEvent]], str | None],
+                  read: list[RecordedEvent] | None = None) -> list[RecordedEvent]:
     """The events of `stream` once no other live instance holds its work. `holder` names the owner
     while the work is claimed and unfinished (None: nobody holds it). The outcome the owner records
-    (or its lease running out) ends the wait; the caller then decides on what the log says."""
+    (or its lease running out) ends the wait; the caller then decides on what the log says. `read`:
+    the stream as the caller just read it, taken for the first look; returned as it is (the same
+    list) when nothing was waited for, so a caller knows whether what it read with it is still current."""
     delay = FIRST_POLL_S
+    events = read if read is not None else await p.store.read_stream(stream)
     while True:
-        events = await p.store.read_stream(stream)
         owner = holder(events)
         if owner is None or owner == p.instance or await owner_verdict(p, owner, held_here=False) != "held":
             return events
         await asyncio.sleep(delay)
         delay = min(delay * 2, LAST_POLL_S)
+        events = await p.store.read_stream(stream)
 
 
 async def orphaned_sessions(p: Participant, keys: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:

@@ -310,25 +310,34 @@ async def test_a_run_that_reaches_an_instance_still_joining_waits_for_the_join_n
     assert status == 200 and "failure" not in body and "result" in body
 
 
+def counting(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The store's reads of events and attempts, and its appends, by name, in order."""
+    asked: list[str] = []
+
+    def counted(name: str) -> Any:
+        real = getattr(store, name)
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            asked.append(name)
+            return await real(*args, **kw)
+        return call
+
+    for name in ("read_rollout", "read_stream", "attempt_rows", "append"):
+        monkeypatch.setattr(store, name, counted(name))
+    return asked
+
+
 async def test_a_rollout_the_log_has_not_seen_is_read_once_before_its_start_is_appended(
         dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Input: a /run for a rollout with no event in the log. The environment server reads the rollout
     once (under its lock) and appends its start: neither its attempts nor its stream are read again
-    before that append (the claim at version 0 still refuses a start another instance made meanwhile)."""
+    before that append (the claim at version 0 still refuses a start another instance made meanwhile).
+    The agent server reads the attempt's history once and claims the activation from it: its stream
+    is not read apart (it is in the history)."""
     async with stack(dsn, "unseen") as s:
-        store = s.participant("environment").store  # type: ignore[attr-defined]
-        asked: list[str] = []
-
-        def counted(name: str) -> Any:
-            real = getattr(store, name)
-
-            async def call(*args: Any, **kw: Any) -> Any:
-                asked.append(name)
-                return await real(*args, **kw)
-            return call
-
-        for name in ("read_rollout", "read_stream", "attempt_rows", "append"):
-            monkeypatch.setattr(store, name, counted(name))
+        environment = counting(s.participant("environment").store, monkeypatch)  # type: ignore[attr-defined]
+        agent = counting(s.participant("agent").store, monkeypatch)  # type: ignore[attr-defined]
         status, body = await post(f"{s.url('environment')}/run", episode("blackjack:train", "9-9", BLACKJACK))
     assert status == 200 and isinstance(body["result"]["reward"], float), body
-    assert asked[:asked.index("append")] == ["read_rollout"], asked
+    assert environment[:environment.index("append")] == ["read_rollout"], environment
+    assert agent[:agent.index("append")] == ["read_rollout"], agent
