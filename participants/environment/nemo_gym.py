@@ -116,7 +116,7 @@ class EnvironmentFront:
 
     async def _outcome(self, req: EpisodeRequest, rid: str, running: asyncio.Task[Any]) -> EpisodeResponse:
         try:
-            await asyncio.shield(running)
+            ran = await asyncio.shield(running)
         except asyncio.CancelledError:
             if not running.cancelled():
                 raise  # the caller went away; the episode goes on without it
@@ -127,18 +127,24 @@ class EnvironmentFront:
             ep = self.p.episodes.get(rid)
             stage = STAGE_OF_STEP.get(ep.step or "") if ep is not None else None
             return _failure(req, f"{type(exc).__name__}: {exc}", "rollbook:episode_failed", stage)
-        done = await self._finished(rid)
+        done = await self._finished(rid, ran["attempt"])
         if done is None:  # finished in memory but not in the log: cannot happen, the close step appends both
             return _failure(req, "the episode ended without a recorded result", "rollbook:episode_failed", "cleanup")
         return self._result(req, rid, done)
 
-    async def _finished(self, rid: str) -> dict[str, Any] | None:
-        rows = await self.p.store.attempt_rows([rid])
-        done = [(a, row) for (_, a), row in rows.items() if row["status"] == "finished"]
-        if not done:
+    async def _finished(self, rid: str, ran: int | None = None) -> dict[str, Any] | None:
+        """The rollout's answer from its finished attempt (None: none finished). `ran`: the attempt the
+        episode just finished here, whose own `attempt_finished` is then the log's word (no attempt
+        rows are read)."""
+        if ran is None:
+            rows = await self.p.store.attempt_rows([rid])
+            done = [a for (_, a), row in rows.items() if row["status"] == "finished"]
+            if not done:
+                return None
+        attempt = max(done) if ran is None else ran
+        history = await effective_history(self.p.store, rid, attempt, kinds=(*RESULT_KINDS, ev.ATTEMPT_FINISHED))
+        if ran is not None and not any(e.kind == ev.ATTEMPT_FINISHED and e.attempt == ran for e in history):
             return None
-        attempt = max(a for a, _ in done)
-        history = await effective_history(self.p.store, rid, attempt, kinds=RESULT_KINDS)
         # The reward its verify step recorded, the one every copy of it derives from.
         return {"attempt": attempt, "reward": episodes.reward(episodes.recorded_steps(history)), "history": history}
 

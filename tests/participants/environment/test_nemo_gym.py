@@ -331,13 +331,15 @@ async def test_a_rollout_the_log_has_not_seen_is_read_once_before_its_start_is_a
         dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Input: a /run for a rollout with no event in the log. The environment server reads the rollout
     once (under its lock) and appends its start: neither its attempts nor its stream are read again
-    before that append (the claim at version 0 still refuses a start another instance made meanwhile).
-    The agent server reads the attempt's history once and claims the activation from it: its stream
-    is not read apart (it is in the history)."""
+    before that append (the claim at version 0 still refuses a start another instance made meanwhile);
+    the answer is then read from the attempt it ran, whose `attempt_finished` is among what is read (no
+    attempt rows). The agent server reads the attempt's history once and claims the activation from it:
+    its stream is not read apart (it is in the history)."""
     async with stack(dsn, "unseen") as s:
         environment = counting(s.participant("environment").store, monkeypatch)  # type: ignore[attr-defined]
         agent = counting(s.participant("agent").store, monkeypatch)  # type: ignore[attr-defined]
         status, body = await post(f"{s.url('environment')}/run", episode("blackjack:train", "9-9", BLACKJACK))
     assert status == 200 and isinstance(body["result"]["reward"], float), body
     assert environment[:environment.index("append")] == ["read_rollout"], environment
+    assert [name for name in environment if name != "append"] == ["read_rollout", "read_rollout"], environment
     assert agent[:agent.index("append")] == ["read_rollout"], agent
