@@ -77,8 +77,16 @@ READ_HEADS = (
     "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state "
     "WHERE rollout_id = ANY(%(rollouts)s)"
 )
+# An append's reads and its write are prepared at their first use on a connection and planned there once,
+# generically: planned on every call, the write had cost PostgreSQL as much time planning as running
+# (benchmarks/README.md, generic_plans.py). The statement that reads the log's position or takes its lock,
+# one of which comes before every write, sets the planning mode for the rest of the append's transaction
+# and it ends with it: the connection's other statements keep PostgreSQL's own choice of plan. (A statement
+# of its own for it had been one more per append.) A prepared write holds about 220 KB of its backend's
+# memory; psycopg keeps at most 100 statements a connection.
+GENERICALLY = "set_config('plan_cache_mode', 'force_generic_plan', true)"
 # The log's position (l) with them, without the lock: a plan made from this is checked when written.
-READ = "SELECT 'l', NULL, position, position, NULL::text, NULL::bytea FROM rollbook.log_head WHERE id = 1 UNION ALL " + READ_HEADS
+READ = f"SELECT 'l', NULL, position, position, {GENERICALLY}, NULL::bytea FROM rollbook.log_head WHERE id = 1 UNION ALL " + READ_HEADS
 # The lock and the read in one statement, for a plan that must not be stale. The read's snapshot is
 # taken when the statement starts, before the lock may have to wait, so the statement also reads the
 # position that snapshot saw (`seen`) next to the one the lock returns (the newest, once granted).
@@ -87,8 +95,9 @@ READ = "SELECT 'l', NULL, position, position, NULL::text, NULL::bytea FROM rollb
 # read again, after the lock.
 LOCK_AND_READ = (
     "SELECT 'l', NULL, (SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE), "
-    "(SELECT position FROM rollbook.log_head WHERE id = 1), NULL::text, NULL::bytea UNION ALL " + READ_HEADS
+    f"(SELECT position FROM rollbook.log_head WHERE id = 1), {GENERICALLY}, NULL::bytea UNION ALL " + READ_HEADS
 )
+LOCK = f"SELECT position, {GENERICALLY} FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
 # A plan is written only if what it was planned from is what the log holds: READ_HEADS again, in the
 # writing statement's own snapshot (taken after the lock), compared both ways with the rows the plan
 # read (sent back as arrays). Then `d` holds one row: how far the log's head has moved since the plan
@@ -125,12 +134,6 @@ MOVE_LOG_HEAD = _SET_LOG_HEAD + "FROM d WHERE id = 1 RETURNING d.delta"
 # The subscribers' hint, sent by the append's own statement when one is due (see NOTIFY_INTERVAL_S). In
 # FROM, where a volatile call is evaluated; in EXISTS the planner drops the select list unevaluated.
 MOVE_LOG_HEAD_NOTIFY = _SET_LOG_HEAD + f"FROM d, (SELECT pg_notify('{CHANNEL}', '')) AS hint WHERE id = 1 RETURNING d.delta"
-# An append's reads and its write are prepared at their first use on a connection and planned there once,
-# generically: planned on every call, the write had cost PostgreSQL as much time planning as running
-# (benchmarks/README.md, generic_plans.py). GENERIC_PLANS heads the append's transaction and the setting
-# ends with it: the connection's other statements keep PostgreSQL's own choice of plan. A prepared write
-# holds about 220 KB of its backend's memory; psycopg keeps at most 100 statements a connection.
-GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 MAX_GROUP_EVENTS = 2000
 # A group's transaction, and the memory its plan holds, stays near this many bytes of payload: the
 # group stops taking requests once it reaches it (one request is atomic, so it is never split).
@@ -340,7 +343,6 @@ class PostgresEventStore(BlobRows):
         # runs in one implicit transaction, which that Sync commits (or an error in it rolls back).
         async with self._driver_connection(autocommit=True) as conn, conn.pipeline():
             try:
-                await conn.execute(GENERIC_PLANS, prepare=True)
                 await self._write_carried(conn)
                 state, plan, written, from_memory = await self._planned(conn, requests, locked, remembered)
                 changes = [ch for e in written for ch in changes_for(e)]
@@ -349,7 +351,7 @@ class PostgresEventStore(BlobRows):
                 if not written:  # every request refused, from a consistent read: nothing to lock for
                     return plan.outcomes(requests, 0)
                 if not locked:
-                    await conn.execute(LOCK_LOG_HEAD, prepare=True)
+                    await conn.execute(LOCK, prepare=True)
                 upserts, rest = until_guarded(changes)
                 moved = await conn.execute(*self._write(plan, written, upserts, state), prepare=True)
                 if locked:  # one round trip under the lock, only on this path: nothing stale is written
