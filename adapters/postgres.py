@@ -77,16 +77,15 @@ READ_HEADS = (
     "UNION ALL SELECT 'a', rollout_id, attempt, NULL, status, NULL FROM rollbook.attempt_state "
     "WHERE rollout_id = ANY(%(rollouts)s)"
 )
-# An append's reads and its write are prepared at their first use on a connection and planned there once,
-# generically: planned on every call, the write had cost PostgreSQL as much time planning as running
-# (benchmarks/README.md, generic_plans.py). The statement that reads the log's position or takes its lock,
-# one of which comes before every write, sets the planning mode for the rest of the append's transaction
-# and it ends with it: the connection's other statements keep PostgreSQL's own choice of plan. (A statement
-# of its own for it had been one more per append.) A prepared write holds about 220 KB of its backend's
-# memory; psycopg keeps at most 100 statements a connection.
+# An append's reads and its write are prepared at first use on a connection and planned there once,
+# generically: planned every call, the write cost PostgreSQL as much planning as running (generic_plans.py).
+# The mode holds for the append's transaction alone: set first where the append reads what it plans from
+# (GENERIC_PLANS), by its lock where it plans from memory (LOCK). A prepared write holds about 220 KB of
+# its backend's memory; psycopg keeps at most 100 statements a connection.
 GENERICALLY = "set_config('plan_cache_mode', 'force_generic_plan', true)"
+GENERIC_PLANS = f"SELECT {GENERICALLY}"
 # The log's position (l) with them, without the lock: a plan made from this is checked when written.
-READ = f"SELECT 'l', NULL, position, position, {GENERICALLY}, NULL::bytea FROM rollbook.log_head WHERE id = 1 UNION ALL " + READ_HEADS
+READ = "SELECT 'l', NULL, position, position, NULL::text, NULL::bytea FROM rollbook.log_head WHERE id = 1 UNION ALL " + READ_HEADS
 # The lock and the read in one statement, for a plan that must not be stale. The read's snapshot is
 # taken when the statement starts, before the lock may have to wait, so the statement also reads the
 # position that snapshot saw (`seen`) next to the one the lock returns (the newest, once granted).
@@ -95,7 +94,7 @@ READ = f"SELECT 'l', NULL, position, position, {GENERICALLY}, NULL::bytea FROM r
 # read again, after the lock.
 LOCK_AND_READ = (
     "SELECT 'l', NULL, (SELECT position FROM rollbook.log_head WHERE id = 1 FOR UPDATE), "
-    f"(SELECT position FROM rollbook.log_head WHERE id = 1), {GENERICALLY}, NULL::bytea UNION ALL " + READ_HEADS
+    "(SELECT position FROM rollbook.log_head WHERE id = 1), NULL::text, NULL::bytea UNION ALL " + READ_HEADS
 )
 LOCK = f"SELECT position, {GENERICALLY} FROM rollbook.log_head WHERE id = 1 FOR UPDATE"
 # A plan is written only if what it was planned from is what the log holds: READ_HEADS again, in the
@@ -408,6 +407,7 @@ class PostgresEventStore(BlobRows):
         """The log state a plan starts from, read before the lock or after it, and (after it) what
         earlier tries committed."""
         params = read_inputs(requests)
+        await conn.execute(GENERIC_PLANS, prepare=True)
         rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params, prepare=True)).fetchall()
         position, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
         if position is None:

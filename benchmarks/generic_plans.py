@@ -1,18 +1,17 @@
 """What planning an append's statements once per connection saves PostgreSQL, against planning them on every call.
 
-    .venv/bin/python -m benchmarks.generic_plans [--rounds 4] [--appends 600] [--tasks 8] [--before every-call]
+    .venv/bin/python -m benchmarks.generic_plans [--rounds 4] [--appends 600] [--tasks 8]
 
 A throwaway embedded PostgreSQL. Per round, two writers (two stores, fresh each round) append the same
-workload, the two ways alternated: as the append path did before, then as it does now (prepared at first
-use, planned once per connection, generically: the read of the log's position or its lock sets the
-transaction's planning mode, `adapters.postgres.GENERICALLY`). Before, with `--before every-call` (until
-2026-12-07): its reads and its write planned by PostgreSQL on every call, unless psycopg had prepared one
-after five runs on a connection and PostgreSQL then chose a generic plan for it; with `--before
-mode-statement` (until the fifteenth session): the planning mode set by a statement of its own at the
-head of every append. `--tasks` tasks, each appending in turn a new rollout's `attempt_started` with an
-event of that rollout (a write that upserts the attempt projections), then one event alone (a write
-that upserts none): the two shapes of write a server makes. Reported: PostgreSQL's CPU (postmaster and
-backends), this process's CPU and wall per append, medians of the rounds. Never asserted.
+workload, the two ways alternated: as the append path did until 2026-12-07 (its reads and its write
+planned by PostgreSQL on every call, unless psycopg had prepared one after five runs on a connection and
+PostgreSQL then chose a generic plan for it), then as it does now (prepared at first use, planned once
+per connection, generically: `adapters.postgres.GENERIC_PLANS` before a read, or the lock, `LOCK`, sets
+the mode). `--tasks` tasks, each appending in
+turn a new rollout's `attempt_started` with an event of that rollout (a write that upserts the
+attempt projections), then one event alone (a write that upserts none): the two shapes of write a
+server makes. Reported: PostgreSQL's CPU (postmaster and backends), this process's CPU and wall per
+append, medians of the rounds. Never asserted.
 """
 
 from __future__ import annotations
@@ -35,51 +34,21 @@ from engine.identity import rollout_stream
 
 
 @contextlib.contextmanager
-def without_the_mode() -> Iterator[None]:
-    """The append's statements without the setting of the planning mode in them."""
-    kept = {name: getattr(pg_append, name) for name in ("READ", "LOCK_AND_READ", "LOCK")}
-    for name, sql in kept.items():
-        setattr(pg_append, name, sql.replace(pg_append.GENERICALLY, "NULL::text"))
-    try:
-        yield
-    finally:
-        for name, sql in kept.items():
-            setattr(pg_append, name, sql)
-
-
-@contextlib.contextmanager
 def planned_every_call() -> Iterator[None]:
-    """The append path as it was until 2026-12-07: no planning mode set, nothing prepared on request."""
-    execute = psycopg.AsyncConnection.execute
+    """The append path as it was: no statement setting the planning mode, nothing prepared on request."""
+    execute, mode, lock = psycopg.AsyncConnection.execute, pg_append.GENERIC_PLANS, pg_append.LOCK
 
     async def unprepared(self: psycopg.AsyncConnection[Any], query: Any, params: Any = None, *,
                          prepare: bool | None = None, binary: bool = False) -> Any:
         return await execute(self, query, params, binary=binary)
 
     psycopg.AsyncConnection.execute = unprepared  # type: ignore[method-assign]
+    pg_append.GENERIC_PLANS, pg_append.LOCK = "SELECT 1", lock.replace(pg_append.GENERICALLY, "NULL::text")
     try:
-        with without_the_mode():
-            yield
+        yield
     finally:
         psycopg.AsyncConnection.execute = execute  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def mode_in_a_statement() -> Iterator[None]:
-    """The append path as it was until the fifteenth session: the planning mode set by a statement of
-    its own at the head of every append's transaction."""
-    carried = PostgresEventStore._write_carried
-
-    async def mode_first(self: PostgresEventStore, conn: psycopg.AsyncConnection[Any]) -> None:
-        await conn.execute(f"SELECT {pg_append.GENERICALLY}", prepare=True)
-        await carried(self, conn)
-
-    PostgresEventStore._write_carried = mode_first  # type: ignore[method-assign]
-    try:
-        with without_the_mode():
-            yield
-    finally:
-        PostgresEventStore._write_carried = carried  # type: ignore[method-assign]
+        pg_append.GENERIC_PLANS, pg_append.LOCK = mode, lock
 
 
 async def one_writer(dsn: str, tag: str, tasks: int, appends: int) -> tuple[float, float, float]:
@@ -103,16 +72,13 @@ async def one_writer(dsn: str, tag: str, tasks: int, appends: int) -> tuple[floa
     return (p1 - p0) / n * 1000, (c1 - c0) / n * 1000, (w1 - w0) / n * 1000
 
 
-BEFORE = {"every-call": ("planned every call (before)", planned_every_call),
-          "mode-statement": ("the mode in a statement of its own (before)", mode_in_a_statement)}
-NOW = "planned once per connection, the mode set by the read or the lock (now)"
+EVERY_CALL, ONCE = "planned every call (before)", "planned once per connection (now)"
 
 if __name__ == "__main__":
-    args = arguments(__doc__, tasks=8, before=tuple(BEFORE))
-    before, old_way = BEFORE[args.before]
+    args = arguments(__doc__, tasks=8)
 
     async def writer(dsn: str, way: str, tag: str) -> tuple[float, float, float]:
-        with old_way() if way == before else contextlib.nullcontext():
+        with planned_every_call() if way == EVERY_CALL else contextlib.nullcontext():
             return await one_writer(dsn, tag, args.tasks, args.appends)
 
-    asyncio.run(two_ways("generic_plans", (before, NOW), writer, args.rounds))
+    asyncio.run(two_ways("generic_plans", (EVERY_CALL, ONCE), writer, args.rounds))

@@ -73,14 +73,11 @@ async def two_ways(name: str, ways: tuple[str, str], writer: Writer, rounds: int
         stop()
 
 
-def arguments(doc: str, tasks: int, before: tuple[str, ...] = ()) -> argparse.Namespace:
-    """The two benchmarks' options; `before`: the old ways one of them may be compared against."""
+def arguments(doc: str, tasks: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--appends", type=int, default=600)
     parser.add_argument("--tasks", type=int, default=tasks)
-    if before:
-        parser.add_argument("--before", choices=before, default=before[0])
     return parser.parse_args()
 
 

@@ -1,4 +1,4 @@
-"""Less per call: an append is one transaction of three statements, whatever it holds (and one more, before them, for rows it carries), and it holds the log's lock for none of its round trips."""
+"""Less per call: an append is one transaction of two statements when planned from memory, four when it reads what it plans from, whatever it holds (and one more, before them, for rows it carries), and it holds the log's lock for none of its round trips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from adapters.postgres import GENERICALLY, PostgresEventStore
+from adapters.postgres import GENERIC_PLANS, GENERICALLY, PostgresEventStore
 from engine import catalog as ev
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream, session_stream
@@ -43,13 +43,22 @@ async def test_an_append_plans_before_the_lock_and_holds_it_for_no_round_trip(
     monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", synced)
     (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_OPENED,
                                                            {"env": "math", "task": {}}, "pc-1", 0),)))
+    read_first, wire[:] = list(wire), []
+    # The next event of the same stream is planned from what the process remembers: no read, and the
+    # lock sets the planning mode, in no statement of its own.
+    await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_VERIFIED, {"reward": 1.0},
+                                               "pc-1", 0),)))
+    remembered, wire[:] = list(wire), read_first
     monkeypatch.undo()
-    # Stream heads, idempotency keys, retire marks and attempts: one read, before the lock, answered
-    # before the plan is made; it and the lock set the transaction's planning mode, in no statement of its own.
-    read, answer, lock, write, sync, outcome = wire
+    lock, write, sync, outcome = remembered
+    assert "FOR UPDATE" in lock and GENERICALLY in lock and "INSERT INTO rollbook.events" in write
+    assert (sync, outcome) == ("<sync>", "<answer>")
+    # The transaction's planning mode goes first, with nothing waited for; then stream heads,
+    # idempotency keys, retire marks and attempts: one read, before the lock, answered before the plan is made.
+    mode, read, answer, lock, write, sync, outcome = wire
+    assert mode == GENERIC_PLANS
     assert "FROM rollbook.stream_heads" in read and "FROM rollbook.attempt_state" in read and "FOR UPDATE" not in read
     assert answer == "<answer>" and "FOR UPDATE" in lock
-    assert GENERICALLY in read and GENERICALLY in lock
     # From the lock to the commit the process waits for nothing: one statement writes the events, the
     # heads, the key and the projections, and the Sync that commits goes with it.
     assert "INSERT INTO rollbook.events" in write and "INSERT INTO rollbook.session_state" in write
