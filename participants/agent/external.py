@@ -42,11 +42,10 @@ from engine.catalog import ACTIVATION_CLAIMED, AGENT_BOUNDARY, SESSION_REPLAY_FA
 from engine.errors import AttemptLost, GymServerFailed, ParticipantUnavailable, RollbookError, VersionConflict
 from engine.events import AppendRequest, NewEvent
 from engine.identity import Key, agent_stream
-from engine.lineage import effective_history
 from engine.ownership import claim
 from participants.agent.session import RunRequest, activation_holder, fresh_session
 from participants.base.keyed_locks import KeyedLocks
-from participants.base.owners import CLAIM_TRIES, settled
+from participants.base.owners import CLAIM_TRIES, settled_in_history
 from participants.base.participant import Participant
 from participants.base.wire import CAPTURE_COOKIE, capture_id
 from participants.environments import gymnasium
@@ -205,11 +204,7 @@ class ExternalAgents:
                      req: RunRequest) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
         # Another live instance running it is waited for: two runs of one activation would number
         # their calls in one sequence, and apply a change of each.
-        history = await effective_history(p.store, *key)
-        seen = [e for e in history if e.stream == agent_stream(*key)]
-        own = await settled(p, agent_stream(*key), activation_holder(index), seen)
-        if own is not seen:  # another instance held it: what it recorded meanwhile is read too
-            history = await effective_history(p.store, *key)
+        own, history = await settled_in_history(p, key, agent_stream(*key), activation_holder(index))
         completed = completed_activations(history)
         if index in completed:
             return completed[index]

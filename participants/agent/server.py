@@ -60,7 +60,6 @@ from engine.events import AppendRequest, NewEvent, RecordedEvent
 from engine.forks import inherited_boundary
 from engine.identity import ATTEMPT_PATTERN, Key, agent_stream, parse_attempt, session_stream
 from engine.install import restored_attempt
-from engine.lineage import effective_history
 from engine.ownership import claim
 from engine.patience import Patience
 from participants.agent.session import (
@@ -76,7 +75,7 @@ from participants.agent.session import (
 from participants.base.guard import Header, Route, tool_arguments
 from participants.base.http_errors import json_reply
 from participants.base.keyed_locks import KeyedLocks
-from participants.base.owners import CLAIM_TRIES, settled
+from participants.base.owners import CLAIM_TRIES, settled_in_history
 from participants.base.participant import Participant, PrepareReport
 from participants.base.routing import Peers
 from participants.base.wire import (
@@ -169,11 +168,7 @@ class AgentParticipant(Participant):
                      current: tuple[int, asyncio.Task[dict[str, Any]]] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
         """The activation's reply from the log, or its task here once this instance has claimed it
         (engine/ownership.py). While another live instance holds it, this waits for its outcome."""
-        history = await effective_history(self.store, *key)
-        seen = [e for e in history if e.stream == agent_stream(*key)]
-        own = await settled(self, agent_stream(*key), activation_holder(index), seen)
-        if own is not seen:  # another instance held it: what it recorded meanwhile is read too
-            history = await effective_history(self.store, *key)
+        own, history = await settled_in_history(self, key, agent_stream(*key), activation_holder(index))
         completed = completed_activations(history)
         last = max(completed, default=-1)
         if index == last and last >= 0:

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 from engine import catalog as ev
 from engine.events import RecordedEvent
-from engine.identity import session_stream
+from engine.identity import Key, session_stream
+from engine.lineage import effective_history
 from engine.ownership import Verdict, verdict
 from participants.base.participant import Participant
 
@@ -47,6 +48,16 @@ async def settled(p: Participant, stream: str, holder: Callable[[Sequence[Record
         events = await p.store.read_stream(stream)
 
 
+async def settled_in_history(p: Participant, key: Key, stream: str, holder: Callable[[Sequence[RecordedEvent]], str | None]
+                            ) -> tuple[list[RecordedEvent], list[RecordedEvent]]:
+    """`settled` for work whose stream is part of attempt `key`'s history, and that history: read
+    once, the stream taken from it; read again only when another instance held the work meanwhile."""
+    history = await effective_history(p.store, *key)
+    seen = [e for e in history if e.stream == stream]
+    own = await settled(p, stream, holder, seen)
+    return own, (history if own is seen else await effective_history(p.store, *key))
+
+
 async def orphaned_sessions(p: Participant, keys: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
     """Of the open sessions `keys` that p does not hold, those whose owner (the instance that opened
     them, in their latest `session_opened`) is gone: a live owner's sessions are not p's to report."""
@@ -59,4 +70,4 @@ async def orphaned_sessions(p: Participant, keys: Sequence[tuple[str, int]]) -> 
     return out
 
 
-__all__ = ["CLAIM_TRIES", "orphaned_sessions", "owner_verdict", "settled"]
+__all__ = ["CLAIM_TRIES", "orphaned_sessions", "owner_verdict", "settled", "settled_in_history"]
