@@ -118,7 +118,7 @@ class EpisodeLifecycle(Participant):
         running = self.tasks.get(rid)
         if running is not None and not running.done():
             return running
-        return self._launch(await self._open(rid, task, seed, max_steps, {} if unseen else rows, gym, unseen))
+        return self._launch(await self._open(rid, task, seed, max_steps, rows, gym, unseen))
 
     async def continue_episode(self, rid: str, task: Task, seed: int, max_steps: int, *,
                                gym: Mapping[str, Any] | None, reason: str) -> asyncio.Task[dict[str, Any]]:
@@ -147,7 +147,7 @@ class EpisodeLifecycle(Participant):
 
     async def _open(self, rid: str, task: Task, seed: int, max_steps: int, rows: dict[Key, dict[str, Any]] | None,
                     gym: Mapping[str, Any] | None, unseen: bool = False) -> Episode:
-        rows = rows if rows is not None else await self.store.attempt_rows([rid])
+        rows = {} if unseen else rows if rows is not None else await self.store.attempt_rows([rid])
         claimant = self._claimant(gym)
         started = episodes.started(task.to_json(), seed, max_steps, **claimant)
         if not rows:  # one append: the attempt never exists without its episode's input; of two instances, one lands

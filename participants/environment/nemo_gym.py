@@ -136,12 +136,12 @@ class EnvironmentFront:
         """The rollout's answer from its finished attempt (None: none finished). `ran`: the attempt the
         episode just finished here, whose own `attempt_finished` is then the log's word (no attempt
         rows are read)."""
-        if ran is None:
+        attempt = ran
+        if attempt is None:
             rows = await self.p.store.attempt_rows([rid])
-            done = [a for (_, a), row in rows.items() if row["status"] == "finished"]
-            if not done:
+            attempt = max((a for (_, a), row in rows.items() if row["status"] == "finished"), default=None)
+            if attempt is None:
                 return None
-        attempt = max(done) if ran is None else ran
         history = await effective_history(self.p.store, rid, attempt, kinds=(*RESULT_KINDS, ev.ATTEMPT_FINISHED))
         if ran is not None and not any(e.kind == ev.ATTEMPT_FINISHED and e.attempt == ran for e in history):
             return None

@@ -131,14 +131,16 @@ class GymProcess:
         self._paths: tuple[int | None, frozenset[str]] | None = None  # (the process's pid, what it serves)
 
     def base_url(self) -> str:
-        if self.server.url is not None:
-            return self.server.url.rstrip("/")
-        with self.lock:
-            if self.failed is not None:
-                raise self.failure()
-            if self.proc is None or self.proc.poll() is not None:
-                self._start()
-        return f"http://127.0.0.1:{self.server.port}"
+        if self.server.url is None:
+            with self.lock:
+                if self.failed is not None:
+                    raise self.failure()
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+        return self._address()
+
+    def _address(self) -> str:  # where it listens, started or not
+        return self.server.url.rstrip("/") if self.server.url is not None else f"http://127.0.0.1:{self.server.port}"
 
     def gymnasium(self) -> bool:
         """Whether the server speaks NeMo Gym's gymnasium protocol (participants.environments.gymnasium),
@@ -150,13 +152,12 @@ class GymProcess:
         return gymnasium.speaks(self._paths[1])
 
     async def served(self) -> tuple[str, bool]:
-        """`base_url()` and `gymnasium()`: at once where neither would wait (it runs, or is the operator's,
-        and was asked what it serves), else from a thread, which starts it and waits for it. A session's
-        open and verify ask; a hop to a thread where nothing waits cost more than the question."""
-        url, proc, paths = self.server.url, self.proc, self._paths
-        running = url is not None or (proc is not None and self.failed is None and proc.poll() is None)
+        """`base_url()` and `gymnasium()`: at once where neither would wait (it runs, or is the operator's, and
+        was asked what it serves), else from a thread that starts it and waits: a hop cost more than the question."""
+        proc, paths = self.proc, self._paths
+        running = self.server.url is not None or (proc is not None and self.failed is None and proc.poll() is None)
         if running and paths is not None and paths[0] == (None if proc is None else proc.pid):
-            return (url.rstrip("/") if url is not None else f"http://127.0.0.1:{self.server.port}"), gymnasium.speaks(paths[1])
+            return self._address(), gymnasium.speaks(paths[1])
         return await asyncio.to_thread(lambda: (self.base_url(), self.gymnasium()))
 
     def failure(self) -> GymServerFailed:
