@@ -7,6 +7,8 @@ server's `/run`, and is answered with the row's fields plus a Responses-API `res
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from engine.errors import (
@@ -18,7 +20,7 @@ from engine.errors import (
     TaskConflict,
 )
 from participants.agent.server import AgentParticipant
-from participants.base.guard import Route
+from participants.base.guard import SENT_BODY, Route
 from participants.base.http_errors import json_reply
 from participants.base.nemo_gym_rows import (
     EpisodeResponse,
@@ -42,7 +44,7 @@ class AgentFront:
                 aggregate_route()]
 
     async def run(self, request: web.Request, body: FlatRow) -> web.Response:
-        row = body.model_dump(mode="json", exclude_unset=True)
+        row: dict[str, Any] = request[SENT_BODY]  # type: ignore[assignment]  # a FlatRow validated it: an object
         if body.responses_create_params is None:
             # Not a NeMo Gym row: rollbook's own agent route needs the identity in its path.
             raise RolloutIdRequired("POST /run takes a NeMo Gym row (responses_create_params, _ng_task_index, "
@@ -51,7 +53,7 @@ class AgentFront:
         episode = flat_row_episode(row)
         if not self.p.environment_url:
             raise InvalidRequest("this agent server has no environment server configured to run NeMo Gym rows")
-        reply = await self.p.client.post(f"{self.p.environment_url.rstrip('/')}/run", episode.model_dump(mode="json"))
+        reply = await self.p.client.post(f"{self.p.environment_url.rstrip('/')}/run", episode)
         out = EpisodeResponse.model_validate(reply)
         if out.failure is not None:
             raise EpisodeFailed(out.failure.failure_reason, failure_kind=out.failure.failure_kind, stage=out.failure.stage)

@@ -215,6 +215,9 @@ def tool_arguments(raw: object) -> dict[str, Any]:
     return value
 
 
+SENT_BODY = web.RequestKey("sent_body", object)  # the request's JSON body as parsed, before its model validated it
+
+
 async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise PayloadTooLarge(f"the body is {request.content_length} bytes; the limit is {MAX_BODY_BYTES}")
@@ -222,7 +225,11 @@ async def read_body(request: web.Request, model: type[BaseModel]) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"the body is over the limit of {MAX_BODY_BYTES} bytes") from None
-    return model.model_validate(parse_json(raw), strict=True)
+    value = parse_json(raw)
+    # The body as sent, for a handler that passes it on: dumping a model of a NeMo Gym row back to JSON
+    # cost several times its validation (pydantic walks every value typed Any).
+    request[SENT_BODY] = value
+    return model.model_validate(value, strict=True)
 
 
 # ---- routes ------------------------------------------------------------------------------------

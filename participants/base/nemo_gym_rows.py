@@ -268,17 +268,18 @@ def flat_row_rollout_id(row: dict[str, Any]) -> str | None:
     return f"{row['_ng_task_index']}-{row['_ng_rollout_index']}"
 
 
-def flat_row_episode(row: dict[str, Any]) -> EpisodeRequest:
-    """The episode request a flat row stands for: its rollout id (flat_row_rollout_id), its attempt
+def flat_row_episode(row: dict[str, Any]) -> dict[str, Any]:
+    """The episode request a flat row stands for, as JSON an `EpisodeRequest` validates (checked here,
+    so a bad row is refused by the server it came to): its rollout id (flat_row_rollout_id), its attempt
     `_ng_attempt_index`."""
     rid = flat_row_rollout_id(row)
     if rid is None:
         raise RolloutIdRequired("a flat row needs _ng_rollout_id, or _ng_task_index and _ng_rollout_index")
     task_id, task_input = flat_row_task(row)
-    return EpisodeRequest.model_validate({
-        "episode_id": {"rollout_id": rid, "attempt": row.get("_ng_attempt_index", 0)},
-        "task": {"task_id": task_id.model_dump(), "task_input": task_input.model_dump(exclude_none=True)},
-    })
+    episode = {"episode_id": {"rollout_id": rid, "attempt": row.get("_ng_attempt_index", 0)},
+               "task": {"task_id": task_id.model_dump(), "task_input": task_input.model_dump(exclude_none=True)}}
+    EpisodeRequest.model_validate(episode)
+    return episode
 
 
 def aggregate(verify_responses: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any, ClassVar, Literal
 
+from engine.events import canonical_json
 from engine.file_blobs import Blob
 
 from .players import Player
@@ -86,8 +87,11 @@ class ToolOutcome:
 
 
 def canonical(value: JSON) -> str:
-    """The form two states are compared in; also rejects non-JSON values early."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    """The form two states are compared in, and tasks digested in; also rejects non-JSON values early.
+    json's sorted, compact spelling with every non-ASCII character escaped (task ids are digests of it,
+    so it never changes): the log's own spelling (canonical_json) where that is ASCII, the same text."""
+    text = canonical_json(value)
+    return text if text.isascii() else json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def roundtrip(value: JSON) -> JSON:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from gymnasium.envs.toy_text import blackjack as gym_blackjack
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapters.scripted_tokenizer import scripted_tokens
 from participants.environments import ENVIRONMENTS, Environment, Task, ToolError, get_environment
@@ -331,3 +333,49 @@ def test_scripted_tokens_split_losslessly(text: str) -> None:
     tokens = scripted_tokens(text)
     assert "".join(tokens) == text
     assert all(tokens)
+
+
+_JSON_TEXT = st.text(st.characters(codec=None, categories=None), max_size=12)  # any code point, NUL and lone surrogates
+_JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), _JSON_TEXT,
+              st.sampled_from([1e-05, 1e-7, 1e16, 0.00001, -0.0, "1e-05", "é", "\u2028"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_JSON_TEXT, inner, max_size=4)),
+    max_leaves=25)
+
+
+def _json_spelling(value: object) -> tuple[str, str]:
+    try:
+        return "ok", json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError) as exc:
+        return "refused", type(exc).__name__
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_JSON_VALUES)
+def test_canonical_is_json_sorted_compact_ascii_spelling_for_any_value(value: object) -> None:
+    """Input: any JSON-like value (non-ASCII text, lone surrogates, NUL, NaN and infinities, integers past
+    64 bits, floats json spells with an exponent, strings spelt like them). Task ids are digests of this
+    text, so it is json's own, non-ASCII escaped, or json's refusal."""
+    try:
+        got: tuple[str, str] = ("ok", canonical(value))  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        got = ("refused", type(exc).__name__)
+    assert got == _json_spelling(value)
+
+
+def test_canonical_writes_an_ascii_row_without_json_and_escapes_what_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: a NeMo Gym-like row (nulls, floats, nested tools) in ASCII, then the same with an accented
+    name: the first is written by the log's fast encoder alone, the second as json escapes it."""
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "Reply to Carlos"}], "tools": [
+        {"type": "function", "name": "email_send", "strict": None, "parameters": {"type": "object", "x": 1.5}}]},
+        "id": 7}
+    accented = {**row, "id": "Jos\u00e9"}
+    expected = {k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in (("ascii", row), ("accented", accented))}
+    assert "\\u00e9" in expected["accented"]
+    assert canonical(accented) == expected["accented"]
+
+    def refuse(*_a: object, **_k: object) -> str:
+        raise AssertionError("json's encoder was asked to write an ASCII row")
+
+    monkeypatch.setattr("participants.environments.base.json.dumps", refuse)
+    assert canonical(row) == expected["ascii"]
