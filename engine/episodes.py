@@ -50,7 +50,8 @@ def step(name: str, done: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finished(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """`attempt_finished` of an episode whose steps are `steps`: its reward is the verify step's."""
+    """`attempt_finished`, and the close step, of an episode whose steps are `steps`: its reward is the
+    verify step's."""
     return {"reward": reward(steps)}
 
 

@@ -309,14 +309,19 @@ class EpisodeLifecycle(Participant):
                 continue
             await self._park(ep)
             ep.step = name
-            data = episodes.step(name, await run(ep))
-            events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), ev.EPISODE_STEP, data, ep.rollout_id, ep.attempt)]
-            if name == STEPS[-1]:
+            done = [episodes.step(name, await run(ep))]
+            if name == "verify" and ep.closed_by_verify == ep.attempt:
+                # The verify closed its session: the close step asks no one, so it is the same moment and
+                # lands in the same append (a repeat of the verify, after a crash, says the session closed).
+                done.append(episodes.step(STEPS[-1], episodes.finished(done)))
+            events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), ev.EPISODE_STEP, d, ep.rollout_id, ep.attempt)
+                      for d in done]
+            if done[-1]["step"] == STEPS[-1]:
                 # Atomic with the close step: the result is accepted exactly when the episode is done.
-                events.append(NewEvent(rollout_stream(ep.rollout_id), ev.ATTEMPT_FINISHED, episodes.finished(ep.done),
-                                       ep.rollout_id, ep.attempt))
+                events.append(NewEvent(rollout_stream(ep.rollout_id), ev.ATTEMPT_FINISHED,
+                                       episodes.finished([*ep.done, *done]), ep.rollout_id, ep.attempt))
             await self.store.append(AppendRequest(tuple(events)))
-            ep.done.append(data)
+            ep.done.extend(done)
             ep.step = None
 
     async def _park(self, ep: Episode) -> None:
@@ -384,7 +389,7 @@ class EpisodeLifecycle(Participant):
             await self._post(ep, self.resources_peers, "/close", {})
         # Derived from the verify step, and still written: an attempt that inherited its verify step gets
         # its rollbook.episode_state reward from this event alone.
-        return {"reward": ep.reward}
+        return episodes.finished(ep.done)
 
 
 __all__ = ["MAX_RECOVERIES", "STEPS", "EpisodeLifecycle"]

@@ -343,3 +343,25 @@ async def test_a_rollout_the_log_has_not_seen_is_read_once_before_its_start_is_a
     assert environment[:environment.index("append")] == ["read_rollout"], environment
     assert [name for name in environment if name != "append"] == ["read_rollout", "read_rollout"], environment
     assert agent[:agent.index("append")] == ["read_rollout"], agent
+
+
+async def test_a_verify_that_closes_its_session_lands_with_the_close_step_in_one_append(
+        dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: a /run whose verify passes, so the resources server closes the session in the verify's own
+    append. The environment server's close step then asks no one: its verify step, its close step and the
+    attempt's `attempt_finished` are one append (one transaction, so one `recorded_at`), and the
+    episode's steps are the four, in order, the close step carrying the verify's reward."""
+    async with stack(dsn, "closing") as s:
+        environment = counting(s.participant("environment").store, monkeypatch)  # type: ignore[attr-defined]
+        status, body = await post(f"{s.url('environment')}/run", episode("blackjack:train", "8-8", BLACKJACK))
+    assert status == 200, body
+    rid = scoped_rollout_id("blackjack:train", "8-8")
+    steps = await rows(store, "SELECT data->>'step', (data->>'reward')::float, recorded_at FROM rollbook.events "
+                       "WHERE rollout_id = :r AND kind = 'episode_step' ORDER BY position", r=rid)
+    assert [r[0] for r in steps] == ["seed", "agent", "verify", "close"]
+    assert steps[3][1] == steps[2][1] == body["result"]["reward"]
+    finished = await scalar(store, "SELECT recorded_at FROM rollbook.events WHERE rollout_id = :r "
+                            "AND kind = 'attempt_finished'", r=rid)
+    assert steps[2][2] == steps[3][2] == finished
+    assert steps[1][2] != steps[2][2]
+    assert environment.count("append") == 4, environment  # start, seed, agent, verify with close
