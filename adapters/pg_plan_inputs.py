@@ -21,8 +21,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from adapters.pg_arrays import Texts, texts
+from engine.attempts import RolloutState
 from engine.events import AppendRequest
-from engine.log import StreamHead
+from engine.log import LogState, StreamHead
 
 # One row of READ_HEADS: (what, name, n, m, status, digest).
 Row = tuple[Any, ...]
@@ -36,6 +38,30 @@ def read_inputs(requests: Sequence[AppendRequest]) -> dict[str, list[str]]:
     return {"keys": [r.key for r in requests if r.key is not None],
             "streams": sorted({e.stream for e in events} | {s for r in requests for s in r.expected_versions}),
             "rollouts": sorted({e.rollout_id for e in events if e.rollout_id is not None})}
+
+
+def packed_inputs(inputs: dict[str, list[str]]) -> dict[str, Texts]:
+    """READ_HEADS's parameters (read_inputs) as they go to the server."""
+    return {name: texts(values) for name, values in inputs.items()}
+
+
+def log_state(position: int, rows: Sequence[Any]) -> tuple[LogState, dict[str, tuple[int, int]]]:
+    """READ_HEADS's rows as the state a plan starts from, and the keys already recorded."""
+    state = LogState(position=position)
+    done: dict[str, tuple[int, int]] = {}
+    marks: list[tuple[str, int | None]] = []
+    for what, name, n, m, status, digest in rows:
+        if what == "k":
+            done[name] = (n, m)
+        elif what == "h":
+            state.streams[name] = StreamHead(n, bytes(digest))
+        elif what == "r":
+            marks.append((name, n))
+        else:
+            state.rollouts.setdefault(name, RolloutState({})).attempts[n] = status
+    for rollout_id, mark in marks:
+        state.rollouts.setdefault(rollout_id, RolloutState({})).retired_through = mark if mark is not None else -1
+    return state, done
 
 
 class PlanInputs:
@@ -103,4 +129,4 @@ class PlanInputs:
             self._shared.clear()
 
 
-__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row"]
+__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row", "log_state", "packed_inputs", "read_inputs"]

@@ -46,8 +46,9 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from adapters.pg_arrays import byteas, int2s, int4s_or_null, int8s, texts
 from adapters.pg_blobs import BlobRows
-from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row, read_inputs
+from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row, log_state, packed_inputs, read_inputs
 from adapters.pg_pool import (
     DEFAULT_PATIENCE_S,
     PoolLimits,
@@ -60,10 +61,10 @@ from adapters.pg_pool import (
 )
 from adapters.pg_projections import apply_changes, until_guarded, upsert_ctes
 from adapters.pg_reads import _COLUMNS, CHANNEL, LOCK_LOG_HEAD, _row_to_event
-from engine.attempts import FENCE_KINDS, RolloutState
+from engine.attempts import FENCE_KINDS
 from engine.errors import RollbookError
 from engine.events import DEFAULT_PAYLOAD_LIMIT, AppendRequest, RecordedEvent
-from engine.log import LogState, PlannedEvent, StreamHead, plan_batch
+from engine.log import LogState, PlannedEvent, plan_batch
 from engine.projections import TABLES, Change, changes_for
 
 # What an append plans from, read in one statement: the requests' keys already recorded (k), the
@@ -389,7 +390,7 @@ class PostgresEventStore(BlobRows):
         rows = self.plan_inputs.rows(params)
         if rows is None:
             return None
-        state, _ = _log_state(self.plan_inputs.position, rows)
+        state, _ = log_state(self.plan_inputs.position, rows)
         plan = _Plan({}, {}, list(requests), self.plan_inputs.position, rows, params)
         written = self._plan(plan, state)
         if any(isinstance(o, RollbookError) for o in plan.planned):
@@ -408,18 +409,19 @@ class PostgresEventStore(BlobRows):
         earlier tries committed."""
         params = read_inputs(requests)
         await conn.execute(GENERIC_PLANS, prepare=True)
-        rows = await (await conn.execute(LOCK_AND_READ if locked else READ, params, prepare=True)).fetchall()
+        packed = packed_inputs(params)
+        rows = await (await conn.execute(LOCK_AND_READ if locked else READ, packed, prepare=True)).fetchall()
         position, seen = next(((r[2], r[3]) for r in rows if r[0] == "l"), (None, None))
         if position is None:
             raise RuntimeError("rollbook.log_head has no row; run `rollbook db upgrade` on this database")
         if position != seen:  # an append committed while this one waited for the lock: read after it
-            rows = await (await conn.execute(READ_HEADS, params, prepare=True)).fetchall()
+            rows = await (await conn.execute(READ_HEADS, packed, prepare=True)).fetchall()
         read = [tuple(r) for r in rows if r[0] != "l"]
         if self._stale is not None and locked:
             self.plan_inputs.differed(self._stale, read)
         self._stale = None
         self.plan_inputs.read(params, read, position)
-        state, done = _log_state(position, read)
+        state, done = log_state(position, read)
         earlier = await self._earlier(conn, done) if done and locked else {}
         return state, _Plan(done, earlier, [r for r in requests if r.key not in done], position, read, params)
 
@@ -454,18 +456,20 @@ class PostgresEventStore(BlobRows):
         upserts, params = upsert_ctes(changes, moved_by="d")
         move = MOVE_LOG_HEAD_NOTIFY if self._take_notify() else MOVE_LOG_HEAD
         planned = [pe for o in plan.planned if isinstance(o, list) for pe in o]
-        columns = [list(c) for c in zip(*plan.read, strict=True)] or [[] for _ in range(6)]
+        rt, rn, rx, ry, rs, rh = [list(c) for c in zip(*plan.read, strict=True)] or [[] for _ in range(6)]
         return ("WITH " + ", ".join([PLANNED_FROM, INSERT_EVENTS, ADVANCE_HEADS, *upserts]) + " " + move, {
-            **params, **self._event_params(planned), **_head_params(plan, written, state), **plan.inputs,
-            "planned_from": plan.planned_from, **dict(zip(("rt", "rn", "rx", "ry", "rs", "rh"), columns, strict=True))})
+            **params, **self._event_params(planned), **_head_params(plan, written, state), **packed_inputs(plan.inputs),
+            "planned_from": plan.planned_from, "rt": texts(rt), "rn": texts(rn), "rx": int8s(rx), "ry": int8s(ry),
+            "rs": texts(rs), "rh": byteas(rh)})
 
     def _event_params(self, planned: list[PlannedEvent]) -> dict[str, Any]:
         evs = [pe.event for pe in planned]
         return {
-            "p": [e.position for e in evs], "s": [e.stream for e in evs], "v": [e.stream_version for e in evs],
-            "k": [e.kind for e in evs], "j": [pe.payload for pe in planned], "sv": [e.schema_version for e in evs],
-            "r": [e.rollout_id for e in evs], "a": [e.attempt for e in evs], "h": [e.hash for e in evs],
-            "w": self.writer,
+            "p": int8s([e.position for e in evs]), "s": texts([e.stream for e in evs]),
+            "v": int4s_or_null([e.stream_version for e in evs]), "k": texts([e.kind for e in evs]),
+            "j": texts([pe.payload for pe in planned]), "sv": int2s([e.schema_version for e in evs]),
+            "r": texts([e.rollout_id for e in evs]), "a": int4s_or_null([e.attempt for e in evs]),
+            "h": byteas([e.hash for e in evs]), "w": self.writer,
         }
 
     async def _write_carried(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -571,28 +575,10 @@ def _head_params(plan: _Plan, written: list[RecordedEvent], state: LogState) -> 
     landed = [(r.key, o[0].event.position, o[-1].event.position)
               for r, o in zip(plan.todo, plan.planned, strict=False) if isinstance(o, list) and o and r.key is not None]
     heads = {e.stream: state.streams[e.stream] for e in written}
-    return {"hs": list(heads), "hv": [h.version for h in heads.values()], "hh": [h.hash for h in heads.values()],
-            "kk": [k for k, _, _ in landed], "kf": [f for _, f, _ in landed], "kl": [t for _, _, t in landed],
+    return {"hs": texts(list(heads)), "hv": int4s_or_null([h.version for h in heads.values()]),
+            "hh": byteas([h.hash for h in heads.values()]), "kk": texts([k for k, _, _ in landed]),
+            "kf": int8s([f for _, f, _ in landed]), "kl": int8s([t for _, _, t in landed]),
             "head": state.position, "fence": max((e.position for e in written if e.kind in FENCE_KINDS), default=None)}
-
-
-def _log_state(position: int, rows: Sequence[Any]) -> tuple[LogState, dict[str, tuple[int, int]]]:
-    """READ_HEADS's rows as the state a plan starts from, and the keys already recorded."""
-    state = LogState(position=position)
-    done: dict[str, tuple[int, int]] = {}
-    marks: list[tuple[str, int | None]] = []
-    for what, name, n, m, status, digest in rows:
-        if what == "k":
-            done[name] = (n, m)
-        elif what == "h":
-            state.streams[name] = StreamHead(n, bytes(digest))
-        elif what == "r":
-            marks.append((name, n))
-        else:
-            state.rollouts.setdefault(name, RolloutState({})).attempts[n] = status
-    for rollout_id, mark in marks:
-        state.rollouts.setdefault(rollout_id, RolloutState({})).retired_through = mark if mark is not None else -1
-    return state, done
 
 
 __all__ = ["CHANNEL", "DEFAULT_KEY_RETENTION_S", "DEFAULT_PATIENCE_S", "LOCK_LOG_HEAD",

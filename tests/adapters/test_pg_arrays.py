@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adapters.database import libpq_dsn
-from adapters.pg_arrays import float4s, int4s
+from adapters.pg_arrays import byteas, float4s, int2s, int4s, int4s_or_null, int8s, texts
 from adapters.token_store import (
     MAX_TOKEN_ID,
     PostgresTokenStore,
@@ -97,3 +97,36 @@ def test_digests_are_those_the_stores_have_written_all_along(ids: list[int], log
     """Input: arrays whose digests the token store wrote before ids and logprobs were digested as tuples
     (the values here were printed by that code): a blob stored then still reads back as untampered."""
     assert token_digest(normalize(ids, logprobs)) == digest
+
+
+TYPED = {  # packer, the array type, the values it holds (None among them)
+    "bigint[]": (int8s, st.integers(-(2**63), 2**63 - 1)),
+    "integer[]": (int4s_or_null, st.integers(-(2**31), 2**31 - 1)),
+    "smallint[]": (int2s, st.integers(-(2**15), 2**15 - 1)),
+    # any code point PostgreSQL's text holds: no NUL, no lone surrogate
+    "text[]": (texts, st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=40)),
+    "bytea[]": (byteas, st.binary(max_size=40)),
+}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), kind=st.sampled_from(sorted(TYPED)))
+def test_an_appends_packed_arrays_are_what_psycopg_sends_as_lists(conn: psycopg.Connection, data: st.DataObject,
+                                                                   kind: str) -> None:
+    """Input: arrays of each type an append sends (none, one, dozens of elements; NULLs, the type's
+    extreme values, multi-byte text, empty strings and bytes). Packed, each reads back as the same
+    list psycopg's own dumper sends, and compares equal to it in the server."""
+    pack, element = TYPED[kind]
+    values = data.draw(st.lists(st.one_of(st.none(), element), max_size=30))
+    packed, back, same = conn.execute(f"SELECT %s, %s::{kind}, %s = %s::{kind}", (pack(values), values, pack(values), values)).fetchone()
+    assert packed == back == values
+    assert same is True
+
+
+def test_a_packed_array_names_its_type_whatever_its_values(conn: psycopg.Connection) -> None:
+    """Input: an empty list and a list of small integers, which psycopg sends untyped and as smallint[]:
+    packed, each is the type its column is."""
+    assert conn.execute("SELECT pg_typeof(%s)::text, pg_typeof(%s)::text, pg_typeof(%s)::text",
+                        (int8s([]), int8s([1, 2]), texts([]))).fetchone() == ("bigint[]", "bigint[]", "text[]")
+    with pytest.raises(UnicodeEncodeError):
+        texts(["\ud800"])
