@@ -99,6 +99,11 @@ def _kind(name: str, stream: Stream, writer: str, doc: str, *fields: Field) -> s
     return name
 
 
+def kinds_on(stream: Stream) -> tuple[str, ...]:
+    """The cataloged kinds that go to the streams of `stream`'s family."""
+    return tuple(name for name, kind in CATALOG.items() if kind.stream is stream)
+
+
 def check(event: NewEvent) -> None:
     """Called by the store for every event it appends; a kind outside the catalog is not rollbook's
     own (a test's, a benchmark's) and the log stays a general log for it."""

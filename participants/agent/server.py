@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
@@ -37,7 +38,7 @@ from aiohttp import web
 from adapters.http_client import JsonClient, as_attempt, data_url
 from engine.admission import retired
 from engine.boundaries import completed_activations, full_boundary
-from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED
+from engine.catalog import ACTIVATION_CLAIMED, ACTIVATION_COMPLETED, AGENT, kinds_on
 from engine.catalog import AGENT_BOUNDARY as BOUNDARY
 from engine.checkpoint import Cut, ParticipantStore, read_cut
 from engine.errors import (
@@ -92,6 +93,10 @@ from participants.environments import ENVIRONMENTS
 
 if TYPE_CHECKING:
     from participants.agent.external import ExternalAgents
+
+# What an activation's start reads of its attempt's history: its agent stream's kinds (and, through
+# engine.lineage, each attempt's start).
+AGENT_KINDS = kinds_on(AGENT)
 
 
 def pending_boundary(history: list[RecordedEvent]) -> RecordedEvent | None:
@@ -154,7 +159,8 @@ class AgentParticipant(Participant):
             else:
                 for tries in range(1, CLAIM_TRIES + 1):
                     try:
-                        started = await self._start(key, index, req, current)
+                        # A claim refused after a read of the agent's kinds alone is tried on a read of all.
+                        started = await self._start(key, index, req, current, AGENT_KINDS if tries == 1 else None)
                         break
                     except VersionConflict:
                         if tries == CLAIM_TRIES:
@@ -164,11 +170,13 @@ class AgentParticipant(Participant):
                 task = started
         return json_reply(await asyncio.shield(task))
 
-    async def _start(self, key: Key, index: int, req: RunRequest,
-                     current: tuple[int, asyncio.Task[dict[str, Any]]] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
+    async def _start(self, key: Key, index: int, req: RunRequest, current: tuple[int, asyncio.Task[dict[str, Any]]] | None,
+                     kinds: Sequence[str] | None) -> dict[str, Any] | asyncio.Task[dict[str, Any]]:
         """The activation's reply from the log, or its task here once this instance has claimed it
-        (engine/ownership.py). While another live instance holds it, this waits for its outcome."""
-        own, history = await settled_in_history(self, key, agent_stream(*key), activation_holder(index))
+        (engine/ownership.py). While another live instance holds it, this waits for its outcome. `kinds`:
+        the history read holds those alone (a NeMo Gym row's task, in the episode's and the session's
+        first events, is most of an attempt's bytes, and an activation begins from its agent stream)."""
+        own, history = await settled_in_history(self, key, agent_stream(*key), activation_holder(index), kinds)
         completed = completed_activations(history)
         last = max(completed, default=-1)
         if index == last and last >= 0:

@@ -48,14 +48,15 @@ async def settled(p: Participant, stream: str, holder: Callable[[Sequence[Record
         events = await p.store.read_stream(stream)
 
 
-async def settled_in_history(p: Participant, key: Key, stream: str, holder: Callable[[Sequence[RecordedEvent]], str | None]
-                            ) -> tuple[list[RecordedEvent], list[RecordedEvent]]:
-    """`settled` for work whose stream is part of attempt `key`'s history, and that history: read
-    once, the stream taken from it; read again only when another instance held the work meanwhile."""
-    history = await effective_history(p.store, *key)
+async def settled_in_history(p: Participant, key: Key, stream: str, holder: Callable[[Sequence[RecordedEvent]], str | None],
+                             kinds: Sequence[str] | None = None) -> tuple[list[RecordedEvent], list[RecordedEvent]]:
+    """`settled` for work whose stream is part of attempt `key`'s history, and that history (its events
+    of `kinds` alone, when given: every kind the stream holds must be among them): read once, the
+    stream taken from it; read again only when another instance held the work meanwhile."""
+    history = await effective_history(p.store, *key, kinds=kinds)
     seen = [e for e in history if e.stream == stream]
     own = await settled(p, stream, holder, seen)
-    return own, (history if own is seen else await effective_history(p.store, *key))
+    return own, (history if own is seen else await effective_history(p.store, *key, kinds=kinds))
 
 
 async def orphaned_sessions(p: Participant, keys: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:

@@ -18,11 +18,12 @@ from adapters.http_client import JsonClient, data_url
 from adapters.membership import MembershipReader
 from adapters.postgres import PostgresEventStore
 from apps.stack import CREDS, SEED, Stack, all_events, of, start_stack
-from engine.catalog import AGENT_BOUNDARY
+from engine.catalog import AGENT_BOUNDARY, ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import agent_stream, episode_stream, rollout_stream
 from participants.agent.app import build_agent_app
 from participants.agent.external import ExternalAgents, GymAgent, gym_drivers
+from participants.agent.server import AGENT_KINDS
 from participants.agent.session import RunRequest, fresh_session
 from participants.base.app import PARTICIPANT
 from participants.base.wire import ACTIVATION_HEADER
@@ -206,3 +207,47 @@ async def test_two_agent_servers_racing_for_an_activation_of_a_nemo_gym_agent_fo
         assert len(of(events, "agent_activation_claimed")) == 1 and len(of(events, "agent_activation_completed")) == 1
     finally:
         await gym.close()
+
+
+def reads_of(store: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...] | None]:
+    """The kinds each read_rollout of `store` asked for (None: every kind), in order."""
+    asked: list[tuple[str, ...] | None] = []
+    real = store.read_rollout
+
+    async def read_rollout(*args: Any, **kw: Any) -> Any:
+        kinds = kw.get("kinds", args[3] if len(args) > 3 else None)
+        asked.append(None if kinds is None else tuple(kinds))
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(store, "read_rollout", read_rollout)
+    return asked
+
+
+async def test_an_activations_start_reads_its_agent_stream_kinds_alone(
+        dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: an activation of an attempt whose log holds its start and its open session (the task, in
+    full, twice). Its start reads the attempt's agent kinds and starts alone, and it runs to its end."""
+    async with stack(dsn, "kinds") as s:
+        await seeded(s, store, "kinds-0")
+        asked = reads_of(s.participant("agent").store, monkeypatch)  # type: ignore[attr-defined]
+        out = await activate(s.client, s.url("agent"), "kinds-0")
+    assert out["turns"] >= 1
+    assert asked and all(k is not None and set(k) <= {*AGENT_KINDS, ATTEMPT_STARTED} for k in asked), asked
+    assert len(of(await store.read_stream(agent_stream("kinds-0", 0)), "agent_activation_completed")) == 1
+
+
+async def test_an_agent_stream_holding_a_kind_outside_the_catalog_is_claimed_after_a_read_of_every_kind(
+        dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input: an operator's own event (a kind the catalog does not name) on the attempt's agent stream
+    before its activation starts. The first claim, at the version the agent kinds alone gave, is refused
+    by the log; the next read takes every kind, and the activation is claimed after that event and runs."""
+    async with stack(dsn, "odd") as s:
+        await seeded(s, store, "odd-0")
+        await store.append(AppendRequest((NewEvent(agent_stream("odd-0", 0), "operator_note", {"note": "x"}, "odd-0", 0),)))
+        asked = reads_of(s.participant("agent").store, monkeypatch)  # type: ignore[attr-defined]
+        out = await activate(s.client, s.url("agent"), "odd-0")
+    assert out["turns"] >= 1
+    assert None in asked, asked
+    events = await store.read_stream(agent_stream("odd-0", 0))
+    assert [e.kind for e in events[:2]] == ["operator_note", AGENT_BOUNDARY]
+    assert len(of(events, "agent_activation_completed")) == 1
