@@ -311,8 +311,8 @@ class EpisodeLifecycle(Participant):
             ep.step = name
             done = [episodes.step(name, await run(ep))]
             if name == "verify" and ep.closed_by_verify == ep.attempt:
-                # The verify closed its session: the close step asks no one, so it is the same moment and
-                # lands in the same append (a repeat of the verify, after a crash, says the session closed).
+                # The verify closed its session (asked to): the close step asks no one, so it is the same
+                # moment and lands in the same append (a repeat of the verify, after a crash, says it closed).
                 done.append(episodes.step(STEPS[-1], episodes.finished(done)))
             events = [NewEvent(episode_stream(ep.rollout_id, ep.attempt), ev.EPISODE_STEP, d, ep.rollout_id, ep.attempt)
                       for d in done]
@@ -370,7 +370,8 @@ class EpisodeLifecycle(Participant):
         # The resources server reads the answer and the conversation from the log itself. The reward is
         # recorded here alone; everything after derives it from this step (engine.episodes.reward).
         try:
-            out = await self._post(ep, self.resources_peers, "/verify", {})
+            # The close step comes next and asks nothing else of the session: it closes with the verify.
+            out = await self._post(ep, self.resources_peers, "/verify", {"close": True})
         except GymServerFailed as exc:
             # A judge's model call lost with the model server that held it is refused as lost (attempt_lost),
             # which the NeMo Gym server can only report as its own failure: the attempt was lost, not failed.

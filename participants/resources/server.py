@@ -5,8 +5,9 @@ Mutations of one session are serialized by its lock; each one that has an effect
 `mutation_applied` event on the session's stream, appended before the new state is installed and before
 the reply leaves, so no caller ever sees a revision the log lacks. Restore rebuilds every scoped session
 from the log alone (initial state, then each effect in order), validates the whole set, stages it, and
-installs it under the rollout's new attempt only at resume. A verify that passes closes its session
-(`session_verified` and `session_closed` in one append; the reply says `closed`).
+installs it under the rollout's new attempt only at resume. A verify that passes closes its session,
+and so does one that fails where the caller asks it to close (`session_verified` and `session_closed`
+in one append; the reply says `closed`).
 
 After a crash of this server, a session of a live attempt is rebuilt from the log the first time the
 attempt asks for it (engine.recovery): its own mutations replayed, or, for an attempt that continues
@@ -89,6 +90,7 @@ from participants.resources.wire import (
     ToolReply,
     ToolRequest,
     VerifyReply,
+    VerifyRequest,
 )
 
 # How many closed sessions a server remembers (see ResourcesParticipant._closed).
@@ -319,7 +321,7 @@ class ResourcesParticipant(Participant):
             s.tool_calls[call_key] = data
             return json_reply({"output": outcome.output, "revision": revision, "done": outcome.done})
 
-    async def verify(self, request: web.Request, _body: Empty) -> web.Response:
+    async def verify(self, request: web.Request, body: VerifyRequest) -> web.Response:
         """Verify against the answer the log holds: the attempt's last completed agent activation (its
         lineage included), never an answer a request brings, which any data-credential holder could forge."""
         key = await self._enter(request)
@@ -360,7 +362,8 @@ class ResourcesParticipant(Participant):
                 reward, status, error = 0.0, "error", f"{type(exc).__name__}: {exc}"
             data: dict[str, Any] = {"reward": reward, "status": status, "revision": revision,
                                     "final_answer": answer.get("final_answer"), **({"error": error} if error else {})}
-            await self._record_verify(s, key, data)
+            closes = status == "passed" or body.close and status == "failed"
+            await self._record_verify(s, key, data, closes)
         finally:
             s.verifying -= 1
             if s.verifying == 0:
@@ -368,19 +371,19 @@ class ResourcesParticipant(Participant):
         if error is not None:
             raise ToolCallRefused(f"verification failed: {error}", tool_error="verify_error")
         return json_reply({"reward": reward, "status": status, "revision": revision,
-                           **({"closed": True} if status == "passed" else {})})
+                           **({"closed": True} if closes else {})})
 
-    async def _record_verify(self, s: Session, key: Key, data: dict[str, Any]) -> None:
-        """A successful terminal session is retired, its close in the verify's own append; a failed one
-        keeps its state to inspect or retry."""
+    async def _record_verify(self, s: Session, key: Key, data: dict[str, Any], closes: bool) -> None:
+        """The verification; with `closes` (a passed one, or a failed one whose caller is done with the
+        session) the session is retired, its close in the verify's own append. Otherwise it keeps its
+        state to inspect, go on or verify again."""
         async with s.lock:
             if self.sessions.get(key) is not s:
                 raise NotFound(f"the session of rollout {key[0]} attempt {key[1]} was closed during verify")
-            passed = data["status"] == "passed"
             closing = {"status": data["status"], "reason": "verified", "revision": s.revision}
-            await self._append(s, ev.SESSION_VERIFIED, data, (ev.SESSION_CLOSED, closing) if passed else None)
+            await self._append(s, ev.SESSION_VERIFIED, data, (ev.SESSION_CLOSED, closing) if closes else None)
             s.verify_status = data["status"]
-            if passed:
+            if closes:
                 await self._forget_session(s)
 
     async def close_session(self, request: web.Request, _body: None) -> web.Response:
@@ -491,7 +494,7 @@ class ResourcesParticipant(Participant):
                   headers=(Header(TOOL_CALL_HEADER, TOOL_CALL_KEY_PATTERN, required=False,
                                   description="the call's key: a repeat gets the recorded outcome; without it the "
                                               "server numbers the call (engine.agent_replay)"), NUMBERED_IN)),
-            Route("POST", data_path("/verify"), self.verify, Empty, VerifyReply, (*session, RequestConflict, GymServerFailed)),
+            Route("POST", data_path("/verify"), self.verify, VerifyRequest, VerifyReply, (*session, RequestConflict, GymServerFailed)),
             Route("POST", data_path("/close"), self.close_session, None, Empty, session),
             Route("GET", data_path("/state"), self.get_state, None, StateReply, session),
         ]

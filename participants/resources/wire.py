@@ -34,12 +34,19 @@ class ToolReply(BaseModel):
     repeated: bool | None = None
 
 
+class VerifyRequest(Body):
+    # The caller's last word on the session: it closes with the verification, in the verify's own
+    # append, whatever the reward (an episode's verify step, whose close step follows at once). Without
+    # it a failed verify keeps the session, to go on or verify again.
+    close: bool = False
+
+
 class VerifyReply(BaseModel):
     reward: float
     status: str
     revision: int
     repeated: bool | None = None  # the recorded answer of a verify asked again
-    closed: bool | None = None  # the session is closed (a passed verify closes it in its own append): ask no close
+    closed: bool | None = None  # the session closed with the verify (passed, or asked to close): ask no close
 
 
 class StateReply(BaseModel):

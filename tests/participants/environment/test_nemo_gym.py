@@ -77,6 +77,7 @@ async def scalar(store: PostgresEventStore, sql: str, **params: Any) -> Any:
 
 MATH = {"env": "math", "generate": 0}
 BLACKJACK = {"env": "blackjack", "generate": 6, "seed": 7}
+WRONG_SUM = {"env": "math", "prompt": "What is 2 + 3?", "params": {"expression": "2 + 3", "answer": 6}}  # verify fails
 
 
 async def test_run_answers_an_episode_in_nemo_gyms_response_shape(dsn: str) -> None:
@@ -345,17 +346,21 @@ async def test_a_rollout_the_log_has_not_seen_is_read_once_before_its_start_is_a
     assert agent[:agent.index("append")] == ["read_rollout"], agent
 
 
+@pytest.mark.parametrize("task, rewarded", [(BLACKJACK, True), (WRONG_SUM, False)], ids=["passed", "failed"])
 async def test_a_verify_that_closes_its_session_lands_with_the_close_step_in_one_append(
-        dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Input: a /run whose verify passes, so the resources server closes the session in the verify's own
-    append. The environment server's close step then asks no one: its verify step, its close step and the
-    attempt's `attempt_finished` are one append (one transaction, so one `recorded_at`), and the
-    episode's steps are the four, in order, the close step carrying the verify's reward."""
+        dsn: str, store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch, task: dict[str, Any], rewarded: bool) -> None:
+    """Input: a /run. Its verify step asks the resources server to close the session with the verify
+    (whatever the reward), in the verify's own append, so the environment server's close step asks no
+    one: its verify step, its close step and the attempt's `attempt_finished` are one append (one
+    transaction, so one `recorded_at`), and the episode's steps are the four, in order, the close step
+    carrying the verify's reward. Both ways: a verify that passes, and one that fails (a sum whose
+    answer the task gets wrong)."""
     async with stack(dsn, "closing") as s:
         environment = counting(s.participant("environment").store, monkeypatch)  # type: ignore[attr-defined]
-        status, body = await post(f"{s.url('environment')}/run", episode("blackjack:train", "8-8", BLACKJACK))
+        status, body = await post(f"{s.url('environment')}/run", episode("closing:train", "8-8", task))
     assert status == 200, body
-    rid = scoped_rollout_id("blackjack:train", "8-8")
+    assert (body["result"]["reward"] > 0) is rewarded, body
+    rid = scoped_rollout_id("closing:train", "8-8")
     steps = await rows(store, "SELECT data->>'step', (data->>'reward')::float, recorded_at FROM rollbook.events "
                        "WHERE rollout_id = :r AND kind = 'episode_step' ORDER BY position", r=rid)
     assert [r[0] for r in steps] == ["seed", "agent", "verify", "close"]

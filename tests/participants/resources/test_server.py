@@ -115,6 +115,28 @@ async def test_open_tool_verify_close_record_one_event_per_change(served: Served
     assert [(v["status"], v["revision"]) for v in verified] == [("failed", 1), ("passed", 2)]
 
 
+async def test_a_failed_verify_asked_to_close_closes_the_session_in_its_own_append(
+        served: Served, store: MemoryEventStore) -> None:
+    """Input: a verify with `{"close": true}` before the goal is met (an episode's verify step, its close
+    step next). It fails, and the session closes with it, in one append; asked again, the recorded
+    verification comes back, closed. A body with a field the route does not know is refused."""
+    http, _ = served
+    await start(store, "w2")
+    await open_session(http, "w2", "workplace", email_seed())
+    await answered(store, "w2", "done")
+    assert (await call(http, "POST", f"{prefix('w2', 0)}/verify", {"close": True, "later": 1}))[0] == 400
+    sizes, commit = list[int](), store.log.commit
+    store.log.commit = lambda request, *a: sizes.append(len(request.events)) or commit(request, *a)  # type: ignore[method-assign]
+    status, failed = await call(http, "POST", f"{prefix('w2', 0)}/verify", {"close": True})
+    store.log.commit = commit  # type: ignore[method-assign]
+    assert status == 200 and failed == {"reward": 0.0, "status": "failed", "revision": 0, "closed": True}
+    assert sizes == [2]
+    assert (await state(http, "w2"))[0] == 404
+    assert await kinds(store, session_stream("w2", 0)) == ["session_opened", "session_verified", "session_closed"]
+    again = await call(http, "POST", f"{prefix('w2', 0)}/verify", {"close": True})
+    assert again == (200, {"reward": 0.0, "status": "failed", "revision": 0, "closed": True, "repeated": True})
+
+
 @pytest.mark.parametrize(
     "name, arguments, code, what",
     [
