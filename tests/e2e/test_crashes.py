@@ -321,18 +321,18 @@ async def test_crash_again_before_the_replacements_finish(cluster_factory, rng) 
 # ---- 7. an episode that finishes during prepare -------------------------------------------------------
 
 async def test_an_episode_finishing_during_a_checkpoint_is_neither_lost_nor_redone(cluster_factory, rng) -> None:
-    """Episodes whose last step (close) is under way when a checkpoint is taken.
+    """Episodes whose last request (verify, which closes the session with it) is under way when a
+    checkpoint is taken.
 
-    Prepare waits for no step, so a close in flight finishes during the checkpoint: at or before P
+    Prepare waits for no step, so a verify in flight finishes during the checkpoint: at or before P
     (the cut has the rollout completed) or after it (the cut continues it from its boundary before
-    close, and the reply waits for resume). Math tasks that no answer passes keep their resources
-    session open after verify, so their close is refused (and retried) while the resources server's
-    admission is closed: we hold it with its own control plane, let the math episodes into close,
-    release it and take the real checkpoint while their retries come in. Either way, after a crash
-    and a restore of that checkpoint each ends finished once, with its result."""
+    verify, and the reply waits for resume). A verify is refused (and retried) while the resources
+    server's admission is closed: we hold it with its own control plane, let the math episodes into
+    verify, release it and take the real checkpoint while their retries come in. Either way, after a
+    crash and a restore of that checkpoint each ends finished once, with its result."""
     c = await cluster_factory(token_latency_s=0.01)
     base = make_tasks(N, rng.randrange(1 << 20), ["math", "workplace", "math", "blackjack"])
-    # A non-integer answer that integer arithmetic never produces: verify fails, the session stays open.
+    # A non-integer answer that integer arithmetic never produces: every math verify fails (reward 0).
     tasks = [Task(t.env, t.task_id, t.prompt, {**t.params, "answer": 0.5}) if t.env == "math" else t for t in base]
     # The model is held from the start, so no episode gets past its seed (the agent's first call
     # waits) until the resources server is held too: every math episode then stops at verify, however
@@ -350,22 +350,10 @@ async def test_an_episode_finishing_during_a_checkpoint_is_neither_lost_nor_redo
                               "AND kind = 'episode_step' AND data->>'step' = 'seed'") == N
 
     await c.wait_for("every session open", seeded)
-    await c.control("resources", "prepare", "fin-hold-r1")  # verify, close, mutations now wait
+    await c.control("resources", "prepare", "fin-hold-r1")  # verify and mutations now wait
     await c.control("model", "resume", "fin-hold-m")  # the agents' turns run, up to verify
-    await c.wait_for("math episodes in verify", lambda: steps(("verify", "close")))
-    await c.control("environment", "prepare", "fin-hold-e")  # each parks before its next step
-    await c.control("resources", "resume", "fin-hold-r1")  # verify runs; each episode parks before close
-
-    async def verified() -> bool:
-        return all(["verify" in (await c.episode(r)).get("steps", []) for r in math])
-    await c.wait_for("math episodes past verify", verified)
-    # Those that had passed verify before the hold finished then; the rest are parked right before close.
-    math = [r for r in math if (await c.episode(r))["steps"] == ["seed", "agent", "verify"]]
-    assert math, "no math episode was parked before close"
-    await c.control("resources", "prepare", "fin-hold-r2")
-    await c.control("environment", "resume", "fin-hold-e")  # into close, which resources refuses for now
-    await c.wait_for("math episodes in close", lambda: steps(("close",)))
-    await c.control("resources", "resume", "fin-hold-r2")  # each close goes through at its next retry...
+    await c.wait_for("math episodes in verify", lambda: steps(("verify",)))
+    await c.control("resources", "resume", "fin-hold-r1")  # each verify goes through at its next retry...
     ck = await coll.checkpoint(c.session, "fin-ck1", resume=False)  # ...while this checkpoint is taken
     assert ck["published"], ck
     cut, _ = await load_cut(c.store, "fin-ck1")
@@ -378,7 +366,7 @@ async def test_an_episode_finishing_during_a_checkpoint_is_neither_lost_nor_redo
         if a.status == "finished" and a.ended_position <= cut.position:
             assert rid not in scoped | {r for r, _ in cut.fresh}, (rid, a)  # complete at P: neither continued nor restarted
             before.append(rid)
-        else:  # still in close at P: continued from its boundary before close
+        else:  # still in verify at P: continued from its boundary before verify
             assert rid in scoped, (rid, a, cut.position)
             after.append(rid)
     print(f"math episodes finished at or before P: {len(before)}, after it: {len(after)}")
