@@ -47,16 +47,18 @@ class Float4s(bytes):
     """A one-dimensional real[] in PostgreSQL's binary format."""
 
 
+def _header(element_oid: int, n: int, has_null: bool) -> bytes:
+    """A one-dimensional array's header (none for an empty one's dimension)."""
+    return struct.pack(">iiiii", 1, has_null, element_oid, n, 1) if n else struct.pack(">iii", 0, 0, element_oid)
+
+
 def _packed(element_oid: int, words: array) -> bytes:  # type: ignore[type-arg]
     """The array of 32-bit `words` (each already an element's four bytes, in this machine's order)."""
-    n = len(words)
-    if n == 0:
-        return struct.pack(">iii", 0, 0, element_oid)
-    out = array("i", [4]) * (2 * n)  # each element: its length, 4, then its value
+    out = array("i", [4]) * (2 * len(words))  # each element: its length, 4, then its value
     out[1::2] = words
     if sys.byteorder == "little":
         out.byteswap()
-    return struct.pack(">iiiii", 1, 0, element_oid, n, 1) + out.tobytes()
+    return _header(element_oid, len(words), False) + out.tobytes()
 
 
 def int4s(values: Sequence[int]) -> Int4s:
@@ -87,10 +89,6 @@ class Texts(bytes):
 
 class Byteas(bytes):
     """A one-dimensional bytea[] in PostgreSQL's binary format."""
-
-
-def _header(element_oid: int, n: int, has_null: bool) -> bytes:
-    return struct.pack(">iiiii", 1, has_null, element_oid, n, 1) if n else struct.pack(">iii", 0, 0, element_oid)
 
 
 def _integers(element_oid: int, code: str, size: int, values: Sequence[int | None]) -> bytes:
@@ -133,9 +131,9 @@ def byteas(values: Sequence[bytes | None]) -> Byteas:
     return Byteas(_variable(BYTEA, values))
 
 
-class _Int4sDumper(Dumper):
+class _PackedDumper(Dumper):
     format = Format.BINARY
-    oid = INT4_ARRAY
+    oid = 0  # each packed type's array oid, below
 
     def dump(self, obj: bytes) -> bytes:
         return obj
@@ -143,4 +141,4 @@ class _Int4sDumper(Dumper):
 
 for _packed_type, _oid in ((Int4s, INT4_ARRAY), (Float4s, FLOAT4_ARRAY), (Int8s, INT8_ARRAY), (Int2s, INT2_ARRAY),
                            (Texts, TEXT_ARRAY), (Byteas, BYTEA_ARRAY)):
-    psycopg.adapters.register_dumper(_packed_type, type(f"_{_packed_type.__name__}Dumper", (_Int4sDumper,), {"oid": _oid}))
+    psycopg.adapters.register_dumper(_packed_type, type(f"_{_packed_type.__name__}Dumper", (_PackedDumper,), {"oid": _oid}))

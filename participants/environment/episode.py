@@ -29,7 +29,7 @@ class Episode:
     status: str = "running"  # running | parked | finished | failed
     step: str | None = None  # the step in progress
     error: str | None = None
-    closed_by_verify: int | None = None  # the attempt whose session a passed verify closed
+    closed_by_verify: int | None = None  # the attempt whose session its verify closed
 
     def recorded(self, step: str) -> Mapping[str, Any] | None:
         return episodes.recorded(self.done, step)

@@ -386,7 +386,7 @@ class EpisodeLifecycle(Participant):
         return {"reward": float(out["reward"])}
 
     async def _close(self, ep: Episode) -> dict[str, Any]:
-        if ep.closed_by_verify != ep.attempt:  # a passed verify closed this attempt's session in its own append
+        if ep.closed_by_verify != ep.attempt:  # its verify closed this attempt's session in its own append
             await self._post(ep, self.resources_peers, "/close", {})
         # Derived from the verify step, and still written: an attempt that inherited its verify step gets
         # its rollbook.episode_state reward from this event alone.
