@@ -232,6 +232,7 @@ async def test_an_activations_start_reads_its_agent_stream_kinds_alone(
         asked = reads_of(s.participant("agent").store, monkeypatch)  # type: ignore[attr-defined]
         out = await activate(s.client, s.url("agent"), "kinds-0")
     assert out["turns"] >= 1
+    assert set(AGENT_KINDS) == {AGENT_BOUNDARY, "agent_activation_claimed", "agent_activation_completed"}
     assert asked and all(k is not None and set(k) <= {*AGENT_KINDS, ATTEMPT_STARTED} for k in asked), asked
     assert len(of(await store.read_stream(agent_stream("kinds-0", 0)), "agent_activation_completed")) == 1
 
