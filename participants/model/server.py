@@ -17,12 +17,12 @@ Checkpoint behaviour:
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
 
-After a crash: a call asked for again whose reply the log holds gets that reply, never a second generation.
-A call is owned by the instance that accepted it (engine.ownership: the acceptance is appended at the
-version read, so two model servers never both accept it); asked of another instance while its owner is
-live, the call's outcome is awaited in the log, never generated again. A call the log says was accepted
-whose owner is gone (engine.recovery.call_lost) is recorded `call_failed` (`call_lost`) and refused with
-`attempt_lost`: the environment server goes on under a new attempt from the boundary before that call.
+After a crash: a call asked for again whose reply the log holds gets that reply, never a second generation. A
+call is owned by the instance that accepted it (engine.ownership: the acceptance is appended at the version
+read, so two model servers never both accept it); asked of another instance while its owner is live, the
+call's outcome is awaited in the log, never generated again. A call the log says was accepted whose owner is
+gone (engine.recovery.call_lost) is recorded `call_failed` (`call_lost`) and refused with `attempt_lost`: the
+environment server goes on under a new attempt from the boundary before that call.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from engine.errors import (
     RollbookError,
     RolloutIdRequired,
     StaleAttempt,
+    UnknownAttempt,
     UnsupportedParameter,
     VersionConflict,
 )
@@ -320,12 +321,11 @@ class ModelParticipant(Participant):
         rollout_id, attempt = identity(request)
         backend_request = body.backend_request()
         self.backend.check(backend_request)
-        await self.check_attempt(rollout_id, attempt)
         self.served_sessions = True
         digest = request_digest(backend_request)
         named = request.headers.get(CALL_ID_HEADER)
         activation = activation_of(request)
-        parent = _optional_id(request, PARENT_HEADER)
+        parent = validate_id(sent, f"{PARENT_HEADER} header") if (sent := request.headers.get(PARENT_HEADER)) else None
         # A comma-separated chain, newest first: the call this one continues, then the call that one continued.
         replaces = ",".join(validate_id(c.strip(), f"{REPLACES_HEADER} header") for c in raw.split(",")) if (
             raw := request.headers.get(REPLACES_HEADER)) else None
@@ -353,23 +353,31 @@ class ModelParticipant(Participant):
         async with self._locks(call_id):
             live = self.calls.get(call_id)
             if live is not None:
+                await self.check_attempt(rollout_id, attempt)
                 check_owner(call_id, live.rollout_id, live.attempt, rollout_id, attempt)
                 check_same_request(call_id, live.digest or None, digest)
                 return live
-            # A call id is almost always new: the first try claims it without reading its stream, expecting
-            # the stream empty; a stream that is not (a repeat, a call cut or held elsewhere) refuses that
-            # append, and the tries after it read the log first.
+            # A call id is almost always new: the first try claims it unread, expecting its stream empty (a
+            # repeat, a call cut or held elsewhere refuses that append; the tries after it read the log first).
             if not self._adopted:
                 await self.adopt_policy_version()
             # Admission closed: a new call is recorded as excluded, a known one is answered from the log, so
             # read. Open: nothing awaits between here and the accept's admission check, so it is still open there.
             read = not self.admission.is_open
-            for _ in range(CLAIM_TRIES):
+            for tries in range(1, CLAIM_TRIES + 2):  # the last try's conflict is the caller's
+                # Unread and replacing nothing, the claim's `call_accepted` refuses a stale attempt itself before
+                # any generation; any other path may answer from the log without appending: the gate first.
+                if read or replaces is not None:
+                    await self.check_attempt(rollout_id, attempt)
                 try:
                     return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest, read)
                 except VersionConflict:
+                    if tries > CLAIM_TRIES:
+                        raise
                     read = True  # the stream was not empty, or another instance claimed the call meanwhile: read again
-            return await self._claim(call_id, rollout_id, attempt, parent, replaces, payload, stream, digest)
+                except UnknownAttempt as exc:  # as the gate words an attempt never started: one request, one code
+                    raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is unknown",
+                                       rollout_id=rollout_id, attempt=attempt) from exc
 
     async def _claim(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
@@ -578,18 +586,12 @@ class ModelParticipant(Participant):
         await self.store.append(AppendRequest((event,)))
 
 
-
 def _holder(call_id: str) -> Callable[[Sequence[RecordedEvent]], str | None]:
     """The instance that accepted the call while it has no outcome (participants.base.owners.settled)."""
     def holder(events: Sequence[RecordedEvent]) -> str | None:
         record = call_records(list(events)).get(call_id)
         return record.accepted.get("instance") if record is not None and record.status == CallState.ACCEPTED else None
     return holder
-
-
-def _optional_id(request: web.Request, header: str) -> str | None:
-    value = request.headers.get(header)
-    return validate_id(value, f"{header} header") if value else None
 
 
 __all__ = ["ModelParticipant", "PolicyVersionRequest"]

@@ -527,6 +527,37 @@ async def test_a_fenced_attempt_gets_stale_attempt_and_writes_nothing(store, tok
     assert await kinds(store, "r7.0.t0") == ["call_accepted"] and await kinds(store, "r7.0.t1") == []
 
 
+async def test_a_new_call_asks_the_gate_nothing_its_accepting_append_is_the_attempt_check(store, tokens, monkeypatch) -> None:
+    """Input: new calls (named and numbered) of a live attempt, then a repeat of a stored one. The new ones
+    read neither the fence position nor the attempt: their `call_accepted` append refuses a stale attempt
+    itself. A repeat may be answered from the log without an append, so it asks the gate first."""
+    await start_attempt(store, "r7g")
+    reads: list[str] = []
+    for name in ("fence_position", "attempt_reading", "attempt_status"):
+        real = getattr(store, name)
+        monkeypatch.setattr(store, name, lambda *a, _n=name, _real=real: (reads.append(_n), _real(*a))[1])
+    async with model_server(store, ScriptedBackend(), tokens) as client:
+        for call_id in ("r7g.0.t0", "r7g.0.t1"):
+            assert (await client.post(url("r7g"), json=MATH, headers=call_headers(call_id))).status == 200
+        assert (await client.post(url("r7g"), json=MATH, headers=DATA)).status == 200  # numbered by the server
+        assert reads == []
+        repeat = await client.post(url("r7g"), json=MATH, headers=call_headers("r7g.0.t0"))
+    assert repeat.status == 200 and reads, reads
+
+
+async def test_a_new_call_of_an_attempt_never_started_is_refused_as_stale_and_writes_nothing(store, tokens) -> None:
+    """Input: a call naming attempt 3 of a rollout whose only attempt is 0, and one of a rollout never started
+    (after a call of attempt 0, which records the server's policy version: its first call does)."""
+    await start_attempt(store, "r7u")
+    async with model_server(store, ScriptedBackend(), tokens) as client:
+        assert (await client.post(url("r7u"), json=MATH, headers=call_headers("r7u.0.t0"))).status == 200
+        head = await store.head()
+        for rollout, attempt in (("r7u", 3), ("r7none", 0)):
+            resp = await client.post(url(rollout, attempt), json=MATH, headers=call_headers(f"{rollout}.{attempt}.t0"))
+            assert (resp.status, (await resp.json())["error"]["code"]) == (409, "stale_attempt")
+    assert await store.head() == head
+
+
 async def test_the_first_call_of_a_restored_attempt_links_to_its_saved_reply_once(store, tokens) -> None:
     await start_attempt(store, "r8")
     async with model_server(store, ScriptedBackend(), tokens) as client:
