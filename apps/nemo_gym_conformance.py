@@ -44,10 +44,9 @@ from participants.environments.gymnasium import GYMNASIUM_AGENT
 from participants.environments.nemo_gym_launcher import strings
 
 ROWS = 3
-# The scripted model's pace: a reply of tens of tokens takes a few tenths of a second, so the kill lands
-# while calls are in flight rather than after a run that a fast model finished before it was looked at
-# (the run is polled every 50 ms). At 0.03 s a token, toolsandbox's check took 57 s alone, against 46 s.
-TOKEN_S = 0.01
+# The scripted model's pace: a reply of tens of tokens takes a second or so, so the kill lands while
+# calls are in flight rather than after a run that a fast model finished before it was looked at.
+TOKEN_S = 0.03
 _MIGRATING = threading.Lock()  # Alembic's migration context is one per process: one scratch database at a time
 RUN_TIMEOUT_S = 300.0
 AGAIN_RUNS = 4  # uninterrupted runs after a difference no replay explains, until one differs from the first
