@@ -17,12 +17,12 @@ Checkpoint behaviour:
   names one of them in X-Rollbook-Replaces-Call-Id gets its stored reply (`linked`, once per
   attempt) or continues its cut prefix, so the result equals an uninterrupted generation.
 
-After a crash: a call asked for again whose reply the log holds gets that reply, never a second generation. A
-call is owned by the instance that accepted it (engine.ownership: the acceptance is appended at the version
-read, so two model servers never both accept it); asked of another instance while its owner is live, the
-call's outcome is awaited in the log, never generated again. A call the log says was accepted whose owner is
-gone (engine.recovery.call_lost) is recorded `call_failed` (`call_lost`) and refused with `attempt_lost`: the
-environment server goes on under a new attempt from the boundary before that call.
+After a crash: a call asked for again whose reply the log holds gets that reply, never a second generation.
+A call is owned by the instance that accepted it (engine.ownership: the acceptance is appended at the
+version read, so two model servers never both accept it); asked of another instance while its owner is
+live, the call's outcome is awaited in the log, never generated again. A call the log says was accepted
+whose owner is gone (engine.recovery.call_lost) is recorded `call_failed` (`call_lost`) and refused with
+`attempt_lost`: the environment server goes on under a new attempt from the boundary before that call.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from adapters.openai_wire import (
     usage,
 )
 from engine import catalog as ev
+from engine.attempts import check_current
 from engine.calls import (
     CallRecord,
     CallState,
@@ -375,9 +376,9 @@ class ModelParticipant(Participant):
                     if tries > CLAIM_TRIES:
                         raise
                     read = True  # the stream was not empty, or another instance claimed the call meanwhile: read again
-                except UnknownAttempt as exc:  # as the gate words an attempt never started: one request, one code
-                    raise StaleAttempt(f"attempt {attempt} of rollout {rollout_id} is unknown",
-                                       rollout_id=rollout_id, attempt=attempt) from exc
+                except UnknownAttempt:  # refused as the gate refuses an attempt never started: one request, one code
+                    check_current(rollout_id, attempt, None, -1)
+                    raise
 
     async def _claim(
         self, call_id: str, rollout_id: str, attempt: int, parent: str | None, replaces: str | None,
