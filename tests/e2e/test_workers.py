@@ -32,6 +32,7 @@ from testkit.log_queries import (
     REPEATED_TOOL_CALLS,
     REPEATED_TURNS,
     RESTORED_REPEATED_MUTATIONS,
+    tracebacks,
 )
 from tests.e2e.conftest import AFTER_FENCE, ENDINGS, FINISH_EVENTS, REDONE
 from tests.run_process import Run
@@ -101,6 +102,18 @@ def rows(dsn: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
         if not params:
             return conn.execute(sql).fetchall()  # type: ignore[arg-type]
         return conn.execute(sql.replace("%", "%%").replace(":p", "%(p)s"), params).fetchall()  # type: ignore[arg-type]
+
+
+def ended_short(dsn: str, run_id: str, events: list[dict[str, Any]], work: Path) -> str:
+    """Why a run ended with rollouts unfinished, for the failure message: its events but the per-rollout
+    ones, the last of each unfinished rollout's history, and any server's traceback."""
+    unfinished = rows(dsn, "SELECT rollout_id FROM rollbook.attempts WHERE rollout_id LIKE :p GROUP BY rollout_id "
+                           "HAVING bool_and(status <> 'finished')", p=f"{run_id}-%")
+    story = {rid: [(a, k, s, json.dumps(d)[:300]) for a, k, s, d in reversed(rows(
+        dsn, "SELECT attempt, kind, stream, data FROM rollbook.episode_history WHERE rollout_id = :p "
+             "ORDER BY position DESC LIMIT 25", p=rid))] for (rid,) in unfinished[:3]}
+    return json.dumps({"events": [e for e in events if e.get("event") not in ("finished", "waiting")],
+                       "unfinished": story, "tracebacks": tracebacks(work)}, indent=1, default=str)
 
 
 def live_workers(dsn: str, expected: int) -> dict[str, list[tuple[str, str]]]:
@@ -206,7 +219,7 @@ def test_sessions_stay_on_their_worker_and_a_killed_workers_sessions_are_taken_o
         # Its parent saw it die and recorded it stopped: no lease to wait out.
         assert rows(dsn, f"SELECT state FROM rollbook.participants WHERE instance = '{killed[kind]}'") == [("stopped",)]
     events = run.wait_for("done", timeout=300)
-    assert run.proc.wait(timeout=30) == 0, events[-5:]
+    assert run.proc.wait(timeout=30) == 0, ended_short(dsn, "route", events, d.work)
     done = next(e for e in events if e.get("event") == "done")
     assert done["finished"] == done["rollouts"] == 120, done
     assert_each_rollout_once(dsn, "route", 120)
@@ -270,7 +283,7 @@ def restore_and_finish(dsn: str, path: Path, run_id: str, chosen: str, n: int) -
     assert restored_rollouts(dsn, chosen) > 0
     again = Run(path)
     events = again.wait_for("done", timeout=300)
-    assert again.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    assert again.proc.wait(timeout=30) == 0, ended_short(dsn, run_id, events, path.parent)
     done = next(e for e in events if e.get("event") == "done")
     assert done["finished"] == done["rollouts"] == n, done
     assert_each_rollout_once(dsn, run_id, n)
@@ -312,7 +325,7 @@ def test_two_instances_of_two_workers_survive_a_killed_worker_of_each_kind_and_r
     for kind in cfg.KINDS:
         kill_one_worker(d, kind)
     events = run.wait_for("done", timeout=400)
-    assert run.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    assert run.proc.wait(timeout=30) == 0, ended_short(dsn, "shape", events, d.work)
     done = next(e for e in events if e.get("event") == "done")
     assert done["finished"] == done["rollouts"] == 120, done
     assert_each_rollout_once(dsn, "shape", 120)
@@ -338,7 +351,7 @@ def test_a_checkpoint_of_one_instance_of_three_workers_restores_into_two_instanc
     live_workers(dsn, 3 * len(cfg.KINDS))
     run = Run(d.path)
     events = run.wait_for("done", timeout=300)
-    assert run.proc.wait(timeout=30) == 0, [e for e in events if e.get("event") not in ("finished", "waiting")]
+    assert run.proc.wait(timeout=30) == 0, ended_short(dsn, "shape3", events, d.work)
     assert_each_rollout_once(dsn, "shape3", 80)
     chosen = most_unfinished_checkpoint(dsn, "shape3", events)
 
