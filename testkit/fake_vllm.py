@@ -29,7 +29,7 @@ continuation, either route). `requests` keeps every body received.
 
 Run alone: `python -m testkit.fake_vllm --port 8000` (the e2e suite starts it as a process; there
 `POST /fake/stall` stalls every stream before its next step and `POST /fake/unstall` lets them all go;
-`GET /fake/requests` counts the requests served).
+`GET /fake/requests` counts the requests served and the streams stalled now).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class FakeVLLM:
         self.continuation = continuation
         self.stall_after: int | None = None
         self._unstalled = asyncio.Event()
+        self.stalled = 0  # streams waiting in a stall now: calls that cannot complete until `unstall()`
         self.fail_after: int | None = None
         self.requests: list[dict[str, Any]] = []
         self.served: dict[tuple[int, ...], dict[str, Any]] = {}  # prompt ids -> the chat request that had them
@@ -92,7 +93,7 @@ class FakeVLLM:
         return web.json_response({"stall_after": 0})
 
     async def _count(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": len(self.requests), "steps_sent": self.steps_sent})
+        return web.json_response({"requests": len(self.requests), "steps_sent": self.steps_sent, "stalled": self.stalled})
 
     async def _unstall(self, request: web.Request) -> web.Response:
         self.unstall()
@@ -327,7 +328,11 @@ class FakeVLLM:
         await send(first)
         for n, s in enumerate(steps):
             if self.stall_after is not None and n >= self.stall_after:
-                await self._unstalled.wait()  # hangs until the test lets it go
+                self.stalled += 1
+                try:
+                    await self._unstalled.wait()  # hangs until the test lets it go
+                finally:
+                    self.stalled -= 1
             if self.fail_after is not None and n >= self.fail_after:
                 assert request.transport is not None
                 request.transport.close()  # the connection drops mid-stream

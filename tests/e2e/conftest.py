@@ -102,6 +102,13 @@ class Cluster:
         async with self.session.post(f"{self.upstream}/fake/{'stall' if stalled else 'unstall'}") as resp:
             assert resp.status == 200, await resp.text()
 
+    async def stalled_call(self) -> None:
+        """Once a stream of the stalled upstream waits: a model call that cannot complete until unstalled."""
+        async def stalled() -> bool:
+            async with self.session.get(f"{self.upstream}/fake/requests") as resp:
+                return int((await resp.json())["stalled"]) > 0
+        await self.wait_for("a stream stalled at the upstream", stalled, 30)
+
     async def start(self) -> None:
         """Fresh processes of all four kinds (a restored process must never have served sessions)."""
         t0 = time.perf_counter()

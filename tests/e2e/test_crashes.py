@@ -78,11 +78,11 @@ async def test_kill_during_a_model_call_restores_the_earlier_checkpoint(cluster_
     # The rollouts run on past the cut; the crash comes while a later call is being generated.
     await c.wait_count("call", "call_completed", rng.randint(0, 1), after=ck["position"])
     if upstream:
-        # A call the probe finds may be at its last token and complete before the kill. Stalled, the
-        # upstream holds every stream before its next step; a stream past its last step ends within
-        # milliseconds, so a call still accepted half a second later stays in flight until the kill.
+        # A call the probe finds may be at its last token and complete before the kill (half a second
+        # after the stall was not always enough on a loaded machine). A stream the stalled upstream holds
+        # before its next step cannot complete: once one waits there, a call is in flight until the kill.
         await c.upstream_stall(True)
-        await asyncio.sleep(0.5)
+        await c.stalled_call()
     await c.call_in_flight("call", after=ck["position"])
     await asyncio.sleep(rng.uniform(0, 0.02))
     await c.crash(run)
