@@ -88,7 +88,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
         base = _config(work, db, name, env, python, driver, "ref", models)
         procs = ServerProcesses(cfg.load(base), base, work, name="ref-")
         with _servers(procs):
-            if (code := _run(base).wait(RUN_TIMEOUT_S)) != 0:
+            if (code := _to_end(base, db, "ref")) != 0:
                 return "failed", f"the uninterrupted run exited {code}: " + (_fences(db, "ref") or _said(base))
         logged = _count(db, "ref")
         path = _config(work, db, name, env, python, driver, "crash", models)
@@ -103,7 +103,7 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
             run.wait()
             procs.kill()
             procs.start()
-            if (code := _run(path).wait(RUN_TIMEOUT_S)) != 0:
+            if (code := _to_end(path, db, "crash")) != 0:
                 return "failed", f"the run after the SIGKILL exited {code}: " + (_fences(db, "crash") or _said(path))
         if not killed or at >= logged:
             return "failed", f"the kill came after the run's last call ({at} of {logged}): nothing was cut"
@@ -115,15 +115,15 @@ def conformance(name: str, python: Path, rows: list[dict[str, Any]], driver: str
         for n in range(AGAIN_RUNS if chance else 0):
             again = _config(work, db, name, env, python, driver, f"again{n}", models)
             with _servers(ServerProcesses(cfg.load(again), again, work, name=f"again{n}-")):
-                if (code := _run(again).wait(RUN_TIMEOUT_S)) != 0:
+                if (code := _to_end(again, db, f"again{n}")) != 0:
                     return "failed", f"an uninterrupted run again exited {code}: " + (_fences(db, f"again{n}") or _said(again))
             if (own := _unlike(ref, asyncio.run(_outcomes(db, f"again{n}", len(tasks), gymnasium)))) is not None:
                 return "does not replay", (f"two uninterrupted runs of its rows differ ({own}): its outcomes are its "
                                            "own; in the killed run every rollout finished once and no call was "
                                            "applied twice in one live session")[:600]
         return verdict, why or _what_happened(db, at, logged)
-    except subprocess.TimeoutExpired:
-        return "failed", f"a run took over {RUN_TIMEOUT_S:.0f} s"
+    except _Hung as exc:
+        return "failed", str(exc)
     finally:
         drop_database(db)
 
@@ -164,6 +164,35 @@ def _run(config: Path) -> subprocess.Popen[bytes]:
     log = open(config.with_suffix(".run.log"), "ab")  # noqa: SIM115 - the child holds it
     return subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--config", str(config)], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class _Hung(Exception):
+    """A `rollbook run` that went on past RUN_TIMEOUT_S: killed, and where its rollouts were left."""
+
+
+def _to_end(config: Path, dsn: str, run_id: str) -> int:
+    """Run `config`'s run to its end: its exit code. One past RUN_TIMEOUT_S is killed (left running, it would
+    go on against servers about to stop) and raises _Hung naming the run and its rollouts' last events."""
+    run = _run(config)
+    try:
+        return run.wait(RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        raise _Hung(f"the {run_id} run took over {RUN_TIMEOUT_S:.0f} s and was killed; {_stuck(dsn, run_id)}") from None
+
+
+def _stuck(dsn: str, run_id: str) -> str:
+    """The run's rollouts not finished, each with its last event: where a hung run waits."""
+    with psycopg.connect(libpq_dsn(dsn)) as conn:
+        rows = conn.execute(
+            "SELECT a.rollout_id, (SELECT h.kind || ' on ' || h.stream FROM rollbook.episode_history h WHERE "
+            "h.rollout_id = a.rollout_id ORDER BY h.position DESC LIMIT 1) FROM rollbook.attempts a WHERE "
+            "a.rollout_id LIKE %s GROUP BY a.rollout_id HAVING bool_and(a.status <> 'finished') ORDER BY 1",
+            (f"{run_id}-%",)).fetchall()
+    if not rows:
+        return "no rollout of it was left unfinished in the log"
+    return "unfinished, with the last event of each: " + "; ".join(f"{rid}: {last}" for rid, last in rows)[:600]
 
 
 def _count(dsn: str, run_id: str) -> int:
