@@ -44,3 +44,35 @@ def test_a_process_sizes_its_pool_from_the_servers_own_max_connections(dsn: str)
     pool = config(processes=crowd).database_pool(dsn)
     assert pool.most < PoolLimits().most and crowd * pool.most <= shown - server_connection_limit(dsn)[1] - ADMIN_SPARE
     assert config().database_pool(dsn) == PoolLimits()  # six processes of ten fit the default server
+
+
+async def test_a_pool_hands_out_its_most_recently_used_connection_so_its_statements_stay_planned(dsn: str) -> None:
+    """Input: three connections held at once (the pool opens three), then given back, then ten reads
+    one after another. A first-in-first-out pool cycles through all three, each planning every
+    statement for itself; this one serves the ten on one backend."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    from adapters.pg_pool import make_engine
+
+    engine = make_engine(dsn, PoolLimits(size=3, overflow=0))
+    try:
+        async def hold(release: asyncio.Event) -> int:
+            async with engine.connect() as conn:
+                pid = int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+                await release.wait()
+                return pid
+
+        release = asyncio.Event()
+        held = [asyncio.create_task(hold(release)) for _ in range(3)]
+        await asyncio.sleep(0.5)
+        release.set()
+        assert len(set(await asyncio.gather(*held))) == 3
+        pids = []
+        for _ in range(10):
+            async with engine.connect() as conn:
+                pids.append(int((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()))
+        assert len(set(pids)) == 1, pids
+    finally:
+        await engine.dispose()
