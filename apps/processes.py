@@ -14,8 +14,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 from adapters.http_client import CONTROL
 from apps.config import KINDS, Config
@@ -83,15 +85,35 @@ def _forget_stale_marks() -> None:
             pass  # another process forgot it first
 
 
+class Process(Protocol):
+    """What a set of servers needs of a process it started (`subprocess.Popen` is one)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def spawn_server(argv: list[str], log: Path, env: dict[str, str]) -> Process:
+    """A server process: its own session (so a SIGKILL of its group ends everything it started),
+    stdout and stderr appended to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
 @dataclass
 class ServerProcesses:
     config: Config
     config_path: Path
     log_dir: Path
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    procs: dict[str, Process] = field(default_factory=dict)
     generation: int = 0
     name: str = ""  # prefixes its log files: several sets of servers may log into one folder
     launch: tuple[str, ...] = ()  # before each command: `ip netns exec NS` runs the set on a host of its own
+    # How a server is started where no `launch` is given; the suite's harness forks them from a
+    # process that has already imported rollbook (testkit/zygote.py).
+    spawn: ClassVar[Callable[[list[str], Path, dict[str, str]], Process]] = staticmethod(spawn_server)
 
     def log(self, kind: str) -> Path:
         return self.log_dir / f"{self.name}{kind}-{self.generation}.log"
@@ -100,11 +122,10 @@ class ServerProcesses:
         """Start fresh processes of the given kinds (default all four) and wait until each control plane answers."""
         self.generation += 1
         for kind in kinds:
-            log = open(self.log(kind), "wb")  # noqa: SIM115  (the child owns it)
-            self.procs[kind] = subprocess.Popen(
-                [*self.launch, sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+            argv = [*self.launch, sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.config_path)]
+            self.log(kind).write_bytes(b"")
+            self.procs[kind] = (self.spawn if not self.launch else spawn_server)(
+                argv, self.log(kind), {**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.time() + timeout
         for kind in kinds:
             while not self._answers(kind):

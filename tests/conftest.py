@@ -12,9 +12,11 @@ import pytest
 from adapters.memory_store import MemoryEventStore
 from adapters.postgres import PostgresEventStore
 from adapters.token_store import MemoryTokenStore
+from apps.processes import ServerProcesses, spawn_server
 from apps.stack import MemoryBacking
 from testkit import netns, pg
 from testkit.pg import DemoRun
+from testkit.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ["primary"] + (["pg15"] if pg.pg15_available() else [])
@@ -63,6 +65,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for server in _started.values():
         server.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_servers() -> Iterator[None]:
+    """Every set of servers a test starts is forked from this worker's zygote, which has imported
+    rollbook once (testkit/zygote.py): each server's start cost its imports, 0.7 s of CPU."""
+    zygote = Zygote()
+    ServerProcesses.spawn = staticmethod(zygote.spawn)  # type: ignore[method-assign,assignment]
+    yield
+    ServerProcesses.spawn = staticmethod(spawn_server)  # type: ignore[method-assign,assignment]
+    zygote.close()
 
 
 @pytest.fixture

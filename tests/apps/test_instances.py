@@ -9,7 +9,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ import pytest
 
 from adapters.postgres import PostgresEventStore
 from apps import config as cfg
-from apps.processes import ServerProcesses, free_port
+from apps.processes import Process, ServerProcesses, free_port
 from engine.attempts import ATTEMPT_STARTED
 from engine.events import AppendRequest, NewEvent
 from engine.identity import rollout_stream
@@ -46,14 +45,13 @@ class Deployment:
     config: cfg.Config
     path: Path
     work: Path
-    extra: dict[int, subprocess.Popen[bytes]]
+    extra: dict[int, Process]
 
     def serve(self, kind: str, port: int) -> None:
         """`rollbook serve KIND --port P`: another instance of the kind, from the same config."""
-        log = open(self.work / f"{kind}-{port}.log", "wb")  # noqa: SIM115  (the child owns it)
-        self.extra[port] = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.path),
-                                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.extra[port] = ServerProcesses.spawn([sys.executable, "-m", "apps.cli", "serve", kind, "--config",
+                                                  str(self.path), "--port", str(port)], self.work / f"{kind}-{port}.log",
+                                                 {**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.time() + 60
         # Recorded once it listens, so its status may answer a moment before the log has it.
         while status(self.config, port) is None or address(port) not in self.participants():

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from apps import config as cfg
-from apps.processes import ServerProcesses, free_port, worker_pids
+from apps.processes import Process, ServerProcesses, free_port, worker_pids
 from participants.environments.tasks import make_tasks
 from testkit.log_queries import (
     ACCEPTED_TWICE,
@@ -47,16 +47,15 @@ class Deployment:
     config: cfg.Config
     path: Path
     first: ServerProcesses
-    extra: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    extra: list[Process] = field(default_factory=list)
 
     def serve(self, kind: str, port: int) -> None:
         """`rollbook serve KIND --port P`: a second instance of the kind, with its own workers."""
-        log = open(self.work / f"{kind}-{port}.log", "wb")  # noqa: SIM115  (the child owns it)
-        self.extra.append(subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", kind, "--config", str(self.path),
-                                            "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        self.extra.append(ServerProcesses.spawn([sys.executable, "-m", "apps.cli", "serve", kind, "--config",
+                                                 str(self.path), "--port", str(port)], self.work / f"{kind}-{port}.log",
+                                                {**os.environ, "PYTHONUNBUFFERED": "1"}))
 
-    def groups(self) -> list[subprocess.Popen[bytes]]:
+    def groups(self) -> list[Process]:
         return [*self.first.procs.values(), *self.extra]
 
     def kill_all(self) -> None:
