@@ -46,6 +46,9 @@ COMMAND = ("-m", "apps.cli")
 
 
 def main() -> None:
+    # Replies go on a copy of stdout; anything an import prints goes to stderr, not into a reply.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     for name in PRELOAD:
         importlib.import_module(name)
     # Out of the collector's sight: a child's collections would otherwise walk (and so copy, page by
@@ -68,7 +71,7 @@ def main() -> None:
             exited[pid] = os.waitstatus_to_exitcode(status)
 
     signal.signal(signal.SIGCHLD, reap)
-    requests, replies = sys.stdin, sys.stdout
+    requests = sys.stdin
     replies.write("ready\n")
     replies.flush()
     for line in requests:
@@ -103,7 +106,7 @@ def _fork(argv: list[str], log: str, cwd: str, env: dict[str, str]) -> int:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
-        os.closerange(3, 1024)  # the zygote's requests pipe and anything else: a fresh process holds none
+        os.closerange(3, 1024)  # the zygote's replies pipe and anything else: a fresh process holds none
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115  (PYTHONUNBUFFERED: line by line)
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -183,20 +186,25 @@ class Zygote:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[str] | None = None
+        self.failed = False  # once the zygote failed, every later command is started afresh
 
     def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> Forked | subprocess.Popen[bytes]:
-        if tuple(argv[:3]) != (sys.executable, *COMMAND) or _without(env, PER_TEST) != _without(self.env, PER_TEST):
+        if (self.failed or tuple(argv[:3]) != (sys.executable, *COMMAND)
+                or _without(env, PER_TEST) != _without(self.env, PER_TEST)):
             return _popen(argv, log, env)
         with self.lock:
             try:
                 pid = int(self._ask({"op": "spawn", "argv": argv, "log": str(log), "cwd": os.getcwd(), "env": env})["pid"])
             except (OSError, ValueError, KeyError):  # the zygote died: the suite goes on without it
+                self.failed = True
                 self.close()
                 return _popen(argv, log, env)
         return Forked(self, pid, argv)
 
     def exit_code(self, pid: int) -> int | None:
         with self.lock:
+            if self.proc is None:  # its children went to init, which reaped them
+                raise OSError(f"the zygote that forked process {pid} is gone, and its exit status with it")
             rc = self._ask({"op": "status", "pid": pid})["rc"]
         return None if rc is None else int(rc)
 

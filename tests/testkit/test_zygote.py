@@ -72,7 +72,9 @@ def test_a_forked_server_leads_a_session_of_its_own_holds_none_of_the_zygotes_fi
     assert os.getpgid(workers[0]) == proc.pid
     assert Path(f"/proc/{proc.pid}/cwd").resolve() == Path.cwd().resolve()
     assert zygote.proc is not None
-    requests = {os.readlink(f"/proc/{zygote.proc.pid}/fd/{fd}") for fd in (0, 1)}
+    pipes = {os.readlink(f"/proc/{zygote.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{zygote.proc.pid}/fd")}
+    requests = {p for p in pipes if p.startswith("pipe:")}
+    assert len(requests) >= 2  # its requests and its replies
     held = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
     assert requests.isdisjoint(held), held
     assert os.readlink(f"/proc/{proc.pid}/fd/1") == str(tmp_path / "model.log")
@@ -96,3 +98,16 @@ def test_a_command_whose_environment_differs_is_started_by_popen(zygote: Zygote,
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(60) == 2
     assert zygote.proc is None  # nothing was asked of a zygote
+
+
+def test_a_zygote_that_died_leaves_every_later_command_to_popen(zygote: Zygote, tmp_path: Path) -> None:
+    """Input: the zygote SIGKILLed after its first child, then two more commands."""
+    argv = [*SERVE, "model", "--config", str(tmp_path / "missing.toml")]
+    assert zygote.spawn(argv, tmp_path / "first.log", env()).wait(60) == 2
+    assert zygote.proc is not None
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    zygote.proc.wait()
+    later = [zygote.spawn(argv, tmp_path / f"later{i}.log", env()) for i in range(2)]
+    assert all(isinstance(p, subprocess.Popen) for p in later)
+    assert [p.wait(60) for p in later] == [2, 2]
+    assert zygote.proc is None  # not started again for each command
