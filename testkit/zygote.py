@@ -1,8 +1,8 @@
 """`python -m apps.cli ...` processes forked from one that has already imported rollbook.
 
-The suite starts close to a thousand rollbook processes, and each spent about 0.7 s of CPU importing
-(SQLAlchemy, psycopg, aiohttp and rollbook itself) before it did anything: on a 2-core machine, about
-a third of the suite's time (docs/testing.md). A zygote imports all of that once, per pytest worker,
+The suite starts hundreds of rollbook servers, and each spent 0.7 to 1.0 s of CPU before it served
+anything, most of it importing (SQLAlchemy, psycopg, aiohttp and rollbook itself): starting processes
+was close to half of the suite's CPU (docs/testing.md). A zygote imports all of that once, per pytest worker,
 and forks a child per request. The child is what `subprocess.Popen` would have made: a process of
 its own, leader of a session of its own (so `os.killpg(pid, SIGKILL)` is a real crash of everything it
 starts), stdout and stderr to its log, the caller's working directory and environment, `apps.cli`
