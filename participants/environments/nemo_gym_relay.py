@@ -129,6 +129,9 @@ class GymProcess:
         # so every session asking for it is told this instead of starting it once more.
         self.failed: str | None = None
         self._paths: tuple[int | None, frozenset[str]] | None = None  # (the process's pid, what it serves)
+        # False once its /close_session refused a session's close (422): its close takes only a session
+        # it was handed an id for (NeMo Gym's base close, which keeps nothing), never one seeded from a row.
+        self.closes = True
 
     def base_url(self) -> str:
         if self.server.url is None:
@@ -408,10 +411,19 @@ class NemoGymEnvironment(Environment):
         return float(reply["reward"])
 
     async def close_live(self, live: Live) -> None:
+        """An empty body with the session's cookie: NeMo Gym's close of a session seeded from its row
+        (interactive_browser and swebench_pro release their browser or sandbox on it). A server whose
+        close refuses that (422) is not asked again: each refusal cost its server about as much as
+        a tool call, for nothing (benchmarks/README.md)."""
+        if not self.process.closes:
+            return
         try:
-            await live.post("/close_session", {"resources_session_id": live.live_id})
-        except (LiveGone, GymReplyError, ToolError):
-            pass  # a server that keeps nothing per session, or is gone: nothing left to release
+            await live.post("/close_session", {})
+        except GymReplyError as exc:
+            if exc.status == 422:
+                self.process.closes = False
+        except (LiveGone, ToolError):
+            pass  # gone: nothing left to release
 
 
 MODEL_URL = re.compile(r"^http://((?:[^\s/?#@]+@)?[^\s/?#@:]+):([0-9]{1,5})/?$")

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from participants.environments import gym_http
-from participants.environments.nemo_gym_relay import Live, LiveGone
+from participants.environments.nemo_gym_relay import GymProcess, GymServer, Live, LiveGone, NemoGymEnvironment
 
 
 class Recorder(ThreadingHTTPServer):
@@ -28,6 +28,8 @@ class Recorder(ThreadingHTTPServer):
         self.connections: set[tuple[str, int]] = set()
         self.cookies: list[str | None] = []
         self.open: list[socket.socket] = []
+        self.closes: list[dict] = []  # the bodies of /close_session
+        self.refuse_close = False  # answer /close_session as NeMo Gym's base close does a body without its id
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -43,6 +45,15 @@ class Handler(BaseHTTPRequestHandler):
         self.server.connections.add(self.client_address)
         self.server.cookies.append(self.headers.get("Cookie"))
         reply = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
+        if self.path == "/close_session":
+            self.server.closes.append(json.loads(body))
+            if self.server.refuse_close:
+                reply = b'{"detail": [{"type": "missing", "loc": ["body", "episode_id"]}]}'
+                self.send_response(422)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+                return
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -155,3 +166,30 @@ async def test_a_server_gone_is_live_gone_and_its_kept_connections_are_not_used_
     finally:
         stopped(again)
         await pool.close()
+
+
+def relay_to(server: Recorder) -> NemoGymEnvironment:
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    class Relayed(NemoGymEnvironment):
+        pass
+
+    Relayed.server = GymServer(name="recorded", module="resources_servers.recorded.app", url=url)
+    Relayed.process = GymProcess(Relayed.server)
+    return Relayed()
+
+
+@pytest.mark.parametrize("refused", [False, True])
+async def test_a_session_is_closed_by_its_cookie_and_a_server_that_refuses_that_is_not_asked_again(
+        recorder: Recorder, refused: bool) -> None:
+    """Input: two sessions seeded from their rows, each closed; the server answers the close 200 (it
+    releases the cookie's session, as interactive_browser does) or 422 (NeMo Gym's base close, which
+    wants an id and an episode_id a row-seeded session never had)."""
+    recorder.refuse_close = refused
+    env = relay_to(recorder)
+    for _ in range(2):
+        live = live_on(recorder)
+        await live.post("/seed_session", {})
+        await env.close_live(live)
+    assert recorder.closes == ([{}] if refused else [{}, {}])
+    assert recorder.cookies == [None, "session=s1", None] + ([] if refused else ["session=s1"])  # the close sends its cookie
