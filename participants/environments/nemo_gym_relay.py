@@ -1,25 +1,24 @@
 """NeMo Gym resources servers, unchanged, as rollbook environments: every call relayed and recorded.
 
-A configured server (`[nemo_gym.<name>]`, apps/config.py) becomes the environment `<name>`: its
-tasks are NeMo Gym's own data rows (`params.row`), its tools the row's, and its session a live
-session on the NeMo Gym server (`/seed_session`, one `POST /<tool>` per call, `/verify`,
-`/close_session`, the session in NeMo Gym's cookie, kept per rollbook session). rollbook starts the
-server as a process of its own with NeMo Gym's Python (`participants/environments/nemo_gym_launcher.py`), or
-relays to one the operator runs (`url`).
+A configured server (`[nemo_gym.<name>]`, apps/config.py) becomes the environment `<name>`: its tasks are
+NeMo Gym's own data rows (`params.row`), its tools the row's, and its session a live session on the NeMo Gym
+server (`/seed_session`, one `POST /<tool>` per call, `/verify`, `/close_session`, the session in NeMo Gym's
+cookie, kept per rollbook session). rollbook starts the server as a process of its own with NeMo Gym's
+Python (`participants/environments/nemo_gym_launcher.py`), or relays to one the operator runs (`url`).
 
 Its state in rollbook is the record of the calls it relayed (engine.tool_replay): each call is one
-`mutation_applied` whose effect is `{tool, arguments, digest}` of the reply. A live session that is
-gone (a server restart, a resources-server restart, a restore) is rebuilt, for a server declared
-`replay`, by seeding a fresh one and sending the record again; a reply that differs ends the
-attempt (`replay_divergence`). A `restart_only` server's lost session restarts the rollout.
+`mutation_applied` whose effect is `{tool, arguments, digest}` of the reply. A live session that is gone (a
+server restart, a resources-server restart, a restore) is rebuilt, for a server declared `replay`, by
+seeding a fresh one and sending the record again; a reply that differs ends the attempt
+(`replay_divergence`). A `restart_only` server's lost session restarts the rollout.
 
-What a server answers is taken for what it is. A tool reply that is not JSON, a 4xx, or a 5xx from a
-process that is still running is the tool's error: the model sees it, nothing is rebuilt. Only a
-server that cannot be reached, or whose process has exited, is taken for gone; its session is rebuilt
-at most `rebuild_attempts` times without a call succeeding in between, then the rollout ends with
-`gym_server_failed`, as it does at once when the server cannot start (its import or its config
-failed: the one line the launcher wrote says why), or when its seed or verify is refused (the
-server's status and body in the error).
+What a server answers is taken for what it is. A tool reply that is not JSON, a 4xx, or a 5xx from a process
+that is still running is the tool's error: the model sees it, nothing is rebuilt. Only a server that cannot
+be reached, or whose process has exited, is taken for gone; its session is rebuilt at most
+`rebuild_attempts` times without a call succeeding in between, then the rollout ends with
+`gym_server_failed`, as it does at once when the server cannot start (its import or its config failed: the
+one line the launcher wrote says why), or when its seed or verify is refused (the server's status and body
+in the error).
 
 The live half is async (participants/environments/gym_http.py: one pooled client per server, on the
 resources server's event loop); only starting a server, or waiting for one, runs in a thread.
@@ -118,20 +117,17 @@ BODY_SHOWN = 500  # how much of a server's reply an error carries
 
 class GymProcess:
     """The server rollbook runs for one configuration, in this resources server's process group (a
-    SIGKILL of the group takes it along); started on first use and again when it died."""
+    SIGKILL of the group takes it along), started on first use and again when it died."""
 
     def __init__(self, server: GymServer) -> None:
         self.server = server
         self.proc: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()
         self.starts = 0
-        # Why it cannot start as configured (the launcher's one line): starting it again cannot help,
-        # so every session asking for it is told this instead of starting it once more.
+        # Why it cannot start as configured (the launcher's line): every session asking is told, not restarted.
         self.failed: str | None = None
         self._paths: tuple[int | None, frozenset[str]] | None = None  # (the process's pid, what it serves)
-        # False once its /close_session refused a session's close (422): its close takes only a session
-        # it was handed an id for (NeMo Gym's base close, which keeps nothing), never one seeded from a row.
-        self.closes = True
+        self.closes = True  # False once its /close_session refused a row-seeded session's close (422)
 
     def base_url(self) -> str:
         if self.server.url is None:
@@ -261,8 +257,7 @@ class Live:
         try:
             status, raw = await pool.post(path, dumps(body).encode(), self.cookies)
         except (OSError, aiohttp.ClientError) as exc:
-            # ClientError: a server killed between its headers and its body (ClientPayloadError) is gone
-            # as surely as one that refused the connection.
+            # ClientError: killed between its headers and its body (ClientPayloadError), it is as gone.
             raise LiveGone(f"{path}: {exc!r}") from None
         if status >= 400:
             text = raw.decode(errors="replace")[:BODY_SHOWN]
@@ -377,8 +372,7 @@ class NemoGymEnvironment(Environment):
         try:
             reply = await self._send(live, name, arguments, under)
         except GymReplyError as exc:
-            # The server's own answer: the model reads it as the call's error, and the call changed nothing
-            # rollbook could replay (it is not recorded as a mutation).
+            # The server's own answer: the call's error to the model, and no mutation rollbook could replay.
             code = "gym_not_json" if exc.status < 400 else "gym_refused"
             raise ToolError(code, f"{name}: {exc.status} {exc.body}") from None
         scored = name == "verify" and live.driven or name == gymnasium.STEP and self.process.gymnasium()
@@ -387,8 +381,7 @@ class NemoGymEnvironment(Environment):
 
     @staticmethod
     async def _send(live: Live, name: str, arguments: dict[str, Any], under: str = "") -> Any:
-        # The name reaches a URL path: one plain segment, never one of the server's own endpoints, but
-        # those its own agent drives it by.
+        # A URL path: one plain segment, no endpoint of the server's own but those its agent drives it by.
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", name) or \
                 name in SERVER_ENDPOINTS and not (live.driven and name in AGENT_ROUTES):
             raise ToolError("unknown_tool", f"{name[:80]!r} is not a tool of this server")
@@ -411,19 +404,15 @@ class NemoGymEnvironment(Environment):
         return float(reply["reward"])
 
     async def close_live(self, live: Live) -> None:
-        """An empty body with the session's cookie: NeMo Gym's close of a session seeded from its row
-        (interactive_browser and swebench_pro release their browser or sandbox on it). A server whose
-        close refuses that (422) is not asked again: each refusal cost its server about as much as
-        a tool call, for nothing (benchmarks/README.md)."""
-        if not self.process.closes:
-            return
-        try:
-            await live.post("/close_session", {})
-        except GymReplyError as exc:
-            if exc.status == 422:
-                self.process.closes = False
-        except (LiveGone, ToolError):
-            pass  # gone: nothing left to release
+        # NeMo Gym's close of a row-seeded session: its cookie, an empty body. A 422 (its base close,
+        # keeping nothing) will not change, and each cost the server a tool call's CPU: not asked again.
+        if self.process.closes:
+            try:
+                await live.post("/close_session", {})
+            except GymReplyError as exc:
+                self.process.closes = exc.status != 422
+            except (LiveGone, ToolError):
+                pass  # gone: nothing left to release
 
 
 MODEL_URL = re.compile(r"^http://((?:[^\s/?#@]+@)?[^\s/?#@:]+):([0-9]{1,5})/?$")
