@@ -31,6 +31,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from apps.processes import Process, spawn_server
+
 ROOT = Path(__file__).resolve().parent.parent
 # What `rollbook serve` of each kind and `rollbook run` import, some only once they know their kind.
 PRELOAD = ("apps.cli", "apps.serve", "apps.workers", "apps.run", "adapters.token_store", "participants.model.app",
@@ -188,17 +190,17 @@ class Zygote:
         self.proc: subprocess.Popen[str] | None = None
         self.failed = False  # once the zygote failed, every later command is started afresh
 
-    def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> Forked | subprocess.Popen[bytes]:
+    def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> Process:
         if (self.failed or tuple(argv[:3]) != (sys.executable, *COMMAND)
                 or _without(env, PER_TEST) != _without(self.env, PER_TEST)):
-            return _popen(argv, log, env)
+            return spawn_server(argv, log, env)
         with self.lock:
             try:
                 pid = int(self._ask({"op": "spawn", "argv": argv, "log": str(log), "cwd": os.getcwd(), "env": env})["pid"])
             except (OSError, ValueError, KeyError):  # the zygote died: the suite goes on without it
                 self.failed = True
                 self.close()
-                return _popen(argv, log, env)
+                return spawn_server(argv, log, env)
         return Forked(self, pid, argv)
 
     def exit_code(self, pid: int) -> int | None:
@@ -238,10 +240,6 @@ def _line(stream: IO[str] | None) -> str:
 def _without(env: dict[str, str], keys: frozenset[str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in keys}
 
-
-def _popen(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 if __name__ == "__main__":
