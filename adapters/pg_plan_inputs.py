@@ -11,8 +11,13 @@ and a plan from memory that refuses a request is not trusted either (the refusal
 
 What is taken without a read: a request's idempotency key is new (it is made per call of `append`; a
 retry of a group reads); a stream this process never saw has no head (a new call, session or episode
-stream). What is read every time: a rollout this process has not read since its own writes could have
-changed its attempts, and any stream or rollout that another process was found writing ("shared").
+stream); a rollout this process has not read since (or has changed since), when the group writes
+events of its first attempt and does not start it, has that attempt live and no retire mark. That is
+every rollout of a run as all servers but the one that starts it first meet it, so a rollout costs
+one read, not one per server; a guess that is wrong (the rollout was restarted, retired or fenced)
+costs the retry. What is read every time: any other rollout this process has not read since its own
+writes could have changed its attempts, and any stream or rollout that another process was found
+writing ("shared").
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from adapters.pg_arrays import Texts, texts
 from engine.attempts import RolloutState
+from engine.catalog import ATTEMPT_STARTED
 from engine.events import AppendRequest
 from engine.log import LogState, StreamHead
 
@@ -38,6 +44,19 @@ def read_inputs(requests: Sequence[AppendRequest]) -> dict[str, list[str]]:
     return {"keys": [r.key for r in requests if r.key is not None],
             "streams": sorted({e.stream for e in events} | {s for r in requests for s in r.expected_versions}),
             "rollouts": sorted({e.rollout_id for e in events if e.rollout_id is not None})}
+
+
+def first_attempt_rollouts(requests: Sequence[AppendRequest]) -> frozenset[str]:
+    """The rollouts whose events in `requests` are all of attempt 0, none starting it: a plan may take
+    that attempt as live (PlanInputs.rows) where it remembers nothing of the rollout."""
+    events = [e for r in requests for e in r.events if e.rollout_id is not None]
+    others = {e.rollout_id for e in events if e.attempt != 0 or e.kind == ATTEMPT_STARTED}
+    return frozenset(str(e.rollout_id) for e in events if e.rollout_id not in others)
+
+
+def first_attempt_live(rollout_id: str) -> list[Row]:
+    """READ_HEADS's rows for a rollout whose attempt 0 was started and nothing since changed its rows."""
+    return [("r", rollout_id, None, None, None, None), ("a", rollout_id, 0, None, "live", None)]
 
 
 def packed_inputs(inputs: dict[str, list[str]]) -> dict[str, Texts]:
@@ -74,8 +93,9 @@ class PlanInputs:
         self._rollouts: dict[str, list[Row]] = {}
         self._shared: set[str] = set()
 
-    def rows(self, inputs: dict[str, list[str]]) -> list[Row] | None:
-        """READ_HEADS's rows for these inputs as remembered; None when one must be read."""
+    def rows(self, inputs: dict[str, list[str]], first_attempt: frozenset[str] = frozenset()) -> list[Row] | None:
+        """READ_HEADS's rows for these inputs as remembered, a rollout of `first_attempt` not remembered
+        taken as that attempt live (first_attempt_rollouts); None when one must be read."""
         out: list[Row] = []
         for stream in inputs["streams"]:
             if stream in self._shared:
@@ -84,9 +104,12 @@ class PlanInputs:
             if head is not None:
                 out.append(head)
         for rollout in inputs["rollouts"]:
-            if rollout in self._shared or rollout not in self._rollouts:
+            if rollout in self._shared:
                 return None
-            out.extend(self._rollouts[rollout])
+            remembered = self._rollouts.get(rollout)
+            if remembered is None and rollout not in first_attempt:
+                return None
+            out.extend(first_attempt_live(rollout) if remembered is None else remembered)
         return out
 
     def read(self, inputs: dict[str, list[str]], rows: Sequence[Row], position: int) -> None:
@@ -129,4 +152,5 @@ class PlanInputs:
             self._shared.clear()
 
 
-__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row", "log_state", "packed_inputs", "read_inputs"]
+__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row", "first_attempt_live", "first_attempt_rollouts", "log_state",
+           "packed_inputs", "read_inputs"]

@@ -48,7 +48,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from adapters.pg_arrays import byteas, int2s, int4s_or_null, int8s, texts
 from adapters.pg_blobs import BlobRows
-from adapters.pg_plan_inputs import ROLLOUT_TABLES, PlanInputs, Row, log_state, packed_inputs, read_inputs
+from adapters.pg_plan_inputs import (
+    ROLLOUT_TABLES,
+    PlanInputs,
+    Row,
+    first_attempt_rollouts,
+    log_state,
+    packed_inputs,
+    read_inputs,
+)
 from adapters.pg_pool import (
     DEFAULT_PATIENCE_S,
     PoolLimits,
@@ -387,7 +395,7 @@ class PostgresEventStore(BlobRows):
         """The group planned from what this process remembers of the log, when it remembers all it needs
         and the plan refuses nothing (a refusal is decided on a read)."""
         params = read_inputs(requests)
-        rows = self.plan_inputs.rows(params)
+        rows = self.plan_inputs.rows(params, first_attempt_rollouts(requests))
         if rows is None:
             return None
         state, _ = log_state(self.plan_inputs.position, rows)

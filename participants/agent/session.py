@@ -23,7 +23,7 @@ from engine.identity import Key, agent_stream
 from engine.recovery import resume_point
 from participants.base.guard import Body, Int64
 from participants.base.wire import TaskBody
-from participants.environments import ENVIRONMENTS, Task, ToolError, get_environment
+from participants.environments import ENVIRONMENTS, ToolError, get_environment
 from participants.environments.base import prompt_messages
 
 
@@ -129,7 +129,7 @@ def fresh_session(key: Key, index: int, req: RunRequest) -> Session:
     # An environment this process does not know is allowed when the request names the tools (`run`):
     # its task opens as any task does, with its prompt.
     env = get_environment(req.task.env) if req.task.env in ENVIRONMENTS else None
-    task = Task.from_json(req.task.model_dump())
+    task = req.task.task()
     try:
         opening = env.task_messages(task) if env is not None else prompt_messages(task)
         sampling = env.task_sampling(task) if env is not None else dict(task.sampling)

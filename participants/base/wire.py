@@ -20,6 +20,7 @@ from engine.errors import InvalidIdentifier
 from engine.identity import ATTEMPT_PATTERN, parse_attempt, validate_id
 from engine.phases import on_this_clock
 from participants.base.guard import AttemptIndex, Body, Header, Identifier
+from participants.environments import Task
 
 OPENAPI_PATH = f"{PREFIX}/openapi.json"
 MAX_ITEMS = 10_000  # rollouts in one retire or forget, executions in one commit scope
@@ -113,6 +114,11 @@ class TaskBody(Body):
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {list(TASK_SAMPLING)}")
         return value
+
+    def task(self) -> Task:
+        """The task, its params as validated (a NeMo Gym row's are most of its bytes): a dump through
+        pydantic would walk every value typed Any once more, per server."""
+        return Task(self.env, self.task_id, self.prompt, dict(self.params), dict(self.sampling), self.agent)
 
 
 class ControlRequest(Body):

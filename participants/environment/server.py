@@ -120,7 +120,7 @@ class EnvironmentParticipant(EpisodeLifecycle):
 
     def _check_task(self, body: TaskBody) -> Task:
         """Everything about the task that can be refused is refused here, before any event."""
-        return self.admit_task(Task.from_json(body.model_dump()))
+        return self.admit_task(body.task())
 
     async def start_episode(self, request: web.Request, req: EpisodeRequest) -> web.Response:
         rid = req.rollout_id

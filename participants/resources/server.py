@@ -77,7 +77,7 @@ from participants.base.wire import (
     data_path,
     identity,
 )
-from participants.environments import Environment, Task, ToolError, get_environment
+from participants.environments import Environment, ToolError, get_environment
 from participants.environments.base import Trajectory
 from participants.environments.gym_http import close_all
 from participants.environments.nemo_gym_relay import LiveGone, live_id, relay, relayed, relayed_verify
@@ -206,7 +206,7 @@ class ResourcesParticipant(Participant):
         if body.task.env != body.env:
             raise InvalidRequest(f"the task is for environment {body.task.env!r}, not {body.env!r}")
         env = self._environment(body.env)
-        task = Task.from_json(body.task.model_dump())
+        task = body.task.task()
         try:
             state = env.initial_state(task)
         except ToolError as exc:

@@ -15,8 +15,10 @@ from engine.identity import rollout_stream, session_stream
 
 async def test_an_append_plans_before_the_lock_and_holds_it_for_no_round_trip(
         store: PostgresEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    await store.append(AppendRequest((NewEvent(rollout_stream("pc-1"), ev.ATTEMPT_STARTED, {"parent_attempt": None},
-                                               "pc-1", 0),)))
+    # Attempt 1: a plan takes no attempt but the first as live without a read (adapters.pg_plan_inputs).
+    for kind, data, n in ((ev.ATTEMPT_STARTED, {"parent_attempt": None}, 0), (ev.ATTEMPT_FENCED, {"reason": "x"}, 0),
+                          (ev.ATTEMPT_STARTED, {"parent_attempt": 0}, 1)):
+        await store.append(AppendRequest((NewEvent(rollout_stream("pc-1"), kind, data, "pc-1", n),)))
     wire: list[str] = []  # what went to the server and when the process waited for an answer, in order
     execute, fetchall, fetchone = psycopg.AsyncConnection.execute, psycopg.AsyncCursor.fetchall, psycopg.AsyncCursor.fetchone
     pipeline_exit = psycopg.AsyncPipeline.__aexit__
@@ -41,13 +43,13 @@ async def test_an_append_plans_before_the_lock_and_holds_it_for_no_round_trip(
     monkeypatch.setattr(psycopg.AsyncCursor, "fetchall", waited_all)
     monkeypatch.setattr(psycopg.AsyncCursor, "fetchone", waited_one)
     monkeypatch.setattr(psycopg.AsyncPipeline, "__aexit__", synced)
-    (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_OPENED,
-                                                           {"env": "math", "task": {}}, "pc-1", 0),)))
+    (opened,) = await store.append(AppendRequest((NewEvent(session_stream("pc-1", 1), ev.SESSION_OPENED,
+                                                           {"env": "math", "task": {}}, "pc-1", 1),)))
     read_first, wire[:] = list(wire), []
     # The next event of the same stream is planned from what the process remembers: no read, and the
     # lock sets the planning mode, in no statement of its own.
-    await store.append(AppendRequest((NewEvent(session_stream("pc-1", 0), ev.SESSION_VERIFIED, {"reward": 1.0},
-                                               "pc-1", 0),)))
+    await store.append(AppendRequest((NewEvent(session_stream("pc-1", 1), ev.SESSION_VERIFIED, {"reward": 1.0},
+                                               "pc-1", 1),)))
     remembered, wire[:] = list(wire), read_first
     monkeypatch.undo()
     lock, write, sync, outcome = remembered
@@ -65,7 +67,7 @@ async def test_an_append_plans_before_the_lock_and_holds_it_for_no_round_trip(
     assert "INSERT INTO rollbook.append_keys" in write and (sync, outcome) == ("<sync>", "<answer>")
     # And what it read was right: the stream was new, and a key recorded that way answers a retry.
     assert opened.stream_version == 1
-    closed = NewEvent(session_stream("pc-1", 0), ev.SESSION_CLOSED, {}, "pc-1", 0)
+    closed = NewEvent(session_stream("pc-1", 1), ev.SESSION_CLOSED, {}, "pc-1", 1)
     first = await store.append(AppendRequest((closed,), key="pc-key"))
     again = await store.append(AppendRequest((closed,), key="pc-key"))
     assert [e.position for e in again] == [e.position for e in first] and await store.head() == first[0].position

@@ -16,6 +16,7 @@ from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import Telemetry
 from engine.attempts import ATTEMPT_FENCED
+from engine.catalog import ATTEMPT_FINISHED, ROLLOUT_RETIRED
 from engine.errors import StaleAttempt
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import rollout_stream
@@ -229,20 +230,48 @@ def counted_reads(store: PostgresEventStore) -> list[bool]:
 async def test_a_writer_plans_from_what_it_remembers_and_reads_only_what_it_cannot_know(
         two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
     """Its own stream's head after its own append, a rollout's attempts after a read: no read. A rollout
-    whose attempt rows its own append changed is read again; a new stream is taken as new."""
+    whose attempt rows its own append changed is read again (here attempt 1, which no plan takes as
+    live unread); a new stream is taken as new."""
     mine, _ = two_writers
+    await start_attempt(mine, "mr", 0)
+    await append_one(mine, ev(rollout_stream("mr"), ATTEMPT_FENCED, "mr", 0, reason="x"))
     reads = counted_reads(mine)
-    await start_attempt(mine, "mr", 0)  # the rollout is read, then changed by this append
+    await start_attempt(mine, "mr", 1)  # the rollout is read, then changed by this append
     for i in range(4):
-        await append_one(mine, ev("agent:mr:0", "turn", "mr", 0, i=i))
+        await append_one(mine, ev("agent:mr:1", "turn", "mr", 1, i=i))
     await append_one(mine, ev("fresh", n=1))  # never seen: taken as new, no read
     assert reads == [False, False]  # the start, and the first turn (its rollout's attempt rows had changed)
-    turns = await mine.read_stream("agent:mr:0")
-    assert [e.stream_version for e in turns] == [1, 2, 3, 4] and [e.position for e in turns] == [2, 3, 4, 5]
+    turns = await mine.read_stream("agent:mr:1")
+    assert [e.stream_version for e in turns] == [1, 2, 3, 4] and [e.position for e in turns] == [4, 5, 6, 7]
     previous = GENESIS_HASH
     for e in turns:  # each hash chains from the one before, as a read-planned append writes them
         assert e.hash == chain_hash(previous, e.stream, e.stream_version, e, encode_payload(e.data))
         previous = e.hash
+
+
+async def test_a_rollout_first_met_at_its_first_attempt_is_taken_live_unread_and_a_wrong_guess_is_judged_under_the_lock(
+        two_writers: tuple[PostgresEventStore, PostgresEventStore]) -> None:
+    """Every server but the one that starts an attempt first meets its rollout at attempt 0, live. Input:
+    the other writer starts attempt 0 of four rollouts and leaves one live, fences one, finishes one and
+    retires one; this writer, which never read any of them, appends an event of attempt 0 to each. The
+    live one is written with no read at all; each of the others is planned again from a read under the
+    lock and refused as a read-planned append refuses it, with nothing written."""
+    mine, env = two_writers
+    for r in ("gl", "gf", "gd", "gr"):
+        await start_attempt(env, r, 0)
+    await append_one(env, ev(rollout_stream("gf"), ATTEMPT_FENCED, "gf", 0, reason="restore"))
+    await append_one(env, ev(rollout_stream("gr"), ROLLOUT_RETIRED, "gr", 0, through=0))
+    reads = counted_reads(mine)
+    written = await append_one(mine, ev("agent:gl:0", "turn", "gl", 0, n=1))
+    assert reads == [] and (written.stream_version, written.position) == (1, await env.head())
+    for r in ("gf", "gr"):
+        with pytest.raises(StaleAttempt):
+            await append_one(mine, ev(f"agent:{r}:0", "turn", r, 0, n=1))
+        assert await mine.read_stream(f"agent:{r}:0") == []
+    assert reads == [True, True]
+    await append_one(env, ev(rollout_stream("gd"), ATTEMPT_FINISHED, "gd", 0, reward=1.0))
+    done = await append_one(mine, ev("agent:gd:0", "turn", "gd", 0, n=1))  # a finished attempt still writes
+    assert reads == [True, True, True] and done.attempt == 0
 
 
 async def test_a_stream_another_writer_moved_makes_the_plan_from_memory_stale_and_is_read_from_then_on(
