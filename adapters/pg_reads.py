@@ -146,11 +146,16 @@ class LogReads:
                     await greenlet_spawn(pooled.invalidate)
             await greenlet_spawn(pooled.close)
 
-    async def _rows(self, sql: str, params: Mapping[str, Any] | None = None, rows: Any = tuple_row) -> list[Any]:
+    async def _rows(self, sql: str, params: Mapping[str, Any] | None = None, rows: Any = tuple_row,
+                    prepare: bool | None = None) -> list[Any]:
         """One read's rows on a pool's psycopg connection (`%(name)s` placeholders): a read through
-        SQLAlchemy's Connection and `text()` cost about 200 us of CPU against 85 here (benchmarks/README.md)."""
+        SQLAlchemy's Connection and `text()` cost about 200 us of CPU against 85 here (benchmarks/README.md).
+        `prepare`: the reads every request makes are prepared at their first use on a connection, so
+        PostgreSQL can settle on one plan there after a few, instead of planning every one of them (psycopg
+        prepares a statement only after five runs on one connection, and a server spreads its reads
+        over its pool's)."""
         async with self._driver_connection(autocommit=True) as conn, conn.cursor(row_factory=rows) as cur:
-            await cur.execute(sql, params)
+            await cur.execute(sql, params, prepare=prepare)
             return await cur.fetchall()
 
     # ---- reading --------------------------------------------------------------------------
@@ -220,7 +225,8 @@ class LogReads:
 
     @retrying("reading events")
     async def _select_events(self, where: str, params: dict[str, Any], tail: str) -> list[RecordedEvent]:
-        rows = await self._rows(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}", params, namedtuple_row)
+        rows = await self._rows(f"SELECT {_COLUMNS} FROM rollbook.events WHERE {where} {tail}", params, namedtuple_row,
+                                prepare=True)
         return [_row_to_event(r) for r in rows]
 
     async def subscribe(self, after: int = 0, poll_seconds: float = 1.0) -> AsyncIterator[RecordedEvent]:
@@ -303,7 +309,7 @@ class LogReads:
     async def fence_position(self) -> int:
         """engine.attempts.AttemptStore: one single-row read, no lock (an append in flight has not
         fenced anything yet; once it commits, this read sees it)."""
-        rows = await self._rows("SELECT fence_position FROM rollbook.log_head WHERE id = 1")
+        rows = await self._rows("SELECT fence_position FROM rollbook.log_head WHERE id = 1", prepare=True)
         return int(rows[0][0] or 0) if rows else 0
 
     @retrying("reading an attempt")
@@ -311,7 +317,8 @@ class LogReads:
         """engine.attempts.AttemptStore: the attempt's status and its rollout's retire mark, in one statement."""
         (status, mark), = await self._rows(
             "SELECT (SELECT status FROM rollbook.attempt_state WHERE rollout_id = %(r)s AND attempt = %(a)s), "
-            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt})
+            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt},
+            prepare=True)
         return status, -1 if mark is None else int(mark)
 
     @retrying("reading an attempt")
@@ -321,7 +328,8 @@ class LogReads:
         (fence, status, mark), = await self._rows(
             "SELECT (SELECT fence_position FROM rollbook.log_head WHERE id = 1), "
             "(SELECT status FROM rollbook.attempt_state WHERE rollout_id = %(r)s AND attempt = %(a)s), "
-            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt})
+            "(SELECT retired_through FROM rollbook.rollout_state WHERE rollout_id = %(r)s)", {"r": rollout_id, "a": attempt},
+            prepare=True)
         return int(fence or 0), status, -1 if mark is None else int(mark)
 
     @retrying("reading sessions")

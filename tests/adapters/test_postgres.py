@@ -16,7 +16,7 @@ from adapters.database import libpq_dsn
 from adapters.postgres import PostgresEventStore
 from adapters.telemetry import Telemetry
 from engine.attempts import ATTEMPT_FENCED
-from engine.catalog import ATTEMPT_FINISHED, ROLLOUT_RETIRED
+from engine.catalog import ATTEMPT_FINISHED, ATTEMPT_STARTED, ROLLOUT_RETIRED
 from engine.errors import StaleAttempt
 from engine.events import GENESIS_HASH, AppendRequest, NewEvent, chain_hash, encode_payload
 from engine.identity import rollout_stream
@@ -334,6 +334,36 @@ async def test_an_appends_statements_are_prepared_at_first_use_and_planned_gener
             mode = await (await conn.execute("SELECT current_setting('plan_cache_mode')")).fetchone()
         assert writes == (3, 0)
         assert mode == ("auto",)
+    finally:
+        await store.close()
+
+
+async def test_the_reads_every_request_makes_are_prepared_at_their_first_use_and_planned_generically_after_a_few(
+        dsn: str) -> None:
+    """psycopg prepares a statement only after five runs on one connection, and a server spreads its
+    reads over its pool, so nearly every read was planned. Input: on a pool of one connection, twelve
+    rounds of the three reads a request makes (the fence position, an attempt with it, a rollout's events
+    of some kinds). Each is prepared by its first run, and PostgreSQL stops planning it after its first
+    few (its own count of each prepared statement's plans)."""
+    from adapters.pg_pool import PoolLimits
+
+    store = PostgresEventStore.connect(dsn, writer="t", pool=PoolLimits(size=1, overflow=0, timeout_s=2.0))
+    try:
+        await start_attempt(store, "rp", 0)
+        for _ in range(12):
+            await store.fence_position()
+            await store.attempt_reading("rp", 0)
+            await store.read_rollout("rp", 0, kinds=[ATTEMPT_STARTED])
+        async with store._driver_connection(autocommit=True) as conn:
+            rows = await (await conn.execute(
+                "SELECT statement, generic_plans + custom_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement NOT LIKE 'WITH was AS%' AND statement NOT LIKE 'SELECT position, set_config%' "
+                "AND statement NOT LIKE 'SELECT set_config%' AND statement NOT LIKE 'SELECT ''l''%'")).fetchall()
+        # Runs of each as a prepared statement, and of them those planned for their parameters.
+        by = {("attempt" if "attempt_state" in sql else "events" if "rollbook.events" in sql else "fence"): (runs, custom)
+              for sql, runs, custom in rows}
+        assert set(by) == {"fence", "attempt", "events"} and len(rows) == 3
+        assert all(runs == 12 and custom <= 5 for runs, custom in by.values()), by
     finally:
         await store.close()
 
