@@ -57,6 +57,7 @@ from apps.processes import ServerProcesses, free_port  # noqa: E402
 from benchmarks import append as bappend  # noqa: E402
 from benchmarks import commit as bcommit  # noqa: E402
 from benchmarks import cpu, peers  # noqa: E402
+from benchmarks.stats import median_interval  # noqa: E402
 from engine.checkpoint import load_cut, make_cut, validate_cut  # noqa: E402
 from participants.environments.tasks import make_tasks  # noqa: E402
 from participants.model.progress import PROGRESS_S  # noqa: E402
@@ -451,9 +452,12 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
             if m == "off":
                 continue
             pm, rm = b.get("prepare_ms") or {}, b.get("resume_ms") or {}
+            pairs = [x for x in c.get("pair_ratios_" + m, []) if x is not None]
+            paired = "" if len(pairs) < 5 else "; median of the pairs' ratios {} (95 % bootstrap interval {} to {})".format(
+                *(_f(x) for x in median_interval(pairs)))
             row(f"{m}: rollouts/s vs none; checkpoints; prepare, resume p50/p99 ({c['in_flight']} in flight)",
                 f"off {_f(rate.get('off'))} rollouts/s",
-                f"{_f(c.get('ratio_' + m))}; {b.get('checkpoints')} checkpoints; prepare {_f(pm.get('p50'))}/{_f(pm.get('p99'), ' ms')}, "
+                f"{_f(c.get('ratio_' + m))}{paired}; {b.get('checkpoints')} checkpoints; prepare {_f(pm.get('p50'))}/{_f(pm.get('p99'), ' ms')}, "
                 f"resume {_f(rm.get('p50'))}/{_f(rm.get('p99'), ' ms')}; {b.get('cuts')} cuts, {b.get('cuts_continued')} continued, "
                 f"{b.get('cuts_regenerated')} started over, {b.get('cuts_not_taken_up')} not taken up "
                 f"({b.get('tokens_generated_again')} tokens generated again)",

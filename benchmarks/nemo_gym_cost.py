@@ -46,6 +46,7 @@ from apps.nemo_gym_install import WORKPLACE, install
 from apps.processes import ServerProcesses, free_port
 from benchmarks.scaling import cpu_s, postgres_cpu_s, postmaster_pid, tree_cpu_s
 from benchmarks.statements import counters, preloaded_server
+from benchmarks.stats import median_interval
 from participants.environments.nemo_gym_relay import task_from_row
 from testkit.nemo_gym_collector import gym_venv, spawn, stop, wait_http
 
@@ -374,6 +375,13 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
               f"{f'{b / a:.2f}x' if a and b else '-'} |")
     a, b = per_call(gym, "servers", "tool_calls"), per_call(rb, "servers", "tool_calls")
     print(f"| all servers, per tool call | {a:.1f} | {b:.1f} | {b / a:.2f}x |" if a and b else "")
+    # Each round against the NeMo Gym round just before it: the machine's speed moves less within a pair.
+    ratios = [rb_ / gym_ for g, r in zip(gym, rb, strict=False)
+              if (gym_ := per_call([g], "servers")) and (rb_ := per_call([r], "servers"))]
+    if ratios:
+        m, lo, hi = median_interval(ratios)
+        print(f"\neach round's ratio, all servers: {', '.join(f'{x:.2f}' for x in ratios)}; their median {m:.2f}x"
+              + (f", 95 % bootstrap interval {lo:.2f} to {hi:.2f}" if len(ratios) >= 5 else ""))
 
     def med(rs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(float(r[key]) for r in rs)
