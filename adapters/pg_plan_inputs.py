@@ -152,5 +152,4 @@ class PlanInputs:
             self._shared.clear()
 
 
-__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row", "first_attempt_live", "first_attempt_rollouts", "log_state",
-           "packed_inputs", "read_inputs"]
+__all__ = ["ROLLOUT_TABLES", "PlanInputs", "Row", "first_attempt_rollouts", "log_state", "packed_inputs", "read_inputs"]

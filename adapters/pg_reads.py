@@ -153,7 +153,7 @@ class LogReads:
         `prepare`: the reads every request makes are prepared at their first use on a connection, so
         PostgreSQL can settle on one plan there after a few, instead of planning every one of them (psycopg
         prepares a statement only after five runs on one connection, and a server spreads its reads
-        over its pool's)."""
+        over its pool)."""
         async with self._driver_connection(autocommit=True) as conn, conn.cursor(row_factory=rows) as cur:
             await cur.execute(sql, params, prepare=prepare)
             return await cur.fetchall()

@@ -241,6 +241,5 @@ def _without(env: dict[str, str], keys: frozenset[str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in keys}
 
 
-
 if __name__ == "__main__":
     main()
